@@ -1,0 +1,1 @@
+"""Subcommands of the `latency-specialized` CLI, one module each."""

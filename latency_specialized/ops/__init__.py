@@ -1,0 +1,1 @@
+"""Op families: public functions, plain-torch references, implementations, plan."""

@@ -1,0 +1,84 @@
+"""moe: routing and routed experts for the decode regime.
+
+``route`` turns router logits into top-k weights and expert ids (sigmoid, sqrtsoftplus or
+softmax scores; bias-corrected selection; renormalise; scaling). ``experts`` runs only the
+selected experts and combines them with the routing weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from latency_specialized.ops.activation import gated_activation
+from latency_specialized.ops.registry import Implementation, always
+from latency_specialized.spec import ActivationSpec, RouterSpec
+
+
+def router_scores(logits: torch.Tensor, router: RouterSpec) -> torch.Tensor:
+    """Per-expert scores [M, E] in fp32 from logits [M, E]."""
+    z = logits.float() * router.logit_scale
+    if router.score_func == "sigmoid":
+        return torch.sigmoid(z)
+    if router.score_func == "sqrtsoftplus":
+        return torch.sqrt(torch.nn.functional.softplus(z))
+    return torch.softmax(z, dim=-1)
+
+
+def route_reference(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, router: RouterSpec):
+    """Top-k routing.
+
+    Parameters
+    ----------
+    logits : [M, E] router logits. bias : [E] selection bias (noaux_tc) or None.
+
+    Returns
+    -------
+    weights [M, top_k] fp32 and ids [M, top_k] int64. Selection uses score + bias; weights use
+    the unbiased score, renormalised (sum + eps) and scaled. Ties go to the lower expert id.
+    """
+    scores = router_scores(logits, router)
+    sel = scores + bias.float() if (bias is not None and router.bias_corrected) else scores
+    # Stable tie-break toward the lower id: sort descending with stable sort.
+    ids = torch.sort(sel, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    w = scores.gather(-1, ids)
+    if router.renormalize:
+        w = w / (w.sum(-1, keepdim=True) + router.renormalize_eps)
+    return w * router.routed_scaling, ids
+
+
+def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+                      w_down: torch.Tensor, activation: ActivationSpec, *,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed experts over the selected experts only.
+
+    Parameters
+    ----------
+    x : [M, K]; weights, ids : [M, top_k]; w_gate_up : [E, 2*I, K]; w_down : [E, N, I].
+
+    Returns
+    -------
+    [M, N] in x.dtype: sum_j weights[m, j] * expert_{ids[m, j]}(x[m]), accumulated in fp32.
+    """
+    M = x.shape[0]
+    inter = w_gate_up.shape[1] // 2
+    y = torch.zeros(M, w_down.shape[1], dtype=torch.float32, device=x.device)
+    for e in torch.unique(ids).tolist():
+        rows, slot = (ids == e).nonzero(as_tuple=True)
+        xe = x[rows].float()
+        gu = (xe @ w_gate_up[e].float().t()).to(x.dtype).float()
+        h = gated_activation(gu[:, :inter], gu[:, inter:], activation).to(x.dtype).float()
+        ye = (h @ w_down[e].float().t()).to(x.dtype).float()
+        y.index_add_(0, rows, ye * weights[rows, slot].unsqueeze(-1).float())
+    y = y.to(x.dtype)
+    if out is not None:
+        out.copy_(y)
+        return out
+    return y
+
+
+IMPLEMENTATIONS = [
+    Implementation("moe.router", "moe.router.reference", route_reference, always, priority=-100,
+                   is_reference=True, description="torch scores + stable sort top-k"),
+    Implementation("moe.experts", "moe.experts.reference", experts_reference, always, priority=-100,
+                   is_reference=True, description="loop over the selected experts (host sync: not graphable)"),
+]

@@ -1,0 +1,164 @@
+"""Dispatch resolved once: the plan of one (model, hardware, TP, batch bucket).
+
+``build_plan`` asks the registry, for every op site of the adapter's decode step, which
+implementation serves it, and keeps every refusal with its reason. The plan is what a program
+binds to and what a CUDA graph freezes; ``explain`` prints it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from latency_specialized.adapter import ModelAdapter, Variant
+from latency_specialized.errors import UserError
+from latency_specialized.hardware import Hardware
+from latency_specialized.ops.registry import Implementation, ImplementationRegistry
+from latency_specialized.ops.sites import OpSite
+from latency_specialized.spec import Deployment, ParallelSpec
+
+# CUDA-graph batch buckets: small sizes exact (they dominate latency serving), then steps of 8.
+BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+
+
+def bucket_for(batch: int, max_batch: int = 64) -> int:
+    """Smallest graph bucket that holds ``batch`` (raises UserError beyond ``max_batch``)."""
+    if batch < 1:
+        raise UserError(f"batch {batch} is not valid: use a batch of 1..{max_batch}")
+    for b in BATCH_BUCKETS:
+        if b >= batch and b <= max_batch:
+            return b
+    if batch <= max_batch:
+        return batch
+    raise UserError(f"batch {batch} beyond the scope: use 1..{max_batch} (larger batches run stock)")
+
+
+@dataclass(frozen=True)
+class SiteChoice:
+    """Which implementation serves a site, and why the better-ranked ones did not."""
+
+    site: OpSite
+    impl: Implementation | None
+    refusals: tuple[tuple[str, str], ...]
+
+    @property
+    def is_fast(self) -> bool:
+        return self.impl is not None and not self.impl.is_reference
+
+
+@dataclass
+class Plan:
+    """Implementation per op site for one deployment."""
+
+    model: str
+    variant: str
+    hardware: Hardware
+    parallel: ParallelSpec
+    batch: int
+    bucket: int
+    tokens: int
+    dtype: str
+    choices: list[SiteChoice]
+    scope_problems: list[str] = field(default_factory=list)
+
+    def choice(self, site: str) -> SiteChoice:
+        for c in self.choices:
+            if c.site.name == site:
+                return c
+        raise KeyError(f"plan of {self.model} has no op site {site!r}")
+
+    def impl(self, site: str) -> Callable[..., Any]:
+        c = self.choice(site)
+        if c.impl is None:
+            raise UserError(f"{self.model}: no implementation serves {site}: "
+                            + "; ".join(f"{n}: {r}" for n, r in c.refusals))
+        return c.impl.fn
+
+    @property
+    def in_scope(self) -> bool:
+        return not self.scope_problems
+
+    def counts(self) -> dict[str, int]:
+        fast = sum(c.is_fast for c in self.choices)
+        unserved = sum(c.impl is None for c in self.choices)
+        return {"sites": len(self.choices), "fast": fast, "reference": len(self.choices) - fast - unserved,
+                "unserved": unserved}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "variant": self.variant, "arch": self.hardware.arch,
+            "hardware": self.hardware.name, "tp": self.parallel.tp, "batch": self.batch, "bucket": self.bucket,
+            "tokens": self.tokens, "dtype": self.dtype, "in_scope": self.in_scope,
+            "scope_problems": self.scope_problems, "counts": self.counts(),
+            "sites": [
+                {"site": c.site.name, "family": c.site.family, "layers": list(c.site.layers),
+                 "context": c.site.ctx.describe(), "impl": c.impl.name if c.impl else None,
+                 "refused": [{"impl": n, "reason": r} for n, r in c.refusals]}
+                for c in self.choices
+            ],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def to_text(self, refusals: bool = True) -> str:
+        c = self.counts()
+        head = (f"plan: {self.model} ({self.variant}) on {self.hardware.arch} [{self.hardware.name}], "
+                f"TP={self.parallel.tp}, batch {self.batch} -> bucket {self.bucket} ({self.tokens} tokens/step), "
+                f"{self.dtype}")
+        lines = [head, f"  sites: {c['sites']} | fast: {c['fast']} | reference: {c['reference']} | "
+                       f"unserved: {c['unserved']}"]
+        if self.scope_problems:
+            lines.append("  OUT OF SCOPE (stock path would run): " + "; ".join(self.scope_problems))
+        for ch in self.choices:
+            layers = _layer_ranges(ch.site.layers)
+            where = f" [layers {layers}]" if layers else ""
+            impl = ch.impl.name if ch.impl else "NONE"
+            lines.append(f"  {ch.site.name:<34} {ch.site.family:<18} -> {impl:<26} {ch.site.ctx.describe()}{where}")
+            if refusals:
+                for name, reason in ch.refusals:
+                    lines.append(f"      refused {name}: {reason}")
+        return "\n".join(lines)
+
+
+def _layer_ranges(layers: tuple[int, ...]) -> str:
+    if not layers:
+        return ""
+    out, start, prev = [], layers[0], layers[0]
+    for x in layers[1:] + (None,):  # type: ignore[operator]
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if x is not None:
+            start = prev = x
+    if len(out) > 6:
+        return f"{', '.join(out[:5])}, ... ({len(layers)} layers)"
+    return ", ".join(out)
+
+
+def build_plan(adapter: ModelAdapter, registry: ImplementationRegistry, hardware: Hardware, *,
+               tp: int = 1, batch: int = 1, dtype: str = "bfloat16", spec_tokens: int = 0,
+               variant: Variant = "full", force: dict[str, str] | None = None) -> Plan:
+    """Resolve every op site of ``adapter``'s decode step for one deployment.
+
+    Raises UserError for a TP the architecture cannot be split by or a batch out of scope;
+    other scope problems (arch, dtype) are kept in ``plan.scope_problems`` so ``explain`` can show
+    what would run anyway. ``force`` maps family -> implementation name (for tests and A/B runs).
+    """
+    scope = adapter.scope()
+    spec = adapter.spec(variant)
+    rank_spec = spec.shard(tp)  # raises the divisibility error naming the fix
+    bucket = bucket_for(batch, scope.max_batch)
+    tokens = bucket * (1 + spec_tokens)
+    parallel = ParallelSpec(tp=tp)
+    deployment = Deployment(arch=hardware.arch, tp=tp, batch=batch, dtype=dtype, spec_tokens=spec_tokens)  # type: ignore[arg-type]
+    problems = scope.problems(deployment, adapter.name)
+    sites = adapter.op_sites(rank_spec, parallel, tokens, hardware.arch, dtype)
+    choices = []
+    for site in sites:
+        only = (force or {}).get(site.family)
+        impl, refusals = registry.select(site.ctx, only=only)
+        choices.append(SiteChoice(site, impl, tuple(refusals)))
+    return Plan(adapter.name, variant, hardware, parallel, batch, bucket, tokens, dtype, choices, problems)

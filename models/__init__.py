@@ -1,0 +1,1 @@
+"""Built-in model adapters (import name ``latency_specialized_models``)."""

@@ -1,0 +1,1 @@
+"""Kimi K3 adapter."""

@@ -1,0 +1,10 @@
+"""Entry point of the Kimi K3 adapter (group `latency_specialized.adapters`)."""
+
+from latency_specialized.plugins import hookimpl
+
+
+@hookimpl
+def register_adapters(register):
+    from latency_specialized_models.kimi_k3.adapter import KimiK3Adapter
+
+    register(KimiK3Adapter())
