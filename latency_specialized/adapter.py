@@ -64,6 +64,14 @@ class ModelAdapter:
     def program(self, spec: ModelSpec, **kw: Any) -> Any:
         raise UserError(f"{self.name}: no decode program yet (capabilities: {sorted(self.capabilities)})")
 
+    def verify_cell(self, cell: Any, comm: Any = None) -> Any:
+        """Run the decode program against the reference for one test-matrix cell on this rank.
+
+        ``cell`` is a latency_specialized.testing.matrix.Cell; ``comm`` the rank's communicator
+        (None for TP=1). Returns a CellResult. Adapters with the 'program' capability implement it.
+        """
+        raise UserError(f"{self.name}: no decode program to verify yet (capabilities: {sorted(self.capabilities)})")
+
     def vllm_binding(self) -> Any:
         raise UserError(f"{self.name}: no vLLM binding yet (capabilities: {sorted(self.capabilities)})")
 

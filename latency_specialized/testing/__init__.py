@@ -1,0 +1,1 @@
+"""Test helpers shipped with the package so third-party adapters can run the same matrix."""

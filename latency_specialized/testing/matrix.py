@@ -1,0 +1,164 @@
+"""The cross-model test matrix: cells, results, and the multi-rank (gloo) runner.
+
+A cell is one (adapter, batch, TP, context, speculative tokens, device) combination with a
+readable id (``kimi_k3-tp8-b4-ctx64-s0``). Every installed adapter joins the matrix by being
+installed: the cells come from the registry and from each adapter's scope. Adapters with the
+``program`` capability implement :meth:`ModelAdapter.verify_cell`, which runs the decode program
+against the model reference for that cell on one rank and returns a :class:`CellResult`; TP>1
+cells run on several CPU processes joined by gloo (see :class:`GlooPool`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+BATCHES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+TPS: tuple[int, ...] = (1, 2, 8)
+CONTEXTS: tuple[int, ...] = (8, 40)
+"""Prompt lengths (tiny models): one short, one spanning several AttnRes/KV blocks."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    adapter: str
+    batch: int
+    tp: int
+    context: int
+    spec_tokens: int
+    device: str = "cpu"
+
+    @property
+    def id(self) -> str:
+        dev = "" if self.device == "cpu" else f"-{self.device}"
+        return f"{self.adapter}-tp{self.tp}-b{self.batch}-ctx{self.context}-s{self.spec_tokens}{dev}"
+
+
+@dataclass
+class CellResult:
+    """What a rank reports for one cell."""
+
+    max_abs_err: float
+    """Largest |program - reference| over the compared logits."""
+    tolerance: float
+    """Bound the adapter states for this dtype/cell."""
+    top1_agreement: float
+    """Fraction of positions where program and reference pick the same token."""
+    fast_steps: int
+    """Decode steps the trace says ran the program (the fast path)."""
+    stock_steps: int
+    """Decode steps that fell back to the stock/reference path."""
+    steps: int
+    """Decode steps run."""
+    impls: dict[str, str] = field(default_factory=dict)
+    """Op site -> implementation that served it."""
+    logits_digest: float = 0.0
+    """Sum of the program's logits: equal on every rank when the ranks agree."""
+
+    @property
+    def ok(self) -> bool:
+        return (self.max_abs_err <= self.tolerance and self.fast_steps == self.steps and self.stock_steps == 0
+                and self.top1_agreement >= 0.99)
+
+
+def cells_for(adapter: Any, *, devices: tuple[str, ...] = ("cpu", "cuda")) -> list[Cell]:
+    """Every matrix cell of an adapter, limited to the TPs its tiny spec can be split by."""
+    scope = adapter.scope()
+    spec_options = sorted({0, max(scope.spec_tokens)})
+    cells = []
+    for device in devices:
+        for tp in TPS:
+            if tp not in scope.tp_sizes:
+                continue
+            try:
+                adapter.spec("tiny").shard(tp)
+            except Exception:  # noqa: BLE001 - tiny spec cannot be split: not a cell
+                continue
+            for batch in BATCHES:
+                if batch > scope.max_batch:
+                    continue
+                for ctx in CONTEXTS:
+                    for s in spec_options:
+                        cells.append(Cell(adapter.name, batch, tp, ctx, s, device))
+    return cells
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, jobs, results) -> None:  # pragma: no cover - runs in a subprocess
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    from latency_specialized.comm import TorchDistributedCommunicator
+    from latency_specialized.plugins import get_registry
+
+    comm = TorchDistributedCommunicator()
+    reg = get_registry()
+    while True:
+        job = jobs.get()
+        if job is None:
+            break
+        try:
+            cell = Cell(**job)
+            res = reg.adapter(cell.adapter).verify_cell(cell, comm=comm)
+            results.put((rank, "ok", asdict(res)))
+        except BaseException as e:  # noqa: BLE001 - reported to the test process
+            results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+class GlooPool:
+    """``world`` CPU processes joined by gloo that run matrix cells rank-parallel (started once per TP)."""
+
+    def __init__(self, world: int, timeout_s: float = 300.0):
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.world, self.timeout_s = world, timeout_s
+        self.jobs = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        port = free_port()
+        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.jobs[r], self.results), daemon=True)
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, cell: Cell) -> list[CellResult]:
+        """Run ``cell`` on every rank; returns the per-rank results in rank order (raises on any error)."""
+        import queue
+
+        for q in self.jobs:
+            q.put(asdict(cell))
+        got: dict[int, Any] = {}
+        errors = []
+        while len(got) + len(errors) < self.world:
+            try:
+                rank, status, payload = self.results.get(timeout=self.timeout_s)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                raise TimeoutError(f"{cell.id}: no answer from ranks within {self.timeout_s}s (dead ranks: {dead})")
+            if status == "ok":
+                got[rank] = CellResult(**payload)
+            else:
+                errors.append(f"rank {rank}: {payload}")
+        if errors:
+            raise RuntimeError(f"{cell.id} failed:\n" + "\n".join(errors))
+        return [got[r] for r in range(self.world)]
+
+    def close(self) -> None:
+        for q in self.jobs:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()

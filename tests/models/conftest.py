@@ -1,0 +1,47 @@
+"""Cross-model matrix: cells come from the adapter registry, so an installed adapter joins with no test edits.
+
+* ``plan_cell``  - every adapter x batch x TP x context x spec tokens: the plan resolves every op site.
+* ``program_cell`` - adapters with a decode program: program vs reference on that cell, fast path proven by the
+  trace. TP>1 cells run on gloo process pools (one pool per TP, started once per session). Cells on
+  'cuda' carry the gpu marker (skipped without CUDA; run with -m gpu on the H200).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from latency_specialized.plugins import get_registry
+from latency_specialized.testing.matrix import Cell, GlooPool, cells_for
+
+
+def _adapters(capability: str | None = None):
+    reg = get_registry()
+    return [a for _, a in sorted(reg.adapters.items()) if capability is None or capability in a.capabilities]
+
+
+def _param(cell: Cell):
+    marks = [pytest.mark.gpu] if cell.device == "cuda" else []
+    return pytest.param(cell, id=cell.id, marks=marks)
+
+
+def pytest_generate_tests(metafunc):
+    if "plan_cell" in metafunc.fixturenames:
+        cells = [c for a in _adapters() for c in cells_for(a, devices=("cpu",))]
+        metafunc.parametrize("plan_cell", [_param(c) for c in cells])
+    if "program_cell" in metafunc.fixturenames:
+        cells = [c for a in _adapters("program") for c in cells_for(a)]
+        metafunc.parametrize("program_cell", [_param(c) for c in cells])
+
+
+@pytest.fixture(scope="session")
+def gloo_pools():
+    pools: dict[int, GlooPool] = {}
+
+    def get(world: int) -> GlooPool:
+        if world not in pools:
+            pools[world] = GlooPool(world)
+        return pools[world]
+
+    yield get
+    for p in pools.values():
+        p.close()
