@@ -134,7 +134,9 @@ class SparseMQAAttentionSpec(Frozen):
 
     def shard(self, tp: int, owner: str = "model") -> "SparseMQAAttentionSpec":
         heads = _split(self.num_heads, tp, "query heads", owner)
-        groups = _split(self.o_groups, tp, "output groups", owner) if self.o_groups >= tp else 1
+        # Each rank must hold whole output groups: a group's low-rank projection reads all of its
+        # heads, so TP > o_groups would split a group across ranks (vLLM asserts the same).
+        groups = _split(self.o_groups, tp, "output groups", owner)
         return self.model_copy(update={"num_heads": heads, "o_groups": groups})
 
 

@@ -1,0 +1,1 @@
+"""DeepSeek-V4.1-Flash adapter (spec, scope and op sites; reference/program/vLLM binding come later)."""
