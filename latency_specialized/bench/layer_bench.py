@@ -1,0 +1,364 @@
+"""Per-layer decode bench on one GPU: ours (the adapter's program, graphed) vs the stock composition.
+
+For every (layer kind, batch[, context]) cell, with random weights of the real per-rank shapes of a
+TP shard (communication excluded on one GPU, and reported as such):
+
+* **time**: each variant is captured into CUDA graphs and replayed; every replay is timed with CUDA
+  events; a round's figure is the median of ``iters`` replays, and ``rounds`` rounds run
+  alternately per variant (their spread is the measured noise). Each variant runs ``layers`` layer
+  copies with their own weights back to back, so weights rotate beyond the L2 (a KDA+MoE layer
+  touches > 100 MB per rank already at batch 1);
+* **kernels per layer**: kernel nodes of the captured graph (``graph_runner.graph_node_counts``);
+* **roofline**: bytes a layer must read once on this rank (PERF.md "Which bytes count": every
+  weight once per TP group, so a rank's share is weight/TP; routed experts = the *distinct* experts
+  the batch actually selected; recurrent state read + written) / the HBM bandwidth;
+* ``fraction = t_roofline / t_ours`` and ``speedup = t_stock / t_ours``.
+
+"Ours" comes from the adapter module ``latency_specialized_models.<model>.graphed`` (its
+``build_ours(...)``); its step also runs the embedding, final norm and head, so the bench measures a
+1-layer program too and reports ``(t_K - t_1) / (K - 1)`` per layer (kernels likewise).
+"""
+
+from __future__ import annotations
+
+import importlib
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+from latency_specialized.errors import UserError
+from latency_specialized.runtime.graph_runner import _new_graph, graph_node_counts
+from latency_specialized.spec import KDAAttentionSpec, MLAAttentionSpec, ModelSpec, MoESpec
+
+HBM_BYTES_PER_S = 4.3e12
+"""H200 achievable HBM read bandwidth (PERF.md): the roofline."""
+
+KINDS = ("kda",)
+"""Layer kinds the bench builds today (MLA: no stock MLA composition yet)."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One bench invocation."""
+
+    model: str = "kimi_k3"
+    tp: int = 8
+    batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    contexts: tuple[int, ...] = (4096, 32768)
+    kinds: tuple[str, ...] = ("kda",)
+    layers: int = 3
+    """Layer copies per variant (>= 2: the per-layer figure of 'ours' is a difference of K and 1 layers)."""
+    iters: int = 40
+    rounds: int = 2
+    warmup: int = 5
+    dtype: str = "bfloat16"
+    seed: int = 0
+
+
+class Variant(Protocol):
+    """One thing to time: a captured step of ``layers`` layers."""
+
+    name: str
+    layers: int
+
+    def capture(self) -> dict[str, int] | None:
+        """Warm up and capture; returns graph node counts by type (None if unreadable)."""
+        ...
+
+    def replay(self) -> None:
+        ...
+
+    def eager(self) -> None:
+        """The same step without a graph (timed when capture fails)."""
+        ...
+
+    def routing(self) -> list[torch.Tensor]:
+        """Expert ids [batch, top_k] of every MoE layer of one step."""
+        ...
+
+
+class GraphedStep:
+    """A Variant from a step function: eager warm-up on a side stream, then one graph capture."""
+
+    def __init__(self, name: str, layers: int, step: Callable[[], None],
+                 routing: Callable[[], list[torch.Tensor]] | None = None, warmup: int = 2):
+        self.name, self.layers, self._step = name, layers, step
+        self._routing = routing
+        self._warmup = warmup
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def capture(self) -> dict[str, int] | None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self._warmup):
+                self._step()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        g = _new_graph()
+        with torch.cuda.graph(g):
+            self._step()
+        if hasattr(g, "instantiate"):
+            try:
+                g.instantiate()
+            except RuntimeError:
+                pass
+        self.graph = g
+        return graph_node_counts(g)
+
+    def replay(self) -> None:
+        assert self.graph is not None, "capture() first"
+        self.graph.replay()
+
+    def eager(self) -> None:
+        self._step()
+
+    def routing(self) -> list[torch.Tensor]:
+        return self._routing() if self._routing else []
+
+
+# ------------------------------------------------------------------------------------------ roofline
+def layer_bytes(full: ModelSpec, layer: int, tp: int, batch: int, context: int | None,
+                distinct_experts: float | None, *, weight_bytes: float = 2.0) -> dict[str, float]:
+    """Bytes one layer must move on one rank (weights once per TP group, split evenly; state r+w).
+
+    ``full`` is the unsharded spec; routed experts count ``distinct_experts`` (the batch's actual
+    routing); bf16 weights (``weight_bytes``) except fp32 parameters; the router in fp32 when the
+    spec says so. MLA: each rank reads the whole latent KV cache of ``context`` tokens (no DCP).
+    """
+    spec = full.layers[layer]
+    a, f = spec.attention, spec.ffn
+    N, wb = full.hidden_size, weight_bytes
+    out: dict[str, float] = {"attnres": 2 * 3 * N * wb / tp}
+    if isinstance(a, KDAAttentionSpec):
+        hd = a.num_heads * a.head_dim
+        out["attn_weights"] = ((4 * hd + a.decay_rank + a.num_heads) * N + hd * a.decay_rank + N * hd) * wb / tp \
+            + (3 * hd * a.conv_kernel + a.num_heads + hd + a.head_dim) * 4 / tp
+        h_rank = a.num_heads // tp
+        out["kda_state"] = batch * (h_rank * a.head_dim * a.head_dim * 4 * 2
+                                    + 3 * h_rank * a.head_dim * (a.conv_kernel - 1) * wb * 2)
+    elif isinstance(a, MLAAttentionSpec):
+        qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+        q = (a.q_lora_rank * N + a.q_lora_rank + a.num_heads * qk * a.q_lora_rank) if a.q_lora_rank else a.num_heads * qk * N
+        out["attn_weights"] = (q + a.latent_width * N + a.kv_lora_rank
+                               + a.num_heads * (a.qk_nope_head_dim + a.v_head_dim) * a.kv_lora_rank
+                               + N * a.num_heads * a.v_head_dim
+                               + (a.num_heads * a.v_head_dim * N if a.output_gate == "sigmoid" else 0)) * wb / tp
+        out["kv_cache"] = batch * ((context or 0) + 1) * a.latent_width * wb
+    if isinstance(f, MoESpec):
+        L = f.latent_dim or N
+        out["router"] = f.num_experts * N * (4 if f.router.fp32 else wb) / tp + f.num_experts * 4 / tp
+        if f.latent_dim:
+            out["latent_proj"] = (2 * L * N + L) * wb / tp
+        per_expert = 3 * f.expert_intermediate * L * wb
+        out["routed_experts"] = (distinct_experts or 0.0) * per_expert / tp
+        out["shared_experts"] = 3 * f.num_shared_experts * f.expert_intermediate * N * wb / tp
+    out["total"] = sum(out.values())
+    return out
+
+
+# ------------------------------------------------------------------------------------------ timing
+def _time(fn: Callable[[], None], iters: int, warmup: int) -> float:
+    """Median microseconds of ``fn`` over ``iters`` CUDA-event-timed calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
+
+
+@dataclass
+class Measured:
+    """One variant's figures in one cell."""
+
+    name: str
+    layers: int
+    graph: bool = True
+    nodes: dict[str, int] | None = None
+    rounds: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def us(self) -> float | None:
+        return statistics.fmean(self.rounds) if self.rounds else None
+
+    @property
+    def noise(self) -> float | None:
+        return (max(self.rounds) - min(self.rounds)) / min(self.rounds) if len(self.rounds) > 1 else None
+
+    @property
+    def kernels(self) -> int | None:
+        return None if self.nodes is None else self.nodes.get("kernel", 0)
+
+
+def measure(variants: Sequence[Variant], cfg: BenchConfig, say: Callable[[str], None]) -> list[Measured]:
+    """Capture every variant, then time ``cfg.rounds`` alternating rounds of replays."""
+    out = []
+    for v in variants:
+        m = Measured(v.name, v.layers)
+        try:
+            m.nodes = v.capture()
+        except Exception as e:  # noqa: BLE001 - e.g. a reference op that syncs: report it, time eagerly
+            m.graph, m.error = False, f"not capturable: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            say(f"    {v.name}: {m.error}; timing it eagerly")
+            torch.cuda.synchronize()
+        out.append(m)
+    failed: set[int] = set()
+    for _ in range(cfg.rounds):
+        for i, (v, m) in enumerate(zip(variants, out)):
+            if i in failed:  # a variant that cannot run is reported as such; the others still run
+                continue
+            try:
+                m.rounds.append(_time(v.replay if m.graph else v.eager, cfg.iters if m.graph else 5,
+                                      cfg.warmup if m.graph else 1))
+            except Exception as e:  # noqa: BLE001
+                m.error = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                m.rounds = []
+                failed.add(i)
+                say(f"    {v.name}: {m.error}")
+                torch.cuda.synchronize()
+    return out
+
+
+def _distinct(ids: list[torch.Tensor], batch: int) -> float | None:
+    if not ids:
+        return None
+    return statistics.fmean(float(torch.unique(t[:batch].flatten()).numel()) for t in ids)
+
+
+def per_layer(m: Measured, base: Measured | None) -> dict[str, Any]:
+    """Per-layer figures of a measured variant (minus its 1-layer baseline, when it has one)."""
+    rec: dict[str, Any] = {"graph": m.graph, "error": m.error, "layers": m.layers}
+    if m.us is None:
+        rec.update(us=None, kernels=None, noise=None)
+        return rec
+    if base is not None:
+        if base.us is None:
+            rec.update(us=None, kernels=None, noise=None, error=base.error or "baseline not measured")
+            return rec
+        n = m.layers - base.layers
+        rec["us"] = (m.us - base.us) / n
+        rec["kernels"] = (m.kernels - base.kernels) / n if (m.kernels is not None and base.kernels is not None) else None
+        rec["step_us"], rec["baseline_step_us"] = m.us, base.us
+        spread = [((a - b) / n) for a, b in zip(m.rounds, base.rounds)]
+        rec["rounds"] = spread
+        rec["noise"] = (max(spread) - min(spread)) / min(spread) if len(spread) > 1 and min(spread) > 0 else None
+    else:
+        rec["us"] = m.us / m.layers
+        rec["kernels"] = m.kernels / m.layers if m.kernels is not None else None
+        rec["rounds"] = [r / m.layers for r in m.rounds]
+        rec["noise"] = m.noise
+    rec["nodes"] = m.nodes
+    return rec
+
+
+# ------------------------------------------------------------------------------------------ the sweep
+def _layer_index(full: ModelSpec, kind: str) -> int:
+    for layer in full.layers:
+        if layer.attention.kind == kind and isinstance(layer.ffn, MoESpec):
+            return layer.index
+    raise UserError(f"{full.name} has no {kind}+moe layer: use --kinds with one of its layer kinds")
+
+
+def run_bench(cfg: BenchConfig, say: Callable[[str], None] = print,
+              checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run the sweep of ``cfg`` on the current GPU and return the result dict (see report.py).
+
+    ``checkpoint(partial_result)`` is called after every cell (a time-limited run keeps what it measured).
+    """
+    if not torch.cuda.is_available():
+        raise UserError("the bench needs a CUDA GPU: run it on the H200 (device machine)")
+    bad = [k for k in cfg.kinds if k not in KINDS]
+    if bad:
+        raise UserError(f"layer kind(s) {bad} not benchable yet (no stock MLA composition): use --kinds kda")
+    if cfg.layers < 2:
+        raise UserError("--layers must be >= 2 (ours per layer = (t_K - t_1) / (K - 1))")
+    from latency_specialized.bench.machine import machine_info
+    from latency_specialized.bench.stock.layers import build_stock_kda
+    from latency_specialized.plugins import get_registry
+
+    reg = get_registry()
+    adapter = reg.adapter(cfg.model)
+    full = adapter.spec("full")
+    full.shard(cfg.tp)  # UserError naming the fix for an unsupported TP
+    try:
+        graphed = importlib.import_module(f"latency_specialized_models.{adapter.name}.graphed")
+    except ImportError as e:
+        raise UserError(f"{adapter.name}: no graphed bench program (models/{adapter.name}/graphed.py): {e}") from None
+    device = torch.device("cuda")
+    t_start = time.perf_counter()
+    machine = machine_info()
+
+    def result() -> dict[str, Any]:
+        return {"schema": 1, "machine": machine,
+                "config": {"model": cfg.model, "tp": cfg.tp, "batches": list(cfg.batches),
+                           "contexts": list(cfg.contexts), "kinds": list(cfg.kinds), "layers": cfg.layers,
+                           "iters": cfg.iters, "rounds": cfg.rounds, "dtype": cfg.dtype,
+                           "hbm_tb_s": HBM_BYTES_PER_S / 1e12, "comm": "Communication excluded (one GPU).",
+                           "seconds": round(time.perf_counter() - t_start, 1)},
+                "notes": notes, "cells": cells}
+
+    cells: list[dict[str, Any]] = []
+    notes = [
+        "One GPU, rank 0 of the TP shard: communication (all-reduces) is excluded from both variants.",
+        "Routed experts are bf16 in both variants (the published checkpoint stores MXFP4); the roofline counts bf16.",
+        "KDA layers keep a fixed-size recurrent state: their work does not depend on the context length, so KDA cells "
+        "are measured once per batch (context 'any').",
+        "Roofline bytes: weights once per TP group split evenly (router and latent projections / TP even where a "
+        "variant replicates them), distinct routed experts of the measured step, KDA state read + written.",
+    ]
+    for kind in cfg.kinds:
+        li = _layer_index(full, kind)
+        say(f"[{kind}] building ours: {cfg.layers} + 1 layers of real TP{cfg.tp} rank shapes ...")
+        t0 = time.perf_counter()
+        ours = graphed.build_ours(full, cfg.tp, kind, cfg.layers, cfg.batches, device, seed=cfg.seed, say=say)
+        say(f"[{kind}] ours ready in {time.perf_counter() - t0:.0f} s: {ours.description}")
+        notes.extend(ours.notes)
+        for batch in cfg.batches:
+            t1 = time.perf_counter()
+            torch.manual_seed(cfg.seed + batch)
+            stock_layers = build_stock_kda(full, li, cfg.tp, batch, cfg.layers, device,
+                                           experts=ours.expert_weights(cfg.layers))
+            stock = GraphedStep("stock", cfg.layers, stock_layers.step, stock_layers.routed_ids)
+            ours_k, ours_1 = ours.variants(batch)
+            m_k, m_1, m_s = measure([ours_k, ours_1, stock], cfg, say)
+            o = per_layer(m_k, m_1)
+            s = per_layer(m_s, None)
+            ids = ours_k.routing() if o["us"] is not None else []
+            d_ours = _distinct(ids, batch)
+            d_stock = _distinct(stock_layers.routed_ids(), batch)
+            distinct = d_ours if d_ours is not None else d_stock
+            rb = layer_bytes(full, li, cfg.tp, batch, None, distinct)
+            r_us = rb["total"] / HBM_BYTES_PER_S * 1e6
+            cell = {"kind": kind, "batch": batch, "context": None, "layer_index": li, "ours": o, "stock": s,
+                    "roofline": {"bytes": rb["total"], "us": r_us, "breakdown": rb, "distinct_experts": distinct,
+                                 "distinct_experts_stock": d_stock},
+                    "fraction": (r_us / o["us"]) if o.get("us") else None,
+                    "stock_fraction": (r_us / s["us"]) if s.get("us") else None,
+                    "speedup": (s["us"] / o["us"]) if (o.get("us") and s.get("us")) else None}
+            cells.append(cell)
+            if checkpoint is not None:
+                checkpoint(result())
+            say(f"[{kind}] batch {batch:>2}: ours {_fmt(o.get('us'))} us/layer ({_fmt(o.get('kernels'), '{:.1f}')} "
+                f"kernels) | stock {_fmt(s.get('us'))} us ({_fmt(s.get('kernels'), '{:.1f}')} kernels) | roofline "
+                f"{r_us:.1f} us ({distinct or 0:.0f} experts) | {_fmt(cell['fraction'] and 100 * cell['fraction'], '{:.0f}%')} "
+                f"| speed-up {_fmt(cell['speedup'], '{:.2f}x')} [{time.perf_counter() - t1:.0f} s]")
+            del stock_layers, stock
+            torch.cuda.empty_cache()
+        ours.close()
+        del ours
+        torch.cuda.empty_cache()
+    return result()
+
+
+def _fmt(x: Any, fmt: str = "{:.1f}") -> str:
+    return "-" if x is None or x is False else fmt.format(x)

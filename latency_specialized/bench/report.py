@@ -1,0 +1,173 @@
+"""Bench results: JSON (the record), Markdown (the table), PNG (us/layer vs batch), and comparisons.
+
+A result is a plain dict (see ``layer_bench.run_bench``)::
+
+    {"schema": 1, "machine": {...}, "config": {...}, "notes": [...],
+     "cells": [{"kind", "batch", "context",
+                "ours":  {"us", "rounds", "noise", "kernels", "graph", "error", ...},
+                "stock": {...},
+                "roofline": {"bytes", "us", "breakdown", "distinct_experts"},
+                "fraction", "stock_fraction", "speedup"}]}
+
+``compare(a, b)`` matches cells by (kind, batch, context) and flags a regression where B is slower
+than A by more than the noise both runs measured (the spread of their repeated rounds), plus a
+1% floor so that identical runs never flag.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from latency_specialized.bench.machine import describe
+from latency_specialized.errors import UserError
+
+NOISE_FLOOR = 0.01
+"""Relative slowdown below which nothing is flagged, whatever the measured noise."""
+
+
+def _f(x: Any, fmt: str = "{:.1f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def write_json(result: dict[str, Any], path: str | Path) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(result, indent=1, default=str))
+    return p
+
+
+def load_json(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"no bench result at {p}: pass a JSON written by `latency-specialized bench`")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{p} is not valid JSON ({e.msg}): pass a bench result file") from None
+    if not isinstance(data, dict) or "cells" not in data:
+        raise UserError(f"{p} has no 'cells': pass a JSON written by `latency-specialized bench`")
+    return data
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    """The result as a Markdown page: machine, config, notes, one row per cell."""
+    cfg = result.get("config", {})
+    lines = [f"# Layer bench: {cfg.get('model')} TP{cfg.get('tp')} shard on one GPU", "",
+             f"Machine: {describe(result.get('machine', {}))}", "",
+             f"Config: layers per variant {cfg.get('layers')}, {cfg.get('iters')} timed replays x "
+             f"{cfg.get('rounds')} rounds (median per round), dtype {cfg.get('dtype')}, "
+             f"roofline {cfg.get('hbm_tb_s')} TB/s. {cfg.get('comm')}", ""]
+    for n in result.get("notes", []):
+        lines.append(f"- {n}")
+    lines += ["", "| layer | batch | context | ours us/layer | kernels | stock us/layer | kernels | roofline us | "
+              "ours % roofline | stock % roofline | speed-up | experts touched | noise ours/stock |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in result["cells"]:
+        o, s, r = c.get("ours") or {}, c.get("stock") or {}, c.get("roofline") or {}
+        ours_us = _f(o.get("us")) + ("" if o.get("graph", True) else " (eager)") if o.get("us") is not None else \
+            f"n/a ({o.get('error', 'not run')})"
+        lines.append(
+            f"| {c['kind']} | {c['batch']} | {_ctx(c)} | {ours_us} | {_f(o.get('kernels'), '{:.1f}')} | "
+            f"{_f(s.get('us'))} | {_f(s.get('kernels'), '{:.1f}')} | {_f(r.get('us'))} | "
+            f"{_f(_pct(c.get('fraction')), '{:.0f}%')} | {_f(_pct(c.get('stock_fraction')), '{:.0f}%')} | "
+            f"{_f(c.get('speedup'), '{:.2f}x')} | {_f(r.get('distinct_experts'), '{:.0f}')} | "
+            f"{_f(_pct(o.get('noise')), '{:.1f}%')}/{_f(_pct(s.get('noise')), '{:.1f}%')} |")
+    return "\n".join(lines) + "\n"
+
+
+def _ctx(c: dict[str, Any]) -> str:
+    return "any" if c.get("context") is None else str(c["context"])
+
+
+def _pct(x: float | None) -> float | None:
+    return None if x is None else 100.0 * x
+
+
+def write_markdown(result: dict[str, Any], path: str | Path) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(to_markdown(result))
+    return p
+
+
+def write_plot(result: dict[str, Any], path: str | Path) -> Path | None:
+    """us/layer vs batch per (kind, context): ours, stock, roofline. None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for c in result["cells"]:
+        groups.setdefault((c["kind"], _ctx(c)), []).append(c)
+    n = max(1, len(groups))
+    fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 4.2), squeeze=False)
+    for ax, ((kind, ctx), cells) in zip(axes[0], sorted(groups.items())):
+        cells = sorted(cells, key=lambda c: c["batch"])
+        xs = [c["batch"] for c in cells]
+        for key, label, style in (("ours", "ours", "o-"), ("stock", "stock composition", "s--")):
+            ys = [(c.get(key) or {}).get("us") for c in cells]
+            pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
+            if pts:
+                ax.plot(*zip(*pts), style, label=label)
+        rs = [(c.get("roofline") or {}).get("us") for c in cells]
+        pts = [(x, y) for x, y in zip(xs, rs) if y is not None]
+        if pts:
+            ax.plot(*zip(*pts), "k:", label="HBM roofline")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs)
+        ax.set_xticklabels([str(x) for x in xs])
+        ax.set_xlabel("batch (sequences)")
+        ax.set_ylabel("us per layer")
+        ax.set_title(f"{kind} layer, context {ctx}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    cfg = result.get("config", {})
+    machine = describe(result.get("machine", {}))
+    fig.suptitle(f"{cfg.get('model')} TP{cfg.get('tp')} shard, one GPU (communication excluded)\n"
+                 + machine.replace(", torch", ",\ntorch", 1), fontsize=7)
+    fig.tight_layout()
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
+def compare(a: dict[str, Any], b: dict[str, Any], *, variant: str = "ours") -> tuple[str, list[dict[str, Any]]]:
+    """Side-by-side table of two results and the regressions of B vs A beyond the measured noise."""
+    def key(c):
+        return (c["kind"], c["batch"], c["context"])
+
+    cells_a = {key(c): c for c in a["cells"]}
+    rows, regressions = [], []
+    lines = [f"A: {describe(a.get('machine', {}))}", f"B: {describe(b.get('machine', {}))}", "",
+             f"| layer | batch | context | A {variant} us | B {variant} us | B/A | noise | verdict |",
+             "|---|---|---|---|---|---|---|---|"]
+    for cb in b["cells"]:
+        ca = cells_a.get(key(cb))
+        if ca is None:
+            continue
+        ta, tb = (ca.get(variant) or {}).get("us"), (cb.get(variant) or {}).get("us")
+        if ta is None or tb is None:
+            lines.append(f"| {cb['kind']} | {cb['batch']} | {_ctx(cb)} | {_f(ta)} | {_f(tb)} | - | - | not comparable |")
+            continue
+        noise = max(NOISE_FLOOR, (ca.get(variant) or {}).get("noise") or 0.0, (cb.get(variant) or {}).get("noise") or 0.0)
+        ratio = tb / ta
+        verdict = "REGRESSION" if ratio > 1 + noise else ("faster" if ratio < 1 - noise else "same (within noise)")
+        row = {"kind": cb["kind"], "batch": cb["batch"], "context": cb["context"], "a_us": ta, "b_us": tb,
+               "ratio": ratio, "noise": noise, "verdict": verdict}
+        rows.append(row)
+        if verdict == "REGRESSION":
+            regressions.append(row)
+        lines.append(f"| {cb['kind']} | {cb['batch']} | {_ctx(cb)} | {ta:.1f} | {tb:.1f} | {ratio:.3f} | "
+                     f"{100 * noise:.1f}% | {verdict} |")
+    missing = sorted(set(cells_a) - {key(c) for c in b["cells"]})
+    if missing:
+        lines.append(f"\ncells only in A: {missing}")
+    lines.append(f"\n{len(regressions)} regression(s) beyond the measured noise")
+    return "\n".join(lines), regressions

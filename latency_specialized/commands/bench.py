@@ -1,0 +1,82 @@
+"""`latency-specialized bench`: per-layer decode time, kernels, roofline fraction and speed-up vs stock.
+
+    latency-specialized bench --model kimi_k3 --tp 8 --batch 1,2,4,8,16,32,64 --context 4096,32768 [--layers K]
+    latency-specialized bench --compare A.json B.json
+
+Runs on one GPU with random weights of the real per-rank shapes (communication excluded, and
+reported as such); writes JSON + Markdown + PNG under ``--out`` and prints progress per cell.
+``--compare`` needs no GPU: it puts two result files side by side and flags regressions beyond the
+noise both runs measured. Method: latency_specialized/bench/layer_bench.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DEFAULT_OUT = "benchmarks/results/h200"
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    from latency_specialized.errors import UserError
+
+    try:
+        vals = tuple(int(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise UserError(f"'{s}' is not a comma-separated list of integers (e.g. 1,2,4,8)") from None
+    if not vals or min(vals) < 1:
+        raise UserError(f"'{s}': give positive integers, e.g. 1,2,4,8")
+    return vals
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("bench", help="per-layer decode bench on one GPU: ours vs the stock composition vs roofline")
+    p.add_argument("--model", default="kimi_k3", help="adapter name (see `models`)")
+    p.add_argument("--tp", type=int, default=8, help="TP size whose rank-0 shard is benched (default 8)")
+    p.add_argument("--batch", default="1,2,4,8,16,32,64", help="batch sizes, comma-separated")
+    p.add_argument("--context", default="4096,32768", help="context lengths, comma-separated (MLA layers)")
+    p.add_argument("--kinds", default="kda", help="layer kinds, comma-separated (kda today)")
+    p.add_argument("--layers", type=int, default=3, help="layer copies per variant, K >= 2 (weights rotate beyond L2)")
+    p.add_argument("--iters", type=int, default=40, help="timed graph replays per round")
+    p.add_argument("--rounds", type=int, default=2, help="rounds per variant (their spread is the noise)")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"results directory (default {DEFAULT_OUT})")
+    p.add_argument("--name", default=None, help="file stem (default bench_<model>_tp<tp>)")
+    p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="compare two result files and exit")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from latency_specialized.bench import report
+
+    if args.compare:
+        a, b = (report.load_json(p) for p in args.compare)
+        text, regressions = report.compare(a, b)
+        print(text)
+        return 1 if regressions else 0
+    from latency_specialized.bench.layer_bench import BenchConfig, run_bench
+
+    cfg = BenchConfig(model=args.model, tp=args.tp, batches=_ints(args.batch), contexts=_ints(args.context),
+                      kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()), layers=args.layers,
+                      iters=args.iters, rounds=args.rounds)
+
+    def say(msg: str) -> None:
+        print(msg, flush=True)
+
+    stem = args.name or f"bench_{cfg.model}_tp{cfg.tp}"
+    out = Path(args.out)
+
+    def checkpoint(partial: dict) -> None:
+        report.write_json(partial, out / f"{stem}.json")  # replaced by the final file at the end
+
+    result = run_bench(cfg, say, checkpoint)
+    paths = [report.write_json(result, out / f"{stem}.json"), report.write_markdown(result, out / f"{stem}.md")]
+    png = report.write_plot(result, out / f"{stem}.png")
+    if png is None:
+        print("matplotlib not installed: no plot written", file=sys.stderr)
+    else:
+        paths.append(png)
+    print(report.to_markdown(result))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0

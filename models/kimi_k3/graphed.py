@@ -1,0 +1,319 @@
+"""The Kimi K3 program in CUDA graphs: a runner for decode, and the "ours" side of the layer bench.
+
+``make_runner`` wraps a :class:`KimiK3Program` (unchanged) into the runtime's CUDAGraphRunner: one
+graph per batch bucket over static DecodeBuffers, the program's plans prepared before capture.
+
+``build_ours`` builds what ``latency-specialized bench`` times as "ours": the same program at the
+**real per-rank shapes of a TP shard** (12 KDA heads, expert intermediate 384 at TP8 ...) with random
+weights drawn on the GPU, run on one rank. The program runs TP=1 plans today, so what it does per
+rank is what its plan does: router and latent projections are as large as the rank-shaped spec
+makes them (full width - the program does not split them across ranks yet), and the bench's
+roofline still counts them / TP, so that gap shows in the roofline fraction. The program's step
+also embeds, mixes the final AttnRes, norms and runs a (small-vocabulary) head; the bench subtracts
+a 1-layer program's step from a K-layer one's, so per-layer figures hold layers only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from latency_specialized.errors import UserError
+from latency_specialized.runtime.buffers import BufferSpec, DecodeBuffers
+from latency_specialized.runtime.gate import DecodeGate
+from latency_specialized.runtime.graph_runner import CUDAGraphRunner
+from latency_specialized.spec import KDAAttentionSpec, MLAAttentionSpec, MoESpec
+from latency_specialized.trace import Trace
+
+from latency_specialized_models.kimi_k3.spec import KimiK3Spec, build_spec
+from latency_specialized_models.kimi_k3.weights import expected_tensors, storage_dtype
+
+
+def make_runner(program: Any, buffers: DecodeBuffers, *, buckets: Sequence[int] | None = None,
+                trace: Trace | None = None, fallback: Callable[..., Any] | None = None,
+                use_graphs: bool | None = None, preserve_state: bool = True) -> CUDAGraphRunner:
+    """A graph runner over ``program`` for the buckets it has plans for (or ``buckets``)."""
+    have = sorted(program.plans)
+    chosen = tuple(sorted(buckets)) if buckets is not None else tuple(have)
+    missing = [b for b in chosen if b not in program.plans]
+    if missing:
+        raise UserError(f"no plan for bucket(s) {missing}: build the program with plans for them (have {have})")
+    gate = DecodeGate(max_batch=program.max_batch, buckets=chosen)
+    return CUDAGraphRunner(program, buffers, gate=gate, trace=trace if trace is not None else program.trace,
+                           fallback=fallback, use_graphs=use_graphs, preserve_state=preserve_state)
+
+
+# ------------------------------------------------------------------------------------------ bench: "ours"
+def rank_spec(full: KimiK3Spec, tp: int, kind: str, num_layers: int, *, vocab: int = 512) -> KimiK3Spec:
+    """``num_layers`` layers of ``kind`` (+MoE) with the per-rank shapes of a TP-``tp`` shard, run as TP=1.
+
+    Heads and expert/shared intermediate widths are divided by ``tp``; hidden, latent, router and
+    AttnRes stay full (what one rank holds of them when they are not split). Routed experts bf16.
+    """
+    kda = next(l.attention for l in full.layers if isinstance(l.attention, KDAAttentionSpec))
+    mla = next(l.attention for l in full.layers if isinstance(l.attention, MLAAttentionSpec))
+    moe = next(l.ffn for l in full.layers if isinstance(l.ffn, MoESpec))
+    for what, n in (("KDA heads", kda.num_heads), ("MLA heads", mla.num_heads), ("expert width", moe.expert_intermediate)):
+        if n % tp:
+            raise UserError(f"TP={tp} not supported: kimi_k3 needs {what} {n} divisible by TP")
+    return build_spec(variant=f"tp{tp}-rank", hidden=full.hidden_size, vocab=vocab, num_layers=num_layers,
+                      mla_layers=tuple(range(num_layers)) if kind == "mla" else (),
+                      kda_heads=kda.num_heads // tp, head_dim=kda.head_dim, conv=kda.conv_kernel,
+                      gate_lower_bound=kda.gate_lower_bound, mla_heads=mla.num_heads // tp, q_lora=mla.q_lora_rank,
+                      kv_lora=mla.kv_lora_rank, nope=mla.qk_nope_head_dim, rope=mla.qk_rope_head_dim,
+                      v_dim=mla.v_head_dim, experts=moe.num_experts, top_k=moe.top_k, shared=moe.num_shared_experts,
+                      expert_inter=moe.expert_intermediate // tp, latent=moe.latent_dim, dense_layers=(),
+                      dense_inter=moe.expert_intermediate, block_size=full.residual.block_size or 12,
+                      max_context=full.max_context, eps=full.norm.eps, activation=moe.activation,
+                      router=moe.router, latent_norm=full.latent_moe_norm, expert_format="bf16")
+
+
+def bench_weights(spec: KimiK3Spec, device: torch.device, *, seed: int = 0,
+                  dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Random weights of ``spec`` by official name, drawn on ``device`` (GBs: the CPU would take minutes).
+
+    Same scales as weights.random_weights (projections N(0, 1/fan_in), norm gains 1 + 0.1 N, ...),
+    not the same values. Each layer's experts are views of one [E, I, K] tensor per projection. The
+    router weight is fp32 (the spec's router runs in fp32 and the program feeds it fp32 inputs).
+    """
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(shape, dt=dtype, scale=1.0, shift=0.0):
+        t = torch.randn(shape, generator=g, device=device, dtype=torch.float32 if dt == torch.float64 else dt)
+        return (t * scale + shift).to(dt) if (scale != 1.0 or shift != 0.0) else t.to(dt)
+
+    out: dict[str, torch.Tensor] = {}
+    expert_blocks: dict[str, dict[str, torch.Tensor]] = {}
+    for name, ts in expected_tensors(spec).items():
+        dt = storage_dtype(ts, dtype)
+        if ".experts." in name:
+            prefix, rest = name.split(".experts.")
+            e, proj = rest.split(".")[0], rest.split(".")[1]
+            blocks = expert_blocks.setdefault(prefix, {})
+            if proj not in blocks:
+                n_exp = spec.layers[0].ffn.num_experts  # every layer of a rank spec is +MoE
+                blocks[proj] = randn((n_exp, *ts.shape), scale=ts.shape[-1] ** -0.5)
+            out[name] = blocks[proj][int(e)]
+            continue
+        if name.endswith("gate.weight"):
+            out[name] = randn(ts.shape, torch.float32, scale=ts.shape[-1] ** -0.5)
+        elif ts.init in ("linear", "query", "conv"):
+            out[name] = randn(ts.shape, dt, scale=ts.shape[-1] ** -0.5)
+        elif ts.init == "norm":
+            out[name] = randn(ts.shape, dt, scale=0.1, shift=1.0)
+        elif ts.init == "embed":
+            out[name] = randn(ts.shape, dt)
+        elif ts.init == "a_log":
+            out[name] = torch.log(0.5 + 1.5 * torch.rand(ts.shape, generator=g, device=device)).to(dt)
+        elif ts.init == "dt_bias":
+            out[name] = randn(ts.shape, dt, scale=0.5, shift=-2.0)
+        elif ts.init == "bias":
+            out[name] = randn(ts.shape, dt, scale=0.1)
+        else:
+            raise ValueError(f"unknown init {ts.init} of {name}")
+    return out
+
+
+class _ShapedAdapter:
+    """The Kimi adapter with another spec: plans get the rank-shaped dims (what the kernels see)."""
+
+    def __init__(self, base: Any, spec: KimiK3Spec):
+        self._base, self._spec = base, spec
+        self.name = base.name
+
+    def spec(self, variant: str = "full") -> KimiK3Spec:
+        return self._spec
+
+    def scope(self):
+        return self._base.scope()
+
+    def op_sites(self, *args: Any, **kw: Any):
+        return self._base.op_sites(*args, **kw)
+
+
+@dataclass
+class _Built:
+    spec: KimiK3Spec
+    program: Any
+    buffers: DecodeBuffers
+    runner: CUDAGraphRunner
+    recorded: list[torch.Tensor] = field(default_factory=list)
+    recording: bool = False
+    captured: bool = False
+    capture_error: str | None = None
+
+
+class ProgramVariant:
+    """A layer-bench Variant over one built program at one batch bucket."""
+
+    def __init__(self, name: str, built: _Built, batch: int, bucket: int, all_buckets: Sequence[int]):
+        self.name, self.b, self.batch, self.bucket = name, built, batch, bucket
+        self.layers = built.spec.num_layers
+        self._all = tuple(all_buckets)
+        self._load()
+
+    def _load(self) -> None:
+        b = self.batch
+        g = torch.Generator().manual_seed(1000 + b)
+        tokens = torch.randint(0, self.b.spec.vocab_size, (b,), generator=g)
+        cache = self.b.program.cache
+        slots = cache.slots[:b]
+        self.b.buffers.load(tokens, [16] * b, [s.row for s in slots], cache.block_table(slots, device="cpu"))
+
+    def capture(self) -> dict[str, int] | None:
+        if self.b.capture_error is not None:  # failed for an earlier batch: do not warm up and fail again
+            self._load()
+            raise RuntimeError(self.b.capture_error)
+        if not self.b.captured:
+            try:
+                self.b.runner.capture(self._all)  # every bucket at once: largest first, one pool
+            except Exception as e:
+                self.b.capture_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                self._load()
+                raise
+            self.b.captured = True
+        self._load()
+        info = self.b.runner.captures.get(self.bucket)
+        return dict(info.nodes) if (info and info.nodes) else None
+
+    def replay(self) -> None:
+        self.b.runner.replay(self.bucket)
+
+    def eager(self) -> None:
+        self.b.runner.body(self.bucket)
+
+    def routing(self) -> list[torch.Tensor]:
+        """Expert ids of every MoE layer from one eager step (outside the timed graphs)."""
+        self.b.recorded.clear()
+        self.b.recording = True
+        try:
+            self.b.runner.body(self.bucket)
+            torch.cuda.synchronize()
+        finally:
+            self.b.recording = False
+        return [t[: self.batch] for t in self.b.recorded]
+
+
+def contiguous_allreduce_residual(program: Any) -> int:
+    """Make the residual of every all-reduce site contiguous before the call; returns the sites wrapped.
+
+    Workaround, not a fix: ``KimiK3Program`` hands ``sources[:, k + 1]`` (a row of a [M, R, N]
+    buffer, row stride R*N) as the residual, and the fused local all-reduce+residual kernel needs a
+    contiguous one. The needed change is in the program (keep the partial-block row in its own
+    contiguous [M, N] buffer) or in the kernel (take a row stride). This costs one copy per site.
+    """
+    n = 0
+    for ops in program._ops.values():  # the program's bound op table (same package)
+        for site, fn in list(ops.items()):
+            if not site.endswith("allreduce"):
+                continue
+
+            def wrapped(partial, residual, *args, _fn=fn, **kw):
+                if residual is not None and not residual.is_contiguous():
+                    residual = residual.contiguous()
+                return _fn(partial, residual, *args, **kw)
+
+            ops[site] = wrapped
+            n += 1
+    return n
+
+
+class OursBench:
+    """K-layer and 1-layer rank-shaped programs with a graph runner each (see the module docstring)."""
+
+    def __init__(self, full: KimiK3Spec, tp: int, kind: str, layers: int, batches: Sequence[int],
+                 device: torch.device, *, seed: int = 0, say: Callable[[str], None] = print):
+        from latency_specialized import hardware
+        from latency_specialized.ops.plan import build_plan
+        from latency_specialized.plugins import get_registry
+        from latency_specialized_models.kimi_k3.cache import KimiK3Cache
+        from latency_specialized_models.kimi_k3.program import KimiK3Program
+
+        if kind != "kda":
+            raise UserError(f"bench kind {kind!r}: only kda layers are wired (MLA needs a stock MLA composition)")
+        reg = get_registry()
+        base = reg.adapter("kimi_k3")
+        hw = hardware.probe()
+        self.kind, self.batches = kind, tuple(batches)
+        self.notes: list[str] = []
+        self.built: dict[int, _Built] = {}
+        for n_layers in (layers, 1):
+            spec = rank_spec(full, tp, kind, n_layers)
+            adapter = _ShapedAdapter(base, spec)
+            plans = {}
+            for b in self.batches:
+                plan = build_plan(adapter, reg.implementations, hw, tp=1, batch=b, dtype="bfloat16")
+                plans[plan.bucket] = plan
+            weights = bench_weights(spec, device, seed=seed + n_layers)
+            cache = KimiK3Cache.for_sequences(spec, max(self.batches), 4096, block_size=16, device=device)
+            for t in cache.tensors():  # a live state, not zeros
+                t.normal_(0.0, 0.05)
+            trace = Trace()
+            program = KimiK3Program(spec, weights, plans, cache, trace=trace)
+            del weights  # the program holds the arranged (stacked) copies
+            buffers = DecodeBuffers(BufferSpec(max_batch=program.max_batch,
+                                               max_blocks_per_seq=len(cache.slots[0].blocks), block_size=16,
+                                               pad_state=0), device=device)
+            runner = make_runner(program, buffers, buckets=sorted(plans), trace=trace, preserve_state=False)
+            built = _Built(spec, program, buffers, runner)
+            self._record_routing(built, kind)
+            n_fixed = contiguous_allreduce_residual(program)
+            self.built[n_layers] = built
+            if n_layers == layers:
+                if n_fixed:
+                    self.notes.append(
+                        "Workaround (graphed.py): the program passes a strided row of its AttnRes sources as the "
+                        "all-reduce residual and allreduce.cutedsl_local needs it contiguous, so the bench makes it "
+                        "contiguous first (one copy kernel per all-reduce site, counted in ours' kernels).")
+                for bucket in (min(plans), max(plans)):
+                    p = plans[bucket]
+                    impls = sorted({f"{c.site.name.split('/')[-1]}={c.impl.name}" for c in p.choices if c.impl})
+                    self.notes.append(f"ours plan, bucket {bucket} (TP=1 plan at TP{tp} rank shapes): " + ", ".join(impls))
+            torch.cuda.synchronize()
+            say(f"  built {n_layers}-layer program ({torch.cuda.memory_allocated() / 2**30:.1f} GiB on the GPU)")
+        self.layers = layers
+        self.description = (f"KimiK3Program x {layers} (+1) {kind}+moe layers, TP{tp} rank shapes, "
+                            f"buckets {sorted(self.built[layers].program.plans)}")
+
+    @staticmethod
+    def _record_routing(built: _Built, kind: str) -> None:
+        # Instrument the router site of every bucket: while ``recording`` (an eager step outside the
+        # timed graphs) its expert ids are copied out, so the roofline can count distinct experts.
+        site = f"{kind}+moe/moe.router"
+        for ops in built.program._ops.values():  # the program's bound op table (same package)
+            fn = ops.get(site)
+            if fn is None:
+                continue
+
+            def wrapped(*args: Any, _fn=fn, **kw: Any):
+                out = _fn(*args, **kw)
+                if built.recording:
+                    built.recorded.append(out[1].detach().clone())
+                return out
+
+            ops[site] = wrapped
+
+    def variants(self, batch: int) -> tuple[ProgramVariant, ProgramVariant]:
+        """(K-layer, 1-layer) variants at ``batch``."""
+        out = []
+        for n in (self.layers, 1):
+            built = self.built[n]
+            bucket = next(b for b in sorted(built.program.plans) if b >= batch)
+            out.append(ProgramVariant(f"ours[{n}]", built, batch, bucket, sorted(built.program.plans)))
+        return out[0], out[1]
+
+    def expert_weights(self, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Routed-expert weights (w13 [E, 2I, L], w2 [E, L, I]) of the K-layer program's layers."""
+        layers = self.built[self.layers].program.layers
+        return [(layers[i % len(layers)].ffn["w13"], layers[i % len(layers)].ffn["w2"]) for i in range(copies)]
+
+    def close(self) -> None:
+        self.built.clear()
+
+
+def build_ours(full: KimiK3Spec, tp: int, kind: str, layers: int, batches: Sequence[int], device: torch.device,
+               *, seed: int = 0, say: Callable[[str], None] = print) -> OursBench:
+    """Entry point used by ``latency_specialized.bench.layer_bench``."""
+    return OursBench(full, tp, kind, layers, batches, device, seed=seed, say=say)

@@ -1,0 +1,163 @@
+"""Stock-composition Triton kernels vs their torch references.
+
+Runs on the GPU (``-m gpu``) and, on a CPU with triton installed, under the Triton interpreter
+(``TRITON_INTERPRET=1``; CI without triton skips these). Fresh random inputs each case, outputs
+poisoned with NaN, bf16 tolerances.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from latency_specialized.ops.attention.kda import kda_decode_reference
+from latency_specialized.ops.moe import experts_reference, route_reference
+from latency_specialized.ops.norm import rmsnorm_reference
+from latency_specialized.spec import ActivationSpec, RouterSpec
+
+try:
+    import triton  # noqa: F401
+
+    _HAVE_TRITON = True
+except Exception:  # noqa: BLE001
+    _HAVE_TRITON = False
+
+_INTERPRET = _HAVE_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
+DEVICES = [
+    pytest.param("cuda", marks=pytest.mark.gpu, id="cuda"),
+    pytest.param("cpu", marks=pytest.mark.skipif(not _INTERPRET, reason="needs triton + TRITON_INTERPRET=1 on CPU"),
+                 id="interpret"),
+]
+BF16 = dict(rtol=2e-2, atol=2e-2)
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _rand(*shape, gen, dtype=torch.bfloat16, device="cpu", scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_blocks,write_idx,has_delta", [(0, -1, True), (3, -1, True), (2, 2, False)])
+def test_attn_res_matches_reference(device, num_blocks, write_idx, has_delta):
+    from latency_specialized.bench.stock.norms import attn_res, attn_res_reference
+
+    g = _gen(num_blocks * 7 + write_idx + 3)
+    M, N = 3, 448 if device == "cpu" else 7168
+    prefix = _rand(M, N, gen=g, device=device)
+    delta = _rand(M, N, gen=g, device=device) if has_delta else None
+    blocks = _rand(M, 4, N, gen=g, device=device)
+    nw, qk, ow = (_rand(N, gen=g, dtype=torch.float32, device=device) for _ in range(3))
+    p_ref, b_ref = prefix.clone(), blocks.clone()
+    ref = attn_res_reference(p_ref, delta, b_ref, nw, qk, ow, num_blocks, write_idx, 1e-5, 1e-5)
+    out = torch.full_like(prefix, float("nan"))
+    attn_res(prefix, delta, blocks, nw, qk, ow, num_blocks, write_idx, 1e-5, 1e-5, out=out)
+    torch.testing.assert_close(out.float(), ref.float(), **BF16)
+    # one bf16 rounding of the same fp32 sum (the interpreter may round differently by one ulp)
+    torch.testing.assert_close(prefix, p_ref, rtol=8e-3, atol=1e-6)
+    torch.testing.assert_close(blocks, b_ref, rtol=8e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rmsnorm_and_gated_rmsnorm(device):
+    from latency_specialized.bench.stock.norms import gated_rmsnorm, rmsnorm
+
+    g = _gen(11)
+    x = _rand(5, 600, gen=g, device=device)[:, :576]  # strided rows
+    w = _rand(576, gen=g, device=device)
+    out = torch.full((5, 576), float("nan"), dtype=torch.bfloat16, device=device)
+    rmsnorm(x, w, 1e-5, out=out)
+    torch.testing.assert_close(out.float(), rmsnorm_reference(x, w, 1e-5).float(), **BF16)
+    H, D = 3, 128
+    xg = _rand(4, 2 * H * D, gen=g, device=device)
+    o, gate = xg[:, : H * D], xg[:, H * D:]
+    wn = _rand(D, gen=g, dtype=torch.float32, device=device)
+    out2 = torch.full((4, H * D), float("nan"), dtype=torch.bfloat16, device=device)
+    gated_rmsnorm(o, gate, wn, D, 1e-5, out=out2)
+    ref = rmsnorm_reference(o.reshape(4, H, D), wn, 1e-5, gate=gate.reshape(4, H, D)).reshape(4, H * D)
+    torch.testing.assert_close(out2.float(), ref.float(), **BF16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("B", [1, 5])
+def test_kda_conv_recurrent_norm_equals_op_reference(device, B):
+    from latency_specialized.bench.stock.kda import conv_update, recurrent_kda
+    from latency_specialized.bench.stock.norms import gated_rmsnorm
+
+    g = _gen(100 + B)
+    H, D, W, S = 2, 128, 4, B + 3
+    HD = H * D
+    mixed = _rand(B, 3 * HD, gen=g, device=device)
+    conv_state = _rand(S, 3 * HD, W - 1, gen=g, device=device)
+    conv_w = _rand(3 * HD, W, gen=g, device=device, scale=0.5)
+    f = _rand(B, HD, gen=g, device=device)
+    A_log = _rand(H, gen=g, dtype=torch.float32, device=device, scale=0.3)
+    dt_bias = _rand(HD, gen=g, dtype=torch.float32, device=device, scale=0.3)
+    beta = _rand(B, H, gen=g, device=device)
+    g_out = _rand(B, HD, gen=g, device=device)
+    norm_w = _rand(D, gen=g, dtype=torch.float32, device=device)
+    state = _rand(S, H, D, D, gen=g, dtype=torch.float32, device=device, scale=0.1)
+    idx = torch.randperm(S, generator=g)[:B].to(torch.int32).to(device)
+    cs_ref, st_ref = conv_state.clone(), state.clone()
+    ref = kda_decode_reference(mixed, cs_ref, conv_w, f, A_log, dt_bias, beta, g_out, norm_w, st_ref, idx,
+                               num_heads=H, eps=1e-5, gate_lower_bound=-5.0)
+    conv = torch.full((B, 3 * HD), float("nan"), dtype=torch.bfloat16, device=device)
+    conv_update(mixed, conv_state, conv_w, idx, out=conv)
+    o = torch.full((B, HD), float("nan"), dtype=torch.bfloat16, device=device)
+    recurrent_kda(conv, f, A_log, dt_bias, beta, state, idx, num_heads=H, lower_bound=-5.0, out=o)
+    y = torch.full((B, HD), float("nan"), dtype=torch.bfloat16, device=device)
+    gated_rmsnorm(o, g_out, norm_w, D, 1e-5, out=y)
+    torch.testing.assert_close(y.float(), ref.float(), **BF16)
+    torch.testing.assert_close(conv_state, cs_ref, rtol=0, atol=0)
+    # fp32 state, but fed by bf16 q/k/v: a one-ulp difference in the conv rounding moves it by ~1e-3
+    torch.testing.assert_close(state, st_ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("M", [1, 6])
+def test_topk_align_fused_moe_equals_experts_reference(device, M):
+    from latency_specialized.bench.stock.moe import (AlignBuffers, AlignSizes, grouped_topk, moe_align,
+                                                     moe_gemm, moe_sum, situ_and_mul)
+
+    g = _gen(200 + M)
+    E, k, K, I = 24, 4, 128, 64
+    router = RouterSpec(score_func="sigmoid", bias_corrected=True, renormalize=True, routed_scaling=1.0)
+    act = ActivationSpec(kind="situ_glu", beta=4.0, beta_lin=25.0)
+    logits = _rand(M, E, gen=g, dtype=torch.float32, device=device)
+    bias = _rand(E, gen=g, dtype=torch.float32, device=device, scale=0.1)
+    w_ref, ids_ref = route_reference(logits, bias, k, router)
+    w = torch.full((M, k), float("nan"), device=device)
+    ids = torch.full((M, k), -1, dtype=torch.int32, device=device)
+    grouped_topk(logits, bias, k, weights=w, ids=ids)
+    assert torch.equal(ids.long(), ids_ref)
+    torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
+
+    sizes = AlignSizes(pairs=M * k, experts=E, block_m=16)
+    buf = moe_align(ids, AlignBuffers.allocate(sizes, device))
+    n_pad = int(buf.num_padded)
+    sorted_ids = buf.sorted_ids[:n_pad].cpu()
+    real = sorted_ids[sorted_ids < M * k]
+    assert sorted(real.tolist()) == list(range(M * k))  # every pair exactly once
+    flat = ids.flatten().cpu()
+    for blk in range(n_pad // 16):
+        rows = sorted_ids[blk * 16:(blk + 1) * 16]
+        rows = rows[rows < M * k]
+        assert bool((flat[rows] == int(buf.expert_ids[blk])).all())
+
+    x = _rand(M, K, gen=g, device=device)
+    w13 = _rand(E, 2 * I, K, gen=g, device=device, scale=K ** -0.5)
+    w2 = _rand(E, K, I, gen=g, device=device, scale=I ** -0.5)
+    ref = experts_reference(x, w_ref, ids_ref, w13, w2, act)
+    gu = torch.full((M * k, 2 * I), float("nan"), dtype=torch.bfloat16, device=device)
+    moe_gemm(x, w13, buf, k, out=gu, a_per_pair=False)
+    h = torch.full((M * k, I), float("nan"), dtype=torch.bfloat16, device=device)
+    situ_and_mul(gu, 4.0, 25.0, out=h)
+    y_pairs = torch.full((M * k, K), float("nan"), dtype=torch.bfloat16, device=device)
+    moe_gemm(h, w2, buf, k, out=y_pairs, a_per_pair=True, topk_weights=w.flatten())
+    y = torch.full((M, K), float("nan"), dtype=torch.bfloat16, device=device)
+    moe_sum(y_pairs, k, out=y)
+    torch.testing.assert_close(y.float(), ref.float(), **BF16)
