@@ -6,6 +6,19 @@ CUDA graph cannot JIT, so the runtime compiles everything before capture (``warm
 compiled, for progress output). Dynamic sizes (the token count M) stay symbolic where a kernel
 supports it, so one compile serves every batch bucket.
 
+Two tiers:
+
+* memory: one compiled function per key and process;
+* disk (opt-in: ``$LS_KERNEL_CACHE_DIR``): the TVM-FFI object file of each compile
+  (``export_to_c``), loaded back with ``cute.runtime.load_module`` in ~1 ms. The directory is
+  fingerprinted by the kernel sources and the cutlass-dsl / tvm-ffi versions, files are written
+  to a temporary name and renamed (no torn reads when processes race), and an object that fails
+  to load is recompiled and the failure logged - a cache may only ever cost time.
+
+:func:`precompile` compiles a list of (function, args) units in parallel, GPU-blind worker
+processes (spawned, ``CUTE_DSL_ARCH`` pinned: ``cute.compile`` is not thread-safe and forking a
+CUDA process is unsafe) that fill the disk tier; the parent then loads instead of compiling.
+
 ``cute_available()`` says whether nvidia-cutlass-dsl imports here; implementations use it in
 ``supports()`` so that the plan names the missing package instead of failing at call time.
 """
@@ -13,25 +26,36 @@ supports it, so one compile serves every batch bucket.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import threading
 import time
-from typing import Any, Callable, Hashable
+from pathlib import Path
+from typing import Any, Callable, Hashable, Iterable, Sequence
 
 _LOCK = threading.Lock()  # cute.compile is not thread-safe (MLIR thread-local state)
 _CACHE: dict[tuple[Hashable, ...], Any] = {}
 COMPILE_LOG: list[tuple[str, float]] = []
-"""(key description, seconds) of every compile in this process, for progress/bench output."""
+"""(key description, seconds) of every compile or disk load in this process, for progress/bench output."""
+
+CACHE_DIR_ENV = "LS_KERNEL_CACHE_DIR"
 
 
 @functools.cache
 def cute_available() -> bool | str:
-    """True when nvidia-cutlass-dsl imports, else the reason (names the fix)."""
+    """True when nvidia-cutlass-dsl is installed, else the reason (names the fix).
+
+    Only locates the package (planning must stay fast: importing cutlass takes seconds); a broken
+    install then fails at the first compile, with the DSL's own error.
+    """
+    import importlib.util
+
     try:
-        import cutlass  # noqa: F401
-        import cutlass.cute  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any import failure means "not usable here"
-        return f"nvidia-cutlass-dsl not importable ({type(e).__name__}); install the [gpu] or [kernels] extra"
+        found = importlib.util.find_spec("cutlass") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        return "nvidia-cutlass-dsl not installed; install the [gpu] or [kernels] extra"
     return True
 
 
@@ -54,6 +78,70 @@ def target_arch() -> str:
     return "sm_90a"
 
 
+@functools.cache
+def _fingerprint() -> str:
+    """Hash of every kernel source and the DSL versions: a change to either starts a new directory."""
+    from importlib import metadata
+
+    h = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    for dist in ("nvidia-cutlass-dsl", "apache-tvm-ffi"):
+        try:
+            h.update(f"{dist}={metadata.version(dist)}".encode())
+        except metadata.PackageNotFoundError:
+            h.update(f"{dist}=?".encode())
+    return h.hexdigest()[:16]
+
+
+def disk_dir() -> Path | None:
+    """The disk tier's directory, or None when $LS_KERNEL_CACHE_DIR is unset/empty."""
+    root = os.environ.get(CACHE_DIR_ENV)
+    if not root:
+        return None
+    d = Path(root) / _fingerprint()
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _symbol(full_key: tuple[Hashable, ...]) -> tuple[str, str]:
+    digest = hashlib.sha1(repr(full_key).encode()).hexdigest()[:20]
+    return f"k{digest}", f"k{digest}.o"
+
+
+def _disk_load(full_key: tuple[Hashable, ...]) -> Any | None:
+    d = disk_dir()
+    if d is None:
+        return None
+    sym, fname = _symbol(full_key)
+    path = d / fname
+    if not path.exists():
+        return None
+    try:
+        import cutlass.cute as cute
+
+        module = cute.runtime.load_module(str(path), enable_tvm_ffi=True)
+        return getattr(module, sym)
+    except Exception as e:  # noqa: BLE001 - a bad object only costs a recompile, and is logged
+        COMPILE_LOG.append((f"disk load failed for {full_key}: {type(e).__name__}: {e}", 0.0))
+        return None
+
+
+def _disk_store(full_key: tuple[Hashable, ...], compiled: Any) -> None:
+    d = disk_dir()
+    if d is None or not hasattr(compiled, "export_to_c"):
+        return
+    sym, fname = _symbol(full_key)
+    tmp = d / f".{fname}.{os.getpid()}.tmp.o"
+    try:
+        compiled.export_to_c(str(tmp), function_name=sym)
+        os.replace(tmp, d / fname)
+    except Exception as e:  # noqa: BLE001
+        COMPILE_LOG.append((f"disk store failed for {full_key}: {type(e).__name__}: {e}", 0.0))
+        tmp.unlink(missing_ok=True)
+
+
 def cached_compile(name: str, key: tuple[Hashable, ...], build: Callable[[str], Any]) -> Any:
     """Return the compiled kernel for (name, key, arch), building it with ``build(arch)`` once."""
     arch = target_arch()
@@ -65,11 +153,64 @@ def cached_compile(name: str, key: tuple[Hashable, ...], build: Callable[[str], 
         hit = _CACHE.get(full_key)
         if hit is None:
             t0 = time.perf_counter()
-            hit = build(arch)
+            hit = _disk_load(full_key)
+            if hit is not None:
+                COMPILE_LOG.append((f"{name}{key}@{arch} (disk)", time.perf_counter() - t0))
+            else:
+                hit = build(arch)
+                _disk_store(full_key, hit)
+                COMPILE_LOG.append((f"{name}{key}@{arch}", time.perf_counter() - t0))
             _CACHE[full_key] = hit
-            COMPILE_LOG.append((f"{name}{key}@{arch}", time.perf_counter() - t0))
     return hit
 
 
 def compiled_count() -> int:
     return len(_CACHE)
+
+
+def forget() -> None:
+    """Drop the memory tier (the disk tier stays): the next lookups load from disk or compile."""
+    with _LOCK:
+        _CACHE.clear()
+
+
+CompileUnit = tuple[Callable[..., Any], Sequence[Any]]
+"""A module-level compile function and its arguments, e.g. (compile_gemv, (7168, 1, cfg, False))."""
+
+
+def _worker(args: tuple[CompileUnit, str]) -> tuple[str, float, str]:
+    (fn, fargs), arch = args
+    os.environ["CUTE_DSL_ARCH"] = arch
+    t0 = time.perf_counter()
+    try:
+        fn(*fargs)
+        return (f"{fn.__name__}{tuple(fargs)}", time.perf_counter() - t0, "")
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which compiles it itself later
+        return (f"{fn.__name__}{tuple(fargs)}", time.perf_counter() - t0, f"{type(e).__name__}: {e}")
+
+
+def precompile(units: Iterable[CompileUnit], jobs: int | None = None) -> list[tuple[str, float, str]]:
+    """Compile ``units`` in ``jobs`` spawned processes into the disk tier; returns (unit, s, error).
+
+    Without a disk tier ($LS_KERNEL_CACHE_DIR) or with jobs <= 1 the units compile here, serially.
+    A worker that dies (not just raises) breaks the pool: the units left then compile here.
+    """
+    units = list(dict.fromkeys((fn, tuple(a)) for fn, a in units))
+    jobs = jobs or max(1, (os.cpu_count() or 2) - 1)
+    arch = target_arch()
+    if disk_dir() is None or jobs <= 1 or len(units) <= 1:
+        return [_worker(((fn, a), arch)) for fn, a in units]
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    out: list[tuple[str, float, str]] = []
+    try:
+        with ProcessPoolExecutor(min(jobs, len(units)), mp_context=mp.get_context("spawn")) as pool:
+            for r in pool.map(_worker, [((fn, a), arch) for fn, a in units]):
+                out.append(r)
+    except BrokenProcessPool as e:
+        done = len(out)
+        out.append(("worker pool", 0.0, f"BrokenProcessPool: {e}; compiling the rest here"))
+        out += [_worker(((fn, a), arch)) for fn, a in units[done:]]
+    return out

@@ -1,0 +1,77 @@
+"""`latency-specialized bench-ops`: per-op timings of our kernels vs cuBLAS/torch on this GPU.
+
+Writes ``ops_<family>.json`` and ``ops_<family>.md`` per op family into ``--out`` and, with
+``--write-table``, the measured gemm dispatch table (``kernels/tuning/h200_gemm.json`` layout)
+that the gemm implementations' ``supports()`` read. Method: bench/ops_bench.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+DEFAULT_OUT = "benchmarks/results/h200"
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in s.split(",") if x.strip())
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("bench-ops", help="time each op's kernels vs cuBLAS/torch on this GPU (needs CUDA)")
+    p.add_argument("--ops", default="gemm,norm,prefetch",
+                   help="comma-separated op families (see --list); default: gemm,norm,prefetch")
+    p.add_argument("--list", action="store_true", help="list the registered families and exit")
+    p.add_argument("--model", default="kimi_k3", help="adapter whose per-rank shapes are used")
+    p.add_argument("--tp", default="8,16", help="TP shards, comma-separated")
+    p.add_argument("--m", default="1,2,4,8,16,32,64", help="token counts M, comma-separated")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"results directory (default {DEFAULT_OUT})")
+    p.add_argument("--write-table", nargs="?", const="", default=None, metavar="PATH",
+                   help="write the gemm dispatch table (default path: the package's tuning/h200_gemm.json)")
+    p.add_argument("--jobs", type=int, default=0, help="parallel compile processes (needs $LS_KERNEL_CACHE_DIR)")
+    p.add_argument("--quick", action="store_true", help="one config per kernel (smoke run)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from latency_specialized.bench import ops_bench
+    from latency_specialized.errors import UserError
+
+    if args.list:
+        for f in ops_bench.families():
+            print(f)
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UserError("bench-ops needs a CUDA GPU: run it on the H200 (see scripts/device_env.sh)")
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_%d%da" % torch.cuda.get_device_capability())
+    settings = ops_bench.BenchSettings(model=args.model, tps=_ints(args.tp), ms=_ints(args.m), quick=args.quick)
+    out = Path(args.out)
+    ops_bench.disk_tier_selftest()
+    for note in ops_bench.load_case_modules():
+        print(note)
+    for family in [f.strip() for f in args.ops.split(",") if f.strip()]:
+        rows = ops_bench.run_family(family, settings, precompile_jobs=args.jobs)
+        md = None
+        if family == "prefetch":
+            from latency_specialized.bench.prefetch_bench import to_markdown
+
+            md = to_markdown(rows)
+        js, mdp = ops_bench.write_results(family, rows, out, settings, markdown=md)
+        print(f"wrote {js} and {mdp}")
+        if family == "gemm" and args.write_table is not None:
+            from latency_specialized.bench.ops_bench_gemm_norm import build_gemm_table
+            from latency_specialized.kernels.tuning import GEMM_TABLE
+
+            path = Path(args.write_table) if args.write_table else GEMM_TABLE
+            table = build_gemm_table(rows, ops_bench.environment())
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+            won = {}
+            for e in table["entries"].values():
+                won[e["winner"]] = won.get(e["winner"], 0) + 1
+            print(f"wrote {path}: {len(table['entries'])} cells, winners {won}")
+    return 0

@@ -1,0 +1,270 @@
+"""PTX building blocks and host-side plumbing shared by the gemm, norm and prefetch kernels.
+
+Two halves:
+
+* host side (importable anywhere, no cutlass): shape checks that raise UserError, the fake-tensor
+  builders used at compile time, the dtype map;
+* device side (``ptx`` namespace, built on first use because it imports cutlass): inline-PTX
+  helpers that must be called inside a ``@cute.kernel`` body.
+
+Why inline PTX: the decode GEMMs are pure streaming, and what decides their speed is exactly which
+load instruction is emitted - 16 bytes wide, non-coherent, no L1 allocation for weights that are
+read once - and that tensor-core fragments are filled straight from those registers, without a
+shared-memory round trip (see gemm_small_m.py for the K permutation that makes this legal). CuTe's
+copy atoms give the first only indirectly and have no form of the second.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from latency_specialized.errors import UserError
+
+VEC_BYTES = 16
+"""Every kernel here moves 16 bytes per thread per load (ld.global.v4.b32)."""
+
+
+def check_gemm_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
+                    out: torch.Tensor | None, *, kmult: int) -> tuple[int, int, int]:
+    """Validate the gemm contract for the kernels; returns (M, N, K).
+
+    The kernels read rows with 16-byte loads, so both operands must be contiguous bf16 rows whose
+    length K is a multiple of ``kmult`` and whose base is 16-byte aligned.
+    """
+    if x.dim() != 2 or weight.dim() != 2:
+        raise UserError(f"gemm kernels take x[M,K] and weight[N,K]; got x{tuple(x.shape)} weight{tuple(weight.shape)}:"
+                        " reshape to 2-D first")
+    m, k = x.shape
+    n, k2 = weight.shape
+    if k != k2:
+        raise UserError(f"gemm: x has K={k} but weight has K={k2}: pass weight as [N, K] (nn.Linear layout)")
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        raise UserError(f"gemm kernels are bf16-only (got {x.dtype}/{weight.dtype}): use gemm.cublas for other dtypes")
+    if k % kmult:
+        raise UserError(f"gemm kernel needs K % {kmult} == 0 (K={k}): use gemm.cublas for this shape")
+    for name, t in (("x", x), ("weight", weight)):
+        if not t.is_contiguous() or t.data_ptr() % VEC_BYTES:
+            raise UserError(f"gemm kernel needs a contiguous, 16-byte aligned {name}: call .contiguous() first")
+    for name, t in (("residual", residual), ("out", out)):
+        if t is not None and (tuple(t.shape) != (m, n) or t.dtype != x.dtype or not t.is_contiguous()):
+            raise UserError(f"gemm: {name} must be a contiguous [{m}, {n}] {x.dtype} tensor, got "
+                            f"{tuple(t.shape)} {t.dtype}")
+    return m, n, k
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def grid_cap(device: torch.device, ctas_per_sm: int) -> int:
+    """Launch-time grid cap of the persistent kernels: ctas_per_sm x SMs (0 = no cap)."""
+    if ctas_per_sm <= 0:
+        return 1 << 30
+    return ctas_per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def cute_dtype(dtype: torch.dtype) -> Any:
+    import cutlass
+
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
+            torch.float32: cutlass.Float32}[dtype]
+
+
+def fake_rows(dtype: Any, rows: Any, cols: Any, align: int = 16) -> Any:
+    """A row-major fake tensor [rows, cols] for cute.compile (either dim may be a sym_int)."""
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_compact_tensor(dtype, (rows, cols), stride_order=(1, 0), assumed_align=align)
+
+
+def fake_vec(dtype: Any, n: Any, align: int = 16) -> Any:
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_compact_tensor(dtype, (n,), assumed_align=align)
+
+
+def fake_stream() -> Any:
+    """The TVM-FFI stream placeholder: the compiled call picks up torch's current stream."""
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def compile_options(arch: str, maxrregcount: int = 0) -> str:
+    """TVM-FFI compile for ``arch``, keeping the PTX (``ptx_of``) for the CPU tests' checks."""
+    import os
+    import tempfile
+
+    dump = os.path.join(tempfile.gettempdir(), f"ls_kernels_ptx_{os.getpid()}")
+    os.makedirs(dump, exist_ok=True)
+    regs = f" --ptxas-options '-maxrregcount={maxrregcount}'" if maxrregcount else ""
+    return f"--enable-tvm-ffi --gpu-arch {arch} --keep-ptx --dump-dir {dump}{regs}"
+
+
+def max_regs(threads: int, ctas_per_sm: int) -> int:
+    """Register cap that lets 2 x ctas_per_sm CTAs of ``threads`` share an SM (0: no cap)."""
+    if ctas_per_sm <= 0:
+        return 0
+    return max(32, min(255, 65536 // (threads * 2 * ctas_per_sm)) // 8 * 8)
+
+
+def ptx_of(compiled: Any) -> str | None:
+    """The PTX of a fresh compile (None for one loaded from the disk cache)."""
+    art = getattr(compiled, "artifacts", None)
+    return getattr(art, "PTX", None) if art is not None else None
+
+
+@functools.cache
+def ptx() -> SimpleNamespace:
+    """The device-side helpers (imports cutlass on first use)."""
+    import cutlass
+    from cutlass import Float32, Int32, Int64
+    from cutlass._mlir import ir
+    from cutlass._mlir.dialects import llvm
+
+    def i32t():
+        return ir.IntegerType.get_signless(32)
+
+    def struct(n: int, t):
+        return llvm.StructType.get_literal([t] * n)
+
+    def _v(x, cls):
+        return cls(x).ir_value()
+
+    def _asm4(ptx_str: str, operands: list, constraints: str) -> list:
+        st = llvm.inline_asm(struct(4, i32t()), operands, ptx_str, constraints,
+                             has_side_effects=True, asm_dialect=0)
+        return [Int32(llvm.extractvalue(i32t(), st, [i])) for i in range(4)]
+
+    # Weights are streamed exactly once per call: non-coherent path, no L1 allocation (keeps L1 for
+    # the activations that every warp re-reads), 256-byte L2 prefetch so DRAM sees long bursts.
+    # The asm is marked side-effecting so LLVM keeps program order: weight loads stay ahead of
+    # griddepcontrol.wait and activation loads stay behind it.
+    def ld_weight(addr) -> list:
+        return _asm4("ld.global.nc.L1::no_allocate.L2::256B.v4.b32 {$0,$1,$2,$3}, [$4];",
+                     [_v(addr, Int64)], "=r,=r,=r,=r,l")
+
+    def ld_act(addr) -> list:
+        """16 bytes of an activation row: L1-cached (re-read by every warp of the SM)."""
+        return _asm4("ld.global.nc.v4.b32 {$0,$1,$2,$3}, [$4];", [_v(addr, Int64)], "=r,=r,=r,=r,l")
+
+    def ld_act_if(addr, pred) -> list:
+        """ld_act when ``pred`` (Int32) is non-zero, else four zero words (masked rows)."""
+        return _asm4("{\n .reg .pred p;\n setp.ne.b32 p, $5, 0;\n mov.b32 $0, 0;\n mov.b32 $1, 0;\n"
+                     " mov.b32 $2, 0;\n mov.b32 $3, 0;\n @p ld.global.nc.v4.b32 {$0,$1,$2,$3}, [$4];\n}",
+                     [_v(addr, Int64), _v(pred, Int32)], "=r,=r,=r,=r,l,r")
+
+    def ld_weight_if(addr, pred) -> list:
+        return _asm4("{\n .reg .pred p;\n setp.ne.b32 p, $5, 0;\n mov.b32 $0, 0;\n mov.b32 $1, 0;\n"
+                     " mov.b32 $2, 0;\n mov.b32 $3, 0;\n"
+                     " @p ld.global.nc.L1::no_allocate.L2::256B.v4.b32 {$0,$1,$2,$3}, [$4];\n}",
+                     [_v(addr, Int64), _v(pred, Int32)], "=r,=r,=r,=r,l,r")
+
+    def ld_plain_if(addr, pred) -> list:
+        """Coherent 16-byte load (data another kernel of this graph may have just written)."""
+        return _asm4("{\n .reg .pred p;\n setp.ne.b32 p, $5, 0;\n mov.b32 $0, 0;\n mov.b32 $1, 0;\n"
+                     " mov.b32 $2, 0;\n mov.b32 $3, 0;\n @p ld.global.v4.b32 {$0,$1,$2,$3}, [$4];\n}",
+                     [_v(addr, Int64), _v(pred, Int32)], "=r,=r,=r,=r,l,r")
+
+    def st_v4_if(addr, words: list, pred) -> None:
+        llvm.inline_asm(None, [_v(addr, Int64)] + [_v(w, Int32) for w in words] + [_v(pred, Int32)],
+                        "{\n .reg .pred p;\n setp.ne.b32 p, $5, 0;\n @p st.global.v4.b32 [$0], {$1,$2,$3,$4};\n}",
+                        "l,r,r,r,r,r,~{memory}", has_side_effects=True, asm_dialect=0)
+
+    def as_f32(word) -> Float32:
+        return Float32(llvm.bitcast(ir.F32Type.get(), _v(word, Int32)))
+
+    def as_i32(f) -> Int32:
+        return Int32(llvm.bitcast(i32t(), _v(f, Float32)))
+
+    # bf16 -> f32 is a 16-bit shift: the low element of a packed pair sits in the low half.
+    def bf16_lo(word) -> Float32:
+        return as_f32(word << 16)
+
+    def bf16_hi(word) -> Float32:
+        return as_f32(word & Int32(-65536))
+
+    def unpack_bf16x8(words: list) -> list:
+        out = []
+        for w in words:
+            out += [bf16_lo(w), bf16_hi(w)]
+        return out
+
+    def _cvt_pair(op: str, lo, hi) -> Int32:
+        r = llvm.inline_asm(i32t(), [_v(hi, Float32), _v(lo, Float32)], f"{op} $0, $1, $2;", "=r,f,f",
+                            has_side_effects=False, asm_dialect=0)
+        return Int32(r)
+
+    def pack_bf16x2(lo, hi) -> Int32:
+        """Round two f32 to bf16 (RNE, like torch) and pack them, ``lo`` in the low half."""
+        return _cvt_pair("cvt.rn.bf16x2.f32", lo, hi)
+
+    def pack_f16x2(lo, hi) -> Int32:
+        return _cvt_pair("cvt.rn.f16x2.f32", lo, hi)
+
+    def f16_lo(word) -> Float32:
+        return Float32(llvm.inline_asm(ir.F32Type.get(), [_v(word, Int32)],
+                                       "{\n .reg .b16 l, h;\n mov.b32 {l, h}, $1;\n cvt.f32.f16 $0, l;\n}",
+                                       "=f,r", has_side_effects=False, asm_dialect=0))
+
+    def f16_hi(word) -> Float32:
+        return Float32(llvm.inline_asm(ir.F32Type.get(), [_v(word, Int32)],
+                                       "{\n .reg .b16 l, h;\n mov.b32 {l, h}, $1;\n cvt.f32.f16 $0, h;\n}",
+                                       "=f,r", has_side_effects=False, asm_dialect=0))
+
+    def mma_bf16_16816(a: list, b: list, c: list) -> list:
+        """D = A(16x16 bf16, row) * B(16x8 bf16, col) + C (f32), one warp (mma.sync, sm_80+)."""
+        st = llvm.inline_asm(
+            struct(4, ir.F32Type.get()),
+            [_v(v, Int32) for v in a] + [_v(v, Int32) for v in b] + [_v(v, Float32) for v in c],
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
+            "{$10,$11,$12,$13};",
+            "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False, asm_dialect=0)
+        return [Float32(llvm.extractvalue(ir.F32Type.get(), st, [i])) for i in range(4)]
+
+    def smem_addr(ptr) -> Int32:
+        """32-bit shared-window address of a shared-memory cute pointer."""
+        return Int32(llvm.ptrtoint(i32t(), ptr.to_llvm_ptr()))
+
+    def st_cluster_f32(local_addr, rank, val) -> None:
+        """Store ``val`` at the same shared-memory offset in CTA ``rank`` of this cluster (DSMEM)."""
+        llvm.inline_asm(None, [_v(local_addr, Int32), _v(rank, Int32), _v(val, Float32)],
+                        "{\n .reg .b32 ra;\n mapa.shared::cluster.u32 ra, $0, $1;\n"
+                        " st.shared::cluster.f32 [ra], $2;\n}",
+                        "r,r,f,~{memory}", has_side_effects=True, asm_dialect=0)
+
+    def ld_cluster_f32(local_addr, rank) -> Float32:
+        """Load the f32 at the same shared-memory offset in CTA ``rank`` of this cluster (DSMEM)."""
+        return Float32(llvm.inline_asm(ir.F32Type.get(), [_v(local_addr, Int32), _v(rank, Int32)],
+                                       "{\n .reg .b32 ra;\n mapa.shared::cluster.u32 ra, $1, $2;\n"
+                                       " ld.shared::cluster.f32 $0, [ra];\n}",
+                                       "=f,r,r,~{memory}", has_side_effects=True, asm_dialect=0))
+
+    def cluster_ctarank() -> Int32:
+        return Int32(llvm.inline_asm(i32t(), [], "mov.u32 $0, %cluster_ctarank;", "=r",
+                                     has_side_effects=False, asm_dialect=0))
+
+    def cluster_sync() -> None:
+        """All threads of all CTAs of the cluster; release/acquire orders the DSMEM traffic."""
+        llvm.inline_asm(None, [], "barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;",
+                        "~{memory}", has_side_effects=True, asm_dialect=0)
+
+    def cluster_arrive_relaxed() -> None:
+        llvm.inline_asm(None, [], "barrier.cluster.arrive.relaxed.aligned;", "~{memory}",
+                        has_side_effects=True, asm_dialect=0)
+
+    def cluster_wait() -> None:
+        llvm.inline_asm(None, [], "barrier.cluster.wait.aligned;", "~{memory}", has_side_effects=True, asm_dialect=0)
+
+    def prefetch_l2_bulk(addr, nbytes) -> None:
+        llvm.inline_asm(None, [_v(addr, Int64), _v(nbytes, Int32)],
+                        "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r,~{memory}",
+                        has_side_effects=True, asm_dialect=0)
+
+    return SimpleNamespace(**{k: v for k, v in locals().items() if callable(v) and not k.startswith("_")
+                              and k not in ("i32t", "struct")})

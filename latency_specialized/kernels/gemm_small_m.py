@@ -1,0 +1,339 @@
+"""gemm.cutedsl_small_m: y[M, N] = x[M, K] @ W[N, K]^T (+ residual) for M <= 16 on tensor cores.
+
+``mma.sync.m16n8k16`` with the *weights as the A operand* (16 output rows per warp tile) and the
+tokens as B (8 per n-tile), so a decode batch of 1-16 wastes nothing on the weight side. Both
+fragments are loaded straight from global memory into registers, with no shared-memory staging,
+by permuting K - legal because a dot product does not care in which order K is summed:
+
+    mma's thread (g = lane/4, t = lane%4) holds A[g][2t, 2t+1, 2t+8, 2t+9], A[g+8][same]
+    and B[2t, 2t+1, 2t+8, 2t+9][g]. Map those 4 logical k of one mma, and the 4 of the next,
+    onto the 8 *contiguous* physical k = 32c + 8t .. 32c + 8t + 7 of a 32-wide K chunk c.
+
+So each thread issues one 16-byte load per weight row (rows g and g+8) and one per token row for
+every 32 columns of K, feeds two mma's, and the weight stream is exactly the GEMV's. K is split
+over the ``wk`` warps of a CTA (and, in gemm_splitk.py, over the ``sk`` CTAs of a cluster);
+partial tiles are summed through shared memory (DSMEM across the cluster) in a fixed order, so
+results are deterministic. Rows past N and tokens past M are masked, never written.
+
+Anatomy: config -> kernel class (built on first use; cutlass imported lazily) -> cached compile
+(static K and config; M and N dynamic) -> public wrapper with ``residual=``/``out=``.
+"""
+
+import functools
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from latency_specialized.kernels import compile_cache
+from latency_specialized.kernels.gemm_common import check_gemm_args, grid_cap, max_regs
+from latency_specialized.ops.registry import Implementation, OpContext, Support
+
+NAME = "gemm.cutedsl_small_m"
+MAX_M = 16
+TARGET_WARPS = 132 * 16  # enough independent 16-byte load streams to cover HBM latency on an H200
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    """Static choices of the tensor-core kernel (hashable: part of the compile key)."""
+
+    nt: int = 1
+    """n-tiles of 8 tokens: the kernel serves M <= 8 * nt."""
+    mt: int = 1
+    """m-tiles of 16 weight rows per warp (2 halves the activation re-reads at large M)."""
+    wk: int = 4
+    """Warps per CTA, each on its own share of K."""
+    sk: int = 1
+    """CTAs per cluster along K (split-K across SMs, reduced through DSMEM); 1 = no cluster."""
+    cb: int = 4
+    """32-wide K chunks a warp requests before multiplying (2*mt weight loads of 16 B each)."""
+    pdl: bool = True
+    """Programmatic dependent launch: weight loads start before the previous kernel ends."""
+    ctas_per_sm: int = 0
+    """0: one CTA (cluster) per tile. k > 0: persistent - at most k CTAs per SM walk the tiles, with
+    registers capped so 2k fit: room for the next kernel's PDL prologue."""
+
+    def label(self) -> str:
+        cap = f"g{self.ctas_per_sm}" if self.ctas_per_sm else ""
+        return f"n{self.nt}m{self.mt}w{self.wk}s{self.sk}c{self.cb}{cap}{'p' if self.pdl else ''}"
+
+    def smem_bytes(self) -> int:
+        """Shared memory of the cross-warp reduction (f32 [wk][4*mt*nt][32]); 0 without one."""
+        return 0 if self.wk * self.sk == 1 else self.wk * 4 * self.mt * self.nt * 32 * 4
+
+
+SMEM_LIMIT = 48 * 1024  # stay under the default dynamic shared-memory limit (no opt-in attribute)
+
+
+@functools.cache
+def _kernel_class():
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Int64
+
+    from latency_specialized.kernels.gemm_common import ptx
+
+    P = ptx()
+
+    class MmaGemmKernel:
+        def __init__(self, k: int, cfg: MmaConfig, residual: bool):
+            self.k, self.cfg, self.residual = k, cfg, residual
+            self.chunks = k // 32
+            self.parts = cfg.wk * cfg.sk
+            self.per_part = -(-self.chunks // self.parts)    # chunks each warp walks
+            self.ragged = self.chunks % self.parts != 0       # last round has idle warps
+            self.frag = 4 * cfg.mt * cfg.nt                   # f32 accumulators per thread
+
+        @cute.jit
+        def __call__(self, x: cute.Tensor, w: cute.Tensor, res: cute.Tensor, y: cute.Tensor, cap: Int32, stream):
+            n = w.shape[0]
+            m = x.shape[0]
+            rows = 16 * self.cfg.mt
+            tiles = (n + rows - 1) // rows
+            grid = [cutlass.min(tiles, cap), self.cfg.sk, 1]
+            if cutlass.const_expr(self.cfg.sk > 1):
+                self.kernel(x, w, res, y, n, m, tiles).launch(grid=grid, block=[32 * self.cfg.wk, 1, 1],
+                                                              cluster=[1, self.cfg.sk, 1], stream=stream,
+                                                              use_pdl=self.cfg.pdl)
+            else:
+                self.kernel(x, w, res, y, n, m, tiles).launch(grid=grid, block=[32 * self.cfg.wk, 1, 1],
+                                                              stream=stream, use_pdl=self.cfg.pdl)
+
+        @cute.kernel
+        def kernel(self, x: cute.Tensor, w: cute.Tensor, res: cute.Tensor, y: cute.Tensor, n: Int32, m: Int32,
+                   tiles: Int32):
+            # grid.x = min(tiles, cap): with a cap (ctas_per_sm) CTAs (clusters) walk several tiles
+            bx, _, _ = cute.arch.block_idx()
+            gx, _, _ = cute.arch.grid_dim()
+            buf = None
+            if cutlass.const_expr(self.cfg.wk * self.cfg.sk > 1):
+                smem = cutlass.memory.SmemAllocator()
+                buf = smem.allocate_tensor(Float32, cute.make_layout(self.cfg.wk * self.frag * 32), byte_alignment=16)
+            if cutlass.const_expr(self.cfg.ctas_per_sm > 0):
+                # one loop, not a peeled first tile: the body is large (fully unrolled K), and
+                # griddepcontrol.wait is a no-op once the previous grid has completed
+                for tile in range(bx, tiles, gx):
+                    self.tile_body(x, w, res, y, n, m, buf, tile, tile != bx)
+            else:
+                self.tile_body(x, w, res, y, n, m, buf, bx, False)
+
+        @cute.jit
+        def tile_body(self, x: cute.Tensor, w: cute.Tensor, res: cute.Tensor, y: cute.Tensor, n: Int32, m: Int32,
+                      buf, tile: Int32, again: cutlass.Boolean):
+            cfg = self.cfg
+            K: cutlass.Constexpr = self.k
+            MT: cutlass.Constexpr = cfg.mt
+            NT: cutlass.Constexpr = cfg.nt
+            WK: cutlass.Constexpr = cfg.wk
+            SK: cutlass.Constexpr = cfg.sk
+            F: cutlass.Constexpr = self.frag
+            tid, _, _ = cute.arch.thread_idx()
+            _, srank, _ = cute.arch.block_idx()
+            lane = tid % 32
+            warp = tid // 32
+            g = lane // 4
+            t4 = lane % 4
+            part = srank * WK + warp
+            row_base = tile * (16 * MT)
+
+            # Row addresses (clamped: rows past N re-read row N-1 and are never stored).
+            w_rows = []
+            for mt in cutlass.range_constexpr(MT):
+                for half in cutlass.range_constexpr(2):
+                    row = cutlass.min(row_base + 16 * mt + 8 * half + g, n - 1)
+                    w_rows.append(w.iterator.toint() + Int64(row) * (2 * K) + Int64(t4) * 16)
+            x_rows = []
+            x_ok = []
+            for nt in cutlass.range_constexpr(NT):
+                tok = 8 * nt + g
+                x_ok.append(Int32(tok < m))
+                x_rows.append(x.iterator.toint() + Int64(cutlass.min(tok, m - 1)) * (2 * K) + Int64(t4) * 16)
+
+            acc = [Float32(0.0) for _ in range(F)]
+            for j0 in cutlass.range_constexpr(0, self.per_part, cfg.cb):
+                js = list(range(j0, min(j0 + cfg.cb, self.per_part)))
+                wv = {}
+                for j in js:
+                    chunk = part + self.parts * j
+                    off = Int64(chunk) * 64
+                    last = self.ragged and j == self.per_part - 1
+                    ok = Int32(chunk < self.chunks)
+                    for r in cutlass.range_constexpr(2 * MT):
+                        if cutlass.const_expr(last):
+                            wv[(j, r)] = P.ld_weight_if(w_rows[r] + off, ok)
+                        else:
+                            wv[(j, r)] = P.ld_weight(w_rows[r] + off)
+                if cutlass.const_expr(j0 == 0 and cfg.pdl):
+                    cute.arch.griddepcontrol_wait()
+                    cute.arch.griddepcontrol_launch_dependents()
+                for j in js:
+                    chunk = part + self.parts * j
+                    off = Int64(chunk) * 64
+                    last = self.ragged and j == self.per_part - 1
+                    xv = []
+                    for nt in cutlass.range_constexpr(NT):
+                        pred = x_ok[nt]
+                        if cutlass.const_expr(last):
+                            pred = pred & Int32(chunk < self.chunks)
+                        xv.append(P.ld_act_if(x_rows[nt] + off, pred))
+                    for mt in cutlass.range_constexpr(MT):
+                        lo = wv[(j, 2 * mt)]
+                        hi = wv[(j, 2 * mt + 1)]
+                        for nt in cutlass.range_constexpr(NT):
+                            base = (mt * NT + nt) * 4
+                            c = acc[base:base + 4]
+                            c = P.mma_bf16_16816([lo[0], hi[0], lo[1], hi[1]], [xv[nt][0], xv[nt][1]], c)
+                            c = P.mma_bf16_16816([lo[2], hi[2], lo[3], hi[3]], [xv[nt][2], xv[nt][3]], c)
+                            for q in cutlass.range_constexpr(4):
+                                acc[base + q] = c[q]
+
+            if cutlass.const_expr(WK * SK == 1):
+                for f in cutlass.range_constexpr(F):
+                    self.store(y, res, n, m, row_base, g, t4, Int32(f), acc[f])
+            else:
+                # Partial tiles through shared memory: slot [warp][f][lane] (lane-contiguous: no bank
+                # conflicts), summed in a fixed (cta, warp) order -> deterministic.
+                if cutlass.const_expr(SK == 1):
+                    if again:
+                        cute.arch.sync_threads()  # the previous tile's readers are done with the buffer
+                for f in cutlass.range_constexpr(F):
+                    buf[(warp * F + f) * 32 + lane] = acc[f]
+                if cutlass.const_expr(SK == 1):
+                    cute.arch.sync_threads()
+                else:
+                    P.cluster_sync()
+                # Thread (part, lane) finishes fragment slots f = part, part + WK*SK, ...
+                for i in cutlass.range_constexpr(-(-F // (WK * SK))):
+                    f = part + i * (WK * SK)
+                    if f < F:
+                        s = Float32(0.0)
+                        for src in cutlass.range_constexpr(SK):
+                            for wsrc in cutlass.range_constexpr(WK):
+                                idx = (wsrc * F + f) * 32 + lane
+                                if cutlass.const_expr(SK == 1):
+                                    s = s + buf[idx]
+                                else:
+                                    addr = P.smem_addr(buf.iterator) + idx * 4
+                                    s = s + P.ld_cluster_f32(addr, Int32(src))
+                        self.store(y, res, n, m, row_base, g, t4, f, s)
+                if cutlass.const_expr(SK > 1):
+                    P.cluster_sync()  # peers keep their shared memory until every read is done
+
+        @cute.jit
+        def store(self, y: cute.Tensor, res: cute.Tensor, n: Int32, m: Int32, row_base: Int32, g: Int32,
+                  t4: Int32, f: Int32, v: Float32):
+            # accumulator slot f = (mt*NT + nt)*4 + q: q>>1 picks row g or g+8, q&1 the token pair
+            q = f % 4
+            nt = (f // 4) % self.cfg.nt
+            mt = f // (4 * self.cfg.nt)
+            row = row_base + 16 * mt + g + 8 * (q // 2)
+            tok = 8 * nt + 2 * t4 + (q % 2)
+            if row < n and tok < m:
+                out = v
+                if cutlass.const_expr(self.residual):
+                    out = out + res[tok, row].to(Float32)
+                y[tok, row] = out.to(y.element_type)
+
+    return MmaGemmKernel
+
+
+def compile_mma(k: int, cfg: MmaConfig, residual: bool):
+    """Compiled kernel for (K, config, residual); M and N are dynamic."""
+
+    def build(arch: str):
+        import cutlass
+        import cutlass.cute as cute
+
+        from latency_specialized.kernels.gemm_common import compile_options, fake_rows, fake_stream
+
+        m, n = cute.sym_int(), cute.sym_int()
+        bf = cutlass.BFloat16
+        args = (fake_rows(bf, m, k), fake_rows(bf, n, k), fake_rows(bf, m, n), fake_rows(bf, m, n), 1,
+                fake_stream())
+        return cute.compile(_kernel_class()(k, cfg, residual), *args,
+                            options=compile_options(arch, max_regs(32 * cfg.wk, cfg.ctas_per_sm)))
+
+    return compile_cache.cached_compile("gemm.cutedsl_mma", (k, residual) + tuple(sorted(asdict(cfg).items())),
+                                        build)
+
+
+def _pow2_at_most(x: float, cap: int) -> int:
+    p = 1
+    while p * 2 <= min(x, cap):
+        p *= 2
+    return p
+
+
+def default_config(n: int, k: int, m: int, *, sk_max: int = 1) -> MmaConfig:
+    """Heuristic: enough warps for HBM (TARGET_WARPS), every warp at least 2 chunks of K.
+
+    ``sk_max`` > 1 allows cluster split-K (gemm_splitk).
+    """
+    nt = max(1, math.ceil(m / 8))
+    mt = 2 if nt >= 4 else 1
+    chunks = k // 32
+    tiles = math.ceil(n / (16 * mt))
+    need = max(1.0, TARGET_WARPS / tiles)
+    wk = _pow2_at_most(min(need, max(1, chunks // 2)), min(8, SMEM_LIMIT // (4 * mt * nt * 32 * 4)))
+    sk = _pow2_at_most(min(need / wk, max(1, chunks // (2 * wk))), sk_max) if sk_max > 1 else 1
+    per = math.ceil(chunks / (wk * sk))
+    cb = min(4 if mt == 1 else 2, per)
+    return MmaConfig(nt=nt, mt=mt, wk=wk, sk=sk, cb=max(1, cb))
+
+
+def run_mma(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor | None,
+            config: MmaConfig, name: str) -> torch.Tensor:
+    from latency_specialized.errors import UserError
+
+    m, n, k = check_gemm_args(x, weight, residual, out, kmult=32)
+    if m > 8 * config.nt:
+        raise UserError(f"{name}: config {config.label()} serves M<={8 * config.nt}, got M={m}")
+    if config.smem_bytes() > SMEM_LIMIT or config.sk > 8:
+        raise UserError(f"{name}: config {config.label()} needs {config.smem_bytes()} B of shared memory / "
+                        f"cluster {config.sk}: use wk*mt*nt <= 96 and sk <= 8")
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    fn = compile_mma(k, config, residual is not None)
+    fn(x, weight, residual if residual is not None else out, out, grid_cap(x.device, config.ctas_per_sm))
+    return out
+
+
+def gemm_small_m(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None, config: MmaConfig | None = None) -> torch.Tensor:
+    """y = x @ weight.T (+ residual) on tensor cores, M <= 16 (gemm contract, ops/gemm.py).
+
+    Parameters
+    ----------
+    x : [M, K] bf16, M <= 16, K % 32 == 0.
+    weight : [N, K] bf16.
+    residual : optional [M, N] bf16 added before the single rounding.
+    out : optional [M, N] bf16 destination.
+    config : kernel choices; default: the tuning table's, else a heuristic (no cluster).
+    """
+    from latency_specialized.errors import UserError
+
+    m, n, k = x.shape[0], weight.shape[0], x.shape[-1]
+    if m > MAX_M:
+        raise UserError(f"{NAME} serves M<={MAX_M} (got M={m}): use gemm.cutedsl_splitk or gemm.cublas")
+    if config is None:
+        from latency_specialized.kernels import tuning
+
+        config = tuning.config_for(NAME, n, k, m, MmaConfig) or default_config(n, k, m)
+    return run_mma(x, weight, residual, out, config, NAME)
+
+
+def _supports(ctx: OpContext) -> Support:
+    from latency_specialized.kernels import tuning
+
+    if ctx.tokens > MAX_M:
+        return f"small-M kernel serves M<={MAX_M} (M={ctx.tokens})"
+    if ctx.dim("K") % 32:
+        return f"needs K % 32 == 0 (K={ctx.dim('K')})"
+    return tuning.gemm_supports(NAME, ctx)
+
+
+IMPLEMENTATIONS = [
+    Implementation("gemm", NAME, gemm_small_m, _supports, priority=20,
+                   description="CuTe DSL mma.sync m16n8k16, weights as A loaded straight to registers, M<=16"),
+]
