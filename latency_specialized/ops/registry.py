@@ -31,6 +31,7 @@ FAMILIES: dict[str, str] = {
     "attention.gqa": "GQA decode over a paged KV cache, optional sliding window",
     "attention.sparse": "top-k index attention (DSA-style)",
     "attention.dcp_merge": "merge partial attention outputs by LSE across context-parallel ranks",
+    "residual.attnres": "Block AttnRes: softmax mix of RMS-normed block outputs by a learned query (+ RMSNorm)",
 }
 
 

@@ -1,0 +1,210 @@
+"""`latency-specialized generate`: a standalone engine - reference prefill, then decode through the program.
+
+Works for any adapter with the ``reference`` and ``program`` capabilities whose objects follow
+this small protocol (Kimi K3 does):
+
+* ``adapter.reference(spec, checkpoint=, seed=, dtype=, device=)`` -> a reference with ``spec``,
+  ``tokenizer`` (``tokenizers.Tokenizer`` or None), ``bos_token_id``, ``new_cache(num_seqs, max_len)``
+  (a cache with ``slots`` (``row``, ``blocks``), ``block_size`` and ``block_table()``) and
+  ``prefill(cache, slot, start, ids) -> [T, vocab] logits``;
+* ``adapter.program(spec, reference=, plans=, cache=, trace=)`` -> a runtime ``DecodeProgram``.
+
+Prefill always runs the reference (the stock path; the trace says so). Every decode step runs the
+program through the runtime's graph runner - eagerly here (the CPU references of some op families
+sync with the host, so the step cannot be captured yet) - with the runner's gate and trace.
+Greedy by default; ``--temperature`` samples with exponential-race noise (no host sync).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+DEMO = "latency-specialized generate --model kimi_k3 --size tiny --batch 2 --max-tokens 24 --prompt 'The quick brown fox'"
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("generate", help="generate text: reference prefill, then decode steps through the program",
+                       description=f"Example: {DEMO} --show-plan --show-trace")
+    p.add_argument("--model", required=True, help="adapter name (see `models`) or HF architecture")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint", metavar="DIR", help="Hugging Face model directory (config.json + safetensors)")
+    src.add_argument("--size", choices=["tiny", "full"], default=None,
+                     help="random weights of this variant (default tiny when no --checkpoint)")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", action="append", help="prompt text (repeat for several; cycled over --batch)")
+    prompt.add_argument("--prompt-ids", help="comma-separated token ids (no tokenizer needed)")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per sequence")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and of sampling")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="activation dtype")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default 1 on the CPU: tiny ops only lose from threading)")
+    p.add_argument("--show-plan", action="store_true", help="print the full dispatch plan")
+    p.add_argument("--show-trace", action="store_true", help="print the trace (site bindings, fast/stock steps)")
+    return p
+
+
+class _SpecBound:
+    """An adapter whose spec() returns one given spec (a checkpoint's), for build_plan."""
+
+    def __init__(self, adapter: Any, spec: Any):
+        self._adapter, self._spec = adapter, spec
+        self.name = adapter.name
+
+    def spec(self, variant: str = "full") -> Any:
+        return self._spec
+
+    def __getattr__(self, item: str) -> Any:
+        return getattr(self._adapter, item)
+
+
+def _sample(logits, temperature: float, gen) -> Any:
+    import torch
+
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    noise = torch.empty_like(probs).exponential_(generator=gen)
+    return (probs / noise).argmax(-1)  # exponential race == sampling from probs, no host sync
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from latency_specialized import hardware
+    from latency_specialized.errors import UserError
+    from latency_specialized.ops.plan import build_plan
+    from latency_specialized.plugins import get_registry
+    from latency_specialized.runtime.buffers import BufferSpec, DecodeBuffers
+    from latency_specialized.runtime.gate import DecodeGate, StepState
+    from latency_specialized.runtime.graph_runner import CUDAGraphRunner
+    from latency_specialized.trace import Trace
+
+    if args.max_tokens < 1 or args.batch < 1:
+        raise UserError("use --max-tokens >= 1 and --batch >= 1")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda but torch sees no CUDA device: use --device cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads or 1)
+    reg = get_registry()
+    adapter = reg.adapter(args.model)
+    missing = {"reference", "program"} - set(adapter.capabilities)
+    if missing:
+        raise UserError(f"{adapter.name} has no {' / '.join(sorted(missing))} yet: `generate` needs both "
+                        f"(capabilities: {sorted(adapter.capabilities)})")
+    t0 = time.perf_counter()
+    if args.checkpoint:
+        ref = adapter.reference(None, checkpoint=args.checkpoint, dtype=args.dtype, device=device)
+        source = f"checkpoint {args.checkpoint}"
+    else:
+        size = args.size or "tiny"
+        ref = adapter.reference(adapter.spec(size), seed=args.seed, dtype=args.dtype, device=device)
+        source = f"{size}, random weights seed {args.seed}"
+    spec = ref.spec
+    load_s = time.perf_counter() - t0
+
+    # ---- prompts
+    tok = ref.tokenizer
+    if args.prompt_ids:
+        try:
+            prompts = [[int(x) for x in args.prompt_ids.split(",") if x.strip()]]
+        except ValueError:
+            raise UserError(f"--prompt-ids {args.prompt_ids!r}: use comma-separated integers, e.g. 1,2,3") from None
+        texts = [None]
+    else:
+        if tok is None:
+            raise UserError(f"{source} has no tokenizer.json: pass --prompt-ids instead of --prompt")
+        bos = [ref.bos_token_id] if ref.bos_token_id is not None else []
+        prompts = [bos + tok.encode(t).ids for t in args.prompt]
+        texts = list(args.prompt)
+    for p in prompts:
+        if not p:
+            raise UserError("empty prompt: give at least one token")
+        bad = [i for i in p if not 0 <= i < spec.vocab_size]
+        if bad:
+            raise UserError(f"token ids {bad[:5]} outside the vocabulary 0..{spec.vocab_size - 1}")
+    B = args.batch
+    seq_prompts = [prompts[b % len(prompts)] for b in range(B)]
+    max_len = max(len(p) for p in seq_prompts) + args.max_tokens
+
+    trace = Trace()
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    cache = ref.new_cache(B, max_len)
+    # ---- prefill: the reference (stock) path
+    t1 = time.perf_counter()
+    first = []
+    for b, p in enumerate(seq_prompts):
+        logits = ref.prefill(cache, cache.slots[b], 0, p)[-1]
+        first.append(_sample(logits.unsqueeze(0), args.temperature, gen)[0])
+        trace.stock("prefill runs the reference path (stock)", batch=1, tokens=len(p))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    prefill_s = time.perf_counter() - t1
+
+    # ---- decode: the program through the runtime runner
+    hw = hardware.probe() if device.type == "cuda" else hardware.for_arch("cpu")
+    plan = build_plan(_SpecBound(adapter, spec), reg.implementations, hw, tp=1, batch=B, dtype=args.dtype,
+                      variant=spec.variant)
+    if plan.scope_problems:
+        trace.note("outside the fast-path scope: " + "; ".join(plan.scope_problems))
+    program = adapter.program(spec, reference=ref, plans=plan, cache=cache, trace=trace)
+    buffers = DecodeBuffers(BufferSpec(max_batch=program.max_batch, max_blocks_per_seq=len(cache.slots[0].blocks),
+                                       block_size=cache.block_size, pad_state=0), device)
+    tokens = torch.stack(first)
+    buffers.load(tokens, [len(p) for p in seq_prompts], [s.row for s in cache.slots],
+                 cache.block_table(device="cpu"))
+    greedy = args.temperature <= 0
+    runner = CUDAGraphRunner(program, buffers, gate=DecodeGate(max_batch=program.max_batch, buckets=(plan.bucket,)),
+                             trace=trace, use_graphs=False, feed_back_tokens=greedy)
+    out = [tokens]
+    step_s = []
+    for _ in range(args.max_tokens - 1):
+        t = time.perf_counter()
+        res = runner.run(StepState(num_seqs=B), tokens=None if greedy else out[-1])
+        if not res.fast:
+            raise UserError(f"decode step ran stock: {res.reason}")
+        nxt = res.outputs["next_tokens"].clone() if greedy else _sample(res.outputs["logits"], args.temperature, gen)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        step_s.append(time.perf_counter() - t)
+        out.append(nxt)
+    generated = torch.stack(out, dim=1).cpu().tolist()
+
+    # ---- report
+    print(f"{adapter.name} [{source}] on {device} ({args.dtype}), batch {B}, {spec.num_layers} layers, "
+          f"vocab {spec.vocab_size} (loaded in {load_s * 1e3:.0f} ms)")
+    for i, p in enumerate(prompts):
+        label = repr(texts[i]) if texts[i] is not None else "ids"
+        print(f"prompt {i}: {label} -> {len(p)} tokens {p}")
+    print(f"prefill: reference path (stock), {B} sequence(s), {sum(map(len, seq_prompts))} tokens, "
+          f"{prefill_s * 1e3:.1f} ms")
+    if step_s:
+        ms = [s * 1e3 for s in step_s]
+        print(f"decode: {len(ms)} steps through the program (eager), {statistics.median(ms):.1f} ms/step median "
+              f"(mean {statistics.fmean(ms):.1f}, min {min(ms):.1f}), bucket {plan.bucket}")
+    else:
+        print("decode: no steps (--max-tokens 1: the one token came from prefill)")
+    for b, ids in enumerate(generated):
+        print(f"[{b}] ids: {ids}")
+        if tok is not None:
+            print(f"[{b}] text: {tok.decode(ids)!r}")
+    c = plan.counts()
+    served = sorted({ch.impl.name for ch in plan.choices if ch.impl is not None})
+    print(f"plan: {c['sites']} sites on {plan.hardware.arch} | fast {c['fast']} | reference {c['reference']} | "
+          f"unserved {c['unserved']} | {len(served)} implementations")
+    if getattr(program, "calls", None):
+        print(f"program: {program.steps_run} steps, {sum(program.calls.values())} op calls over "
+              f"{len(program.calls)} sites")
+    if args.show_plan:
+        print(plan.to_text(refusals=True))
+    if args.show_trace:
+        print(trace.to_text(last=8))
+        print("  sites bound per implementation: "
+              + ", ".join(f"{impl} x{n}" for impl, n in sorted(trace.impl_calls.items())))
+    return 0

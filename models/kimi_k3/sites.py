@@ -1,0 +1,106 @@
+"""Op sites of one Kimi K3 decode step (per rank), in the order the program calls them.
+
+Kimi's step differs from the generic pre-norm layer (``ops/sites.py``), so the adapter lists its
+own sites:
+
+* no additive residual + norm: every sublayer input is an AttnRes mix (``*.attnres``, family
+  ``residual.attnres``) whose output RMSNorm *is* the layer's input/post-attention norm; the
+  sublayer output is added into the partial-block row by the (all-reduce +) residual op with no
+  norm (``*.allreduce``);
+* KDA's fused input projection also carries f_a (rank ``head_dim``, replicated) and beta, as vLLM's
+  ``in_proj_qkvgfab``; f_b is its own GEMM;
+* MLA: one GEMM for ``[q_a | kv_a]`` (vLLM ``fused_qkv_a_proj``), two norms, q_b, the output-gate
+  GEMM, then attention with the gate fused (``attention.mla``), then o_proj;
+* latent MoE: router GEMM (fp32 logits), routing, latent down-projection, routed experts at the
+  latent width, the experts' all-reduce fused with the latent RMSNorm (*after* the experts),
+  shared experts, and the latent up-projection of the rank's hidden slice with the shared output
+  as its residual (one rounding, as vLLM's ``addmm_``);
+* model level: the final AttnRes mix (no output norm), the final norm and the LM head.
+"""
+
+from __future__ import annotations
+
+from latency_specialized.ops.sites import OpSite, SiteBuilder
+from latency_specialized.spec import DenseMLPSpec, KDAAttentionSpec, LayerSpec, MLAAttentionSpec, ModelSpec, MoESpec, ParallelSpec
+
+
+def _attnres(b: SiteBuilder, role: str, hidden: int, rows: int, out_norm: bool) -> None:
+    b.add(role, "residual.attnres", weight_bytes=2 * hidden * 2, N=hidden, R=rows, attrs={"out_norm": out_norm})
+
+
+def _attention(b: SiteBuilder, a, hidden: int) -> None:
+    if isinstance(a, KDAAttentionSpec):
+        hd = a.num_heads * a.head_dim
+        b.gemm("attn.in_proj", 4 * hd + a.decay_rank + a.num_heads, hidden)  # q, k, v, g_out | f_a | beta
+        b.gemm("attn.f_b_proj", hd, a.decay_rank)
+        b.add("attn.kda", "attention.kda", heads=a.num_heads, head_dim=a.head_dim, conv=a.conv_kernel)
+        b.gemm("attn.o_proj", hidden, hd)
+        return
+    assert isinstance(a, MLAAttentionSpec)
+    qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+    if a.q_lora_rank:
+        b.gemm("attn.qkv_a_proj", a.q_lora_rank + a.kv_lora_rank + a.qk_rope_head_dim, hidden)
+        b.add("attn.q_a_norm", "norm", N=a.q_lora_rank)
+        b.add("attn.kv_a_norm", "norm", N=a.kv_lora_rank)
+        b.gemm("attn.q_b_proj", a.num_heads * qk, a.q_lora_rank)
+    else:
+        b.gemm("attn.kv_a_proj", a.kv_lora_rank + a.qk_rope_head_dim, hidden)
+        b.add("attn.kv_a_norm", "norm", N=a.kv_lora_rank)
+        b.gemm("attn.q_proj", a.num_heads * qk, hidden)
+    if a.output_gate == "sigmoid":
+        b.gemm("attn.gate_proj", a.num_heads * a.v_head_dim, hidden)
+    b.add("attn.mla", "attention.mla", heads=a.num_heads, kv_lora=a.kv_lora_rank, rope=a.qk_rope_head_dim,
+          nope=a.qk_nope_head_dim, v=a.v_head_dim, attrs={"gate": a.output_gate, "rope": a.use_rope})
+    b.gemm("attn.o_proj", hidden, a.num_heads * a.v_head_dim)
+
+
+def _ffn(b: SiteBuilder, f, hidden: int, tp: int, latent_norm: bool) -> None:
+    if isinstance(f, DenseMLPSpec):
+        b.add("mlp", "mlp", weight_bytes=3 * hidden * f.intermediate * 2, N=f.intermediate, K=hidden,
+              attrs={"activation": f.activation.kind})
+        return
+    assert isinstance(f, MoESpec)
+    width = f.latent_dim or hidden
+    # Router and latent down-projection replicated on every rank, as the program runs them today
+    # (stock's design; splitting them across ranks - ops/tp_moe.py - is the next step).
+    b.gemm("moe.router_gemm", f.num_experts, hidden)
+    b.add("moe.router", "moe.router", E=f.num_experts, topk=f.top_k,
+          attrs={"score_func": f.router.score_func, "bias": f.router.bias_corrected})
+    b.gemm("moe.latent_down", width, hidden)
+    b.add("moe.experts", "moe.experts", E=f.num_experts, topk=f.top_k, N=f.expert_intermediate, K=width,
+          attrs={"activation": f.activation.kind})
+    # the experts' partial latent is all-reduced with the latent RMSNorm fused (vLLM: all-reduce, then norm)
+    b.add("moe.latent_allreduce", "allreduce", N=width, attrs={"residual": False, "norm": latent_norm})
+    if f.num_shared_experts:
+        inter = f.num_shared_experts * f.expert_intermediate
+        b.add("moe.shared", "mlp", weight_bytes=3 * hidden * inter * 2, N=inter, K=hidden,
+              attrs={"activation": f.activation.kind, "side_stream": True})
+    # each rank up-projects into its hidden slice, added to the shared experts' partial (vLLM's
+    # sharded latent-MoE tail), so the FFN all-reduce counts the routed output once
+    b.gemm("moe.latent_up", hidden // tp, width, residual=bool(f.num_shared_experts))
+
+
+def kimi_op_sites(spec: ModelSpec, parallel: ParallelSpec, tokens: int, arch: str, dtype: str) -> list[OpSite]:
+    """Sites of one Kimi K3 decode step on one rank (``spec`` full or already sharded)."""
+    rank_spec = spec if spec.tp == parallel.tp else spec.shard(parallel.tp)
+    hidden = spec.hidden_size
+    block = spec.residual.block_size or 1
+    b = SiteBuilder(arch, dtype, tokens, parallel.tp)
+    groups: dict[str, list[LayerSpec]] = {}
+    for layer in rank_spec.layers:
+        groups.setdefault(layer.kind, []).append(layer)
+    rows = -(-spec.num_layers // block) + 1
+    for kind, layers in groups.items():
+        b.prefix, b.layers = kind, tuple(l.index for l in layers)
+        first = layers[0]
+        _attnres(b, "attn.attnres", hidden, rows, out_norm=True)
+        _attention(b, first.attention, hidden)
+        b.add("attn.allreduce", "allreduce", N=hidden, attrs={"residual": True, "norm": False})
+        _attnres(b, "ffn.attnres", hidden, rows, out_norm=True)
+        _ffn(b, first.ffn, hidden, parallel.tp, getattr(spec, "latent_moe_norm", True))
+        b.add("ffn.allreduce", "allreduce", N=hidden, attrs={"residual": True, "norm": False})
+    b.prefix, b.layers = "", ()
+    _attnres(b, "final.attnres", hidden, rows, out_norm=False)
+    b.add("final_norm", "norm", N=hidden)
+    b.gemm("lm_head", spec.vocab_size // parallel.tp, hidden)
+    return b.sites

@@ -1,0 +1,88 @@
+"""`latency-specialized generate` / `make-checkpoint` end to end (in-process main() and the exact demo)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from latency_specialized.cli import main
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _ids(out: str) -> list[str]:
+    return re.findall(r"^\[\d+\] ids: (.*)$", out, flags=re.M)
+
+
+def test_demo_command_runs_under_a_minute():
+    """Exactly what `make demo` runs, as a subprocess of the installed console script's module."""
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "latency_specialized.cli", "generate", "--model", "kimi_k3",
+                           "--size", "tiny", "--batch", "2", "--max-tokens", "24", "--prompt", "The quick brown fox",
+                           "--show-plan", "--show-trace"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    wall = time.perf_counter() - t
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "decode: 23 steps through the program" in out
+    assert re.search(r"trace: 23 fast steps, 2 stock steps", out)
+    assert "stock x2: prefill runs the reference path (stock)" in out
+    assert "attention.kda.reference" in out and "residual.attnres.reference" in out
+    assert len(_ids(out)) == 2 and all(len(x.split(",")) == 24 for x in _ids(out))
+    assert wall < 60, f"demo took {wall:.1f} s"
+
+
+def test_generate_batch_with_padding_and_prompts(capsys):
+    rc, out, _ = _run(capsys, "generate", "--model", "kimi_k3", "--size", "tiny", "--batch", "3", "--max-tokens", "4",
+                      "--prompt", "Hello world", "--prompt", "Once upon a time there was a kernel", "--dtype", "float32")
+    assert rc == 0
+    assert "bucket 4" in out                      # batch 3 runs padded to the graph bucket 4
+    ids = _ids(out)
+    assert len(ids) == 3 and ids[0] == ids[2]     # prompts cycle: sequences 0 and 2 share a prompt (greedy)
+    assert "program: 3 steps" in out
+
+
+def test_sampling_is_seeded(capsys):
+    args = ["generate", "--model", "kimi_k3", "--prompt-ids", "1,40,41,42", "--max-tokens", "6", "--temperature", "1.0"]
+    a = _ids(_run(capsys, *args, "--seed", "3")[1])
+    b = _ids(_run(capsys, *args, "--seed", "3")[1])
+    c = _ids(_run(capsys, *args, "--seed", "4")[1])
+    assert a == b and a != c
+
+
+def test_checkpoint_generates_like_in_memory_weights(tmp_path, capsys):
+    d = tmp_path / "tiny"
+    rc, out, _ = _run(capsys, "make-checkpoint", "kimi_k3", str(d), "--seed", "0")
+    assert rc == 0 and "config.json, model.safetensors, tokenizer.json, tokenizer_config.json" in out
+    args = ["--prompt", "The quick brown fox", "--max-tokens", "6", "--batch", "2"]
+    rc1, from_ck, _ = _run(capsys, "generate", "--model", "kimi_k3", "--checkpoint", str(d), *args)
+    rc2, in_mem, _ = _run(capsys, "generate", "--model", "kimi_k3", "--size", "tiny", "--seed", "0", *args)
+    assert rc1 == rc2 == 0
+    assert _ids(from_ck) == _ids(in_mem)
+
+
+def test_user_errors_exit_2_with_the_fix(tmp_path, capsys):
+    rc, _, err = _run(capsys, "generate", "--model", "kimi_k3", "--size", "full", "--prompt", "hi")
+    assert rc == 2 and "--checkpoint" in err
+    rc, _, err = _run(capsys, "generate", "--model", "kimi_k3", "--checkpoint", str(tmp_path), "--prompt", "hi")
+    assert rc == 2 and "config.json" in err
+    rc, _, err = _run(capsys, "generate", "--model", "kimi_k3", "--prompt-ids", "1,x")
+    assert rc == 2 and "comma-separated" in err
+    rc, _, err = _run(capsys, "generate", "--model", "kimi_k3", "--prompt-ids", "1,99999")
+    assert rc == 2 and "outside the vocabulary" in err
+    d = tmp_path / "notok"
+    assert _run(capsys, "make-checkpoint", "kimi_k3", str(d))[0] == 0
+    (d / "tokenizer.json").unlink()
+    rc, _, err = _run(capsys, "generate", "--model", "kimi_k3", "--checkpoint", str(d), "--prompt", "hi")
+    assert rc == 2 and "--prompt-ids" in err
+    rc, out, _ = _run(capsys, "generate", "--model", "kimi_k3", "--checkpoint", str(d), "--prompt-ids", "1,2,3",
+                      "--max-tokens", "2")
+    assert rc == 0 and len(_ids(out)) == 1
