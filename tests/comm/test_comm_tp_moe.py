@@ -1,0 +1,48 @@
+"""TP-split MoE routing helpers in one process (the multi-process runs are in test_comm_emulation)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from latency_specialized.errors import UserError
+from latency_specialized.ops import tp_moe
+from latency_specialized.ops.moe import route_reference
+from latency_specialized.spec import RouterSpec
+
+
+def test_pack_unpack_moves_bits_exactly_in_rank_order():
+    g = torch.Generator().manual_seed(0)
+    W, M = 4, 3
+    ranks = [(torch.randn(M, 5, generator=g), torch.randn(M, 6, generator=g).to(torch.bfloat16)) for _ in range(W)]
+    gathered = torch.cat([tp_moe._pack(list(parts)) for parts in ranks], dim=-1)  # what all_gather(dim=-1) returns
+    logits, latent = tp_moe._unpack(gathered, W, [(5, torch.float32), (6, torch.bfloat16)])
+    assert torch.equal(logits, torch.cat([r[0] for r in ranks], -1))
+    assert torch.equal(latent, torch.cat([r[1] for r in ranks], -1))
+
+
+def test_world_of_one_equals_replicated():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 32, generator=g).to(torch.bfloat16)
+    w = torch.randn(16, 32, generator=g).to(torch.bfloat16)
+    lat = torch.randn(8, 32, generator=g).to(torch.bfloat16)
+    bias = torch.randn(16, generator=g)
+    router = RouterSpec(score_func="sqrtsoftplus", routed_scaling=1.5)
+    weights, ids, latent = tp_moe.tp_route(x, w, bias, 4, router, latent_shard=lat)
+    ref_w, ref_ids = route_reference(tp_moe.router_logits(x, w), bias, 4, router)
+    assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_w)
+    assert latent.shape == (4, 8) and latent.dtype == torch.bfloat16
+
+
+def test_errors_name_the_fix():
+    with pytest.raises(UserError, match="not divisible by TP=3"):
+        tp_moe.shard_rows(torch.zeros(896, 4), 0, 3, "router")
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    with pytest.raises(UserError, match="pass the full"):
+        tp_moe.tp_route(x, w, torch.zeros(3), 2, RouterSpec(score_func="sigmoid"))
+
+
+def test_shards_partition_the_rows():
+    w = torch.arange(896 * 2).reshape(896, 2)
+    parts = [tp_moe.shard_rows(w, r, 8) for r in range(8)]
+    assert all(p.shape == (112, 2) for p in parts) and torch.equal(torch.cat(parts), w)
