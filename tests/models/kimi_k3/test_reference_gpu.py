@@ -1,0 +1,53 @@
+"""The Kimi K3 reference on a GPU: prefill + batched decode of sequences of different lengths on CUDA
+(fp32 against float64 on the CPU, bf16 against bf16 on the CPU), teacher-forced."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from latency_specialized_models.kimi_k3.reference import KimiK3Reference
+from latency_specialized_models.kimi_k3.spec import tiny_spec
+from latency_specialized_models.kimi_k3.weights import random_weights
+
+# Relative to max |logits| of the oracle run. fp32 on CUDA is checked against float64 on the CPU;
+# bf16 against bf16 on the CPU (bf16 vs float64 differs by O(1) with random weights: routing flips).
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-1}
+ORACLE = {torch.float32: torch.float64, torch.bfloat16: torch.bfloat16}
+
+
+def _run(dtype: torch.dtype, device: str, prompts: list[list[int]], steps: int,
+         forced: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Logits per step and the tokens fed; ``forced`` teacher-forces the tokens of another run."""
+    spec = tiny_spec()
+    ref = KimiK3Reference(spec, random_weights(spec, seed=7, dtype=dtype, device=device))
+    cache = ref.new_cache(len(prompts), max(map(len, prompts)) + steps, block_size=4)
+    outs = []
+    toks = []
+    for slot, p in zip(cache.slots, prompts):
+        logits = ref.prefill(cache, slot, 0, p)
+        toks.append(int(logits[-1].argmax()))
+        outs.append(logits[-1].double().cpu())
+    positions = [len(p) for p in prompts]
+    tok = torch.tensor(toks) if forced is None else forced[0]
+    fed = [tok]
+    for step in range(steps):
+        logits = ref.decode(cache, cache.slots, positions, tok)
+        outs.append(logits.double().cpu())
+        tok = logits.argmax(-1).cpu() if forced is None else forced[min(step + 1, steps - 1)]
+        fed.append(tok)
+        positions = [q + 1 for q in positions]
+    return outs, fed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_reference_on_cuda_matches_float64_cpu(dtype):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (13, 5, 9)]
+    want, fed = _run(ORACLE[dtype], "cpu", prompts, steps=6)
+    got, _ = _run(dtype, "cuda", prompts, steps=6, forced=fed)
+    scale = max(w.abs().max().item() for w in want)
+    err = max((a - b).abs().max().item() for a, b in zip(got, want))
+    print(f"kimi_k3 reference cuda {dtype}: max |logits - oracle| = {err:.3e} (scale {scale:.2f})")
+    assert err <= TOL[dtype] * scale
