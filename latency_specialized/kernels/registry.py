@@ -10,6 +10,18 @@ from __future__ import annotations
 import importlib
 
 KERNEL_MODULES: tuple[str, ...] = (
+    "latency_specialized.kernels.allreduce_lamport",
+    "latency_specialized.kernels.allreduce_two_stage",
+    "latency_specialized.kernels.gemm_gemv",
+    "latency_specialized.kernels.gemm_small_m",
+    "latency_specialized.kernels.gemm_splitk",
+    "latency_specialized.kernels.rmsnorm",
+    "latency_specialized.kernels.prefetch",
+    "latency_specialized.kernels.moe_router",
+    "latency_specialized.kernels.moe_experts",
+    "latency_specialized.kernels.kda_decode",
+    "latency_specialized.kernels.attnres",
+    "latency_specialized.kernels.mlp_fused",
 )
 
 IMPLEMENTATIONS: list = []

@@ -1,0 +1,401 @@
+"""CuTe DSL fused KDA decode (``attention.kda``): conv + SiLU, L2 norm, decay, delta rule, gated RMSNorm.
+
+One CTA per (head, sequence), 256 threads. The fp32 state of a head ([D_v, D_k] = 128x128, 64 KiB)
+is the traffic that matters: it is read once and written once, in place. Every thread issues its 16
+state loads (16-byte, 4 rows x 4 column blocks) *first*, then computes the per-token preamble
+(depthwise conv over the rolling conv state, SiLU, q/k L2 norms, per-key decay) while those loads
+are in flight. An 8-lane group owns a state row (512 B: 8 lanes x 16 B x 4 column blocks,
+coalesced); ``S k`` and ``S q`` are 3-step shuffle reductions inside the group. The 128 outputs are
+then RMS-normalised over the head and gated with sigmoid(g_out).
+
+Shapes are those of ``ops.attention.kda.kda_decode_reference`` (head_dim 128; conv width static).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from latency_specialized.errors import UserError
+from latency_specialized.kernels.compile_cache import cached_compile, cute_available
+from latency_specialized.ops.registry import Implementation, OpContext, Support
+
+HEAD_DIM = 128
+THREADS = 256
+
+
+@dataclass(frozen=True)
+class KDAConfig:
+    """Static configuration (hashable compile-cache key)."""
+
+    heads: int
+    conv_width: int
+    dtype: str
+    """Activation dtype (mixed_qkv, conv_state, g_out, f, beta_logit, output)."""
+    param_dtype: str
+    """dtype of conv_weight, A_log, dt_bias, norm_weight."""
+    idx_dtype: str
+    eps: float
+    gate_lower_bound: float
+    scale: float
+    row_split: int = 1
+    """CTAs per (head, sequence): 2 splits the 128 state rows over a 2-CTA cluster (128 threads each),
+    the RMSNorm's sum of squares crossing through distributed shared memory."""
+
+
+def _cutlass_dtype(name: str):
+    import cutlass
+
+    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32,
+            "int32": cutlass.Int32, "int64": cutlass.Int64}[name]
+
+
+def _dtype_name(t: torch.dtype) -> str:
+    return str(t).removeprefix("torch.")
+
+
+def _compile_options(arch: str, ptxas: str = "") -> str:
+    """TVM-FFI compile for ``arch``; PTX kept (tests grep it) in a temp dump dir, not the cwd."""
+    import os
+    import tempfile
+
+    dump = os.path.join(tempfile.gettempdir(), f"ls_kernels_ptx_{os.getpid()}")
+    os.makedirs(dump, exist_ok=True)
+    extra = f" --ptxas-options '{ptxas}'" if ptxas else ""
+    return f"--enable-tvm-ffi --gpu-arch {arch} --keep-ptx --dump-dir {dump}{extra}"
+
+
+def ptx_of(compiled) -> str | None:
+    """PTX of a fresh compile (None when loaded from the disk cache)."""
+    art = getattr(compiled, "artifacts", None)
+    return getattr(art, "PTX", None) if art is not None else None
+
+
+def _build_kernel_class():
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Int64
+    from cutlass.memory import SmemAllocator
+
+    D = HEAD_DIM
+
+    def vec4(ptr, off):
+        return cute.make_tensor((ptr + off).align(16), cute.make_layout(4))
+
+    def ld_peer_f32(smem_ptr, rank):
+        """The f32 at the same shared-memory offset in CTA ``rank`` of this cluster (DSMEM load)."""
+        from cutlass._mlir import ir
+        from cutlass._mlir.dialects import llvm
+
+        addr = Int32(llvm.ptrtoint(ir.IntegerType.get_signless(32), smem_ptr.to_llvm_ptr()))
+        return Float32(llvm.inline_asm(
+            ir.F32Type.get(), [addr.ir_value(), Int32(rank).ir_value()],
+            "{\n .reg .b32 ra;\n mapa.shared::cluster.u32 ra, $1, $2;\n ld.shared::cluster.f32 $0, [ra];\n}",
+            "=f,r,r,~{memory}", has_side_effects=True, asm_dialect=0))
+
+    class KDADecodeKernel:
+        def __init__(self, cfg: KDAConfig):
+            self.cfg = cfg
+            self.dtype = _cutlass_dtype(cfg.dtype)
+
+        @cute.jit
+        def __call__(self, mixed_qkv: cute.Tensor, conv_state: cute.Tensor, conv_weight: cute.Tensor,
+                     f: cute.Tensor, A_log: cute.Tensor, dt_bias: cute.Tensor, beta_logit: cute.Tensor,
+                     g_out: cute.Tensor, norm_weight: cute.Tensor, state: cute.Tensor, state_idx: cute.Tensor,
+                     out: cute.Tensor, stream):
+            RS = self.cfg.row_split
+            self.kernel(mixed_qkv, conv_state, conv_weight, f, A_log, dt_bias, beta_logit, g_out, norm_weight,
+                        state, state_idx, out).launch(
+                grid=[RS, self.cfg.heads, mixed_qkv.shape[0]], block=[THREADS // RS, 1, 1],
+                cluster=[RS, 1, 1] if RS > 1 else None, stream=stream,
+                # <= 128 registers: 64 KiB of state in flight per 256 threads of an SM. An explicit
+                # carveout keeps the DSL from querying a device at compile time (CPU compiles).
+                min_blocks_per_mp=2 * RS, preferred_smem_carveout=50)
+
+        @cute.jit
+        def _sigmoid(self, z: Float32) -> Float32:
+            return Float32(1.0) / (Float32(1.0) + cute.math.exp(-z))
+
+        @cute.jit
+        def _conv(self, mixed_qkv, conv_state, conv_weight, b, sidx, c, write: cutlass.Constexpr):
+            """SiLU(conv) of channel c rounded to the activation dtype; shifts its window when ``write``."""
+            W = self.cfg.conv_width
+            xraw = mixed_qkv[b, c]
+            acc = xraw.to(Float32) * conv_weight[c, W - 1].to(Float32)
+            prev = []
+            for tap in cutlass.range_constexpr(W - 1):
+                prev.append(conv_state[sidx, c, tap])
+            for tap in cutlass.range_constexpr(W - 1):
+                acc = acc + prev[tap].to(Float32) * conv_weight[c, tap].to(Float32)
+            if cutlass.const_expr(write):
+                for tap in cutlass.range_constexpr(W - 2):
+                    conv_state[sidx, c, tap] = prev[tap + 1]
+                conv_state[sidx, c, W - 2] = xraw
+            act = acc * self._sigmoid(acc)
+            return act.to(self.dtype).to(Float32), prev, xraw  # the reference rounds the conv output
+
+        @cute.kernel
+        def kernel(self, mixed_qkv: cute.Tensor, conv_state: cute.Tensor, conv_weight: cute.Tensor,
+                   f: cute.Tensor, A_log: cute.Tensor, dt_bias: cute.Tensor, beta_logit: cute.Tensor,
+                   g_out: cute.Tensor, norm_weight: cute.Tensor, state: cute.Tensor, state_idx: cute.Tensor,
+                   out: cute.Tensor):
+            cfg = self.cfg
+            H, W, RS = cfg.heads, cfg.conv_width, cfg.row_split
+            HD = H * D
+            ROWS = D // RS  # state rows of this CTA
+            NW = THREADS // RS // 32  # warps; each owns 16 rows
+            tidx, _, _ = cute.arch.thread_idx()
+            rank, h, b = cute.arch.block_idx()
+            lane = tidx % 32
+            warp = tidx // 32
+            grp = lane // 8
+            sub = lane % 8
+            r0 = rank * ROWS
+
+            smem = SmemAllocator()
+            sq = smem.allocate_tensor(Float32, cute.make_layout(D), byte_alignment=16)
+            sk = smem.allocate_tensor(Float32, cute.make_layout(D), byte_alignment=16)
+            sdec = smem.allocate_tensor(Float32, cute.make_layout(D), byte_alignment=16)
+            sv = smem.allocate_tensor(Float32, cute.make_layout(ROWS), byte_alignment=16)
+            so = smem.allocate_tensor(Float32, cute.make_layout(ROWS), byte_alignment=16)
+            red = smem.allocate_tensor(Float32, cute.make_layout(16), byte_alignment=16)
+
+            sidx = state_idx[b].to(Int32)
+            sbase = state.iterator + (Int64(sidx) * Int64(H) + Int64(h)) * Int64(D * D)
+
+            # 1. the state rows of this thread: in flight during the preamble (no L1 allocation: each
+            #    byte is read once; 256 B L2 prefetch = half a row per request)
+            ld_state = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Float32, num_bits_per_copy=128,
+                                           l2_prefetch_size=cute.nvgpu.L2PrefetchSize.SIZE_256B,
+                                           l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.NO_ALLOCATE)
+            S = []
+            for i in cutlass.range_constexpr(4):
+                r = r0 + warp * 16 + 4 * i + grp
+                row = []
+                for j in cutlass.range_constexpr(4):
+                    frag = cute.make_rmem_tensor(4, Float32)
+                    cute.copy(ld_state, vec4(sbase, r * D + sub * 4 + 32 * j), frag)
+                    row.append(frag)
+                S.append(row)
+
+            # 2. preamble. Threads [0, D): conv of q and k channel d (every CTA of a split needs all of
+            #    q, k; with a split only rank 0 shifts their windows, after the cluster barrier below).
+            #    v: the CTA's own rows. Decay of key d: threads [D, 2D) (no split) or every thread d.
+            qv = Float32(0.0)
+            kv = Float32(0.0)
+            qk_prev = []
+            qk_x = []
+            if cutlass.const_expr(RS == 1):
+                if tidx < D:
+                    qv, _, _ = self._conv(mixed_qkv, conv_state, conv_weight, b, sidx, h * D + tidx, True)
+                    kv, _, _ = self._conv(mixed_qkv, conv_state, conv_weight, b, sidx, HD + h * D + tidx, True)
+            else:  # 128 threads: one q and one k channel each
+                qv, qp, qx = self._conv(mixed_qkv, conv_state, conv_weight, b, sidx, h * D + tidx, False)
+                kv, kp, kx = self._conv(mixed_qkv, conv_state, conv_weight, b, sidx, HD + h * D + tidx, False)
+                qk_prev = qp + kp
+                qk_x = [qx, kx]
+            if tidx < ROWS:
+                vv, _, _ = self._conv(mixed_qkv, conv_state, conv_weight, b, sidx, 2 * HD + h * D + r0 + tidx, True)
+                sv[tidx] = vv
+            dk = tidx
+            if cutlass.const_expr(RS == 1):
+                dk = tidx - D
+            if cutlass.const_expr(RS == 1):
+                if tidx >= D:
+                    a = cute.math.exp(A_log[h].to(Float32))
+                    z = a * (f[b, h * D + dk].to(Float32) + dt_bias[h * D + dk].to(Float32))
+                    sdec[dk] = cute.math.exp(Float32(cfg.gate_lower_bound) * self._sigmoid(z))
+            else:
+                a = cute.math.exp(A_log[h].to(Float32))
+                z = a * (f[b, h * D + dk].to(Float32) + dt_bias[h * D + dk].to(Float32))
+                sdec[dk] = cute.math.exp(Float32(cfg.gate_lower_bound) * self._sigmoid(z))
+            # L2 norms of q and k over the head (warps 0-3 hold the 128 channels)
+            q2 = cute.arch.warp_reduction_sum(qv * qv)
+            k2 = cute.arch.warp_reduction_sum(kv * kv)
+            if lane == 0 and warp < 4:
+                red[warp] = q2
+                red[4 + warp] = k2
+            cute.arch.barrier()
+            if tidx < D:
+                sq_sum = red[0] + red[1] + red[2] + red[3]
+                sk_sum = red[4] + red[5] + red[6] + red[7]
+                sq[tidx] = qv * cute.math.rsqrt(sq_sum + Float32(1e-6)) * Float32(cfg.scale)
+                sk[tidx] = kv * cute.math.rsqrt(sk_sum + Float32(1e-6))
+            cute.arch.barrier()
+            beta = self._sigmoid(beta_logit[b, h].to(Float32))
+
+            # 3. delta rule per row: S <- S*decay; v' = beta (v - S k); S <- S + v' k^T; o = S q
+            # k, q and decay are re-read from shared memory per row (cheap) to keep registers for S
+            for i in cutlass.range_constexpr(4):
+                rl = warp * 16 + 4 * i + grp  # row within this CTA's slice
+                kk = []
+                acc4 = cute.make_rmem_tensor(4, Float32)
+                acc4.fill(0.0)
+                for j in cutlass.range_constexpr(4):
+                    col = sub * 4 + 32 * j
+                    kk.append(vec4(sk.iterator, col).load())
+                    S[i][j].store(S[i][j].load() * vec4(sdec.iterator, col).load())
+                    acc4.store(acc4.load() + S[i][j].load() * kk[j])
+                skv = acc4.load().reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+                skv = cute.arch.warp_reduction_sum(skv, threads_in_group=8)
+                vnew = beta * (sv[rl] - skv)
+                acc4.fill(0.0)
+                for j in cutlass.range_constexpr(4):
+                    S[i][j].store(S[i][j].load() + kk[j] * vnew)
+                    acc4.store(acc4.load() + S[i][j].load() * vec4(sq.iterator, sub * 4 + 32 * j).load())
+                    cute.autovec_copy(S[i][j], vec4(sbase, (r0 + rl) * D + sub * 4 + 32 * j))
+                o = acc4.load().reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+                o = cute.arch.warp_reduction_sum(o, threads_in_group=8)
+                if sub == 0:
+                    so[rl] = o
+            cute.arch.barrier()
+
+            # 4. gated RMSNorm over the head's D outputs (a split adds the peer CTA's partial sum of
+            #    squares through distributed shared memory)
+            ov = Float32(0.0)
+            if tidx < ROWS:
+                ov = so[tidx]
+            o2 = cute.arch.warp_reduction_sum(ov * ov)
+            if lane == 0 and warp < ROWS // 32:
+                red[8 + warp] = o2
+            cute.arch.barrier()
+            total = Float32(0.0)
+            for w in cutlass.range_constexpr(ROWS // 32):
+                total = total + red[8 + w]
+            if cutlass.const_expr(RS == 2):
+                if tidx == 0:
+                    red[12] = total
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()  # the peer's partial (and its reads of the q/k windows) are done
+                total = total + ld_peer_f32(red.iterator + 12, 1 - rank)
+                cute.arch.cluster_arrive()  # our read of the peer's smem is done
+                if rank == 0:
+                    for comp in cutlass.range_constexpr(2):
+                        c = comp * HD + h * D + tidx
+                        for tap in cutlass.range_constexpr(W - 2):
+                            conv_state[sidx, c, tap] = qk_prev[comp * (W - 1) + tap + 1]
+                        conv_state[sidx, c, W - 2] = qk_x[comp]
+            if tidx < ROWS:
+                ms = total * Float32(1.0 / D)
+                r = r0 + tidx
+                y = ov * cute.math.rsqrt(ms + Float32(cfg.eps)) * norm_weight[r].to(Float32)
+                y = y * self._sigmoid(g_out[b, h * D + r].to(Float32))
+                out[b, h * D + r] = y.to(self.dtype)
+            if cutlass.const_expr(RS == 2):
+                cute.arch.cluster_wait()  # keep our smem alive until the peer has read it
+
+    return KDADecodeKernel
+
+
+def _compile(cfg: KDAConfig):
+    def build(arch: str):
+        import cutlass
+        import cutlass.cute as cute
+
+        dt, pdt = _cutlass_dtype(cfg.dtype), _cutlass_dtype(cfg.param_dtype)
+        H, W, D = cfg.heads, cfg.conv_width, HEAD_DIM
+        HD = H * D
+        bsym, ssym = cute.sym_int(), cute.sym_int()
+
+        def fake(dtype, shape, stride, align=4):
+            return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
+
+        args = (
+            fake(dt, (bsym, 3 * HD), (cute.sym_int64(), 1), 2),  # mixed_qkv
+            fake(dt, (ssym, 3 * HD, W - 1), (3 * HD * (W - 1), W - 1, 1), 2),  # conv_state
+            fake(pdt, (3 * HD, W), (W, 1)),  # conv_weight
+            fake(dt, (bsym, HD), (cute.sym_int64(), 1), 2),  # f
+            fake(pdt, (H,), (1,)),  # A_log
+            fake(pdt, (HD,), (1,)),  # dt_bias
+            fake(dt, (bsym, H), (cute.sym_int64(), 1), 2),  # beta_logit
+            fake(dt, (bsym, HD), (cute.sym_int64(), 1), 2),  # g_out
+            fake(pdt, (D,), (1,)),  # norm_weight
+            fake(cutlass.Float32, (ssym, H, D, D), (H * D * D, D * D, D, 1), 16),  # state
+            fake(_cutlass_dtype(cfg.idx_dtype), (bsym,), (1,)),  # state_idx
+            fake(dt, (bsym, HD), (cute.sym_int64(), 1), 2),  # out
+        )
+        stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+        return cute.compile(_build_kernel_class()(cfg), *args, stream, options=_compile_options(arch))
+
+    return cached_compile("kda_decode", (cfg,), build)
+
+
+def make_config(mixed_qkv: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor, state: torch.Tensor,
+                state_idx: torch.Tensor, A_log: torch.Tensor, *, num_heads: int, eps: float, gate_lower_bound: float,
+                scale: float | None, row_split: int | None = None) -> KDAConfig:
+    """Validated compile key; UserError names the fix."""
+    HD3 = mixed_qkv.shape[1]
+    if HD3 % (3 * num_heads) != 0 or HD3 // (3 * num_heads) != HEAD_DIM:
+        raise UserError(f"kda kernel: head_dim must be {HEAD_DIM} (mixed_qkv width {HD3}, {num_heads} heads); "
+                        "use attention.kda.reference for other head sizes")
+    W = conv_weight.shape[1]
+    if W < 2 or tuple(conv_state.shape[1:]) != (HD3, W - 1):
+        raise UserError(f"kda kernel: conv_state must be [S, {HD3}, {W - 1}], got {tuple(conv_state.shape)}")
+    if state.dtype != torch.float32 or tuple(state.shape[1:]) != (num_heads, HEAD_DIM, HEAD_DIM):
+        raise UserError(f"kda kernel: state must be fp32 [S, {num_heads}, {HEAD_DIM}, {HEAD_DIM}], "
+                        f"got {state.dtype} {tuple(state.shape)}")
+    if not (state.is_contiguous() and conv_state.is_contiguous() and conv_weight.is_contiguous()):
+        raise UserError("kda kernel: state, conv_state and conv_weight must be contiguous (allocate them so)")
+    if mixed_qkv.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise UserError(f"kda kernel: activation dtype {mixed_qkv.dtype} unsupported")
+    if conv_state.dtype != mixed_qkv.dtype:
+        raise UserError("kda kernel: conv_state dtype must equal the activation dtype")
+    if row_split is None:
+        row_split = default_row_split(mixed_qkv.shape[0], num_heads)
+    if row_split not in (1, 2):
+        raise UserError(f"kda kernel: row_split={row_split}; use 1 or 2")
+    return KDAConfig(num_heads, W, _dtype_name(mixed_qkv.dtype), _dtype_name(A_log.dtype),
+                     _dtype_name(state_idx.dtype), float(eps), float(gate_lower_bound),
+                     float(HEAD_DIM ** -0.5 if scale is None else scale), row_split)
+
+
+def default_row_split(batch: int, heads: int) -> int:
+    """CTAs per (head, sequence): 1. Measured on the H200 (NOTES_moe_kda.md), the 2-CTA cluster split
+    gains 4% at batch 1 (5.03 vs 5.23 us, TP8) and loses 5-8% from batch 8 on."""
+    return 1
+
+
+def kda_decode(mixed_qkv: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor, f: torch.Tensor,
+               A_log: torch.Tensor, dt_bias: torch.Tensor, beta_logit: torch.Tensor, g_out: torch.Tensor,
+               norm_weight: torch.Tensor, state: torch.Tensor, state_idx: torch.Tensor, *, num_heads: int,
+               eps: float = 1e-5, gate_lower_bound: float = -5.0, scale: float | None = None,
+               out: torch.Tensor | None = None, row_split: int | None = None) -> torch.Tensor:
+    """Fused KDA decode on the GPU; same contract as ``ops.attention.kda.kda_decode_reference``.
+
+    ``conv_weight``, ``A_log``, ``dt_bias`` and ``norm_weight`` share one dtype (fp32 or the activation
+    dtype). ``state`` / ``conv_state`` rows named by ``state_idx`` are updated in place. Returns
+    [B, H*D] in mixed_qkv.dtype (or writes ``out``). ``row_split`` (1 or 2 CTAs per head and
+    sequence) defaults to :func:`default_row_split`.
+    """
+    cfg = make_config(mixed_qkv, conv_state, conv_weight, state, state_idx, A_log, num_heads=num_heads, eps=eps,
+                      gate_lower_bound=gate_lower_bound, scale=scale, row_split=row_split)
+    pdt = A_log.dtype
+    for name, t in (("conv_weight", conv_weight), ("dt_bias", dt_bias), ("norm_weight", norm_weight)):
+        if t.dtype != pdt:
+            raise UserError(f"kda kernel: {name} is {t.dtype} but A_log is {pdt}; cast the parameters to one dtype")
+    fn = _compile(cfg)
+    B = mixed_qkv.shape[0]
+    y = out if out is not None else torch.empty(B, num_heads * HEAD_DIM, dtype=mixed_qkv.dtype,
+                                                 device=mixed_qkv.device)
+    if B > 0:
+        fn(mixed_qkv, conv_state, conv_weight, f, A_log, dt_bias, beta_logit, g_out, norm_weight, state,
+           state_idx, y)
+    return y
+
+
+def _supports(ctx: OpContext) -> Support:
+    ok = cute_available()
+    if ok is not True:
+        return ok
+    if ctx.arch == "cpu" or not ctx.arch.startswith("sm_") or int(ctx.arch[3:5]) < 90:
+        return f"needs sm_90+ (got {ctx.arch})"
+    if ctx.dim("head_dim") != HEAD_DIM:
+        return f"head_dim {ctx.dim('head_dim')} != {HEAD_DIM}"
+    return True
+
+
+IMPLEMENTATIONS = [
+    Implementation("attention.kda", "attention.kda.cutedsl", kda_decode, _supports, priority=10,
+                   description="one CTA per (head, seq): state streamed once through registers, in place"),
+]
+
+__all__ = ["kda_decode", "KDAConfig", "make_config", "IMPLEMENTATIONS", "HEAD_DIM"]

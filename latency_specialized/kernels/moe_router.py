@@ -1,0 +1,323 @@
+"""CuTe DSL MoE routing kernel: scores, bias-corrected top-k, renormalise, scale (``moe.router``).
+
+One warp routes one token. Lane ``l`` owns experts ``l, l+32, l+64, ...`` (coalesced loads), so
+E=896 is 28 registers per lane. Selection works on 32-bit *ordered keys*: the fp32 selection
+value ``score + bias`` mapped to an unsigned integer whose order is the float order. A round of
+top-k is then two ``redux.sync`` (max key, then min expert id among lanes holding that key: ties
+go to the lower id, as the reference's stable sort does) and only the winning lane rescans its
+28 keys. No shared memory, no block barrier; ``M`` is symbolic (one compile per router config).
+
+The unbiased score of each winner is recomputed from its logit by the lane that keeps that slot,
+with exactly the instructions used for selection, so weights and selection agree bit for bit.
+"""
+
+
+from dataclasses import dataclass
+
+import torch
+
+from latency_specialized.errors import UserError
+from latency_specialized.kernels.compile_cache import cached_compile, cute_available
+from latency_specialized.ops.registry import Implementation, OpContext, Support
+from latency_specialized.spec import RouterSpec
+
+WARPS_PER_CTA = 4
+"""Tokens per CTA (one warp each): small CTAs spread a batch of 64 over 16 SMs."""
+MAX_TOP_K = 32
+"""One lane keeps one selected slot."""
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything that changes the compiled router kernel (hashable compile-cache key)."""
+
+    num_experts: int
+    top_k: int
+    score_func: str
+    logit_scale: float
+    has_bias: bool
+    renormalize: bool
+    renormalize_eps: float
+    routed_scaling: float
+    logits_dtype: str
+    bias_dtype: str
+    ids_dtype: str
+
+
+def _cutlass_dtype(name: str):
+    import cutlass
+
+    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32,
+            "int32": cutlass.Int32, "int64": cutlass.Int64}[name]
+
+
+def _dtype_name(t: torch.dtype) -> str:
+    return str(t).removeprefix("torch.")
+
+
+def _compile_options(arch: str, ptxas: str = "") -> str:
+    """TVM-FFI compile for ``arch``; PTX kept (tests grep it) in a temp dump dir, not the cwd."""
+    import os
+    import tempfile
+
+    dump = os.path.join(tempfile.gettempdir(), f"ls_kernels_ptx_{os.getpid()}")
+    os.makedirs(dump, exist_ok=True)
+    extra = f" --ptxas-options '{ptxas}'" if ptxas else ""
+    return f"--enable-tvm-ffi --gpu-arch {arch} --keep-ptx --dump-dir {dump}{extra}"
+
+
+def ptx_of(compiled) -> str | None:
+    """PTX of a fresh compile (None when loaded from the disk cache)."""
+    art = getattr(compiled, "artifacts", None)
+    return getattr(art, "PTX", None) if art is not None else None
+
+
+def _build_kernel_class():
+    """The kernel class, built lazily so this module imports without nvidia-cutlass-dsl."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Uint32, Uint64
+
+    class RouterKernel:
+        def __init__(self, cfg: RouterConfig):
+            self.cfg = cfg
+            self.slots = (cfg.num_experts + 31) // 32  # experts per lane
+
+        @cute.jit
+        def __call__(self, logits: cute.Tensor, bias: cute.Tensor, w_out: cute.Tensor, ids_out: cute.Tensor,
+                     stream):
+            m_tokens = logits.shape[0]
+            grid = (m_tokens + WARPS_PER_CTA - 1) // WARPS_PER_CTA
+            self.kernel(logits, bias, w_out, ids_out).launch(
+                grid=[grid, 1, 1], block=[32 * WARPS_PER_CTA, 1, 1], stream=stream)
+
+        @cute.jit
+        def _score(self, logit, vmax: Float32, inv_sum: Float32) -> Float32:
+            """Score of one expert from its raw logit (softmax needs the row max and 1/sum)."""
+            z = Float32(logit) * Float32(self.cfg.logit_scale)
+            s = Float32(0.0)
+            if cutlass.const_expr(self.cfg.score_func == "sigmoid"):
+                s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-z))
+            elif cutlass.const_expr(self.cfg.score_func == "sqrtsoftplus"):
+                # torch softplus: identity above threshold 20, else log1p(exp(z)).
+                sp = z
+                if z <= Float32(20.0):
+                    sp = cute.math.log1p(cute.math.exp(z))
+                s = cute.math.sqrt(sp)
+            else:
+                s = cute.math.exp(z - vmax) * inv_sum
+            return s
+
+        @cute.jit
+        def _key(self, sel: Float32) -> Uint32:
+            """Unsigned key with the float order; -0.0 maps to +0.0 (they compare equal)."""
+            bits = sel.bitcast(Uint32)
+            if bits == Uint32(0x80000000):
+                bits = Uint32(0)
+            key = bits | Uint32(0x80000000)
+            if bits >= Uint32(0x80000000):
+                key = ~bits
+            return key
+
+        def _tree_best(self, keys, below):
+            """max over slots of P = key << 8 | 255 - slot, only P < ``below`` when given (0 if none).
+
+            Plain Python (unrolled at trace time) as a pairwise tree: dependency depth log2(slots)."""
+            vals = [(keys[i].to(Uint64) << 8) | Uint64(255 - i) for i in range(self.slots)]
+            if below is not None:
+                vals = [Uint64(cutlass.select_(v < below, v, Uint64(0))) for v in vals]
+            while len(vals) > 1:
+                nxt = [cutlass.max(vals[j], vals[j + 1]) for j in range(0, len(vals) - 1, 2)]
+                if len(vals) % 2:
+                    nxt.append(vals[-1])
+                vals = nxt
+            return vals[0]
+
+        @cute.kernel
+        def kernel(self, logits: cute.Tensor, bias: cute.Tensor, w_out: cute.Tensor, ids_out: cute.Tensor):
+            cfg = self.cfg
+            E = cfg.num_experts
+            R = self.slots
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            lane = tidx % 32
+            m = bidx * WARPS_PER_CTA + tidx // 32
+            if m < logits.shape[0]:  # warp-uniform
+                # 1. logits -> selection keys (padding experts get key 0: never selected while k <= E)
+                raw = cute.make_rmem_tensor((R,), Float32)
+                for i in cutlass.range_constexpr(R):
+                    e = Int32(i * 32) + lane
+                    if cutlass.const_expr((i + 1) * 32 <= E):
+                        raw[i] = logits[m, e].to(Float32)
+                    else:
+                        raw[i] = logits[m, cutlass.min(e, Int32(E - 1))].to(Float32)
+                vmax = Float32(0.0)
+                inv_sum = Float32(1.0)
+                if cutlass.const_expr(cfg.score_func == "softmax"):
+                    vmax = Float32(-3.0e38)
+                    for i in cutlass.range_constexpr(R):
+                        if cutlass.const_expr((i + 1) * 32 <= E):
+                            vmax = cute.arch.fmax(vmax, raw[i] * Float32(cfg.logit_scale))
+                        elif Int32(i * 32) + lane < E:
+                            vmax = cute.arch.fmax(vmax, raw[i] * Float32(cfg.logit_scale))
+                    vmax = cute.arch.warp_reduction_max(vmax)
+                    total = Float32(0.0)
+                    for i in cutlass.range_constexpr(R):
+                        ex = cute.math.exp(raw[i] * Float32(cfg.logit_scale) - vmax)
+                        if cutlass.const_expr((i + 1) * 32 <= E):
+                            total = total + ex
+                        elif Int32(i * 32) + lane < E:
+                            total = total + ex
+                    total = cute.arch.warp_reduction_sum(total)
+                    inv_sum = Float32(1.0) / total
+                keys = cute.make_rmem_tensor((R,), Uint32)
+                for i in cutlass.range_constexpr(R):
+                    e = Int32(i * 32) + lane
+                    sel = self._score(raw[i], vmax, inv_sum)
+                    if cutlass.const_expr(cfg.has_bias):
+                        sel = sel + bias[cutlass.min(e, Int32(E - 1))].to(Float32)
+                    keys[i] = self._key(sel)
+                    if cutlass.const_expr((i + 1) * 32 > E):
+                        if e >= E:
+                            keys[i] = Uint32(0)
+                # Lane-local candidates as 64-bit values P = key << 8 | 255 - slot: max picks the largest
+                # key and, among equal keys, the lowest slot (= lowest expert id); all P of a lane differ.
+                # A lane keeps its best and second best; winners leave a lane in descending P order, so
+                # after a lane's second win its next best is the max P below the last one taken (a
+                # pairwise-tree rescan, needed ~3 times per token for top-16 of 896 instead of 16).
+                best = cute.make_rmem_tensor((2,), Uint64)  # [best, second best]
+                best[0] = self._tree_best(keys, None)
+                best[1] = self._tree_best(keys, best[0])
+                has_second = Int32(1)
+                # 2. k rounds of warp argmax: two redux.sync, then the owner promotes or rescans
+                my_id = Int32(0)
+                for r in cutlass.range(cfg.top_k, unroll=1):  # rolled: 16 unrolled rounds compile slowly
+                    packed = best[0]
+                    cur = (packed >> 8).to(Uint32)
+                    kmax = cute.arch.warp_redux_sync(cur, "umax")
+                    cand = Int32(0x7FFFFFFF)
+                    if cur == kmax:
+                        cand = (Int32(255) - (packed & Uint64(255)).to(Int32)) * 32 + lane
+                    win = cute.arch.warp_redux_sync(cand, "min")
+                    if lane == r:
+                        my_id = win
+                    if win % 32 == lane:  # the owner replaces its best
+                        if has_second != 0:
+                            best[0] = best[1]
+                            has_second = Int32(0)
+                        else:
+                            best[0] = self._tree_best(keys, packed)
+                # 3. weights from the unbiased score of each winner; renormalise; scale
+                s = Float32(0.0)
+                if lane < cfg.top_k:
+                    s = self._score(logits[m, my_id].to(Float32), vmax, inv_sum)
+                w = s
+                if cutlass.const_expr(cfg.renormalize):
+                    denom = cute.arch.warp_reduction_sum(s) + Float32(cfg.renormalize_eps)
+                    w = s / denom
+                w = w * Float32(cfg.routed_scaling)
+                if lane < cfg.top_k:
+                    w_out[m, lane] = w
+                    ids_out[m, lane] = my_id.to(ids_out.element_type)
+
+    return RouterKernel
+
+
+def _compile(cfg: RouterConfig):
+    def build(arch: str):
+        import cutlass.cute as cute
+
+        kernel = _build_kernel_class()(cfg)
+        m = cute.sym_int()
+        logits = cute.runtime.make_fake_tensor(_cutlass_dtype(cfg.logits_dtype), (m, cfg.num_experts),
+                                               stride=(cute.sym_int64(), 1), assumed_align=4)
+        bias = cute.runtime.make_fake_tensor(_cutlass_dtype(cfg.bias_dtype), (cfg.num_experts,), stride=(1,),
+                                             assumed_align=4)
+        import cutlass
+
+        w_out = cute.runtime.make_fake_tensor(cutlass.Float32, (m, cfg.top_k), stride=(cute.sym_int64(), 1),
+                                              assumed_align=4)
+        ids_out = cute.runtime.make_fake_tensor(_cutlass_dtype(cfg.ids_dtype), (m, cfg.top_k),
+                                                stride=(cute.sym_int64(), 1), assumed_align=4)
+        stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+        return cute.compile(kernel, logits, bias, w_out, ids_out, stream,
+                            options=_compile_options(arch))
+
+    return cached_compile("moe_router", (cfg,), build)
+
+
+def make_config(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, router: RouterSpec,
+                ids_dtype: torch.dtype = torch.int64) -> RouterConfig:
+    """The compile key for one call (validates what the kernel supports; UserError names the fix)."""
+    if logits.dim() != 2:
+        raise UserError(f"moe router: logits must be [M, E], got shape {tuple(logits.shape)}")
+    E = logits.shape[1]
+    if E > 32 * 256:
+        raise UserError(f"moe router: E={E} > 8192 experts; use moe.router.reference")
+    if not 0 < top_k <= min(E, MAX_TOP_K):
+        raise UserError(f"moe router: top_k={top_k} must be in 1..min(E={E}, {MAX_TOP_K}); "
+                        "use moe.router.reference for larger top_k")
+    use_bias = bias is not None and router.bias_corrected
+    if use_bias and tuple(bias.shape) != (E,):
+        raise UserError(f"moe router: bias must be [E={E}], got {tuple(bias.shape)}")
+    return RouterConfig(E, top_k, router.score_func, float(router.logit_scale), use_bias, router.renormalize,
+                        float(router.renormalize_eps), float(router.routed_scaling), _dtype_name(logits.dtype),
+                        _dtype_name(bias.dtype) if use_bias else "float32", _dtype_name(ids_dtype))
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, router: RouterSpec, *,
+          out_weights: torch.Tensor | None = None,
+          out_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing on the GPU (same contract as ``ops.moe.route_reference``).
+
+    Parameters
+    ----------
+    logits : [M, E] router logits (fp32, bf16 or fp16; unit stride along E).
+    bias : [E] selection bias or None. top_k : experts per token (<= 32). router : RouterSpec.
+    out_weights : optional [M, top_k] fp32 destination. out_ids : optional [M, top_k] int64/int32.
+
+    Returns
+    -------
+    weights [M, top_k] fp32 and ids [M, top_k] (int64 unless ``out_ids`` says otherwise), launched on
+    the current stream; no host sync, so it can be captured in a CUDA graph (compile first).
+    """
+    M = logits.shape[0]
+    ids_dtype = out_ids.dtype if out_ids is not None else torch.int64
+    cfg = make_config(logits, bias, top_k, router, ids_dtype)
+    fn = _compile(cfg)
+    w = out_weights if out_weights is not None else torch.empty(M, top_k, dtype=torch.float32,
+                                                                device=logits.device)
+    ids = out_ids if out_ids is not None else torch.empty(M, top_k, dtype=torch.int64, device=logits.device)
+    # without a bias the kernel never reads it: an uninitialised placeholder launches nothing
+    b = bias if cfg.has_bias else torch.empty(cfg.num_experts, dtype=torch.float32, device=logits.device)
+    if M > 0:
+        fn(logits, b, w, ids)
+    return w, ids
+
+
+def _supports(ctx: OpContext) -> Support:
+    ok = cute_available()
+    if ok is not True:
+        return ok
+    if ctx.arch == "cpu" or not ctx.arch.startswith("sm_") or int(ctx.arch[3:5]) < 90:
+        return f"needs sm_90+ (got {ctx.arch})"
+    if ctx.dim("topk") > MAX_TOP_K:
+        return f"top_k {ctx.dim('topk')} > {MAX_TOP_K}"
+    return True
+
+
+def prepare(ctx: OpContext, router: RouterSpec, logits_dtype: torch.dtype = torch.float32,
+            has_bias: bool = True) -> None:
+    """Compile before graph capture for a site (E, topk from ctx)."""
+    E, k = ctx.dim("E"), ctx.dim("topk")
+    dummy = torch.empty(1, E, dtype=logits_dtype, device="meta")
+    bias = torch.empty(E, dtype=torch.float32, device="meta") if has_bias else None
+    _compile(make_config(dummy, bias, k, router))
+
+
+IMPLEMENTATIONS = [
+    Implementation("moe.router", "moe.router.cutedsl", route, _supports, priority=10,
+                   description="one warp per token: ordered-key redux.sync top-k, renormalise, scale"),
+]
+
+__all__ = ["route", "RouterConfig", "make_config", "prepare", "IMPLEMENTATIONS"]

@@ -1,0 +1,118 @@
+"""GPU tests of the one-kernel AttnRes mix and the 3-kernel fused gated MLP.
+
+Fresh random inputs, NaN-poisoned outputs (checked fully written), comparison with the plain-torch
+family references at per-dtype tolerances, CUDA-graph replay == eager. Run on the H200:
+``pytest -m gpu tests/ops/test_attnres_mlp_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from latency_specialized.ops.mlp import mlp_reference
+from latency_specialized.spec import ActivationSpec
+from latency_specialized_models.kimi_k3.attnres import attnres_mix_reference
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1e-2, atol=1e-2),
+       torch.float16: dict(rtol=1e-2, atol=1e-2)}
+
+
+def _gen(name: str) -> torch.Generator:
+    return torch.Generator(device=DEV).manual_seed(zlib.crc32(name.encode()))
+
+
+def _graph_replay(fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    return g
+
+
+ATTNRES_CASES = [  # (R rows of the buffer, M used of max_m, N, sources, out_norm, dtype)
+    (2, 1, 4, 7168, 2, True, torch.bfloat16),
+    (9, 4, 64, 7168, 9, True, torch.bfloat16),
+    (9, 64, 64, 7168, 5, False, torch.bfloat16),
+    (9, 33, 64, 7168, 1, True, torch.bfloat16),
+    (4, 3, 8, 256, 3, True, torch.float32),
+    (4, 16, 16, 1024, 4, False, torch.float16),
+]
+
+
+@pytest.mark.parametrize("rows,m,max_m,n,s,out_norm,dtype", ATTNRES_CASES)
+def test_attnres_matches_reference(rows, m, max_m, n, s, out_norm, dtype):
+    from latency_specialized.kernels.attnres import attnres_cute
+
+    g = _gen(f"attnres{rows}{m}{n}{s}{out_norm}{dtype}")
+    buf = torch.randn(rows, max_m, n, device=DEV, dtype=torch.float32, generator=g)
+    buf = (buf * torch.rand(rows, 1, 1, device=DEV, generator=g) * 4).to(dtype)  # sources of unequal scale
+    src = buf[:, :m]                                               # the program's [:, :b] view
+    nw = (1 + 0.1 * torch.randn(n, device=DEV, generator=g)).to(dtype)
+    q = (torch.randn(n, device=DEV, generator=g) * n ** -0.5).to(dtype)
+    ow = (1 + 0.1 * torch.randn(n, device=DEV, generator=g)).to(dtype) if out_norm else None
+    ref = attnres_mix_reference(src, s, nw, q, 1e-6, out_norm_weight=ow, out_eps=1e-5)
+    out = torch.full((m, n), float("nan"), device=DEV, dtype=dtype)
+    attnres_cute(src, s, nw, q, 1e-6, out_norm_weight=ow, out_eps=1e-5, out=out)
+    torch.cuda.synchronize()
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+    eager = out.clone()
+    out.fill_(float("nan"))
+    _graph_replay(lambda: attnres_cute(src, s, nw, q, 1e-6, out_norm_weight=ow, out_eps=1e-5, out=out))
+    assert torch.equal(out, eager)
+
+
+MLP_CASES = [  # (M, K, I, N, activation)
+    (1, 7168, 768, 7168, ActivationSpec(kind="situ_glu", beta=4, beta_lin=25)),
+    (4, 7168, 768, 7168, ActivationSpec(kind="situ_glu", beta=4, beta_lin=25)),
+    (64, 7168, 768, 7168, ActivationSpec(kind="situ_glu", beta=4, beta_lin=25)),
+    (8, 1024, 512, 1024, ActivationSpec(kind="swiglu", clamp=10.0)),
+    (2, 1024, 256, 2048, ActivationSpec()),
+]
+
+
+@pytest.mark.parametrize("m,k,inter,n,act", MLP_CASES)
+def test_fused_mlp_matches_reference(m, k, inter, n, act):
+    from latency_specialized.kernels.mlp_fused import mlp_fused
+
+    g = _gen(f"mlp{m}{k}{inter}{n}{act.kind}")
+    x = torch.randn(m, k, device=DEV, generator=g).to(torch.bfloat16)
+    wgu = (torch.randn(2 * inter, k, device=DEV, generator=g) * k ** -0.5 * 3).to(torch.bfloat16)
+    wd = (torch.randn(n, inter, device=DEV, generator=g) * inter ** -0.5).to(torch.bfloat16)
+    ref = mlp_reference(x, wgu, wd, act)
+    out = torch.full((m, n), float("nan"), device=DEV, dtype=torch.bfloat16)
+    mlp_fused(x, wgu, wd, act, out=out)
+    torch.cuda.synchronize()
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    eager = out.clone()
+    out.fill_(float("nan"))
+    _graph_replay(lambda: mlp_fused(x, wgu, wd, act, out=out))
+    assert torch.equal(out, eager)
+
+
+def test_gated_activation_matches_reference():
+    from latency_specialized.kernels.mlp_fused import gated_activation_cute
+    from latency_specialized.ops.activation import gated_activation
+
+    act = ActivationSpec(kind="situ_glu", beta=4, beta_lin=25)
+    g = _gen("act")
+    gu = (torch.randn(5, 2 * 768, device=DEV, generator=g) * 6).to(torch.bfloat16)
+    ref = gated_activation(gu[:, :768], gu[:, 768:], act).to(torch.bfloat16)
+    out = torch.full((5, 768), float("nan"), device=DEV, dtype=torch.bfloat16)
+    gated_activation_cute(gu, act, out=out)
+    torch.cuda.synchronize()
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)

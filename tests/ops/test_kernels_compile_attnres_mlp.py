@@ -1,0 +1,105 @@
+"""CPU CI: the AttnRes and fused-MLP kernels compile for sm_90a without a GPU, and their planners
+and argument checks behave. Numerics are checked on the H200 by tests/ops/test_attnres_mlp_gpu.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from latency_specialized.errors import UserError
+from latency_specialized.kernels.compile_cache import cute_available
+from latency_specialized.kernels.gemm_common import ptx_of
+from latency_specialized.ops.registry import make_context
+from latency_specialized.spec import ActivationSpec
+
+needs_cute = pytest.mark.skipif(cute_available() is not True, reason="nvidia-cutlass-dsl not installed")
+SITU = ActivationSpec(kind="situ_glu", beta=4, beta_lin=25)
+
+
+@pytest.fixture(autouse=True)
+def _sm90a(monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.delenv("LS_KERNEL_CACHE_DIR", raising=False)  # a fresh compile: we read its PTX
+
+
+@needs_cute
+@pytest.mark.parametrize("sources,out_norm", [(2, True), (9, False)])
+def test_attnres_compiles_one_pass(sources, out_norm):
+    from latency_specialized.kernels import attnres as A
+
+    ptx = ptx_of(A.compile_attnres(A._Variant(7168, "bfloat16", sources, out_norm)))
+    assert ptx is not None and ".target sm_90a" in ptx
+    # every source read once as 16-byte vectors (+ 2-3 weight vectors), one 16-byte store
+    assert len(re.findall(r"ld\.global[\w.:]*\.v4", ptx)) == sources + (3 if out_norm else 2)
+    assert len(re.findall(r"st\.global[\w.:]*\.v4", ptx)) == 1
+    assert "griddepcontrol.wait" in ptx
+    assert ".local" not in ptx  # the sources stay in registers
+
+
+@needs_cute
+@pytest.mark.parametrize("act", [SITU, ActivationSpec(kind="swiglu", clamp=10.0), ActivationSpec()])
+def test_gated_activation_compiles(act):
+    from latency_specialized.kernels import mlp_fused as F
+
+    ptx = ptx_of(F.compile_act(F._act_variant(768, torch.bfloat16, act)))
+    assert ptx is not None and ".target sm_90a" in ptx
+    assert len(re.findall(r"ld\.global[\w.:]*\.v4", ptx)) == 2  # gate and up vectors
+    assert len(re.findall(r"st\.global[\w.:]*\.v4", ptx)) == 1
+
+
+def test_attnres_supports_reasons():
+    from latency_specialized.kernels.attnres import _supports
+
+    ctx = lambda arch="sm_90", n=7168, r=9: make_context("residual.attnres", arch=arch, dtype="bfloat16",  # noqa: E731
+                                                         tokens=4, dims={"N": n, "R": r})
+    assert "sm_90" in _supports(ctx(arch="sm_80"))
+    assert "sources" in _supports(ctx(r=17))
+    assert "N" in _supports(ctx(n=7164 + 1))
+    assert _supports(ctx()) == cute_available()
+
+
+def test_mlp_gemm_choice_never_reference():
+    from latency_specialized.kernels.mlp_fused import chosen_gemms
+
+    for m in (1, 4, 64):
+        names = chosen_gemms(m, 7168, 768, 7168, "sm_90", "bfloat16")
+        assert all(n.startswith("gemm.") and n != "gemm.reference" for n in names), names
+
+
+def test_attnres_rejects_bad_layout():
+    from latency_specialized.kernels.attnres import attnres_cute
+
+    src = torch.randn(3, 4, 64, dtype=torch.bfloat16)
+    w = torch.randn(64, dtype=torch.bfloat16)
+    with pytest.raises(UserError, match="row stride"):
+        attnres_cute(src.transpose(1, 2), 2, w[:4], w[:4], 1e-6)  # [R, N, M] view: column-major slabs
+    with pytest.raises(UserError, match="num_sources"):
+        attnres_cute(src, 4, w, w, 1e-6)
+
+
+def test_fused_mlp_rejects_unchained_shapes():
+    from latency_specialized.kernels.mlp_fused import mlp_fused
+
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    with pytest.raises(UserError, match="do not chain"):
+        mlp_fused(x, torch.randn(64, 64, dtype=torch.bfloat16), torch.randn(64, 48, dtype=torch.bfloat16), SITU)
+
+
+def test_plan_serves_kimi_attnres_and_shared_expert_on_gpu_kernels():
+    from latency_specialized import hardware
+    from latency_specialized.ops.plan import build_plan
+    from latency_specialized.plugins import get_registry
+    from latency_specialized_models.kimi_k3.graphed import _ShapedAdapter, rank_spec
+
+    if cute_available() is not True:
+        pytest.skip("nvidia-cutlass-dsl not installed")
+    reg = get_registry()
+    base = reg.adapter("kimi_k3")
+    adapter = _ShapedAdapter(base, rank_spec(base.spec("full"), 8, "kda", 2))
+    plan = build_plan(adapter, reg.implementations, hardware.for_arch("sm_90"), tp=1, batch=4, dtype="bfloat16")
+    picked = {c.site.name.split("/")[-1]: c.impl.name for c in plan.choices}
+    assert picked["attn.attnres"] == picked["ffn.attnres"] == picked["final.attnres"] == "residual.cutedsl_attnres"
+    assert picked["moe.shared"] == "mlp.cutedsl_fused"

@@ -1,0 +1,149 @@
+"""CPU CI: the MoE router / routed-expert / KDA decode kernels compile for sm_90a without a GPU.
+
+Each kernel is compiled with fake tensors and its PTX is checked for the instructions its design
+relies on (16-byte global loads/stores, warp reductions, ballot-based leader search). Numerical
+correctness is checked on the H200 by tests/ops/test_moe_kda_gpu.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+
+from latency_specialized.errors import UserError
+from latency_specialized.kernels.compile_cache import cute_available
+from latency_specialized.ops.registry import make_context
+from latency_specialized.spec import ActivationSpec, RouterSpec
+
+needs_cute = pytest.mark.skipif(cute_available() is not True, reason="nvidia-cutlass-dsl not installed")
+SITU = ActivationSpec(kind="situ_glu", beta=4, beta_lin=25)
+
+
+@pytest.fixture(autouse=True)
+def _sm90a(monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.delenv("LS_KERNEL_CACHE_DIR", raising=False)  # always a fresh compile: we read its PTX
+
+
+def _meta(*shape, dtype=torch.float32):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def _count(ptx: str, pattern: str) -> int:
+    return len(re.findall(pattern, ptx))
+
+
+@needs_cute
+def test_router_compiles_with_redux_topk():
+    from latency_specialized.kernels import moe_router as mr
+
+    cfg = mr.make_config(_meta(1, 896), _meta(896), 16, RouterSpec(score_func="sigmoid"))
+    ptx = mr.ptx_of(mr._compile(cfg))
+    assert ptx is not None and ".target sm_90a" in ptx
+    assert _count(ptx, r"redux\.sync\.max\.u32") >= 1  # ordered-key argmax
+    assert _count(ptx, r"redux\.sync\.min\.s32") >= 1  # lower id wins ties
+    assert ".local" not in ptx  # the 28 keys per lane stay in registers
+
+
+@needs_cute
+def test_experts_batch1_compiles_with_vector_loads():
+    from latency_specialized.kernels import moe_experts as me
+
+    cfg = me.make_config(1, 3584, 384, 3584, 16, torch.bfloat16, torch.int64, SITU)
+    gu = me.ptx_of(me._compile_gate_up(cfg))
+    dn = me.ptx_of(me._compile_down(cfg))
+    rows_per_warp = cfg.gu_rows // cfg.gu_warps
+    # gate + up rows: K/256 16-byte loads per lane each, all issued before the first use
+    assert _count(gu, r"ld\.global[\w.:]*\.v4") >= 2 * (3584 // 256) * rows_per_warp
+    assert _count(gu, r"ld\.shared\.v4") >= 3584 // 256  # token row staged in smem
+    assert "vote.sync.ballot" not in gu  # batch-1 path: no leader search
+    steps = -(-cfg.dn_rows // 2)  # I=384: 48 vectors per row = 16 lanes x 3, two rows per warp step
+    assert _count(dn, r"ld\.global[\w.:]*\.v4") >= 3 * steps
+    assert "shfl.sync.bfly" in dn
+    assert ".local" not in gu and ".local" not in dn
+    # batch-1 default (measured fastest on the H200): PDL between the kernels, plain 16-byte loads
+    assert "griddepcontrol.launch_dependents" in gu and "griddepcontrol.wait" in dn
+
+
+@needs_cute
+def test_experts_multi_token_compiles_with_leader_search():
+    from latency_specialized.kernels import moe_experts as me
+
+    cfg = me.make_config(8, 512, 128, 256, 4, torch.bfloat16, torch.int32, ActivationSpec(kind="swiglu", clamp=7.0))
+    gu = me.ptx_of(me._compile_gate_up(cfg))
+    dn = me.ptx_of(me._compile_down(cfg))
+    assert "vote.sync.ballot" in gu and "popc" in gu  # experts shared by tokens are found and read once
+    assert "bar.sync" in gu
+    assert _count(dn, r"ld\.global[\w.:]*\.v4") >= 2
+    # weights are read once: no L1 allocation, 256-byte L2 prefetch
+    assert "ld.global.L1::no_allocate.L2::256B.v4" in gu and "ld.global.L1::no_allocate.L2::256B.v4" in dn
+    assert ".local" not in gu and ".local" not in dn
+
+
+@needs_cute
+def test_kda_compiles_streaming_state_once():
+    from latency_specialized.kernels import kda_decode as kd
+
+    H = 12
+    cfg = kd.make_config(_meta(1, 3 * H * 128, dtype=torch.bfloat16), _meta(4, 3 * H * 128, 3, dtype=torch.bfloat16),
+                         _meta(3 * H * 128, 4), _meta(4, H, 128, 128), _meta(1, dtype=torch.int32), _meta(H),
+                         num_heads=H, eps=1e-5, gate_lower_bound=-5.0, scale=None)
+    ptx = kd.ptx_of(kd._compile(cfg))
+    # 64 KiB of state per head: 256 threads x 16 loads and 16 stores of 16 bytes, nothing else
+    assert _count(ptx, r"ld\.global[\w.:]*\.v4\.[fbu]32") == 16
+    assert _count(ptx, r"st\.global\.v4\.[fbu]32") == 16
+    assert "shfl.sync.bfly" in ptx
+
+
+def test_configs_reject_unsupported_shapes_with_a_fix():
+    from latency_specialized.kernels import kda_decode as kd
+    from latency_specialized.kernels import moe_experts as me
+    from latency_specialized.kernels import moe_router as mr
+
+    with pytest.raises(UserError, match="multiple of 256"):
+        me.make_config(1, 3000, 384, 3584, 16, torch.bfloat16, torch.int64, SITU)
+    with pytest.raises(UserError, match="reference"):
+        me.make_config(1, 3584, 384, 3584, 16, torch.float32, torch.int64, SITU)
+    with pytest.raises(UserError, match="top_k"):
+        mr.make_config(_meta(1, 64), None, 40, RouterSpec(score_func="sigmoid"))
+    with pytest.raises(UserError, match="head_dim"):
+        kd.make_config(_meta(1, 3 * 4 * 64), _meta(2, 3 * 4 * 64, 3), _meta(3 * 4 * 64, 4), _meta(2, 4, 64, 64),
+                       _meta(1, dtype=torch.int32), _meta(4), num_heads=4, eps=1e-5, gate_lower_bound=-5.0, scale=None)
+
+
+def test_supports_names_the_reason():
+    from latency_specialized.kernels import kda_decode as kd
+    from latency_specialized.kernels import moe_experts as me
+    from latency_specialized.kernels import moe_router as mr
+
+    dims = dict(E=896, topk=16, N=384, K=3584)
+    cpu = make_context("moe.experts", arch="cpu", dtype="bfloat16", tokens=1, dims=dims)
+    assert "sm_90" in me._supports(cpu)
+    if cute_available() is not True:
+        pytest.skip("nvidia-cutlass-dsl not installed: every supports() names that instead")
+    assert me._supports(make_context("moe.experts", arch="sm_90", dtype="bfloat16", tokens=1, dims=dims)) is True
+    assert "K=3000" in me._supports(make_context("moe.experts", arch="sm_90", dtype="bfloat16", tokens=1,
+                                                 dims=dict(dims, K=3000)))
+    assert "top_k" in mr._supports(make_context("moe.router", arch="sm_90", dtype="bfloat16", tokens=4,
+                                                dims=dict(E=896, topk=40)))
+    assert "head_dim" in kd._supports(make_context("attention.kda", arch="sm_90", dtype="bfloat16", tokens=1,
+                                                   dims=dict(heads=12, head_dim=64, conv=4)))
+
+
+def test_side_stream_needs_cuda():
+    from latency_specialized.runtime.side_stream import SideStream
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: covered by tests/ops/test_moe_kda_gpu.py")
+    with pytest.raises(UserError, match="CUDA"):
+        SideStream()
+
+
+def test_compile_options_keep_ptx_out_of_the_working_tree(tmp_path, monkeypatch):
+    from latency_specialized.kernels import moe_router as mr
+
+    opts = mr._compile_options("sm_90a")
+    assert "--dump-dir" in opts and os.getcwd() not in opts.split("--dump-dir")[1]
