@@ -16,8 +16,10 @@ from latency_specialized.errors import UserError
 COMMANDS = (
     "models",
     "explain",
-
-
+    "generate",
+    "make_checkpoint",
+    "bench_ops",
+    "bench",
 )
 
 
