@@ -26,7 +26,7 @@ COMMANDS = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="latency-specialized",
-        description="Small-batch decode backend for vLLM: list adapters, explain plans, generate, verify, bench.",
+        description="Small-batch decode backend for vLLM: list adapters, explain plans, generate, make checkpoints, bench.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
