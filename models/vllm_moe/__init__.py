@@ -1,0 +1,1 @@
+"""Generic adapter for vLLM's standard MoE decoder layers (first target: ``Qwen3MoeForCausalLM``)."""
