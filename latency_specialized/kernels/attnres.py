@@ -8,9 +8,10 @@ Contract: the family reference (``models/kimi_k3/attnres.py``, ``attnres_mix_ref
 
 The reference expands into ~15 small torch kernels per call (three calls per Kimi layer); this is
 one launch. One CTA per token row; every thread owns the same 16-byte column vectors of all
-``num_sources`` sources (they stay in registers: at N = 7168 bf16 that is 896 threads x S vectors),
-so the sources are read exactly once. Per source the thread's partial <v, w> and <v, v> are
-reduced by warp shuffles, then across warps through shared memory in a fixed order (deterministic,
+``num_sources`` sources (at N = 7168 bf16: 896 threads); up to 4 vectors per thread stay in
+registers between the two passes, more are re-read from L1 in the mix pass (ptxas -v: no spills up
+to 9 sources, Kimi K3's maximum). Per source the thread's partial <v, w> and <v, v> are reduced by
+warp shuffles, then across warps through shared memory in a fixed order (deterministic,
 identical in every thread), the softmax is computed redundantly per thread (S <= 16 scalars), the
 mix stays in fp32 and, with an output norm, one more block reduction gives its rstd. fp32 math and
 one rounding, as the reference.
@@ -120,11 +121,11 @@ def _kernel_class():
             if cutlass.const_expr(var.pdl):
                 cute.arch.griddepcontrol_launch_dependents()
 
-            wf = []   # norm gain x query, fp32 (the reference's w)
-            for i in cutlass.range_constexpr(VPT):
-                a, b = self.unpack(nwv[i]), self.unpack(qv[i])
-                wf.append([a[e] * b[e] for e in range(len(a))])
-            vf = [[self.unpack(vs[s][i]) for i in range(VPT)] for s in range(S)]
+            # Sources stay packed (4 words per vector) and are unpacked where used. Beyond 4 vectors
+            # per thread the mix re-reads them (L1 hits: ld.global.nc allocates in L1) instead of
+            # keeping them live across the reduction: 9 sources would exceed the 72 registers a
+            # 896-thread CTA allows and spill (checked with ptxas -v).
+            RELOAD: cutlass.Constexpr = S * VPT > 4
 
             smem = cutlass.memory.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout(2 * S * 32), byte_alignment=16)
@@ -133,9 +134,10 @@ def _kernel_class():
             for s in cutlass.range_constexpr(S):
                 dot, ss = Float32(0.0), Float32(0.0)
                 for i in cutlass.range_constexpr(VPT):
-                    for e in cutlass.range_constexpr(len(vf[s][i])):
-                        dot = vf[s][i][e] * wf[i][e] + dot
-                        ss = vf[s][i][e] * vf[s][i][e] + ss
+                    v, a, b = self.unpack(vs[s][i]), self.unpack(nwv[i]), self.unpack(qv[i])
+                    for e in cutlass.range_constexpr(len(v)):
+                        dot = v[e] * (a[e] * b[e]) + dot      # w = norm_weight * query, fp32
+                        ss = v[e] * v[e] + ss
                 dot = cute.arch.warp_reduction_sum(dot)
                 ss = cute.arch.warp_reduction_sum(ss)
                 if lane == 0:
@@ -160,9 +162,16 @@ def _kernel_class():
 
             mixed = []
             for i in cutlass.range_constexpr(VPT):
-                acc = [vf[0][i][e] * p[0] for e in range(len(vf[0][i]))]
+                if cutlass.const_expr(RELOAD):
+                    words = [P.ld_act_if(base + Int64(s) * src_stride + Int64(vidx[i]) * 16, vok[i])
+                             for s in range(S)]
+                else:
+                    words = [vs[s][i] for s in range(S)]
+                v = self.unpack(words[0])
+                acc = [v[e] * p[0] for e in range(len(v))]
                 for s in cutlass.range_constexpr(1, S):
-                    acc = [vf[s][i][e] * p[s] + acc[e] for e in range(len(acc))]
+                    v = self.unpack(words[s])
+                    acc = [v[e] * p[s] + acc[e] for e in range(len(acc))]
                 mixed.append(acc)
             if cutlass.const_expr(var.out_norm):
                 ss = Float32(0.0)

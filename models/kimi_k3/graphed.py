@@ -199,10 +199,9 @@ class ProgramVariant:
 def contiguous_allreduce_residual(program: Any) -> int:
     """Make the residual of every all-reduce site contiguous before the call; returns the sites wrapped.
 
-    Workaround, not a fix: ``KimiK3Program`` hands ``sources[:, k + 1]`` (a row of a [M, R, N]
-    buffer, row stride R*N) as the residual, and the fused local all-reduce+residual kernel needs a
-    contiguous one. The needed change is in the program (keep the partial-block row in its own
-    contiguous [M, N] buffer) or in the kernel (take a row stride). This costs one copy per site.
+    A guard for programs that pass a strided residual (the fused local all-reduce+residual kernel
+    needs a contiguous one; one copy per site when it is strided). ``KimiK3Program``'s source-major
+    buffer already hands a contiguous ``sources[k + 1]`` slab, so the bench no longer wraps it.
     """
     n = 0
     for ops in program._ops.values():  # the program's bound op table (same package)
@@ -218,6 +217,19 @@ def contiguous_allreduce_residual(program: Any) -> int:
             ops[site] = wrapped
             n += 1
     return n
+
+
+def _shared_gemm_note(plan: Any, spec: KimiK3Spec, arch: str, bucket: int) -> str:
+    """Which gemm kernels serve inside the fused shared-expert MLP (it picks them itself)."""
+    c = next((c for c in plan.choices if c.site.name.endswith("moe.shared")), None)
+    if c is None or c.impl is None or c.impl.name != "mlp.cutedsl_fused":
+        return f"bucket {bucket}: moe.shared served by {c.impl.name if c and c.impl else 'nothing'}"
+    from latency_specialized.kernels.mlp_fused import chosen_gemms
+
+    moe = next(l.ffn for l in spec.layers if isinstance(l.ffn, MoESpec))
+    inter = moe.num_shared_experts * moe.expert_intermediate
+    gu, down = chosen_gemms(bucket, spec.hidden_size, inter, spec.hidden_size, arch, "bfloat16")
+    return f"bucket {bucket}: moe.shared = mlp.cutedsl_fused with gate/up {gu}, SiTU-GLU kernel, down {down}"
 
 
 class OursBench:
@@ -259,18 +271,18 @@ class OursBench:
             runner = make_runner(program, buffers, buckets=sorted(plans), trace=trace, preserve_state=False)
             built = _Built(spec, program, buffers, runner)
             self._record_routing(built, kind)
-            n_fixed = contiguous_allreduce_residual(program)
+            # no contiguous_allreduce_residual wrapper: the program's partial-block source is a
+            # contiguous [M, N] slab of the source-major buffer, the residual the kernels need
             self.built[n_layers] = built
             if n_layers == layers:
-                if n_fixed:
-                    self.notes.append(
-                        "Workaround (graphed.py): the program passes a strided row of its AttnRes sources as the "
-                        "all-reduce residual and allreduce.cutedsl_local needs it contiguous, so the bench makes it "
-                        "contiguous first (one copy kernel per all-reduce site, counted in ours' kernels).")
                 for bucket in (min(plans), max(plans)):
                     p = plans[bucket]
                     impls = sorted({f"{c.site.name.split('/')[-1]}={c.impl.name}" for c in p.choices if c.impl})
                     self.notes.append(f"ours plan, bucket {bucket} (TP=1 plan at TP{tp} rank shapes): " + ", ".join(impls))
+                    self.notes.append(_shared_gemm_note(p, spec, hw.arch, bucket))
+                if built.program.side is not None:
+                    self.notes.append("Shared experts run on a side stream (a parallel branch of the graph), "
+                                      "overlapping router, latent down-projection and routed experts.")
             torch.cuda.synchronize()
             say(f"  built {n_layers}-layer program ({torch.cuda.memory_allocated() / 2**30:.1f} GiB on the GPU)")
         self.layers = layers

@@ -43,6 +43,7 @@ import torch
 
 from latency_specialized.errors import UserError
 from latency_specialized.ops.plan import Plan
+from latency_specialized.runtime.side_stream import SideStream
 from latency_specialized.spec import DenseMLPSpec, KDAAttentionSpec, MLAAttentionSpec, MoESpec
 from latency_specialized.trace import Trace
 
@@ -199,6 +200,12 @@ class KimiK3Program:
         latent = max((l.ffn.latent_dim or 0) for l in spec.layers if isinstance(l.ffn, MoESpec)) or H
         self.zeros = torch.zeros(self.max_batch, latent, dtype=dtype, device=dev)
         """Residual input of the latent all-reduce (it has no residual: x + 0 == x exactly)."""
+        # Shared experts run on a side stream when the plan marks their site so and there is a GPU
+        # (forked/joined by events: inside a graph capture that is a parallel branch).
+        want_side = dev.type == "cuda" and any(
+            c.site.name.endswith("moe.shared") and c.site.ctx.attr("side_stream") for p in plans.values()
+            for c in p.choices)
+        self.side = SideStream(dev) if want_side else None
 
     def _counted(self, site: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         calls = self.calls
@@ -274,7 +281,8 @@ class KimiK3Program:
         y = ops[f"{kind}/attn.in_proj"](h, w["in"])
         mixed, g_out = y[:, :3 * hd], y[:, 3 * hd:4 * hd]
         f_a, beta = y[:, 4 * hd:4 * hd + a.decay_rank], y[:, 4 * hd + a.decay_rank:]
-        f = ops[f"{kind}/attn.f_b_proj"](f_a, w["f_b"])
+        # a column slice: the GEMV/small-M kernels read contiguous rows (free at M=1, one copy above)
+        f = ops[f"{kind}/attn.f_b_proj"](f_a.contiguous(), w["f_b"])
         o = ops[f"{kind}/attn.kda"](mixed, self.cache.conv[i], w["conv"], f, w["A_log"], w["dt_bias"], beta, g_out,
                                     w["o_norm"], self.cache.state[i], meta["rows"], num_heads=a.num_heads,
                                     eps=self.spec.kda_norm_eps, gate_lower_bound=a.gate_lower_bound)
@@ -303,6 +311,10 @@ class KimiK3Program:
 
     def _moe(self, ops, kind: str, f: MoESpec, w: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
         eps, b = self.spec.norm.eps, h.shape[0]
+        # the shared experts depend only on h: fork them onto the side stream (graph branch) so they
+        # overlap the router, the latent down-projection and the routed experts; joined before latent_up
+        pending = self.side.run(ops[f"{kind}/moe.shared"], h, w["shared_gate_up"], w["shared_down"], f.activation) \
+            if (self.side is not None and f.num_shared_experts) else None
         # fp32 router logits (vLLM GateLinear out_dtype=float32): the GEMM rounds to its input dtype.
         logits = ops[f"{kind}/moe.router_gemm"](h.to(torch.promote_types(h.dtype, torch.float32)), w["gate"])
         weights, ids = ops[f"{kind}/moe.router"](logits, w["bias"], f.top_k, f.router)
@@ -312,8 +324,11 @@ class KimiK3Program:
         normed, y = ops[f"{kind}/moe.latent_allreduce"](y, self.zeros[:b, :y.shape[-1]], w.get("latent_norm"), eps,
                                                          comm=self.comm)
         y = y if normed is None else normed
-        shared = ops[f"{kind}/moe.shared"](h, w["shared_gate_up"], w["shared_down"], f.activation) \
-            if f.num_shared_experts else None
+        if pending is not None:
+            shared = pending.join()
+        else:
+            shared = ops[f"{kind}/moe.shared"](h, w["shared_gate_up"], w["shared_down"], f.activation) \
+                if f.num_shared_experts else None
         lo, hi = self.h_lo, self.h_hi
         up = ops[f"{kind}/moe.latent_up"](y, w["up"], residual=None if shared is None else shared[:, lo:hi])
         if self.tp == 1:

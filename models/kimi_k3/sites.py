@@ -63,7 +63,11 @@ def _ffn(b: SiteBuilder, f, hidden: int, tp: int, latent_norm: bool) -> None:
     width = f.latent_dim or hidden
     # Router and latent down-projection replicated on every rank, as the program runs them today
     # (stock's design; splitting them across ranks - ops/tp_moe.py - is the next step).
-    b.gemm("moe.router_gemm", f.num_experts, hidden)
+    # the router GEMM runs in fp32 (fp32 input and weight, as vLLM's GateLinear): its site says so,
+    # so the plan only picks gemm implementations that take fp32 (the bf16 kernels refuse it)
+    dtype, b.dtype = b.dtype, "float32"
+    b.gemm("moe.router_gemm", f.num_experts, hidden, wbytes=4.0)
+    b.dtype = dtype
     b.add("moe.router", "moe.router", E=f.num_experts, topk=f.top_k,
           attrs={"score_func": f.router.score_func, "bias": f.router.bias_corrected})
     b.gemm("moe.latent_down", width, hidden)
