@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from latency_specialized.errors import UserError
+from latency_specialized.kernels.dsl_common import compile_options, ptx_of  # noqa: F401 (re-exported)
 
 VEC_BYTES = 16
 """Every kernel here moves 16 bytes per thread per load (ld.global.v4.b32)."""
@@ -95,28 +96,11 @@ def fake_stream() -> Any:
     return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
-def compile_options(arch: str, maxrregcount: int = 0) -> str:
-    """TVM-FFI compile for ``arch``, keeping the PTX (``ptx_of``) for the CPU tests' checks."""
-    import os
-    import tempfile
-
-    dump = os.path.join(tempfile.gettempdir(), f"ls_kernels_ptx_{os.getpid()}")
-    os.makedirs(dump, exist_ok=True)
-    regs = f" --ptxas-options '-maxrregcount={maxrregcount}'" if maxrregcount else ""
-    return f"--enable-tvm-ffi --gpu-arch {arch} --keep-ptx --dump-dir {dump}{regs}"
-
-
 def max_regs(threads: int, ctas_per_sm: int) -> int:
     """Register cap that lets 2 x ctas_per_sm CTAs of ``threads`` share an SM (0: no cap)."""
     if ctas_per_sm <= 0:
         return 0
     return max(32, min(255, 65536 // (threads * 2 * ctas_per_sm)) // 8 * 8)
-
-
-def ptx_of(compiled: Any) -> str | None:
-    """The PTX of a fresh compile (None for one loaded from the disk cache)."""
-    art = getattr(compiled, "artifacts", None)
-    return getattr(art, "PTX", None) if art is not None else None
 
 
 @functools.cache

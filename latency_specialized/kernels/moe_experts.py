@@ -25,6 +25,8 @@ import torch
 
 from latency_specialized.errors import UserError
 from latency_specialized.kernels.compile_cache import cached_compile, cute_available
+from latency_specialized.kernels.dsl_common import compile_options as _compile_options, ptx_of  # noqa: F401
+from latency_specialized.kernels.dsl_common import cutlass_dtype as _cutlass_dtype, dtype_name as _dtype_name
 from latency_specialized.ops.registry import Implementation, OpContext, Support
 from latency_specialized.spec import ActivationSpec
 
@@ -68,34 +70,6 @@ class ExpertsConfig:
     def token_chunk(self) -> int:
         # tokens staged in smem at once: <= 64 KiB so three CTAs fit an SM
         return max(1, min(self.max_tokens, (64 * 1024) // (2 * self.K)))
-
-
-def _cutlass_dtype(name: str):
-    import cutlass
-
-    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32,
-            "int32": cutlass.Int32, "int64": cutlass.Int64}[name]
-
-
-def _dtype_name(t: torch.dtype) -> str:
-    return str(t).removeprefix("torch.")
-
-
-def _compile_options(arch: str, ptxas: str = "") -> str:
-    """TVM-FFI compile for ``arch``; PTX kept (tests grep it) in a temp dump dir, not the cwd."""
-    import os
-    import tempfile
-
-    dump = os.path.join(tempfile.gettempdir(), f"ls_kernels_ptx_{os.getpid()}")
-    os.makedirs(dump, exist_ok=True)
-    extra = f" --ptxas-options '{ptxas}'" if ptxas else ""
-    return f"--enable-tvm-ffi --gpu-arch {arch} --keep-ptx --dump-dir {dump}{extra}"
-
-
-def ptx_of(compiled) -> str | None:
-    """PTX of a fresh compile (None when loaded from the disk cache)."""
-    art = getattr(compiled, "artifacts", None)
-    return getattr(art, "PTX", None) if art is not None else None
 
 
 def _vec8(cute, ptr, offset):
