@@ -110,4 +110,7 @@ def test_broken_plugins_are_named_and_do_not_take_others_down(third_party_site):
 
 
 def test_plugin_error_is_a_user_error():
-    assert issubclass(PluginError, Exception)
+    from latency_specialized.errors import UserError
+
+    # The CLI prints UserErrors as one line without a traceback; a plugin error must be one.
+    assert issubclass(PluginError, UserError)

@@ -7,14 +7,14 @@ family references at per-dtype tolerances, CUDA-graph replay == eager. Run on th
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 
 from latency_specialized.ops.mlp import mlp_reference
 from latency_specialized.spec import ActivationSpec
 from latency_specialized_models.kimi_k3.attnres import attnres_mix_reference
+
+from gpu_helpers import graph_replay as _graph_replay, seeded_generator as _gen
 
 pytestmark = pytest.mark.gpu
 
@@ -23,22 +23,6 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1e-2
        torch.float16: dict(rtol=1e-2, atol=1e-2)}
 
 
-def _gen(name: str) -> torch.Generator:
-    return torch.Generator(device=DEV).manual_seed(zlib.crc32(name.encode()))
-
-
-def _graph_replay(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    return g
 
 
 ATTNRES_CASES = [  # (R rows of the buffer, M used of max_m, N, sources, out_norm, dtype)
