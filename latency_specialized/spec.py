@@ -214,7 +214,8 @@ class RouterSpec(Frozen):
     routed_scaling: float = 1.0
     """Final multiplier of the routed weights."""
     fp32: bool = True
-    """Router GEMM and scoring in fp32."""
+    """fp32 router logits (the GEMM accumulates and outputs fp32 from the stored weight, as vLLM's
+    GateLinear with out_dtype=float32) and fp32 scoring."""
 
 
 class MoESpec(Frozen):

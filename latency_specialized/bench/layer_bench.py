@@ -126,8 +126,8 @@ def layer_bytes(full: ModelSpec, layer: int, tp: int, batch: int, context: int |
     """Bytes one layer must move on one rank (weights once per TP group, split evenly; state r+w).
 
     ``full`` is the unsharded spec; routed experts count ``distinct_experts`` (the batch's actual
-    routing); bf16 weights (``weight_bytes``) except fp32 parameters; the router in fp32 when the
-    spec says so. MLA: each rank reads the whole latent KV cache of ``context`` tokens (no DCP).
+    routing); bf16 weights (``weight_bytes``, the router's too: it is stored bf16, its logits are
+    fp32) except fp32 parameters. MLA: each rank reads the whole latent KV cache of ``context`` tokens (no DCP).
     """
     spec = full.layers[layer]
     a, f = spec.attention, spec.ffn
@@ -150,7 +150,7 @@ def layer_bytes(full: ModelSpec, layer: int, tp: int, batch: int, context: int |
         out["kv_cache"] = batch * ((context or 0) + 1) * a.latent_width * wb
     if isinstance(f, MoESpec):
         L = f.latent_dim or N
-        out["router"] = f.num_experts * N * (4 if f.router.fp32 else wb) / tp + f.num_experts * 4 / tp
+        out["router"] = f.num_experts * N * wb / tp + f.num_experts * 4 / tp  # bf16 weight (fp32 logits), fp32 bias
         if f.latent_dim:
             out["latent_proj"] = (2 * L * N + L) * wb / tp
         per_expert = 3 * f.expert_intermediate * L * wb

@@ -229,6 +229,8 @@ def launch(kernel_name: str, build: Callable[[FusedAllReduceConfig, str], Any], 
     fn = get_kernel(kernel_name, build, cfg)
     if out is not None:
         normed, res_out = out
+        if normed is None:  # (None, residual_out): the add-only form, or a normed output not wanted in place
+            normed = torch.empty_like(partial) if weight is not None else res_out
         for t in (normed, res_out):
             if t.shape != partial.shape or t.dtype != partial.dtype or not t.is_contiguous() or t.data_ptr() % 16:
                 raise UserError(f"out tensors must be contiguous, 16-byte aligned {tuple(partial.shape)} "

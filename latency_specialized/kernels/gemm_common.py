@@ -30,7 +30,7 @@ VEC_BYTES = 16
 
 
 def check_gemm_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
-                    out: torch.Tensor | None, *, kmult: int) -> tuple[int, int, int]:
+                    out: torch.Tensor | None, *, kmult: int, out_dtype: torch.dtype | None = None) -> tuple[int, int, int]:
     """Validate the gemm contract for the kernels; returns (M, N, K).
 
     The kernels read rows with 16-byte loads, so both operands must be contiguous bf16 rows whose
@@ -51,8 +51,9 @@ def check_gemm_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
         if not t.is_contiguous() or t.data_ptr() % VEC_BYTES:
             raise UserError(f"gemm kernel needs a contiguous, 16-byte aligned {name}: call .contiguous() first")
     for name, t in (("residual", residual), ("out", out)):
-        if t is not None and (tuple(t.shape) != (m, n) or t.dtype != x.dtype or not t.is_contiguous()):
-            raise UserError(f"gemm: {name} must be a contiguous [{m}, {n}] {x.dtype} tensor, got "
+        want = (out_dtype or x.dtype) if name == "out" else x.dtype
+        if t is not None and (tuple(t.shape) != (m, n) or t.dtype != want or not t.is_contiguous()):
+            raise UserError(f"gemm: {name} must be a contiguous [{m}, {n}] {want} tensor, got "
                             f"{tuple(t.shape)} {t.dtype}")
     return m, n, k
 

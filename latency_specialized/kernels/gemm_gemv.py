@@ -156,8 +156,13 @@ def _kernel_class():
     return GemvKernel
 
 
-def compile_gemv(k: int, m: int, cfg: GemvConfig, residual: bool):
-    """Compiled kernel for (K, M, config, residual); N is dynamic (one compile per K and M)."""
+def compile_gemv(k: int, m: int, cfg: GemvConfig, residual: bool, out_fp32: bool = False):
+    """Compiled kernel for (K, M, config, residual, output dtype); N is dynamic (one compile per K and M).
+
+    ``out_fp32``: the accumulator is stored as fp32 (router logits) instead of rounded to bf16;
+    the (unused) residual operand then has the output's type, so the output buffer can stand in."""
+    if out_fp32 and residual:
+        raise ValueError("fp32 output with a residual is not a gemm site of any model: not compiled")
 
     def build(arch: str):
         import cutlass
@@ -167,12 +172,14 @@ def compile_gemv(k: int, m: int, cfg: GemvConfig, residual: bool):
 
         n = cute.sym_int()
         bf = cutlass.BFloat16
-        args = (fake_rows(bf, m, k), fake_rows(bf, n, k), fake_rows(bf, m, n), fake_rows(bf, m, n), 1,
+        yt = cutlass.Float32 if out_fp32 else bf
+        args = (fake_rows(bf, m, k), fake_rows(bf, n, k), fake_rows(yt, m, n), fake_rows(yt, m, n), 1,
                 fake_stream())
         return cute.compile(_kernel_class()(k, m, cfg, residual), *args,
                             options=compile_options(arch, max_regs(32 * cfg.warps, cfg.ctas_per_sm)))
 
-    return compile_cache.cached_compile(NAME, (k, m, residual) + tuple(sorted(asdict(cfg).items())), build)
+    key = (k, m, residual) + (("out_fp32",) if out_fp32 else ()) + tuple(sorted(asdict(cfg).items()))
+    return compile_cache.cached_compile(NAME, key, build)
 
 
 def default_config(n: int, k: int, m: int) -> GemvConfig:
@@ -181,7 +188,8 @@ def default_config(n: int, k: int, m: int) -> GemvConfig:
 
 
 def gemm_gemv(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor | None = None,
-              out: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, config: GemvConfig | None = None,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = x @ weight.T (+ residual) with the CUDA-core GEMV kernel (gemm contract, ops/gemm.py).
 
     Parameters
@@ -189,12 +197,17 @@ def gemm_gemv(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor |
     x : [M, K] bf16, M in 1..4, K % 8 == 0.
     weight : [N, K] bf16.
     residual : optional [M, N] bf16 added before the single rounding.
-    out : optional [M, N] bf16 destination.
+    out : optional [M, N] destination (bf16, or fp32 with ``out_dtype=torch.float32``).
     config : kernel choices; default: the tuning table's, else a heuristic.
+    out_dtype : torch.float32 stores the fp32 accumulator unrounded (router logits, no residual).
     """
     from latency_specialized.errors import UserError
 
-    m, n, k = check_gemm_args(x, weight, residual, out, kmult=8)
+    fp32 = out_dtype is not None and out_dtype != x.dtype
+    if fp32 and (out_dtype != torch.float32 or residual is not None):
+        raise UserError(f"{NAME}: out_dtype={out_dtype} (with residual={residual is not None}): the kernel writes "
+                        "bf16, or fp32 without a residual; use gemm.cublas")
+    m, n, k = check_gemm_args(x, weight, residual, out, kmult=8, out_dtype=out_dtype)
     if not 1 <= m <= MAX_M:
         raise UserError(f"{NAME} serves M=1..{MAX_M} (got M={m}): use gemm.cutedsl_small_m or gemm.cublas")
     if config is None:
@@ -202,8 +215,8 @@ def gemm_gemv(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor |
 
         config = tuning.config_for(NAME, n, k, m, GemvConfig) or default_config(n, k, m)
     if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    fn = compile_gemv(k, m, config, residual is not None)
+        out = torch.empty(m, n, dtype=torch.float32 if fp32 else x.dtype, device=x.device)
+    fn = compile_gemv(k, m, config, residual is not None, out_fp32=fp32)
     fn(x, weight, residual if residual is not None else out, out, grid_cap(x.device, config.ctas_per_sm))
     return out
 
@@ -215,7 +228,10 @@ def _supports(ctx: OpContext) -> Support:
         return f"GEMV kernel serves M<={MAX_M} (M={ctx.tokens})"
     if ctx.dim("K") % 8:
         return f"needs K % 8 == 0 (K={ctx.dim('K')})"
-    return tuning.gemm_supports(NAME, ctx)
+    if ctx.attr("out_dtype") not in (None, ctx.dtype, "float32") or (ctx.attr("out_dtype") == "float32"
+                                                                     and ctx.attr("residual")):
+        return f"writes bf16, or fp32 without a residual (out_dtype={ctx.attr('out_dtype')})"
+    return tuning.gemm_supports(NAME, ctx, fp32_out=True)
 
 
 IMPLEMENTATIONS = [

@@ -44,6 +44,11 @@ class RouterConfig:
     logits_dtype: str
     bias_dtype: str
     ids_dtype: str
+    split: int = 1
+    """Warps per token. 1: one warp scans all E experts. S > 1 (small batches): S warps each take
+    E/S experts and select their own top-k, then warp 0 selects the top-k of the S*k candidates
+    (shared memory). A single warp's 16 serial rounds over 28 slots per lane cannot hide latency
+    when it is the only warp on the GPU (batch 1); S warps cut each warp's serial work ~S-fold."""
 
 
 def _build_kernel_class():
@@ -51,19 +56,25 @@ def _build_kernel_class():
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Uint32, Uint64
+    from cutlass.memory import SmemAllocator
 
     class RouterKernel:
         def __init__(self, cfg: RouterConfig):
             self.cfg = cfg
-            self.slots = (cfg.num_experts + 31) // 32  # experts per lane
+            self.slots = (cfg.num_experts + 32 * cfg.split - 1) // (32 * cfg.split)  # experts per lane
+            self.cand_slots = (cfg.split * cfg.top_k + 31) // 32  # merge candidates per lane (split > 1)
 
         @cute.jit
         def __call__(self, logits: cute.Tensor, bias: cute.Tensor, w_out: cute.Tensor, ids_out: cute.Tensor,
                      stream):
             m_tokens = logits.shape[0]
-            grid = (m_tokens + WARPS_PER_CTA - 1) // WARPS_PER_CTA
-            self.kernel(logits, bias, w_out, ids_out).launch(
-                grid=[grid, 1, 1], block=[32 * WARPS_PER_CTA, 1, 1], stream=stream)
+            if cutlass.const_expr(self.cfg.split == 1):
+                grid = (m_tokens + WARPS_PER_CTA - 1) // WARPS_PER_CTA
+                self.kernel(logits, bias, w_out, ids_out).launch(
+                    grid=[grid, 1, 1], block=[32 * WARPS_PER_CTA, 1, 1], stream=stream)
+            else:
+                self.split_kernel(logits, bias, w_out, ids_out).launch(
+                    grid=[m_tokens, 1, 1], block=[32 * self.cfg.split, 1, 1], stream=stream)
 
         @cute.jit
         def _score(self, logit, vmax: Float32, inv_sum: Float32) -> Float32:
@@ -194,6 +205,121 @@ def _build_kernel_class():
                     w_out[m, lane] = w
                     ids_out[m, lane] = my_id.to(ids_out.element_type)
 
+        @cute.jit
+        def _weights_out(self, logits: cute.Tensor, w_out: cute.Tensor, ids_out: cute.Tensor, m, lane, my_id,
+                         vmax: Float32, inv_sum: Float32):
+            """Lane r < top_k holds winner r: its unbiased score, renormalised and scaled, stored."""
+            cfg = self.cfg
+            s = Float32(0.0)
+            if lane < cfg.top_k:
+                s = self._score(logits[m, my_id].to(Float32), vmax, inv_sum)
+            w = s
+            if cutlass.const_expr(cfg.renormalize):
+                denom = cute.arch.warp_reduction_sum(s) + Float32(cfg.renormalize_eps)
+                w = s / denom
+            w = w * Float32(cfg.routed_scaling)
+            if lane < cfg.top_k:
+                w_out[m, lane] = w
+                ids_out[m, lane] = my_id.to(ids_out.element_type)
+
+        @cute.kernel
+        def split_kernel(self, logits: cute.Tensor, bias: cute.Tensor, w_out: cute.Tensor, ids_out: cute.Tensor):
+            """One token per CTA of ``split`` warps (no softmax: scores need no row statistics)."""
+            cfg = self.cfg
+            E = cfg.num_experts
+            S = cfg.split
+            R = self.slots
+            C = S * cfg.top_k
+            tidx, _, _ = cute.arch.thread_idx()
+            m, _, _ = cute.arch.block_idx()
+            lane = tidx % 32
+            wid = tidx // 32
+            smem = SmemAllocator()
+            s_key = smem.allocate_tensor(Uint32, cute.make_layout(C), byte_alignment=16)
+            s_id = smem.allocate_tensor(Int32, cute.make_layout(C), byte_alignment=16)
+            vmax = Float32(0.0)
+            inv_sum = Float32(1.0)
+            # 1. this warp's experts e = (i*S + wid)*32 + lane -> selection keys (e >= E: key 0)
+            keys = cute.make_rmem_tensor((R,), Uint32)
+            for i in cutlass.range_constexpr(R):
+                e = (Int32(i * S) + wid) * 32 + lane
+                ec = cutlass.min(e, Int32(E - 1))
+                sel = self._score(logits[m, ec].to(Float32), vmax, inv_sum)
+                if cutlass.const_expr(cfg.has_bias):
+                    sel = sel + bias[ec].to(Float32)
+                keys[i] = self._key(sel)
+                if cutlass.const_expr((i + 1) * S * 32 > E):
+                    if e >= E:
+                        keys[i] = Uint32(0)
+            # 2. the warp's own top-k (as the one-warp kernel, over R slots per lane)
+            best = cute.make_rmem_tensor((2,), Uint64)
+            best[0] = self._tree_best(keys, None)
+            best[1] = self._tree_best(keys, best[0])
+            has_second = Int32(1)
+            my_id = Int32(0)
+            my_key = Uint32(0)
+            for r in cutlass.range(cfg.top_k, unroll=1):
+                packed = best[0]
+                cur = (packed >> 8).to(Uint32)
+                kmax = cute.arch.warp_redux_sync(cur, "umax")
+                cand = Int32(0x7FFFFFFF)
+                if cur == kmax:
+                    cand = ((Int32(255) - (packed & Uint64(255)).to(Int32)) * S + wid) * 32 + lane
+                win = cute.arch.warp_redux_sync(cand, "min")
+                if lane == r:
+                    my_id = win
+                    my_key = kmax
+                if win % 32 == lane:
+                    if has_second != 0:
+                        best[0] = best[1]
+                        has_second = Int32(0)
+                    else:
+                        best[0] = self._tree_best(keys, packed)
+            if lane < cfg.top_k:
+                s_key[wid * cfg.top_k + lane] = my_key
+                s_id[wid * cfg.top_k + lane] = my_id
+            cute.arch.barrier()
+            # 3. warp 0: top-k of the S*k candidates; P = key << 32 | (2^31 - 1 - id): larger key, then
+            # lower id (the reference's stable order); candidates beyond C are P = 0 (never picked)
+            if wid == 0:
+                Q = self.cand_slots
+                cands = []
+                for j in cutlass.range_constexpr(Q):
+                    c = lane + 32 * j
+                    p = Uint64(0)
+                    if cutlass.const_expr((j + 1) * 32 <= C):
+                        p = (s_key[c].to(Uint64) << 32) | (Int32(0x7FFFFFFF) - s_id[c]).to(Uint64)
+                    elif c < C:
+                        p = (s_key[c].to(Uint64) << 32) | (Int32(0x7FFFFFFF) - s_id[c]).to(Uint64)
+                    cands.append(p)
+                top = self._max_below(cands, None)
+                fin_id = Int32(0)
+                for r in cutlass.range(cfg.top_k, unroll=1):
+                    cur = (top >> 32).to(Uint32)
+                    kmax = cute.arch.warp_redux_sync(cur, "umax")
+                    cid = Int32(0x7FFFFFFF)
+                    if cur == kmax:
+                        cid = Int32(0x7FFFFFFF) - (top & Uint64(0x7FFFFFFF)).to(Int32)
+                    win = cute.arch.warp_redux_sync(cid, "min")
+                    if lane == r:
+                        fin_id = win
+                    if cur == kmax:
+                        if cid == win:  # this lane held the winner: its next candidate below it
+                            top = self._max_below(cands, top)
+                self._weights_out(logits, w_out, ids_out, m, lane, fin_id, vmax, inv_sum)
+
+        def _max_below(self, vals, below):
+            """max of ``vals`` (Uint64), only those < ``below`` when given (0 if none): unrolled tree."""
+            if below is not None:
+                vals = [Uint64(cutlass.select_(v < below, v, Uint64(0))) for v in vals]
+            vals = list(vals)
+            while len(vals) > 1:
+                nxt = [cutlass.max(vals[j], vals[j + 1]) for j in range(0, len(vals) - 1, 2)]
+                if len(vals) % 2:
+                    nxt.append(vals[-1])
+                vals = nxt
+            return vals[0]
+
     return RouterKernel
 
 
@@ -220,8 +346,21 @@ def _compile(cfg: RouterConfig):
     return cached_compile("moe_router", (cfg,), build)
 
 
+SPLIT_MAX_TOKENS = 16
+"""Batches up to this many tokens use ``split`` warps per token (see RouterConfig.split)."""
+SPLIT_WARPS = 4
+
+
+def choose_split(tokens: int, num_experts: int, top_k: int, score_func: str) -> int:
+    """Warps per token for a batch of ``tokens`` (1 = one warp scans all experts)."""
+    if score_func == "softmax" or tokens > SPLIT_MAX_TOKENS:
+        return 1  # softmax needs row statistics over all experts; big batches fill the GPU already
+    s = SPLIT_WARPS
+    return s if num_experts // s >= max(top_k, 32) else 1
+
+
 def make_config(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, router: RouterSpec,
-                ids_dtype: torch.dtype = torch.int64) -> RouterConfig:
+                ids_dtype: torch.dtype = torch.int64, split: int | None = None) -> RouterConfig:
     """The compile key for one call (validates what the kernel supports; UserError names the fix)."""
     if logits.dim() != 2:
         raise UserError(f"moe router: logits must be [M, E], got shape {tuple(logits.shape)}")
@@ -234,14 +373,19 @@ def make_config(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, rou
     use_bias = bias is not None and router.bias_corrected
     if use_bias and tuple(bias.shape) != (E,):
         raise UserError(f"moe router: bias must be [E={E}], got {tuple(bias.shape)}")
+    if split is None:
+        split = choose_split(logits.shape[0], E, top_k, router.score_func)
+    if split > 1 and (router.score_func == "softmax" or E // split < top_k):
+        raise UserError(f"moe router: split={split} needs a non-softmax score and >= top_k experts per warp "
+                        f"(E={E}, top_k={top_k}, score={router.score_func}); use split=1")
     return RouterConfig(E, top_k, router.score_func, float(router.logit_scale), use_bias, router.renormalize,
                         float(router.renormalize_eps), float(router.routed_scaling), _dtype_name(logits.dtype),
-                        _dtype_name(bias.dtype) if use_bias else "float32", _dtype_name(ids_dtype))
+                        _dtype_name(bias.dtype) if use_bias else "float32", _dtype_name(ids_dtype), split)
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, router: RouterSpec, *,
-          out_weights: torch.Tensor | None = None,
-          out_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          out_weights: torch.Tensor | None = None, out_ids: torch.Tensor | None = None,
+          split: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k routing on the GPU (same contract as ``ops.moe.route_reference``).
 
     Parameters
@@ -249,6 +393,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, router: R
     logits : [M, E] router logits (fp32, bf16 or fp16; unit stride along E).
     bias : [E] selection bias or None. top_k : experts per token (<= 32). router : RouterSpec.
     out_weights : optional [M, top_k] fp32 destination. out_ids : optional [M, top_k] int64/int32.
+    split : warps per token (default: ``choose_split`` for this M).
 
     Returns
     -------
@@ -257,7 +402,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, router: R
     """
     M = logits.shape[0]
     ids_dtype = out_ids.dtype if out_ids is not None else torch.int64
-    cfg = make_config(logits, bias, top_k, router, ids_dtype)
+    cfg = make_config(logits, bias, top_k, router, ids_dtype, split)
     fn = _compile(cfg)
     w = out_weights if out_weights is not None else torch.empty(M, top_k, dtype=torch.float32,
                                                                 device=logits.device)
@@ -284,14 +429,15 @@ def prepare(ctx: OpContext, router: RouterSpec, logits_dtype: torch.dtype = torc
             has_bias: bool = True) -> None:
     """Compile before graph capture for a site (E, topk from ctx)."""
     E, k = ctx.dim("E"), ctx.dim("topk")
-    dummy = torch.empty(1, E, dtype=logits_dtype, device="meta")
+    dummy = torch.empty(ctx.tokens, E, dtype=logits_dtype, device="meta")  # M picks the split variant
     bias = torch.empty(E, dtype=torch.float32, device="meta") if has_bias else None
     _compile(make_config(dummy, bias, k, router))
 
 
 IMPLEMENTATIONS = [
     Implementation("moe.router", "moe.router.cutedsl", route, _supports, priority=10,
-                   description="one warp per token: ordered-key redux.sync top-k, renormalise, scale"),
+                   description="ordered-key redux.sync top-k (1 warp per token; 4 warps + a merge at <= 16 tokens), "
+                               "renormalise, scale"),
 ]
 
 __all__ = ["route", "RouterConfig", "make_config", "prepare", "IMPLEMENTATIONS"]

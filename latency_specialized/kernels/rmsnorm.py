@@ -255,7 +255,7 @@ def _check(x: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _run(x, weight, eps, residual, gate, zero_centered, out, norm, config):
+def _run(x, weight, eps, residual, gate, zero_centered, out, norm, config, residual_out=None):
     if x.dtype not in DTYPES.values():
         raise UserError(f"rmsnorm kernel supports bf16/fp16/fp32, got {x.dtype}: use norm.reference")
     n = x.shape[-1]
@@ -275,7 +275,9 @@ def _run(x, weight, eps, residual, gate, zero_centered, out, norm, config):
     y = out if out is not None else torch.empty_like(x)
     if out is not None:
         _check(out, "out", x)
-    h = torch.empty_like(x) if residual is not None else y
+    if residual_out is not None:  # may alias residual: each thread reads its elements before writing them
+        _check(residual_out, "residual_out", x)
+    h = (residual_out if residual_out is not None else torch.empty_like(x)) if residual is not None else y
     r2 = _check(residual, "residual", x).view(-1, n) if residual is not None else x2
     g2 = _check(gate, "gate", x).view(-1, n) if gate is not None else x2
     w1 = weight if weight is not None else x2[0]
@@ -305,19 +307,21 @@ def rmsnorm_cute(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, re
 
 def allreduce_residual_rmsnorm_local(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
                                      eps: float, *, comm=None, zero_centered: bool = False,
-                                     config: NormConfig | None = None):
+                                     config: NormConfig | None = None, out=None):
     """The one-rank fused all-reduce + residual + RMSNorm (contract: ops/allreduce.py).
 
+    ``out``: optional (normed, residual_out) destinations; residual_out may be ``residual`` itself.
     Returns (normed, residual_out); normed is None when weight is None (add only).
     """
     ws = getattr(comm, "world_size", 1) if comm is not None else 1
     if ws != 1:
         raise UserError(f"{AR_NAME} is the one-rank case (world_size={ws}): use a multi-rank allreduce "
                         "implementation")
+    y_out, h_out = out if out is not None else (None, None)
     if weight is None:
-        _, h = _run(partial, None, eps, residual, None, False, None, False, config)
+        _, h = _run(partial, None, eps, residual, None, False, None, False, config, residual_out=h_out)
         return None, h
-    y, h = _run(partial, weight, eps, residual, None, zero_centered, None, True, config)
+    y, h = _run(partial, weight, eps, residual, None, zero_centered, y_out, True, config, residual_out=h_out)
     return y, h
 
 

@@ -17,7 +17,7 @@ from latency_specialized.ops.registry import Implementation, always
 
 def allreduce_residual_rmsnorm_reference(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
                                          eps: float, *, comm: Communicator | None = None,
-                                         zero_centered: bool = False):
+                                         zero_centered: bool = False, out=None):
     """All-reduce + residual add + RMSNorm.
 
     Parameters
@@ -25,6 +25,9 @@ def allreduce_residual_rmsnorm_reference(partial: torch.Tensor, residual: torch.
     partial : [M, N] this rank's partial sum (e.g. a row-parallel o_proj output).
     residual : [M, N] residual stream (same on every rank).
     weight : [N] norm gain, or None to skip the norm (returns (None, residual_out)).
+    out : optional (normed or None, residual_out) destinations [M, N]. ``residual_out`` may be
+        ``residual`` itself (every implementation reads an element before it writes it), which
+        saves the caller a copy of the residual stream.
 
     Returns
     -------
@@ -34,9 +37,13 @@ def allreduce_residual_rmsnorm_reference(partial: torch.Tensor, residual: torch.
     acc = partial.float().clone()
     comm.all_reduce(acc)
     h = (acc + residual.float()).to(partial.dtype)
+    y_out, h_out = out if out is not None else (None, None)
+    if h_out is not None:
+        h = h_out.copy_(h)
     if weight is None:
         return None, h
-    return rmsnorm_reference(h, weight, eps, zero_centered=zero_centered), h
+    y = rmsnorm_reference(h, weight, eps, zero_centered=zero_centered)
+    return (y_out.copy_(y) if y_out is not None else y), h
 
 
 IMPLEMENTATIONS = [

@@ -13,7 +13,7 @@ from latency_specialized.ops.registry import Implementation, OpContext, Support,
 
 
 def gemm_reference(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = x @ weight.T (+ residual).
 
     Parameters
@@ -22,15 +22,18 @@ def gemm_reference(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Ten
     weight : [N, K] weight (row-major, as nn.Linear stores it).
     residual : optional [M, N] added before the single rounding to x.dtype.
     out : optional [M, N] destination.
+    out_dtype : dtype of the result (default x.dtype); fp32 for router logits (vLLM's GateLinear:
+        bf16 x bf16 -> fp32, no rounding to bf16).
 
     Returns
     -------
-    [M, N] in x.dtype.
+    [M, N] in out_dtype (x.dtype by default).
     """
-    y = x.float() @ weight.float().t()
+    acc = torch.float64 if torch.float64 in (x.dtype, weight.dtype) else torch.float32
+    y = x.to(acc) @ weight.to(acc).t()
     if residual is not None:
-        y = y + residual.float()
-    y = y.to(x.dtype)
+        y = y + residual.to(acc)
+    y = y.to(out_dtype or x.dtype)
     if out is not None:
         out.copy_(y)
         return out
@@ -38,8 +41,23 @@ def gemm_reference(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Ten
 
 
 def gemm_torch(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-    """cuBLAS (torch.nn.functional.linear) with an unfused residual add: the stock composition."""
+               out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """cuBLAS (torch.nn.functional.linear) with an unfused residual add: the stock composition.
+
+    ``out_dtype=torch.float32`` on bf16 inputs uses cuBLAS's fp32-output epilogue
+    (``torch.mm(..., out_dtype=)``, what vLLM's GateLinear runs for router logits).
+    """
+    if out_dtype is not None and out_dtype != x.dtype:
+        if x.is_cuda and _MM_HAS_OUT_DTYPE:
+            y = torch.mm(x, weight.t(), out_dtype=out_dtype)
+        else:  # CPU: same math (products of bf16 are exact in fp32), fp32 accumulate
+            y = x.to(out_dtype) @ weight.to(out_dtype).t()
+        if residual is not None:
+            y = y + residual.to(out_dtype)
+        if out is not None:
+            out.copy_(y)
+            return out
+        return y
     y = torch.nn.functional.linear(x, weight)
     if residual is not None:
         y = y + residual
@@ -47,6 +65,18 @@ def gemm_torch(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor 
         out.copy_(y)
         return out
     return y
+
+
+def _mm_has_out_dtype() -> bool:
+    import inspect
+
+    try:
+        return "out_dtype" in str(inspect.signature(torch.mm)) or "out_dtype" in (torch.mm.__doc__ or "")
+    except (TypeError, ValueError):
+        return "out_dtype" in (torch.mm.__doc__ or "")
+
+
+_MM_HAS_OUT_DTYPE = _mm_has_out_dtype()
 
 
 def _torch_supports(ctx: OpContext) -> Support:

@@ -60,9 +60,14 @@ class SiteBuilder:
         name = f"{self.prefix}/{role}" if self.prefix else role
         self.sites.append(OpSite(name, ctx, self.layers, weight_bytes))
 
-    def gemm(self, role: str, n: int, k: int, *, residual: bool = False, wbytes: float = 2.0) -> None:
-        """A projection y[M,N] = x[M,K] W[N,K]^T; wbytes = bytes per weight element."""
-        self.add(role, "gemm", weight_bytes=int(n * k * wbytes), N=n, K=k, attrs={"residual": residual})
+    def gemm(self, role: str, n: int, k: int, *, residual: bool = False, wbytes: float = 2.0,
+             out_dtype: str | None = None) -> None:
+        """A projection y[M,N] = x[M,K] W[N,K]^T; wbytes = bytes per weight element; out_dtype: result
+        dtype when it is not the activation dtype (fp32 router logits)."""
+        attrs: dict = {"residual": residual}
+        if out_dtype is not None:
+            attrs["out_dtype"] = out_dtype
+        self.add(role, "gemm", weight_bytes=int(n * k * wbytes), N=n, K=k, attrs=attrs)
 
 
 def _attention_sites(b: SiteBuilder, a: Any, hidden: int) -> None:

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from latency_specialized.comm.base import Communicator, LocalCommunicator
+from latency_specialized.comm.base import Communicator, ExcludedCommunicator, LocalCommunicator
 from latency_specialized.errors import UserError
 from latency_specialized.ops.gemm import gemm_reference
 from latency_specialized.ops.moe import route_reference
@@ -70,6 +70,21 @@ def _unpack(gathered: torch.Tensor, world_size: int, widths: list[tuple[int, tor
     return out
 
 
+def gather_parts(comm: Communicator, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every rank's ``parts`` ([M, w_i] each, any dtypes) concatenated along the last dim, in rank order.
+
+    One all-gather for all parts: their rows are packed side by side as bytes (bits unchanged) and
+    unpacked after. The bench's ExcludedCommunicator gathers each part on its own (its stand-in
+    slices of the other ranks are random values of each part's dtype and scale).
+    """
+    if comm.world_size == 1:
+        return list(parts)
+    if isinstance(comm, ExcludedCommunicator):
+        return [comm.all_gather(p, dim=-1) for p in parts]
+    widths = [(p.shape[1], p.dtype) for p in parts]
+    return _unpack(comm.all_gather(_pack(parts), dim=-1), comm.world_size, widths)
+
+
 def tp_moe_input(x: torch.Tensor, router_shard: torch.Tensor, *, comm: Communicator | None = None,
                  latent_shard: torch.Tensor | None = None, router_fp32: bool = True,
                  gemm: Callable[..., torch.Tensor] = gemm_reference) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -91,11 +106,7 @@ def tp_moe_input(x: torch.Tensor, router_shard: torch.Tensor, *, comm: Communica
     parts = [router_logits(x, router_shard, router_fp32)]
     if latent_shard is not None:
         parts.append(gemm(x, latent_shard))
-    widths = [(p.shape[1], p.dtype) for p in parts]
-    if comm.world_size == 1:
-        gathered = parts
-    else:
-        gathered = _unpack(comm.all_gather(_pack(parts), dim=-1), comm.world_size, widths)
+    gathered = gather_parts(comm, parts)
     return gathered[0], (gathered[1] if latent_shard is not None else None)
 
 

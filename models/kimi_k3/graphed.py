@@ -3,14 +3,14 @@
 ``make_runner`` wraps a :class:`KimiK3Program` (unchanged) into the runtime's CUDAGraphRunner: one
 graph per batch bucket over static DecodeBuffers, the program's plans prepared before capture.
 
-``build_ours`` builds what ``latency-specialized bench`` times as "ours": the same program at the
-**real per-rank shapes of a TP shard** (12 KDA heads, expert intermediate 384 at TP8 ...) with random
-weights drawn on the GPU, run on one rank. The program runs TP=1 plans today, so what it does per
-rank is what its plan does: router and latent projections are as large as the rank-shaped spec
-makes them (full width - the program does not split them across ranks yet), and the bench's
-roofline still counts them / TP, so that gap shows in the roofline fraction. The program's step
-also embeds, mixes the final AttnRes, norms and runs a (small-vocabulary) head; the bench subtracts
-a 1-layer program's step from a K-layer one's, so per-layer figures hold layers only.
+``build_ours`` builds what ``latency-specialized bench`` times as "ours": the program at **TP
+``tp``, rank 0**, with random weights of that rank's real shapes drawn on the GPU (12 KDA heads,
+expert intermediate 384, 112 router rows, 448 latent channels ... at TP8) and communication
+excluded (``ExcludedCommunicator``; all-reduce sites bound to the one-rank fused kernel). So the
+router and the latent down-projection run split across ranks, as the program runs them on a real
+TP group. The step also embeds, mixes the final AttnRes, norms and runs a (small-vocabulary) head;
+the bench subtracts a 1-layer program's step from a K-layer one's, so per-layer figures hold layers
+only.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from latency_specialized.comm.base import ExcludedCommunicator
 from latency_specialized.errors import UserError
 from latency_specialized.runtime.buffers import BufferSpec, DecodeBuffers
 from latency_specialized.runtime.gate import DecodeGate
@@ -28,6 +29,7 @@ from latency_specialized.spec import KDAAttentionSpec, MLAAttentionSpec, MoESpec
 from latency_specialized.trace import Trace
 
 from latency_specialized_models.kimi_k3.spec import KimiK3Spec, build_spec
+from latency_specialized_models.kimi_k3.tp import shard_shape
 from latency_specialized_models.kimi_k3.weights import expected_tensors, storage_dtype
 
 
@@ -46,37 +48,38 @@ def make_runner(program: Any, buffers: DecodeBuffers, *, buckets: Sequence[int] 
 
 
 # ------------------------------------------------------------------------------------------ bench: "ours"
-def rank_spec(full: KimiK3Spec, tp: int, kind: str, num_layers: int, *, vocab: int = 512) -> KimiK3Spec:
-    """``num_layers`` layers of ``kind`` (+MoE) with the per-rank shapes of a TP-``tp`` shard, run as TP=1.
+def bench_spec(full: KimiK3Spec, tp: int, kind: str, num_layers: int, *, vocab: int = 512) -> KimiK3Spec:
+    """``num_layers`` layers of ``kind`` (+MoE) with Kimi K3's full widths (heads, experts, latent ...).
 
-    Heads and expert/shared intermediate widths are divided by ``tp``; hidden, latent, router and
-    AttnRes stay full (what one rank holds of them when they are not split). Routed experts bf16.
+    The program runs it at TP ``tp`` (ExcludedCommunicator: rank 0, communication left out) on
+    rank-shaped weights, so every kernel sees the real per-rank shapes of a TP-``tp`` shard.
+    Routed experts bf16; a small vocabulary (the LM head is not part of a layer).
     """
     kda = next(l.attention for l in full.layers if isinstance(l.attention, KDAAttentionSpec))
     mla = next(l.attention for l in full.layers if isinstance(l.attention, MLAAttentionSpec))
     moe = next(l.ffn for l in full.layers if isinstance(l.ffn, MoESpec))
-    for what, n in (("KDA heads", kda.num_heads), ("MLA heads", mla.num_heads), ("expert width", moe.expert_intermediate)):
-        if n % tp:
-            raise UserError(f"TP={tp} not supported: kimi_k3 needs {what} {n} divisible by TP")
-    return build_spec(variant=f"tp{tp}-rank", hidden=full.hidden_size, vocab=vocab, num_layers=num_layers,
-                      mla_layers=tuple(range(num_layers)) if kind == "mla" else (),
-                      kda_heads=kda.num_heads // tp, head_dim=kda.head_dim, conv=kda.conv_kernel,
-                      gate_lower_bound=kda.gate_lower_bound, mla_heads=mla.num_heads // tp, q_lora=mla.q_lora_rank,
+    spec = build_spec(variant=f"bench-{kind}x{num_layers}", hidden=full.hidden_size, vocab=vocab * tp,
+                      num_layers=num_layers, mla_layers=tuple(range(num_layers)) if kind == "mla" else (),
+                      kda_heads=kda.num_heads, head_dim=kda.head_dim, conv=kda.conv_kernel,
+                      gate_lower_bound=kda.gate_lower_bound, mla_heads=mla.num_heads, q_lora=mla.q_lora_rank,
                       kv_lora=mla.kv_lora_rank, nope=mla.qk_nope_head_dim, rope=mla.qk_rope_head_dim,
                       v_dim=mla.v_head_dim, experts=moe.num_experts, top_k=moe.top_k, shared=moe.num_shared_experts,
-                      expert_inter=moe.expert_intermediate // tp, latent=moe.latent_dim, dense_layers=(),
+                      expert_inter=moe.expert_intermediate, latent=moe.latent_dim, dense_layers=(),
                       dense_inter=moe.expert_intermediate, block_size=full.residual.block_size or 12,
                       max_context=full.max_context, eps=full.norm.eps, activation=moe.activation,
                       router=moe.router, latent_norm=full.latent_moe_norm, expert_format="bf16")
+    spec.shard(tp)  # UserError naming the fix for a TP the model cannot be split by
+    return spec
 
 
-def bench_weights(spec: KimiK3Spec, device: torch.device, *, seed: int = 0,
+def bench_weights(spec: KimiK3Spec, device: torch.device, *, seed: int = 0, tp: int = 1,
                   dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """Random weights of ``spec`` by official name, drawn on ``device`` (GBs: the CPU would take minutes).
+    """Random weights of rank 0's TP-``tp`` shard of ``spec`` by official name (``tp.shard_weights``
+    names and shapes), drawn on ``device`` (GBs: the CPU would take minutes).
 
-    Same scales as weights.random_weights (projections N(0, 1/fan_in), norm gains 1 + 0.1 N, ...),
-    not the same values. Each layer's experts are views of one [E, I, K] tensor per projection. The
-    router weight is fp32 (the spec's router runs in fp32 and the program feeds it fp32 inputs).
+    Same scales as weights.random_weights (projections N(0, 1/fan_in of the full tensor), norm
+    gains 1 + 0.1 N, ...), not the same values. Each layer's experts are views of one [E, ...]
+    tensor per projection. The router weight is bf16, as the checkpoint stores it.
     """
     g = torch.Generator(device=device).manual_seed(seed)
 
@@ -88,29 +91,29 @@ def bench_weights(spec: KimiK3Spec, device: torch.device, *, seed: int = 0,
     expert_blocks: dict[str, dict[str, torch.Tensor]] = {}
     for name, ts in expected_tensors(spec).items():
         dt = storage_dtype(ts, dtype)
+        shape = shard_shape(spec, name, tuple(ts.shape), tp)
+        fan_in = ts.shape[-1] ** -0.5
         if ".experts." in name:
             prefix, rest = name.split(".experts.")
             e, proj = rest.split(".")[0], rest.split(".")[1]
             blocks = expert_blocks.setdefault(prefix, {})
             if proj not in blocks:
-                n_exp = spec.layers[0].ffn.num_experts  # every layer of a rank spec is +MoE
-                blocks[proj] = randn((n_exp, *ts.shape), scale=ts.shape[-1] ** -0.5)
+                n_exp = spec.layers[int(prefix.split(".")[2])].ffn.num_experts  # model.layers.<i>.block_sparse_moe
+                blocks[proj] = randn((n_exp, *shape), scale=fan_in)
             out[name] = blocks[proj][int(e)]
             continue
-        if name.endswith("gate.weight"):
-            out[name] = randn(ts.shape, torch.float32, scale=ts.shape[-1] ** -0.5)
-        elif ts.init in ("linear", "query", "conv"):
-            out[name] = randn(ts.shape, dt, scale=ts.shape[-1] ** -0.5)
+        if ts.init in ("linear", "query", "conv"):
+            out[name] = randn(shape, dt, scale=fan_in)
         elif ts.init == "norm":
-            out[name] = randn(ts.shape, dt, scale=0.1, shift=1.0)
+            out[name] = randn(shape, dt, scale=0.1, shift=1.0)
         elif ts.init == "embed":
-            out[name] = randn(ts.shape, dt)
+            out[name] = randn(shape, dt)
         elif ts.init == "a_log":
-            out[name] = torch.log(0.5 + 1.5 * torch.rand(ts.shape, generator=g, device=device)).to(dt)
+            out[name] = torch.log(0.5 + 1.5 * torch.rand(shape, generator=g, device=device)).to(dt)
         elif ts.init == "dt_bias":
-            out[name] = randn(ts.shape, dt, scale=0.5, shift=-2.0)
+            out[name] = randn(shape, dt, scale=0.5, shift=-2.0)
         elif ts.init == "bias":
-            out[name] = randn(ts.shape, dt, scale=0.1)
+            out[name] = randn(shape, dt, scale=0.1)
         else:
             raise ValueError(f"unknown init {ts.init} of {name}")
     return out
@@ -196,25 +199,25 @@ class ProgramVariant:
         return [t[: self.batch] for t in self.b.recorded]
 
 
-def contiguous_allreduce_residual(program: Any) -> int:
-    """Make the residual of every all-reduce site contiguous before the call; returns the sites wrapped.
+def exclude_communication(program: Any) -> int:
+    """Bind every all-reduce site of ``program`` to the one-rank fused kernel (communication left
+    out, for the one-GPU bench); returns the number of sites rebound.
 
-    A guard for programs that pass a strided residual (the fused local all-reduce+residual kernel
-    needs a contiguous one; one copy per site when it is strided). ``KimiK3Program``'s source-major
-    buffer already hands a contiguous ``sources[k + 1]`` slab, so the bench no longer wraps it.
+    The rank's partial sums are added to the residual as if the other ranks contributed zero: the
+    kernel does the same memory traffic as the real fused all-reduce minus the peer exchange.
     """
+    from latency_specialized.kernels.rmsnorm import allreduce_residual_rmsnorm_local
+
     n = 0
     for ops in program._ops.values():  # the program's bound op table (same package)
-        for site, fn in list(ops.items()):
+        for site in list(ops):
             if not site.endswith("allreduce"):
                 continue
 
-            def wrapped(partial, residual, *args, _fn=fn, **kw):
-                if residual is not None and not residual.is_contiguous():
-                    residual = residual.contiguous()
-                return _fn(partial, residual, *args, **kw)
+            def local(partial, residual, weight, eps, *, comm=None, _fn=allreduce_residual_rmsnorm_local, **kw):
+                return _fn(partial, residual, weight, eps, comm=None, **kw)
 
-            ops[site] = wrapped
+            ops[site] = local
             n += 1
     return n
 
@@ -252,34 +255,42 @@ class OursBench:
         self.notes: list[str] = []
         self.built: dict[int, _Built] = {}
         for n_layers in (layers, 1):
-            spec = rank_spec(full, tp, kind, n_layers)
+            spec = bench_spec(full, tp, kind, n_layers)
             adapter = _ShapedAdapter(base, spec)
             plans = {}
             for b in self.batches:
-                plan = build_plan(adapter, reg.implementations, hw, tp=1, batch=b, dtype="bfloat16")
+                plan = build_plan(adapter, reg.implementations, hw, tp=tp, batch=b, dtype="bfloat16")
                 plans[plan.bucket] = plan
-            weights = bench_weights(spec, device, seed=seed + n_layers)
-            cache = KimiK3Cache.for_sequences(spec, max(self.batches), 4096, block_size=16, device=device)
+            weights = bench_weights(spec, device, seed=seed + n_layers, tp=tp)
+            cache = KimiK3Cache.for_sequences(spec.shard(tp), max(self.batches), 4096, block_size=16, device=device)
             for t in cache.tensors():  # a live state, not zeros
                 t.normal_(0.0, 0.05)
             trace = Trace()
-            program = KimiK3Program(spec, weights, plans, cache, trace=trace)
+            comm = ExcludedCommunicator(tp) if tp > 1 else None
+            program = KimiK3Program(spec, weights, plans, cache, trace=trace, comm=comm, weights_sharded=True)
             del weights  # the program holds the arranged (stacked) copies
+            excluded = exclude_communication(program) if tp > 1 else 0
             buffers = DecodeBuffers(BufferSpec(max_batch=program.max_batch,
                                                max_blocks_per_seq=len(cache.slots[0].blocks), block_size=16,
                                                pad_state=0), device=device)
             runner = make_runner(program, buffers, buckets=sorted(plans), trace=trace, preserve_state=False)
             built = _Built(spec, program, buffers, runner)
             self._record_routing(built, kind)
-            # no contiguous_allreduce_residual wrapper: the program's partial-block source is a
-            # contiguous [M, N] slab of the source-major buffer, the residual the kernels need
             self.built[n_layers] = built
             if n_layers == layers:
                 for bucket in (min(plans), max(plans)):
                     p = plans[bucket]
                     impls = sorted({f"{c.site.name.split('/')[-1]}={c.impl.name}" for c in p.choices if c.impl})
-                    self.notes.append(f"ours plan, bucket {bucket} (TP=1 plan at TP{tp} rank shapes): " + ", ".join(impls))
-                    self.notes.append(_shared_gemm_note(p, spec, hw.arch, bucket))
+                    self.notes.append(f"ours plan, bucket {bucket} (TP{tp} plan, rank 0): " + ", ".join(impls))
+                    self.notes.append(_shared_gemm_note(p, spec.shard(tp), hw.arch, bucket))
+                if excluded:
+                    self.notes.append(
+                        f"Ours runs the TP{tp} program of rank 0 with communication excluded: its {excluded} all-reduce "
+                        "sites run the one-rank fused residual(+RMSNorm) kernel (allreduce.cutedsl_local) and its "
+                        "all-gathers (router logits + latent input, LM head) copy the rank's slice into a static "
+                        "buffer whose other slices hold random stand-ins. Router and latent down-projection are "
+                        "split across ranks in ours (1/TP of the weights per rank, + one all-gather), replicated in "
+                        "stock (no gather).")
                 if built.program.side is not None:
                     self.notes.append("Shared experts run on a side stream (a parallel branch of the graph), "
                                       "overlapping router, latent down-projection and routed experts.")

@@ -29,8 +29,13 @@ Row-parallel outputs (o_proj, MLP/expert down-projections) are partial sums that
 sites complete; the experts' latent output is all-reduced together with the latent RMSNorm; the
 latent up-projection writes only the rank's hidden slice (added to the shared experts' partial,
 so the FFN all-reduce counts it once); the LM head's vocabulary slices are all-gathered (glue).
-Router and latent down-projection are replicated on every rank for now (stock's design; the
-split router of ``ops/tp_moe.py`` is the next step).
+Router and latent down-projection are split across ranks (``ops/tp_moe.py``): each rank scores
+its experts and projects its latent channels, and one all-gather joins both (stock vLLM
+replicates them on every rank).
+
+``weights_sharded=True`` takes weights that already are this rank's shard (``tp.shard_weights``
+names and shapes) - the bench draws rank-shaped random weights directly, as the full model's
+would not fit one GPU.
 """
 
 from __future__ import annotations
@@ -43,11 +48,13 @@ import torch
 
 from latency_specialized.errors import UserError
 from latency_specialized.ops.plan import Plan
+from latency_specialized.ops.tp_moe import gather_parts, shard_range
 from latency_specialized.runtime.side_stream import SideStream
 from latency_specialized.spec import DenseMLPSpec, KDAAttentionSpec, MLAAttentionSpec, MoESpec
 from latency_specialized.trace import Trace
 
 from latency_specialized_models.kimi_k3.cache import KimiK3Cache
+from latency_specialized_models.kimi_k3.sites import in_proj_rows
 from latency_specialized_models.kimi_k3.spec import KimiK3Spec
 from latency_specialized_models.kimi_k3.tp import shard_weights
 
@@ -66,6 +73,11 @@ class _Layer:
     ffn: dict[str, torch.Tensor]
 
 
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zero rows appended up to ``rows`` (the padded width of a fused projection)."""
+    return t if t.shape[0] == rows else torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
 def _arrange(spec: KimiK3Spec, w: Mapping[str, torch.Tensor]) -> list[_Layer]:
     layers = []
     for layer in spec.layers:
@@ -74,9 +86,10 @@ def _arrange(spec: KimiK3Spec, w: Mapping[str, torch.Tensor]) -> list[_Layer]:
         a = layer.attention
         if isinstance(a, KDAAttentionSpec):
             attn = {
-                # in_proj rows: q | k | v | g_out | f_a | beta (vLLM's in_proj_qkvgfab order, minus padding)
-                "in": torch.cat([w[s + "q_proj.weight"], w[s + "k_proj.weight"], w[s + "v_proj.weight"],
-                                 w[s + "g_proj.weight"], w[s + "f_a_proj.weight"], w[s + "b_proj.weight"]]),
+                # in_proj rows: q | k | v | g_out | f_a | beta, zero-padded to 16 rows (vLLM in_proj_qkvgfab)
+                "in": _pad_rows(torch.cat([w[s + "q_proj.weight"], w[s + "k_proj.weight"], w[s + "v_proj.weight"],
+                                           w[s + "g_proj.weight"], w[s + "f_a_proj.weight"], w[s + "b_proj.weight"]]),
+                                in_proj_rows(a)),
                 "f_b": w[s + "f_b_proj.weight"],
                 "conv": torch.cat([w[s + f"{n}_conv1d.weight"][:, 0] for n in ("q", "k", "v")]),
                 "A_log": w[s + "A_log"], "dt_bias": w[s + "dt_bias"], "o_norm": w[s + "o_norm.weight"],
@@ -137,7 +150,7 @@ class KimiK3Program:
     """
 
     def __init__(self, spec: KimiK3Spec, weights: Mapping[str, torch.Tensor], plans: Plan | Mapping[int, Plan],
-                 cache: KimiK3Cache, *, trace: Trace | None = None, comm: Any = None):
+                 cache: KimiK3Cache, *, trace: Trace | None = None, comm: Any = None, weights_sharded: bool = False):
         plans = {plans.bucket: plans} if isinstance(plans, Plan) else dict(plans)
         if not plans:
             raise UserError("the Kimi K3 program needs at least one plan (build_plan for its batch)")
@@ -186,10 +199,15 @@ class KimiK3Program:
         self.dtype, self.device = dtype, dev
         self.embed = weights["model.embed_tokens.weight"]
         head = self.embed if spec.tie_word_embeddings else weights["lm_head.weight"]
-        self.head = head.chunk(tp)[self.rank].contiguous() if tp > 1 else head
+        self.head = head.chunk(tp)[self.rank].contiguous() if (tp > 1 and (spec.tie_word_embeddings or not weights_sharded)) else head
         self.final = {"norm": weights["model.output_attn_res_norm.weight"],
                       "query": weights["model.output_attn_res_proj.weight"][0], "out": weights["model.norm.weight"]}
-        self.layers = _arrange(self.rank_spec, shard_weights(spec, dict(weights), self.rank, tp))
+        for layer in spec.layers:
+            if isinstance(layer.ffn, MoESpec) and tp > 1:
+                shard_range(layer.ffn.num_experts, 0, tp, f"{spec.name} router experts (split across ranks)")
+                shard_range(layer.ffn.latent_dim or spec.hidden_size, 0, tp, f"{spec.name} latent channels")
+        rank_weights = dict(weights) if weights_sharded else shard_weights(spec, dict(weights), self.rank, tp)
+        self.layers = _arrange(self.rank_spec, rank_weights)
         H = spec.hidden_size
         self.h_lo, self.h_hi = self.rank * H // tp, (self.rank + 1) * H // tp
         """The rank's hidden slice (latent up-projection rows)."""
@@ -255,16 +273,15 @@ class KimiK3Program:
                 a = self._kda(ops, kind, i, layer.attention, L.attn, h, meta)
             else:
                 a = self._mla(ops, kind, i, layer.attention, L.attn, h, meta)
-            _, new = ops[f"{kind}/attn.allreduce"](a, src[k + 1], None, eps, comm=self.comm)
-            src[k + 1].copy_(new)
+            # the sum goes straight back into the partial-block source (residual_out aliases residual)
+            ops[f"{kind}/attn.allreduce"](a, src[k + 1], None, eps, comm=self.comm, out=(None, src[k + 1]))
             h = ops[f"{kind}/ffn.attnres"](src, k + 2, L.mlp_res_norm, L.mlp_res_query, eps,
                                            out_norm_weight=L.post_norm, out_eps=eps)
             if isinstance(layer.ffn, DenseMLPSpec):
                 m = ops[f"{kind}/mlp"](h, L.ffn["gate_up"], L.ffn["down"], layer.ffn.activation)
             else:
                 m = self._moe(ops, kind, layer.ffn, L.ffn, h)
-            _, new = ops[f"{kind}/ffn.allreduce"](m, src[k + 1], None, eps, comm=self.comm)
-            src[k + 1].copy_(new)
+            ops[f"{kind}/ffn.allreduce"](m, src[k + 1], None, eps, comm=self.comm, out=(None, src[k + 1]))
         h = ops["final.attnres"](src, spec.attnres_rows, self.final["norm"], self.final["query"], eps)
         h = ops["final_norm"](h, self.final["out"], eps)
         logits = ops["lm_head"](h, self.head)
@@ -280,7 +297,7 @@ class KimiK3Program:
         hd = a.num_heads * a.head_dim
         y = ops[f"{kind}/attn.in_proj"](h, w["in"])
         mixed, g_out = y[:, :3 * hd], y[:, 3 * hd:4 * hd]
-        f_a, beta = y[:, 4 * hd:4 * hd + a.decay_rank], y[:, 4 * hd + a.decay_rank:]
+        f_a, beta = y[:, 4 * hd:4 * hd + a.decay_rank], y[:, 4 * hd + a.decay_rank:4 * hd + a.decay_rank + a.num_heads]
         # a column slice: the GEMV/small-M kernels read contiguous rows (free at M=1, one copy above)
         f = ops[f"{kind}/attn.f_b_proj"](f_a.contiguous(), w["f_b"])
         o = ops[f"{kind}/attn.kda"](mixed, self.cache.conv[i], w["conv"], f, w["A_log"], w["dt_bias"], beta, g_out,
@@ -315,10 +332,14 @@ class KimiK3Program:
         # overlap the router, the latent down-projection and the routed experts; joined before latent_up
         pending = self.side.run(ops[f"{kind}/moe.shared"], h, w["shared_gate_up"], w["shared_down"], f.activation) \
             if (self.side is not None and f.num_shared_experts) else None
-        # fp32 router logits (vLLM GateLinear out_dtype=float32): the GEMM rounds to its input dtype.
-        logits = ops[f"{kind}/moe.router_gemm"](h.to(torch.promote_types(h.dtype, torch.float32)), w["gate"])
-        weights, ids = ops[f"{kind}/moe.router"](logits, w["bias"], f.top_k, f.router)
+        # fp32 router logits from the bf16 router weight (vLLM's GateLinear: bf16 x bf16 -> fp32) and
+        # the latent input: at TP > 1 each rank computes its slice of both (experts r*E/tp.., latent
+        # channels r*L/tp..) and one all-gather joins them - no rank repeats another's weight reads
+        logits = ops[f"{kind}/moe.router_gemm"](h, w["gate"], out_dtype=torch.promote_types(h.dtype, torch.float32))
         x = ops[f"{kind}/moe.latent_down"](h, w["down"])
+        if self.tp > 1:
+            logits, x = gather_parts(self.comm, [logits, x])
+        weights, ids = ops[f"{kind}/moe.router"](logits, w["bias"], f.top_k, f.router)
         y = ops[f"{kind}/moe.experts"](x, weights, ids, w["w13"], w["w2"], f.activation)  # partial at TP > 1
         # all-reduce of the experts' partial latent, fused with the latent RMSNorm (no residual: zeros)
         normed, y = ops[f"{kind}/moe.latent_allreduce"](y, self.zeros[:b, :y.shape[-1]], w.get("latent_norm"), eps,
@@ -330,10 +351,15 @@ class KimiK3Program:
             shared = ops[f"{kind}/moe.shared"](h, w["shared_gate_up"], w["shared_down"], f.activation) \
                 if f.num_shared_experts else None
         lo, hi = self.h_lo, self.h_hi
-        up = ops[f"{kind}/moe.latent_up"](y, w["up"], residual=None if shared is None else shared[:, lo:hi])
         if self.tp == 1:
-            return up
-        # only this rank's hidden slice gets the up-projection, so the FFN all-reduce counts it once
-        out = up.new_zeros(b, self.spec.hidden_size) if shared is None else shared.clone()
-        out[:, lo:hi] = up
-        return out
+            return ops[f"{kind}/moe.latent_up"](y, w["up"], residual=shared)
+        # only this rank's hidden slice gets the up-projection, so the FFN all-reduce counts it once;
+        # the shared experts' output is this step's own tensor: the slice is written into it in place
+        if shared is None:
+            shared = h.new_zeros(b, self.spec.hidden_size)
+        part = shared[:, lo:hi]
+        if part.is_contiguous():  # one row: the slice is contiguous, the GEMM adds and writes in place
+            ops[f"{kind}/moe.latent_up"](y, w["up"], residual=part, out=part)
+        else:
+            part.copy_(ops[f"{kind}/moe.latent_up"](y, w["up"], residual=part.contiguous()))
+        return shared

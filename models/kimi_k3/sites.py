@@ -11,7 +11,8 @@ own sites:
   ``in_proj_qkvgfab``; f_b is its own GEMM;
 * MLA: one GEMM for ``[q_a | kv_a]`` (vLLM ``fused_qkv_a_proj``), two norms, q_b, the output-gate
   GEMM, then attention with the gate fused (``attention.mla``), then o_proj;
-* latent MoE: router GEMM (fp32 logits), routing, latent down-projection, routed experts at the
+* latent MoE: router GEMM (fp32 logits) and latent down-projection of the rank's slice (one all-gather
+  joins them), routing, routed experts at the
   latent width, the experts' all-reduce fused with the latent RMSNorm (*after* the experts),
   shared experts, and the latent up-projection of the rank's hidden slice with the shared output
   as its residual (one rounding, as vLLM's ``addmm_``);
@@ -24,6 +25,12 @@ from latency_specialized.ops.sites import OpSite, SiteBuilder
 from latency_specialized.spec import DenseMLPSpec, KDAAttentionSpec, LayerSpec, MLAAttentionSpec, ModelSpec, MoESpec, ParallelSpec
 
 
+def in_proj_rows(a: KDAAttentionSpec) -> int:
+    """Rows of KDA's fused input projection (q, k, v, g_out, f_a, beta) padded to a multiple of 16."""
+    rows = 4 * a.num_heads * a.head_dim + a.decay_rank + a.num_heads
+    return rows + (-rows % 16)
+
+
 def _attnres(b: SiteBuilder, role: str, hidden: int, rows: int, out_norm: bool) -> None:
     b.add(role, "residual.attnres", weight_bytes=2 * hidden * 2, N=hidden, R=rows, attrs={"out_norm": out_norm})
 
@@ -31,7 +38,9 @@ def _attnres(b: SiteBuilder, role: str, hidden: int, rows: int, out_norm: bool) 
 def _attention(b: SiteBuilder, a, hidden: int) -> None:
     if isinstance(a, KDAAttentionSpec):
         hd = a.num_heads * a.head_dim
-        b.gemm("attn.in_proj", 4 * hd + a.decay_rank + a.num_heads, hidden)  # q, k, v, g_out | f_a | beta
+        # q, k, v, g_out | f_a | beta, rows padded to a multiple of 16 as vLLM pads in_proj_qkvgfab
+        # (cuBLAS picks an sm80 kernel for N=6284 at M=64: 39 vs 27 us for N=6288, H200)
+        b.gemm("attn.in_proj", in_proj_rows(a), hidden)
         b.gemm("attn.f_b_proj", hd, a.decay_rank)
         b.add("attn.kda", "attention.kda", heads=a.num_heads, head_dim=a.head_dim, conv=a.conv_kernel)
         b.gemm("attn.o_proj", hidden, hd)
@@ -61,16 +70,14 @@ def _ffn(b: SiteBuilder, f, hidden: int, tp: int, latent_norm: bool) -> None:
         return
     assert isinstance(f, MoESpec)
     width = f.latent_dim or hidden
-    # Router and latent down-projection replicated on every rank, as the program runs them today
-    # (stock's design; splitting them across ranks - ops/tp_moe.py - is the next step).
-    # the router GEMM runs in fp32 (fp32 input and weight, as vLLM's GateLinear): its site says so,
-    # so the plan only picks gemm implementations that take fp32 (the bf16 kernels refuse it)
-    dtype, b.dtype = b.dtype, "float32"
-    b.gemm("moe.router_gemm", f.num_experts, hidden, wbytes=4.0)
-    b.dtype = dtype
+    # Router and latent down-projection split across ranks (ops/tp_moe.py): rank r scores experts
+    # r*E/tp.. and projects latent channels r*L/tp..; one all-gather (communication, not a site)
+    # assembles the full logits and latent on every rank. The router weight is bf16 (as stored);
+    # its logits are fp32 (vLLM's GateLinear: bf16 x bf16 -> fp32), so the site asks for fp32 output.
+    b.gemm("moe.router_gemm", f.num_experts // tp, hidden, out_dtype="float32")
     b.add("moe.router", "moe.router", E=f.num_experts, topk=f.top_k,
           attrs={"score_func": f.router.score_func, "bias": f.router.bias_corrected})
-    b.gemm("moe.latent_down", width, hidden)
+    b.gemm("moe.latent_down", width // tp, hidden)
     b.add("moe.experts", "moe.experts", E=f.num_experts, topk=f.top_k, N=f.expert_intermediate, K=width,
           attrs={"activation": f.activation.kind})
     # the experts' partial latent is all-reduced with the latent RMSNorm fused (vLLM: all-reduce, then norm)

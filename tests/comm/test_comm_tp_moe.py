@@ -46,3 +46,45 @@ def test_shards_partition_the_rows():
     w = torch.arange(896 * 2).reshape(896, 2)
     parts = [tp_moe.shard_rows(w, r, 8) for r in range(8)]
     assert all(p.shape == (112, 2) for p in parts) and torch.equal(torch.cat(parts), w)
+
+
+# ------------------------------------------------------------------ bench communicator, gather_parts
+def test_excluded_communicator_gathers_rank_slice_into_static_buffer_with_stand_ins():
+    from latency_specialized.comm.base import ExcludedCommunicator
+    from latency_specialized.ops.tp_moe import gather_parts
+
+    comm = ExcludedCommunicator(4, rank=1, seed=3)
+    x = torch.randn(3, 5)
+    assert comm.all_reduce(x) is x  # other ranks' partials are left out
+    logits, latent = torch.randn(3, 6), torch.randn(3, 8).bfloat16()
+    full_l, full_x = gather_parts(comm, [logits, latent])
+    assert full_l.shape == (3, 24) and full_l.dtype == torch.float32
+    assert full_x.shape == (3, 32) and full_x.dtype == torch.bfloat16
+    assert torch.equal(full_l[:, 6:12], logits) and torch.equal(full_x[:, 8:16], latent)
+    stand_in = full_l[:, :6].clone()
+    assert torch.isfinite(stand_in).all() and stand_in.abs().sum() > 0  # random stand-ins, not zeros
+    again, _ = gather_parts(comm, [logits * 2, latent])
+    assert again.data_ptr() == full_l.data_ptr()  # static: capturable in a CUDA graph
+    assert torch.equal(again[:, 6:12], logits * 2) and torch.equal(again[:, :6], stand_in)
+    with pytest.raises(ValueError, match="rank 4 of a world of 4"):
+        ExcludedCommunicator(4, rank=4)
+
+
+def test_gather_parts_packs_mixed_dtypes_bit_exactly_over_one_all_gather():
+    from latency_specialized.ops.tp_moe import gather_parts
+
+    class TwoRanks:  # rank 0 of 2 whose peer holds the same rows
+        name, rank, world_size = "fake", 0, 2
+        calls = 0
+
+        def all_gather(self, t, dim=-1):
+            TwoRanks.calls += 1
+            return torch.cat([t, t.clone()], dim=-1)  # the peer's packed rows: the same bytes
+
+    logits = torch.tensor([[-0.0, 1.5, float("inf")]])
+    latent = torch.tensor([[3.0, -2.0]]).bfloat16()
+    full_l, full_x = gather_parts(TwoRanks(), [logits, latent])
+    assert TwoRanks.calls == 1
+    assert full_l.shape == (1, 6) and full_x.shape == (1, 4)
+    assert torch.equal(full_l.view(torch.int32), torch.cat([logits, logits], -1).view(torch.int32))
+    assert torch.equal(full_x, torch.cat([latent, latent], -1))

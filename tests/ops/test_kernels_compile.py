@@ -59,6 +59,18 @@ def test_gemv_compiles_to_16_byte_streaming_loads(sm90):
 
 
 @needs_cute
+def test_gemv_fp32_output_stores_the_unrounded_accumulator(sm90):
+    """Router logits: bf16 x bf16 -> fp32 (vLLM's GateLinear out_dtype); no rounding to bf16 on store."""
+    from latency_specialized.kernels.gemm_gemv import GemvConfig, compile_gemv
+
+    p = _ptx(compile_gemv(7168, 1, GemvConfig(), False, out_fp32=True))
+    assert "st.global.b32" in p        # 4-byte stores of the fp32 sums
+    assert "cvt.rn.bf16" not in p       # a bf16 output would round here
+    with pytest.raises(ValueError, match="residual"):
+        compile_gemv(7168, 1, GemvConfig(), True, out_fp32=True)
+
+
+@needs_cute
 def test_small_m_compiles_to_mma_sync_with_register_fragments(sm90):
     from latency_specialized.kernels.gemm_small_m import MmaConfig, compile_mma
 

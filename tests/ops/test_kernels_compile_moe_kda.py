@@ -46,6 +46,13 @@ def test_router_compiles_with_redux_topk():
     assert _count(ptx, r"redux\.sync\.max\.u32") >= 1  # ordered-key argmax
     assert _count(ptx, r"redux\.sync\.min\.s32") >= 1  # lower id wins ties
     assert ".local" not in ptx  # the 28 keys per lane stay in registers
+    # batch <= 16: 4 warps per token, each selects among 224 experts, warp 0 merges 64 candidates
+    split = mr.make_config(_meta(8, 896), _meta(896), 16, RouterSpec(score_func="sigmoid"))
+    assert split.split == 4 and mr.make_config(_meta(64, 896), _meta(896), 16, RouterSpec(score_func="sigmoid")).split == 1
+    sptx = mr.ptx_of(mr._compile(split))
+    assert _count(sptx, r"redux\.sync\.max\.u32") >= 2 and "bar.sync" in sptx and ".local" not in sptx
+    with pytest.raises(UserError, match="split"):
+        mr.make_config(_meta(1, 896), _meta(896), 16, RouterSpec(score_func="softmax"), split=4)
 
 
 @needs_cute

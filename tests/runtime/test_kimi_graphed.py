@@ -18,55 +18,67 @@ from latency_specialized.runtime.buffers import BufferSpec, DecodeBuffers
 from latency_specialized.runtime.gate import StepState
 from latency_specialized.trace import Trace
 
-from latency_specialized_models.kimi_k3.graphed import (bench_weights, contiguous_allreduce_residual, make_runner,
-                                                        rank_spec)
+from latency_specialized.comm.base import ExcludedCommunicator
+from latency_specialized_models.kimi_k3.graphed import bench_spec, bench_weights, exclude_communication, make_runner
+from latency_specialized_models.kimi_k3.tp import shard_weights
 from latency_specialized_models.kimi_k3.program import KimiK3Program
 from latency_specialized_models.kimi_k3.spec import full_spec, tiny_spec
 from latency_specialized_models.kimi_k3.weights import expected_tensors, random_weights
 
 
-def test_rank_spec_has_tp8_rank_shapes_and_bench_weights_cover_the_names():
-    spec = rank_spec(full_spec(), 8, "kda", 2, vocab=512)
+def test_bench_spec_has_full_widths_and_bench_weights_are_the_rank_shard_shapes():
+    spec = bench_spec(full_spec(), 8, "kda", 2, vocab=512)
     a, f = spec.layers[0].attention, spec.layers[0].ffn
-    assert a.kind == "kda" and a.num_heads == 12 and a.head_dim == 128
-    assert f.kind == "moe" and f.expert_intermediate == 384 and f.num_experts == 896 and f.latent_dim == 3584
+    assert a.kind == "kda" and a.num_heads == 96 and a.head_dim == 128
+    assert f.kind == "moe" and f.expert_intermediate == 3072 and f.num_experts == 896 and f.latent_dim == 3584
     assert spec.num_layers == 2 and spec.hidden_size == 7168
-    small = rank_spec(tiny_spec(), 2, "kda", 2)
-    w = bench_weights(small, torch.device("cpu"), seed=1)
-    exp = expected_tensors(small)
-    assert set(w) == set(exp)
-    for name, ts in exp.items():
-        assert tuple(w[name].shape) == ts.shape, name
+    rank = spec.shard(8).layers[0]
+    assert rank.attention.num_heads == 12 and rank.ffn.expert_intermediate == 384
+    small = tiny_spec()
+    w = bench_weights(small, torch.device("cpu"), seed=1, tp=2)
+    # the same names and shapes as rank 0's shard of full weights (router and latent down split too)
+    ref = shard_weights(small, random_weights(small, seed=1), 0, 2)
+    assert set(w) == set(ref) == set(expected_tensors(small))
+    for name, t in ref.items():
+        assert tuple(w[name].shape) == tuple(t.shape), name
         assert torch.isfinite(w[name].float()).all() and w[name].float().abs().sum() > 0, name
+    li = next(l.index for l in small.layers if l.ffn.kind == "moe")
+    moe = f"model.layers.{li}.block_sparse_moe."
+    assert w[moe + "gate.weight"].shape[0] == small.layers[li].ffn.num_experts // 2
+    assert w[moe + "gate.weight"].dtype == torch.bfloat16  # bf16 router weight, fp32 logits
     with pytest.raises(Exception, match="divisible"):
-        rank_spec(full_spec(), 7, "kda", 1)
+        bench_spec(full_spec(), 7, "kda", 1)
 
 
 def _program(device: str, batch: int, seed: int, rank_shapes: bool = False):
-    """Program + buffers. ``rank_shapes``: one KDA+MoE layer at real TP8 rank shapes (GPU kernels
-    serve it; the tiny spec's widths fall back to references, and moe.experts.reference syncs)."""
+    """Program + buffers. ``rank_shapes``: one KDA+MoE layer as rank 0 of TP8 with communication
+    excluded (the bench's setup: GPU kernels serve its shapes; the tiny spec's widths fall back to
+    references, and moe.experts.reference syncs)."""
     from latency_specialized_models.kimi_k3.cache import KimiK3Cache
     from latency_specialized_models.kimi_k3.graphed import _ShapedAdapter
 
     reg = get_registry()
     hw = hardware.probe() if device == "cuda" else hardware.for_arch("cpu")
+    comm = None
     if rank_shapes:
-        spec = rank_spec(full_spec(), 8, "kda", 1, vocab=512)
+        spec = bench_spec(full_spec(), 8, "kda", 1, vocab=512)
         adapter = _ShapedAdapter(reg.adapter("kimi_k3"), spec)
-        plan = build_plan(adapter, reg.implementations, hw, tp=1, batch=batch)
-        w = bench_weights(spec, torch.device(device), seed=seed)
+        plan = build_plan(adapter, reg.implementations, hw, tp=8, batch=batch)
+        w = bench_weights(spec, torch.device(device), seed=seed, tp=8)
+        comm = ExcludedCommunicator(8)
     else:
         spec = tiny_spec()
         plan = build_plan(reg.adapter("kimi_k3"), reg.implementations, hw, tp=1, batch=batch, variant="tiny")
         w = random_weights(spec, seed=seed, device=device)
-    cache = KimiK3Cache.for_sequences(spec, plan.bucket, 64, block_size=4, device=device, shuffle_seed=seed)
+    cache_spec = spec.shard(8) if rank_shapes else spec
+    cache = KimiK3Cache.for_sequences(cache_spec, plan.bucket, 64, block_size=4, device=device, shuffle_seed=seed)
     g = torch.Generator().manual_seed(seed)
     for t in cache.tensors():
         t.copy_((torch.randn(t.shape, generator=g) * 0.05).to(t.dtype))
     trace = Trace()
-    prog = KimiK3Program(spec, w, plan, cache, trace=trace)
-    if device == "cuda":
-        contiguous_allreduce_residual(prog)  # workaround until the program/kernel take a strided residual
+    prog = KimiK3Program(spec, w, plan, cache, trace=trace, comm=comm, weights_sharded=rank_shapes)
+    if rank_shapes:
+        assert exclude_communication(prog) == 3  # attn, ffn and latent all-reduces (the bench setup)
     buf = DecodeBuffers(BufferSpec(max_batch=plan.bucket, max_blocks_per_seq=len(cache.slots[0].blocks), block_size=4,
                                    pad_state=0), device=device)
     slots = cache.slots[:batch]

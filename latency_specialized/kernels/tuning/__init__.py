@@ -74,14 +74,18 @@ def config_for(name: str, n: int, k: int, m: int, cls: type) -> Any | None:
     return cls(**e["configs"][name])
 
 
-def gemm_supports(name: str, ctx: OpContext) -> Support:
-    """supports() shared by the gemm kernels: arch, dtype, DSL, then the measured winner."""
+def gemm_supports(name: str, ctx: OpContext, *, fp32_out: bool = False) -> Support:
+    """supports() shared by the gemm kernels: arch, dtype, output dtype (``fp32_out``: the kernel can
+    store fp32), DSL, then the measured winner (bf16-output timings: same reads, same work)."""
     from latency_specialized.kernels.compile_cache import cute_available
 
     if not ctx.arch.startswith("sm_90"):
         return f"kernels are tuned on the H200 only: no measured table for {ctx.arch}"
     if ctx.dtype != "bfloat16":
         return f"bf16 kernels (dtype={ctx.dtype})"
+    if ctx.attr("out_dtype") not in (None, ctx.dtype) and not (fp32_out and ctx.attr("out_dtype") == "float32"):
+        return (f"writes {ctx.dtype} only; {ctx.attr('out_dtype')} output (router logits) is cuBLAS's "
+                "out_dtype epilogue")
     ok = cute_available()
     if ok is not True:
         return ok

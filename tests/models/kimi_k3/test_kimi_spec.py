@@ -118,7 +118,11 @@ def test_plan_explains_tp8_for_h200():
     assert plan.counts()["unserved"] == 0
     assert "kda+moe/attn.attnres" in names and "final.attnres" in names and "mla+moe/attn.mla" in names
     in_proj = plan.choice("kda+moe/attn.in_proj").site.ctx
-    assert in_proj.dim("N") == 4 * 12 * 128 + 128 + 12   # q, k, v, g of 12 local heads + f_a + beta
+    # q, k, v, g of 12 local heads + f_a + beta = 6284 rows, zero-padded to 16 (as vLLM pads it)
+    assert in_proj.dim("N") == 6288 and (4 * 12 * 128 + 128 + 12) == 6284
+    router = plan.choice("kda+moe/moe.router_gemm").site.ctx
+    assert router.dim("N") == 896 // 8 and router.attr("out_dtype") == "float32"  # split across ranks, fp32 logits
+    assert plan.choice("kda+moe/moe.latent_down").site.ctx.dim("N") == 3584 // 8
 
 
 @pytest.mark.parametrize("layout", ["kimi_k3", "kimi_linear"])

@@ -1,0 +1,97 @@
+"""Per-kernel breakdown of the graphed Kimi K3 KDA+MoE layer: ours vs stock (H200 diagnostic).
+
+The layer bench gives one figure per cell; this says where it goes. Both variants are captured as
+in ``latency-specialized bench`` (K layers, TP rank shapes, one GPU) and replayed under the torch
+profiler (CUPTI reports every kernel node of a graph replay). Per variant and batch it prints the
+kernels sorted by device time per replay, and writes the table as JSON.
+
+    python benchmarks/scripts/profile_layer.py --batches 1,8,64 --layers 2 --out $OUT/profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections import defaultdict
+
+import torch
+
+
+def _short(name: str) -> str:
+    name = re.sub(r"\(.*", "", name)
+    for key in ("GateUpKernel", "DownKernel", "RouterKernel", "Gemv", "SmallM", "SplitK", "AttnRes", "RMSNorm",
+                "Kda", "KDA", "MlpAct", "Situ", "Lamport", "TwoStage"):
+        if key.lower() in name.lower():
+            return key + ":" + name[:70]
+    return name[:90]
+
+
+def profile(variant, replays: int) -> tuple[dict[str, list[float]], float]:
+    from torch.profiler import ProfilerActivity, profile as tprof
+
+    for _ in range(3):
+        variant.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with tprof(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
+        for _ in range(replays):
+            variant.replay()
+        end.record()
+        torch.cuda.synchronize()
+    wall = start.elapsed_time(end) * 1e3 / replays
+    agg: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if "memcpy" in ev.name.lower() and "kernel" not in ev.name.lower():
+            pass
+        a = agg[_short(ev.name)]
+        a[0] += ev.device_time_total / replays if hasattr(ev, "device_time_total") else ev.cuda_time_total / replays
+        a[1] += 1 / replays
+    return dict(agg), wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,2,4,8,64")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--replays", type=int, default=10)
+    ap.add_argument("--tp", type=int, default=8)
+    ap.add_argument("--out", default="profile.json")
+    args = ap.parse_args()
+    batches = tuple(int(b) for b in args.batches.split(","))
+    from latency_specialized.bench.layer_bench import GraphedStep, _layer_index
+    from latency_specialized.bench.stock.layers import build_stock_kda
+    from latency_specialized.plugins import get_registry
+    from latency_specialized_models.kimi_k3.graphed import build_ours
+
+    full = get_registry().adapter("kimi_k3").spec("full")
+    dev = torch.device("cuda")
+    ours = build_ours(full, args.tp, "kda", args.layers, batches, dev, say=print)
+    li = _layer_index(full, "kda")
+    result = {}
+    for b in batches:
+        stock_layers = build_stock_kda(full, li, args.tp, b, args.layers, dev, experts=ours.expert_weights(args.layers))
+        stock = GraphedStep("stock", args.layers, stock_layers.step, stock_layers.routed_ids)
+        o_k, _ = ours.variants(b)
+        for name, v in (("ours", o_k), ("stock", stock)):
+            v.capture()
+            agg, wall = profile(v, args.replays)
+            total = sum(t for t, _ in agg.values())
+            rows = sorted(agg.items(), key=lambda kv: -kv[1][0])
+            print(f"\n=== {name} batch {b}: {args.layers} layers, graph replay {wall:.1f} us, "
+                  f"sum of kernel times {total:.1f} us, {sum(n for _, n in agg.values()):.0f} kernels")
+            for k, (t, n) in rows:
+                print(f"  {t:8.1f} us  x{n:4.1f}  {k}")
+            result[f"{name}_b{b}"] = {"wall_us": wall, "kernel_sum_us": total,
+                                      "kernels": {k: {"us": t, "count": n} for k, (t, n) in rows}}
+        del stock_layers, stock
+        torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""CPU checks of the decode dispatch changes: fp32 router logits from bf16 weights, the all-reduce
+writing the residual in place, and which routed-experts implementation a plan picks per bucket."""
+
+from __future__ import annotations
+
+import torch
+
+from latency_specialized import hardware
+from latency_specialized.ops.allreduce import allreduce_residual_rmsnorm_reference
+from latency_specialized.ops.gemm import gemm_reference, gemm_torch
+from latency_specialized.ops.plan import build_plan
+from latency_specialized.ops.registry import OpContext
+from latency_specialized.plugins import get_registry
+
+
+def test_gemm_out_dtype_gives_fp32_logits_without_rounding_to_bf16():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    w = torch.randn(10, 64, generator=g).bfloat16()
+    exact = x.double() @ w.double().t()
+    for fn in (gemm_reference, gemm_torch):
+        y = fn(x, w, out_dtype=torch.float32)
+        assert y.dtype == torch.float32
+        assert (y.double() - exact).abs().max() < 1e-4  # fp32 accuracy
+        assert (fn(x, w).double() - exact).abs().max() > 1e-3  # the bf16 result is visibly coarser
+    out = torch.full((3, 10), float("nan"))
+    assert gemm_reference(x, w, out=out, out_dtype=torch.float32) is out and not out.isnan().any()
+
+
+def test_allreduce_reference_out_may_alias_the_residual():
+    g = torch.Generator().manual_seed(1)
+    partial, residual = torch.randn(2, 16, generator=g).bfloat16(), torch.randn(2, 16, generator=g).bfloat16()
+    weight = torch.ones(16).bfloat16()
+    ref_y, ref_h = allreduce_residual_rmsnorm_reference(partial, residual.clone(), weight, 1e-6)
+    y, h = allreduce_residual_rmsnorm_reference(partial, residual, weight, 1e-6, out=(None, residual))
+    assert h is residual and torch.equal(residual, ref_h) and torch.equal(y, ref_y)
+    none, h2 = allreduce_residual_rmsnorm_reference(partial, ref_h.clone(), None, 1e-6, out=(None, ref_h))
+    assert none is None and h2 is ref_h
+
+
+def _kimi_choices(batch: int, tp: int = 8) -> dict[str, str]:
+    reg = get_registry()
+    plan = build_plan(reg.adapter("kimi_k3"), reg.implementations, hardware.for_arch("sm_90"), tp=tp, batch=batch)
+    return {c.site.name: (c.impl.name if c.impl else None) for c in plan.choices}, plan
+
+
+def test_kimi_router_gemm_site_is_split_and_fp32_out_only_the_gemv_kernel_stores_fp32():
+    from latency_specialized.kernels.compile_cache import cute_available
+
+    choices, plan = _kimi_choices(1)
+    site = next(c for c in plan.choices if c.site.name == "kda+moe/moe.router_gemm")
+    assert site.site.ctx.dim("N") == 896 // 8 and site.site.ctx.attr("out_dtype") == "float32"
+    if cute_available() is True:
+        from latency_specialized.kernels import gemm_small_m, gemm_splitk
+
+        assert site.impl.name == "gemm.cutedsl_gemv"  # the measured winner at M=1, storing fp32
+        for kernel in (gemm_small_m, gemm_splitk):  # their epilogues round to bf16
+            assert "float32 output" in kernel._supports(site.site.ctx)
+    else:
+        assert site.impl.name == "gemm.cublas"
+    down = next(c for c in plan.choices if c.site.name == "kda+moe/moe.latent_down")
+    assert down.site.ctx.dim("N") == 3584 // 8
+
+
+def test_multi_token_experts_go_to_triton_only_when_it_can_run():
+    from latency_specialized.kernels.moe_experts_triton import MIN_TOKENS, _supports
+
+    def ctx(tokens: int, act: str = "situ_glu", arch: str = "sm_90") -> OpContext:
+        return OpContext(family="moe.experts", arch=arch, dtype="bfloat16", tokens=tokens, world_size=1,
+                         dims=(("E", 896), ("K", 3584), ("N", 384), ("topk", 16)), attrs=(("activation", act),))
+
+    import importlib.util
+
+    have_triton = importlib.util.find_spec("triton") is not None
+    r = _supports(ctx(MIN_TOKENS))
+    assert (r is True) if have_triton else ("triton" in r)
+    if have_triton:
+        assert "faster below" in _supports(ctx(MIN_TOKENS - 1))
+        assert "SiTU-GLU only" in _supports(ctx(64, act="swiglu"))
+        assert "sm_80+" in _supports(ctx(64, arch="cpu"))
