@@ -62,8 +62,9 @@ def to_markdown(result: dict[str, Any]) -> str:
     for n in result.get("notes", []):
         lines.append(f"- {n}")
     lines += ["", "| layer | batch | context | ours us/layer | kernels | stock us/layer | kernels | roofline us | "
-              "ours % roofline | stock % roofline | speed-up | experts touched | noise ours/stock |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "ours % roofline | stock % roofline | speed-up | speed-up per byte | experts ours/stock | "
+              "noise ours/stock |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in result["cells"]:
         o, s, r = c.get("ours") or {}, c.get("stock") or {}, c.get("roofline") or {}
         ours_us = _f(o.get("us")) + ("" if o.get("graph", True) else " (eager)") if o.get("us") is not None else \
@@ -72,7 +73,8 @@ def to_markdown(result: dict[str, Any]) -> str:
             f"| {c['kind']} | {c['batch']} | {_ctx(c)} | {ours_us} | {_f(o.get('kernels'), '{:.1f}')} | "
             f"{_f(s.get('us'))} | {_f(s.get('kernels'), '{:.1f}')} | {_f(r.get('us'))} | "
             f"{_f(_pct(c.get('fraction')), '{:.0f}%')} | {_f(_pct(c.get('stock_fraction')), '{:.0f}%')} | "
-            f"{_f(c.get('speedup'), '{:.2f}x')} | {_f(r.get('distinct_experts'), '{:.0f}')} | "
+            f"{_f(c.get('speedup'), '{:.2f}x')} | {_f(c.get('speedup_per_byte'), '{:.2f}x')} | "
+            f"{_f(r.get('distinct_experts'), '{:.0f}')}/{_f(r.get('distinct_experts_stock'), '{:.0f}')} | "
             f"{_f(_pct(o.get('noise')), '{:.1f}%')}/{_f(_pct(s.get('noise')), '{:.1f}%')} |")
     return "\n".join(lines) + "\n"
 

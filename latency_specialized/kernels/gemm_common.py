@@ -52,9 +52,12 @@ def check_gemm_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
             raise UserError(f"gemm kernel needs a contiguous, 16-byte aligned {name}: call .contiguous() first")
     for name, t in (("residual", residual), ("out", out)):
         want = (out_dtype or x.dtype) if name == "out" else x.dtype
-        if t is not None and (tuple(t.shape) != (m, n) or t.dtype != want or not t.is_contiguous()):
-            raise UserError(f"gemm: {name} must be a contiguous [{m}, {n}] {want} tensor, got "
-                            f"{tuple(t.shape)} {t.dtype}")
+        # rows may be strided (a column slice of a wider tensor): unit column stride, row stride >= N,
+        # 16-byte aligned base
+        if t is not None and (tuple(t.shape) != (m, n) or t.dtype != want or (m > 0 and t.stride(1) != 1)
+                              or (m > 1 and t.stride(0) < n) or t.data_ptr() % VEC_BYTES):
+            raise UserError(f"gemm: {name} must be a [{m}, {n}] {want} tensor with unit column stride and a "
+                            f"16-byte aligned base, got {tuple(t.shape)} {t.dtype} stride {tuple(t.stride())}")
     return m, n, k
 
 
@@ -82,6 +85,14 @@ def fake_rows(dtype: Any, rows: Any, cols: Any, align: int = 16) -> Any:
     import cutlass.cute as cute
 
     return cute.runtime.make_fake_compact_tensor(dtype, (rows, cols), stride_order=(1, 0), assumed_align=align)
+
+
+def fake_strided_rows(dtype: Any, rows: Any, cols: Any, align: int = 16) -> Any:
+    """[rows, cols] with unit column stride and a dynamic row stride (>= cols): outputs/residuals that
+    may be a column slice of a wider tensor (e.g. the rank's hidden slice of the latent up-projection)."""
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_tensor(dtype, (rows, cols), stride=(cute.sym_int64(), 1), assumed_align=align)
 
 
 def fake_vec(dtype: Any, n: Any, align: int = 16) -> Any:

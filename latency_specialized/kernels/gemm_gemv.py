@@ -168,17 +168,18 @@ def compile_gemv(k: int, m: int, cfg: GemvConfig, residual: bool, out_fp32: bool
         import cutlass
         import cutlass.cute as cute
 
-        from latency_specialized.kernels.gemm_common import compile_options, fake_rows, fake_stream
+        from latency_specialized.kernels.gemm_common import compile_options, fake_rows, fake_stream, fake_strided_rows
 
         n = cute.sym_int()
         bf = cutlass.BFloat16
         yt = cutlass.Float32 if out_fp32 else bf
-        args = (fake_rows(bf, m, k), fake_rows(bf, n, k), fake_rows(yt, m, n), fake_rows(yt, m, n), 1,
+        args = (fake_rows(bf, m, k), fake_rows(bf, n, k), fake_strided_rows(yt, m, n), fake_strided_rows(yt, m, n), 1,
                 fake_stream())
         return cute.compile(_kernel_class()(k, m, cfg, residual), *args,
                             options=compile_options(arch, max_regs(32 * cfg.warps, cfg.ctas_per_sm)))
 
-    key = (k, m, residual) + (("out_fp32",) if out_fp32 else ()) + tuple(sorted(asdict(cfg).items()))
+    # "strided_out": residual/out take a dynamic row stride (artifacts cached before that differ)
+    key = (k, m, residual, "strided_out") + (("out_fp32",) if out_fp32 else ()) + tuple(sorted(asdict(cfg).items()))
     return compile_cache.cached_compile(NAME, key, build)
 
 

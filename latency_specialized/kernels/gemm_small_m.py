@@ -245,16 +245,17 @@ def compile_mma(k: int, cfg: MmaConfig, residual: bool):
         import cutlass
         import cutlass.cute as cute
 
-        from latency_specialized.kernels.gemm_common import compile_options, fake_rows, fake_stream
+        from latency_specialized.kernels.gemm_common import compile_options, fake_rows, fake_stream, fake_strided_rows
 
         m, n = cute.sym_int(), cute.sym_int()
         bf = cutlass.BFloat16
-        args = (fake_rows(bf, m, k), fake_rows(bf, n, k), fake_rows(bf, m, n), fake_rows(bf, m, n), 1,
+        args = (fake_rows(bf, m, k), fake_rows(bf, n, k), fake_strided_rows(bf, m, n), fake_strided_rows(bf, m, n), 1,
                 fake_stream())
         return cute.compile(_kernel_class()(k, cfg, residual), *args,
                             options=compile_options(arch, max_regs(32 * cfg.wk, cfg.ctas_per_sm)))
 
-    return compile_cache.cached_compile("gemm.cutedsl_mma", (k, residual) + tuple(sorted(asdict(cfg).items())),
+    # "strided_out": residual/out take a dynamic row stride (artifacts cached before that differ)
+    return compile_cache.cached_compile("gemm.cutedsl_mma", (k, residual, "strided_out") + tuple(sorted(asdict(cfg).items())),
                                         build)
 
 

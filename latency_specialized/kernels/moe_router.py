@@ -193,17 +193,7 @@ def _build_kernel_class():
                         else:
                             best[0] = self._tree_best(keys, packed)
                 # 3. weights from the unbiased score of each winner; renormalise; scale
-                s = Float32(0.0)
-                if lane < cfg.top_k:
-                    s = self._score(logits[m, my_id].to(Float32), vmax, inv_sum)
-                w = s
-                if cutlass.const_expr(cfg.renormalize):
-                    denom = cute.arch.warp_reduction_sum(s) + Float32(cfg.renormalize_eps)
-                    w = s / denom
-                w = w * Float32(cfg.routed_scaling)
-                if lane < cfg.top_k:
-                    w_out[m, lane] = w
-                    ids_out[m, lane] = my_id.to(ids_out.element_type)
+                self._weights_out(logits, w_out, ids_out, m, lane, my_id, vmax, inv_sum)
 
         @cute.jit
         def _weights_out(self, logits: cute.Tensor, w_out: cute.Tensor, ids_out: cute.Tensor, m, lane, my_id,

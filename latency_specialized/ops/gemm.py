@@ -21,7 +21,8 @@ def gemm_reference(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Ten
     x : [M, K] activations.
     weight : [N, K] weight (row-major, as nn.Linear stores it).
     residual : optional [M, N] added before the single rounding to x.dtype.
-    out : optional [M, N] destination.
+    out : optional [M, N] destination. ``residual`` and ``out`` may have strided rows (unit column
+        stride: a column slice of a wider tensor) and may be the same tensor (in-place add).
     out_dtype : dtype of the result (default x.dtype); fp32 for router logits (vLLM's GateLinear:
         bf16 x bf16 -> fp32, no rounding to bf16).
 

@@ -312,13 +312,14 @@ class KimiK3Program:
         if a.q_lora_rank:
             ql = a.q_lora_rank
             y = ops[f"{kind}/attn.qkv_a_proj"](h, w["qkv_a"])
-            q_c = ops[f"{kind}/attn.q_a_norm"](y[:, :ql], w["q_a_norm"], eps)
+            # column slices of the fused projection: contiguous rows for the norm kernels (free at M=1)
+            q_c = ops[f"{kind}/attn.q_a_norm"](y[:, :ql].contiguous(), w["q_a_norm"], eps)
             kv = y[:, ql:]
-            c = ops[f"{kind}/attn.kv_a_norm"](kv[:, :L], w["kv_a_norm"], eps)
+            c = ops[f"{kind}/attn.kv_a_norm"](kv[:, :L].contiguous(), w["kv_a_norm"], eps)
             q = ops[f"{kind}/attn.q_b_proj"](q_c, w["q_b"])
         else:
             kv = ops[f"{kind}/attn.kv_a_proj"](h, w["kv_a"])
-            c = ops[f"{kind}/attn.kv_a_norm"](kv[:, :L], w["kv_a_norm"], eps)
+            c = ops[f"{kind}/attn.kv_a_norm"](kv[:, :L].contiguous(), w["kv_a_norm"], eps)
             q = ops[f"{kind}/attn.q_proj"](h, w["q"])
         gate = ops[f"{kind}/attn.gate_proj"](h, w["g"]) if "g" in w else None
         o = ops[f"{kind}/attn.mla"](q.view(h.shape[0], a.num_heads, a.qk_nope_head_dim + R), c, kv[:, L:],
@@ -357,9 +358,6 @@ class KimiK3Program:
         # the shared experts' output is this step's own tensor: the slice is written into it in place
         if shared is None:
             shared = h.new_zeros(b, self.spec.hidden_size)
-        part = shared[:, lo:hi]
-        if part.is_contiguous():  # one row: the slice is contiguous, the GEMM adds and writes in place
-            ops[f"{kind}/moe.latent_up"](y, w["up"], residual=part, out=part)
-        else:
-            part.copy_(ops[f"{kind}/moe.latent_up"](y, w["up"], residual=part.contiguous()))
+        part = shared[:, lo:hi]  # [b, H/tp] rows of stride H: the gemm contract takes strided rows
+        ops[f"{kind}/moe.latent_up"](y, w["up"], residual=part, out=part)  # adds and writes in place
         return shared
