@@ -71,20 +71,21 @@ def test_excluded_communicator_gathers_rank_slice_into_static_buffer_with_stand_
 
 
 def test_gather_parts_packs_mixed_dtypes_bit_exactly_over_one_all_gather():
-    from latency_specialized.ops.tp_moe import gather_parts
+    from latency_specialized.ops.tp_moe import _pack, gather_parts
 
-    class TwoRanks:  # rank 0 of 2 whose peer holds the same rows
+    logits = torch.tensor([[-0.0, 1.5, float("inf")], [2.0, -3.0, 0.25]])
+    latent = torch.tensor([[3.0, -2.0], [0.5, 7.0]]).bfloat16()
+    peer_logits, peer_latent = logits * 10 + 1, latent * 4  # rank 1's slices: distinguishable
+
+    class RankZeroOfTwo:
         name, rank, world_size = "fake", 0, 2
         calls = 0
 
         def all_gather(self, t, dim=-1):
-            TwoRanks.calls += 1
-            return torch.cat([t, t.clone()], dim=-1)  # the peer's packed rows: the same bytes
+            RankZeroOfTwo.calls += 1
+            return torch.cat([t, _pack([peer_logits, peer_latent])], dim=-1)  # rank order: 0, 1
 
-    logits = torch.tensor([[-0.0, 1.5, float("inf")]])
-    latent = torch.tensor([[3.0, -2.0]]).bfloat16()
-    full_l, full_x = gather_parts(TwoRanks(), [logits, latent])
-    assert TwoRanks.calls == 1
-    assert full_l.shape == (1, 6) and full_x.shape == (1, 4)
-    assert torch.equal(full_l.view(torch.int32), torch.cat([logits, logits], -1).view(torch.int32))
-    assert torch.equal(full_x, torch.cat([latent, latent], -1))
+    full_l, full_x = gather_parts(RankZeroOfTwo(), [logits, latent])
+    assert RankZeroOfTwo.calls == 1  # both parts in one collective
+    assert torch.equal(full_l.view(torch.int32), torch.cat([logits, peer_logits], -1).view(torch.int32))  # -0.0 kept
+    assert torch.equal(full_x, torch.cat([latent, peer_latent], -1))
