@@ -85,12 +85,11 @@ def _norm(h: torch.Tensor, weight, eps: float, zero_centered: bool):
     return None if weight is None else rmsnorm_reference(h, weight, eps, zero_centered=zero_centered)
 
 
-def lamport_one_shot(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
-                     comm, zero_centered: bool = False, timeout: float = 60.0):
-    """Emulated one-shot Lamport all-reduce + residual + RMSNorm (contract of the reference op).
+def _start(partial: torch.Tensor, residual: torch.Tensor, weight, comm, timeout: float):
+    """What every emulated call starts with: checks, sizes, slot layout, deadline, the call's slot
+    and this rank's words (-0.0 rewritten).
 
-    Returns (normed [M, N] or None, residual_out [M, N]) in partial.dtype.
-    """
+    Returns (dtype, world, rank, M, row words, layout, deadline, call, ping slot, slot base, words [M, NW])."""
     comm.check_call(partial, residual, weight)
     dt, W, me = comm.dtype, comm.world_size, comm.rank
     M, NW = partial.shape[0], comm.row_words
@@ -99,6 +98,16 @@ def lamport_one_shot(partial: torch.Tensor, residual: torch.Tensor, weight: torc
     call, ping = _begin(comm)
     base = ping * comm.slot_words
     mine = rewrite_neg_zero(partial.contiguous().view(torch.int32).reshape(M, NW), dt)
+    return dt, W, me, M, NW, lay, deadline, call, ping, base, mine
+
+
+def lamport_one_shot(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
+                     comm, zero_centered: bool = False, timeout: float = 60.0):
+    """Emulated one-shot Lamport all-reduce + residual + RMSNorm (contract of the reference op).
+
+    Returns (normed [M, N] or None, residual_out [M, N]) in partial.dtype.
+    """
+    dt, W, me, M, NW, lay, deadline, call, ping, base, mine = _start(partial, residual, weight, comm, timeout)
     lo, hi = base + lay.oneshot_offset(me), base + lay.oneshot_offset(me + 1)
     for r in range(W):
         if r != me:
@@ -122,15 +131,8 @@ def two_stage(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tenso
 
     Returns (normed [M, N] or None, residual_out [M, N]) in partial.dtype.
     """
-    comm.check_call(partial, residual, weight)
-    dt, W, me = comm.dtype, comm.world_size, comm.rank
-    M, NW = partial.shape[0], comm.row_words
-    lay = L.SlotLayout(W, M, NW)
+    dt, W, me, M, NW, lay, deadline, call, ping, base, mine = _start(partial, residual, weight, comm, timeout)
     CW = lay.chunk_words
-    deadline = time.monotonic() + timeout
-    call, ping = _begin(comm)
-    base = ping * comm.slot_words
-    mine = rewrite_neg_zero(partial.contiguous().view(torch.int32).reshape(M, NW), dt)
 
     def chunk_cols(c: int) -> slice:
         v0, v1 = lay.chunk_range(c)

@@ -35,3 +35,16 @@ def ptx_of(compiled: Any) -> str | None:
     """The PTX of a fresh compile (None for one loaded from the disk cache)."""
     art = getattr(compiled, "artifacts", None)
     return getattr(art, "PTX", None) if art is not None else None
+
+
+def sm90_dsl_support(ctx: Any) -> Any:
+    """The checks every sm_90 CuTe DSL kernel's ``supports()`` starts with: the DSL is installed and
+    the target is sm_90 or newer. True, or the reason (an ops.registry Support)."""
+    from latency_specialized.kernels.compile_cache import cute_available
+
+    ok = cute_available()
+    if ok is not True:
+        return ok
+    if ctx.arch == "cpu" or not ctx.arch.startswith("sm_") or int(ctx.arch[3:5]) < 90:
+        return f"needs sm_90+ (got {ctx.arch})"
+    return True

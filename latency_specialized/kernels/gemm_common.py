@@ -264,3 +264,14 @@ def ptx() -> SimpleNamespace:
 
     return SimpleNamespace(**{k: v for k, v in locals().items() if callable(v) and not k.startswith("_")
                               and k not in ("i32t", "struct")})
+
+
+def mma_supports(name: str, what: str, max_m: int, ctx: Any) -> Any:
+    """supports() of the mma.sync gemm kernels (small-M, split-K): M limit, K % 32, then the table."""
+    from latency_specialized.kernels import tuning
+
+    if ctx.tokens > max_m:
+        return f"{what} kernel serves M<={max_m} (M={ctx.tokens})"
+    if ctx.dim("K") % 32:
+        return f"needs K % 32 == 0 (K={ctx.dim('K')})"
+    return tuning.gemm_supports(name, ctx)

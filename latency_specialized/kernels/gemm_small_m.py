@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from latency_specialized.kernels import compile_cache
-from latency_specialized.kernels.gemm_common import check_gemm_args, grid_cap, max_regs
+from latency_specialized.kernels.gemm_common import check_gemm_args, grid_cap, max_regs, mma_supports
 from latency_specialized.ops.registry import Implementation, OpContext, Support
 
 NAME = "gemm.cutedsl_small_m"
@@ -325,13 +325,7 @@ def gemm_small_m(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tenso
 
 
 def _supports(ctx: OpContext) -> Support:
-    from latency_specialized.kernels import tuning
-
-    if ctx.tokens > MAX_M:
-        return f"small-M kernel serves M<={MAX_M} (M={ctx.tokens})"
-    if ctx.dim("K") % 32:
-        return f"needs K % 32 == 0 (K={ctx.dim('K')})"
-    return tuning.gemm_supports(NAME, ctx)
+    return mma_supports(NAME, "small-M", MAX_M, ctx)
 
 
 IMPLEMENTATIONS = [

@@ -13,6 +13,7 @@ Where cuBLAS is faster (it is, for some shapes at M = 32-64) the measured table 
 
 import torch
 
+from latency_specialized.kernels.gemm_common import mma_supports
 from latency_specialized.kernels.gemm_small_m import MmaConfig, default_config, run_mma
 from latency_specialized.ops.registry import Implementation, OpContext, Support
 
@@ -53,13 +54,7 @@ def gemm_splitk(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor
 
 
 def _supports(ctx: OpContext) -> Support:
-    from latency_specialized.kernels import tuning
-
-    if ctx.tokens > MAX_M:
-        return f"split-K kernel serves M<={MAX_M} (M={ctx.tokens})"
-    if ctx.dim("K") % 32:
-        return f"needs K % 32 == 0 (K={ctx.dim('K')})"
-    return tuning.gemm_supports(NAME, ctx)
+    return mma_supports(NAME, "split-K", MAX_M, ctx)
 
 
 IMPLEMENTATIONS = [

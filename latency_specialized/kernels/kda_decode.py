@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from latency_specialized.errors import UserError
-from latency_specialized.kernels.compile_cache import cached_compile, cute_available
+from latency_specialized.kernels.compile_cache import cached_compile
 from latency_specialized.kernels.dsl_common import compile_options as _compile_options, ptx_of  # noqa: F401
+from latency_specialized.kernels.dsl_common import sm90_dsl_support
 from latency_specialized.kernels.dsl_common import cutlass_dtype as _cutlass_dtype, dtype_name as _dtype_name
 from latency_specialized.ops.registry import Implementation, OpContext, Support
 
@@ -357,11 +358,9 @@ def kda_decode(mixed_qkv: torch.Tensor, conv_state: torch.Tensor, conv_weight: t
 
 
 def _supports(ctx: OpContext) -> Support:
-    ok = cute_available()
+    ok = sm90_dsl_support(ctx)
     if ok is not True:
         return ok
-    if ctx.arch == "cpu" or not ctx.arch.startswith("sm_") or int(ctx.arch[3:5]) < 90:
-        return f"needs sm_90+ (got {ctx.arch})"
     if ctx.dim("head_dim") != HEAD_DIM:
         return f"head_dim {ctx.dim('head_dim')} != {HEAD_DIM}"
     return True

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from latency_specialized.errors import UserError
-from latency_specialized.kernels.compile_cache import cached_compile, cute_available
+from latency_specialized.kernels.compile_cache import cached_compile
 from latency_specialized.kernels.dsl_common import compile_options as _compile_options, ptx_of  # noqa: F401
+from latency_specialized.kernels.dsl_common import sm90_dsl_support
 from latency_specialized.kernels.dsl_common import cutlass_dtype as _cutlass_dtype, dtype_name as _dtype_name
 from latency_specialized.ops.registry import Implementation, OpContext, Support
 from latency_specialized.spec import ActivationSpec
@@ -653,11 +654,9 @@ def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up
 
 
 def _supports(ctx: OpContext) -> Support:
-    ok = cute_available()
+    ok = sm90_dsl_support(ctx)
     if ok is not True:
         return ok
-    if ctx.arch == "cpu" or not ctx.arch.startswith("sm_") or int(ctx.arch[3:5]) < 90:
-        return f"needs sm_90+ (got {ctx.arch})"
     if ctx.dtype != "bfloat16":
         return f"dtype {ctx.dtype} (bf16 only)"
     if ctx.dim("K") % 256 != 0:

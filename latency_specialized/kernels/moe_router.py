@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from latency_specialized.errors import UserError
-from latency_specialized.kernels.compile_cache import cached_compile, cute_available
+from latency_specialized.kernels.compile_cache import cached_compile
 from latency_specialized.kernels.dsl_common import compile_options as _compile_options, ptx_of  # noqa: F401
+from latency_specialized.kernels.dsl_common import sm90_dsl_support
 from latency_specialized.kernels.dsl_common import cutlass_dtype as _cutlass_dtype, dtype_name as _dtype_name
 from latency_specialized.ops.registry import Implementation, OpContext, Support
 from latency_specialized.spec import RouterSpec
@@ -108,15 +109,7 @@ def _build_kernel_class():
             """max over slots of P = key << 8 | 255 - slot, only P < ``below`` when given (0 if none).
 
             Plain Python (unrolled at trace time) as a pairwise tree: dependency depth log2(slots)."""
-            vals = [(keys[i].to(Uint64) << 8) | Uint64(255 - i) for i in range(self.slots)]
-            if below is not None:
-                vals = [Uint64(cutlass.select_(v < below, v, Uint64(0))) for v in vals]
-            while len(vals) > 1:
-                nxt = [cutlass.max(vals[j], vals[j + 1]) for j in range(0, len(vals) - 1, 2)]
-                if len(vals) % 2:
-                    nxt.append(vals[-1])
-                vals = nxt
-            return vals[0]
+            return self._max_below([(keys[i].to(Uint64) << 8) | Uint64(255 - i) for i in range(self.slots)], below)
 
         @cute.kernel
         def kernel(self, logits: cute.Tensor, bias: cute.Tensor, w_out: cute.Tensor, ids_out: cute.Tensor):
@@ -302,7 +295,6 @@ def _build_kernel_class():
             """max of ``vals`` (Uint64), only those < ``below`` when given (0 if none): unrolled tree."""
             if below is not None:
                 vals = [Uint64(cutlass.select_(v < below, v, Uint64(0))) for v in vals]
-            vals = list(vals)
             while len(vals) > 1:
                 nxt = [cutlass.max(vals[j], vals[j + 1]) for j in range(0, len(vals) - 1, 2)]
                 if len(vals) % 2:
@@ -405,11 +397,9 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, router: R
 
 
 def _supports(ctx: OpContext) -> Support:
-    ok = cute_available()
+    ok = sm90_dsl_support(ctx)
     if ok is not True:
         return ok
-    if ctx.arch == "cpu" or not ctx.arch.startswith("sm_") or int(ctx.arch[3:5]) < 90:
-        return f"needs sm_90+ (got {ctx.arch})"
     if ctx.dim("topk") > MAX_TOP_K:
         return f"top_k {ctx.dim('topk')} > {MAX_TOP_K}"
     return True

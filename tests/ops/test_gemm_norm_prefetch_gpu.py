@@ -15,6 +15,8 @@ from latency_specialized.ops.allreduce import allreduce_residual_rmsnorm_referen
 from latency_specialized.ops.gemm import gemm_reference
 from latency_specialized.ops.norm import rmsnorm_reference
 
+from gpu_helpers import graph_replay as _graph_replay
+
 pytestmark = pytest.mark.gpu
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-5}
@@ -47,14 +49,7 @@ def _graph_equals_eager(fn, out: torch.Tensor) -> None:
     fn()
     torch.cuda.synchronize()
     eager = out.clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g = _graph_replay(fn)
     out.fill_(float("nan"))
     g.replay()
     torch.cuda.synchronize()
