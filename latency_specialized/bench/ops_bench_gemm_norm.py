@@ -51,8 +51,13 @@ def gemm_variant_configs(n: int, k: int, m: int, quick: bool = False) -> list[tu
             cfgs.append(GemvConfig(rows_per_warp=1, pdl=False))
         if k >= 4096:   # long rows: more loads in flight per lane, or persistent CTAs leaving PDL room
             cfgs += [GemvConfig(rows_per_warp=1, batch=16), GemvConfig(rows_per_warp=2, ctas_per_sm=2)]
+            if m <= 2:  # software-pipelined stream: 1-3 batches ahead, all issued before the PDL wait
+                cfgs += [GemvConfig(rows_per_warp=1, lookahead=1), GemvConfig(rows_per_warp=2, lookahead=1),
+                         GemvConfig(rows_per_warp=1, batch=4, lookahead=3)]
         else:
             cfgs += [GemvConfig(rows_per_warp=1, ctas_per_sm=4), GemvConfig(rows_per_warp=2, ctas_per_sm=2)]
+            if m <= 2 and k >= 1024:  # short rows: a whole row is one batch; more rows per warp instead
+                cfgs.append(GemvConfig(rows_per_warp=4))
         out += [(gemm_gemv.NAME, c) for c in (cfgs[:1] if quick else cfgs)]
     if k % 32:
         return out

@@ -9,9 +9,18 @@ ramp/tail (cuBLAS loses 35-60% there, PERF.md):
 * loads are issued ``batch`` vectors per row at a time before any arithmetic (all fully
   unrolled: K is a compile-time constant), weights through the non-coherent path with no L1
   allocation; x (tiny, re-read by every warp) stays in L1;
-* with PDL the first weight batch is requested *before* ``griddepcontrol.wait``: weights do not
-  depend on the previous kernel, so their DRAM latency overlaps the previous kernel's tail;
+* with PDL the first weight batch (``lookahead`` + 1 batches) is requested *before*
+  ``griddepcontrol.wait``: weights do not depend on the previous kernel, so their DRAM latency
+  overlaps the previous kernel's tail;
+* ``lookahead`` L > 0 software-pipelines the stream: batches j+1..j+L are in flight while batch j
+  is multiplied, so a warp never drains its loads between batches (costs L x batch x 4 registers
+  per row);
 * one warp-shuffle butterfly per (row, token) at the end, fp32 throughout, one rounding.
+
+GLU mode (``compile_gemv(..., glu=variant)``): the weight is ``[gate (I) | up (I)]`` and output row
+j needs weight rows j and I + j; one warp streams both, rounds each sum to bf16 (the gemm
+contract's rounding) and stores ``act(gate) * lin(up)`` - the gate/up projection and the gated
+activation of an MLP in one kernel (mlp_fused.py), bit-identical to the GEMV + activation kernel.
 
 Anatomy: config -> kernel class (built on first use; cutlass is imported lazily) -> cached
 compile (static K, M, config; N dynamic) -> public wrapper with ``residual=``/``out=``.
@@ -19,7 +28,7 @@ compile (static K, M, config; N dynamic) -> public wrapper with ``residual=``/``
 
 
 import functools
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -47,10 +56,14 @@ class GemvConfig:
     """0: one CTA per row group. k > 0: persistent - at most k CTAs per SM walk the row groups, and
     registers are capped so that 2k CTAs fit: the next kernel's CTAs start beside them and issue
     their weight loads early (PDL)."""
+    lookahead: int = 0
+    """Batches requested ahead of the one being multiplied (0: a warp waits for each batch in turn;
+    L: L more batches in flight, and L + 1 issued before the PDL wait)."""
 
     def label(self) -> str:
         cap = f"g{self.ctas_per_sm}" if self.ctas_per_sm else ""
-        return f"r{self.rows_per_warp}w{self.warps}b{self.batch}{cap}{'p' if self.pdl else ''}"
+        ahead = f"a{self.lookahead}" if self.lookahead else ""
+        return f"r{self.rows_per_warp}w{self.warps}b{self.batch}{ahead}{cap}{'p' if self.pdl else ''}"
 
 
 @functools.cache
@@ -60,19 +73,23 @@ def _kernel_class():
     from cutlass import Float32, Int32, Int64
 
     from latency_specialized.kernels.gemm_common import ptx
+    from latency_specialized.kernels.mlp_fused import gated_act_fn
 
     P = ptx()
 
     class GemvKernel:
-        def __init__(self, k: int, m: int, cfg: GemvConfig, residual: bool):
+        def __init__(self, k: int, m: int, cfg: GemvConfig, residual: bool, glu=None):
             self.k, self.m, self.cfg, self.residual = k, m, cfg, residual
             self.vecs = k // 8                      # 16-byte vectors per row
             self.full, self.tail = divmod(self.vecs, 32)
             self.iters = self.full + (1 if self.tail else 0)
+            self.glu = glu                          # mlp_fused._ActVariant: [gate | up] rows -> act
+            self.parts = 2 if glu is not None else 1
+            self.act = gated_act_fn(glu) if glu is not None else None
 
         @cute.jit
         def __call__(self, x: cute.Tensor, w: cute.Tensor, res: cute.Tensor, y: cute.Tensor, cap: Int32, stream):
-            n = w.shape[0]
+            n = w.shape[0] // self.parts           # output rows
             rows_per_cta = self.cfg.warps * self.cfg.rows_per_warp
             groups = (n + rows_per_cta - 1) // rows_per_cta
             self.kernel(x, w, res, y, n, groups).launch(
@@ -100,33 +117,46 @@ def _kernel_class():
             M: cutlass.Constexpr = self.m
             K: cutlass.Constexpr = self.k
             B: cutlass.Constexpr = self.cfg.batch
+            L: cutlass.Constexpr = self.cfg.lookahead
+            S: cutlass.Constexpr = self.parts
             tid, _, _ = cute.arch.thread_idx()
             lane = tid % 32
             row0 = (gi * self.cfg.warps + tid // 32) * R
             tail_ok = Int32(lane < self.tail)
             # Rows past N re-read row N-1 (always valid memory) and are never stored: no predicate
-            # on the hot loads.
-            w_base = []
-            for r in cutlass.range_constexpr(R):
-                row = cutlass.min(row0 + r, n - 1)
-                w_base.append(w.iterator.toint() + Int64(row) * (2 * K) + Int64(lane) * 16)
+            # on the hot loads. Stream (r, s) is part s (GLU: 0 gate, 1 up) of output row row0 + r.
+            streams = [(r, s) for r in range(R) for s in range(S)]
+            w_base = {}
+            for r, s in streams:
+                row = cutlass.min(row0 + r, n - 1) + s * n
+                w_base[(r, s)] = w.iterator.toint() + Int64(row) * (2 * K) + Int64(lane) * 16
             x_base = [x.iterator.toint() + Int64(m * 2 * K) + Int64(lane) * 16 for m in range(M)]
-            acc = [[Float32(0.0) for _ in range(M)] for _ in range(R)]
-            for b0 in cutlass.range_constexpr(0, self.iters, B):
-                its = list(range(b0, min(b0 + B, self.iters)))
+            acc = {(rs, m): Float32(0.0) for rs in streams for m in range(M)}
+            batches = [list(range(b0, min(b0 + B, self.iters))) for b0 in range(0, self.iters, B)]
+
+            def issue(its):
                 wv = {}
-                for r in cutlass.range_constexpr(R):
+                for rs in streams:
                     for i in its:
-                        addr = w_base[r] + Int64(i * 512)
+                        addr = w_base[rs] + Int64(i * 512)
                         if cutlass.const_expr(i == self.full):
-                            wv[(r, i)] = P.ld_weight_if(addr, tail_ok)
+                            wv[(rs, i)] = P.ld_weight_if(addr, tail_ok)
                         else:
-                            wv[(r, i)] = P.ld_weight(addr)
-                if cutlass.const_expr(b0 == 0 and self.cfg.pdl):
-                    cute.arch.griddepcontrol_wait()
-                    cute.arch.griddepcontrol_launch_dependents()
-                for i in its:
-                    wf = [P.unpack_bf16x8(wv[(r, i)]) for r in range(R)]
+                            wv[(rs, i)] = P.ld_weight(addr)
+                return wv
+
+            # batches 0..L are requested before the PDL wait; then batch j + L is requested just
+            # before batch j is multiplied (program order is kept: the loads are side-effecting asm)
+            pending = {j: issue(batches[j]) for j in range(min(L + 1, len(batches)))}
+            if cutlass.const_expr(self.cfg.pdl):
+                cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_launch_dependents()
+            for j in cutlass.range_constexpr(len(batches)):
+                if cutlass.const_expr(j + L < len(batches) and (j + L) not in pending):
+                    pending[j + L] = issue(batches[j + L])
+                wv = pending.pop(j)
+                for i in batches[j]:
+                    wf = {rs: P.unpack_bf16x8(wv[(rs, i)]) for rs in streams}
                     for m in cutlass.range_constexpr(M):
                         addr = x_base[m] + Int64(i * 512)
                         if cutlass.const_expr(i == self.full):
@@ -134,21 +164,25 @@ def _kernel_class():
                         else:
                             xw = P.ld_act(addr)
                         xf = P.unpack_bf16x8(xw)
-                        for r in cutlass.range_constexpr(R):
+                        for rs in streams:
                             # a short per-vector chain, then one add: iterations stay independent
-                            t = wf[r][0] * xf[0]
-                            for j in cutlass.range_constexpr(1, 8):
-                                t = wf[r][j] * xf[j] + t
-                            acc[r][m] = acc[r][m] + t
-            for r in cutlass.range_constexpr(R):
-                for m in cutlass.range_constexpr(M):
-                    acc[r][m] = cute.arch.warp_reduction_sum(acc[r][m])
+                            t = wf[rs][0] * xf[0]
+                            for e in cutlass.range_constexpr(1, 8):
+                                t = wf[rs][e] * xf[e] + t
+                            acc[(rs, m)] = acc[(rs, m)] + t
+            for key in acc:
+                acc[key] = cute.arch.warp_reduction_sum(acc[key])
             if lane == 0:
                 for r in cutlass.range_constexpr(R):
                     row = row0 + r
                     if row < n:
                         for m in cutlass.range_constexpr(M):
-                            v = acc[r][m]
+                            v = acc[((r, 0), m)]
+                            if cutlass.const_expr(S == 2):
+                                # the contract rounds gate/up to bf16 before the activation
+                                g = P.bf16_lo(P.pack_bf16x2(v, v))
+                                u = acc[((r, 1), m)]
+                                v = self.act(g, P.bf16_lo(P.pack_bf16x2(u, u)))
                             if cutlass.const_expr(self.residual):
                                 v = v + res[m, row].to(Float32)
                             y[m, row] = v.to(y.element_type)
@@ -156,13 +190,17 @@ def _kernel_class():
     return GemvKernel
 
 
-def compile_gemv(k: int, m: int, cfg: GemvConfig, residual: bool, out_fp32: bool = False):
-    """Compiled kernel for (K, M, config, residual, output dtype); N is dynamic (one compile per K and M).
+def compile_gemv(k: int, m: int, cfg: GemvConfig, residual: bool, out_fp32: bool = False, glu=None):
+    """Compiled kernel for (K, M, config, residual, output dtype, GLU); N is dynamic (one compile per K and M).
 
     ``out_fp32``: the accumulator is stored as fp32 (router logits) instead of rounded to bf16;
-    the (unused) residual operand then has the output's type, so the output buffer can stand in."""
+    the (unused) residual operand then has the output's type, so the output buffer can stand in.
+    ``glu``: an ``mlp_fused._ActVariant`` (bf16): the weight is [gate | up] (2I rows) and the kernel
+    stores act(gate) * lin(up) [M, I]; no residual."""
     if out_fp32 and residual:
         raise ValueError("fp32 output with a residual is not a gemm site of any model: not compiled")
+    if glu is not None and (residual or out_fp32 or glu.dtype != "bfloat16"):
+        raise ValueError("the GLU epilogue writes bf16 act(gate) * lin(up) without a residual: not compiled")
 
     def build(arch: str):
         import cutlass
@@ -173,13 +211,16 @@ def compile_gemv(k: int, m: int, cfg: GemvConfig, residual: bool, out_fp32: bool
         n = cute.sym_int()
         bf = cutlass.BFloat16
         yt = cutlass.Float32 if out_fp32 else bf
-        args = (fake_rows(bf, m, k), fake_rows(bf, n, k), fake_strided_rows(yt, m, n), fake_strided_rows(yt, m, n), 1,
+        wn = cute.sym_int() if glu is not None else n   # GLU: 2I weight rows, I outputs
+        args = (fake_rows(bf, m, k), fake_rows(bf, wn, k), fake_strided_rows(yt, m, n), fake_strided_rows(yt, m, n), 1,
                 fake_stream())
-        return cute.compile(_kernel_class()(k, m, cfg, residual), *args,
+        return cute.compile(_kernel_class()(k, m, cfg, residual, glu), *args,
                             options=compile_options(arch, max_regs(32 * cfg.warps, cfg.ctas_per_sm)))
 
     # "strided_out": residual/out take a dynamic row stride (artifacts cached before that differ)
     key = (k, m, residual, "strided_out") + (("out_fp32",) if out_fp32 else ()) + tuple(sorted(asdict(cfg).items()))
+    if glu is not None:
+        key += (("glu",) + tuple(sorted(asdict(glu).items())),)
     return compile_cache.cached_compile(NAME, key, build)
 
 
@@ -219,6 +260,42 @@ def gemm_gemv(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor |
         out = torch.empty(m, n, dtype=torch.float32 if fp32 else x.dtype, device=x.device)
     fn = compile_gemv(k, m, config, residual is not None, out_fp32=fp32)
     fn(x, weight, residual if residual is not None else out, out, grid_cap(x.device, config.ctas_per_sm))
+    return out
+
+
+def glu_config(n_gate_up: int, k: int, m: int) -> GemvConfig:
+    """GLU config from the plain GEMV's measured cell of the same [2I, K] weight: each output row
+    streams two weight rows, so half the rows per warp keeps the loads in flight (and registers) equal."""
+    from latency_specialized.kernels import tuning
+
+    cfg = tuning.config_for(NAME, n_gate_up, k, m, GemvConfig) or default_config(n_gate_up, k, m)
+    return replace(cfg, rows_per_warp=max(1, cfg.rows_per_warp // 2))
+
+
+def gemv_glu(x: torch.Tensor, w_gate_up: torch.Tensor, variant, *, out: torch.Tensor | None = None,
+             config: GemvConfig | None = None) -> torch.Tensor:
+    """h = act(round(x @ gate.T)) * lin(round(x @ up.T)) in one kernel (mlp_fused's first two steps).
+
+    Parameters
+    ----------
+    x : [M, K] bf16, M in 1..4, K % 8 == 0.
+    w_gate_up : [2I, K] bf16, gate rows then up rows.
+    variant : ``mlp_fused._ActVariant`` of the activation (bf16).
+    out : optional [M, I] bf16 destination.
+    config : kernel choices; default: :func:`glu_config`.
+    """
+    from latency_specialized.errors import UserError
+
+    m, n2, k = check_gemm_args(x, w_gate_up, None, None, kmult=8)
+    if n2 % 2 or not 1 <= m <= MAX_M:
+        raise UserError(f"{NAME} GLU: needs M in 1..{MAX_M} and an even [gate | up] row count (got M={m}, "
+                        f"rows={n2}): use mlp_fused's unfused path")
+    inter = n2 // 2
+    check_gemm_args(x, w_gate_up[:inter], None, out, kmult=8)
+    config = config or glu_config(n2, k, m)
+    if out is None:
+        out = torch.empty(m, inter, dtype=x.dtype, device=x.device)
+    compile_gemv(k, m, config, False, glu=variant)(x, w_gate_up, out, out, grid_cap(x.device, config.ctas_per_sm))
     return out
 
 

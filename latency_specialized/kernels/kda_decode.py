@@ -43,6 +43,10 @@ class KDAConfig:
     row_split: int = 1
     """CTAs per (head, sequence): 2 splits the 128 state rows over a 2-CTA cluster (128 threads each),
     the RMSNorm's sum of squares crossing through distributed shared memory."""
+    pdl: bool = True
+    """Programmatic dependent launch: the kernel starts while the projections before it drain and
+    requests its recurrent state (written only by this kernel, a step earlier) before
+    ``griddepcontrol.wait``; everything the projections wrote is read after the wait."""
 
 
 def _build_kernel_class():
@@ -81,7 +85,7 @@ def _build_kernel_class():
             self.kernel(mixed_qkv, conv_state, conv_weight, f, A_log, dt_bias, beta_logit, g_out, norm_weight,
                         state, state_idx, out).launch(
                 grid=[RS, self.cfg.heads, mixed_qkv.shape[0]], block=[THREADS // RS, 1, 1],
-                cluster=[RS, 1, 1] if RS > 1 else None, stream=stream,
+                cluster=[RS, 1, 1] if RS > 1 else None, stream=stream, use_pdl=self.cfg.pdl,
                 # <= 128 registers: 64 KiB of state in flight per 256 threads of an SM. An explicit
                 # carveout keeps the DSL from querying a device at compile time (CPU compiles).
                 min_blocks_per_mp=2 * RS, preferred_smem_carveout=50)
@@ -151,6 +155,11 @@ def _build_kernel_class():
                     cute.copy(ld_state, vec4(sbase, r * D + sub * 4 + 32 * j), frag)
                     row.append(frag)
                 S.append(row)
+            if cutlass.const_expr(cfg.pdl):
+                # state_idx and the state were written before the previous kernel started (the step's
+                # inputs; this kernel one step ago); the projections' outputs are read after this
+                cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_launch_dependents()
 
             # 2. preamble. Threads [0, D): conv of q and k channel d (every CTA of a split needs all of
             #    q, k; with a split only rank 0 shifts their windows, after the cluster barrier below).

@@ -1,4 +1,4 @@
-"""mlp.cutedsl_fused: gated MLP (dense layers, shared experts) as 3 kernels, no host syncs.
+"""mlp.cutedsl_fused: gated MLP (dense layers, shared experts) as 2-3 kernels, no host syncs.
 
 Contract: ``ops/mlp.py`` (``mlp_reference``): gate/up GEMM rounded to x.dtype, act(gate) * lin(up) in
 fp32 rounded to x.dtype, down GEMM. The reference runs ~10 torch kernels (fp32 casts of both
@@ -8,6 +8,11 @@ weights included); this is
    chosen by the gemm family's own ``supports()``, which reads the measured dispatch table);
 2. one CuTe DSL elementwise kernel: SwiGLU (optionally clamped) or SiTU-GLU of [M, 2I] -> [M, I];
 3. down GEMM, chosen the same way for (M, N, I).
+
+Where step 1 is the GEMV (M <= 4, bf16), steps 1-2 are one kernel: the GEMV's GLU epilogue
+(``gemm_gemv.gemv_glu``) streams the gate and up rows of each output together and applies the same
+activation function (``gated_act_fn``) to the same bf16-rounded sums - bit-identical, one launch
+and one [M, 2I] round trip fewer.
 
 Which gemm serves each projection is decided once per (M, N, K, arch, dtype) and cached, so graph
 capture and replay see fixed kernels.
@@ -41,6 +46,28 @@ class _ActVariant:
 
 
 @functools.cache
+def gated_act_fn(var: _ActVariant):
+    """Device function ``(g, u) -> act(g) * lin(up)`` in fp32 for a kernel body (the activation
+    kernel's and the GLU GEMV's epilogue; one definition so the two stay bit-identical)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32
+
+    def act(g, u):
+        one = Float32(1.0)
+        if cutlass.const_expr(var.kind == "swiglu"):
+            if cutlass.const_expr(var.clamp > 0.0):
+                g = cutlass.min(g, Float32(var.clamp))
+                u = cutlass.max(cutlass.min(u, Float32(var.clamp)), Float32(-var.clamp))
+            return g / (one + cute.math.exp(-g, fastmath=False)) * u
+        b, bl = Float32(var.beta), Float32(var.beta_lin)
+        sig = one / (one + cute.math.exp(-g, fastmath=False))
+        return b * cute.math.tanh(g / b, fastmath=False) * sig * (bl * cute.math.tanh(u / bl, fastmath=False))
+
+    return act
+
+
+@functools.cache
 def _act_kernel_class():
     import cutlass
     import cutlass.cute as cute
@@ -53,6 +80,7 @@ def _act_kernel_class():
     class GatedActKernel:
         def __init__(self, var: _ActVariant):
             self.var = var
+            self._act = gated_act_fn(var)
             self.vecs = var.inter // 8          # 16-byte vectors of one output row (bf16/fp16)
             self.blocks = -(-self.vecs // THREADS)
 
@@ -68,16 +96,7 @@ def _act_kernel_class():
             return [pk(vals[i], vals[i + 1]) for i in range(0, len(vals), 2)]
 
         def act(self, g, u):
-            var = self.var
-            one = Float32(1.0)
-            if cutlass.const_expr(var.kind == "swiglu"):
-                if cutlass.const_expr(var.clamp > 0.0):
-                    g = cutlass.min(g, Float32(var.clamp))
-                    u = cutlass.max(cutlass.min(u, Float32(var.clamp)), Float32(-var.clamp))
-                return g / (one + cute.math.exp(-g, fastmath=False)) * u
-            b, bl = Float32(var.beta), Float32(var.beta_lin)
-            sig = one / (one + cute.math.exp(-g, fastmath=False))
-            return b * cute.math.tanh(g / b, fastmath=False) * sig * (bl * cute.math.tanh(u / bl, fastmath=False))
+            return self._act(g, u)
 
         @cute.jit
         def __call__(self, gu: cute.Tensor, h: cute.Tensor, stream):
@@ -169,9 +188,16 @@ def _arch(device: torch.device) -> str:
     return f"sm_{major}{minor}"
 
 
+def _glu_fused(gate_up_gemm: str, dtype: str) -> bool:
+    """Where the table picks the GEMV for gate/up, its GLU epilogue replaces the activation kernel."""
+    return gate_up_gemm == "gemm.cutedsl_gemv" and dtype == "bfloat16"
+
+
 def chosen_gemms(m: int, n: int, inter: int, k: int, arch: str, dtype: str) -> tuple[str, str]:
-    """Names of the gemm implementations serving (gate/up, down) - for plans, notes and tests."""
-    return _gemm_for(m, 2 * inter, k, arch, dtype).name, _gemm_for(m, n, inter, arch, dtype).name
+    """Names of the gemm implementations serving (gate/up, down) - for plans, notes and tests.
+    A gate/up GEMV carries the activation in its epilogue ("gemm.cutedsl_gemv+glu")."""
+    gu = _gemm_for(m, 2 * inter, k, arch, dtype).name
+    return gu + ("+glu" if _glu_fused(gu, dtype) else ""), _gemm_for(m, n, inter, arch, dtype).name
 
 
 def mlp_fused(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, activation: ActivationSpec, *,
@@ -195,8 +221,14 @@ def mlp_fused(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, ac
     if dtype is None:
         raise UserError(f"fused MLP kernel supports bf16/fp16, got {x.dtype}: use mlp.reference")
     arch = _arch(x.device)
-    gu = _gemm_for(m, 2 * inter, k, arch, dtype).fn(x, w_gate_up)
-    h = gated_activation_cute(gu.contiguous(), activation)
+    gate_up = _gemm_for(m, 2 * inter, k, arch, dtype)
+    if _glu_fused(gate_up.name, dtype):
+        # the GEMV streams gate and up rows of each output together: one kernel, same bits
+        from latency_specialized.kernels.gemm_gemv import gemv_glu
+
+        h = gemv_glu(x, w_gate_up, _act_variant(inter, x.dtype, activation))
+    else:
+        h = gated_activation_cute(gate_up.fn(x, w_gate_up).contiguous(), activation)
     y = _gemm_for(m, n, inter, arch, dtype).fn(h, w_down)
     if out is not None:
         out.copy_(y)
@@ -218,5 +250,5 @@ def _supports(ctx: OpContext) -> Support:
 
 IMPLEMENTATIONS = [
     Implementation("mlp", NAME, mlp_fused, _supports, priority=20,
-                   description="best fast gemm (gate|up) + one CuTe DSL SwiGLU/SiTU-GLU kernel + best fast gemm (down)"),
+                   description="best fast gemm (gate|up) + one CuTe DSL SwiGLU/SiTU-GLU kernel (in the GEMV epilogue at M<=4) + best fast gemm (down)"),
 ]

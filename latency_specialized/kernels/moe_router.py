@@ -50,6 +50,9 @@ class RouterConfig:
     E/S experts and select their own top-k, then warp 0 selects the top-k of the S*k candidates
     (shared memory). A single warp's 16 serial rounds over 28 slots per lane cannot hide latency
     when it is the only warp on the GPU (batch 1); S warps cut each warp's serial work ~S-fold."""
+    pdl: bool = True
+    """Programmatic dependent launch: launched while the logits' producer drains (it waits before
+    reading them) and lets the experts kernel launch early in turn."""
 
 
 def _build_kernel_class():
@@ -72,10 +75,16 @@ def _build_kernel_class():
             if cutlass.const_expr(self.cfg.split == 1):
                 grid = (m_tokens + WARPS_PER_CTA - 1) // WARPS_PER_CTA
                 self.kernel(logits, bias, w_out, ids_out).launch(
-                    grid=[grid, 1, 1], block=[32 * WARPS_PER_CTA, 1, 1], stream=stream)
+                    grid=[grid, 1, 1], block=[32 * WARPS_PER_CTA, 1, 1], stream=stream, use_pdl=self.cfg.pdl)
             else:
                 self.split_kernel(logits, bias, w_out, ids_out).launch(
-                    grid=[m_tokens, 1, 1], block=[32 * self.cfg.split, 1, 1], stream=stream)
+                    grid=[m_tokens, 1, 1], block=[32 * self.cfg.split, 1, 1], stream=stream, use_pdl=self.cfg.pdl)
+
+        def _pdl_wait(self):
+            """Before the first read of the logits (another kernel's output) under PDL."""
+            if cutlass.const_expr(self.cfg.pdl):
+                cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_launch_dependents()
 
         @cute.jit
         def _score(self, logit, vmax: Float32, inv_sum: Float32) -> Float32:
@@ -120,6 +129,7 @@ def _build_kernel_class():
             bidx, _, _ = cute.arch.block_idx()
             lane = tidx % 32
             m = bidx * WARPS_PER_CTA + tidx // 32
+            self._pdl_wait()
             if m < logits.shape[0]:  # warp-uniform
                 # 1. logits -> selection keys (padding experts get key 0: never selected while k <= E)
                 raw = cute.make_rmem_tensor((R,), Float32)
@@ -220,6 +230,7 @@ def _build_kernel_class():
             smem = SmemAllocator()
             s_key = smem.allocate_tensor(Uint32, cute.make_layout(C), byte_alignment=16)
             s_id = smem.allocate_tensor(Int32, cute.make_layout(C), byte_alignment=16)
+            self._pdl_wait()
             vmax = Float32(0.0)
             inv_sum = Float32(1.0)
             # 1. this warp's experts e = (i*S + wid)*32 + lane -> selection keys (e >= E: key 0)

@@ -232,7 +232,8 @@ def _shared_gemm_note(plan: Any, spec: KimiK3Spec, arch: str, bucket: int) -> st
     moe = next(l.ffn for l in spec.layers if isinstance(l.ffn, MoESpec))
     inter = moe.num_shared_experts * moe.expert_intermediate
     gu, down = chosen_gemms(bucket, spec.hidden_size, inter, spec.hidden_size, arch, "bfloat16")
-    return f"bucket {bucket}: moe.shared = mlp.cutedsl_fused with gate/up {gu}, SiTU-GLU kernel, down {down}"
+    act = "SiTU-GLU in the GEMV epilogue" if gu.endswith("+glu") else "SiTU-GLU kernel"
+    return f"bucket {bucket}: moe.shared = mlp.cutedsl_fused with gate/up {gu.removesuffix('+glu')}, {act}, down {down}"
 
 
 class OursBench:

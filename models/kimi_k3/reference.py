@@ -74,7 +74,7 @@ class KimiK3Reference:
         if ids.numel() == 0:
             raise UserError("prefill needs at least one token")
         self._check_capacity(cache, slot, start + ids.numel())
-        return self._forward(cache, slot, start, ids, absorbed=False)
+        return self._forward(cache, [slot], [start], ids.view(1, -1), absorbed=False)
 
     @torch.no_grad()
     def decode(self, cache: KimiK3Cache, slots: Sequence[SeqSlot], positions: Sequence[int],
@@ -87,17 +87,24 @@ class KimiK3Reference:
         if not (len(slots) == len(positions) == ids.numel()):
             raise UserError(f"decode: {len(slots)} slots, {len(positions)} positions, {ids.numel()} tokens: "
                             "give one of each per sequence")
-        out = []
         for b, slot in enumerate(slots):
             self._check_capacity(cache, slot, positions[b] + 1)
-            out.append(self._forward(cache, slot, int(positions[b]), ids[b:b + 1], absorbed=True)[0])
-        return torch.stack(out)
+        if len({s.row for s in slots}) != len(slots):
+            raise UserError("decode: a sequence appears twice in one step; give each sequence once")
+        # one token per sequence, all sequences at once: the KDA recurrence is per state row, MLA loops
+        # over the sequences (their contexts differ), everything else is per token
+        return self._forward(cache, list(slots), [int(p) for p in positions], ids.view(-1, 1), absorbed=True)
 
     # ------------------------------------------------------------------ model
-    def _forward(self, cache: KimiK3Cache, slot: SeqSlot, start: int, ids: torch.Tensor, absorbed: bool) -> torch.Tensor:
+    def _forward(self, cache: KimiK3Cache, slots: list[SeqSlot], starts: list[int], ids: torch.Tensor,
+                 absorbed: bool) -> torch.Tensor:
+        """ids [B, T]: T consecutive tokens (from ``starts[b]``) of each of B sequences -> logits [B*T, V].
+
+        Prefill is B = 1; decode is T = 1. Tokens are flattened sequence-major for the per-token parts."""
         spec, w = self.spec, self.w
         eps, bs = spec.norm.eps, spec.attnres_block
-        x = w["model.embed_tokens.weight"][ids]                      # [T, H]
+        B, T = ids.shape
+        x = w["model.embed_tokens.weight"][ids.flatten()]            # [B*T, H]
         blocks: list[torch.Tensor] = [x]                             # embedding + completed blocks
         partial: torch.Tensor | None = None                          # running sum of the current block
         for layer in spec.layers:
@@ -109,9 +116,11 @@ class KimiK3Reference:
             h = self._attnres(sources, p + "self_attention_res_norm.weight", p + "self_attention_res_proj.weight",
                               p + "input_layernorm.weight")
             if isinstance(layer.attention, KDAAttentionSpec):
-                a = self._kda(cache, i, layer.attention, slot, h)
+                a = self._kda(cache, i, layer.attention, [s.row for s in slots], h.view(B, T, -1)).flatten(0, 1)
             else:
-                a = self._mla(cache, i, layer.attention, slot, start, h, absorbed)
+                hb = h.view(B, T, -1)
+                a = torch.cat([self._mla(cache, i, layer.attention, slots[b], starts[b], hb[b], absorbed)
+                               for b in range(B)])
             partial = a if partial is None else self._round(partial.to(self.acc) + a.to(self.acc))
             h = self._attnres(blocks + [partial], p + "mlp_res_norm.weight", p + "mlp_res_proj.weight",
                               p + "post_attention_layernorm.weight")
@@ -168,39 +177,45 @@ class KimiK3Reference:
             return self._round(mixed)
         return self._rms(mixed, out_norm, eps)
 
-    def _kda(self, cache: KimiK3Cache, i: int, a: KDAAttentionSpec, slot: SeqSlot, x: torch.Tensor) -> torch.Tensor:
+    def _kda(self, cache: KimiK3Cache, i: int, a: KDAAttentionSpec, rows: SeqSlot | list[int],
+             x: torch.Tensor) -> torch.Tensor:
+        """KDA over x [B, T, H]: T consecutive tokens of the sequences in state rows ``rows`` ([B]).
+        A single SeqSlot with x [T, H] is one sequence (returns [T, H])."""
+        if isinstance(rows, SeqSlot):
+            return self._kda(cache, i, a, [rows.row], x.unsqueeze(0))[0]
         p = f"model.layers.{i}.self_attn."
-        T, Hh, D, W = x.shape[0], a.num_heads, a.head_dim, a.conv_kernel
+        B, T, Hh, D, W = x.shape[0], x.shape[1], a.num_heads, a.head_dim, a.conv_kernel
         acc = self.acc
+        idx = torch.as_tensor(rows, dtype=torch.long, device=x.device)
         # Short causal conv over [tail | new tokens] per q/k/v channel, then SiLU.
-        raw = [self._lin(x, p + f"{n}_proj.weight") for n in ("q", "k", "v")]   # 3 x [T, HD]
-        tail = cache.conv[i][slot.row]                                           # [3HD, W-1]
-        seq = torch.cat([tail, torch.cat(raw, dim=-1).t()], dim=-1)              # [3HD, W-1+T]
-        cache.conv[i][slot.row] = seq[:, -(W - 1):]
+        raw = [self._lin(x, p + f"{n}_proj.weight") for n in ("q", "k", "v")]   # 3 x [B, T, HD]
+        tail = cache.conv[i][idx]                                                # [B, 3HD, W-1]
+        seq = torch.cat([tail, torch.cat(raw, dim=-1).transpose(1, 2)], dim=-1)  # [B, 3HD, W-1+T]
+        cache.conv[i][idx] = seq[..., -(W - 1):]
         taps = torch.cat([self.w[p + f"{n}_conv1d.weight"].to(acc)[:, 0] for n in ("q", "k", "v")])  # [3HD, W]
-        windows = seq.to(acc).unfold(-1, W, 1)                                   # [3HD, T, W]
-        conv = self._round(torch.nn.functional.silu((windows * taps.unsqueeze(1)).sum(-1))).t()  # [T, 3HD]
-        q, k, v = conv.to(acc).view(T, 3, Hh, D).unbind(1)
+        windows = seq.to(acc).unfold(-1, W, 1)                                   # [B, 3HD, T, W]
+        conv = self._round(torch.nn.functional.silu((windows * taps.unsqueeze(1)).sum(-1))).transpose(1, 2)
+        q, k, v = conv.to(acc).view(B, T, 3, Hh, D).unbind(2)                   # [B, T, Hh, D] each
         q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * D ** -0.5
         k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
         # Per-channel decay g in [lower_bound, 0] and per-head write strength beta.
-        f = self._lin(self._lin(x, p + "f_a_proj.weight"), p + "f_b_proj.weight").to(acc).view(T, Hh, D)
+        f = self._lin(self._lin(x, p + "f_a_proj.weight"), p + "f_b_proj.weight").to(acc).view(B, T, Hh, D)
         A = torch.exp(self.w[p + "A_log"].to(acc)).view(Hh, 1)
         g = a.gate_lower_bound * torch.sigmoid(A * (f + self.w[p + "dt_bias"].to(acc).view(Hh, D)))
-        beta = torch.sigmoid(self._lin(x, p + "b_proj.weight").to(acc))          # [T, Hh]
-        S = cache.state[i][slot.row].to(acc)                                     # [Hh, Dv, Dk]
+        beta = torch.sigmoid(self._lin(x, p + "b_proj.weight").to(acc))          # [B, T, Hh]
+        S = cache.state[i][idx].to(acc)                                          # [B, Hh, Dv, Dk]
         outs = []
         for t in range(T):
-            S = S * torch.exp(g[t]).unsqueeze(1)                                 # decay along keys
-            v_new = beta[t].unsqueeze(-1) * (v[t] - torch.einsum("hvk,hk->hv", S, k[t]))
-            S = S + v_new.unsqueeze(-1) * k[t].unsqueeze(1)
-            outs.append(torch.einsum("hvk,hk->hv", S, q[t]))
-        cache.state[i][slot.row] = S.to(cache.state[i].dtype)
-        o = torch.stack(outs)                                                    # [T, Hh, D]
+            S = S * torch.exp(g[:, t]).unsqueeze(2)                              # decay along keys
+            v_new = beta[:, t].unsqueeze(-1) * (v[:, t] - torch.einsum("bhvk,bhk->bhv", S, k[:, t]))
+            S = S + v_new.unsqueeze(-1) * k[:, t].unsqueeze(2)
+            outs.append(torch.einsum("bhvk,bhk->bhv", S, q[:, t]))
+        cache.state[i][idx] = S.to(cache.state[i].dtype)
+        o = torch.stack(outs, dim=1)                                             # [B, T, Hh, D]
         # Gated RMSNorm per head with the full-rank output gate.
-        gate = torch.sigmoid(self._lin(x, p + "g_proj.weight").to(acc).view(T, Hh, D))
+        gate = torch.sigmoid(self._lin(x, p + "g_proj.weight").to(acc).view(B, T, Hh, D))
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.spec.kda_norm_eps)
-        o = self._round(o * self.w[p + "o_norm.weight"].to(acc) * gate).reshape(T, Hh * D)
+        o = self._round(o * self.w[p + "o_norm.weight"].to(acc) * gate).reshape(B, T, Hh * D)
         return self._lin(o, p + "o_proj.weight")
 
     def _mla(self, cache: KimiK3Cache, i: int, a: MLAAttentionSpec, slot: SeqSlot, start: int, x: torch.Tensor,
@@ -277,10 +292,10 @@ class KimiK3Reference:
         ids, wts = self._route(logits, self.w[p + "gate.e_score_correction_bias"].to(acc), f)
         xl = self._lin(x, p + "routed_expert_down_proj.weight") if f.latent_dim else x
         y = torch.zeros(x.shape[0], xl.shape[-1], dtype=acc, device=x.device)
-        for e in range(f.num_experts):       # each selected expert over the tokens that chose it
+        # each selected expert (ascending id: a fixed summation order) over the tokens that chose it;
+        # one host sync for the set instead of one per expert of the model
+        for e in ids.unique().tolist():
             rows, slot = (ids == e).nonzero(as_tuple=True)
-            if rows.numel() == 0:
-                continue
             q = f"{p}experts.{e}."
             out = self._glu(xl[rows], q + "w1.weight", q + "w3.weight", q + "w2.weight", f.activation)
             y[rows] += wts[rows, slot].unsqueeze(-1) * out.to(acc)

@@ -88,6 +88,41 @@ def test_fused_mlp_matches_reference(m, k, inter, n, act):
     assert torch.equal(out, eager)
 
 
+GLU_CASES = [  # (M, K, I, activation, config kwargs)
+    (1, 7168, 256, ActivationSpec(kind="situ_glu", beta=4, beta_lin=25), {}),
+    (2, 7168, 256, ActivationSpec(kind="situ_glu", beta=4, beta_lin=25), {"lookahead": 1}),
+    (4, 448, 40, ActivationSpec(kind="swiglu", clamp=10.0), {"rows_per_warp": 2}),
+    (3, 1032, 200, ActivationSpec(), {"batch": 4, "lookahead": 2}),
+]
+
+
+@pytest.mark.parametrize("m,k,inter,act,cfg", GLU_CASES)
+def test_glu_gemv_equals_gemv_then_activation_kernel(m, k, inter, act, cfg):
+    """gate/up + activation in the GEMV epilogue: bit-identical to the GEMV followed by the activation
+    kernel (same per-row sum order, same bf16 rounding, same device activation), and graph-safe."""
+    from latency_specialized.kernels.gemm_gemv import GemvConfig, gemm_gemv, gemv_glu
+    from latency_specialized.kernels.mlp_fused import _act_variant, gated_activation_cute
+    from latency_specialized.ops.activation import gated_activation
+
+    g = _gen(f"glu{m}{k}{inter}{act.kind}")
+    x = torch.randn(m, k, device=DEV, generator=g).to(torch.bfloat16)
+    w = (torch.randn(2 * inter, k, device=DEV, generator=g) * k ** -0.5 * 3).to(torch.bfloat16)
+    gu = gemm_gemv(x, w, config=GemvConfig(rows_per_warp=1, **{k_: v for k_, v in cfg.items() if k_ != "rows_per_warp"}))
+    unfused = gated_activation_cute(gu, act)
+    out = torch.full((m, inter), float("nan"), device=DEV, dtype=torch.bfloat16)
+    gemv_glu(x, w, _act_variant(inter, x.dtype, act), out=out, config=GemvConfig(**cfg))
+    torch.cuda.synchronize()
+    assert not out.isnan().any()
+    assert torch.equal(out, unfused), (out.float() - unfused.float()).abs().max()
+    ref = gated_activation((x.float() @ w[:inter].float().t()).to(torch.bfloat16),
+                           (x.float() @ w[inter:].float().t()).to(torch.bfloat16), act).to(torch.bfloat16)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    eager = out.clone()
+    out.fill_(float("nan"))
+    _graph_replay(lambda: gemv_glu(x, w, _act_variant(inter, x.dtype, act), out=out, config=GemvConfig(**cfg)))
+    assert torch.equal(out, eager)
+
+
 def test_gated_activation_matches_reference():
     from latency_specialized.kernels.mlp_fused import gated_activation_cute
     from latency_specialized.ops.activation import gated_activation

@@ -75,7 +75,8 @@ SPLITK_CASES = [(1, 112, 7168, False), (17, 1000, 448, True), (33, 7168, 1536, F
 def _gemv_cfgs():
     from latency_specialized.kernels.gemm_gemv import GemvConfig
 
-    return (GemvConfig(rows_per_warp=1), GemvConfig(rows_per_warp=2, pdl=False))
+    return (GemvConfig(rows_per_warp=1), GemvConfig(rows_per_warp=2, pdl=False),
+            GemvConfig(rows_per_warp=2, lookahead=1), GemvConfig(batch=4, lookahead=2))
 
 
 def _small_m_cfgs(m, n, k):

@@ -59,6 +59,32 @@ def test_gemv_compiles_to_16_byte_streaming_loads(sm90):
 
 
 @needs_cute
+def test_gemv_lookahead_issues_more_batches_before_the_wait(sm90):
+    """lookahead L: batches 0..L are requested before griddepcontrol.wait (same loads in total)."""
+    from latency_specialized.kernels.gemm_gemv import GemvConfig, compile_gemv
+
+    for cfg, pre in ((GemvConfig(), 8), (GemvConfig(lookahead=1), 16), (GemvConfig(batch=4, lookahead=2), 12)):
+        p = _ptx(compile_gemv(7168, 1, cfg, False))
+        assert p.count(WEIGHT_LOAD) == 7168 // 8 // 32, cfg.label()
+        assert p[:p.index("griddepcontrol.wait")].count(WEIGHT_LOAD) == pre, cfg.label()
+    assert GemvConfig(lookahead=2).label() == "r1w4b8a2p"
+
+
+@needs_cute
+def test_gemv_glu_epilogue_streams_gate_and_up_rows(sm90):
+    """GLU mode: two weight rows per output row, bf16-rounded sums, the activation, one bf16 store."""
+    from latency_specialized.kernels.gemm_gemv import GemvConfig, compile_gemv
+    from latency_specialized.kernels.mlp_fused import _ActVariant
+
+    var = _ActVariant(256, "bfloat16", "situ_glu", beta=4.0, beta_lin=25.0)
+    p = _ptx(compile_gemv(7168, 1, GemvConfig(), False, glu=var))
+    assert p.count(WEIGHT_LOAD) == 2 * 7168 // 8 // 32
+    assert "cvt.rn.bf16x2.f32" in p and "ex2.approx" in p and p.count("st.global.b16") == 1
+    with pytest.raises(ValueError, match="GLU"):
+        compile_gemv(7168, 1, GemvConfig(), True, glu=var)
+
+
+@needs_cute
 def test_gemv_fp32_output_stores_the_unrounded_accumulator(sm90):
     """Router logits: bf16 x bf16 -> fp32 (vLLM's GateLinear out_dtype); no rounding to bf16 on store."""
     from latency_specialized.kernels.gemm_gemv import GemvConfig, compile_gemv

@@ -46,11 +46,14 @@ def test_router_compiles_with_redux_topk():
     assert _count(ptx, r"redux\.sync\.max\.u32") >= 1  # ordered-key argmax
     assert _count(ptx, r"redux\.sync\.min\.s32") >= 1  # lower id wins ties
     assert ".local" not in ptx  # the 28 keys per lane stay in registers
+    # PDL: the logits (another kernel's output) are read only after griddepcontrol.wait
+    assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
     # batch <= 16: 4 warps per token, each selects among 224 experts, warp 0 merges 64 candidates
     split = mr.make_config(_meta(8, 896), _meta(896), 16, RouterSpec(score_func="sigmoid"))
     assert split.split == 4 and mr.make_config(_meta(64, 896), _meta(896), 16, RouterSpec(score_func="sigmoid")).split == 1
     sptx = mr.ptx_of(mr._compile(split))
     assert _count(sptx, r"redux\.sync\.max\.u32") >= 2 and "bar.sync" in sptx and ".local" not in sptx
+    assert sptx.index("griddepcontrol.wait") < sptx.index("ld.global")
     with pytest.raises(UserError, match="split"):
         mr.make_config(_meta(1, 896), _meta(896), 16, RouterSpec(score_func="softmax"), split=4)
 
@@ -103,6 +106,10 @@ def test_kda_compiles_streaming_state_once():
     assert _count(ptx, r"ld\.global[\w.:]*\.v4\.[fbu]32") == 16
     assert _count(ptx, r"st\.global\.v4\.[fbu]32") == 16
     assert "shfl.sync.bfly" in ptx
+    # PDL: all 16 state loads are requested before griddepcontrol.wait, every activation read after it
+    wait = ptx.index("griddepcontrol.wait")
+    assert _count(ptx[:wait], r"ld\.global[\w.:]*\.v4\.[fbu]32") == 16
+    assert _count(ptx[:wait], r"ld\.global[\w.:]*\.(u16|b16)") == 0
 
 
 def test_configs_reject_unsupported_shapes_with_a_fix():

@@ -88,7 +88,85 @@ def mla_decode_reference(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
     return y
 
 
+def _write_new_latents(flat: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``flat[slot_mapping[b]] = new[b]`` for slots >= 0, without a host sync.
+
+    Boolean-mask indexing would read the mask on the host. Instead every padding row (slot < 0) is
+    pointed at the first live row's slot *with that row's value*: duplicate indices of one
+    ``index_put_`` then carry identical values, so the result is deterministic. With no live row
+    at all, every row rewrites slot 0 with its current value (a no-op)."""
+    slots = slot_mapping.long()
+    live = slots >= 0
+    # first live row (0 if none); index_select, not t[first]: a 0-d tensor index reads it on the host
+    first = torch.argmax(live.to(torch.int32)).view(1)
+    any_live = live.any()
+    target = torch.where(live, slots, slots.index_select(0, first).clamp(min=0))
+    filler = torch.where(any_live, new.index_select(0, first)[0], flat[0])          # [L + R]
+    flat.index_put_((target,), torch.where(live.unsqueeze(-1), new, filler))
+
+
+def mla_decode_paged(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     w_kv_b: torch.Tensor, *, qk_nope_head_dim: int, v_head_dim: int,
+                     scale: float | None = None, gate: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference's contract (same arguments and result) with no host sync: CUDA-graph capturable.
+
+    Every sequence attends over all ``block_table.shape[1] * block_size`` positions of its block
+    table with positions >= ``seq_lens[b]`` masked out (padding rows, ``seq_lens == 0``, give 0), so
+    the work is O(max context) per step whatever the live lengths - a composition for capturing a
+    whole decode step into one graph (Kimi K3's MLA layers), not a fast kernel. fp32 math, one
+    rounding, like the reference.
+    """
+    B, H, qk = q.shape
+    nope, v = qk_nope_head_dim, v_head_dim
+    L = kv_c.shape[-1]
+    R = qk - nope
+    if kv_cache.shape[-1] != L + R:
+        raise ValueError(f"kv_cache width {kv_cache.shape[-1]} != kv_lora {L} + rope {R}")
+    scale = qk ** -0.5 if scale is None else scale
+    block = kv_cache.shape[1]
+    flat = kv_cache.view(-1, L + R)
+    _write_new_latents(flat, torch.cat([kv_c, k_pe], dim=-1).to(kv_cache.dtype), slot_mapping)
+
+    w = w_kv_b.float().view(H, nope + v, L)
+    w_uk, w_uv = w[:, :nope], w[:, nope:]
+    q_lat = torch.einsum("bhn,hnl->bhl", q[..., :nope].float(), w_uk)       # [B, H, L]
+    q_pe = q[..., nope:].float()
+    n_max = block_table.shape[1] * block
+    pos = torch.arange(n_max, device=q.device)
+    # blocks past a sequence's end may hold any id (or -1): clamp to a valid row, masked below
+    rows = block_table[:, pos // block].long().clamp(min=0) * block + pos % block   # [B, n_max]
+    valid = pos.unsqueeze(0) < seq_lens.long().unsqueeze(1)                   # [B, n_max]
+    # positions past the end may hold anything (NaN included): zero them so 0-weight * NaN cannot leak
+    ctx = torch.where(valid.unsqueeze(-1), flat[rows].float(), 0.0)           # [B, n_max, L + R]
+    s = (torch.einsum("bhl,btl->bht", q_lat, ctx[..., :L])
+         + torch.einsum("bhr,btr->bht", q_pe, ctx[..., L:])) * scale          # [B, H, n_max]
+    s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    # a padding row (seq_lens == 0) has no valid position: softmax is NaN there; its output is 0
+    p = torch.where(valid.any(-1).view(B, 1, 1), torch.softmax(s, dim=-1), 0.0)
+    o_lat = torch.einsum("bht,btl->bhl", p, ctx[..., :L])
+    o = torch.einsum("bhl,hvl->bhv", o_lat, w_uv).reshape(B, H * v)
+    if gate is not None:
+        o = o * torch.sigmoid(gate.float())
+    y = o.to(q.dtype)
+    if out is not None:
+        out.copy_(y)
+        return out
+    return y
+
+
+def _paged_supports(ctx) -> bool | str:
+    if not ctx.arch.startswith("sm_"):
+        return ("for CUDA-graph capture on GPUs; on the CPU the reference serves MLA (it reads only the live "
+                "context, this one the whole block table)")
+    return True
+
+
 IMPLEMENTATIONS = [
     Implementation("attention.mla", "attention.mla.reference", mla_decode_reference, always, priority=-100,
                    is_reference=True, description="per-sequence torch absorbed MLA over the paged latent cache"),
+    Implementation("attention.mla", "attention.mla.torch_paged", mla_decode_paged, _paged_supports, priority=-50,
+                   description="torch absorbed MLA masked over the whole block table: no host sync (graph-"
+                               "capturable), O(max context) per step; GPUs only"),
 ]

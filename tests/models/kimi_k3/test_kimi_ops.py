@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from latency_specialized.ops.attention.kda import kda_decode_reference
-from latency_specialized.ops.attention.mla import mla_decode_reference
+from latency_specialized.ops.attention.mla import mla_decode_paged, mla_decode_reference
 from latency_specialized.ops.moe import route_reference
 from latency_specialized.spec import RouterSpec
 
@@ -60,8 +60,9 @@ def _expanded_mla(q, kv_cache, block_table, seq_lens, w_kv_b, nope, v, gate):
     return out
 
 
+@pytest.mark.parametrize("impl", [mla_decode_reference, mla_decode_paged])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mla_absorbed_equals_expanded_over_paged_cache(dtype):
+def test_mla_absorbed_equals_expanded_over_paged_cache(dtype, impl):
     g = torch.Generator().manual_seed(11)
     H, nope, R, L, v, bs = 4, 8, 8, 16, 8, 4
     lens = [5, 13, 1, 0]                                   # different lengths; the last row is padding
@@ -79,8 +80,8 @@ def test_mla_absorbed_equals_expanded_over_paged_cache(dtype):
     slots[seq_lens == 0] = -1
     before = kv_cache.clone()
     out = torch.full((B, H * v), float("nan"), dtype=dtype)
-    mla_decode_reference(q, kv_c, k_pe, kv_cache, slots, blocks, seq_lens, w_kv_b, qk_nope_head_dim=nope,
-                         v_head_dim=v, gate=gate, out=out)
+    impl(q, kv_c, k_pe, kv_cache, slots, blocks, seq_lens, w_kv_b, qk_nope_head_dim=nope, v_head_dim=v, gate=gate,
+         out=out)
     # the new token landed at its slot, nothing else changed (padding wrote nothing)
     flat, flat0 = kv_cache.view(-1, L + R), before.view(-1, L + R)
     live = slots >= 0
@@ -91,6 +92,53 @@ def test_mla_absorbed_equals_expanded_over_paged_cache(dtype):
     want = _expanded_mla(q, kv_cache, blocks, seq_lens, w_kv_b, nope, v, gate)
     _close(out, want, dtype)
     assert torch.all(out[-1] == 0)                         # padding row: zeros
+
+
+def _mla_case(g, lens, per, bs=4, H=4, nope=8, R=8, L=16, v=8):
+    B = len(lens)
+    blocks = torch.randperm(B * per, generator=g).view(B, per).to(torch.int32)
+    kv_cache = torch.randn(B * per, bs, L + R, generator=g)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    pos = (seq_lens - 1).clamp_min(0).long()
+    slots = blocks.gather(1, (pos // bs).unsqueeze(1)).squeeze(1).long() * bs + pos % bs
+    slots[seq_lens == 0] = -1
+    args = (torch.randn(B, H, nope + R, generator=g), torch.randn(B, L, generator=g), torch.randn(B, R, generator=g),
+            kv_cache, slots, blocks, seq_lens, torch.randn(H * (nope + v), L, generator=g) / L ** 0.5)
+    return args, dict(qk_nope_head_dim=nope, v_head_dim=v, gate=torch.randn(B, H * v, generator=g))
+
+
+def test_mla_paged_matches_reference_with_poisoned_tails_and_padding_first():
+    """The capturable MLA: NaN in every cache position past a sequence's end and -1 block ids past its
+    last block change nothing; padding rows (even before the first live one) write nothing."""
+    g = torch.Generator().manual_seed(12)
+    (q, kv_c, k_pe, cache, slots, blocks, seq_lens, w), kw = _mla_case(g, [0, 6, 11, 0, 3], per=4)
+    flat = cache.view(-1, cache.shape[-1])
+    for b, n in enumerate(seq_lens.tolist()):            # poison everything the sequence does not own yet
+        for t in range(n - 1, blocks.shape[1] * cache.shape[1]):
+            if t >= 0:
+                flat[blocks[b, t // cache.shape[1]].long() * cache.shape[1] + t % cache.shape[1]] = float("nan")
+    blocks = blocks.clone()
+    blocks[1, 2:] = -1                                   # 6 tokens need blocks 0-1 only
+    c_ref, c_pag = cache.clone(), cache.clone()
+    want = mla_decode_reference(q, kv_c, k_pe, c_ref, slots, blocks, seq_lens, w, **kw)
+    got = mla_decode_paged(q, kv_c, k_pe, c_pag, slots, blocks, seq_lens, w, **kw)
+    assert not got.isnan().any() and torch.all(got[0] == 0) and torch.all(got[3] == 0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(c_pag.isnan(), c_ref.isnan())
+    live = ~c_ref.isnan()
+    assert torch.equal(c_pag[live], c_ref[live])
+
+
+def test_mla_paged_has_no_host_sync():
+    """On the meta device (no data) every data-dependent host read fails: the reference's does, the
+    capturable implementation runs - nothing in it waits for the GPU."""
+    g = torch.Generator().manual_seed(13)
+    args, kw = _mla_case(g, [4, 0, 9], per=3)
+    meta = [a.to("meta") for a in args]
+    kw = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    assert mla_decode_paged(*meta, **kw).shape == (3, 4 * 8)
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        mla_decode_reference(*meta, **kw)
 
 
 # ----------------------------------------------------------------------------------------- KDA

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# H200 round 4: tests of the changed kernels (GEMV lookahead, GLU epilogue), the gemm dispatch table
+# rebuilt with the new GEMV variants, the Kimi K3 layer bench against that table.
+#   on the device, after `bash .device/cute-a/stash.sh` on the same machine:
+#   source scripts/device_env.sh && bash benchmarks/scripts/h200_round4.sh
+# STEPS (default "tests,table,bench") picks the parts; results under $OUT.
+set -o pipefail
+OUT=${OUT:-/tmp/ls_out}
+mkdir -p "$OUT/res"
+export LS_KERNEL_CACHE_DIR=${LS_KERNEL_CACHE_DIR:-/tmp/ls_kcache} CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
+STEPS=${STEPS:-tests,table,bench}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv \
+  > "$OUT/gpu.txt" 2>&1
+t0=$(date +%s)
+if [[ $STEPS == *tests* ]]; then
+  timeout "${TEST_S:-240}" python3 -m pytest -m gpu ${TESTS:-tests/ops/test_attnres_mlp_gpu.py \
+    tests/ops/test_gemm_norm_prefetch_gpu.py tests/models/kimi_k3/test_long_check.py} -q -rfE -p no:cacheprovider \
+    > "$OUT/gpu_tests.log" 2>&1
+  echo "tests rc=$? at $(( $(date +%s) - t0 )) s"; tail -4 "$OUT/gpu_tests.log"
+fi
+if [[ $STEPS == *table* ]]; then
+  timeout "${TABLE_S:-240}" python3 -m latency_specialized.cli bench-ops --ops gemm --tp 8,16 --out "$OUT/res" \
+    --write-table "$OUT/res/h200_gemm.json" --jobs 15 > "$OUT/bench_ops.log" 2>&1
+  echo "table rc=$? at $(( $(date +%s) - t0 )) s"; tail -2 "$OUT/bench_ops.log"
+fi
+if [ -f "$OUT/res/h200_gemm.json" ]; then export LS_GEMM_TABLE="$OUT/res/h200_gemm.json"; fi
+if [[ $STEPS == *opsmoe* ]]; then
+  timeout "${MOE_S:-150}" python3 benchmarks/scripts/bench_moe_kda.py --out "$OUT/res" > "$OUT/bench_moe_kda.log" 2>&1
+  echo "moe/kda ops rc=$? at $(( $(date +%s) - t0 )) s"; grep "^kda tp8 B=64\|^router" "$OUT/bench_moe_kda.log" | head -8
+fi
+if [[ $STEPS == *bench* ]]; then
+  timeout "${BENCH_S:-150}" python3 -m latency_specialized.cli bench --model kimi_k3 --tp 8 \
+    --batch ${BATCH:-1,2,4,8,16,32,64} --layers 3 --out "$OUT/res" > "$OUT/bench.log" 2>&1
+  echo "bench rc=$? at $(( $(date +%s) - t0 )) s"; grep "batch" "$OUT/bench.log" | tail -8
+fi
+if [[ $STEPS == *long* ]]; then
+  timeout "${LONG_S:-500}" python3 benchmarks/scripts/kimi_long_check.py --runs "${RUNS:-64:256:0}" \
+    --out "$OUT/res/kimi_long_check.json" > "$OUT/long_check.log" 2>&1
+  echo "long check rc=$? at $(( $(date +%s) - t0 )) s"; grep "^batch" "$OUT/long_check.log"
+fi
+# one archive: the device returns a limited number of files
+tar czf "$OUT/results.tgz" -C "$OUT" res && rm -rf "$OUT/res"
