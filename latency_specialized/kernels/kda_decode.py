@@ -46,7 +46,9 @@ class KDAConfig:
     pdl: bool = True
     """Programmatic dependent launch: the kernel starts while the projections before it drain and
     requests its recurrent state (written only by this kernel, a step earlier) before
-    ``griddepcontrol.wait``; everything the projections wrote is read after the wait."""
+    ``griddepcontrol.wait``; everything the projections wrote is read after the wait. So two KDA
+    launches on the same state rows must never be adjacent in a stream (the second would read the
+    state before the first writes it): in a decode step other kernels always sit between them."""
 
 
 def _build_kernel_class():

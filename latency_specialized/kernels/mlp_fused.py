@@ -80,7 +80,7 @@ def _act_kernel_class():
     class GatedActKernel:
         def __init__(self, var: _ActVariant):
             self.var = var
-            self._act = gated_act_fn(var)
+            self.act = gated_act_fn(var)        # (g, u) -> fp32, shared with the GLU GEMV epilogue
             self.vecs = var.inter // 8          # 16-byte vectors of one output row (bf16/fp16)
             self.blocks = -(-self.vecs // THREADS)
 
@@ -94,9 +94,6 @@ def _act_kernel_class():
         def pack(self, vals):
             pk = P.pack_bf16x2 if self.var.dtype == "bfloat16" else P.pack_f16x2
             return [pk(vals[i], vals[i + 1]) for i in range(0, len(vals), 2)]
-
-        def act(self, g, u):
-            return self._act(g, u)
 
         @cute.jit
         def __call__(self, gu: cute.Tensor, h: cute.Tensor, stream):
