@@ -55,6 +55,13 @@ class LongCheck:
     floor_top1: float | None = None
     prog_vs_fp32_max_rel_err: float | None = None
     prog_vs_fp32_top1: float | None = None
+    decisive_fraction: float | None = None
+    """Share of (step, sequence) whose fp32-reference top-1 leads its runner-up by more than twice that
+    step's bf16 noise (max |bf16 reference - fp32 reference| logit): a token bf16 cannot flip."""
+    decisive_top1: float | None = None
+    """Top-1 agreement of the program with the fp32 reference on those decisive tokens only (with
+    random weights most tokens are near-ties, where any bf16 rounding decides; reported beside the
+    raw agreement, not instead of it)."""
 
 
 def _setup(batch: int, steps: int, *, device: str, seed: int, prompt: int, router_scale: float, fp32: bool = False):
@@ -150,13 +157,21 @@ def teacher_forced(batch: int, steps: int, *, device: str = "cuda", seed: int = 
     floor_agree = sum(top1(w_, f_) for w_, f_ in zip(want_all, w32_all))
     p32 = [rel(g_, f_) for g_, f_ in zip(got_all, w32_all)]
     p32_agree = sum(top1(g_, f_) for g_, f_ in zip(got_all, w32_all))
+    decisive = decisive_agree = 0
+    for g_, w_, f_ in zip(got_all, want_all, w32_all):
+        noise = (w_.double() - f_.double()).abs().max()
+        top2 = f_.double().topk(2, dim=-1).values
+        sure = (top2[:, 0] - top2[:, 1]) > 2 * noise
+        decisive += int(sure.sum())
+        decisive_agree += int(((g_.argmax(-1) == f_.argmax(-1)) & sure).sum())
     s = trace.summary()
     n = steps * batch
     return LongCheck(batch, steps, router_scale, max(errs), errs[0], errs[-1], agree / n, s["fast_steps"],
                      round(time.perf_counter() - t0, 1),
                      {c.site.name: c.impl.name for c in plan.choices if c.impl is not None},
                      max(floor) if floor else None, floor_agree / n if floor else None,
-                     max(p32) if p32 else None, p32_agree / n if p32 else None)
+                     max(p32) if p32 else None, p32_agree / n if p32 else None,
+                     decisive / n if floor else None, (decisive_agree / decisive) if decisive else None)
 
 
 def as_dict(r: LongCheck) -> dict:
