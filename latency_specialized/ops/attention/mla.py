@@ -18,9 +18,48 @@ Rows with ``seq_lens == 0`` are batch padding: they write nothing and return zer
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from latency_specialized.ops.registry import Implementation, always
+
+
+class _Absorbed(NamedTuple):
+    L: int
+    v: int
+    flat: torch.Tensor   # [slots, L + R] view of the paged cache
+    new: torch.Tensor    # [B, L + R] the new tokens' latents in the cache dtype
+    q_lat: torch.Tensor  # [B, H, L] fp32 query absorbed into latent space
+    q_pe: torch.Tensor   # [B, H, R] fp32 rope part of the query
+    w_uv: torch.Tensor   # [H, v, L] fp32 value rows of kv_b_proj
+    scale: float
+
+
+def _absorb(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, w_kv_b: torch.Tensor,
+            nope: int, v: int, scale: float | None) -> _Absorbed:
+    """Shape checks and the absorbed query, shared by the MLA implementations (steps 1-2 of the contract)."""
+    H, qk = q.shape[1], q.shape[2]
+    L = kv_c.shape[-1]
+    R = qk - nope
+    if kv_cache.shape[-1] != L + R:
+        raise ValueError(f"kv_cache width {kv_cache.shape[-1]} != kv_lora {L} + rope {R}")
+    w = w_kv_b.float().view(H, nope + v, L)
+    w_uk, w_uv = w[:, :nope], w[:, nope:]                                  # [H, nope, L], [H, v, L]
+    q_lat = torch.einsum("bhn,hnl->bhl", q[..., :nope].float(), w_uk)      # [B, H, L]
+    return _Absorbed(L, v, kv_cache.view(-1, L + R), torch.cat([kv_c, k_pe], dim=-1).to(kv_cache.dtype), q_lat,
+                     q[..., nope:].float(), w_uv, qk ** -0.5 if scale is None else scale)
+
+
+def _finish(o: torch.Tensor, gate: torch.Tensor | None, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+    """Output gate, the one rounding, optional destination (step 4 of the contract)."""
+    if gate is not None:
+        o = o * torch.sigmoid(gate.float())
+    y = o.to(dtype)
+    if out is not None:
+        out.copy_(y)
+        return out
+    return y
 
 
 def mla_decode_reference(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -48,24 +87,13 @@ def mla_decode_reference(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
     [B, H * v] in q.dtype. fp32 math, one rounding at the end. The reference loops over
     sequences and reads ``seq_lens`` on the host (a sync); GPU kernels must not.
     """
-    B, H, qk = q.shape
-    nope, v = qk_nope_head_dim, v_head_dim
-    L = kv_c.shape[-1]
-    R = qk - nope
-    if kv_cache.shape[-1] != L + R:
-        raise ValueError(f"kv_cache width {kv_cache.shape[-1]} != kv_lora {L} + rope {R}")
-    scale = qk ** -0.5 if scale is None else scale
+    B, H, _ = q.shape
+    a = _absorb(q, kv_c, k_pe, kv_cache, w_kv_b, qk_nope_head_dim, v_head_dim, scale)
+    L, v, flat, new, q_lat, q_pe, w_uv, scale = a.L, a.v, a.flat, a.new, a.q_lat, a.q_pe, a.w_uv, a.scale
     block = kv_cache.shape[1]
-    flat = kv_cache.view(-1, L + R)
     slots = slot_mapping.long()
     live = slots >= 0
-    new = torch.cat([kv_c, k_pe], dim=-1).to(kv_cache.dtype)
     flat[slots[live]] = new[live]
-
-    w = w_kv_b.float().view(H, nope + v, L)
-    w_uk, w_uv = w[:, :nope], w[:, nope:]                       # [H, nope, L], [H, v, L]
-    q_lat = torch.einsum("bhn,hnl->bhl", q[..., :nope].float(), w_uk)  # [B, H, L]
-    q_pe = q[..., nope:].float()
     o = torch.zeros(B, H, v, dtype=torch.float32, device=q.device)
     lens = seq_lens.tolist()
     for b in range(B):
@@ -78,14 +106,7 @@ def mla_decode_reference(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
         s = (q_lat[b] @ ctx[:, :L].t() + q_pe[b] @ ctx[:, L:].t()) * scale  # [H, n]
         o_lat = torch.softmax(s, dim=-1) @ ctx[:, :L]                # [H, L]
         o[b] = torch.einsum("hl,hvl->hv", o_lat, w_uv)
-    o = o.reshape(B, H * v)
-    if gate is not None:
-        o = o * torch.sigmoid(gate.float())
-    y = o.to(q.dtype)
-    if out is not None:
-        out.copy_(y)
-        return out
-    return y
+    return _finish(o.reshape(B, H * v), gate, q.dtype, out)
 
 
 def _write_new_latents(flat: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -118,21 +139,11 @@ def mla_decode_paged(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv
     whole decode step into one graph (Kimi K3's MLA layers), not a fast kernel. fp32 math, one
     rounding, like the reference.
     """
-    B, H, qk = q.shape
-    nope, v = qk_nope_head_dim, v_head_dim
-    L = kv_c.shape[-1]
-    R = qk - nope
-    if kv_cache.shape[-1] != L + R:
-        raise ValueError(f"kv_cache width {kv_cache.shape[-1]} != kv_lora {L} + rope {R}")
-    scale = qk ** -0.5 if scale is None else scale
+    B, H, _ = q.shape
+    a = _absorb(q, kv_c, k_pe, kv_cache, w_kv_b, qk_nope_head_dim, v_head_dim, scale)
+    L, v, flat, q_lat, q_pe, w_uv, scale = a.L, a.v, a.flat, a.q_lat, a.q_pe, a.w_uv, a.scale
     block = kv_cache.shape[1]
-    flat = kv_cache.view(-1, L + R)
-    _write_new_latents(flat, torch.cat([kv_c, k_pe], dim=-1).to(kv_cache.dtype), slot_mapping)
-
-    w = w_kv_b.float().view(H, nope + v, L)
-    w_uk, w_uv = w[:, :nope], w[:, nope:]
-    q_lat = torch.einsum("bhn,hnl->bhl", q[..., :nope].float(), w_uk)       # [B, H, L]
-    q_pe = q[..., nope:].float()
+    _write_new_latents(flat, a.new, slot_mapping)
     n_max = block_table.shape[1] * block
     pos = torch.arange(n_max, device=q.device)
     # blocks past a sequence's end may hold any id (or -1): clamp to a valid row, masked below
@@ -146,14 +157,7 @@ def mla_decode_paged(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv
     # a padding row (seq_lens == 0) has no valid position: softmax is NaN there; its output is 0
     p = torch.where(valid.any(-1).view(B, 1, 1), torch.softmax(s, dim=-1), 0.0)
     o_lat = torch.einsum("bht,btl->bhl", p, ctx[..., :L])
-    o = torch.einsum("bhl,hvl->bhv", o_lat, w_uv).reshape(B, H * v)
-    if gate is not None:
-        o = o * torch.sigmoid(gate.float())
-    y = o.to(q.dtype)
-    if out is not None:
-        out.copy_(y)
-        return out
-    return y
+    return _finish(torch.einsum("bhl,hvl->bhv", o_lat, w_uv).reshape(B, H * v), gate, q.dtype, out)
 
 
 def _paged_supports(ctx) -> bool | str:
