@@ -9,7 +9,7 @@ env:
 	@bash scripts/bootstrap_env.sh
 
 demo: env
-	$(VENV)/bin/latency-specialized generate --model kimi_k3 --size tiny --batch 2 --max-tokens 24 \
+	$(VENV)/bin/latency-specialized generate --model kimi_k3 --batch 2 --max-tokens 24 \
 		--prompt "The quick brown fox" --show-plan --show-trace
 
 # CPU suite (GPU tests are deselected here; run them on a GPU machine with `make test-gpu`).

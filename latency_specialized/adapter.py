@@ -15,7 +15,9 @@ from typing import Any, ClassVar, Literal
 from latency_specialized.errors import UserError
 from latency_specialized.spec import DecodeScope, Deployment, ModelSpec, ParallelSpec
 
-Variant = Literal["full", "tiny"]
+Variant = Literal["full", "medium", "tiny"]
+"""full: the published architecture; tiny: a few narrow layers every adapter with a reference offers
+(CPU tests); medium: optional, a few layers at widths the GPU kernels serve (``variants`` says who has it)."""
 
 Capability = Literal["spec", "reference", "program", "checkpoint", "vllm"]
 
@@ -31,6 +33,8 @@ class ModelAdapter:
     """`architectures` values of the Hugging Face config this adapter serves."""
     capabilities: ClassVar[frozenset[str]] = frozenset({"spec"})
     """What this adapter provides beyond a spec (see Capability)."""
+    variants: ClassVar[tuple[str, ...]] = ("full", "tiny")
+    """Spec variants :meth:`spec` accepts (see Variant)."""
 
     # ------------------------------------------------------------------ required
     def spec(self, variant: Variant = "full") -> ModelSpec:

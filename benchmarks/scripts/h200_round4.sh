@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# H200 round 4: tests of the changed kernels (GEMV lookahead, GLU epilogue), the gemm dispatch table
-# rebuilt with the new GEMV variants, the Kimi K3 layer bench against that table.
+# H200 session runs (rounds 4-5): GPU tests, the gemm dispatch table, the MoE/KDA and MLA op benches,
+# the Kimi K3 layer bench (KINDS=kda,mla; CONTEXT for MLA cells) and the long teacher-forced check.
 #   on the device, after `bash .device/cute-a/stash.sh` on the same machine:
 #   source scripts/device_env.sh && bash benchmarks/scripts/h200_round4.sh
-# STEPS (default "tests,table,bench") picks the parts; results under $OUT.
+# STEPS (default "tests,table,bench") picks the parts (tests,table,opsmoe,opsmla,bench,long); results under $OUT.
 set -o pipefail
 OUT=${OUT:-/tmp/ls_out}
 mkdir -p "$OUT/res"
@@ -28,10 +28,15 @@ if [[ $STEPS == *opsmoe* ]]; then
   timeout "${MOE_S:-150}" python3 benchmarks/scripts/bench_moe_kda.py --out "$OUT/res" > "$OUT/bench_moe_kda.log" 2>&1
   echo "moe/kda ops rc=$? at $(( $(date +%s) - t0 )) s"; grep "^kda tp8 B=64\|^router" "$OUT/bench_moe_kda.log" | head -8
 fi
+if [[ $STEPS == *opsmla* ]]; then
+  timeout "${MLA_S:-150}" python3 benchmarks/scripts/bench_mla.py --out "$OUT/res" ${MLA_ARGS:-} > "$OUT/bench_mla.log" 2>&1
+  echo "mla ops rc=$? at $(( $(date +%s) - t0 )) s"; tail -4 "$OUT/bench_mla.log"
+fi
 if [[ $STEPS == *bench* ]]; then
-  timeout "${BENCH_S:-150}" python3 -m latency_specialized.cli bench --model kimi_k3 --tp 8 \
-    --batch ${BATCH:-1,2,4,8,16,32,64} --layers 3 --out "$OUT/res" > "$OUT/bench.log" 2>&1
-  echo "bench rc=$? at $(( $(date +%s) - t0 )) s"; grep "batch" "$OUT/bench.log" | tail -8
+  timeout "${BENCH_S:-150}" python3 -m latency_specialized.cli bench --model kimi_k3 --tp 8 --kinds ${KINDS:-kda} \
+    --batch ${BATCH:-1,2,4,8,16,32,64} --context ${CONTEXT:-4096,32768} --layers 3 ${NAME:+--name $NAME} --out "$OUT/res" \
+    > "$OUT/bench.log" 2>&1
+  echo "bench rc=$? at $(( $(date +%s) - t0 )) s"; grep "batch" "$OUT/bench.log" | tail -16
 fi
 if [[ $STEPS == *long* ]]; then
   timeout "${LONG_S:-500}" python3 benchmarks/scripts/kimi_long_check.py --runs "${RUNS:-64:256:0}" \

@@ -32,7 +32,7 @@ def main() -> None:
               f"{r.first_rel_err:.3e}, last {r.last_rel_err:.3e}), top-1 {r.top1_agreement:.4f}; bf16 reference vs "
               f"fp32 reference: {r.floor_max_rel_err}, top-1 {r.floor_top1}; program vs fp32 reference: "
               f"{r.prog_vs_fp32_max_rel_err}, top-1 {r.prog_vs_fp32_top1} (on the {r.decisive_fraction} decisive tokens: "
-              f"{r.decisive_top1}); fast steps {r.fast_steps}, {r.seconds} s",
+              f"{r.decisive_top1}); fast steps {r.fast_steps} ({r.graph_steps} from a CUDA graph), {r.seconds} s",
               flush=True)
         rows.append(as_dict(r))
         with open(args.out, "w") as f:  # after every batch: a time-limited run keeps what it measured

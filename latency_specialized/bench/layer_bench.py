@@ -36,8 +36,8 @@ from latency_specialized.spec import KDAAttentionSpec, MLAAttentionSpec, ModelSp
 HBM_BYTES_PER_S = 4.3e12
 """H200 achievable HBM read bandwidth (PERF.md): the roofline."""
 
-KINDS = ("kda",)
-"""Layer kinds the bench builds today (MLA: no stock MLA composition yet)."""
+KINDS = ("kda", "mla")
+"""Layer kinds the bench builds: KDA+MoE (context-free) and MLA+MoE (one cell per context)."""
 
 
 @dataclass(frozen=True)
@@ -299,11 +299,11 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None] = print,
         raise UserError("the bench needs a CUDA GPU: run it on the H200 (device machine)")
     bad = [k for k in cfg.kinds if k not in KINDS]
     if bad:
-        raise UserError(f"layer kind(s) {bad} not benchable yet (no stock MLA composition): use --kinds kda")
+        raise UserError(f"layer kind(s) {bad} not benchable: use --kinds with {', '.join(KINDS)}")
     if cfg.layers < 2:
         raise UserError("--layers must be >= 2 (ours per layer = (t_K - t_1) / (K - 1))")
     from latency_specialized.bench.machine import machine_info
-    from latency_specialized.bench.stock.layers import build_stock_kda
+    from latency_specialized.bench.stock.layers import build_stock_kda, build_stock_mla
     from latency_specialized.plugins import get_registry
 
     reg = get_registry()
@@ -338,48 +338,66 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None] = print,
         "Each variant's % roofline counts the experts its own routing touched (the two route with different random "
         "router weights); 'speed-up per byte' = ours % / stock % (the speed-up at equal bytes).",
     ]
+    if "mla" in cfg.kinds:
+        notes.append("MLA layers: both variants run the same MLA decode attention (attention.mla.triton_splitkv, a "
+                     "Triton split-KV kernel standing in for stock's MLA backend - vLLM's TRITON_MLA; FlashMLA is not "
+                     "runnable here), so MLA cells compare everything around that kernel. Roofline: the latent KV cache "
+                     "of 'context' tokens per sequence is read once per step (paged, block size 64).")
     for kind in cfg.kinds:
         li = _layer_index(full, kind)
+        contexts: tuple[int | None, ...] = tuple(cfg.contexts) if kind == "mla" else (None,)
         say(f"[{kind}] building ours: {cfg.layers} + 1 layers of real TP{cfg.tp} rank shapes ...")
         t0 = time.perf_counter()
-        ours = graphed.build_ours(full, cfg.tp, kind, cfg.layers, cfg.batches, device, seed=cfg.seed, say=say)
+        ours = graphed.build_ours(full, cfg.tp, kind, cfg.layers, cfg.batches, device, seed=cfg.seed, say=say,
+                                  contexts=cfg.contexts if kind == "mla" else ())
         say(f"[{kind}] ours ready in {time.perf_counter() - t0:.0f} s: {ours.description}")
         notes.extend(ours.notes)
-        for batch in cfg.batches:
-            t1 = time.perf_counter()
-            torch.manual_seed(cfg.seed + batch)
-            stock_layers = build_stock_kda(full, li, cfg.tp, batch, cfg.layers, device,
-                                           experts=ours.expert_weights(cfg.layers))
-            stock = GraphedStep("stock", cfg.layers, stock_layers.step, stock_layers.routed_ids)
-            ours_k, ours_1 = ours.variants(batch)
-            m_k, m_1, m_s = measure([ours_k, ours_1, stock], cfg, say)
-            o = per_layer(m_k, m_1)
-            s = per_layer(m_s, None)
-            ids = ours_k.routing() if o["us"] is not None else []
-            d_ours = _distinct(ids, batch)
-            d_stock = _distinct(stock_layers.routed_ids(), batch)
-            distinct = d_ours if d_ours is not None else d_stock
-            rb = layer_bytes(full, li, cfg.tp, batch, None, distinct)
-            r_us = rb["total"] / HBM_BYTES_PER_S * 1e6
-            cell = {"kind": kind, "batch": batch, "context": None, "layer_index": li, "ours": o, "stock": s,
-                    "roofline": {"bytes": rb["total"], "us": r_us, "breakdown": rb, "distinct_experts": distinct,
-                                 "distinct_experts_stock": d_stock},
-                    "fraction": (r_us / o["us"]) if o.get("us") else None,
-                    "speedup": (s["us"] / o["us"]) if (o.get("us") and s.get("us")) else None}
-            add_stock_roofline(cell, full, cfg.tp)
-            cells.append(cell)
-            if checkpoint is not None:
-                checkpoint(result())
-            say(f"[{kind}] batch {batch:>2}: ours {_fmt(o.get('us'))} us/layer ({_fmt(o.get('kernels'), '{:.1f}')} "
-                f"kernels) | stock {_fmt(s.get('us'))} us ({_fmt(s.get('kernels'), '{:.1f}')} kernels) | roofline "
-                f"{r_us:.1f} us ({distinct or 0:.0f} experts) | {_fmt(cell['fraction'] and 100 * cell['fraction'], '{:.0f}%')} "
-                f"| speed-up {_fmt(cell['speedup'], '{:.2f}x')} [{time.perf_counter() - t1:.0f} s]")
-            del stock_layers, stock
-            torch.cuda.empty_cache()
+        for context in contexts:
+            for batch in cfg.batches:
+                cells.append(_cell(cfg, full, li, kind, batch, context, ours, say,
+                                   build_stock_kda if kind == "kda" else build_stock_mla))
+                if checkpoint is not None:
+                    checkpoint(result())
         ours.close()
         del ours
         torch.cuda.empty_cache()
     return result()
+
+
+def _cell(cfg: BenchConfig, full: ModelSpec, li: int, kind: str, batch: int, context: int | None, ours: Any,
+          say: Callable[[str], None], build_stock: Callable[..., Any]) -> dict[str, Any]:
+    """Measure one (kind, batch, context) cell: ours K and 1 layers, stock K layers, roofline."""
+    t1 = time.perf_counter()
+    device = torch.device("cuda")
+    torch.manual_seed(cfg.seed + batch)
+    ctx_args = (context,) if context is not None else ()
+    stock_layers = build_stock(full, li, cfg.tp, batch, *ctx_args, cfg.layers, device,
+                               experts=ours.expert_weights(cfg.layers))
+    stock = GraphedStep("stock", cfg.layers, stock_layers.step, stock_layers.routed_ids)
+    ours_k, ours_1 = ours.variants(batch, context) if context is not None else ours.variants(batch)
+    m_k, m_1, m_s = measure([ours_k, ours_1, stock], cfg, say)
+    o = per_layer(m_k, m_1)
+    s = per_layer(m_s, None)
+    ids = ours_k.routing() if o["us"] is not None else []
+    d_ours = _distinct(ids, batch)
+    d_stock = _distinct(stock_layers.routed_ids(), batch)
+    distinct = d_ours if d_ours is not None else d_stock
+    rb = layer_bytes(full, li, cfg.tp, batch, context, distinct)
+    r_us = rb["total"] / HBM_BYTES_PER_S * 1e6
+    cell = {"kind": kind, "batch": batch, "context": context, "layer_index": li, "ours": o, "stock": s,
+            "roofline": {"bytes": rb["total"], "us": r_us, "breakdown": rb, "distinct_experts": distinct,
+                         "distinct_experts_stock": d_stock},
+            "fraction": (r_us / o["us"]) if o.get("us") else None,
+            "speedup": (s["us"] / o["us"]) if (o.get("us") and s.get("us")) else None}
+    add_stock_roofline(cell, full, cfg.tp)
+    where = f"batch {batch:>2}" + (f", context {context}" if context is not None else "")
+    say(f"[{kind}] {where}: ours {_fmt(o.get('us'))} us/layer ({_fmt(o.get('kernels'), '{:.1f}')} "
+        f"kernels) | stock {_fmt(s.get('us'))} us ({_fmt(s.get('kernels'), '{:.1f}')} kernels) | roofline "
+        f"{r_us:.1f} us ({distinct or 0:.0f} experts) | {_fmt(cell['fraction'] and 100 * cell['fraction'], '{:.0f}%')} "
+        f"| speed-up {_fmt(cell['speedup'], '{:.2f}x')} [{time.perf_counter() - t1:.0f} s]")
+    del stock_layers, stock
+    torch.cuda.empty_cache()
+    return cell
 
 
 def _fmt(x: Any, fmt: str = "{:.1f}") -> str:

@@ -35,7 +35,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=8, help="TP size whose rank-0 shard is benched (default 8)")
     p.add_argument("--batch", default="1,2,4,8,16,32,64", help="batch sizes, comma-separated")
     p.add_argument("--context", default="4096,32768", help="context lengths, comma-separated (MLA layers)")
-    p.add_argument("--kinds", default="kda", help="layer kinds, comma-separated (kda today)")
+    p.add_argument("--kinds", default="kda",
+                   help="layer kinds, comma-separated: kda (context-free), mla (one cell per --context)")
     p.add_argument("--layers", type=int, default=3, help="layer copies per variant, K >= 2 (weights rotate beyond L2)")
     p.add_argument("--iters", type=int, default=40, help="timed graph replays per round")
     p.add_argument("--rounds", type=int, default=2, help="rounds per variant (their spread is the noise)")

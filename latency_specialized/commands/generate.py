@@ -10,9 +10,12 @@ this small protocol (Kimi K3 does):
 * ``adapter.program(spec, reference=, plans=, cache=, trace=)`` -> a runtime ``DecodeProgram``.
 
 Prefill always runs the reference (the stock path; the trace says so). Every decode step runs the
-program through the runtime's graph runner - eagerly here (the CPU references of some op families
-sync with the host, so the step cannot be captured yet) - with the runner's gate and trace.
-Greedy by default; ``--temperature`` samples with exponential-race noise (no host sync).
+program through the runtime's graph runner with its gate and trace: on a GPU the step is captured
+into one CUDA graph and replayed (``--graphs auto``, when every site runs a kernel or a sync-free
+composition - the torch references of some families read values on the host and cannot be
+captured); on the CPU, eagerly. Defaults pick the device (CUDA when present) and the size (medium
+on a GPU: widths the kernels serve; tiny on the CPU). Greedy by default; ``--temperature`` samples
+with exponential-race noise (no host sync).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import statistics
 import time
 from typing import Any
 
-DEMO = "latency-specialized generate --model kimi_k3 --size tiny --batch 2 --max-tokens 24 --prompt 'The quick brown fox'"
+DEMO = "latency-specialized generate --model kimi_k3 --batch 2 --max-tokens 24 --prompt 'The quick brown fox'"
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -31,8 +34,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="adapter name (see `models`) or HF architecture")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", metavar="DIR", help="Hugging Face model directory (config.json + safetensors)")
-    src.add_argument("--size", choices=["tiny", "full"], default=None,
-                     help="random weights of this variant (default tiny when no --checkpoint)")
+    src.add_argument("--size", choices=["tiny", "medium", "full"], default=None,
+                     help="random weights of this variant (default: medium on a GPU where the adapter has one, "
+                          "else tiny)")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", action="append", help="prompt text (repeat for several; cycled over --batch)")
     prompt.add_argument("--prompt-ids", help="comma-separated token ids (no tokenizer needed)")
@@ -40,7 +44,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and of sampling")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--device", default="auto", help="auto (cuda when torch sees a GPU, else cpu), cpu or cuda[:N]")
+    p.add_argument("--graphs", choices=["auto", "on", "off"], default="auto",
+                   help="replay each decode step from a CUDA graph: auto = on a GPU when every site is "
+                        "capturable; on = require it; off = eager")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="activation dtype")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default 1 on the CPU: tiny ops only lose from threading)")
@@ -73,6 +80,24 @@ def _sample(logits, temperature: float, gen) -> Any:
     return (probs / noise).argmax(-1)  # exponential race == sampling from probs, no host sync
 
 
+def _decide_graphs(mode: str, device: Any, plan: Any) -> tuple[bool, str]:
+    """(use CUDA graphs, why not) from ``--graphs``, the device and the plan's implementations."""
+    from latency_specialized.errors import UserError
+
+    if mode == "off":
+        return False, "--graphs off"
+    if device.type != "cuda":
+        if mode == "on":
+            raise UserError("--graphs on needs a CUDA device: use --device cuda, or --graphs off")
+        return False, "CUDA graphs need a GPU"
+    refs = sorted({c.site.name for c in plan.choices if c.impl is not None and c.impl.is_reference})
+    if refs and mode == "auto":
+        # torch references read values on the host (sequence lengths, selected experts): not capturable
+        return False, (f"{len(refs)} site(s) on torch references ({', '.join(refs[:4])}"
+                       f"{' ...' if len(refs) > 4 else ''}); --graphs on tries anyway")
+    return True, ""
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -87,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_tokens < 1 or args.batch < 1:
         raise UserError("use --max-tokens >= 1 and --batch >= 1")
-    device = torch.device(args.device)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda but torch sees no CUDA device: use --device cpu")
     if device.type == "cpu":
@@ -103,7 +128,9 @@ def run(args: argparse.Namespace) -> int:
         ref = adapter.reference(None, checkpoint=args.checkpoint, dtype=args.dtype, device=device)
         source = f"checkpoint {args.checkpoint}"
     else:
-        size = args.size or "tiny"
+        size = args.size or ("medium" if device.type == "cuda" and "medium" in adapter.variants else "tiny")
+        if size not in adapter.variants:
+            raise UserError(f"{adapter.name} has no --size {size} (variants: {', '.join(adapter.variants)})")
         ref = adapter.reference(adapter.spec(size), seed=args.seed, dtype=args.dtype, device=device)
         source = f"{size}, random weights seed {args.seed}"
     spec = ref.spec
@@ -160,8 +187,19 @@ def run(args: argparse.Namespace) -> int:
     buffers.load(tokens, [len(p) for p in seq_prompts], [s.row for s in cache.slots],
                  cache.block_table(device="cpu"))
     greedy = args.temperature <= 0
+    use_graphs, why_eager = _decide_graphs(args.graphs, device, plan)
     runner = CUDAGraphRunner(program, buffers, gate=DecodeGate(max_batch=program.max_batch, buckets=(plan.bucket,)),
-                             trace=trace, use_graphs=False, feed_back_tokens=greedy)
+                             trace=trace, use_graphs=use_graphs, feed_back_tokens=greedy)
+    capture_s = 0.0
+    if use_graphs:
+        t2 = time.perf_counter()
+        try:
+            runner.capture()
+        except RuntimeError as e:  # a site synced with the host during capture: name it, do not hide it
+            raise UserError(f"CUDA graph capture failed ({e}); run with --graphs off to decode eagerly") from e
+        capture_s = time.perf_counter() - t2
+    elif why_eager:
+        trace.note(f"decode runs eagerly: {why_eager}")
     out = [tokens]
     step_s = []
     for _ in range(args.max_tokens - 1):
@@ -186,8 +224,9 @@ def run(args: argparse.Namespace) -> int:
           f"{prefill_s * 1e3:.1f} ms")
     if step_s:
         ms = [s * 1e3 for s in step_s]
-        print(f"decode: {len(ms)} steps through the program (eager), {statistics.median(ms):.1f} ms/step median "
-              f"(mean {statistics.fmean(ms):.1f}, min {min(ms):.1f}), bucket {plan.bucket}")
+        how = f"one CUDA graph per step, captured in {capture_s:.1f} s" if use_graphs else f"eager: {why_eager}"
+        print(f"decode: {len(ms)} steps through the program ({how}), {statistics.median(ms):.2f} ms/step median "
+              f"(mean {statistics.fmean(ms):.2f}, min {min(ms):.2f}), bucket {plan.bucket}")
     else:
         print("decode: no steps (--max-tokens 1: the one token came from prefill)")
     for b, ids in enumerate(generated):

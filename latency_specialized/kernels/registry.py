@@ -21,6 +21,7 @@ KERNEL_MODULES: tuple[str, ...] = (
     "latency_specialized.kernels.moe_experts",
     "latency_specialized.kernels.moe_experts_triton",
     "latency_specialized.kernels.kda_decode",
+    "latency_specialized.kernels.mla_decode_triton",
     "latency_specialized.kernels.attnres",
     "latency_specialized.kernels.mlp_fused",
 )

@@ -11,7 +11,7 @@ from latency_specialized.adapter import ModelAdapter, Variant
 from latency_specialized.errors import UserError
 from latency_specialized.spec import DecodeScope, ModelSpec, ParallelSpec
 
-from latency_specialized_models.kimi_k3.spec import KimiK3Spec, full_spec, tiny_spec
+from latency_specialized_models.kimi_k3.spec import KimiK3Spec, full_spec, medium_spec, tiny_spec
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 
@@ -30,8 +30,11 @@ class KimiK3Adapter(ModelAdapter):
     description: ClassVar[str] = "Moonshot Kimi K3: 69 KDA + 24 MLA layers, latent MoE 896x top-16, Block AttnRes"
     hf_architectures: ClassVar[tuple[str, ...]] = ("KimiK3ForConditionalGeneration", "KimiLinearForCausalLM")
     capabilities: ClassVar[frozenset[str]] = frozenset({"spec", "reference", "program", "checkpoint"})
+    variants: ClassVar[tuple[str, ...]] = ("full", "medium", "tiny")
 
     def spec(self, variant: Variant = "full") -> ModelSpec:
+        if variant == "medium":
+            return medium_spec()
         return full_spec() if variant == "full" else tiny_spec()
 
     def scope(self) -> DecodeScope:
@@ -50,8 +53,8 @@ class KimiK3Adapter(ModelAdapter):
                   device: str | torch.device = "cpu", tokenizer: bool = True, **_: Any):
         """The torch reference with weights: from ``checkpoint``, from ``weights``, or random (``seed``).
 
-        Random weights are only offered for the tiny variant (the full model has 2.8T parameters).
-        ``tokenizer`` trains the tiny tokenizer in memory for random tiny weights.
+        Random weights are offered for the tiny and medium variants (the full model has 2.8T parameters).
+        ``tokenizer`` trains a byte-level tokenizer of the spec's vocabulary in memory for random weights.
         """
         from latency_specialized_models.kimi_k3.reference import KimiK3Reference
 
@@ -68,7 +71,7 @@ class KimiK3Adapter(ModelAdapter):
         if weights is None:
             if spec.variant == "full":
                 raise UserError("random weights for the full Kimi K3 (2.8T parameters) do not fit anywhere: "
-                                "pass --checkpoint DIR or use --size tiny")
+                                "pass --checkpoint DIR or use --size tiny / medium")
             from latency_specialized_models.kimi_k3.weights import random_weights
 
             weights = random_weights(spec, seed=seed, dtype=dt, device=device)

@@ -151,8 +151,10 @@ class _Built:
 class ProgramVariant:
     """A layer-bench Variant over one built program at one batch bucket."""
 
-    def __init__(self, name: str, built: _Built, batch: int, bucket: int, all_buckets: Sequence[int]):
+    def __init__(self, name: str, built: _Built, batch: int, bucket: int, all_buckets: Sequence[int],
+                 context: int = 16):
         self.name, self.b, self.batch, self.bucket = name, built, batch, bucket
+        self.context = context
         self.layers = built.spec.num_layers
         self._all = tuple(all_buckets)
         self._load()
@@ -163,7 +165,9 @@ class ProgramVariant:
         tokens = torch.randint(0, self.b.spec.vocab_size, (b,), generator=g)
         cache = self.b.program.cache
         slots = cache.slots[:b]
-        self.b.buffers.load(tokens, [16] * b, [s.row for s in slots], cache.block_table(slots, device="cpu"))
+        # ``context`` tokens cached per sequence (the new one goes at position ``context``): what MLA reads
+        self.b.buffers.load(tokens, [self.context] * b, [s.row for s in slots],
+                            cache.block_table(slots, device="cpu"))
 
     def capture(self) -> dict[str, int] | None:
         if self.b.capture_error is not None:  # failed for an earlier batch: do not warm up and fail again
@@ -240,15 +244,21 @@ class OursBench:
     """K-layer and 1-layer rank-shaped programs with a graph runner each (see the module docstring)."""
 
     def __init__(self, full: KimiK3Spec, tp: int, kind: str, layers: int, batches: Sequence[int],
-                 device: torch.device, *, seed: int = 0, say: Callable[[str], None] = print):
+                 device: torch.device, *, seed: int = 0, say: Callable[[str], None] = print,
+                 contexts: Sequence[int] = ()):
         from latency_specialized import hardware
         from latency_specialized.ops.plan import build_plan
         from latency_specialized.plugins import get_registry
         from latency_specialized_models.kimi_k3.cache import KimiK3Cache
         from latency_specialized_models.kimi_k3.program import KimiK3Program
 
-        if kind != "kda":
-            raise UserError(f"bench kind {kind!r}: only kda layers are wired (MLA needs a stock MLA composition)")
+        if kind not in ("kda", "mla"):
+            raise UserError(f"bench kind {kind!r}: use kda or mla")
+        if kind == "mla" and not contexts:
+            raise UserError("the MLA bench needs --context (cached tokens per sequence), e.g. 4096,32768")
+        # KDA: a fixed-size state, any context; MLA: a paged latent cache of the longest context, vLLM's
+        # MLA block size 64, blocks handed out in a shuffled order
+        max_len, block = (max(contexts) + 1, 64) if kind == "mla" else (4096, 16)
         reg = get_registry()
         base = reg.adapter("kimi_k3")
         hw = hardware.probe()
@@ -263,7 +273,8 @@ class OursBench:
                 plan = build_plan(adapter, reg.implementations, hw, tp=tp, batch=b, dtype="bfloat16")
                 plans[plan.bucket] = plan
             weights = bench_weights(spec, device, seed=seed + n_layers, tp=tp)
-            cache = KimiK3Cache.for_sequences(spec.shard(tp), max(self.batches), 4096, block_size=16, device=device)
+            cache = KimiK3Cache.for_sequences(spec.shard(tp), max(self.batches), max_len, block_size=block,
+                                              device=device, shuffle_seed=seed if kind == "mla" else None)
             for t in cache.tensors():  # a live state, not zeros
                 t.normal_(0.0, 0.05)
             trace = Trace()
@@ -272,7 +283,7 @@ class OursBench:
             del weights  # the program holds the arranged (stacked) copies
             excluded = exclude_communication(program) if tp > 1 else 0
             buffers = DecodeBuffers(BufferSpec(max_batch=program.max_batch,
-                                               max_blocks_per_seq=len(cache.slots[0].blocks), block_size=16,
+                                               max_blocks_per_seq=len(cache.slots[0].blocks), block_size=block,
                                                pad_state=0), device=device)
             runner = make_runner(program, buffers, buckets=sorted(plans), trace=trace, preserve_state=False)
             built = _Built(spec, program, buffers, runner)
@@ -319,13 +330,14 @@ class OursBench:
 
             ops[site] = wrapped
 
-    def variants(self, batch: int) -> tuple[ProgramVariant, ProgramVariant]:
-        """(K-layer, 1-layer) variants at ``batch``."""
+    def variants(self, batch: int, context: int | None = None) -> tuple[ProgramVariant, ProgramVariant]:
+        """(K-layer, 1-layer) variants at ``batch`` (MLA: ``context`` cached tokens per sequence)."""
         out = []
         for n in (self.layers, 1):
             built = self.built[n]
             bucket = next(b for b in sorted(built.program.plans) if b >= batch)
-            out.append(ProgramVariant(f"ours[{n}]", built, batch, bucket, sorted(built.program.plans)))
+            out.append(ProgramVariant(f"ours[{n}]", built, batch, bucket, sorted(built.program.plans),
+                                      context=context if context is not None else 16))
         return out[0], out[1]
 
     def expert_weights(self, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -338,6 +350,6 @@ class OursBench:
 
 
 def build_ours(full: KimiK3Spec, tp: int, kind: str, layers: int, batches: Sequence[int], device: torch.device,
-               *, seed: int = 0, say: Callable[[str], None] = print) -> OursBench:
+               *, seed: int = 0, say: Callable[[str], None] = print, contexts: Sequence[int] = ()) -> OursBench:
     """Entry point used by ``latency_specialized.bench.layer_bench``."""
-    return OursBench(full, tp, kind, layers, batches, device, seed=seed, say=say)
+    return OursBench(full, tp, kind, layers, batches, device, seed=seed, say=say, contexts=contexts)

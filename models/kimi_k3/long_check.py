@@ -4,8 +4,8 @@ The cross-model matrix (verify.py) runs 2 fp32 steps of the tiny model. This run
 of a *medium* model whose widths the GPU kernels serve (KDA head_dim 128, latent 512 = 2 x 256,
 128 experts -> the 4-warp router, SiTU-GLU experts through the CuTe DSL kernels at 1-2 tokens and
 the Triton fused MoE from 4, AttnRes / fused residual kernels; projections of off-table shapes on
-cuBLAS; MLA on its reference), so drift of the fp32 KDA states and bf16 rounding over hundreds of
-steps shows up where it would in serving.
+cuBLAS; MLA on a sync-free GPU implementation), each step replayed from one CUDA graph, so drift
+of the fp32 KDA states and bf16 rounding over hundreds of steps shows up where it would in serving.
 
 Teacher forcing: both sides decode the same fixed random token stream (their own argmax never feeds
 back), from caches prefilled by the reference (sequences of different lengths). The reference
@@ -25,15 +25,7 @@ from typing import Callable
 
 import torch
 
-from latency_specialized_models.kimi_k3.spec import KimiK3Spec, build_spec, mla_layer_indices
-
-
-def medium_spec() -> KimiK3Spec:
-    """4 layers (KDA+dense, 2 x KDA+MoE, MLA+MoE), hidden 1024, widths the GPU kernels serve."""
-    return build_spec(variant="gpu-check", hidden=1024, vocab=2048, num_layers=4,
-                      mla_layers=mla_layer_indices(4, 4), kda_heads=8, head_dim=128, mla_heads=8, q_lora=256,
-                      kv_lora=128, nope=64, rope=32, v_dim=64, experts=128, top_k=8, shared=1, expert_inter=256,
-                      latent=512, dense_inter=1024, block_size=2, max_context=4096, expert_format="bf16")
+from latency_specialized_models.kimi_k3.spec import medium_spec
 
 
 @dataclass
@@ -62,6 +54,8 @@ class LongCheck:
     """Top-1 agreement of the program with the fp32 reference on those decisive tokens only (with
     random weights most tokens are near-ties, where any bf16 rounding decides; reported beside the
     raw agreement, not instead of it)."""
+    graph_steps: int = 0
+    """Steps replayed from a captured CUDA graph (all of them on a GPU; 0 on the CPU, which runs eagerly)."""
 
 
 def _setup(batch: int, steps: int, *, device: str, seed: int, prompt: int, router_scale: float, fp32: bool = False):
@@ -98,18 +92,17 @@ def teacher_forced(batch: int, steps: int, *, device: str = "cuda", seed: int = 
     Cost: until 2026-11-29 the reference decoded sequence by sequence (~3.6 s per step at batch 64
     with the floor on the H200, so 256 steps did not fit a 10-minute device call; spawning reference
     workers on the same GPU was slower still: they time-slice it). ``decode`` now runs all sequences
-    at once (KDA per state row, MLA per sequence): 3.8x faster on the CPU at batch 16; the H200
-    figure is still to be measured.
+    at once (KDA per state row, MLA per sequence): 3.8x faster on the CPU at batch 16; on the H200
+    256 steps at batch 64 with the floor took 62 s (2026-11-29).
     """
     from latency_specialized import hardware
     from latency_specialized.ops.plan import build_plan
     from latency_specialized.plugins import get_registry
     from latency_specialized.runtime.buffers import BufferSpec, DecodeBuffers
-    from latency_specialized.runtime.gate import DecodeGate, StepState
-    from latency_specialized.runtime.graph_runner import CUDAGraphRunner
+    from latency_specialized.runtime.gate import StepState
     from latency_specialized.trace import Trace
 
-    from latency_specialized_models.kimi_k3.graphed import _ShapedAdapter
+    from latency_specialized_models.kimi_k3.graphed import _ShapedAdapter, make_runner
     from latency_specialized_models.kimi_k3.program import KimiK3Program
 
     t0 = time.perf_counter()
@@ -127,15 +120,19 @@ def teacher_forced(batch: int, steps: int, *, device: str = "cuda", seed: int = 
     buffers = DecodeBuffers(BufferSpec(max_batch=plan.bucket, max_blocks_per_seq=len(cache.slots[0].blocks),
                                        block_size=cache.block_size, pad_state=0), device)
     buffers.load(stream[0], lens, [s.row for s in cache.slots], cache.block_table(device="cpu"))
-    # eager: the MLA layer runs its reference (host sync), which a CUDA graph cannot capture
-    runner = CUDAGraphRunner(program, buffers, trace=trace, use_graphs=False, feed_back_tokens=False,
-                             gate=DecodeGate(max_batch=plan.bucket, buckets=(plan.bucket,)))
+    # on a GPU every site of the medium model runs a kernel or a sync-free composition, so the check runs
+    # the graphed step serving would run (one CUDA graph per step); the CPU runs it eagerly
+    runner = make_runner(program, buffers, trace=trace, use_graphs=device == "cuda", preserve_state=True)
+    if runner.use_graphs:
+        runner.capture()
     positions = list(lens)
+    graph_steps = 0
     got_all, want_all, w32_all = [], [], []
     for t in range(steps):
         # clone: the program's logits are a static buffer (on the CPU .float().cpu() would alias it)
-        got_all.append(runner.run(StepState(num_seqs=batch), tokens=stream[t]).outputs["logits"][:batch].float().cpu()
-                       .clone())
+        res = runner.run(StepState(num_seqs=batch), tokens=stream[t])
+        graph_steps += int(res.graph)
+        got_all.append(res.outputs["logits"][:batch].float().cpu().clone())
         want_all.append(ref.decode(cache, cache.slots, positions, stream[t]).float().cpu())
         if ref32 is not None:
             w32_all.append(ref32.decode(cache32, cache32.slots, positions, stream[t]).float().cpu())
@@ -171,7 +168,8 @@ def teacher_forced(batch: int, steps: int, *, device: str = "cuda", seed: int = 
                      {c.site.name: c.impl.name for c in plan.choices if c.impl is not None},
                      max(floor) if floor else None, floor_agree / n if floor else None,
                      max(p32) if p32 else None, p32_agree / n if p32 else None,
-                     decisive / n if floor else None, (decisive_agree / decisive) if decisive else None)
+                     decisive / n if floor else None, (decisive_agree / decisive) if decisive else None,
+                     graph_steps=graph_steps)
 
 
 def as_dict(r: LongCheck) -> dict:

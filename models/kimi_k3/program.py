@@ -22,7 +22,8 @@ Glue that is not an op family: the embedding gather, slicing the fused projectio
 Host syncs: none in the program itself. The CPU references of ``attention.mla`` (reads
 ``seq_lens``) and ``moe.experts`` (loops over the selected experts) sync, so a step served by
 them cannot be captured into a CUDA graph; GPU implementations of those families must not sync
-(on GPUs MLA is served by ``attention.mla.torch_paged``, a sync-free torch composition).
+(on GPUs MLA is served by ``attention.mla.triton_splitkv``, a split-KV kernel, or where its shape
+limits refuse by ``attention.mla.torch_paged``, a sync-free torch composition).
 
 Tensor parallelism (TP = the plans' TP = ``comm.world_size``): the program takes the full weights
 and keeps its rank's shard (tp.py); the cache must be the rank's shard too (``tp.shard_cache``).

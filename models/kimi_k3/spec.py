@@ -150,6 +150,19 @@ def full_spec() -> KimiK3Spec:
                       dense_inter=33792, block_size=12, max_context=1_048_576, expert_format="mxfp4")
 
 
+def medium_spec() -> KimiK3Spec:
+    """4 layers (KDA+dense, 2 x KDA+MoE, MLA+MoE), hidden 1024, at widths the GPU kernels serve.
+
+    KDA head_dim 128, latent 512 = 2 x 256, 128 experts (the 4-warp router), SiTU-GLU experts of
+    256: on a GPU every site runs a kernel (none falls back to a host-syncing reference), so the
+    whole step captures into one CUDA graph. The long check and ``make demo`` on a GPU use it.
+    """
+    return build_spec(variant="medium", hidden=1024, vocab=2048, num_layers=4,
+                      mla_layers=mla_layer_indices(4, 4), kda_heads=8, head_dim=128, mla_heads=8, q_lora=256,
+                      kv_lora=128, nope=64, rope=32, v_dim=64, experts=128, top_k=8, shared=1, expert_inter=256,
+                      latent=512, dense_inter=1024, block_size=2, max_context=4096, expert_format="bf16")
+
+
 def tiny_spec() -> KimiK3Spec:
     """Every feature of the full model at test size.
 

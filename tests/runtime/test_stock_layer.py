@@ -36,12 +36,13 @@ def test_stock_layer_matches_reference_composition(device, batch):
     layer = StockKDAMoELayer(spec, 0, tp=2, batch=batch, device=device)
     ref_layer = copy.copy(layer)
     ref_layer.state, ref_layer.conv_state = layer.state.clone(), layer.conv_state.clone()
-    ref_layer.topk_ids = layer.topk_ids.clone()
+    ref_layer.moe = copy.copy(layer.moe)
+    ref_layer.moe.topk_ids = layer.moe.topk_ids.clone()
     st = AttnResState.random(batch, spec.hidden_size, 4, num_blocks=3, device=device)
     st_ref = AttnResState(st.prefix.clone(), st.blocks.clone(), st.delta.clone(), 3)
     layer.forward(st)
     ref_layer.reference_forward(st_ref)
-    assert torch.equal(layer.topk_ids.long(), ref_layer.topk_ids.long())
+    assert torch.equal(layer.routed_ids().long(), ref_layer.routed_ids().long())
     # a whole layer of bf16 roundings, rounded at different points on each side: each stage is
     # ~0.5% off in norm (one bf16 ulp is 0.4%), the layer ~1%
     out, ref = st.delta.float(), st_ref.delta.float()
@@ -50,3 +51,38 @@ def test_stock_layer_matches_reference_composition(device, batch):
     torch.testing.assert_close(st.prefix.float(), st_ref.prefix.float(), rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(layer.state, ref_layer.state, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(layer.conv_state.float(), ref_layer.conv_state.float(), rtol=2e-2, atol=2e-2)
+
+
+def _small_mla_spec():
+    from latency_specialized.spec import MLAAttentionSpec
+
+    base = _small_spec()
+    mla = MLAAttentionSpec(num_heads=8, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32,
+                           v_head_dim=64, use_rope=False, output_gate="sigmoid")
+    layer = base.layers[0].model_copy(update={"attention": mla})
+    return base.model_copy(update={"layers": (layer,), "max_context": 4096})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,context", [(1, 100), (3, 1000)])
+def test_stock_mla_layer_matches_reference_composition(batch, context):
+    """The stock MLA+MoE composition (bench stand-in) == the same layer from references (bf16 on the GPU:
+    the Triton interpreter cannot run bf16, so no CPU case)."""
+    from latency_specialized.bench.stock.layers import AttnResState, StockMLAMoELayer
+
+    spec = _small_mla_spec()
+    torch.manual_seed(batch)
+    layer = StockMLAMoELayer(spec, 0, tp=2, batch=batch, context=context, device="cuda", block_size=16)
+    ref_layer = copy.copy(layer)
+    ref_layer.cache = layer.cache.clone()
+    ref_layer.moe = copy.copy(layer.moe)
+    ref_layer.moe.topk_ids = layer.moe.topk_ids.clone()
+    st = AttnResState.random(batch, spec.hidden_size, 4, num_blocks=3, device="cuda")
+    st_ref = AttnResState(st.prefix.clone(), st.blocks.clone(), st.delta.clone(), 3)
+    layer.forward(st)
+    ref_layer.reference_forward(st_ref)
+    assert torch.equal(layer.routed_ids().long(), ref_layer.routed_ids().long())
+    out, ref = st.delta.float(), st_ref.delta.float()
+    torch.testing.assert_close(out, ref, rtol=3e-2, atol=3e-2 * float(ref.abs().max()))
+    assert float((out - ref).norm() / ref.norm()) < 2.5e-2
+    torch.testing.assert_close(layer.cache.float(), ref_layer.cache.float(), rtol=2e-2, atol=2e-2)  # new latents

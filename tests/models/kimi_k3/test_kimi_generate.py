@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from latency_specialized.cli import main
 
@@ -23,21 +26,55 @@ def _ids(out: str) -> list[str]:
     return re.findall(r"^\[\d+\] ids: (.*)$", out, flags=re.M)
 
 
-def test_demo_command_runs_under_a_minute():
-    """Exactly what `make demo` runs, as a subprocess of the installed console script's module."""
+def _demo_argv() -> list[str]:
+    """The arguments `make demo` passes to the console script, read from the Makefile itself."""
+    text = (REPO / "Makefile").read_text()
+    recipe = re.search(r"^demo:.*\n((?:\t.*\n)+)", text, flags=re.M).group(1)
+    words = shlex.split(recipe.replace("\\\n", " "))
+    return words[words.index("generate"):]
+
+
+def _run_demo() -> tuple[str, float]:
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "latency_specialized.cli", "generate", "--model", "kimi_k3",
-                           "--size", "tiny", "--batch", "2", "--max-tokens", "24", "--prompt", "The quick brown fox",
-                           "--show-plan", "--show-trace"], capture_output=True, text=True, cwd=REPO, timeout=120)
-    wall = time.perf_counter() - t
+    proc = subprocess.run([sys.executable, "-m", "latency_specialized.cli", *_demo_argv()], capture_output=True,
+                          text=True, cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    out = proc.stdout
-    assert "decode: 23 steps through the program" in out
+    return proc.stdout, time.perf_counter() - t
+
+
+def test_demo_command_runs_under_a_minute():
+    """Exactly what `make demo` runs (on the CPU: the tiny model, eagerly), as a subprocess."""
+    out, wall = _run_demo()
+    assert "decode: 23 steps through the program (eager: CUDA graphs need a GPU)" in out
+    assert "[tiny, random weights seed 0] on cpu" in out
     assert re.search(r"trace: 23 fast steps, 2 stock steps", out)
     assert "stock x2: prefill runs the reference path (stock)" in out
     assert "attention.kda.reference" in out and "residual.attnres.reference" in out
     assert len(_ids(out)) == 2 and all(len(x.split(",")) == 24 for x in _ids(out))
     assert wall < 60, f"demo took {wall:.1f} s"
+
+
+@pytest.mark.gpu
+def test_demo_on_a_gpu_replays_every_decode_step_from_a_cuda_graph(capsys):
+    """`make demo` on a GPU: the medium model, every site on a kernel, one graph per step - and the
+    same tokens as the same program run eagerly (--graphs off)."""
+    out, _ = _run_demo()
+    assert "[medium, random weights seed 0] on cuda" in out
+    assert "decode: 23 steps through the program (one CUDA graph per step" in out
+    assert re.search(r"trace: 23 fast steps, 2 stock steps, 1 graph captures", out)
+    assert re.search(r"fast 45 \| reference 0 \| unserved 0", out)
+    assert len(_ids(out)) == 2 and all(len(x.split(",")) == 24 for x in _ids(out))
+    rc, eager, _ = _run(capsys, *_demo_argv(), "--graphs", "off")
+    assert rc == 0 and "(eager: --graphs off)" in eager
+    assert _ids(eager) == _ids(out)
+
+
+def test_graphs_and_size_choices(capsys):
+    rc, _, err = _run(capsys, "generate", "--model", "kimi_k3", "--device", "cpu", "--graphs", "on", "--prompt", "hi")
+    assert rc == 2 and "--graphs off" in err
+    rc, out, _ = _run(capsys, "generate", "--model", "kimi_k3", "--device", "cpu", "--size", "medium",
+                      "--prompt-ids", "1,2,3", "--max-tokens", "2")
+    assert rc == 0 and "[medium, random weights seed 0] on cpu" in out and "4 layers, vocab 2048" in out
 
 
 def test_generate_batch_with_padding_and_prompts(capsys):

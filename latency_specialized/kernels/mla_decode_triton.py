@@ -1,0 +1,443 @@
+"""MLA decode (absorbed form) through a Triton split-KV kernel: ``attention.mla.triton_splitkv``.
+
+The contract is ``ops.attention.mla.mla_decode_reference``; this is the GPU kernel for a decode step
+captured into a CUDA graph (``attention.mla.torch_paged`` is the sync-free torch composition it
+replaces: that one gathers and multiplies the whole block table per step, in fp32).
+
+Steps of one call (one new token per sequence); ``fused=False`` swaps steps 1 and 4-5 for the torch
+composition named in brackets (about 25 launches instead of 4: at batch 1 the launches, not the
+bytes, are the time):
+
+1. **write kernel**, grid ``(B,)``: the new latents ``[kv_c | k_pe]`` go into the paged cache at
+   ``slot_mapping`` (negative: nothing) [``ops.attention.mla._write_new_latents``; no host sync either way];
+2. absorbed query ``q_lat[h] = q_nope[h] @ W_UK[h]``: one torch ``bmm`` over the heads in the
+   activation dtype (fp32 accumulation inside the GEMM, **rounding to the activation dtype**);
+3. **split kernel**, grid ``(B, head groups, num_splits)``: a program takes up to ``BLOCK_H`` (16,
+   the smallest ``tl.dot`` tile) heads of one sequence and one contiguous chunk of its positions.
+   The chunk length comes from ``seq_lens[b]`` read *on the device* (``cdiv(seq_len, num_splits)``,
+   at least ``MIN_CHUNK``, a multiple of ``BLOCK_N``), so a short sequence in a long block table
+   costs only its live tiles and the splits past its end do nothing. Per tile of ``BLOCK_N``
+   positions it gathers the cache rows through ``block_table`` (ids past the end are never read),
+   ``s = scale * (q_lat c^T + q_pe k_pe^T)`` (tensor cores, fp32 accumulation), online softmax in
+   fp32 (base 2), and ``acc += p c`` with **p rounded to the cache dtype** for the tensor-core dot,
+   fp32 accumulation. It writes ``(acc, m, l)`` of its split to an fp32 workspace;
+4. **merge kernel**, grid ``(B, H)``: log-sum-exp weights over the splits that held positions
+   (padding rows, ``seq_lens == 0``, give exact zeros), ``o_lat`` kept in fp32, ``o = W_UV[h] o_lat``
+   (fp32 FMAs over the bf16 weight), ``* sigmoid(gate)`` in fp32, **the one rounding** of ``o`` into
+   ``out`` [merge to ``o_lat`` in the activation dtype (**rounding**; with one split the split kernel
+   writes it), ``o = o_lat W_UV^T`` by a torch ``bmm`` (**rounding**), the reference's ``_finish``].
+
+So against the fp32 reference the tolerance is a bf16 one (about 2e-2 relative to the output
+scale); with fp32 tensors every step is fp32 (``tl.dot`` in IEEE fp32), which is how the CPU tests
+check the kernels under the Triton interpreter.
+
+``num_splits`` is chosen on the host from static shapes only (batch, block-table capacity, SM
+count): nothing reads ``seq_lens`` on the host, nothing syncs, so the call captures into a CUDA
+graph and replays for any ``seq_lens``/``slot_mapping``/cache contents. Workspaces are
+``torch.empty`` per call (the graph's memory pool under capture).
+
+Triton is imported lazily (the kernels are built on the first call, per ``TRITON_INTERPRET``
+setting), so this module imports on machines without Triton and ``supports()`` names what is missing.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import re
+from typing import NamedTuple
+
+import torch
+
+from latency_specialized.errors import UserError
+from latency_specialized.ops.attention.mla import _finish, _write_new_latents
+from latency_specialized.ops.registry import Implementation, OpContext, Support
+
+NAME = "attention.mla.triton_splitkv"
+
+BLOCK_H = 16
+"""Heads per program: the smallest M of a tensor-core ``tl.dot``; H = 12 (Kimi K3 TP8) pads to 16."""
+BLOCK_N = 32
+"""Positions per tile (bf16/fp16 cache; 16 for fp32 caches, whose tiles are twice the bytes)."""
+MIN_CHUNK = 64
+"""Fewest positions a split takes (device side): below this the fp32 partials a split writes and the
+merge reads (H x L x 4 bytes) would rival the cache bytes the split reads."""
+MAX_SPLITS = 256
+"""Most splits of one sequence (the merge holds every split's m and l in one vector)."""
+WAVES = 2
+"""Target programs per SM (batch x head groups x splits ~ WAVES x SMs) when choosing num_splits."""
+MERGE_L = 128
+"""Latent columns per merge step (per program without the fused epilogue: more programs)."""
+MERGE_S_TILE = 128
+"""Most splits per merge step; a step takes the largest power of two <= num_splits up to this (a
+tile wider than the live splits costs masked lanes: H200, batch 8, 33 splits: 16-wide 43 us per call,
+64-wide 53; batch 1, 256 splits: 128-wide 47 us, 64-wide 75)."""
+MERGE_WARPS = 4
+NUM_WARPS = 4
+NUM_STAGES = 2
+FUSED = True
+"""Default of ``fused``: Triton latent write and merge epilogue (see ``mla_decode_triton``)."""
+_POW2_RANGES = {"kv_lora": (16, 1024), "rope": (16, 256)}
+"""Sizes the kernels take: powers of two (``tl.arange``) of at least 16 (``tl.dot``'s K)."""
+
+_LOG2E = 1.4426950408889634
+
+
+def _shape_problems(L: int, R: int) -> list[str]:
+    out = []
+    for name, n in (("kv_lora", L), ("rope", R)):
+        lo, hi = _POW2_RANGES[name]
+        if n < lo or n > hi or n & (n - 1):
+            out.append(f"{name} {n} is not a power of two in [{lo}, {hi}]")
+    return out
+
+
+@functools.cache
+def _kernels(interpret: bool):
+    """Build the jitted kernels (``triton.jit`` decides interpreter vs compiler when it decorates, from
+    ``TRITON_INTERPRET``; hence one build per setting, on first use). Returns a dict by name."""
+    del interpret  # the cache key only
+    # the kernels are defined here, not at import (no triton import for machines without it), but
+    # Triton resolves the names a kernel uses through its module globals: hence tl as a global
+    global tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def write_kernel(kv_c, k_pe, slots, cache, s_c, s_p, s_row, L: tl.constexpr, R: tl.constexpr):
+        # one row per program; a negative slot writes nothing (masks from comparisons only: the
+        # interpreter mishandles & of a vector and a scalar mask)
+        b = tl.program_id(0)
+        slot = tl.load(slots + b).to(tl.int64)
+        offs_l = tl.arange(0, L)
+        offs_r = tl.arange(0, R)
+        row = cache + tl.maximum(slot, 0) * s_row
+        c = tl.load(kv_c + b * s_c + offs_l)
+        p = tl.load(k_pe + b * s_p + offs_r)
+        tl.store(row + offs_l, c.to(cache.dtype.element_ty), mask=offs_l < tl.where(slot >= 0, L, 0))
+        tl.store(row + L + offs_r, p.to(cache.dtype.element_ty), mask=offs_r < tl.where(slot >= 0, R, 0))
+
+    @triton.jit
+    def split_kernel(q_lat, q_pe, cache, block_table, seq_lens, ws_acc, ws_m, ws_l, o_lat,
+                     H, num_splits, block_size, sm_scale_log2,
+                     s_qb, s_qh, s_pb, s_ph, s_row, s_bt,
+                     s_wb, s_ws, s_wh, s_mb, s_ms, s_ob, s_oh,
+                     L: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+                     MIN_CHUNK: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr):
+        b = tl.program_id(0)
+        hg = tl.program_id(1)
+        sp = tl.program_id(2)
+        seq_len = tl.load(seq_lens + b).to(tl.int32)
+        # this split's chunk, from the device-side length: no host read of seq_lens anywhere
+        chunk = tl.maximum(tl.cdiv(seq_len, num_splits), MIN_CHUNK)
+        chunk = tl.cdiv(chunk, BN) * BN
+        start = sp * chunk
+        end = tl.minimum(start + chunk, seq_len)
+
+        offs_h = hg * BH + tl.arange(0, BH)
+        h_ok = offs_h < H
+        offs_l = tl.arange(0, L)
+        offs_r = tl.arange(0, R)
+        q = tl.load(q_lat + b * s_qb + offs_h[:, None] * s_qh + offs_l[None, :], mask=h_ok[:, None], other=0.0)
+        qp = tl.load(q_pe + b * s_pb + offs_h[:, None] * s_ph + offs_r[None, :], mask=h_ok[:, None], other=0.0)
+        q = q.to(cache.dtype.element_ty)
+        qp = qp.to(cache.dtype.element_ty)
+
+        m_i = tl.full([BH], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BH], dtype=tl.float32)
+        acc = tl.zeros([BH, L], dtype=tl.float32)
+        for n0 in range(start, end, BN):
+            pos = n0 + tl.arange(0, BN)
+            ok = pos < end
+            # block ids past the end may be anything (-1, garbage): never loaded (masked), and a
+            # negative id inside the live range is clamped rather than read out of bounds
+            blk = tl.load(block_table + b * s_bt + pos // block_size, mask=ok, other=0)
+            blk = tl.maximum(blk, 0)
+            row = blk.to(tl.int64) * block_size + (pos % block_size)
+            base = cache + row[:, None] * s_row
+            c = tl.load(base + offs_l[None, :], mask=ok[:, None], other=0.0)        # [BN, L]
+            kpe = tl.load(base + L + offs_r[None, :], mask=ok[:, None], other=0.0)  # [BN, R]
+            s = tl.dot(q, tl.trans(c), input_precision=PREC)
+            s = tl.dot(qp, tl.trans(kpe), s, input_precision=PREC)
+            s = tl.where(ok[None, :], s * sm_scale_log2, float("-inf"))            # [BH, BN], log2 units
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds >= 1 live position
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(cache.dtype.element_ty), c, acc, input_precision=PREC)
+            m_i = m_new
+
+        if DIRECT:  # one split: normalise here; l == 0 only for padding rows, which give zeros
+            o = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+            tl.store(o_lat + b * s_ob + offs_h[:, None] * s_oh + offs_l[None, :],
+                     o.to(o_lat.dtype.element_ty), mask=h_ok[:, None])
+        else:  # splits with no position write nothing: the merge reads only splits < its live count
+            live = offs_h < tl.where(start < seq_len, H, 0)
+            tl.store(ws_acc + b * s_wb + sp * s_ws + offs_h[:, None] * s_wh + offs_l[None, :], acc,
+                     mask=live[:, None])
+            tl.store(ws_m + b * s_mb + sp * s_ms + offs_h, m_i, mask=live)
+            tl.store(ws_l + b * s_mb + sp * s_ms + offs_h, l_i, mask=live)
+
+    @triton.jit
+    def merge_kernel(ws_acc, ws_m, ws_l, seq_lens, o_lat, w_uv, gate, out, num_splits, V,
+                     s_wb, s_ws, s_wh, s_mb, s_ms, s_ob, s_oh, s_uh, s_uv, s_g, s_o,
+                     BN: tl.constexpr, MIN_CHUNK: tl.constexpr, S_PAD: tl.constexpr, S_TILE: tl.constexpr,
+                     L: tl.constexpr, ML: tl.constexpr, V_PAD: tl.constexpr, EPILOGUE: tl.constexpr,
+                     HAS_GATE: tl.constexpr):
+        # EPILOGUE: grid (B, H), merge + o = W_UV[h] o_lat (o_lat kept fp32) + gate + the one rounding
+        # into out. Else grid (B, H, L / ML): merge only, o_lat rounded to its dtype.
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        seq_len = tl.load(seq_lens + b).to(tl.int32)
+        chunk = tl.maximum(tl.cdiv(seq_len, num_splits), MIN_CHUNK)
+        chunk = tl.cdiv(chunk, BN) * BN
+        used = tl.cdiv(seq_len, chunk)  # splits that held positions (same rule as the split kernel)
+        offs_s = tl.arange(0, S_PAD)
+        s_ok = offs_s < used
+        m_s = tl.load(ws_m + b * s_mb + offs_s * s_ms + h, mask=s_ok, other=float("-inf"))
+        l_s = tl.load(ws_l + b * s_mb + offs_s * s_ms + h, mask=s_ok, other=0.0)
+        m_max = tl.max(m_s, 0)
+        m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # padding row: no split, every weight 0
+        denom = tl.sum(tl.where(s_ok, tl.exp2(m_s - m_max), 0.0) * l_s, 0)
+        inv = tl.where(denom > 0, 1.0 / tl.where(denom > 0, denom, 1.0), 0.0)
+        if EPILOGUE:
+            l_first = 0
+            n_cols = L
+        else:
+            l_first = tl.program_id(2) * ML
+            n_cols = ML
+        offs_v = tl.arange(0, V_PAD)
+        v_ok = offs_v < V
+        o = tl.zeros([V_PAD], dtype=tl.float32)
+        for l0 in range(l_first, l_first + n_cols, ML):
+            offs_l = l0 + tl.arange(0, ML)
+            acc = tl.zeros([ML], dtype=tl.float32)
+            for s0 in range(0, used, S_TILE):
+                offs_t = s0 + tl.arange(0, S_TILE)
+                t_ok = offs_t < used
+                m_t = tl.load(ws_m + b * s_mb + offs_t * s_ms + h, mask=t_ok, other=float("-inf"))
+                w_t = tl.where(t_ok, tl.exp2(m_t - m_max), 0.0)
+                part = tl.load(ws_acc + b * s_wb + offs_t[:, None] * s_ws + h * s_wh + offs_l[None, :],
+                               mask=t_ok[:, None], other=0.0)
+                acc += tl.sum(w_t[:, None] * part, 0)
+            if EPILOGUE:
+                w = tl.load(w_uv + h * s_uh + offs_v[:, None] * s_uv + offs_l[None, :], mask=v_ok[:, None],
+                            other=0.0)
+                o += tl.sum(w.to(tl.float32) * (acc * inv)[None, :], 1)
+            else:
+                tl.store(o_lat + b * s_ob + h * s_oh + offs_l, (acc * inv).to(o_lat.dtype.element_ty))
+        if EPILOGUE:
+            if HAS_GATE:
+                g = tl.load(gate + b * s_g + h * V + offs_v, mask=v_ok, other=0.0).to(tl.float32)
+                o = o * tl.sigmoid(g)
+            tl.store(out + b * s_o + h * V + offs_v, o.to(out.dtype.element_ty), mask=v_ok)
+
+    return dict(write=write_kernel, split=split_kernel, merge=merge_kernel)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def choose_num_splits(batch: int, heads: int, capacity: int, sms: int) -> int:
+    """Splits per sequence from static shapes only (graph-safe): batch x head groups x splits at most
+    ``WAVES`` x SMs programs (rounded *down*: two programs fit an SM at once, so e.g. 4 splits at
+    batch 64 run as one wave of 256 programs where 5 would leave a tail wave of 56: H200, Kimi TP8,
+    64 x 32k tokens, split kernel: 2.1 TB/s with 5 splits, 2.5 with 3 or 9, 3.2 with 4), no more
+    splits than ``capacity``
+    (block-table positions) holds chunks of ``MIN_CHUNK``, at most ``MAX_SPLITS``. The live chunk of
+    each split is then sized on the device from ``seq_lens`` (short sequences use fewer splits)."""
+    groups = -(-heads // BLOCK_H)
+    want = WAVES * sms // max(batch * groups, 1)
+    return max(1, min(want, -(-capacity // MIN_CHUNK), MAX_SPLITS))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _last_dim_unit(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class _Split(NamedTuple):
+    """What the split kernel left for the merge: fp32 partials, or o_lat itself (one split, unfused)."""
+    ws_acc: torch.Tensor
+    ws_m: torch.Tensor
+    ws_l: torch.Tensor
+    strides: tuple[int, ...]
+    num_splits: int
+    block_n: int
+
+
+def _split_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, block_size: int, scale: float, num_splits: int | None,
+                     o_lat: torch.Tensor | None) -> _Split:
+    """Launch the split kernel. q_lat [H, B, L] (any strides, unit last), q_pe [B, H, R], flat
+    [slots, L + R]; ``o_lat`` [H, B, L]: given with ``num_splits == 1``, the kernel writes it directly."""
+    H, B, L = q_lat.shape
+    R = q_pe.shape[-1]
+    if num_splits is None:
+        sms = _sm_count(q_lat.device.index if q_lat.device.index is not None else torch.cuda.current_device()) \
+            if q_lat.device.type == "cuda" else 132
+        num_splits = choose_num_splits(B, H, block_table.shape[1] * block_size, sms)
+    num_splits = max(1, min(int(num_splits), MAX_SPLITS))
+    block_n = BLOCK_N if flat.element_size() <= 2 else min(BLOCK_N, 16)
+    prec = "ieee" if flat.dtype == torch.float32 else "tf32"
+    direct = num_splits == 1 and o_lat is not None
+    if direct:
+        ws_acc = ws_m = ws_l = o_lat  # unused (constexpr branch)
+        sw = (0, 0, 0, 0, 0)
+        so = (o_lat.stride(1), o_lat.stride(0))
+    else:
+        ws_acc = torch.empty(B, num_splits, H, L, device=q_lat.device, dtype=torch.float32)
+        ws_m = torch.empty(B, num_splits, H, device=q_lat.device, dtype=torch.float32)
+        ws_l = torch.empty_like(ws_m)
+        sw = (ws_acc.stride(0), ws_acc.stride(1), ws_acc.stride(2), ws_m.stride(0), ws_m.stride(1))
+        so = (0, 0)
+    _kernels(_interpreting())["split"][(B, -(-H // BLOCK_H), num_splits)](
+        q_lat, q_pe, flat, block_table, seq_lens, ws_acc, ws_m, ws_l, o_lat if direct else ws_acc,
+        H, num_splits, block_size, scale * _LOG2E,
+        q_lat.stride(1), q_lat.stride(0), q_pe.stride(0), q_pe.stride(1), flat.stride(0), block_table.stride(0),
+        *sw, *so,
+        L=L, R=R, BH=BLOCK_H, BN=block_n, MIN_CHUNK=MIN_CHUNK, DIRECT=direct, PREC=prec,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return _Split(ws_acc, ws_m, ws_l, sw, 1 if direct else num_splits, block_n)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                      w_kv_b: torch.Tensor, *, qk_nope_head_dim: int, v_head_dim: int,
+                      scale: float | None = None, gate: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None, num_splits: int | None = None,
+                      fused: bool | None = None) -> torch.Tensor:
+    """Absorbed MLA decode, one token per sequence (contract: ``ops.attention.mla.mla_decode_reference``).
+
+    Parameters
+    ----------
+    q : [B, H, nope + R]; kv_c : [B, L]; k_pe : [B, R];
+    kv_cache : [num_blocks, block_size, L + R] paged latent cache (bf16/fp16/fp32, contiguous), written in place;
+    slot_mapping : [B] int (< 0: write nothing); block_table : [B, max_blocks] int;
+    seq_lens : [B] int (new token included; 0: padding row -> zeros);
+    w_kv_b : [H * (nope + v), L]; scale : default (nope + R) ** -0.5;
+    gate : optional [B, H * v] logits (output * sigmoid(gate)); out : optional [B, H * v];
+    num_splits : splits per sequence; default from static shapes (``choose_num_splits``). Tests force it.
+    fused : True (default, ``FUSED``): the latent write and the merge + W_UV + gate epilogue are
+        Triton kernels (4 launches in all); False: torch for those (``_write_new_latents``, ``bmm``,
+        ``_finish``: about 25 launches, the composition the kernels are checked against).
+
+    Returns
+    -------
+    [B, H * v] in q.dtype. Roundings (module docstring): q_lat and p (for the p.c dot) to the
+    activation/cache dtype, fp32 accumulation and softmax everywhere, o rounded once (fused; the
+    torch epilogue also rounds o_lat and o before the gate); a bf16 tolerance against the fp32
+    reference. No host sync: CUDA-graph capturable.
+    """
+    B, H, qk = q.shape
+    nope, v = qk_nope_head_dim, v_head_dim
+    L = kv_c.shape[-1]
+    R = qk - nope
+    if kv_cache.shape[-1] != L + R:
+        raise ValueError(f"kv_cache width {kv_cache.shape[-1]} != kv_lora {L} + rope {R}")
+    problems = _shape_problems(L, R)
+    if problems:
+        raise UserError(f"{NAME}: {'; '.join(problems)}: serve this MLA with attention.mla.torch_paged "
+                        f"(force it in the plan) or pad the latent to a supported size")
+    if kv_cache.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise UserError(f"{NAME}: kv cache dtype {kv_cache.dtype} (bf16/fp16/fp32 only): use attention.mla.torch_paged")
+    if not kv_cache.is_contiguous():
+        raise UserError(f"{NAME}: the kv cache must be contiguous (got strides {kv_cache.stride()})")
+    if w_kv_b.shape != (H * (nope + v), L):
+        raise ValueError(f"w_kv_b {tuple(w_kv_b.shape)} != [H * (nope + v), L] = [{H * (nope + v)}, {L}]")
+    fused = FUSED if fused is None else fused
+    dtype = q.dtype
+    block = kv_cache.shape[1]
+    flat = kv_cache.view(-1, L + R)
+    kernels = _kernels(_interpreting())
+
+    # 1. new latents, no host sync
+    if fused:
+        kv_c, k_pe = _last_dim_unit(kv_c), _last_dim_unit(k_pe)
+        kernels["write"][(B,)](kv_c, k_pe, slot_mapping, flat, kv_c.stride(0), k_pe.stride(0), flat.stride(0),
+                               L=L, R=R, num_warps=4)
+    else:
+        _write_new_latents(flat, torch.cat([kv_c, k_pe], dim=-1).to(kv_cache.dtype), slot_mapping)
+
+    # 2. absorbed query, one bmm over the heads in the activation dtype: [H, B, nope] x [H, nope, L]
+    w = w_kv_b.view(H, nope + v, L)
+    if w.dtype != dtype:
+        w = w.to(dtype)
+    q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope])           # [H, B, L]
+    q_pe = _last_dim_unit(q[..., nope:])                                     # [B, H, R]
+    scale = qk ** -0.5 if scale is None else scale
+    bt = _last_dim_unit(block_table)
+
+    # 3. split kernel
+    o_lat = None if fused else torch.empty(H, B, L, device=q.device, dtype=dtype)
+    sp = _split_attention(q_lat, q_pe, flat, bt, seq_lens, block, scale, num_splits, o_lat)
+    s_pad = _next_pow2(sp.num_splits)
+    # wide split tiles: at batch 1 (256 splits, 12 programs) the merge is a serial loop per program,
+    # latency-bound with narrow tiles (H200: 85 us of a 109 us call at 32k tokens with 8-split tiles)
+    s_tile = min(MERGE_S_TILE, 1 << (sp.num_splits.bit_length() - 1))
+    merge_args = dict(BN=sp.block_n, MIN_CHUNK=MIN_CHUNK, S_PAD=s_pad, S_TILE=s_tile, num_warps=MERGE_WARPS)
+    ml = min(MERGE_L, L)
+
+    # 4.-5. fused: merge + W_UV + gate + rounding into out
+    w_uv = w[:, nope:]                                                      # [H, v, L]
+    if fused:
+        y = out if out is not None else torch.empty(B, H * v, device=q.device, dtype=dtype)
+        if y.stride(-1) != 1:
+            raise UserError(f"{NAME}: out must have a unit last stride (got {y.stride()})")
+        g = _last_dim_unit(gate) if gate is not None else y
+        kernels["merge"][(B, H)](
+            sp.ws_acc, sp.ws_m, sp.ws_l, seq_lens, y, w_uv, g, y, sp.num_splits, v, *sp.strides, 0, 0,
+            w_uv.stride(0), w_uv.stride(1), g.stride(0), y.stride(0),
+            L=L, ML=ml, V_PAD=_next_pow2(v), EPILOGUE=True, HAS_GATE=gate is not None, **merge_args)
+        return y
+    # unfused: merge to o_lat (activation dtype), torch W_UV bmm, the reference's epilogue
+    if sp.num_splits > 1:
+        kernels["merge"][(B, H, L // ml)](
+            sp.ws_acc, sp.ws_m, sp.ws_l, seq_lens, o_lat, o_lat, o_lat, o_lat, sp.num_splits, v, *sp.strides,
+            o_lat.stride(1), o_lat.stride(0), 0, 0, 0, 0,
+            L=L, ML=ml, V_PAD=16, EPILOGUE=False, HAS_GATE=False, **merge_args)
+    o = torch.bmm(o_lat, w_uv.transpose(1, 2)).transpose(0, 1).reshape(B, H * v)  # [H,B,L] x [H,L,v]
+    return _finish(o, gate, dtype, out)
+
+
+def _arch_number(arch: str) -> int | None:
+    m = re.match(r"sm_(\d+)", arch)
+    return int(m.group(1)) if m else None
+
+
+def _supports(ctx: OpContext) -> Support:
+    n = _arch_number(ctx.arch)
+    if n is None:
+        return f"a GPU kernel (Triton, CUDA-graph capturable); on {ctx.arch} the reference serves MLA"
+    if n < 80:
+        return f"needs bf16 tensor cores (sm_80+), got {ctx.arch}"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if ctx.dtype not in ("bfloat16", "float16", "float32"):
+        return f"dtype {ctx.dtype} (bf16/fp16/fp32 only)"
+    if ctx.attr("sparse_topk"):
+        return f"sparse MLA (top-{ctx.attr('sparse_topk')} indexed tokens): this kernel attends to the whole context"
+    try:
+        L, R = ctx.dim("kv_lora"), ctx.dim("rope")
+    except KeyError:  # a site without the dims: the call checks them and names the fix
+        return True
+    problems = _shape_problems(L, R)
+    return "; ".join(problems) if problems else True
+
+
+IMPLEMENTATIONS = [
+    Implementation("attention.mla", NAME, mla_decode_triton, _supports, priority=10,
+                   description="Triton split-KV (flash-decoding) absorbed MLA over the paged latent cache: "
+                               "no host sync (graph-capturable), live positions only; GPUs, pow2 kv_lora/rope >= 16"),
+]

@@ -1,0 +1,204 @@
+"""attention.mla.triton_splitkv on the CPU, under the Triton interpreter, in fp32.
+
+The kernels run under ``TRITON_INTERPRET=1``, which must be set before triton is first imported:
+``triton.jit`` picks interpreter or compiler when it decorates, and triton.language's own jitted
+helpers (``tl.cdiv``, ``tl.max``, ``tl.sum``, ``tl.zeros`` ...) are decorated at its import; in a
+process that imported triton without it (any ``make test`` run: other test modules import triton at
+collection), an interpreted kernel cannot call them. Setting the variable here would leak into the
+rest of the session (other modules' kernels, their interpreter-only cases), so:
+
+* in a process started with ``TRITON_INTERPRET=1`` the kernel cases run here, in-process;
+* otherwise ``test_kernel_cases_under_the_interpreter`` runs this file in a subprocess with the
+  variable set (about 30 s), and the in-process kernel cases skip, naming it.
+
+The interpreter's bf16 is unreliable on this CPU (casts and ``tl.dot`` on bf16), so every tensor is
+fp32 and the tolerance is an fp32 one: the kernels' arithmetic is dtype-generic (p is cast to the
+cache element type for the p.c dot). bf16 at the real shapes is ``tests/ops/test_mla_triton_gpu.py``.
+
+Every case: fresh random inputs, ``out`` poisoned with NaN, every cache row that no live position
+reads poisoned with NaN (tails of the last blocks, unused blocks, the new tokens' slots before the
+write), -1 and garbage block ids past each sequence's end, padding rows (seq_lens 0, slot -1) before
+live rows; the cache must change at exactly the live slots and the result equal the reference.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from latency_specialized.errors import UserError
+from latency_specialized.ops.attention.mla import mla_decode_reference
+from latency_specialized.ops.registry import make_context
+
+_HAVE_TRITON = importlib.util.find_spec("triton") is not None
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.skipif(not _HAVE_TRITON, reason="needs triton (its interpreter runs the kernels on the CPU)")
+interpreted = pytest.mark.skipif(
+    not _INTERPRET, reason="needs TRITON_INTERPRET=1 from the process start (`TRITON_INTERPRET=1 pytest "
+                           "tests/ops/test_mla_triton.py`); test_kernel_cases_under_the_interpreter runs these")
+
+FP32 = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(_INTERPRET, reason="this process interprets: the kernel cases run in-process")
+def test_kernel_cases_under_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"], env=env,
+                       cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=600)
+    tail = (r.stdout + r.stderr)[-4000:]
+    assert r.returncode == 0, tail
+    summary = r.stdout.strip().splitlines()[-1]   # "N passed, 1 skipped in ...": only this driver skips there
+    assert "1 skipped" in summary and int(summary.split(" passed")[0].split()[-1]) >= 15, tail
+
+
+@pytest.fixture
+def mla():
+    from latency_specialized.kernels import mla_decode_triton
+
+    return mla_decode_triton
+
+
+def _case(seed, lens, *, H=12, L=32, R=16, nope=16, v=16, bs=2, spare=3, gate=False):
+    """Inputs shaped as the Kimi K3 program passes them (q a view, k_pe a column slice)."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(lens)
+    per = max(-(-max(max(lens), 1) // bs), 1) + 1       # one block more than the longest needs
+    nb = B * per + spare
+    cache = torch.randn(nb, bs, L + R, generator=g)
+    blocks = torch.randperm(nb, generator=g)[:B * per].view(B, per).to(torch.int32)
+    slots = torch.full((B,), -1, dtype=torch.int64)
+    read = torch.zeros(nb * bs, dtype=torch.bool)
+    for b, n in enumerate(lens):
+        if n > 0:
+            p = n - 1
+            slots[b] = int(blocks[b, p // bs]) * bs + p % bs
+            pos = torch.arange(n - 1)
+            read[blocks[b, pos // bs].long() * bs + pos % bs] = True
+        used = -(-n // bs)
+        blocks[b, used:] = -1 if b % 2 else 2 ** 30      # past the end: -1 or garbage, never read
+    flat = cache.view(-1, L + R)
+    flat[~read] = float("nan")                           # nothing may read these (new slots: written first)
+    q = torch.randn(B, H * (nope + R), generator=g).view(B, H, nope + R)
+    kv = torch.randn(B, L + R, generator=g)
+    w = torch.randn(H * (nope + v), L, generator=g) * L ** -0.5
+    gt = torch.randn(B, H * v, generator=g) if gate else None
+    args = (q, kv[:, :L].contiguous(), kv[:, L:], cache, slots, blocks, torch.tensor(lens, dtype=torch.int32), w)
+    return args, dict(qk_nope_head_dim=nope, v_head_dim=v, gate=gt)
+
+
+def _check(mla, args, kw, **call):
+    q, kv_c, k_pe, cache, slots, blocks, seq_lens, w = args
+    before = cache.clone()
+    c_ref, c_tri = cache.clone(), cache.clone()
+    want = mla_decode_reference(q, kv_c, k_pe, c_ref, slots, blocks, seq_lens, w, **kw)
+    B, H = q.shape[:2]
+    out = torch.full((B, H * kw["v_head_dim"]), float("nan"))
+    got = mla.mla_decode_triton(q, kv_c, k_pe, c_tri, slots, blocks, seq_lens, w, out=out, **kw, **call)
+    assert got is out and not torch.isnan(out).any(), "output left unwritten or NaN leaked"
+    scale = want.abs().max().item() + 1e-6
+    torch.testing.assert_close(got, want, rtol=FP32["rtol"], atol=FP32["atol"] * scale)
+    pad = seq_lens == 0
+    assert torch.equal(got[pad], torch.zeros_like(got[pad])), "padding rows must be exact zeros"
+    # the cache changed at exactly the live slots, with the new latents
+    flat, flat0 = c_tri.view(-1, c_tri.shape[-1]), before.view(-1, before.shape[-1])
+    live = slots[slots >= 0]
+    changed = torch.zeros(flat.shape[0], dtype=torch.bool)
+    changed[live] = True
+    torch.testing.assert_close(flat[~changed], flat0[~changed], rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(flat[live], torch.cat([kv_c, k_pe], -1)[slots >= 0])
+    torch.testing.assert_close(c_tri, c_ref, rtol=0, atol=0, equal_nan=True)
+    return got
+
+
+@interpreted
+@pytest.mark.parametrize("bs,lens,splits", [
+    (2, [0, 1, 7, 33, 0, 20], 1),
+    (2, [0, 1, 7, 33, 0, 20], 3),
+    (2, [0, 1, 7, 33, 0, 20], 5),
+    (16, [33, 0, 64, 5], 2),
+    (16, [33, 0, 64, 5], 4),
+])
+@pytest.mark.parametrize("gate", [False, True])
+def test_matches_reference(mla, monkeypatch, bs, lens, splits, gate):
+    monkeypatch.setattr(mla, "MIN_CHUNK", 16)   # several live splits per sequence at these lengths
+    args, kw = _case(bs * 100 + splits * 10 + gate, lens, bs=bs, gate=gate)
+    _check(mla, args, kw, num_splits=splits)
+
+
+@interpreted
+@pytest.mark.parametrize("bs,lens,splits", [(2, [0, 1, 7, 33, 0, 20], 1), (2, [0, 1, 7, 33, 0, 20], 3),
+                                            (16, [33, 0, 64, 5], 4)])
+def test_unfused_epilogue_matches_reference(mla, monkeypatch, bs, lens, splits):
+    """fused=False: torch latent write, merge to o_lat (or the split kernel writes it: one split), torch
+    W_UV bmm and the reference's gate epilogue."""
+    monkeypatch.setattr(mla, "MIN_CHUNK", 16)
+    args, kw = _case(bs * 100 + splits * 10 + 5, lens, bs=bs, gate=True)
+    _check(mla, args, kw, num_splits=splits, fused=False)
+
+
+@interpreted
+def test_two_head_groups_and_medium_widths(mla, monkeypatch):
+    """H = 20 (two programs of 16 heads, the second part-masked), L = 64, R = 32, split merge."""
+    monkeypatch.setattr(mla, "MIN_CHUNK", 16)
+    args, kw = _case(7, [0, 40, 3], H=20, L=64, R=32, nope=32, v=24, bs=4, gate=True)
+    _check(mla, args, kw, num_splits=3)                  # v = 24: the epilogue pads v to 32
+    _check(mla, args, kw, num_splits=3, fused=False)
+
+
+@interpreted
+def test_default_splits_and_scale(mla):
+    args, kw = _case(11, [5, 0, 19], bs=2)
+    _check(mla, args, kw)                                 # num_splits from static shapes
+    args, kw = _case(12, [9, 30], bs=2)
+    _check(mla, args, dict(kw, scale=0.3), num_splits=2)
+
+
+@interpreted
+def test_all_padding_batch_gives_zeros(mla):
+    args, kw = _case(13, [0, 0], bs=2)
+    for s in (1, 2):
+        _check(mla, args, kw, num_splits=s)
+
+
+def test_num_splits_heuristic_is_static():
+    from latency_specialized.kernels.mla_decode_triton import MAX_SPLITS, MIN_CHUNK, choose_num_splits
+
+    assert choose_num_splits(1, 12, 32768, 132) == min(2 * 132, MAX_SPLITS)
+    assert choose_num_splits(8, 12, 32768, 132) == 33           # 264 programs: 2 per SM
+    assert choose_num_splits(64, 12, 32768, 132) == 4           # 256 programs, not 320 (a tail wave)
+    assert choose_num_splits(64, 96, 32768, 132) == 1           # 6 head groups: the batch alone fills it
+    assert choose_num_splits(1, 12, 4 * MIN_CHUNK, 132) == 4    # capacity bound: chunks of MIN_CHUNK
+
+
+def test_unsupported_widths_raise_a_user_error(mla):
+    args, kw = _case(3, [4], L=24, R=8, nope=8, v=8)
+    with pytest.raises(UserError, match="torch_paged"):
+        mla.mla_decode_triton(*args, **kw)
+
+
+def _ctx(arch="sm_90", dtype="bfloat16", **attrs):
+    return make_context("attention.mla", arch=arch, dtype=dtype, tokens=4, world_size=8,
+                        dims=dict(heads=12, kv_lora=512, rope=64, nope=128, v=128), attrs=attrs)
+
+
+def test_supports_names_the_reason(mla):
+    sup = mla.IMPLEMENTATIONS[0].supports
+    assert sup(_ctx()) is True and sup(_ctx("sm_100a")) is True
+    assert "GPU" in sup(_ctx("cpu")) and "sm_80" in sup(_ctx("sm_75"))
+    assert "sparse" in sup(_ctx(sparse_topk=2048))
+    bad = make_context("attention.mla", arch="sm_90", dtype="bfloat16", tokens=1,
+                       dims=dict(heads=8, kv_lora=16, rope=8, nope=8, v=8))
+    assert "rope 8" in sup(bad)
+
+
+def test_registered_above_torch_paged():
+    from latency_specialized.plugins import get_registry
+
+    names = [i.name for i in get_registry().implementations.family("attention.mla")]
+    assert names.index("attention.mla.triton_splitkv") < names.index("attention.mla.torch_paged")

@@ -1,0 +1,132 @@
+"""attention.mla.triton_splitkv on the GPU: bf16 at Kimi K3 TP8 and medium-model shapes, CUDA graphs.
+
+Every case: fresh random inputs, ``out`` poisoned with NaN, cache rows that no live position reads
+poisoned with NaN, -1 / garbage block ids past each sequence's end, padding rows (seq_lens 0, slot
+-1) before live rows; bf16 tolerance against the fp32 reference (``mla_decode_reference``: fp32 math,
+one rounding), the cache written at exactly the live slots. A captured call replays for new
+seq_lens / slot_mapping / cache contents bit-identically to the eager call.
+Run on the H200: ``pytest -m gpu tests/ops/test_mla_triton_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from latency_specialized.kernels.mla_decode_triton import mla_decode_triton
+from latency_specialized.ops.attention.mla import mla_decode_reference
+
+from gpu_helpers import seeded_generator as _gen
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+KIMI_TP8 = dict(H=12, L=512, R=64, nope=128, v=128)
+MEDIUM = dict(H=8, L=128, R=32, nope=64, v=64)
+
+
+def _case(seed, lens, *, H, L, R, nope, v, bs, per=None, gate=True, dtype=torch.bfloat16):
+    g = _gen(seed)
+    B = len(lens)
+    per = per or -(-max(max(lens), 1) // bs) + 2
+    nb = B * per + 5
+    cache = torch.randn(nb, bs, L + R, generator=g, device=DEV).to(dtype)
+    blocks = torch.randperm(nb, generator=g, device=DEV)[:B * per].view(B, per).to(torch.int32)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    # the new token sits at position len - 1; padding rows write nothing
+    last = (lens_t.long() - 1).clamp(min=0)
+    slots = torch.where(lens_t > 0, blocks.long().gather(1, (last // bs)[:, None])[:, 0] * bs + last % bs, -1)
+    pos = torch.arange(per * bs, device=DEV)
+    live = pos[None, :] < lens_t[:, None] - 1                                       # read, not written
+    read = torch.zeros(nb * bs, dtype=torch.bool, device=DEV)
+    read[(blocks.long()[:, pos // bs] * bs + pos % bs)[live]] = True
+    cache.view(-1, L + R)[~read] = float("nan")
+    used = (lens_t.long() + bs - 1) // bs
+    past = torch.arange(per, device=DEV)[None, :] >= used[:, None]
+    garbage = torch.where(torch.arange(B, device=DEV)[:, None] % 2 == 1, -1, 2 ** 30)
+    blocks = torch.where(past, garbage.to(torch.int32), blocks)
+    q = torch.randn(B, H * (nope + R), generator=g, device=DEV).to(dtype).view(B, H, nope + R)
+    kv = torch.randn(B, L + R, generator=g, device=DEV).to(dtype)
+    w = (torch.randn(H * (nope + v), L, generator=g, device=DEV) * L ** -0.5).to(dtype)
+    gt = torch.randn(B, H * v, generator=g, device=DEV).to(dtype) if gate else None
+    args = (q, kv[:, :L].contiguous(), kv[:, L:], cache, slots, blocks, lens_t, w)
+    return args, dict(qk_nope_head_dim=nope, v_head_dim=v, gate=gt)
+
+
+def _check(args, kw, **call):
+    q, kv_c, k_pe, cache, slots, blocks, seq_lens, w = args
+    before, c_ref, c_tri = cache.clone(), cache.clone(), cache.clone()
+    want = mla_decode_reference(q, kv_c, k_pe, c_ref, slots, blocks, seq_lens, w, **kw)
+    out = torch.full((q.shape[0], q.shape[1] * kw["v_head_dim"]), float("nan"), device=DEV, dtype=q.dtype)
+    got = mla_decode_triton(q, kv_c, k_pe, c_tri, slots, blocks, seq_lens, w, out=out, **kw, **call)
+    torch.cuda.synchronize()
+    assert got is out and not torch.isnan(out).any(), "output left unwritten or NaN leaked"
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * scale)
+    pad = seq_lens == 0
+    assert torch.equal(got[pad], torch.zeros_like(got[pad])), "padding rows must be exact zeros"
+    live = slots[slots >= 0]
+    changed = torch.zeros(cache.shape[0] * cache.shape[1], dtype=torch.bool, device=DEV)
+    changed[live] = True
+    flat, flat0 = c_tri.view(-1, cache.shape[-1]), before.view(-1, cache.shape[-1])
+    torch.testing.assert_close(flat[~changed], flat0[~changed], rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(flat[live], torch.cat([kv_c, k_pe], -1)[slots >= 0])
+    return got
+
+
+@pytest.mark.parametrize("shape,bs", [(KIMI_TP8, 64), (KIMI_TP8, 2), (MEDIUM, 2)], ids=["k3tp8_b64", "k3tp8_b2",
+                                                                                       "medium_b2"])
+@pytest.mark.parametrize("lens", [[1], [0, 3000, 7, 1, 0], [(37 * i) % 4099 for i in range(64)]],
+                         ids=["B1", "B5", "B64"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch_epilogue"])
+def test_matches_reference_bf16(shape, bs, lens, fused):
+    args, kw = _case(f"{bs}-{len(lens)}-{shape['L']}", lens, bs=bs, **shape)
+    _check(args, kw, fused=fused)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 7, 64])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch_epilogue"])
+def test_forced_splits_and_no_gate(splits, fused):
+    args, kw = _case(f"splits{splits}", [0, 4000, 129, 64, 65], bs=64, gate=False, **KIMI_TP8)
+    _check(args, kw, num_splits=splits, fused=fused)
+
+
+def test_long_context_single_sequence():
+    args, kw = _case("long", [32768], bs=64, **KIMI_TP8)
+    _check(args, kw)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch_epilogue"])
+def test_graph_replay_equals_eager(fused):
+    """Capture once; new seq_lens / slots / cache contents / q in the static buffers; replay == eager."""
+    shape, bs, per = KIMI_TP8, 64, 80
+    a0, kw = _case("graph0", [0, 2500, 7, 4000, 1], bs=bs, per=per, **shape)
+    static = [t.clone() for t in a0]
+    gate = kw["gate"].clone()
+    out = torch.empty(len(a0[6]), shape["H"] * shape["v"], device=DEV, dtype=torch.bfloat16)
+
+    def call():
+        mla_decode_triton(*static, qk_nope_head_dim=kw["qk_nope_head_dim"], v_head_dim=kw["v_head_dim"], gate=gate,
+                          out=out, fused=fused)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()                                           # compile + warm up outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for seed, lens in (("graph1", [3000, 0, 1, 5000, 64]), ("graph2", [1, 1, 0, 0, 5119])):
+        a, kw2 = _case(seed, lens, bs=bs, per=per, **shape)   # same shapes, new contents
+        for dst, src in zip(static, a):
+            dst.copy_(src)
+        gate.copy_(kw2["gate"])
+        eager_cache = a[3].clone()
+        eager = mla_decode_triton(*a[:3], eager_cache, *a[4:], **kw2, fused=fused)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), f"{seed}: replay != eager"
+        torch.testing.assert_close(static[3], eager_cache, rtol=0, atol=0, equal_nan=True)
+        _check(a, kw2, fused=fused)                        # and both are right
