@@ -349,7 +349,7 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None] = print,
         say(f"[{kind}] building ours: {cfg.layers} + 1 layers of real TP{cfg.tp} rank shapes ...")
         t0 = time.perf_counter()
         ours = graphed.build_ours(full, cfg.tp, kind, cfg.layers, cfg.batches, device, seed=cfg.seed, say=say,
-                                  contexts=cfg.contexts if kind == "mla" else ())
+                                  contexts=cfg.contexts if kind == "mla" else (), steps=steps_per_cell(cfg))
         say(f"[{kind}] ours ready in {time.perf_counter() - t0:.0f} s: {ours.description}")
         notes.extend(ours.notes)
         for context in contexts:
@@ -362,6 +362,12 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None] = print,
         del ours
         torch.cuda.empty_cache()
     return result()
+
+
+def steps_per_cell(cfg: BenchConfig) -> int:
+    """Decode steps one cell runs after loading its positions: every timed or warm-up replay and eager
+    step (a variant that could not be captured runs 6 per round), the routing step, and a margin."""
+    return cfg.rounds * (max(cfg.warmup + cfg.iters, 6)) + 1 + 8
 
 
 def _cell(cfg: BenchConfig, full: ModelSpec, li: int, kind: str, batch: int, context: int | None, ours: Any,

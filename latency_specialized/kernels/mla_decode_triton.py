@@ -186,8 +186,10 @@ def _kernels(interpret: bool):
                      BN: tl.constexpr, MIN_CHUNK: tl.constexpr, S_PAD: tl.constexpr, S_TILE: tl.constexpr,
                      L: tl.constexpr, ML: tl.constexpr, V_PAD: tl.constexpr, EPILOGUE: tl.constexpr,
                      HAS_GATE: tl.constexpr):
-        # EPILOGUE: grid (B, H), merge + o = W_UV[h] o_lat (o_lat kept fp32) + gate + the one rounding
-        # into out. Else grid (B, H, L / ML): merge only, o_lat rounded to its dtype.
+        # EPILOGUE: grid (B, H, cdiv(V, V_PAD)), merge + o[v block] = W_UV[h, v block] o_lat (o_lat kept
+        # fp32) + gate + the one rounding into out; every v block re-merges the whole o_lat (partials
+        # from L2) so that a small batch still spreads the W_UV reads over many SMs.
+        # Else grid (B, H, L / ML): merge only, o_lat rounded to its dtype.
         b = tl.program_id(0)
         h = tl.program_id(1)
         seq_len = tl.load(seq_lens + b).to(tl.int32)
@@ -205,10 +207,12 @@ def _kernels(interpret: bool):
         if EPILOGUE:
             l_first = 0
             n_cols = L
+            v_first = tl.program_id(2) * V_PAD
         else:
             l_first = tl.program_id(2) * ML
             n_cols = ML
-        offs_v = tl.arange(0, V_PAD)
+            v_first = 0
+        offs_v = v_first + tl.arange(0, V_PAD)
         v_ok = offs_v < V
         o = tl.zeros([V_PAD], dtype=tl.float32)
         for l0 in range(l_first, l_first + n_cols, ML):
@@ -255,6 +259,29 @@ def choose_num_splits(batch: int, heads: int, capacity: int, sms: int) -> int:
     return max(1, min(want, -(-capacity // MIN_CHUNK), MAX_SPLITS))
 
 
+def _sms(device: torch.device) -> int:
+    """SMs of ``device`` (132, an H200's, where there is no GPU: interpreter tests)."""
+    if device.type != "cuda":
+        return 132
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def merge_v_block(batch: int, heads: int, v: int, sms: int) -> int:
+    """Values of ``v`` per fused-merge program (a power of two >= 16, or all of them).
+
+    Small batches only (batch x heads <= half the SMs): halved until batch x heads x blocks reaches
+    ``WAVES`` programs per SM. At batch 1 (12 heads, v 128) one program per head would read its 128 KB
+    of W_UV and fp32 partials alone on 12 SMs; 16-wide blocks give 96 programs. Each v block re-merges
+    the head's partials, which costs more than it spreads from about batch 8 (H200, Kimi TP8 MLA layer:
+    -1.3 to -4 % per layer at batch 1-4, +1.2 to 2 % at batch 8-16 when split there too)."""
+    vb = _next_pow2(v)
+    if 2 * batch * heads > sms:
+        return vb
+    while vb > 16 and batch * heads * -(-v // vb) < WAVES * sms:
+        vb //= 2
+    return vb
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -281,9 +308,7 @@ def _split_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor
     H, B, L = q_lat.shape
     R = q_pe.shape[-1]
     if num_splits is None:
-        sms = _sm_count(q_lat.device.index if q_lat.device.index is not None else torch.cuda.current_device()) \
-            if q_lat.device.type == "cuda" else 132
-        num_splits = choose_num_splits(B, H, block_table.shape[1] * block_size, sms)
+        num_splits = choose_num_splits(B, H, block_table.shape[1] * block_size, _sms(q_lat.device))
     num_splits = max(1, min(int(num_splits), MAX_SPLITS))
     block_n = BLOCK_N if flat.element_size() <= 2 else min(BLOCK_N, 16)
     prec = "ieee" if flat.dtype == torch.float32 else "tf32"
@@ -396,10 +421,11 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
         if y.stride(-1) != 1:
             raise UserError(f"{NAME}: out must have a unit last stride (got {y.stride()})")
         g = _last_dim_unit(gate) if gate is not None else y
-        kernels["merge"][(B, H)](
+        vb = merge_v_block(B, H, v, _sms(q.device))
+        kernels["merge"][(B, H, -(-v // vb))](
             sp.ws_acc, sp.ws_m, sp.ws_l, seq_lens, y, w_uv, g, y, sp.num_splits, v, *sp.strides, 0, 0,
             w_uv.stride(0), w_uv.stride(1), g.stride(0), y.stride(0),
-            L=L, ML=ml, V_PAD=_next_pow2(v), EPILOGUE=True, HAS_GATE=gate is not None, **merge_args)
+            L=L, ML=ml, V_PAD=vb, EPILOGUE=True, HAS_GATE=gate is not None, **merge_args)
         return y
     # unfused: merge to o_lat (activation dtype), torch W_UV bmm, the reference's epilogue
     if sp.num_splits > 1:

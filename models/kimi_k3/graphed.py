@@ -245,7 +245,7 @@ class OursBench:
 
     def __init__(self, full: KimiK3Spec, tp: int, kind: str, layers: int, batches: Sequence[int],
                  device: torch.device, *, seed: int = 0, say: Callable[[str], None] = print,
-                 contexts: Sequence[int] = ()):
+                 contexts: Sequence[int] = (), steps: int = 256):
         from latency_specialized import hardware
         from latency_specialized.ops.plan import build_plan
         from latency_specialized.plugins import get_registry
@@ -257,8 +257,10 @@ class OursBench:
         if kind == "mla" and not contexts:
             raise UserError("the MLA bench needs --context (cached tokens per sequence), e.g. 4096,32768")
         # KDA: a fixed-size state, any context; MLA: a paged latent cache of the longest context, vLLM's
-        # MLA block size 64, blocks handed out in a shuffled order
-        max_len, block = (max(contexts) + 1, 64) if kind == "mla" else (4096, 16)
+        # MLA block size 64, blocks handed out in a shuffled order. Every replay advances the positions
+        # in the graph (a cell reloads them once, then replays ``steps`` times): the cache holds that
+        # many tokens more, or the last replays would index past the block table
+        max_len, block = (max(contexts) + 1 + steps, 64) if kind == "mla" else (4096, 16)
         reg = get_registry()
         base = reg.adapter("kimi_k3")
         hw = hardware.probe()
@@ -350,6 +352,8 @@ class OursBench:
 
 
 def build_ours(full: KimiK3Spec, tp: int, kind: str, layers: int, batches: Sequence[int], device: torch.device,
-               *, seed: int = 0, say: Callable[[str], None] = print, contexts: Sequence[int] = ()) -> OursBench:
-    """Entry point used by ``latency_specialized.bench.layer_bench``."""
-    return OursBench(full, tp, kind, layers, batches, device, seed=seed, say=say, contexts=contexts)
+               *, seed: int = 0, say: Callable[[str], None] = print, contexts: Sequence[int] = (),
+               steps: int = 256) -> OursBench:
+    """Entry point used by ``latency_specialized.bench.layer_bench``; ``steps``: decode steps one cell
+    runs after loading its positions (the MLA cache holds ``max(contexts) + 1 + steps`` tokens)."""
+    return OursBench(full, tp, kind, layers, batches, device, seed=seed, say=say, contexts=contexts, steps=steps)

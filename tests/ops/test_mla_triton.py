@@ -147,7 +147,7 @@ def test_two_head_groups_and_medium_widths(mla, monkeypatch):
     """H = 20 (two programs of 16 heads, the second part-masked), L = 64, R = 32, split merge."""
     monkeypatch.setattr(mla, "MIN_CHUNK", 16)
     args, kw = _case(7, [0, 40, 3], H=20, L=64, R=32, nope=32, v=24, bs=4, gate=True)
-    _check(mla, args, kw, num_splits=3)                  # v = 24: the epilogue pads v to 32
+    _check(mla, args, kw, num_splits=3)                  # v = 24: two 16-wide v blocks, the second part-masked
     _check(mla, args, kw, num_splits=3, fused=False)
 
 
@@ -174,6 +174,16 @@ def test_num_splits_heuristic_is_static():
     assert choose_num_splits(64, 12, 32768, 132) == 4           # 256 programs, not 320 (a tail wave)
     assert choose_num_splits(64, 96, 32768, 132) == 1           # 6 head groups: the batch alone fills it
     assert choose_num_splits(1, 12, 4 * MIN_CHUNK, 132) == 4    # capacity bound: chunks of MIN_CHUNK
+
+
+def test_merge_v_block_spreads_small_batches():
+    from latency_specialized.kernels.mla_decode_triton import merge_v_block
+
+    assert merge_v_block(1, 12, 128, 132) == 16      # 96 programs instead of 12
+    assert merge_v_block(4, 12, 128, 132) == 16      # 384 programs: >= 2 per SM
+    assert merge_v_block(8, 12, 128, 132) == 128     # 96 heads: re-merging per v block costs more (measured)
+    assert merge_v_block(64, 12, 128, 132) == 128    # the batch alone fills the GPU: one block per head
+    assert merge_v_block(3, 20, 24, 132) == 16       # never below 16 values per program
 
 
 def test_unsupported_widths_raise_a_user_error(mla):

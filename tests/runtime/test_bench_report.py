@@ -93,3 +93,12 @@ def test_compare_bad_file_is_a_user_error(tmp_path, capsys):
     bad.write_text("{}")
     assert main(["bench", "--compare", str(bad), str(bad)]) == 2
     assert "cells" in capsys.readouterr().err
+
+
+def test_mla_cells_cache_holds_every_replayed_step():
+    """Each replay advances the positions in the graph: an MLA cell's cache must hold them all."""
+    from latency_specialized.bench.layer_bench import BenchConfig, steps_per_cell
+
+    cfg = BenchConfig(iters=40, rounds=2, warmup=5)
+    assert steps_per_cell(cfg) >= 2 * (5 + 40) + 1
+    assert steps_per_cell(BenchConfig(iters=1, rounds=3, warmup=0)) >= 3 * 6 + 1  # eager fallback: 6 per round
