@@ -66,6 +66,31 @@ class DecodeBuffers:
         self.active = torch.zeros(B, dtype=torch.bool, **kw)
         self.num_active = 0
         """Live rows (host-side; set by :meth:`load`)."""
+        self.host_max_position = -1
+        """The largest live position of the next step, tracked on the host without reading the device:
+        set by :meth:`load`, +1 per step the runner counts (:meth:`count_step`); -1 with no live row."""
+
+    @property
+    def capacity(self) -> int:
+        """Tokens a sequence can hold: ``max_blocks_per_seq * block_size``."""
+        return self.spec.max_blocks_per_seq * self.spec.block_size
+
+    def capacity_problem(self) -> str | None:
+        """Why the next step cannot run (a live position reaches the block-table capacity), or None.
+
+        In-graph steps advance the positions themselves; past the capacity ``metadata`` would clamp the
+        slot into the last block and the attention would read block-table columns that do not exist,
+        so the runner refuses such a step instead (the host must finish or move those sequences)."""
+        if self.host_max_position >= self.capacity:
+            return (f"a sequence reached position {self.host_max_position}, the block-table capacity is "
+                    f"{self.capacity} tokens ({self.spec.max_blocks_per_seq} blocks of {self.spec.block_size}): "
+                    "finish it or load() the batch into larger buffers (raise max_blocks_per_seq)")
+        return None
+
+    def count_step(self) -> None:
+        """Host bookkeeping of one decode step (the device advanced every live position by one)."""
+        if self.num_active:
+            self.host_max_position += 1
 
     # ------------------------------------------------------------------ host side (between steps)
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -117,6 +142,7 @@ class DecodeBuffers:
             bt[:n, : bt_in.shape[1]] = bt_in
         self.block_tables.copy_(bt)
         self.num_active = n
+        self.host_max_position = int(p.max()) if n else -1
         self.metadata(B)  # seq_lens / slot_mapping consistent with the new rows
 
     def set_block(self, row: int, column: int, block: int) -> None:

@@ -252,13 +252,18 @@ class CUDAGraphRunner:
         """One decode step: gate on host state, then replay (or run eagerly) or fall back to stock.
 
         ``tokens`` (optional, ``[num_seqs]``) are externally sampled input tokens copied into the
-        static buffer first; without them the step uses what the previous graph fed back.
+        static buffer first; without them the step uses what the previous graph fed back. A step
+        whose position would reach the block-table capacity is refused like any out-of-scope step
+        (the host counts the steps the graph advanced: ``buffers.capacity_problem``).
         """
         captured = self.graphs.keys() if self.use_graphs else None
         decision = self.gate.decide(state, captured)
         if decision.fast and state.num_seqs != self.buffers.num_active:
             decision = type(decision)(False, None, f"static buffers hold {self.buffers.num_active} live rows, "
                                                    f"step has {state.num_seqs}: call buffers.load() first")
+        full = self.buffers.capacity_problem() if decision.fast else None
+        if full is not None:
+            decision = type(decision)(False, None, full)
         if not decision.fast:
             self.trace.stock(decision.reason, batch=state.num_seqs)
             if self.fallback is None:
@@ -274,6 +279,7 @@ class CUDAGraphRunner:
         else:
             self.prepare([bucket])
             self.body(bucket)
+        self.buffers.count_step()
         self.trace.fast(state.num_seqs, bucket, graph=self.use_graphs)
         n = state.num_seqs
         outs = {k: v[:n] for k, v in self.program.outputs().items()}

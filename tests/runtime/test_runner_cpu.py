@@ -78,6 +78,28 @@ def test_no_fallback_raises_user_error():
         runner.run(StepState(num_seqs=70))
 
 
+def test_steps_stop_at_the_block_table_capacity():
+    """The step advances positions itself (in the graph); the host counts steps and refuses the one
+    whose position would index past the block table, naming the fix - never a silent clamp."""
+    prog, buf, tokens, positions, rows, bt = _setup(2, seed=5)
+    cap = buf.capacity                                   # 8 blocks of 4
+    buf.load(tokens, [cap - 3, 1], rows, torch.tensor(bt, dtype=torch.int32))
+    calls = []
+    runner = CUDAGraphRunner(prog, buf, use_graphs=False, fallback=lambda st: calls.append(st) or "stock")
+    for _ in range(3):                                   # positions cap-3, cap-2, cap-1: the last one fits
+        assert runner.run(StepState(num_seqs=2)).fast
+    assert int(buf.positions[0]) == cap and buf.host_max_position == cap  # host count == device positions
+    r = runner.run(StepState(num_seqs=2))
+    assert not r.fast and r.outputs == "stock" and "capacity" in r.reason and "max_blocks_per_seq" in r.reason
+    buf.load(tokens, [0, 1], rows, torch.tensor(bt, dtype=torch.int32))  # a new batch: fast again
+    assert runner.run(StepState(num_seqs=2)).fast
+    bare = CUDAGraphRunner(prog, buf, use_graphs=False)
+    buf.load(tokens, [cap - 1, 0], rows, torch.tensor(bt, dtype=torch.int32))
+    assert bare.run(StepState(num_seqs=2)).fast
+    with pytest.raises(UserError, match="capacity"):
+        bare.run(StepState(num_seqs=2))
+
+
 def test_capture_without_cuda_is_a_user_error():
     prog, buf, *_ = _setup(2, seed=4)
     runner = CUDAGraphRunner(prog, buf, use_graphs=False)
