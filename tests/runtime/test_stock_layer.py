@@ -26,6 +26,19 @@ def _small_spec():
                      norm=NormSpec(eps=1e-5), residual=ResidualSpec(kind="attnres", block_size=4, max_cached_blocks=4))
 
 
+def _run_both_and_compare(layer, ref_layer, st, st_ref):
+    """Stock composition vs the same layer from references: routing identical, outputs within bf16."""
+    layer.forward(st)
+    ref_layer.reference_forward(st_ref)
+    assert torch.equal(layer.routed_ids().long(), ref_layer.routed_ids().long())
+    # a whole layer of bf16 roundings, rounded at different points on each side: each stage is
+    # ~0.5% off in norm (one bf16 ulp is 0.4%), the layer ~1%
+    out, ref = st.delta.float(), st_ref.delta.float()
+    torch.testing.assert_close(out, ref, rtol=3e-2, atol=3e-2 * float(ref.abs().max()))
+    assert float((out - ref).norm() / ref.norm()) < 2.5e-2
+    torch.testing.assert_close(st.prefix.float(), st_ref.prefix.float(), rtol=3e-2, atol=3e-2)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("batch", [1, 3])
 def test_stock_layer_matches_reference_composition(device, batch):
@@ -40,15 +53,7 @@ def test_stock_layer_matches_reference_composition(device, batch):
     ref_layer.moe.topk_ids = layer.moe.topk_ids.clone()
     st = AttnResState.random(batch, spec.hidden_size, 4, num_blocks=3, device=device)
     st_ref = AttnResState(st.prefix.clone(), st.blocks.clone(), st.delta.clone(), 3)
-    layer.forward(st)
-    ref_layer.reference_forward(st_ref)
-    assert torch.equal(layer.routed_ids().long(), ref_layer.routed_ids().long())
-    # a whole layer of bf16 roundings, rounded at different points on each side: each stage is
-    # ~0.5% off in norm (one bf16 ulp is 0.4%), the layer ~1%
-    out, ref = st.delta.float(), st_ref.delta.float()
-    torch.testing.assert_close(out, ref, rtol=3e-2, atol=3e-2 * float(ref.abs().max()))
-    assert float((out - ref).norm() / ref.norm()) < 2.5e-2
-    torch.testing.assert_close(st.prefix.float(), st_ref.prefix.float(), rtol=3e-2, atol=3e-2)
+    _run_both_and_compare(layer, ref_layer, st, st_ref)
     torch.testing.assert_close(layer.state, ref_layer.state, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(layer.conv_state.float(), ref_layer.conv_state.float(), rtol=2e-2, atol=2e-2)
 
@@ -79,10 +84,5 @@ def test_stock_mla_layer_matches_reference_composition(batch, context):
     ref_layer.moe.topk_ids = layer.moe.topk_ids.clone()
     st = AttnResState.random(batch, spec.hidden_size, 4, num_blocks=3, device="cuda")
     st_ref = AttnResState(st.prefix.clone(), st.blocks.clone(), st.delta.clone(), 3)
-    layer.forward(st)
-    ref_layer.reference_forward(st_ref)
-    assert torch.equal(layer.routed_ids().long(), ref_layer.routed_ids().long())
-    out, ref = st.delta.float(), st_ref.delta.float()
-    torch.testing.assert_close(out, ref, rtol=3e-2, atol=3e-2 * float(ref.abs().max()))
-    assert float((out - ref).norm() / ref.norm()) < 2.5e-2
+    _run_both_and_compare(layer, ref_layer, st, st_ref)
     torch.testing.assert_close(layer.cache.float(), ref_layer.cache.float(), rtol=2e-2, atol=2e-2)  # new latents

@@ -179,7 +179,44 @@ class StockLatentMoE:
         self.topk_ids.copy_(router[1])
 
 
-class StockKDAMoELayer:
+class _StockMoELayer:
+    """What the stock X+MoE layers share: the two AttnRes mixes around the attention and the
+    latent-MoE sublayer (``res`` and ``moe`` are set by the subclass)."""
+
+    res: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    moe: StockLatentMoE
+    eps: float
+    M: int
+    N: int
+
+    def _attn_input(self, st: AttnResState) -> torch.Tensor:
+        h = torch.empty(self.M, self.N, device=st.prefix.device, dtype=torch.bfloat16)
+        nw, qk, ow = self.res[0]
+        norms.attn_res(st.prefix, st.delta, st.blocks, nw, qk, ow, st.num_blocks, -1, self.eps, self.eps, out=h)
+        return h
+
+    def _moe_sublayer(self, st: AttnResState, attn_out: torch.Tensor) -> None:
+        h2 = torch.empty(self.M, self.N, device=st.prefix.device, dtype=torch.bfloat16)
+        nw, qk, ow = self.res[1]
+        norms.attn_res(st.prefix, attn_out, st.blocks, nw, qk, ow, st.num_blocks, -1, self.eps, self.eps, out=h2)
+        self.moe.forward(h2, st.delta)
+
+    def _attn_input_reference(self, st: AttnResState) -> torch.Tensor:
+        nw, qk, ow = self.res[0]
+        return norms.attn_res_reference(st.prefix, st.delta, st.blocks, nw, qk, ow, st.num_blocks, -1, self.eps,
+                                        self.eps)
+
+    def _moe_sublayer_reference(self, st: AttnResState, attn_out: torch.Tensor) -> None:
+        nw, qk, ow = self.res[1]
+        h2 = norms.attn_res_reference(st.prefix, attn_out, st.blocks, nw, qk, ow, st.num_blocks, -1, self.eps, self.eps)
+        self.moe.reference_forward(h2, st.delta)
+
+    def routed_ids(self) -> torch.Tensor:
+        """[M, k] expert ids of the last forward."""
+        return self.moe.topk_ids
+
+
+class StockKDAMoELayer(_StockMoELayer):
     """One KDA + latent-MoE layer, stock composition, on one rank (see the module docstring).
 
     Parameters
@@ -227,12 +264,9 @@ class StockKDAMoELayer:
 
     def forward(self, st: AttnResState) -> None:
         """One layer; reads ``st.delta`` (previous sublayer output), writes this layer's output to it."""
-        M, HD, D, H, N = self.M, self.HD, self.D, self.H, self.N
+        M, HD, D, H = self.M, self.HD, self.D, self.H
         dev = st.prefix.device
-        # ---- attention sublayer
-        h = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
-        nw, qk, ow = self.res[0]
-        norms.attn_res(st.prefix, st.delta, st.blocks, nw, qk, ow, st.num_blocks, -1, self.eps, self.eps, out=h)
+        h = self._attn_input(st)
         proj = F.linear(h, self.w_in)
         mixed, g_out = proj[:, : 3 * HD], proj[:, 3 * HD: 4 * HD]
         f_a = proj[:, 4 * HD: 4 * HD + D]
@@ -245,18 +279,12 @@ class StockKDAMoELayer:
                             lower_bound=self.lower_bound, out=o)
         on = torch.empty_like(o)
         norms.gated_rmsnorm(o, g_out, self.o_norm_w, D, self.eps, out=on)
-        attn_out = F.linear(on, self.w_o)
-        # ---- MoE sublayer
-        h2 = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
-        nw, qk, ow = self.res[1]
-        norms.attn_res(st.prefix, attn_out, st.blocks, nw, qk, ow, st.num_blocks, -1, self.eps, self.eps, out=h2)
-        self.moe.forward(h2, st.delta)
+        self._moe_sublayer(st, F.linear(on, self.w_o))
 
     def reference_forward(self, st: AttnResState) -> None:
         """The same layer from the op-family references (fp32 math): the oracle of ``forward``."""
         HD, D, H = self.HD, self.D, self.H
-        nw, qk, ow = self.res[0]
-        h = norms.attn_res_reference(st.prefix, st.delta, st.blocks, nw, qk, ow, st.num_blocks, -1, self.eps, self.eps)
+        h = self._attn_input_reference(st)
         proj = (h.float() @ self.w_in.float().t()).to(h.dtype)
         mixed, g_out = proj[:, : 3 * HD], proj[:, 3 * HD: 4 * HD]
         f_a, beta = proj[:, 4 * HD: 4 * HD + D], proj[:, 4 * HD + D: 4 * HD + D + H]
@@ -264,17 +292,10 @@ class StockKDAMoELayer:
         o = kda_decode_reference(mixed, self.conv_state, self.conv_w, fdec, self.A_log, self.dt_bias, beta, g_out,
                                  self.o_norm_w, self.state, self.state_idx, num_heads=H, eps=self.eps,
                                  gate_lower_bound=self.lower_bound)
-        attn_out = (o.float() @ self.w_o.float().t()).to(h.dtype)
-        nw, qk, ow = self.res[1]
-        h2 = norms.attn_res_reference(st.prefix, attn_out, st.blocks, nw, qk, ow, st.num_blocks, -1, self.eps, self.eps)
-        self.moe.reference_forward(h2, st.delta)
-
-    def routed_ids(self) -> torch.Tensor:
-        """[M, k] expert ids of the last forward."""
-        return self.moe.topk_ids
+        self._moe_sublayer_reference(st, (o.float() @ self.w_o.float().t()).to(h.dtype))
 
 
-class StockMLAMoELayer:
+class StockMLAMoELayer(_StockMoELayer):
     """One MLA + latent-MoE layer, stock composition, on one rank, decoding against ``context`` cached tokens.
 
     Attention (stock vLLM's MLA decode path, absorbed form, 13 kernels):
@@ -351,23 +372,14 @@ class StockMLAMoELayer:
         """One layer; reads ``st.delta`` (previous sublayer output), writes this layer's output to it."""
         from latency_specialized.kernels.mla_decode_triton import mla_decode_triton
 
-        M, N, dev = self.M, self.N, st.prefix.device
-        h = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
-        nw, qk, ow = self.res[0]
-        norms.attn_res(st.prefix, st.delta, st.blocks, nw, qk, ow, st.num_blocks, -1, self.eps, self.eps, out=h)
-        attn_out = self._attention(h, mla_decode_triton)
-        h2 = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
-        nw, qk, ow = self.res[1]
-        norms.attn_res(st.prefix, attn_out, st.blocks, nw, qk, ow, st.num_blocks, -1, self.eps, self.eps, out=h2)
-        self.moe.forward(h2, st.delta)
+        self._moe_sublayer(st, self._attention(self._attn_input(st), mla_decode_triton))
 
     def reference_forward(self, st: AttnResState) -> None:
         """The same layer from the op-family references (fp32 math): the oracle of ``forward``."""
         from latency_specialized.ops.attention.mla import mla_decode_reference
 
         a, ql, L = self.a, self.a.q_lora_rank, self.a.kv_lora_rank
-        nw, qk, ow = self.res[0]
-        h = norms.attn_res_reference(st.prefix, st.delta, st.blocks, nw, qk, ow, st.num_blocks, -1, self.eps, self.eps)
+        h = self._attn_input_reference(st)
         y = (h.float() @ self.w_qkv_a.float().t()).to(h.dtype)
         q_c = rmsnorm_reference(y[:, :ql], self.q_a_norm_w, self.eps)
         c = rmsnorm_reference(y[:, ql:ql + L], self.kv_a_norm_w, self.eps)
@@ -375,13 +387,7 @@ class StockMLAMoELayer:
         gate = (h.float() @ self.w_g.float().t()).to(h.dtype) if self.w_g is not None else None
         o = mla_decode_reference(q, c, y[:, ql + L:], self.cache, self.slot_mapping, self.block_table, self.seq_lens,
                                  self.w_kv_b, qk_nope_head_dim=a.qk_nope_head_dim, v_head_dim=a.v_head_dim, gate=gate)
-        attn_out = (o.float() @ self.w_o.float().t()).to(h.dtype)
-        nw, qk, ow = self.res[1]
-        h2 = norms.attn_res_reference(st.prefix, attn_out, st.blocks, nw, qk, ow, st.num_blocks, -1, self.eps, self.eps)
-        self.moe.reference_forward(h2, st.delta)
-
-    def routed_ids(self) -> torch.Tensor:
-        return self.moe.topk_ids
+        self._moe_sublayer_reference(st, (o.float() @ self.w_o.float().t()).to(h.dtype))
 
 
 class StockLayers:
