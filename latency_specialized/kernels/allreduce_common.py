@@ -215,7 +215,18 @@ def launch(kernel_name: str, build: Callable[[FusedAllReduceConfig, str], Any], 
            ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Check, compile (cached) and launch a fused all-reduce kernel on the current stream.
 
-    ``out``: optional (normed, residual_out) destinations, contiguous, like ``partial``.
+    Parameters
+    ----------
+    partial : [M, N] this rank's partial sum (bf16 or fp32, CUDA).
+    residual : [M, N] residual stream (same on every rank).
+    weight : [N] norm gain, or None for residual add only (returns (None, residual_out)).
+    comm : SymmetricMemoryCommunicator built for (N, dtype, max_tokens >= M).
+    out : optional (normed, residual_out) destinations [M, N], contiguous, like ``partial``
+        (normed ignored without weight).
+
+    Returns
+    -------
+    (normed [M, N], residual_out [M, N]) in partial.dtype, bit-identical on every rank.
     """
     from latency_specialized.comm.symmetric import SymmetricMemoryCommunicator
 
@@ -328,3 +339,23 @@ def precompile(directory: str, configs: list[tuple[str, FusedAllReduceConfig]], 
             futures = {i: pool.submit(_precompile_one, *configs[i], directory, arch) for i in todo}
             done.update({i: f.result() for i, f in futures.items()})
     return [done[i] for i in range(len(configs))]
+
+
+def entry_points(kernel_name: str, kernel_class: Callable[[], type]):
+    """``(build, compile_for, prepare)`` of a fused all-reduce kernel module, from its lazily defined
+    kernel class: ``build(cfg, arch)`` for the compile cache; ``compile_for(cfg, arch, extra_options)``
+    compiles without a GPU (CPU CI), uncached, returning the TVM-FFI function (``extra_options=
+    "--keep-ptx"`` keeps its PTX in ``__ptx__``); ``prepare(ctx)`` compiles (or loads) the kernel of a
+    plan site before graph capture."""
+
+    def build(cfg: FusedAllReduceConfig, arch: str):
+        return compile_with(kernel_class()(cfg), cfg, arch)
+
+    def compile_for(cfg: FusedAllReduceConfig, arch: str = "sm_90a", extra_options: str = ""):
+        return compile_with(kernel_class()(cfg), cfg, arch, extra_options)
+
+    def prepare(ctx: OpContext):
+        return get_kernel(kernel_name, build, FusedAllReduceConfig(ctx.dtype, ctx.dim("N"), ctx.world_size,
+                                                                    bool(ctx.attr("norm", True))))
+
+    return build, compile_for, prepare

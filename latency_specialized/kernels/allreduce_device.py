@@ -217,3 +217,48 @@ def norm_store(acc: cute.Tensor, weight_ptr: cute.Pointer, out_ptr: cute.Pointer
         acc[e] = acc[e] * rstd * (gain[e] + gain_offset)
     encode(acc, words, is_bf16)
     store_v4(out_ptr, words)
+
+
+class FusedAllReduceKernel:
+    """What the fused all-reduce kernels share: one CTA per row, the launch, the slot prologue and the
+    closing RMSNorm; a variant (one-shot, two-stage) defines ``kernel`` - how the row is exchanged."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.threads, self.vpt = cfg.threads_and_vpt
+        self.is_bf16 = cfg.is_bf16
+        self.elems = 8 if cfg.is_bf16 else 4  # values per 128-bit vector
+
+    @cute.jit
+    def __call__(self, partial: cute.Tensor, residual: cute.Tensor, weight: cute.Tensor, normed: cute.Tensor,
+                 res_out: cute.Tensor, peers: cute.Tensor, flags: cute.Tensor, buf: cute.Tensor, rank: Int32,
+                 slot_words: Int32, eps: Float32, gain_offset: Float32, stream):
+        self.kernel(partial, residual, weight, normed, res_out, peers, flags, buf, rank, slot_words,
+                    eps, gain_offset).launch(grid=[partial.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+    def begin_call(self, buf: cute.Tensor, flags: cute.Tensor, slot_words: Int32, tidx: Int32, row: Int32,
+                   ctas: Int32):
+        """Trace-time prologue: (reduction scratch, call number, ping slot, its first word); re-arms the
+        slot this rank read in the previous call."""
+        smem = cutlass.memory.SmemAllocator()
+        red = smem.allocate_tensor(Float32, cute.make_layout(32), byte_alignment=16)
+        call = flags[L.FLAG_CALL]
+        ping = call % L.SLOTS
+        clear_previous_slot(buf, flags, (call + L.SLOTS - 1) % L.SLOTS, slot_words, tidx, row, ctas, self.threads,
+                            self.is_bf16)
+        return red, call, ping, ping * slot_words
+
+    @cute.jit
+    def norm_row(self, acc: list, ssq: Float32, red: cute.Tensor, tidx: Int32, row: Int32, weight: cute.Tensor,
+                 normed: cute.Tensor, cur: cute.Tensor, eps: Float32, gain_offset: Float32):
+        """RMSNorm of the row from its rounded values ``acc`` (CTA reduction of ``ssq``), gain, one rounding."""
+        cfg = self.cfg
+        T, V, E = self.threads, self.vpt, self.elems
+        total = block_sum(ssq, red, tidx, T // 32)
+        rstd = cute.math.rsqrt(total / Float32(cfg.n) + eps)
+        gain = cute.make_rmem_tensor((E,), Float32)
+        for k in range_constexpr(V):
+            j = tidx + k * T
+            if const_expr(cfg.exact) or j < cfg.vecs:
+                norm_store(acc[k], weight.iterator + j * 4, normed.iterator + row * cfg.row_words + j * 4, rstd, cur,
+                           gain, gain_offset, self.is_bf16)

@@ -19,13 +19,7 @@ two-stage kernel (``allreduce_two_stage.py``) serves.
 
 # No `from __future__ import annotations`: the DSL evaluates the kernel annotations, which name
 # cute/Int32 imported inside _kernel_class.
-from latency_specialized.kernels.allreduce_common import (
-    FusedAllReduceConfig,
-    compile_with,
-    get_kernel,
-    launch,
-    make_supports,
-)
+from latency_specialized.kernels.allreduce_common import FusedAllReduceConfig, entry_points, launch, make_supports
 from latency_specialized.ops.registry import Implementation
 
 KERNEL_NAME = "allreduce.lamport_one_shot"
@@ -33,27 +27,13 @@ KERNEL_NAME = "allreduce.lamport_one_shot"
 
 def _kernel_class():
     """The kernel class, defined on first use so that cutlass is imported lazily."""
-    import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32, const_expr, range_constexpr
 
     from latency_specialized.comm import layout as L
     from latency_specialized.kernels import allreduce_device as D
 
-    class OneShotLamportAllReduce:
-        def __init__(self, cfg: FusedAllReduceConfig):
-            self.cfg = cfg
-            self.threads, self.vpt = cfg.threads_and_vpt
-            self.is_bf16 = cfg.is_bf16
-            self.elems = 8 if cfg.is_bf16 else 4  # values per 128-bit vector
-
-        @cute.jit
-        def __call__(self, partial: cute.Tensor, residual: cute.Tensor, weight: cute.Tensor, normed: cute.Tensor,
-                     res_out: cute.Tensor, peers: cute.Tensor, flags: cute.Tensor, buf: cute.Tensor, rank: Int32,
-                     slot_words: Int32, eps: Float32, gain_offset: Float32, stream):
-            self.kernel(partial, residual, weight, normed, res_out, peers, flags, buf, rank, slot_words,
-                        eps, gain_offset).launch(grid=[partial.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream)
-
+    class OneShotLamportAllReduce(D.FusedAllReduceKernel):
         @cute.kernel
         def kernel(self, partial: cute.Tensor, residual: cute.Tensor, weight: cute.Tensor, normed: cute.Tensor,
                    res_out: cute.Tensor, peers: cute.Tensor, flags: cute.Tensor, buf: cute.Tensor, rank: Int32,
@@ -64,14 +44,7 @@ def _kernel_class():
             tidx, _, _ = cute.arch.thread_idx()
             row, _, _ = cute.arch.block_idx()
             M = partial.shape[0]
-            smem = cutlass.memory.SmemAllocator()
-            red = smem.allocate_tensor(Float32, cute.make_layout(32), byte_alignment=16)
-
-            call = flags[L.FLAG_CALL]
-            ping = call % L.SLOTS
-            D.clear_previous_slot(buf, flags, (call + L.SLOTS - 1) % L.SLOTS, slot_words, tidx, row, M, T,
-                                  self.is_bf16)
-            ping_base = ping * slot_words
+            red, call, ping, ping_base = self.begin_call(buf, flags, slot_words, tidx, row, M)
 
             own = [cute.make_rmem_tensor((4,), Int32) for _ in range(V)]
             got = [cute.make_rmem_tensor((4,), Int32) for _ in range(W)]
@@ -121,52 +94,23 @@ def _kernel_class():
 
             # 4. RMSNorm of the row (CTA reduction), gain, one rounding
             if const_expr(cfg.has_norm):
-                total = D.block_sum(ssq, red, tidx, T // 32)
-                rstd = cute.math.rsqrt(total / Float32(cfg.n) + eps)
-                gain = cute.make_rmem_tensor((E,), Float32)
-                for k in range_constexpr(V):
-                    j = tidx + k * T
-                    if const_expr(cfg.exact) or j < VECS:
-                        D.norm_store(acc[k], weight.iterator + j * 4, normed.iterator + row * NW + j * 4, rstd, cur,
-                                     gain, gain_offset, self.is_bf16)
+                self.norm_row(acc, ssq, red, tidx, row, weight, normed, cur, eps, gain_offset)
 
             D.finish_call(flags, tidx, call, ping, M, W * M * NW)
 
     return OneShotLamportAllReduce
 
 
-def _build(cfg: FusedAllReduceConfig, arch: str):
-    return compile_with(_kernel_class()(cfg), cfg, arch)
+_build, compile_for, _prepare = entry_points(KERNEL_NAME, _kernel_class)
 
 
 def allreduce_lamport(partial, residual, weight, eps: float, *, comm=None, zero_centered: bool = False, out=None):
     """One-shot Lamport all-reduce + residual + RMSNorm on the current CUDA stream.
 
-    Parameters
-    ----------
-    partial : [M, N] this rank's partial sum (bf16 or fp32, CUDA).
-    residual : [M, N] residual stream (same on every rank).
-    weight : [N] norm gain, or None for residual add only (returns (None, residual_out)).
-    comm : SymmetricMemoryCommunicator built for (N, dtype, max_tokens >= M).
-    out : optional (normed, residual_out) destinations [M, N] (normed ignored without weight).
-
-    Returns
-    -------
-    (normed [M, N], residual_out [M, N]) in partial.dtype, bit-identical on every rank.
+    Arguments and result: ``allreduce_common.launch`` (the ``allreduce`` family contract of
+    ``ops/allreduce.py``); ``comm`` is a SymmetricMemoryCommunicator.
     """
     return launch(KERNEL_NAME, _build, partial, residual, weight, eps, comm, zero_centered, out)
-
-
-def compile_for(cfg: FusedAllReduceConfig, arch: str = "sm_90a", extra_options: str = ""):
-    """Compile without a GPU (CPU CI), uncached: returns the TVM-FFI function
-    (``extra_options="--keep-ptx"`` keeps its PTX in ``__ptx__``)."""
-    return compile_with(_kernel_class()(cfg), cfg, arch, extra_options)
-
-
-def _prepare(ctx):
-    """Compile (or load) the kernel of a plan site before graph capture."""
-    return get_kernel(KERNEL_NAME, _build, FusedAllReduceConfig(ctx.dtype, ctx.dim("N"), ctx.world_size,
-                                                               bool(ctx.attr("norm", True))))
 
 
 IMPLEMENTATIONS = [
