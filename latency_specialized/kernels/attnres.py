@@ -68,20 +68,12 @@ def _kernel_class():
             self.threads = -(-tr // 32) * 32
             self.warps = self.threads // 32
 
+        # trace-time helpers (plain Python: they only emit IR)
         def unpack(self, words):
-            if self.var.dtype == "float32":
-                return [P.as_f32(wd) for wd in words]
-            lo, hi = (P.bf16_lo, P.bf16_hi) if self.var.dtype == "bfloat16" else (P.f16_lo, P.f16_hi)
-            out = []
-            for wd in words:
-                out += [lo(wd), hi(wd)]
-            return out
+            return P.unpack_words(self.var.dtype, words)
 
         def pack(self, vals):
-            if self.var.dtype == "float32":
-                return [P.as_i32(v) for v in vals]
-            pk = P.pack_bf16x2 if self.var.dtype == "bfloat16" else P.pack_f16x2
-            return [pk(vals[i], vals[i + 1]) for i in range(0, len(vals), 2)]
+            return P.pack_words(self.var.dtype, vals)
 
         @cute.jit
         def __call__(self, src: cute.Tensor, src_stride: Int64, nw: cute.Tensor, q: cute.Tensor,

@@ -213,6 +213,23 @@ def ptx() -> SimpleNamespace:
                                        "{\n .reg .b16 l, h;\n mov.b32 {l, h}, $1;\n cvt.f32.f16 $0, h;\n}",
                                        "=f,r", has_side_effects=False, asm_dialect=0))
 
+    def unpack_words(dtype: str, words: list) -> list:
+        """fp32 values of packed 32-bit words: 2 per word for bfloat16/float16, 1 for float32."""
+        if dtype == "float32":
+            return [as_f32(wd) for wd in words]
+        lo, hi = (bf16_lo, bf16_hi) if dtype == "bfloat16" else (f16_lo, f16_hi)
+        out = []
+        for wd in words:
+            out += [lo(wd), hi(wd)]
+        return out
+
+    def pack_words(dtype: str, vals: list) -> list:
+        """The inverse of ``unpack_words``: round (RNE) and pack fp32 values into 32-bit words."""
+        if dtype == "float32":
+            return [as_i32(v) for v in vals]
+        pk = pack_bf16x2 if dtype == "bfloat16" else pack_f16x2
+        return [pk(vals[i], vals[i + 1]) for i in range(0, len(vals), 2)]
+
     def mma_bf16_16816(a: list, b: list, c: list) -> list:
         """D = A(16x16 bf16, row) * B(16x8 bf16, col) + C (f32), one warp (mma.sync, sm_80+)."""
         st = llvm.inline_asm(

@@ -85,15 +85,10 @@ def _act_kernel_class():
             self.blocks = -(-self.vecs // THREADS)
 
         def unpack(self, words):
-            lo, hi = (P.bf16_lo, P.bf16_hi) if self.var.dtype == "bfloat16" else (P.f16_lo, P.f16_hi)
-            out = []
-            for wd in words:
-                out += [lo(wd), hi(wd)]
-            return out
+            return P.unpack_words(self.var.dtype, words)
 
         def pack(self, vals):
-            pk = P.pack_bf16x2 if self.var.dtype == "bfloat16" else P.pack_f16x2
-            return [pk(vals[i], vals[i + 1]) for i in range(0, len(vals), 2)]
+            return P.pack_words(self.var.dtype, vals)
 
         @cute.jit
         def __call__(self, gu: cute.Tensor, h: cute.Tensor, stream):
