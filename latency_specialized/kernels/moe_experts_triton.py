@@ -5,11 +5,10 @@ on CUDA cores. That is the fastest way to read an expert once when it serves one
 work per weight byte grows with the tokens an expert serves, and from about 8 tokens per step the
 kernels are compute-bound (H200, TP8 Kimi K3 layer: 135 vs ~129 us per layer at batch 4, 223 vs
 186 us at batch 8, 1032 vs 625 us at batch 64, against the tensor-core Triton fused MoE of the
-stock composition). Until a
-tensor-core CuTe DSL grouped kernel exists, multi-token buckets use the same tensor-core Triton
-kernels stock vLLM's fused MoE uses (``bench/stock/moe.py``: sort/align, gate/up GEMM, SiTU-GLU,
-down GEMM x routing weight, sum over top-k: 5 kernels), so our decode is never slower than stock's
-on the experts. Plans say which one serves each bucket (``latency-specialized explain``).
+stock composition). Until a tensor-core CuTe DSL grouped kernel exists, multi-token buckets use the
+same tensor-core Triton kernels stock vLLM's fused MoE uses (``kernels/triton_moe.py``, which the
+stock composition runs too: sort/align, gate/up GEMM, SiTU-GLU, down GEMM x routing weight, sum over
+top-k: 5 kernels), so our decode is never slower than stock's on the experts. Plans say which one serves each bucket (``latency-specialized explain``).
 
 Static shapes: the align buffers depend on (tokens x top_k, experts) only and are allocated on the
 first (eager, pre-capture) call of each shape; nothing syncs with the host.
@@ -33,7 +32,7 @@ _align_cache: dict[tuple, object] = {}
 
 
 def _align_buffers(pairs: int, experts: int, device: torch.device):
-    from latency_specialized.bench.stock import moe as moe_k
+    from latency_specialized.kernels import triton_moe as moe_k
 
     key = (pairs, experts, device)
     buf = _align_cache.get(key)
@@ -57,7 +56,7 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_
     [M, N] in x.dtype. Rounding: gate/up to bf16, activation to bf16, each pair's down output
     x routing weight to bf16, fp32 sum over the top-k (stock vLLM's fused MoE order).
     """
-    from latency_specialized.bench.stock import moe as moe_k
+    from latency_specialized.kernels import triton_moe as moe_k
 
     if activation.kind != "situ_glu":
         raise UserError(f"{NAME} implements SiTU-GLU only (got {activation.kind}): use moe.experts.cutedsl")
