@@ -24,10 +24,6 @@ live rows; the cache must change at exactly the live slots and the result equal 
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -36,8 +32,10 @@ from latency_specialized.errors import UserError
 from latency_specialized.ops.attention.mla import mla_decode_reference
 from latency_specialized.ops.registry import make_context
 
+from tests.interpret import INTERPRETING as _INTERPRET
+from tests.interpret import run_interpreted
+
 _HAVE_TRITON = importlib.util.find_spec("triton") is not None
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.skipif(not _HAVE_TRITON, reason="needs triton (its interpreter runs the kernels on the CPU)")
 interpreted = pytest.mark.skipif(
     not _INTERPRET, reason="needs TRITON_INTERPRET=1 from the process start (`TRITON_INTERPRET=1 pytest "
@@ -48,13 +46,7 @@ FP32 = dict(rtol=1e-5, atol=1e-5)
 
 @pytest.mark.skipif(_INTERPRET, reason="this process interprets: the kernel cases run in-process")
 def test_kernel_cases_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"], env=env,
-                       cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=600)
-    tail = (r.stdout + r.stderr)[-4000:]
-    assert r.returncode == 0, tail
-    summary = r.stdout.strip().splitlines()[-1]   # "N passed, 1 skipped in ...": only this driver skips there
-    assert "1 skipped" in summary and int(summary.split(" passed")[0].split()[-1]) >= 15, tail
+    run_interpreted(__file__, min_passed=15)
 
 
 @pytest.fixture

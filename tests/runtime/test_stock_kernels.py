@@ -1,13 +1,12 @@
 """Stock-composition Triton kernels vs their torch references.
 
 Runs on the GPU (``-m gpu``) and, on a CPU with triton installed, under the Triton interpreter
-(``TRITON_INTERPRET=1``; CI without triton skips these). Fresh random inputs each case, outputs
-poisoned with NaN, bf16 tolerances.
+(``TRITON_INTERPRET=1``, in a child process: ``tests/interpret.py``). Fresh random inputs each case,
+outputs poisoned with NaN, bf16 tolerances.
 """
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -17,6 +16,8 @@ from latency_specialized.ops.moe import experts_reference, route_reference
 from latency_specialized.ops.norm import rmsnorm_reference
 from latency_specialized.spec import ActivationSpec, RouterSpec
 
+from tests.interpret import INTERPRETING, run_interpreted
+
 try:
     import triton  # noqa: F401
 
@@ -24,12 +25,20 @@ try:
 except Exception:  # noqa: BLE001
     _HAVE_TRITON = False
 
-_INTERPRET = _HAVE_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = _HAVE_TRITON and INTERPRETING
 DEVICES = [
     pytest.param("cuda", marks=pytest.mark.gpu, id="cuda"),
-    pytest.param("cpu", marks=pytest.mark.skipif(not _INTERPRET, reason="needs triton + TRITON_INTERPRET=1 on CPU"),
+    pytest.param("cpu", marks=pytest.mark.skipif(not _INTERPRET, reason="needs TRITON_INTERPRET=1 from the process "
+                                                                        "start: test_cpu_cases_under_the_interpreter "
+                                                                        "runs these in a child process"),
                  id="interpret"),
 ]
+
+
+@pytest.mark.skipif(not _HAVE_TRITON or INTERPRETING, reason="needs triton; in the child itself it would recurse")
+def test_cpu_cases_under_the_interpreter():
+    """The stock Triton kernels and the stock KDA+MoE layer on the CPU (Triton interpreter)."""
+    run_interpreted("tests/runtime/test_stock_kernels.py", "tests/runtime/test_stock_layer.py", min_passed=10)
 BF16 = dict(rtol=2e-2, atol=2e-2)
 
 

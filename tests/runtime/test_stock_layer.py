@@ -1,10 +1,10 @@
 """The stock KDA+MoE layer composition == the same layer from op-family references.
 
-GPU (``-m gpu``) at a small real-ratio shape; CPU under the Triton interpreter when available.
+GPU (``-m gpu``) at a small real-ratio shape; the KDA layer also on the CPU under the Triton
+interpreter (``test_stock_kernels.py::test_cpu_cases_under_the_interpreter`` runs it in a child process).
 """
 
 from __future__ import annotations
-# Run on the CPU with: PYTHONPATH=<triton> TRITON_INTERPRET=1 pytest tests/runtime/test_stock_layer.py
 
 import copy
 
