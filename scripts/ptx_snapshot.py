@@ -1,0 +1,106 @@
+"""PTX of the CuTe DSL kernels whose code is shared between variants, for refactors that must not
+change a kernel: snapshot before, snapshot after, compare (no GPU needed; compiles for sm_90a).
+
+    python scripts/ptx_snapshot.py /tmp/ptx_before       # on the old code
+    python scripts/ptx_snapshot.py /tmp/ptx_after        # on the new code
+    python scripts/ptx_snapshot.py --compare /tmp/ptx_before /tmp/ptx_after
+
+Covers the fused all-reduce kernels (one-shot, two-stage), AttnRes, residual+RMSNorm and the gated
+activation over their dtype / shape / option variants (~30 kernels, ~30 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+
+def _allreduce(out: Path) -> None:
+    import importlib
+
+    from latency_specialized.kernels.allreduce_common import FusedAllReduceConfig
+
+    cfgs = [FusedAllReduceConfig("bfloat16", 7168, 8), FusedAllReduceConfig("bfloat16", 64, 2),
+            FusedAllReduceConfig("float32", 5120, 4), FusedAllReduceConfig("bfloat16", 7168, 2, has_norm=False)]
+    # --keep-ptx writes the PTX file into the working directory (the one of the first compile): one
+    # directory for all, read while it exists
+    cwd = os.getcwd()
+    with tempfile.TemporaryDirectory() as d:
+        os.chdir(d)
+        try:
+            for mod in ("allreduce_lamport", "allreduce_two_stage"):
+                m = importlib.import_module(f"latency_specialized.kernels.{mod}")
+                for i, c in enumerate(cfgs):
+                    _write(out / f"{mod}_{i}.ptx", m.compile_for(c, extra_options="--keep-ptx").__ptx__)
+        finally:
+            os.chdir(cwd)
+
+
+def _elementwise(out: Path) -> None:
+    import torch
+
+    from latency_specialized.kernels import attnres as A
+    from latency_specialized.kernels import mlp_fused as F
+    from latency_specialized.kernels import rmsnorm as R
+    from latency_specialized.kernels.gemm_common import ptx_of
+    from latency_specialized.spec import ActivationSpec
+
+    for dt in ("bfloat16", "float16", "float32"):
+        for s, on in ((3, True), (9, False)):
+            var = A._Variant(7168 if dt != "float32" else 3584, dt, s, on)
+            _write(out / f"attnres_{dt}_{s}_{on}.ptx", ptx_of(A.compile_attnres(var)))
+    norms = {"block_c2": (R._Variant(7168, "bfloat16", True, True, False, False, True), R.NormConfig(cluster=2)),
+             "gated": (R._Variant(128, "bfloat16", False, True, False, True, True), R.NormConfig()),
+             "fp32": (R._Variant(512, "float32", True, True, True, False, True), R.NormConfig()),
+             "f16": (R._Variant(1536, "float16", True, True, True, False, True), R.NormConfig())}
+    for name, (var, cfg) in norms.items():
+        _write(out / f"norm_{name}.ptx", ptx_of(R.compile_norm(var, cfg)))
+    acts = [ActivationSpec(kind="situ_glu", beta=4, beta_lin=25), ActivationSpec(kind="swiglu", clamp=10.0),
+            ActivationSpec()]
+    for i, act in enumerate(acts):
+        for dt in (torch.bfloat16, torch.float16):
+            _write(out / f"act_{i}_{str(dt).removeprefix('torch.')}.ptx", ptx_of(F.compile_act(F._act_variant(768, dt, act))))
+
+
+def _write(path: Path, text: str | None) -> None:
+    if not text or not text.lstrip().startswith("//"):
+        raise SystemExit(f"no PTX for {path.name}: a kernel came from the disk cache (set LS_KERNEL_CACHE_DIR "
+                         "to an empty directory)")
+    path.write_text(text)
+    print(f"{path.name}: {len(text)} chars")
+
+
+def _compare(a: Path, b: Path) -> int:
+    names = sorted({p.name for p in a.glob("*.ptx")} | {p.name for p in b.glob("*.ptx")})
+    bad = 0
+    for n in names:
+        pa, pb = a / n, b / n
+        same = pa.exists() and pb.exists() and pa.read_bytes() == pb.read_bytes()
+        bad += not same
+        print(f"{n}: {'identical' if same else 'DIFFERS' if pa.exists() and pb.exists() else 'missing on one side'}")
+    print(f"{len(names) - bad} of {len(names)} identical")
+    return 1 if bad else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", nargs="?", help="directory for the snapshot")
+    ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two snapshots; exit 1 on any difference")
+    args = ap.parse_args()
+    if args.compare:
+        return _compare(Path(args.compare[0]), Path(args.compare[1]))
+    if not args.out:
+        ap.error("give a snapshot directory, or --compare A B")
+    os.environ.setdefault("LS_KERNEL_CACHE_DIR", tempfile.mkdtemp(prefix="ls_ptx_cache_"))  # fresh compiles only
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _allreduce(out)
+    _elementwise(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
