@@ -123,3 +123,26 @@ def test_user_errors_exit_2_with_the_fix(tmp_path, capsys):
     rc, out, _ = _run(capsys, "generate", "--model", "kimi_k3", "--checkpoint", str(d), "--prompt-ids", "1,2,3",
                       "--max-tokens", "2")
     assert rc == 0 and len(_ids(out)) == 1
+
+
+def test_graphs_auto_names_the_sites_that_keep_a_step_eager():
+    """--graphs auto on a GPU captures only when no site runs a (host-syncing) torch reference."""
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    from latency_specialized.commands.generate import _decide_graphs
+    from latency_specialized.errors import UserError
+
+    def plan(*refs: bool):
+        return NS(choices=[NS(site=NS(name=f"l/site{i}"), impl=NS(is_reference=r)) for i, r in enumerate(refs)])
+
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    assert _decide_graphs("auto", gpu, plan(False, False)) == (True, "")
+    use, why = _decide_graphs("auto", gpu, plan(False, True))
+    assert not use and "l/site1" in why and "--graphs on" in why
+    assert _decide_graphs("on", gpu, plan(True)) == (True, "")      # tries anyway; a failed capture raises
+    assert _decide_graphs("off", gpu, plan()) == (False, "--graphs off")
+    assert _decide_graphs("auto", cpu, plan()) == (False, "CUDA graphs need a GPU")
+    with pytest.raises(UserError, match="--graphs off"):
+        _decide_graphs("on", cpu, plan())
