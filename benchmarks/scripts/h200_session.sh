@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# H200 session runs (rounds 4-5): GPU tests, the gemm dispatch table, the MoE/KDA and MLA op benches,
+# H200 session runs: GPU tests, the gemm dispatch table, the MoE/KDA and MLA op benches,
 # the Kimi K3 layer bench (KINDS=kda,mla; CONTEXT for MLA cells) and the long teacher-forced check.
 #   on the device, after `bash .device/cute-a/stash.sh` on the same machine:
-#   source scripts/device_env.sh && bash benchmarks/scripts/h200_round4.sh
+#   source scripts/device_env.sh && bash benchmarks/scripts/h200_session.sh
 # STEPS (default "tests,table,bench") picks the parts (tests,table,opsmoe,opsmla,bench,long); results under $OUT.
 set -o pipefail
 OUT=${OUT:-/tmp/ls_out}
