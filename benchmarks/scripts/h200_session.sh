@@ -3,6 +3,8 @@
 # the Kimi K3 layer bench (KINDS=kda,mla; CONTEXT for MLA cells) and the long teacher-forced check.
 #   on the device, after `bash .device/cute-a/stash.sh` on the same machine:
 #   source scripts/device_env.sh && bash benchmarks/scripts/h200_session.sh
+# Put the local commit into the command, e.g. `LS_GIT_COMMIT=<git rev-parse HEAD here> LS_GIT_DIRTY=0 ...`:
+# the device copy's .git is not the tree's (it kept the session's first commit), and result files record it.
 # STEPS (default "tests,table,bench") picks the parts (tests,table,opsmoe,opsmla,bench,long); results under $OUT.
 set -o pipefail
 OUT=${OUT:-/tmp/ls_out}

@@ -1,8 +1,10 @@
 """What a benchmark ran on: GPU, driver, CUDA, torch, triton, cutlass-dsl, Python, git commit.
 
 Every result file carries this record so that two runs can be compared knowingly. Fields that
-cannot be read are ``None`` (never guessed). The git commit comes from ``git`` in the source tree,
-else from ``$LS_GIT_COMMIT`` (a device copy of the tree may have no ``.git``).
+cannot be read are ``None`` (never guessed). The git commit comes from ``$LS_GIT_COMMIT`` when set
+(and ``$LS_GIT_DIRTY``), else from ``git`` in the source tree: a device copy of the tree may have no
+``.git``, or a stale one (the H200 device copies kept the session's first commit while the tree moved
+on), so whoever runs there passes the commit the tree really is.
 """
 
 from __future__ import annotations
@@ -63,8 +65,9 @@ def machine_info() -> dict[str, Any]:
         p = torch.cuda.get_device_properties(0)
         gpu = {"name": p.name, "sm": f"sm_{p.major}{p.minor}", "sms": p.multi_processor_count,
                "memory_gib": round(p.total_memory / 2**30, 1), "l2_mib": round(getattr(p, "L2_cache_size", 0) / 2**20, 1)}
-    commit = _git("rev-parse", "HEAD") or os.environ.get("LS_GIT_COMMIT")
-    dirty = _git("status", "--porcelain")
+    given = os.environ.get("LS_GIT_COMMIT")
+    commit = given or _git("rev-parse", "HEAD")
+    dirty = None if given else _git("status", "--porcelain")
     return {
         "gpu": gpu,
         "driver": _driver(),

@@ -102,3 +102,13 @@ def test_mla_cells_cache_holds_every_replayed_step():
     cfg = BenchConfig(iters=40, rounds=2, warmup=5)
     assert steps_per_cell(cfg) >= 2 * (5 + 40) + 1
     assert steps_per_cell(BenchConfig(iters=1, rounds=3, warmup=0)) >= 3 * 6 + 1  # eager fallback: 6 per round
+
+
+def test_machine_info_takes_the_commit_it_is_given(monkeypatch):
+    """A device copy's .git can be stale: LS_GIT_COMMIT / LS_GIT_DIRTY win over it."""
+    from latency_specialized.bench.machine import machine_info
+
+    monkeypatch.setenv("LS_GIT_COMMIT", "0123abc")
+    monkeypatch.setenv("LS_GIT_DIRTY", "0")
+    m = machine_info()
+    assert m["git_commit"] == "0123abc" and m["git_dirty"] is False
