@@ -380,7 +380,7 @@ def _cell(cfg: BenchConfig, full: ModelSpec, li: int, kind: str, batch: int, con
     stock_layers = build_stock(full, li, cfg.tp, batch, *ctx_args, cfg.layers, device,
                                experts=ours.expert_weights(cfg.layers))
     stock = GraphedStep("stock", cfg.layers, stock_layers.step, stock_layers.routed_ids)
-    ours_k, ours_1 = ours.variants(batch, context) if context is not None else ours.variants(batch)
+    ours_k, ours_1 = ours.variants(batch, context)
     m_k, m_1, m_s = measure([ours_k, ours_1, stock], cfg, say)
     o = per_layer(m_k, m_1)
     s = per_layer(m_s, None)

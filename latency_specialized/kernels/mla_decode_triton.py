@@ -51,7 +51,7 @@ from typing import NamedTuple
 import torch
 
 from latency_specialized.errors import UserError
-from latency_specialized.ops.attention.mla import _finish, _write_new_latents
+from latency_specialized.ops.attention.mla import _finish, _write_new_latents, latent_widths
 from latency_specialized.ops.registry import Implementation, OpContext, Support
 
 NAME = "attention.mla.triton_splitkv"
@@ -367,10 +367,7 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
     """
     B, H, qk = q.shape
     nope, v = qk_nope_head_dim, v_head_dim
-    L = kv_c.shape[-1]
-    R = qk - nope
-    if kv_cache.shape[-1] != L + R:
-        raise ValueError(f"kv_cache width {kv_cache.shape[-1]} != kv_lora {L} + rope {R}")
+    L, R = latent_widths(q, kv_c, kv_cache, nope)
     problems = _shape_problems(L, R)
     if problems:
         raise UserError(f"{NAME}: {'; '.join(problems)}: serve this MLA with attention.mla.torch_paged "

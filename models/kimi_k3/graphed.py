@@ -152,9 +152,9 @@ class ProgramVariant:
     """A layer-bench Variant over one built program at one batch bucket."""
 
     def __init__(self, name: str, built: _Built, batch: int, bucket: int, all_buckets: Sequence[int],
-                 context: int = 16):
+                 context: int | None = None):
         self.name, self.b, self.batch, self.bucket = name, built, batch, bucket
-        self.context = context
+        self.context = 16 if context is None else context  # KDA cells: any context (no KV cache read)
         self.layers = built.spec.num_layers
         self._all = tuple(all_buckets)
         self._load()
@@ -338,8 +338,7 @@ class OursBench:
         for n in (self.layers, 1):
             built = self.built[n]
             bucket = next(b for b in sorted(built.program.plans) if b >= batch)
-            out.append(ProgramVariant(f"ours[{n}]", built, batch, bucket, sorted(built.program.plans),
-                                      context=context if context is not None else 16))
+            out.append(ProgramVariant(f"ours[{n}]", built, batch, bucket, sorted(built.program.plans), context))
         return out[0], out[1]
 
     def expert_weights(self, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -215,6 +215,10 @@ class _StockMoELayer:
         """[M, k] expert ids of the last forward."""
         return self.moe.topk_ids
 
+    def _bytes(self, attention_weights: list[torch.Tensor]) -> int:
+        """Bytes of the layer's weights: its attention's plus the MoE sublayer's (all routed experts)."""
+        return sum(t.numel() * t.element_size() for t in [*attention_weights, *self.moe.weights()])
+
 
 class StockKDAMoELayer(_StockMoELayer):
     """One KDA + latent-MoE layer, stock composition, on one rank (see the module docstring).
@@ -259,8 +263,7 @@ class StockKDAMoELayer(_StockMoELayer):
 
     def weight_bytes(self) -> int:
         """Bytes of every weight this layer holds (routed experts: all of them)."""
-        ts = [self.w_in, self.w_fb, self.conv_w, self.A_log, self.dt_bias, self.o_norm_w, self.w_o, *self.moe.weights()]
-        return sum(t.numel() * t.element_size() for t in ts)
+        return self._bytes([self.w_in, self.w_fb, self.conv_w, self.A_log, self.dt_bias, self.o_norm_w, self.w_o])
 
     def forward(self, st: AttnResState) -> None:
         """One layer; reads ``st.delta`` (previous sublayer output), writes this layer's output to it."""
@@ -350,9 +353,8 @@ class StockMLAMoELayer(_StockMoELayer):
         self.moe = StockLatentMoE(f, N, tp, batch, self.eps, dev, experts=experts, streams=streams)
 
     def weight_bytes(self) -> int:
-        ts = [self.w_qkv_a, self.q_a_norm_w, self.kv_a_norm_w, self.w_q_b, self.w_kv_b, self.w_o, *self.moe.weights()]
-        ts += [self.w_g] if self.w_g is not None else []
-        return sum(t.numel() * t.element_size() for t in ts)
+        gate = [self.w_g] if self.w_g is not None else []
+        return self._bytes([self.w_qkv_a, self.q_a_norm_w, self.kv_a_norm_w, self.w_q_b, self.w_kv_b, self.w_o, *gate])
 
     def _attention(self, h: torch.Tensor, mla) -> torch.Tensor:
         a, M, H, dev = self.a, self.M, self.H, h.device

@@ -36,14 +36,19 @@ class _Absorbed(NamedTuple):
     scale: float
 
 
+def latent_widths(q: torch.Tensor, kv_c: torch.Tensor, kv_cache: torch.Tensor, nope: int) -> tuple[int, int]:
+    """(L, R): kv_lora and rope widths of a call, checked against the cache (every MLA implementation)."""
+    L, R = kv_c.shape[-1], q.shape[-1] - nope
+    if kv_cache.shape[-1] != L + R:
+        raise ValueError(f"kv_cache width {kv_cache.shape[-1]} != kv_lora {L} + rope {R}")
+    return L, R
+
+
 def _absorb(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, w_kv_b: torch.Tensor,
             nope: int, v: int, scale: float | None) -> _Absorbed:
     """Shape checks and the absorbed query, shared by the MLA implementations (steps 1-2 of the contract)."""
     H, qk = q.shape[1], q.shape[2]
-    L = kv_c.shape[-1]
-    R = qk - nope
-    if kv_cache.shape[-1] != L + R:
-        raise ValueError(f"kv_cache width {kv_cache.shape[-1]} != kv_lora {L} + rope {R}")
+    L, R = latent_widths(q, kv_c, kv_cache, nope)
     w = w_kv_b.float().view(H, nope + v, L)
     w_uk, w_uv = w[:, :nope], w[:, nope:]                                  # [H, nope, L], [H, v, L]
     q_lat = torch.einsum("bhn,hnl->bhl", q[..., :nope].float(), w_uk)      # [B, H, L]
