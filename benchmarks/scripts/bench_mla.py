@@ -194,9 +194,9 @@ def main(argv: list[str] | None = None) -> int:
              f"{a.block_size}, bf16)", "",
              f"GPU {meta['machine']['gpu']}, torch {meta['machine']['torch']}, triton {meta['machine']['triton']}, "
              f"commit {meta['machine']['git_commit']}; roofline at {a.bw / 1e12:g} TB/s; tuning {tuning}", "",
-             "triton: the whole call (fused: write, absorb bmm, split, merge + W_UV + gate: 4 launches); split "
-             "kernel: that kernel alone (TB/s of cache read); unfused: torch latent write and epilogue (~25 "
-             "launches).", "",
+             "triton: the whole call (fused: prologue = latent write + absorbed query, split, merge + W_UV + gate: "
+             "3 launches); split kernel: that kernel alone (TB/s of cache read); unfused: torch latent write "
+             "and epilogue (~25 launches).", "",
              "| B | context | MB | roofline us | triton us | % roofline | split kernel us (TB/s) | triton unfused us "
              "| torch_paged us | max rel err | splits |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

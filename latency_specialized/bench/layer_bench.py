@@ -8,7 +8,9 @@ TP shard (communication excluded on one GPU, and reported as such):
   alternately per variant (their spread is the measured noise). Each variant runs ``layers`` layer
   copies with their own weights back to back, so weights rotate beyond the L2 (a KDA+MoE layer
   touches > 100 MB per rank already at batch 1);
-* **kernels per layer**: kernel nodes of the captured graph (``graph_runner.graph_node_counts``);
+* **kernels per layer**: kernel nodes of the captured graph (``graph_runner.graph_node_counts``),
+  and for ours also split by op site during capture (``runtime.census``): kernels of the
+  communication sites (all-reduces, all-gathers: on one GPU stand-ins for the exchange) vs the rest;
 * **roofline**: bytes a layer must read once on this rank (PERF.md "Which bytes count": every
   weight once per TP group, so a rank's share is weight/TP; routed experts = the *distinct* experts
   the batch actually selected; recurrent state read + written) / the HBM bandwidth;
@@ -30,6 +32,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from latency_specialized.errors import UserError
+from latency_specialized.runtime.census import split_communication
 from latency_specialized.runtime.graph_runner import _new_graph, graph_node_counts
 from latency_specialized.spec import KDAAttentionSpec, MLAAttentionSpec, ModelSpec, MoESpec
 
@@ -204,6 +207,8 @@ class Measured:
     layers: int
     graph: bool = True
     nodes: dict[str, int] | None = None
+    sites: dict[str, int] | None = None
+    """Kernel nodes per op site (runtime.census), where the variant counts them."""
     rounds: list[float] = field(default_factory=list)
     error: str | None = None
 
@@ -227,6 +232,8 @@ def measure(variants: Sequence[Variant], cfg: BenchConfig, say: Callable[[str], 
         m = Measured(v.name, v.layers)
         try:
             m.nodes = v.capture()
+            site_kernels = getattr(v, "site_kernels", None)
+            m.sites = site_kernels() if site_kernels is not None else None
         except Exception as e:  # noqa: BLE001 - e.g. a reference op that syncs: report it, time eagerly
             m.graph, m.error = False, f"not capturable: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
             say(f"    {v.name}: {m.error}; timing it eagerly")
@@ -268,6 +275,9 @@ def per_layer(m: Measured, base: Measured | None) -> dict[str, Any]:
         n = m.layers - base.layers
         rec["us"] = (m.us - base.us) / n
         rec["kernels"] = (m.kernels - base.kernels) / n if (m.kernels is not None and base.kernels is not None) else None
+        if m.sites is not None and base.sites is not None:
+            rec["site_kernels"] = {k: (m.sites.get(k, 0) - base.sites.get(k, 0)) / n
+                                   for k in sorted(set(m.sites) | set(base.sites))}
         rec["step_us"], rec["baseline_step_us"] = m.us, base.us
         spread = [((a - b) / n) for a, b in zip(m.rounds, base.rounds)]
         rec["rounds"] = spread
@@ -275,9 +285,32 @@ def per_layer(m: Measured, base: Measured | None) -> dict[str, Any]:
     else:
         rec["us"] = m.us / m.layers
         rec["kernels"] = m.kernels / m.layers if m.kernels is not None else None
+        if m.sites is not None:
+            rec["site_kernels"] = {k: v / m.layers for k, v in sorted(m.sites.items())}
         rec["rounds"] = [r / m.layers for r in m.rounds]
         rec["noise"] = m.noise
     rec["nodes"] = m.nodes
+    add_kernel_split(rec)
+    return rec
+
+
+def add_kernel_split(rec: dict[str, Any]) -> dict[str, Any]:
+    """Per-layer kernels split into communication sites and the rest (``rec['site_kernels']``).
+
+    ``comm_kernels``: kernels of the all-reduce and all-gather sites (runtime.census);
+    ``kernels_no_comm`` = ``kernels`` - ``comm_kernels`` (kernels outside any site, e.g. copies
+    between ops, stay in it). Without a census (stock composition: it has no communication on one
+    GPU) ``comm_kernels`` is 0 when ``no_comm_sites`` is set, else unknown."""
+    sites = rec.get("site_kernels")
+    if rec.get("kernels") is None:
+        return rec
+    if sites is not None:
+        comm, _ = split_communication(sites)
+        rec["comm_kernels"] = comm
+        rec["kernels_no_comm"] = rec["kernels"] - comm
+        rec["unattributed_kernels"] = rec["kernels"] - sum(sites.values())
+    elif rec.get("no_comm_sites"):
+        rec["comm_kernels"], rec["kernels_no_comm"] = 0, rec["kernels"]
     return rec
 
 
@@ -383,7 +416,7 @@ def _cell(cfg: BenchConfig, full: ModelSpec, li: int, kind: str, batch: int, con
     ours_k, ours_1 = ours.variants(batch, context)
     m_k, m_1, m_s = measure([ours_k, ours_1, stock], cfg, say)
     o = per_layer(m_k, m_1)
-    s = per_layer(m_s, None)
+    s = add_kernel_split({**per_layer(m_s, None), "no_comm_sites": True})  # stock: no communication on one GPU
     ids = ours_k.routing() if o["us"] is not None else []
     d_ours = _distinct(ids, batch)
     d_stock = _distinct(stock_layers.routed_ids(), batch)
@@ -398,7 +431,7 @@ def _cell(cfg: BenchConfig, full: ModelSpec, li: int, kind: str, batch: int, con
     add_stock_roofline(cell, full, cfg.tp)
     where = f"batch {batch:>2}" + (f", context {context}" if context is not None else "")
     say(f"[{kind}] {where}: ours {_fmt(o.get('us'))} us/layer ({_fmt(o.get('kernels'), '{:.1f}')} "
-        f"kernels) | stock {_fmt(s.get('us'))} us ({_fmt(s.get('kernels'), '{:.1f}')} kernels) | roofline "
+        f"kernels, {_fmt(o.get('kernels_no_comm'), '{:.1f}')} without communication) | stock {_fmt(s.get('us'))} us ({_fmt(s.get('kernels'), '{:.1f}')} kernels) | roofline "
         f"{r_us:.1f} us ({distinct or 0:.0f} experts) | {_fmt(cell['fraction'] and 100 * cell['fraction'], '{:.0f}%')} "
         f"| speed-up {_fmt(cell['speedup'], '{:.2f}x')} [{time.perf_counter() - t1:.0f} s]")
     del stock_layers, stock

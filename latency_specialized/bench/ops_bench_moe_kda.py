@@ -278,17 +278,20 @@ def bench_kda(tp: int, batches: list[int], *, rotations: int = 8, seed: int = 2,
         nbytes = state_bytes + conv_bytes + io_bytes
         case = f"tp{tp} B={B} H={H} D={D}"
 
-        for rs in (1, 2):
-            def ours(r, rs=rs):
+        # state in registers (row split 1 or 2) or staged through shared memory (3 CTAs per SM)
+        for rs, staged in ((1, False), (2, False), (1, True)):
+            label = f"cutedsl[row_split={rs}{', smem' if staged else ''}]"
+
+            def ours(r, rs=rs, staged=staged):
                 kda_decode(inp[r]["mixed_qkv"], conv_state, conv_w, inp[r]["f"], A_log, dt_bias,
                            inp[r]["beta_logit"], inp[r]["g_out"], norm_w, state, idx[r], num_heads=H, out=out,
-                           row_split=rs)
+                           row_split=rs, stage_smem=staged)
 
             try:
-                rows.append(Row("attention.kda", case, f"cutedsl[row_split={rs}]", twice(ours, rotations), 1,
+                rows.append(Row("attention.kda", case, label, twice(ours, rotations), 1,
                                 nbytes, extra=dict(state_bytes=state_bytes)))
             except Exception as e:  # noqa: BLE001
-                rows.append(Row("attention.kda", case, f"cutedsl[row_split={rs}]", [], 1, nbytes,
+                rows.append(Row("attention.kda", case, label, [], 1, nbytes,
                                 notes=f"{type(e).__name__}: {e}"[:300]))
 
         def ref(r):

@@ -61,7 +61,10 @@ def to_markdown(result: dict[str, Any]) -> str:
              f"roofline {cfg.get('hbm_tb_s')} TB/s. {cfg.get('comm')}", ""]
     for n in result.get("notes", []):
         lines.append(f"- {n}")
-    lines += ["", "| layer | batch | context | ours us/layer | kernels | stock us/layer | kernels | roofline us | "
+    lines += ["", "Kernels: graph kernel nodes per layer, all of them / without communication (ours: kernels of the "
+              "all-reduce and all-gather sites, counted per site during capture, taken out; stock has no "
+              "communication kernels on one GPU).", "",
+              "| layer | batch | context | ours us/layer | kernels (no comm) | stock us/layer | kernels | roofline us | "
               "ours % roofline | stock % roofline | speed-up | speed-up per byte | experts ours/stock | "
               "noise ours/stock |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -70,12 +73,43 @@ def to_markdown(result: dict[str, Any]) -> str:
         ours_us = _f(o.get("us")) + ("" if o.get("graph", True) else " (eager)") if o.get("us") is not None else \
             f"n/a ({o.get('error', 'not run')})"
         lines.append(
-            f"| {c['kind']} | {c['batch']} | {_ctx(c)} | {ours_us} | {_f(o.get('kernels'), '{:.1f}')} | "
+            f"| {c['kind']} | {c['batch']} | {_ctx(c)} | {ours_us} | {_kernels(o)} | "
             f"{_f(s.get('us'))} | {_f(s.get('kernels'), '{:.1f}')} | {_f(r.get('us'))} | "
             f"{_f(_pct(c.get('fraction')), '{:.0f}%')} | {_f(_pct(c.get('stock_fraction')), '{:.0f}%')} | "
             f"{_f(c.get('speedup'), '{:.2f}x')} | {_f(c.get('speedup_per_byte'), '{:.2f}x')} | "
             f"{_f(r.get('distinct_experts'), '{:.0f}')}/{_f(r.get('distinct_experts_stock'), '{:.0f}')} | "
             f"{_f(_pct(o.get('noise')), '{:.1f}%')}/{_f(_pct(s.get('noise')), '{:.1f}%')} |")
+    sites = site_table(result)
+    if sites:
+        lines += ["", "## Ours: kernels per layer by op site", "",
+                  "Counted during capture (`runtime.census`); '(between sites)' = copies the program makes between "
+                  "ops (column slices made contiguous).", "", sites.rstrip("\n")]
+    return "\n".join(lines) + "\n"
+
+
+def _kernels(o: dict[str, Any]) -> str:
+    """'17 (12)': all kernels per layer and, where counted, those outside communication sites."""
+    k = _f(o.get("kernels"), "{:.0f}")
+    return k if o.get("kernels_no_comm") is None else f"{k} ({o['kernels_no_comm']:.0f})"
+
+
+def site_table(result: dict[str, Any]) -> str:
+    """Markdown: kernels per layer by op site of ours, one column per (kind, batch, context) cell."""
+    cells = [c for c in result["cells"] if (c.get("ours") or {}).get("site_kernels")]
+    if not cells:
+        return ""
+    sites = sorted({s.split("/", 1)[-1] for c in cells for s in c["ours"]["site_kernels"]})
+    head = [f"{c['kind']} b{c['batch']}" + ("" if c.get("context") is None else f" c{c['context']}") for c in cells]
+    lines = ["| site | " + " | ".join(head) + " |", "|---|" + "---|" * len(cells)]
+
+    def per_site(c: dict[str, Any], site: str) -> float:
+        return sum(v for k, v in c["ours"]["site_kernels"].items() if k.split("/", 1)[-1] == site)
+
+    for site in sites:
+        lines.append(f"| {site} | " + " | ".join(f"{per_site(c, site):.0f}" for c in cells) + " |")
+    lines.append("| (between sites) | " + " | ".join(_f(c["ours"].get("unattributed_kernels"), "{:.0f}")
+                                                   for c in cells) + " |")
+    lines.append("| **all** | " + " | ".join(_f(c["ours"].get("kernels"), "{:.0f}") for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 

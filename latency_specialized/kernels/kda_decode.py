@@ -43,6 +43,12 @@ class KDAConfig:
     row_split: int = 1
     """CTAs per (head, sequence): 2 splits the 128 state rows over a 2-CTA cluster (128 threads each),
     the RMSNorm's sum of squares crossing through distributed shared memory."""
+    stage_smem: bool = False
+    """Stage the state through shared memory: every thread requests its 64 KiB share with
+    ``cp.async`` (no registers held while in flight) and reads it back row by row. 64 KiB of shared
+    memory per CTA lets 3 CTAs share an SM (registers capped at 85) instead of 2 that hold the
+    state in registers: more state in flight per SM and CTAs out of phase (one computes while
+    others load). row_split 1 only."""
     pdl: bool = True
     """Programmatic dependent launch: the kernel starts while the projections before it drain and
     requests its recurrent state (written only by this kernel, a step earlier) before
@@ -73,6 +79,27 @@ def _build_kernel_class():
             "{\n .reg .b32 ra;\n mapa.shared::cluster.u32 ra, $1, $2;\n ld.shared::cluster.f32 $0, [ra];\n}",
             "=f,r,r,~{memory}", has_side_effects=True, asm_dialect=0))
 
+    def cp_async16(smem_ptr, gaddr):
+        """16 bytes global -> shared, asynchronous (L2 fetches 256 B: half a state row per request)."""
+        from cutlass._mlir import ir
+        from cutlass._mlir.dialects import llvm
+
+        saddr = Int32(llvm.ptrtoint(ir.IntegerType.get_signless(32), smem_ptr.to_llvm_ptr()))
+        llvm.inline_asm(None, [saddr.ir_value(), Int64(gaddr).ir_value()],
+                        "cp.async.cg.shared.global.L2::256B [$0], [$1], 16;", "r,l",
+                        has_side_effects=True, asm_dialect=0)
+
+    def cp_async_commit():
+        from cutlass._mlir.dialects import llvm
+
+        llvm.inline_asm(None, [], "cp.async.commit_group;", "~{memory}", has_side_effects=True, asm_dialect=0)
+
+    def cp_async_wait_all():
+        """This thread's copies have landed (each thread reads back only what it copied: no barrier)."""
+        from cutlass._mlir.dialects import llvm
+
+        llvm.inline_asm(None, [], "cp.async.wait_group 0;", "~{memory}", has_side_effects=True, asm_dialect=0)
+
     class KDADecodeKernel:
         def __init__(self, cfg: KDAConfig):
             self.cfg = cfg
@@ -84,13 +111,15 @@ def _build_kernel_class():
                      g_out: cute.Tensor, norm_weight: cute.Tensor, state: cute.Tensor, state_idx: cute.Tensor,
                      out: cute.Tensor, stream):
             RS = self.cfg.row_split
+            staged = self.cfg.stage_smem
             self.kernel(mixed_qkv, conv_state, conv_weight, f, A_log, dt_bias, beta_logit, g_out, norm_weight,
                         state, state_idx, out).launch(
                 grid=[RS, self.cfg.heads, mixed_qkv.shape[0]], block=[THREADS // RS, 1, 1],
                 cluster=[RS, 1, 1] if RS > 1 else None, stream=stream, use_pdl=self.cfg.pdl,
-                # <= 128 registers: 64 KiB of state in flight per 256 threads of an SM. An explicit
-                # carveout keeps the DSL from querying a device at compile time (CPU compiles).
-                min_blocks_per_mp=2 * RS, preferred_smem_carveout=50)
+                # <= 128 registers: 64 KiB of state in flight per 256 threads of an SM (staged: 3 CTAs
+                # of 64 KiB shared memory each, the whole carveout). An explicit carveout keeps the DSL
+                # from querying a device at compile time (CPU compiles).
+                min_blocks_per_mp=3 if staged else 2 * RS, preferred_smem_carveout=100 if staged else 50)
 
         @cute.jit
         def _sigmoid(self, z: Float32) -> Float32:
@@ -139,6 +168,9 @@ def _build_kernel_class():
             sv = smem.allocate_tensor(Float32, cute.make_layout(ROWS), byte_alignment=16)
             so = smem.allocate_tensor(Float32, cute.make_layout(ROWS), byte_alignment=16)
             red = smem.allocate_tensor(Float32, cute.make_layout(16), byte_alignment=16)
+            sS = None
+            if cutlass.const_expr(cfg.stage_smem):  # the state rows, same layout as in global memory
+                sS = smem.allocate_tensor(Float32, cute.make_layout(ROWS * D), byte_alignment=128)
 
             sidx = state_idx[b].to(Int32)
             sbase = state.iterator + (Int64(sidx) * Int64(H) + Int64(h)) * Int64(D * D)
@@ -153,10 +185,16 @@ def _build_kernel_class():
                 r = r0 + warp * 16 + 4 * i + grp
                 row = []
                 for j in cutlass.range_constexpr(4):
-                    frag = cute.make_rmem_tensor(4, Float32)
-                    cute.copy(ld_state, vec4(sbase, r * D + sub * 4 + 32 * j), frag)
-                    row.append(frag)
+                    off = r * D + sub * 4 + 32 * j
+                    if cutlass.const_expr(cfg.stage_smem):  # same offsets in shared memory (row split 1)
+                        cp_async16(sS.iterator + off, (sbase + off).toint())
+                    else:
+                        frag = cute.make_rmem_tensor(4, Float32)
+                        cute.copy(ld_state, vec4(sbase, off), frag)
+                        row.append(frag)
                 S.append(row)
+            if cutlass.const_expr(cfg.stage_smem):
+                cp_async_commit()
             if cutlass.const_expr(cfg.pdl):
                 # state_idx and the state were written before the previous kernel started (the step's
                 # inputs; this kernel one step ago); the projections' outputs are read after this
@@ -211,8 +249,15 @@ def _build_kernel_class():
 
             # 3. delta rule per row: S <- S*decay; v' = beta (v - S k); S <- S + v' k^T; o = S q
             # k, q and decay are re-read from shared memory per row (cheap) to keep registers for S
+            if cutlass.const_expr(cfg.stage_smem):
+                cp_async_wait_all()
             for i in cutlass.range_constexpr(4):
                 rl = warp * 16 + 4 * i + grp  # row within this CTA's slice
+                if cutlass.const_expr(cfg.stage_smem):  # this row's 4 vectors, back from shared memory
+                    for j in cutlass.range_constexpr(4):
+                        frag = cute.make_rmem_tensor(4, Float32)
+                        frag.store(vec4(sS.iterator, rl * D + sub * 4 + 32 * j).load())
+                        S[i].append(frag)
                 kk = []
                 acc4 = cute.make_rmem_tensor(4, Float32)
                 acc4.fill(0.0)
@@ -307,7 +352,7 @@ def _compile(cfg: KDAConfig):
 
 def make_config(mixed_qkv: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor, state: torch.Tensor,
                 state_idx: torch.Tensor, A_log: torch.Tensor, *, num_heads: int, eps: float, gate_lower_bound: float,
-                scale: float | None, row_split: int | None = None) -> KDAConfig:
+                scale: float | None, row_split: int | None = None, stage_smem: bool | None = None) -> KDAConfig:
     """Validated compile key; UserError names the fix."""
     HD3 = mixed_qkv.shape[1]
     if HD3 % (3 * num_heads) != 0 or HD3 // (3 * num_heads) != HEAD_DIM:
@@ -329,9 +374,23 @@ def make_config(mixed_qkv: torch.Tensor, conv_state: torch.Tensor, conv_weight: 
         row_split = default_row_split(mixed_qkv.shape[0], num_heads)
     if row_split not in (1, 2):
         raise UserError(f"kda kernel: row_split={row_split}; use 1 or 2")
+    if stage_smem is None:
+        stage_smem = default_stage_smem(mixed_qkv.shape[0], num_heads) and row_split == 1
+    if stage_smem and row_split != 1:
+        raise UserError("kda kernel: stage_smem needs row_split=1 (a split CTA holds half a state)")
     return KDAConfig(num_heads, W, _dtype_name(mixed_qkv.dtype), _dtype_name(A_log.dtype),
                      _dtype_name(state_idx.dtype), float(eps), float(gate_lower_bound),
-                     float(HEAD_DIM ** -0.5 if scale is None else scale), row_split)
+                     float(HEAD_DIM ** -0.5 if scale is None else scale), row_split, bool(stage_smem))
+
+
+STAGE_SMEM_MIN_CTAS = 1 << 30
+"""Smallest (sequences x heads) that stages the state through shared memory by default (set from
+the H200 measurement of both variants, NOTES_moe_kda.md)."""
+
+
+def default_stage_smem(batch: int, heads: int) -> bool:
+    """Stage the state through shared memory (3 CTAs per SM) where the grid fills the GPU many times."""
+    return batch * heads >= STAGE_SMEM_MIN_CTAS
 
 
 def default_row_split(batch: int, heads: int) -> int:
@@ -344,16 +403,18 @@ def kda_decode(mixed_qkv: torch.Tensor, conv_state: torch.Tensor, conv_weight: t
                A_log: torch.Tensor, dt_bias: torch.Tensor, beta_logit: torch.Tensor, g_out: torch.Tensor,
                norm_weight: torch.Tensor, state: torch.Tensor, state_idx: torch.Tensor, *, num_heads: int,
                eps: float = 1e-5, gate_lower_bound: float = -5.0, scale: float | None = None,
-               out: torch.Tensor | None = None, row_split: int | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, row_split: int | None = None,
+               stage_smem: bool | None = None) -> torch.Tensor:
     """Fused KDA decode on the GPU; same contract as ``ops.attention.kda.kda_decode_reference``.
 
     ``conv_weight``, ``A_log``, ``dt_bias`` and ``norm_weight`` share one dtype (fp32 or the activation
     dtype). ``state`` / ``conv_state`` rows named by ``state_idx`` are updated in place. Returns
     [B, H*D] in mixed_qkv.dtype (or writes ``out``). ``row_split`` (1 or 2 CTAs per head and
-    sequence) defaults to :func:`default_row_split`.
+    sequence) defaults to :func:`default_row_split`; ``stage_smem`` (state through shared memory, see
+    KDAConfig) to :func:`default_stage_smem`.
     """
     cfg = make_config(mixed_qkv, conv_state, conv_weight, state, state_idx, A_log, num_heads=num_heads, eps=eps,
-                      gate_lower_bound=gate_lower_bound, scale=scale, row_split=row_split)
+                      gate_lower_bound=gate_lower_bound, scale=scale, row_split=row_split, stage_smem=stage_smem)
     pdt = A_log.dtype
     for name, t in (("conv_weight", conv_weight), ("dt_bias", dt_bias), ("norm_weight", norm_weight)):
         if t.dtype != pdt:

@@ -4,15 +4,19 @@ The contract is ``ops.attention.mla.mla_decode_reference``; this is the GPU kern
 captured into a CUDA graph (``attention.mla.torch_paged`` is the sync-free torch composition it
 replaces: that one gathers and multiplies the whole block table per step, in fp32).
 
-Steps of one call (one new token per sequence); ``fused=False`` swaps steps 1 and 4-5 for the torch
-composition named in brackets (about 25 launches instead of 4: at batch 1 the launches, not the
+Steps of one call (one new token per sequence); ``fused=False`` swaps steps 1 and 3 for the torch
+composition named in brackets (about 25 launches instead of 3: at batch 1 the launches, not the
 bytes, are the time):
 
-1. **write kernel**, grid ``(B,)``: the new latents ``[kv_c | k_pe]`` go into the paged cache at
-   ``slot_mapping`` (negative: nothing) [``ops.attention.mla._write_new_latents``; no host sync either way];
-2. absorbed query ``q_lat[h] = q_nope[h] @ W_UK[h]``: one torch ``bmm`` over the heads in the
-   activation dtype (fp32 accumulation inside the GEMM, **rounding to the activation dtype**);
-3. **split kernel**, grid ``(B, head groups, num_splits)``: a program takes up to ``BLOCK_H`` (16,
+1. **prologue kernel**, grid ``(cdiv(B, PROLOGUE_B), H + 1, L / PROLOGUE_L)``: the programs of head
+   ``h < H`` compute a tile of the absorbed query ``q_lat[h] = q_nope[h] @ W_UK[h]`` (``PROLOGUE_B``
+   sequences x ``PROLOGUE_L`` latent columns; ``tl.dot``, fp32 accumulation, **rounding to the
+   activation dtype**) into ``q_lat`` [H, B, L]; the programs of the extra head index ``H`` write the
+   new latents ``[kv_c | k_pe]`` of their sequences into the paged cache at ``slot_mapping``
+   (negative: nothing; each column tile writes its kv_c columns, the first one k_pe too)
+   [``ops.attention.mla._write_new_latents``, then one torch ``bmm`` over the heads in the activation
+   dtype: the same roundings; no host sync either way];
+2. **split kernel**, grid ``(B, head groups, num_splits)``: a program takes up to ``BLOCK_H`` (16,
    the smallest ``tl.dot`` tile) heads of one sequence and one contiguous chunk of its positions.
    The chunk length comes from ``seq_lens[b]`` read *on the device* (``cdiv(seq_len, num_splits)``,
    at least ``MIN_CHUNK``, a multiple of ``BLOCK_N``), so a short sequence in a long block table
@@ -21,7 +25,7 @@ bytes, are the time):
    ``s = scale * (q_lat c^T + q_pe k_pe^T)`` (tensor cores, fp32 accumulation), online softmax in
    fp32 (base 2), and ``acc += p c`` with **p rounded to the cache dtype** for the tensor-core dot,
    fp32 accumulation. It writes ``(acc, m, l)`` of its split to an fp32 workspace;
-4. **merge kernel**, grid ``(B, H)``: log-sum-exp weights over the splits that held positions
+3. **merge kernel**, grid ``(B, H)``: log-sum-exp weights over the splits that held positions
    (padding rows, ``seq_lens == 0``, give exact zeros), ``o_lat`` kept in fp32, ``o = W_UV[h] o_lat``
    (fp32 FMAs over the bf16 weight), ``* sigmoid(gate)`` in fp32, **the one rounding** of ``o`` into
    ``out`` [merge to ``o_lat`` in the activation dtype (**rounding**; with one split the split kernel
@@ -73,11 +77,21 @@ MERGE_S_TILE = 128
 """Most splits per merge step; a step takes the largest power of two <= num_splits up to this (a
 tile wider than the live splits costs masked lanes: H200, batch 8, 33 splits: 16-wide 43 us per call,
 64-wide 53; batch 1, 256 splits: 128-wide 47 us, 64-wide 75)."""
+PROLOGUE_B = 16
+"""Sequences per prologue program: the smallest M of a tensor-core ``tl.dot`` (batch 1 pads to 16, masked)."""
+PROLOGUE_L = 64
+"""Latent columns per prologue program: at batch 1 the prologue is a read of W_UK (Kimi K3 TP8: 12 heads x
+128 x 512 bf16, 1.5 MB) by as many SMs as possible; 64 columns give 12 x 8 = 96 q_lat programs of 16 KB
+(128: 48 programs of 32 KB), and at batch 64 (4 row tiles) 384, each W tile re-read from L2."""
+PROLOGUE_K = 128
+"""Most of nope per ``tl.dot`` step (a masked loop: any nope works): Kimi's 128 in one step, so a program
+issues all its loads (a 128 x 64 W_UK tile, the q rows) before its one dot."""
 MERGE_WARPS = 4
 NUM_WARPS = 4
 NUM_STAGES = 2
 FUSED = True
-"""Default of ``fused``: Triton latent write and merge epilogue (see ``mla_decode_triton``)."""
+"""Default of ``fused``: Triton prologue (latent write + absorbed query) and merge epilogue (see
+``mla_decode_triton``)."""
 _POW2_RANGES = {"kv_lora": (16, 1024), "rope": (16, 256)}
 """Sizes the kernels take: powers of two (``tl.arange``) of at least 16 (``tl.dot``'s K)."""
 
@@ -105,18 +119,42 @@ def _kernels(interpret: bool):
     import triton.language as tl
 
     @triton.jit
-    def write_kernel(kv_c, k_pe, slots, cache, s_c, s_p, s_row, L: tl.constexpr, R: tl.constexpr):
-        # one row per program; a negative slot writes nothing (masks from comparisons only: the
-        # interpreter mishandles & of a vector and a scalar mask)
-        b = tl.program_id(0)
-        slot = tl.load(slots + b).to(tl.int64)
-        offs_l = tl.arange(0, L)
-        offs_r = tl.arange(0, R)
-        row = cache + tl.maximum(slot, 0) * s_row
-        c = tl.load(kv_c + b * s_c + offs_l)
-        p = tl.load(k_pe + b * s_p + offs_r)
-        tl.store(row + offs_l, c.to(cache.dtype.element_ty), mask=offs_l < tl.where(slot >= 0, L, 0))
-        tl.store(row + L + offs_r, p.to(cache.dtype.element_ty), mask=offs_r < tl.where(slot >= 0, R, 0))
+    def prologue_kernel(q, w_uk, kv_c, k_pe, slots, cache, q_lat, B, H, NOPE,
+                        s_qb, s_qh, s_wh, s_wk, s_lh, s_lb, s_c, s_p, s_row,
+                        L: tl.constexpr, R: tl.constexpr, BB: tl.constexpr, BL: tl.constexpr,
+                        BK: tl.constexpr, PREC: tl.constexpr):
+        # grid (cdiv(B, BB), H + 1, L / BL): rows bt*BB.., latent columns lt*BL..; heads h < H compute
+        # q_lat[h, rows, cols] = q_nope[rows, h] @ W_UK[h][:, cols], the extra head h == H writes the new
+        # latents of its rows (its kv_c columns; column tile 0 also k_pe). Masks from comparisons only
+        # (the interpreter mishandles & of a vector and a scalar mask).
+        bt = tl.program_id(0)
+        h = tl.program_id(1)
+        lt = tl.program_id(2)
+        offs_b = bt * BB + tl.arange(0, BB)
+        b_ok = offs_b < B
+        offs_l = lt * BL + tl.arange(0, BL)
+        if h < H:
+            acc = tl.zeros([BB, BL], dtype=tl.float32)
+            for k0 in range(0, NOPE, BK):
+                offs_k = k0 + tl.arange(0, BK)
+                k_ok = offs_k < NOPE
+                a = tl.load(q + offs_b[:, None] * s_qb + h * s_qh + offs_k[None, :],
+                            mask=b_ok[:, None] & k_ok[None, :], other=0.0)                 # [BB, BK]
+                wt = tl.load(w_uk + h * s_wh + offs_k[:, None] * s_wk + offs_l[None, :],
+                             mask=k_ok[:, None], other=0.0)                                # [BK, BL]
+                acc = tl.dot(a, wt, acc, input_precision=PREC)
+            tl.store(q_lat + h * s_lh + offs_b[:, None] * s_lb + offs_l[None, :],
+                     acc.to(q_lat.dtype.element_ty), mask=b_ok[:, None])
+        else:  # a negative slot (or a row past B) writes nothing
+            slot = tl.load(slots + offs_b, mask=b_ok, other=-1).to(tl.int64)
+            ok = slot >= 0
+            row = cache + tl.maximum(slot, 0)[:, None] * s_row
+            c = tl.load(kv_c + offs_b[:, None] * s_c + offs_l[None, :], mask=ok[:, None], other=0.0)
+            tl.store(row + offs_l[None, :], c.to(cache.dtype.element_ty), mask=ok[:, None])
+            offs_r = tl.arange(0, R)
+            r_ok = ok[:, None] & (offs_r < tl.where(lt == 0, R, 0))[None, :]
+            p = tl.load(k_pe + offs_b[:, None] * s_p + offs_r[None, :], mask=r_ok, other=0.0)
+            tl.store(row + L + offs_r[None, :], p.to(cache.dtype.element_ty), mask=r_ok)
 
     @triton.jit
     def split_kernel(q_lat, q_pe, cache, block_table, seq_lens, ws_acc, ws_m, ws_l, o_lat,
@@ -238,7 +276,7 @@ def _kernels(interpret: bool):
                 o = o * tl.sigmoid(g)
             tl.store(out + b * s_o + h * V + offs_v, o.to(out.dtype.element_ty), mask=v_ok)
 
-    return dict(write=write_kernel, split=split_kernel, merge=merge_kernel)
+    return dict(prologue=prologue_kernel, split=split_kernel, merge=merge_kernel)
 
 
 @functools.cache
@@ -288,6 +326,34 @@ def _next_pow2(n: int) -> int:
 
 def _last_dim_unit(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _prologue(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor,
+              flat: torch.Tensor, w_uk: torch.Tensor, q_lat: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch the prologue kernel (one launch): ``flat[slot_mapping[b]] = [kv_c[b] | k_pe[b]]`` in the
+    cache dtype for slots >= 0, and return ``q_lat`` [H, B, L] (contiguous, q.dtype) ``= q_nope[:, h] @
+    w_uk[h]`` with fp32 accumulation and one rounding (as the torch ``bmm`` of the unfused path).
+    q [B, H, nope + R]; w_uk [H, nope, L] in q.dtype; ``q_lat``: optional destination (tests poison it).
+    Static grid from shapes only (graph-safe)."""
+    B, H, _ = q.shape
+    _, nope, L = w_uk.shape
+    R = k_pe.shape[-1]
+    if w_uk.dtype != q.dtype:
+        raise ValueError(f"w_uk dtype {w_uk.dtype} != q dtype {q.dtype}")
+    if q_lat is None:
+        q_lat = torch.empty(H, B, L, device=q.device, dtype=q.dtype)   # the layout bmm gave: [H, B, L]
+    qn = _last_dim_unit(q[..., :nope])
+    w_uk = _last_dim_unit(w_uk)
+    kv_c, k_pe = _last_dim_unit(kv_c), _last_dim_unit(k_pe)
+    bl = min(PROLOGUE_L, L)
+    bk = min(max(_next_pow2(nope), 16), PROLOGUE_K)
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"  # as the split kernel: IEEE fp32 for fp32 tensors
+    _kernels(_interpreting())["prologue"][(-(-B // PROLOGUE_B), H + 1, L // bl)](
+        qn, w_uk, kv_c, k_pe, slot_mapping, flat, q_lat, B, H, nope,
+        qn.stride(0), qn.stride(1), w_uk.stride(0), w_uk.stride(1), q_lat.stride(0), q_lat.stride(1),
+        kv_c.stride(0), k_pe.stride(0), flat.stride(0),
+        L=L, R=R, BB=PROLOGUE_B, BL=bl, BK=bk, PREC=prec, num_warps=NUM_WARPS)
+    return q_lat
 
 
 class _Split(NamedTuple):
@@ -354,9 +420,10 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
     w_kv_b : [H * (nope + v), L]; scale : default (nope + R) ** -0.5;
     gate : optional [B, H * v] logits (output * sigmoid(gate)); out : optional [B, H * v];
     num_splits : splits per sequence; default from static shapes (``choose_num_splits``). Tests force it.
-    fused : True (default, ``FUSED``): the latent write and the merge + W_UV + gate epilogue are
-        Triton kernels (4 launches in all); False: torch for those (``_write_new_latents``, ``bmm``,
-        ``_finish``: about 25 launches, the composition the kernels are checked against).
+    fused : True (default, ``FUSED``): the latent write with the absorbed query (one prologue kernel)
+        and the merge + W_UV + gate epilogue are Triton kernels (3 launches in all: prologue, split,
+        merge); False: torch for those (``_write_new_latents``, ``bmm``, ``bmm``, ``_finish``: about 25
+        launches, the composition the kernels are checked against).
 
     Returns
     -------
@@ -384,24 +451,19 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
     flat = kv_cache.view(-1, L + R)
     kernels = _kernels(_interpreting())
 
-    # 1. new latents, no host sync
-    if fused:
-        kv_c, k_pe = _last_dim_unit(kv_c), _last_dim_unit(k_pe)
-        kernels["write"][(B,)](kv_c, k_pe, slot_mapping, flat, kv_c.stride(0), k_pe.stride(0), flat.stride(0),
-                               L=L, R=R, num_warps=4)
-    else:
-        _write_new_latents(flat, torch.cat([kv_c, k_pe], dim=-1).to(kv_cache.dtype), slot_mapping)
-
-    # 2. absorbed query, one bmm over the heads in the activation dtype: [H, B, nope] x [H, nope, L]
     w = w_kv_b.view(H, nope + v, L)
     if w.dtype != dtype:
         w = w.to(dtype)
-    q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope])           # [H, B, L]
+    if fused:  # 1. one launch: the new latents into the cache and the absorbed query, no host sync
+        q_lat = _prologue(q, kv_c, k_pe, slot_mapping, flat, w[:, :nope])       # [H, B, L]
+    else:      # torch write, then one bmm over the heads in the activation dtype: [H, B, nope] x [H, nope, L]
+        _write_new_latents(flat, torch.cat([kv_c, k_pe], dim=-1).to(kv_cache.dtype), slot_mapping)
+        q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope])         # [H, B, L]
     q_pe = _last_dim_unit(q[..., nope:])                                     # [B, H, R]
     scale = qk ** -0.5 if scale is None else scale
     bt = _last_dim_unit(block_table)
 
-    # 3. split kernel
+    # 2. split kernel
     o_lat = None if fused else torch.empty(H, B, L, device=q.device, dtype=dtype)
     sp = _split_attention(q_lat, q_pe, flat, bt, seq_lens, block, scale, num_splits, o_lat)
     s_pad = _next_pow2(sp.num_splits)
@@ -411,7 +473,7 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
     merge_args = dict(BN=sp.block_n, MIN_CHUNK=MIN_CHUNK, S_PAD=s_pad, S_TILE=s_tile, num_warps=MERGE_WARPS)
     ml = min(MERGE_L, L)
 
-    # 4.-5. fused: merge + W_UV + gate + rounding into out
+    # 3. fused: merge + W_UV + gate + rounding into out
     w_uv = w[:, nope:]                                                      # [H, v, L]
     if fused:
         y = out if out is not None else torch.empty(B, H * v, device=q.device, dtype=dtype)

@@ -55,6 +55,10 @@ class _Variant:
     zero_centered: bool
     gate: bool
     norm: bool
+    strided_x: bool = False
+    """x rows sit ``x.stride(0)`` elements apart (a column slice of a wider tensor), a runtime value;
+    every other tensor is contiguous. Only set for a non-contiguous x: the contiguous variants keep
+    their compile key and PTX."""
 
 
 @functools.cache
@@ -134,6 +138,8 @@ def _kernel_class():
             vidx = [rank * self.vecs_cta + t + TR * i for i in range(VPT)]
             vok = [Int32(t + TR * i < self.vecs_cta) for i in range(VPT)]
             roff = Int64(row_c) * RB
+            if cutlass.const_expr(var.strided_x):
+                xroff = Int64(row_c) * Int64(x.stride[0]) * self.esize  # dynamic row stride (elements)
             wv = []
             if cutlass.const_expr(var.weight and var.norm):
                 for i in cutlass.range_constexpr(VPT):
@@ -144,7 +150,10 @@ def _kernel_class():
             for i in cutlass.range_constexpr(VPT):
                 ok = vok[i] & row_ok
                 off = roff + Int64(vidx[i]) * 16
-                xs.append(P.ld_act_if(x.iterator.toint() + off, ok))
+                if cutlass.const_expr(var.strided_x):
+                    xs.append(P.ld_act_if(x.iterator.toint() + (xroff + Int64(vidx[i]) * 16), ok))
+                else:
+                    xs.append(P.ld_act_if(x.iterator.toint() + off, ok))
                 if cutlass.const_expr(var.residual):
                     rs.append(P.ld_act_if(res.iterator.toint() + off, ok))
                 if cutlass.const_expr(var.gate and var.norm):
@@ -218,15 +227,18 @@ def compile_norm(var: _Variant, cfg: NormConfig):
         import cutlass.cute as cute
 
         from latency_specialized.kernels.gemm_common import (compile_options, cute_dtype, fake_rows,
-                                                             fake_stream, fake_vec)
+                                                             fake_stream, fake_strided_rows, fake_vec)
 
         m = cute.sym_int()
         dt = cute_dtype(DTYPES[var.dtype])
         row = lambda: fake_rows(dt, m, var.n)  # noqa: E731 - one fresh fake tensor per argument
-        args = (row(), row(), fake_vec(dt, var.n), row(), row(), row(), 1e-5, fake_stream())
+        xf = fake_strided_rows(dt, m, var.n) if var.strided_x else row()
+        args = (xf, row(), fake_vec(dt, var.n), row(), row(), row(), 1e-5, fake_stream())
         return cute.compile(_kernel_class()(var, cfg), *args, options=compile_options(arch))
 
-    key = tuple(sorted(asdict(var).items())) + tuple(sorted(asdict(cfg).items()))
+    # strided_x enters the key only when set: the contiguous variants keep their keys (and disk artifacts)
+    key = tuple(sorted((k, v) for k, v in asdict(var).items() if k != "strided_x" or v))
+    key += tuple(sorted(asdict(cfg).items()))
     return compile_cache.cached_compile(NAME, key, build)
 
 
@@ -246,6 +258,35 @@ def _check(x: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _rows(x: torch.Tensor, n: int) -> tuple[torch.Tensor, bool]:
+    """x as [M, N] rows for the kernel, and whether they are strided (``_Variant.strided_x``).
+
+    A contiguous x is viewed as is. Otherwise x must view as [-1, N] (2-D x, or N-D x whose leading
+    dims merge, e.g. a column slice of a [B, S, W] tensor) with unit column stride, non-overlapping
+    rows and 16-byte aligned row starts: a column slice ``t[:, a:b]`` of a wider row-major ``t``.
+    """
+    fix = "call x.contiguous() first (x.clone() for a contiguous but misaligned x)"
+    if x.is_contiguous():
+        if x.data_ptr() % 16:
+            raise UserError(f"rmsnorm kernel needs a 16-byte aligned x (data_ptr % 16 = {x.data_ptr() % 16}): {fix}")
+        return x.view(-1, n), False
+    try:
+        x2 = x.view(-1, n)
+    except RuntimeError:
+        raise UserError(f"rmsnorm kernel: a strided x of shape {tuple(x.shape)} stride {x.stride()} does not view "
+                        f"as [-1, {n}] rows (strided rows are supported for 2-D x, or N-D x whose leading dims "
+                        f"merge): {fix}") from None
+    if x2.is_contiguous():
+        return x2, False
+    es = x.element_size()
+    rs, cs = x2.stride()
+    if cs != 1 or rs < n or (rs * es) % 16 or x2.data_ptr() % 16:
+        raise UserError(f"rmsnorm kernel needs x with unit column stride and non-overlapping, 16-byte aligned rows "
+                        f"(row stride >= N, row stride * {es} bytes % 16 == 0, data_ptr % 16 == 0), got shape "
+                        f"{tuple(x.shape)} stride {x.stride()} data_ptr % 16 = {x2.data_ptr() % 16}: {fix}")
+    return x2, True
+
+
 def _run(x, weight, eps, residual, gate, zero_centered, out, norm, config, residual_out=None):
     if x.dtype not in DTYPES.values():
         raise UserError(f"rmsnorm kernel supports bf16/fp16/fp32, got {x.dtype}: use norm.reference")
@@ -253,7 +294,7 @@ def _run(x, weight, eps, residual, gate, zero_centered, out, norm, config, resid
     vec = 16 // x.element_size()
     if n % vec:
         raise UserError(f"rmsnorm kernel needs N % {vec} == 0 (N={n}): use norm.reference")
-    x2 = _check(x, "x", x).view(-1, n)
+    x2, strided = _rows(x, n)  # x may have strided rows; every other tensor is contiguous
     m = x2.shape[0]
     dtype_name = {v: k for k, v in DTYPES.items()}[x.dtype]
     if weight is not None and (weight.shape != (n,) or weight.dtype != x.dtype or weight.data_ptr() % 16):
@@ -262,18 +303,22 @@ def _run(x, weight, eps, residual, gate, zero_centered, out, norm, config, resid
     cfg = config or default_config(n, m)
     if n // vec // max(1, cfg.cluster) * max(1, cfg.cluster) != n // vec:
         cfg = NormConfig(cluster=1, pdl=cfg.pdl)  # N not divisible over the cluster: one CTA per row
-    var = _Variant(n, dtype_name, residual is not None, weight is not None, zero_centered, gate is not None, norm)
-    y = out if out is not None else torch.empty_like(x)
+    var = _Variant(n, dtype_name, residual is not None, weight is not None, zero_centered, gate is not None, norm,
+                   strided_x=strided)
+    y = out if out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
     if out is not None:
         _check(out, "out", x)
     if residual_out is not None:  # may alias residual: each thread reads its elements before writing them
         _check(residual_out, "residual_out", x)
-    h = (residual_out if residual_out is not None else torch.empty_like(x)) if residual is not None else y
-    r2 = _check(residual, "residual", x).view(-1, n) if residual is not None else x2
-    g2 = _check(gate, "gate", x).view(-1, n) if gate is not None else x2
+    h = ((residual_out if residual_out is not None else torch.empty_like(x, memory_format=torch.contiguous_format))
+         if residual is not None else y)
+    y2 = y.view(-1, n)
+    ph = y2 if strided else x2  # placeholder of an absent residual/gate: any compact [M, N] tensor
+    r2 = _check(residual, "residual", x).view(-1, n) if residual is not None else ph
+    g2 = _check(gate, "gate", x).view(-1, n) if gate is not None else ph
     w1 = weight if weight is not None else x2[0]
     if m:
-        compile_norm(var, cfg)(x2, r2, w1, g2, y.view(-1, n), h.view(-1, n), float(eps))
+        compile_norm(var, cfg)(x2, r2, w1, g2, y2, h.view(-1, n), float(eps))
     return y, h
 
 
@@ -284,9 +329,12 @@ def rmsnorm_cute(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, re
 
     Parameters
     ----------
-    x : [..., N] bf16/fp16/fp32, contiguous, N a multiple of 16 bytes.
+    x : [..., N] bf16/fp16/fp32, N a multiple of 16 bytes; contiguous, or with strided rows: unit
+        column stride, row stride >= N, 16-byte aligned row starts (a column slice ``t[:, a:b]`` of a
+        wider row-major tensor, e.g. q_a_norm / kv_a_norm on the fused MLA projection; no copy).
+        Strided rows are for 2-D x (or N-D x whose leading dims merge into one row dim).
     weight : [N] in x.dtype, or None (weightless).
-    residual, gate : optional, same shape/dtype as x.
+    residual, gate, out : optional, same shape/dtype as x, contiguous (y is always contiguous).
 
     Returns
     -------
@@ -342,7 +390,8 @@ def _ar_supports(ctx: OpContext) -> Support:
 
 IMPLEMENTATIONS = [
     Implementation("norm", NAME, rmsnorm_cute, _norm_supports, priority=20,
-                   description="CuTe DSL fused residual+RMSNorm(+gate, zero-centred), all loads up front, PDL"),
+                   description="CuTe DSL fused residual+RMSNorm(+gate, zero-centred), all loads up front, PDL",
+                   strided_rows=True),  # x only: a column slice compiles a strided-x variant (no copy)
     Implementation("allreduce", AR_NAME, allreduce_residual_rmsnorm_local, _ar_supports, priority=20,
                    description="one rank: fused residual add + RMSNorm in one CuTe DSL kernel"),
 ]

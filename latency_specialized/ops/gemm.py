@@ -86,7 +86,8 @@ def _torch_supports(ctx: OpContext) -> Support:
 
 IMPLEMENTATIONS = [
     Implementation("gemm", "gemm.reference", gemm_reference, always, priority=-100, is_reference=True,
-                   description="fp32-accumulate torch matmul"),
+                   description="fp32-accumulate torch matmul", strided_rows=True),
+    # cuBLAS takes a row stride (lda) >= K directly: a column slice is not copied
     Implementation("gemm", "gemm.cublas", gemm_torch, _torch_supports, priority=0,
-                   description="torch.nn.functional.linear (cuBLAS), residual unfused"),
+                   description="torch.nn.functional.linear (cuBLAS), residual unfused", strided_rows=True),
 ]

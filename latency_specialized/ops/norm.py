@@ -25,6 +25,9 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float, 
     Parameters
     ----------
     x : [..., N]; weight : [N] or None; residual, gate : same shape as x.
+        x may have strided rows (unit column stride, 16-byte aligned row starts: a column slice
+        ``t[:, a:b]`` of a wider tensor, e.g. MLA's q_a_norm / kv_a_norm on the fused projection);
+        residual, gate and out are contiguous.
 
     Returns
     -------
@@ -48,5 +51,5 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float, 
 
 IMPLEMENTATIONS = [
     Implementation("norm", "norm.reference", rmsnorm_reference, always, priority=-100, is_reference=True,
-                   description="fp32 torch RMSNorm (+residual, +gate, zero-centred)"),
+                   description="fp32 torch RMSNorm (+residual, +gate, zero-centred)", strided_rows=True),
 ]

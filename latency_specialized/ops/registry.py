@@ -101,6 +101,9 @@ class Implementation:
     """The plain-torch oracle of the family."""
     prepare: Callable[..., Any] | None = field(default=None, compare=False)
     """Optional warm-up/compile hook called with the context before graph capture."""
+    strided_rows: bool = False
+    """Takes a 2-D input ``x`` whose rows are strided (a column slice of a wider tensor: unit column
+    stride, 16-byte aligned row starts) without copying it; else callers pass contiguous rows."""
 
 
 def always(_: OpContext) -> Support:

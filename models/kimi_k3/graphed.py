@@ -23,6 +23,7 @@ import torch
 from latency_specialized.comm.base import ExcludedCommunicator
 from latency_specialized.errors import UserError
 from latency_specialized.runtime.buffers import BufferSpec, DecodeBuffers
+from latency_specialized.runtime.census import KernelCensus
 from latency_specialized.runtime.gate import DecodeGate
 from latency_specialized.runtime.graph_runner import CUDAGraphRunner
 from latency_specialized.spec import KDAAttentionSpec, MLAAttentionSpec, MoESpec
@@ -146,6 +147,8 @@ class _Built:
     recording: bool = False
     captured: bool = False
     capture_error: str | None = None
+    census: KernelCensus = field(default_factory=KernelCensus)
+    """Kernel nodes per site of each captured bucket (kernels with / without communication)."""
 
 
 class ProgramVariant:
@@ -184,6 +187,11 @@ class ProgramVariant:
         self._load()
         info = self.b.runner.captures.get(self.bucket)
         return dict(info.nodes) if (info and info.nodes) else None
+
+    def site_kernels(self) -> dict[str, int] | None:
+        """Kernel nodes per op site of this bucket's graph (None: not counted)."""
+        c = self.b.census.kernels(self.bucket)
+        return dict(c) if c is not None else None
 
     def replay(self) -> None:
         self.b.runner.replay(self.bucket)
@@ -290,6 +298,7 @@ class OursBench:
             runner = make_runner(program, buffers, buckets=sorted(plans), trace=trace, preserve_state=False)
             built = _Built(spec, program, buffers, runner)
             self._record_routing(built, kind)
+            built.census.instrument(program)  # last: it wraps the rebound sites too
             self.built[n_layers] = built
             if n_layers == layers:
                 for bucket in (min(plans), max(plans)):
@@ -308,6 +317,10 @@ class OursBench:
                 if built.program.side is not None:
                     self.notes.append("Shared experts run on a side stream (a parallel branch of the graph), "
                                       "overlapping router, latent down-projection and routed experts.")
+                if built.program.router_side is not None:
+                    self.notes.append("The router GEMM runs on a second side stream beside the latent "
+                                      "down-projection (both read only the normed hidden state); joined "
+                                      "before the all-gather and the router.")
             torch.cuda.synchronize()
             say(f"  built {n_layers}-layer program ({torch.cuda.memory_allocated() / 2**30:.1f} GiB on the GPU)")
         self.layers = layers

@@ -190,9 +190,14 @@ class KimiK3Program:
         """Op-site calls made by ``step`` (proof that the program, not the reference, ran)."""
         self.steps_run = 0
         """Completed ``step`` calls."""
+        self.census: Any = None
+        """A runtime.census.KernelCensus while a bench counts kernels per site (None otherwise)."""
         self._ops: dict[int, dict[str, Callable[..., Any]]] = {}
+        self._strided_ok: dict[int, set[str]] = {}
+        """Per bucket, the sites whose implementation takes strided rows (no copy of a column slice)."""
         for bucket, plan in sorted(plans.items()):
             self._ops[bucket] = {c.site.name: self._counted(c.site.name, plan.impl(c.site.name)) for c in plan.choices}
+            self._strided_ok[bucket] = {c.site.name for c in plan.choices if c.impl is not None and c.impl.strided_rows}
             for c in plan.choices:
                 assert c.impl is not None  # plan.impl above raised otherwise
                 self.trace.site(c.site.name, c.impl.name, f"bucket {bucket}")
@@ -226,6 +231,9 @@ class KimiK3Program:
             c.site.name.endswith("moe.shared") and c.site.ctx.attr("side_stream") for p in plans.values()
             for c in p.choices)
         self.side = SideStream(dev) if want_side else None
+        # The router GEMM runs beside the latent down-projection (both read only the normed h), on a
+        # higher-priority stream: it leads to the router and the experts, the critical path.
+        self.router_side = SideStream(dev, priority=-1) if dev.type == "cuda" else None
 
     def _counted(self, site: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         calls = self.calls
@@ -287,11 +295,23 @@ class KimiK3Program:
         h = ops["final.attnres"](src, spec.attnres_rows, self.final["norm"], self.final["query"], eps)
         h = ops["final_norm"](h, self.final["out"], eps)
         logits = ops["lm_head"](h, self.head)
-        if self.tp > 1:
-            logits = self.comm.all_gather(logits, dim=-1)   # vocabulary slices of every rank, in rank order
+        if self.tp > 1:   # vocabulary slices of every rank, in rank order
+            logits = self._communicate("lm_head.all_gather", b, self.comm.all_gather, logits, dim=-1)
         self.logits[:b].copy_(logits)
         self.next_tokens[:b].copy_(logits.argmax(-1))
         self.steps_run += 1
+
+    def _rows(self, site: str, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (a column slice) as the site's implementation takes it: as is where it reads strided
+        rows, else contiguous - a copy kernel at M > 1 (at M = 1 a slice already is contiguous)."""
+        return x if site in self._strided_ok.get(x.shape[0], ()) or x.is_contiguous() else x.contiguous()
+
+    def _communicate(self, site: str, bucket: int, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """A communication call outside the op table, counted as ``site`` when a census runs."""
+        if self.census is None:
+            return fn(*args, **kw)
+        with self.census.site(site, bucket):
+            return fn(*args, **kw)
 
     # ------------------------------------------------------------------ blocks
     def _kda(self, ops, kind: str, i: int, a: KDAAttentionSpec, w: dict[str, torch.Tensor], h: torch.Tensor,
@@ -300,8 +320,7 @@ class KimiK3Program:
         y = ops[f"{kind}/attn.in_proj"](h, w["in"])
         mixed, g_out = y[:, :3 * hd], y[:, 3 * hd:4 * hd]
         f_a, beta = y[:, 4 * hd:4 * hd + a.decay_rank], y[:, 4 * hd + a.decay_rank:4 * hd + a.decay_rank + a.num_heads]
-        # a column slice: the GEMV/small-M kernels read contiguous rows (free at M=1, one copy above)
-        f = ops[f"{kind}/attn.f_b_proj"](f_a.contiguous(), w["f_b"])
+        f = ops[f"{kind}/attn.f_b_proj"](self._rows(f"{kind}/attn.f_b_proj", f_a), w["f_b"])
         o = ops[f"{kind}/attn.kda"](mixed, self.cache.conv[i], w["conv"], f, w["A_log"], w["dt_bias"], beta, g_out,
                                     w["o_norm"], self.cache.state[i], meta["rows"], num_heads=a.num_heads,
                                     eps=self.spec.kda_norm_eps, gate_lower_bound=a.gate_lower_bound)
@@ -314,14 +333,14 @@ class KimiK3Program:
         if a.q_lora_rank:
             ql = a.q_lora_rank
             y = ops[f"{kind}/attn.qkv_a_proj"](h, w["qkv_a"])
-            # column slices of the fused projection: contiguous rows for the norm kernels (free at M=1)
-            q_c = ops[f"{kind}/attn.q_a_norm"](y[:, :ql].contiguous(), w["q_a_norm"], eps)
+            # column slices of the fused projection
+            q_c = ops[f"{kind}/attn.q_a_norm"](self._rows(f"{kind}/attn.q_a_norm", y[:, :ql]), w["q_a_norm"], eps)
             kv = y[:, ql:]
-            c = ops[f"{kind}/attn.kv_a_norm"](kv[:, :L].contiguous(), w["kv_a_norm"], eps)
+            c = ops[f"{kind}/attn.kv_a_norm"](self._rows(f"{kind}/attn.kv_a_norm", kv[:, :L]), w["kv_a_norm"], eps)
             q = ops[f"{kind}/attn.q_b_proj"](q_c, w["q_b"])
         else:
             kv = ops[f"{kind}/attn.kv_a_proj"](h, w["kv_a"])
-            c = ops[f"{kind}/attn.kv_a_norm"](kv[:, :L].contiguous(), w["kv_a_norm"], eps)
+            c = ops[f"{kind}/attn.kv_a_norm"](self._rows(f"{kind}/attn.kv_a_norm", kv[:, :L]), w["kv_a_norm"], eps)
             q = ops[f"{kind}/attn.q_proj"](h, w["q"])
         gate = ops[f"{kind}/attn.gate_proj"](h, w["g"]) if "g" in w else None
         o = ops[f"{kind}/attn.mla"](q.view(h.shape[0], a.num_heads, a.qk_nope_head_dim + R), c, kv[:, L:],
@@ -338,10 +357,16 @@ class KimiK3Program:
         # fp32 router logits from the bf16 router weight (vLLM's GateLinear: bf16 x bf16 -> fp32) and
         # the latent input: at TP > 1 each rank computes its slice of both (experts r*E/tp.., latent
         # channels r*L/tp..) and one all-gather joins them - no rank repeats another's weight reads
-        logits = ops[f"{kind}/moe.router_gemm"](h, w["gate"], out_dtype=torch.promote_types(h.dtype, torch.float32))
-        x = ops[f"{kind}/moe.latent_down"](h, w["down"])
+        logits_dtype = torch.promote_types(h.dtype, torch.float32)
+        if self.router_side is not None:  # a parallel graph branch, joined before the gather / router
+            routing = self.router_side.run(ops[f"{kind}/moe.router_gemm"], h, w["gate"], out_dtype=logits_dtype)
+            x = ops[f"{kind}/moe.latent_down"](h, w["down"])
+            logits = routing.join()
+        else:
+            logits = ops[f"{kind}/moe.router_gemm"](h, w["gate"], out_dtype=logits_dtype)
+            x = ops[f"{kind}/moe.latent_down"](h, w["down"])
         if self.tp > 1:
-            logits, x = gather_parts(self.comm, [logits, x])
+            logits, x = self._communicate(f"{kind}/moe.all_gather", b, gather_parts, self.comm, [logits, x])
         weights, ids = ops[f"{kind}/moe.router"](logits, w["bias"], f.top_k, f.router)
         y = ops[f"{kind}/moe.experts"](x, weights, ids, w["w13"], w["w2"], f.activation)  # partial at TP > 1
         # all-reduce of the experts' partial latent, fused with the latent RMSNorm (no residual: zeros)

@@ -268,6 +268,52 @@ def test_rmsnorm_3d_input_and_graph_replay():
     _graph_equals_eager(lambda: rmsnorm_cute(x, w, 1e-5, residual=r, out=out, config=NormConfig(cluster=2)), out)
 
 
+# Kimi K3 MLA: q_a_norm / kv_a_norm read column slices of the fused [M, 1536 + 512 + 64] projection
+STRIDED_NORM_CASES = [(m, lo, hi) for m in (1, 2, 7, 64) for lo, hi in ((1536, 2048), (0, 1536))]
+
+
+@pytest.mark.parametrize("m,lo,hi", STRIDED_NORM_CASES)
+def test_rmsnorm_strided_rows_match_reference_and_contiguous_copy(m, lo, hi, _seed):
+    from latency_specialized.kernels.rmsnorm import rmsnorm_cute
+
+    t = torch.randn(m, 2112, device="cuda").to(torch.bfloat16)
+    t0 = t.clone()
+    x = t[:, lo:hi]
+    n = hi - lo
+    assert x.is_contiguous() == (m == 1)  # M >= 2: strided rows (the strided_x variant)
+    w = (0.2 * torch.randn(n, device="cuda") + 1.0).to(torch.bfloat16)
+    out = _nan((m, n))
+    y = rmsnorm_cute(x, w, 1e-5, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    _close(y, rmsnorm_reference(x, w, 1e-5), torch.bfloat16, f"strided rmsnorm M={m} cols {lo}:{hi}", _seed)
+    copy = _nan((m, n))
+    rmsnorm_cute(x.contiguous(), w, 1e-5, out=copy)
+    assert torch.equal(y, copy), "strided rows must give the contiguous copy's bits (same kernel math)"
+    fresh = rmsnorm_cute(x, w, 1e-5)  # no out: a fresh contiguous y
+    assert fresh.is_contiguous() and torch.equal(fresh, copy)
+    torch.cuda.synchronize()
+    assert torch.equal(t, t0), "the input tensor must not be written"
+
+
+def test_rmsnorm_strided_rows_with_residual_cluster_and_graph_replay(_seed):
+    from latency_specialized.kernels.rmsnorm import NormConfig, rmsnorm_cute
+
+    t = torch.randn(5, 7168 + 64, device="cuda").to(torch.bfloat16)
+    t0 = t.clone()
+    x = t[:, 64:]                                   # block mode over a 2-CTA cluster, strided rows
+    r = torch.randn(5, 7168, device="cuda").to(torch.bfloat16)
+    w = torch.randn(7168, device="cuda").to(torch.bfloat16)
+    out = _nan((5, 7168))
+    y, h = rmsnorm_cute(x, w, 1e-5, residual=r, out=out, config=NormConfig(cluster=2))
+    ry, rh = rmsnorm_reference(x, w, 1e-5, residual=r)
+    assert torch.equal(h, rh), "new residual must be bit-exact with the unfused add"
+    _close(y, ry, torch.bfloat16, "strided rmsnorm + residual c2", _seed)
+    cy, ch = rmsnorm_cute(x.contiguous(), w, 1e-5, residual=r, config=NormConfig(cluster=2))
+    assert torch.equal(y, cy) and torch.equal(h, ch)
+    _graph_equals_eager(lambda: rmsnorm_cute(x, w, 1e-5, residual=r, out=out, config=NormConfig(cluster=2)), out)
+    assert torch.equal(t, t0)
+
+
 def test_allreduce_local_matches_reference(_seed):
     from latency_specialized.comm.base import LocalCommunicator
     from latency_specialized.kernels.rmsnorm import allreduce_residual_rmsnorm_local

@@ -135,6 +135,27 @@ def test_rmsnorm_variants_compile(sm90):
 
 
 @needs_cute
+def test_rmsnorm_strided_x_variant_compiles(sm90):
+    """Strided x rows (column slices of the fused MLA projection): a separate variant reading the
+    row stride from x's runtime layout; the contiguous variant keeps its compile key."""
+    from latency_specialized.kernels import compile_cache
+    from latency_specialized.kernels.rmsnorm import NAME, NormConfig, _Variant, compile_norm
+
+    cases = [(_Variant(512, "bfloat16", False, True, False, False, True, strided_x=True), NormConfig()),   # warp
+             (_Variant(1536, "bfloat16", False, True, False, False, True, strided_x=True), NormConfig()),  # block
+             (_Variant(7168, "bfloat16", True, True, False, False, True, strided_x=True), NormConfig(cluster=2))]
+    for var, cfg in cases:
+        p = _ptx(compile_norm(var, cfg))
+        assert "_param_0[24]" in p and "_param_0+16]" in p  # x: pointer, M, dynamic row stride
+        assert "ld.global.nc.v4.b32" in p and "st.global.v4.b32" in p
+    contiguous = _ptx(compile_norm(_Variant(512, "bfloat16", False, True, False, False, True), NormConfig()))
+    assert "_param_0[16]" in contiguous and "_param_0+16]" not in contiguous
+    keys = [k for k in compile_cache._CACHE if k[0] == NAME]
+    assert any(("strided_x", True) in k for k in keys)
+    assert not any(("strided_x", False) in k for k in keys)  # contiguous keys as before the strided variant
+
+
+@needs_cute
 def test_prefetch_compiles_to_bulk_l2_prefetch(sm90):
     from latency_specialized.kernels.prefetch import compile_prefetch
 
@@ -272,6 +293,35 @@ def test_gemm_argument_checks_name_the_fix():
         check_gemm_args(torch.zeros(64, 2, dtype=torch.bfloat16).t(), w, None, None, kmult=8)
     with pytest.raises(UserError, match="residual"):
         check_gemm_args(x, w, torch.zeros(2, 7, dtype=torch.bfloat16), None, kmult=8)
+
+
+def test_rmsnorm_x_layouts_and_checks_name_the_fix():
+    from latency_specialized.kernels import rmsnorm
+
+    bf = torch.bfloat16
+    t = torch.zeros(4, 2112, dtype=bf)
+    x2, strided = rmsnorm._rows(t[:, 1536:2048], 512)
+    assert strided and x2.stride() == (2112, 1) and x2.data_ptr() == t[:, 1536:].data_ptr()
+    assert rmsnorm._rows(t[:, :1536], 1536)[1]
+    assert rmsnorm._rows(t[:1, 1536:2048], 512)[1] is False  # M = 1: already contiguous
+    assert rmsnorm._rows(t[:, :512].contiguous(), 512)[1] is False
+    x3, strided = rmsnorm._rows(torch.zeros(2, 3, 2112, dtype=bf)[..., :512], 512)  # leading dims merge
+    assert strided and x3.shape == (6, 512) and x3.stride() == (2112, 1)
+    bad = {"column stride": t[:, ::2],
+           "misaligned row start": t[:, 1:513],
+           "row bytes % 16": torch.zeros(4, 516, dtype=bf)[:, :512],
+           "overlapping rows": torch.zeros(1, 512, dtype=bf).expand(4, 512)}
+    for what, x in bad.items():
+        with pytest.raises(UserError, match=r"contiguous\(\)"):
+            rmsnorm._rows(x, x.shape[-1])
+        with pytest.raises(UserError, match="16-byte aligned rows"):  # through the public entry, before a compile
+            rmsnorm.rmsnorm_cute(x, None, 1e-5)
+    with pytest.raises(UserError, match="does not view"):
+        rmsnorm._rows(torch.zeros(3, 2, 2112, dtype=bf)[..., :512].transpose(0, 1), 512)
+    with pytest.raises(UserError, match="16-byte aligned x"):
+        rmsnorm._rows(torch.zeros(1032, dtype=bf)[1:1 + 2 * 512].view(2, 512), 512)
+    with pytest.raises(UserError, match="residual"):  # residual/gate/out stay contiguous-only
+        rmsnorm.rmsnorm_cute(t[:, :512], None, 1e-5, residual=t[:, 512:1024])
 
 
 def test_norm_and_allreduce_supports():

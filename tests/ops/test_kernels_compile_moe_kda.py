@@ -112,6 +112,29 @@ def test_kda_compiles_streaming_state_once():
     assert _count(ptx[:wait], r"ld\.global[\w.:]*\.(u16|b16)") == 0
 
 
+@needs_cute
+def test_kda_staged_variant_copies_state_through_shared_memory():
+    from latency_specialized.kernels import kda_decode as kd
+
+    H = 12
+    args = (_meta(64, 3 * H * 128, dtype=torch.bfloat16), _meta(80, 3 * H * 128, 3, dtype=torch.bfloat16),
+            _meta(3 * H * 128, 4), _meta(80, H, 128, 128), _meta(64, dtype=torch.int32), _meta(H))
+    cfg = kd.make_config(*args, num_heads=H, eps=1e-5, gate_lower_bound=-5.0, scale=None, stage_smem=True)
+    ptx = kd.ptx_of(kd._compile(cfg))
+    # 256 threads x 16 asynchronous 16-byte copies into shared memory, all requested before the PDL
+    # wait; the state goes back out with 16 vector stores per thread; no register spills
+    wait = ptx.index("griddepcontrol.wait")
+    assert _count(ptx[:wait], r"cp\.async\.cg\.shared\.global") == 16
+    assert _count(ptx, r"cp\.async\.cg\.shared\.global") == 16
+    assert "cp.async.wait_group 0" in ptx and ptx.index("cp.async.wait_group 0") > wait
+    assert _count(ptx, r"ld\.global[\w.:]*\.v4\.[fbu]32") == 0
+    assert _count(ptx, r"st\.global\.v4\.[fbu]32") == 16
+    assert _count(ptx, r"ld\.shared\.v4\.[fbu]32") >= 16
+    assert ".local" not in ptx
+    with pytest.raises(UserError, match="row_split=1"):
+        kd.make_config(*args, num_heads=H, eps=1e-5, gate_lower_bound=-5.0, scale=None, stage_smem=True, row_split=2)
+
+
 def test_configs_reject_unsupported_shapes_with_a_fix():
     from latency_specialized.kernels import kda_decode as kd
     from latency_specialized.kernels import moe_experts as me

@@ -46,7 +46,7 @@ FP32 = dict(rtol=1e-5, atol=1e-5)
 
 @pytest.mark.skipif(_INTERPRET, reason="this process interprets: the kernel cases run in-process")
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=15)
+    run_interpreted(__file__, min_passed=35)
 
 
 @pytest.fixture
@@ -156,6 +156,52 @@ def test_all_padding_batch_gives_zeros(mla):
     args, kw = _case(13, [0, 0], bs=2)
     for s in (1, 2):
         _check(mla, args, kw, num_splits=s)
+
+
+@interpreted
+@pytest.mark.parametrize("B", [1, 3, 17, 33])
+@pytest.mark.parametrize("nope,L,block_l", [(16, 32, 64), (24, 64, 16), (80, 32, 16)],
+                         ids=["nope16_L32", "nope24_2Ltiles", "nope80_2Ksteps"])
+def test_prologue_writes_latents_and_absorbs_the_query(mla, monkeypatch, B, nope, L, block_l):
+    """The prologue kernel alone: q_lat (NaN-poisoned) == the unfused path's bmm for every row (row tiles
+    of PROLOGUE_B crossed at 17 and 33, masked K steps at nope 24 and 80, several column tiles), and the
+    NaN-poisoned cache written at exactly the live slots (negative: nothing, first and last rows too)."""
+    monkeypatch.setattr(mla, "PROLOGUE_L", block_l)
+    g = torch.Generator().manual_seed(B * 1000 + nope)
+    H, R, nslots = 5, 16, 3 * B + 7
+    q = torch.randn(B, H, nope + R, generator=g)
+    w = torch.randn(H * (nope + 8), L, generator=g).view(H, nope + 8, L)[:, :nope]   # a view, as the call passes
+    kv = torch.randn(B, L + R, generator=g)
+    slots = torch.randperm(nslots, generator=g)[:B]
+    slots[::3] = -1                                       # rows 0, 3, ...; and the last row below
+    if B > 1:
+        slots[-1] = -1
+    flat = torch.full((nslots, L + R), float("nan"))
+    q_lat = torch.full((H, B, L), float("nan"))
+    got = mla._prologue(q, kv[:, :L].contiguous(), kv[:, L:], slots, flat, w, q_lat)
+    assert got is q_lat and not torch.isnan(q_lat).any(), "q_lat rows left unwritten"
+    want = torch.bmm(q[..., :nope].transpose(0, 1), w)
+    torch.testing.assert_close(q_lat, want, rtol=FP32["rtol"], atol=FP32["atol"] * want.abs().max().item())
+    live = slots >= 0
+    assert torch.equal(flat[slots[live]], kv[live])
+    untouched = torch.ones(nslots, dtype=torch.bool)
+    untouched[slots[live]] = False
+    assert torch.isnan(flat[untouched]).all(), "a negative slot or a masked row wrote the cache"
+
+
+@interpreted
+@pytest.mark.parametrize("B", [1, 3, 17, 33])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_prologue_batch_sizes_match_reference_and_unfused(mla, monkeypatch, B, splits):
+    """The whole fused call (prologue, split, merge) across the prologue's row tiles, padding rows
+    (slot -1) among live ones, against the reference and the unfused (torch write + bmm) path."""
+    monkeypatch.setattr(mla, "MIN_CHUNK", 16)
+    lens = [0 if i % 4 == 1 else 1 + (7 * i) % 23 for i in range(B)]
+    args, kw = _case(B * 10 + splits, lens, H=4, bs=2, gate=True)   # 4 heads: the interpreter's time is B x H
+    fused = _check(mla, args, kw, num_splits=splits)
+    unfused = _check(mla, args, kw, num_splits=splits, fused=False)
+    scale = unfused.abs().max().item() + 1e-6
+    torch.testing.assert_close(fused, unfused, rtol=FP32["rtol"], atol=FP32["atol"] * scale)
 
 
 def test_num_splits_heuristic_is_static():

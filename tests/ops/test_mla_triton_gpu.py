@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from latency_specialized.kernels.mla_decode_triton import mla_decode_triton
+from latency_specialized.kernels.mla_decode_triton import _prologue, mla_decode_triton
 from latency_specialized.ops.attention.mla import mla_decode_reference
 
 from gpu_helpers import seeded_generator as _gen
@@ -89,6 +89,49 @@ def test_matches_reference_bf16(shape, bs, lens, fused):
 def test_forced_splits_and_no_gate(splits, fused):
     args, kw = _case(f"splits{splits}", [0, 4000, 129, 64, 65], bs=64, gate=False, **KIMI_TP8)
     _check(args, kw, num_splits=splits, fused=fused)
+
+
+@pytest.mark.parametrize("B", [1, 2, 16, 17, 64])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch_epilogue"])
+def test_batch_sizes_bf16(B, fused):
+    """bf16 against the fp32 reference across the prologue's 16-row tiles (17: a second, 1-row tile),
+    padding rows (slot -1) among live ones."""
+    lens = [0 if i % 5 == 3 else 1 + (97 * i) % 3000 for i in range(B)]
+    args, kw = _case(f"batch{B}", lens, bs=64, **KIMI_TP8)
+    _check(args, kw, fused=fused)
+
+
+@pytest.mark.parametrize("B", [1, 2, 16, 17, 64])
+def test_prologue_q_lat_and_write_bf16(B):
+    """The prologue kernel alone at Kimi K3 TP8 widths (nope 128, L 512, R 64): q_lat (NaN-poisoned) ==
+    the unfused path's bf16 bmm up to one bf16 rounding, and == the fp32 product up to one rounding;
+    the NaN-poisoned cache written at exactly the live slots, bit-exact."""
+    H, L, R, nope, v = (KIMI_TP8[k] for k in ("H", "L", "R", "nope", "v"))
+    g = _gen(f"prologue{B}")
+    nslots = 4 * B + 9
+    q = torch.randn(B, H * (nope + R), generator=g, device=DEV).to(torch.bfloat16).view(B, H, nope + R)
+    w = (torch.randn(H * (nope + v), L, generator=g, device=DEV) * L ** -0.5).to(torch.bfloat16)
+    w_uk = w.view(H, nope + v, L)[:, :nope]
+    kv = torch.randn(B, L + R, generator=g, device=DEV).to(torch.bfloat16)
+    slots = torch.randperm(nslots, generator=g, device=DEV)[:B]
+    slots[::3] = -1
+    if B > 1:
+        slots[-1] = -1
+    flat = torch.full((nslots, L + R), float("nan"), device=DEV, dtype=torch.bfloat16)
+    q_lat = torch.full((H, B, L), float("nan"), device=DEV, dtype=torch.bfloat16)
+    _prologue(q, kv[:, :L].contiguous(), kv[:, L:], slots, flat, w_uk, q_lat)
+    torch.cuda.synchronize()
+    assert not torch.isnan(q_lat).any(), "q_lat rows left unwritten"
+    exact = torch.bmm(q[..., :nope].transpose(0, 1).float(), w_uk.float())
+    scale = exact.abs().max().item()
+    bmm = torch.bmm(q[..., :nope].transpose(0, 1), w_uk).float()
+    torch.testing.assert_close(q_lat.float(), bmm, rtol=1e-2, atol=1e-2 * scale)
+    torch.testing.assert_close(q_lat.float(), exact, rtol=8e-3, atol=1e-3 * scale)
+    live = slots >= 0
+    assert torch.equal(flat[slots[live]], kv[live])
+    untouched = torch.ones(nslots, dtype=torch.bool, device=DEV)
+    untouched[slots[live]] = False
+    assert torch.isnan(flat[untouched]).all(), "a negative slot or a masked row wrote the cache"
 
 
 def test_long_context_single_sequence():

@@ -231,9 +231,14 @@ KDA_CASES = [
 ]
 
 
-@pytest.mark.parametrize("row_split", [1, 2])
+KDA_VARIANTS = {"rs1": dict(row_split=1, stage_smem=False), "rs2": dict(row_split=2, stage_smem=False),
+                "smem": dict(row_split=1, stage_smem=True)}
+"""State in registers (one CTA, or a 2-CTA cluster per head) or staged through shared memory."""
+
+
+@pytest.mark.parametrize("variant", list(KDA_VARIANTS))
 @pytest.mark.parametrize("name,B,H,dtype,pdtype", KDA_CASES, ids=[c[0] for c in KDA_CASES])
-def test_kda_matches_reference(name, B, H, dtype, pdtype, row_split):
+def test_kda_matches_reference(name, B, H, dtype, pdtype, variant):
     from latency_specialized.kernels.kda_decode import kda_decode
 
     g = _gen(name)
@@ -241,7 +246,7 @@ def test_kda_matches_reference(name, B, H, dtype, pdtype, row_split):
     inp = _kda_inputs(B, H, S, dtype, pdtype, g)
     ref_in = {k: v.clone() for k, v in inp.items()}
     out = torch.full((B, H * 128), float("nan"), dtype=dtype, device=DEV)
-    kda_decode(**inp, num_heads=H, out=out, row_split=row_split)
+    kda_decode(**inp, num_heads=H, out=out, **KDA_VARIANTS[variant])
     torch.cuda.synchronize()
     assert not torch.isnan(out).any(), "kda left outputs unwritten"
     ref = kda_decode_reference(**ref_in, num_heads=H)
@@ -258,23 +263,27 @@ def test_kda_matches_reference(name, B, H, dtype, pdtype, row_split):
     assert torch.equal(inp["state"][untouched], _kda_inputs(B, H, S, dtype, pdtype, _gen(name))
                        ["state"][untouched])
     assert torch.equal(inp["conv_state"], ref_in["conv_state"])
+    if variant == "smem":  # the same arithmetic in the same order as the register variant: bit-identical
+        reg_in = _kda_inputs(B, H, S, dtype, pdtype, _gen(name))
+        reg_out = kda_decode(**reg_in, num_heads=H, row_split=1, stage_smem=False)
+        assert torch.equal(out, reg_out) and torch.equal(inp["state"], reg_in["state"])
 
 
-@pytest.mark.parametrize("row_split", [1, 2])
-def test_kda_graph_replay_equals_eager(row_split):
+@pytest.mark.parametrize("variant", list(KDA_VARIANTS))
+def test_kda_graph_replay_equals_eager(variant):
     from latency_specialized.kernels.kda_decode import kda_decode
 
     g = _gen(5)
     B, H, S = 8, 12, 20
     inp = _kda_inputs(B, H, S, torch.bfloat16, torch.float32, g)
     eager_in = {k: v.clone() for k, v in inp.items()}
-    eager = kda_decode(**eager_in, num_heads=H, row_split=row_split)
+    eager = kda_decode(**eager_in, num_heads=H, **KDA_VARIANTS[variant])
     graph_in = {k: v.clone() for k, v in inp.items()}
     out = torch.full_like(eager, float("nan"))
     snapshot = {k: v.clone() for k, v in graph_in.items()}
 
     def step():
-        kda_decode(**graph_in, num_heads=H, out=out, row_split=row_split)
+        kda_decode(**graph_in, num_heads=H, out=out, **KDA_VARIANTS[variant])
 
     # warm-up + capture each ran the step (in place); restore the states before the measured replay
     gr = _graph_replay(step)
