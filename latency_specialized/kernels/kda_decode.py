@@ -383,9 +383,11 @@ def make_config(mixed_qkv: torch.Tensor, conv_state: torch.Tensor, conv_weight: 
                      float(HEAD_DIM ** -0.5 if scale is None else scale), row_split, bool(stage_smem))
 
 
-STAGE_SMEM_MIN_CTAS = 1 << 30
-"""Smallest (sequences x heads) that stages the state through shared memory by default (set from
-the H200 measurement of both variants, NOTES_moe_kda.md)."""
+STAGE_SMEM_MIN_CTAS = 264
+"""Smallest grid (sequences x heads) that stages the state through shared memory by default: two
+CTAs per SM of the H200's 132, i.e. where the register variant no longer holds the whole grid at once.
+Measured (H200, TP8 12 heads, NOTES_moe_kda.md): batch 64 34.2 vs 37.4 us (72 vs 66 % of the
+roofline), TP16 batch 64 18.2 vs 21-22 us; batch 8 (96 CTAs) 7.60 vs 7.50 us, batch 1 even."""
 
 
 def default_stage_smem(batch: int, heads: int) -> bool:

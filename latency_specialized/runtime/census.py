@@ -79,11 +79,15 @@ class _Driver:
         """Kernel nodes of ``graph`` (child graphs included)."""
         lib, h = self._lib, ctypes.c_void_p(graph)
         n = ctypes.c_size_t(0)
-        if lib.cuGraphGetNodes(h, None, ctypes.byref(n)) != 0:
-            raise RuntimeError("cuGraphGetNodes failed")
-        nodes = (ctypes.c_void_p * max(n.value, 1))()
-        if lib.cuGraphGetNodes(h, nodes, ctypes.byref(n)) != 0:
-            raise RuntimeError("cuGraphGetNodes failed")
+        rc = lib.cuGraphGetNodes(h, None, ctypes.byref(n))
+        if rc != 0:
+            raise RuntimeError(f"cuGraphGetNodes failed (CUresult {rc})")
+        if n.value == 0:  # an empty graph (the first site of a capture): the driver rejects a 0-long array
+            return 0
+        nodes = (ctypes.c_void_p * n.value)()
+        rc = lib.cuGraphGetNodes(h, nodes, ctypes.byref(n))
+        if rc != 0:
+            raise RuntimeError(f"cuGraphGetNodes failed (CUresult {rc})")
         total = 0
         for i in range(n.value):
             t = ctypes.c_int(-1)
@@ -143,13 +147,26 @@ class KernelCensus:
         if self._capture_of.get(bucket) != cid:  # a new capture of this bucket starts a new count
             self._capture_of[bucket] = cid
             self._counts[bucket] = Counter()
-        before = drv.kernel_nodes(graph)
+        before = self._nodes(graph, bucket)
         self._depth += 1
         try:
             yield
         finally:
             self._depth -= 1
-        self._counts[bucket][name] += drv.kernel_nodes(graph) - before
+        after = self._nodes(graph, bucket) if before is not None else None
+        if after is not None and bucket in self._counts:
+            self._counts[bucket][name] += after - before
+
+    def _nodes(self, graph: int, bucket: int) -> int | None:
+        """Kernel nodes so far; a driver error never breaks the capture: the census stops counting
+        (``error`` says why, the bucket's counts are dropped: callers report "unknown")."""
+        try:
+            return self._driver.kernel_nodes(graph)
+        except (OSError, RuntimeError) as e:
+            self.error = f"kernel census stopped: {e}"
+            self._driver = None
+            self._counts.pop(bucket, None)
+            return None
 
     def wrap(self, name: str, bucket: int, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` counted as site ``name`` of ``bucket``."""

@@ -72,6 +72,19 @@ def test_instrument_wraps_every_bound_op_and_sets_program_census():
     assert census.kernels(1) == {"a": 1, "b.allreduce": 1} and census.kernels(4) == {"a": 5}
 
 
+def test_a_driver_error_stops_the_census_without_breaking_the_step():
+    drv = FakeDriver()
+    drv.capture_id = 3
+    census = KernelCensus(driver=drv)
+    census.wrap("a", 1, _op(drv, 1))()
+
+    def broken(graph):
+        raise RuntimeError("cuGraphGetNodes failed (CUresult 1)")
+    drv.kernel_nodes = broken
+    assert census.wrap("b", 1, _op(drv, 2))() == 2  # the op still ran
+    assert census.kernels(1) is None and not census.available and "CUresult 1" in census.error
+
+
 def test_without_driver_nothing_is_recorded():
     census = KernelCensus(driver=None)
     if census.available:  # a CUDA machine found libcuda: that case is the GPU test below
