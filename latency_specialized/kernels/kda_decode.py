@@ -43,6 +43,10 @@ class KDAConfig:
     row_split: int = 1
     """CTAs per (head, sequence): 2 splits the 128 state rows over a 2-CTA cluster (128 threads each),
     the RMSNorm's sum of squares crossing through distributed shared memory."""
+    decay_rank: int = 0
+    """0: ``f`` is the decay input [B, H*D] (f_b_proj's output). R > 0: ``f`` is the low-rank f_a [B, R]
+    and the kernel computes the decay input ``round(f_a @ f_b^T)`` itself (f_b [H*D, R], the f_b_proj
+    gemm fused: one kernel less per layer); thread d of a head reads f_b row d (R x 2 bytes)."""
     stage_smem: bool = False
     """Stage the state through shared memory: every thread requests its 64 KiB share with
     ``cp.async`` (no registers held while in flight) and reads it back row by row. 64 KiB of shared
@@ -67,6 +71,10 @@ def _build_kernel_class():
 
     def vec4(ptr, off):
         return cute.make_tensor((ptr + off).align(16), cute.make_layout(4))
+
+    def vec8(ptr, off):
+        """8 16-bit values at an element offset (16-byte aligned): one vector load."""
+        return cute.make_tensor((ptr + off).align(16), cute.make_layout(8))
 
     def ld_peer_f32(smem_ptr, rank):
         """The f32 at the same shared-memory offset in CTA ``rank`` of this cluster (DSMEM load)."""
@@ -107,19 +115,38 @@ def _build_kernel_class():
 
         @cute.jit
         def __call__(self, mixed_qkv: cute.Tensor, conv_state: cute.Tensor, conv_weight: cute.Tensor,
-                     f: cute.Tensor, A_log: cute.Tensor, dt_bias: cute.Tensor, beta_logit: cute.Tensor,
-                     g_out: cute.Tensor, norm_weight: cute.Tensor, state: cute.Tensor, state_idx: cute.Tensor,
-                     out: cute.Tensor, stream):
+                     f: cute.Tensor, f_b: cute.Tensor, A_log: cute.Tensor, dt_bias: cute.Tensor,
+                     beta_logit: cute.Tensor, g_out: cute.Tensor, norm_weight: cute.Tensor, state: cute.Tensor,
+                     state_idx: cute.Tensor, out: cute.Tensor, stream):
             RS = self.cfg.row_split
             staged = self.cfg.stage_smem
-            self.kernel(mixed_qkv, conv_state, conv_weight, f, A_log, dt_bias, beta_logit, g_out, norm_weight,
-                        state, state_idx, out).launch(
+            self.kernel(mixed_qkv, conv_state, conv_weight, f, f_b, A_log, dt_bias, beta_logit, g_out,
+                        norm_weight, state, state_idx, out).launch(
                 grid=[RS, self.cfg.heads, mixed_qkv.shape[0]], block=[THREADS // RS, 1, 1],
                 cluster=[RS, 1, 1] if RS > 1 else None, stream=stream, use_pdl=self.cfg.pdl,
                 # <= 128 registers: 64 KiB of state in flight per 256 threads of an SM (staged: 3 CTAs
                 # of 64 KiB shared memory each, the whole carveout). An explicit carveout keeps the DSL
                 # from querying a device at compile time (CPU compiles).
                 min_blocks_per_mp=3 if staged else 2 * RS, preferred_smem_carveout=100 if staged else 50)
+
+        @cute.jit
+        def _decay_input(self, f: cute.Tensor, f_b: cute.Tensor, b, c) -> Float32:
+            """Decay input of channel c: f[b, c], or round(f_a[b] . f_b[c]) with the gemm's one rounding
+            (16-byte loads of the f_b row and of f_a; fp32 products and sums)."""
+            R = self.cfg.decay_rank
+            val = Float32(0.0)
+            if cutlass.const_expr(R == 0):
+                val = f[b, c].to(Float32)
+            else:
+                acc = cute.make_rmem_tensor(8, Float32)
+                acc.fill(0.0)
+                for i in cutlass.range_constexpr(R // 8):
+                    wv = vec8(f_b.iterator, c * R + 8 * i).load().to(Float32)
+                    xv = vec8(f.iterator, b * f.stride[0] + 8 * i).load().to(Float32)
+                    acc.store(acc.load() + wv * xv)
+                dot = Float32(acc.load().reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0))
+                val = dot.to(self.dtype).to(Float32)
+            return val
 
         @cute.jit
         def _sigmoid(self, z: Float32) -> Float32:
@@ -145,9 +172,9 @@ def _build_kernel_class():
 
         @cute.kernel
         def kernel(self, mixed_qkv: cute.Tensor, conv_state: cute.Tensor, conv_weight: cute.Tensor,
-                   f: cute.Tensor, A_log: cute.Tensor, dt_bias: cute.Tensor, beta_logit: cute.Tensor,
-                   g_out: cute.Tensor, norm_weight: cute.Tensor, state: cute.Tensor, state_idx: cute.Tensor,
-                   out: cute.Tensor):
+                   f: cute.Tensor, f_b: cute.Tensor, A_log: cute.Tensor, dt_bias: cute.Tensor,
+                   beta_logit: cute.Tensor, g_out: cute.Tensor, norm_weight: cute.Tensor, state: cute.Tensor,
+                   state_idx: cute.Tensor, out: cute.Tensor):
             cfg = self.cfg
             H, W, RS = cfg.heads, cfg.conv_width, cfg.row_split
             HD = H * D
@@ -226,11 +253,11 @@ def _build_kernel_class():
             if cutlass.const_expr(RS == 1):
                 if tidx >= D:
                     a = cute.math.exp(A_log[h].to(Float32))
-                    z = a * (f[b, h * D + dk].to(Float32) + dt_bias[h * D + dk].to(Float32))
+                    z = a * (self._decay_input(f, f_b, b, h * D + dk) + dt_bias[h * D + dk].to(Float32))
                     sdec[dk] = cute.math.exp(Float32(cfg.gate_lower_bound) * self._sigmoid(z))
             else:
                 a = cute.math.exp(A_log[h].to(Float32))
-                z = a * (f[b, h * D + dk].to(Float32) + dt_bias[h * D + dk].to(Float32))
+                z = a * (self._decay_input(f, f_b, b, h * D + dk) + dt_bias[h * D + dk].to(Float32))
                 sdec[dk] = cute.math.exp(Float32(cfg.gate_lower_bound) * self._sigmoid(z))
             # L2 norms of q and k over the head (warps 0-3 hold the 128 channels)
             q2 = cute.arch.warp_reduction_sum(qv * qv)
@@ -334,7 +361,9 @@ def _compile(cfg: KDAConfig):
             fake(dt, (bsym, 3 * HD), (cute.sym_int64(), 1), 2),  # mixed_qkv
             fake(dt, (ssym, 3 * HD, W - 1), (3 * HD * (W - 1), W - 1, 1), 2),  # conv_state
             fake(pdt, (3 * HD, W), (W, 1)),  # conv_weight
-            fake(dt, (bsym, HD), (cute.sym_int64(), 1), 2),  # f
+            *((fake(dt, (bsym, HD), (cute.sym_int64(), 1), 2),) * 2 if not cfg.decay_rank else  # f; f_b unused
+              (fake(dt, (bsym, cfg.decay_rank), (cute.sym_int64(), 1), 16),  # f_a (rows 16-byte aligned)
+               fake(dt, (HD, cfg.decay_rank), (cfg.decay_rank, 1), 16))),  # f_b
             fake(pdt, (H,), (1,)),  # A_log
             fake(pdt, (HD,), (1,)),  # dt_bias
             fake(dt, (bsym, H), (cute.sym_int64(), 1), 2),  # beta_logit
@@ -352,7 +381,8 @@ def _compile(cfg: KDAConfig):
 
 def make_config(mixed_qkv: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor, state: torch.Tensor,
                 state_idx: torch.Tensor, A_log: torch.Tensor, *, num_heads: int, eps: float, gate_lower_bound: float,
-                scale: float | None, row_split: int | None = None, stage_smem: bool | None = None) -> KDAConfig:
+                scale: float | None, row_split: int | None = None, stage_smem: bool | None = None,
+                decay_rank: int = 0) -> KDAConfig:
     """Validated compile key; UserError names the fix."""
     HD3 = mixed_qkv.shape[1]
     if HD3 % (3 * num_heads) != 0 or HD3 // (3 * num_heads) != HEAD_DIM:
@@ -380,7 +410,7 @@ def make_config(mixed_qkv: torch.Tensor, conv_state: torch.Tensor, conv_weight: 
         raise UserError("kda kernel: stage_smem needs row_split=1 (a split CTA holds half a state)")
     return KDAConfig(num_heads, W, _dtype_name(mixed_qkv.dtype), _dtype_name(A_log.dtype),
                      _dtype_name(state_idx.dtype), float(eps), float(gate_lower_bound),
-                     float(HEAD_DIM ** -0.5 if scale is None else scale), row_split, bool(stage_smem))
+                     float(HEAD_DIM ** -0.5 if scale is None else scale), row_split, int(decay_rank), bool(stage_smem))
 
 
 STAGE_SMEM_MIN_CTAS = 264
@@ -395,6 +425,25 @@ def default_stage_smem(batch: int, heads: int) -> bool:
     return batch * heads >= STAGE_SMEM_MIN_CTAS
 
 
+def _check_fused_decay(f_a: torch.Tensor, f_b: torch.Tensor, mixed_qkv: torch.Tensor, heads: int) -> int:
+    """Rank R of a fused decay input (f_a [B, R], f_b [H*D, R]); UserError names the fix."""
+    HD = heads * HEAD_DIM
+    if f_b.dim() != 2 or f_b.shape[0] != HD or f_b.shape[1] % 8 or not 8 <= f_b.shape[1] <= 512:
+        raise UserError(f"kda kernel: f_b_weight must be [{HD}, R] with R a multiple of 8 up to 512, got "
+                        f"{tuple(f_b.shape)}: run f_b_proj as a gemm and pass its output as f")
+    R = f_b.shape[1]
+    if f_b.dtype != mixed_qkv.dtype or f_a.dtype != mixed_qkv.dtype:
+        raise UserError(f"kda kernel: f_a ({f_a.dtype}) and f_b_weight ({f_b.dtype}) must be in the activation "
+                        f"dtype {mixed_qkv.dtype}: cast the weight once at load")
+    if not f_b.is_contiguous() or f_b.data_ptr() % 16:
+        raise UserError("kda kernel: f_b_weight must be contiguous and 16-byte aligned (.contiguous() at load)")
+    if (f_a.dim() != 2 or f_a.shape != (mixed_qkv.shape[0], R) or f_a.stride(1) != 1
+            or (f_a.stride(0) * f_a.element_size()) % 16 or f_a.data_ptr() % 16):
+        raise UserError(f"kda kernel: with f_b_weight, f must be f_a [{mixed_qkv.shape[0]}, {R}] with unit column "
+                        f"stride and 16-byte aligned rows, got {tuple(f_a.shape)} stride {f_a.stride()}")
+    return R
+
+
 def default_row_split(batch: int, heads: int) -> int:
     """CTAs per (head, sequence): 1. Measured on the H200 (NOTES_moe_kda.md), the 2-CTA cluster split
     gains 4% at batch 1 (5.03 vs 5.23 us, TP8) and loses 5-8% from batch 8 on."""
@@ -406,17 +455,21 @@ def kda_decode(mixed_qkv: torch.Tensor, conv_state: torch.Tensor, conv_weight: t
                norm_weight: torch.Tensor, state: torch.Tensor, state_idx: torch.Tensor, *, num_heads: int,
                eps: float = 1e-5, gate_lower_bound: float = -5.0, scale: float | None = None,
                out: torch.Tensor | None = None, row_split: int | None = None,
-               stage_smem: bool | None = None) -> torch.Tensor:
+               stage_smem: bool | None = None, f_b_weight: torch.Tensor | None = None) -> torch.Tensor:
     """Fused KDA decode on the GPU; same contract as ``ops.attention.kda.kda_decode_reference``.
 
     ``conv_weight``, ``A_log``, ``dt_bias`` and ``norm_weight`` share one dtype (fp32 or the activation
     dtype). ``state`` / ``conv_state`` rows named by ``state_idx`` are updated in place. Returns
     [B, H*D] in mixed_qkv.dtype (or writes ``out``). ``row_split`` (1 or 2 CTAs per head and
     sequence) defaults to :func:`default_row_split`; ``stage_smem`` (state through shared memory, see
-    KDAConfig) to :func:`default_stage_smem`.
+    KDAConfig) to :func:`default_stage_smem`. ``f_b_weight`` [H*D, R] (activation dtype): ``f`` is then
+    the low-rank f_a [B, R] (rows may be strided, 16-byte aligned) and the kernel computes the decay
+    input itself (the f_b_proj gemm fused, see KDAConfig.decay_rank).
     """
+    rank = _check_fused_decay(f, f_b_weight, mixed_qkv, num_heads) if f_b_weight is not None else 0
     cfg = make_config(mixed_qkv, conv_state, conv_weight, state, state_idx, A_log, num_heads=num_heads, eps=eps,
-                      gate_lower_bound=gate_lower_bound, scale=scale, row_split=row_split, stage_smem=stage_smem)
+                      gate_lower_bound=gate_lower_bound, scale=scale, row_split=row_split, stage_smem=stage_smem,
+                      decay_rank=rank)
     pdt = A_log.dtype
     for name, t in (("conv_weight", conv_weight), ("dt_bias", dt_bias), ("norm_weight", norm_weight)):
         if t.dtype != pdt:
@@ -426,8 +479,8 @@ def kda_decode(mixed_qkv: torch.Tensor, conv_state: torch.Tensor, conv_weight: t
     y = out if out is not None else torch.empty(B, num_heads * HEAD_DIM, dtype=mixed_qkv.dtype,
                                                  device=mixed_qkv.device)
     if B > 0:
-        fn(mixed_qkv, conv_state, conv_weight, f, A_log, dt_bias, beta_logit, g_out, norm_weight, state,
-           state_idx, y)
+        fn(mixed_qkv, conv_state, conv_weight, f, f_b_weight if rank else f, A_log, dt_bias, beta_logit, g_out,
+           norm_weight, state, state_idx, y)
     return y
 
 
@@ -437,6 +490,9 @@ def _supports(ctx: OpContext) -> Support:
         return ok
     if ctx.dim("head_dim") != HEAD_DIM:
         return f"head_dim {ctx.dim('head_dim')} != {HEAD_DIM}"
+    rank = dict(ctx.dims).get("decay_rank")
+    if rank is not None and (rank % 8 or not 8 <= rank <= 512):
+        return f"fused decay input needs decay_rank % 8 == 0 and <= 512 (decay_rank={rank})"
     return True
 
 

@@ -318,9 +318,10 @@ class OursBench:
                     self.notes.append("Shared experts run on a side stream (a parallel branch of the graph), "
                                       "overlapping router, latent down-projection and routed experts.")
                 if built.program.router_side is not None:
-                    self.notes.append("The router GEMM runs on a second side stream beside the latent "
-                                      "down-projection (both read only the normed hidden state); joined "
-                                      "before the all-gather and the router.")
+                    self.notes.append("From batch 2 the router GEMM runs on a second side stream beside the "
+                                      "latent down-projection (both read only the normed hidden state); joined "
+                                      "before the all-gather and the router. KDA layers: the f_b_proj gemm "
+                                      "(decay input) runs inside the KDA kernel.")
             torch.cuda.synchronize()
             say(f"  built {n_layers}-layer program ({torch.cuda.memory_allocated() / 2**30:.1f} GiB on the GPU)")
         self.layers = layers

@@ -137,6 +137,13 @@ def _arrange(spec: KimiK3Spec, w: Mapping[str, torch.Tensor]) -> list[_Layer]:
     return layers
 
 
+ROUTER_SIDE_MIN_BATCH = 2
+"""Smallest bucket whose router GEMM runs on its own stream beside the latent down-projection. H200
+layer bench (TP8 shard): batch 2-64 gained 2.7-9 us per layer; batch 1 lost ~1.7 us (its router GEMM
+then starts only after the AttnRes kernel completes instead of early under PDL, and the router waits
+on two branches), so batch 1 keeps them in one stream."""
+
+
 class KimiK3Program:
     """Decode step of Kimi K3 over a :class:`KimiK3Cache`, bound to plans per batch bucket.
 
@@ -320,10 +327,11 @@ class KimiK3Program:
         y = ops[f"{kind}/attn.in_proj"](h, w["in"])
         mixed, g_out = y[:, :3 * hd], y[:, 3 * hd:4 * hd]
         f_a, beta = y[:, 4 * hd:4 * hd + a.decay_rank], y[:, 4 * hd + a.decay_rank:4 * hd + a.decay_rank + a.num_heads]
-        f = ops[f"{kind}/attn.f_b_proj"](self._rows(f"{kind}/attn.f_b_proj", f_a), w["f_b"])
-        o = ops[f"{kind}/attn.kda"](mixed, self.cache.conv[i], w["conv"], f, w["A_log"], w["dt_bias"], beta, g_out,
+        # the decay input f_b_proj(f_a) is computed inside the KDA op (its kernel fuses the small gemm)
+        o = ops[f"{kind}/attn.kda"](mixed, self.cache.conv[i], w["conv"], f_a, w["A_log"], w["dt_bias"], beta, g_out,
                                     w["o_norm"], self.cache.state[i], meta["rows"], num_heads=a.num_heads,
-                                    eps=self.spec.kda_norm_eps, gate_lower_bound=a.gate_lower_bound)
+                                    eps=self.spec.kda_norm_eps, gate_lower_bound=a.gate_lower_bound,
+                                    f_b_weight=w["f_b"])
         return ops[f"{kind}/attn.o_proj"](o, w["o"])
 
     def _mla(self, ops, kind: str, i: int, a: MLAAttentionSpec, w: dict[str, torch.Tensor], h: torch.Tensor,
@@ -358,7 +366,7 @@ class KimiK3Program:
         # the latent input: at TP > 1 each rank computes its slice of both (experts r*E/tp.., latent
         # channels r*L/tp..) and one all-gather joins them - no rank repeats another's weight reads
         logits_dtype = torch.promote_types(h.dtype, torch.float32)
-        if self.router_side is not None:  # a parallel graph branch, joined before the gather / router
+        if self.router_side is not None and b >= ROUTER_SIDE_MIN_BATCH:  # a graph branch, joined before the router
             routing = self.router_side.run(ops[f"{kind}/moe.router_gemm"], h, w["gate"], out_dtype=logits_dtype)
             x = ops[f"{kind}/moe.latent_down"](h, w["down"])
             logits = routing.join()

@@ -41,8 +41,9 @@ def _attention(b: SiteBuilder, a, hidden: int) -> None:
         # q, k, v, g_out | f_a | beta, rows padded to a multiple of 16 as vLLM pads in_proj_qkvgfab
         # (cuBLAS picks an sm80 kernel for N=6284 at M=64: 39 vs 27 us for N=6288, H200)
         b.gemm("attn.in_proj", in_proj_rows(a), hidden)
-        b.gemm("attn.f_b_proj", hd, a.decay_rank)
-        b.add("attn.kda", "attention.kda", heads=a.num_heads, head_dim=a.head_dim, conv=a.conv_kernel)
+        # f_b_proj (decay input [H*D, R]) is part of the KDA op: its kernel computes it per head
+        b.add("attn.kda", "attention.kda", weight_bytes=hd * a.decay_rank * 2, heads=a.num_heads,
+              head_dim=a.head_dim, conv=a.conv_kernel, decay_rank=a.decay_rank)
         b.gemm("attn.o_proj", hidden, hd)
         return
     assert isinstance(a, MLAAttentionSpec)

@@ -135,6 +135,41 @@ def test_kda_staged_variant_copies_state_through_shared_memory():
         kd.make_config(*args, num_heads=H, eps=1e-5, gate_lower_bound=-5.0, scale=None, stage_smem=True, row_split=2)
 
 
+@needs_cute
+@pytest.mark.parametrize("staged", [False, True])
+def test_kda_fused_decay_input_compiles(staged):
+    from latency_specialized.kernels import kda_decode as kd
+
+    H = 12
+    args = (_meta(64, 3 * H * 128, dtype=torch.bfloat16), _meta(80, 3 * H * 128, 3, dtype=torch.bfloat16),
+            _meta(3 * H * 128, 4), _meta(80, H, 128, 128), _meta(64, dtype=torch.int32), _meta(H))
+    cfg = kd.make_config(*args, num_heads=H, eps=1e-5, gate_lower_bound=-5.0, scale=None, stage_smem=staged,
+                         decay_rank=128)
+    ptx = kd.ptx_of(kd._compile(cfg))
+    wait = ptx.index("griddepcontrol.wait")
+    # f_b_proj fused: 16 16-byte loads of the thread's f_b row + 16 of f_a, all after the PDL wait;
+    # the state traffic is unchanged
+    v4 = r"ld\.global[\w.:]*\.v4\.[fbu]32"
+    assert _count(ptx, v4) == (0 if staged else 16) + 32 and _count(ptx[:wait], v4) == (0 if staged else 16)
+    assert _count(ptx, r"st\.global\.v4\.[fbu]32") == 16
+
+
+def test_fused_decay_checks_name_the_fix():
+    from latency_specialized.kernels import kda_decode as kd
+
+    x = torch.empty(2, 3 * 128, dtype=torch.bfloat16)
+    with pytest.raises(UserError, match="f_b_proj as a gemm"):
+        kd._check_fused_decay(torch.empty(2, 100, dtype=torch.bfloat16), torch.empty(128, 100, dtype=torch.bfloat16),
+                              x, 1)
+    with pytest.raises(UserError, match="activation dtype"):
+        kd._check_fused_decay(torch.empty(2, 128, dtype=torch.bfloat16), torch.empty(128, 128), x, 1)
+    wide = torch.empty(2, 130, dtype=torch.bfloat16)
+    with pytest.raises(UserError, match="16-byte aligned rows"):
+        kd._check_fused_decay(wide[:, 1:129], torch.empty(128, 128, dtype=torch.bfloat16), x, 1)
+    assert kd._check_fused_decay(torch.empty(2, 128, dtype=torch.bfloat16), torch.empty(128, 128, dtype=torch.bfloat16),
+                                 x, 1) == 128
+
+
 def test_configs_reject_unsupported_shapes_with_a_fix():
     from latency_specialized.kernels import kda_decode as kd
     from latency_specialized.kernels import moe_experts as me

@@ -296,6 +296,58 @@ def test_kda_graph_replay_equals_eager(variant):
     assert torch.equal(graph_in["conv_state"], eager_in["conv_state"])
 
 
+@pytest.mark.parametrize("variant", list(KDA_VARIANTS))
+@pytest.mark.parametrize("B,H,dtype", [(1, 12, torch.bfloat16), (5, 12, torch.bfloat16), (64, 12, torch.bfloat16),
+                                       (3, 3, torch.float32)])
+def test_kda_fused_decay_input_matches_reference(B, H, dtype, variant):
+    """f_b_weight given: f is the low-rank f_a (a strided column slice, as in the fused in_proj output)
+    and the kernel computes the decay input round(f_a @ f_b^T) itself."""
+    from latency_specialized.kernels.kda_decode import kda_decode
+
+    g = _gen(f"fused{B}{H}{variant}")
+    S, R, HD = 2 * B + 3, 128, H * 128
+    inp = _kda_inputs(B, H, S, dtype, torch.float32, g)
+    wide = torch.randn(B, 4 * HD + R + 16, generator=g, device=DEV).to(dtype)  # [.. | f_a | ..] like in_proj
+    f_a = wide[:, 4 * HD:4 * HD + R]
+    f_b = (torch.randn(HD, R, generator=g, device=DEV) * R ** -0.5).to(dtype)
+    inp["f"] = f_a
+    ref_in = {k: v.clone() for k, v in inp.items()}
+    out = torch.full((B, HD), float("nan"), dtype=dtype, device=DEV)
+    kda_decode(**inp, num_heads=H, out=out, f_b_weight=f_b, **KDA_VARIANTS[variant])
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any(), "kda left outputs unwritten"
+    ref = kda_decode_reference(**ref_in, num_heads=H, f_b_weight=f_b)
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype != torch.float32 else dict(rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    # the decay input is rounded like the gemm's output: a summation-order difference can move it by
+    # one bf16 ulp (2^-8 relative), which moves the decayed state by ~exp(g) * 2^-8 * |g| -> 1e-2 for bf16
+    stol = dict(rtol=1e-2, atol=1e-2) if dtype != torch.float32 else dict(rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(inp["state"], ref_in["state"], **stol)
+    assert torch.equal(inp["conv_state"], ref_in["conv_state"])
+    assert torch.equal(f_a, wide[:, 4 * HD:4 * HD + R])  # input untouched
+
+
+def test_kda_fused_decay_graph_replay_equals_eager():
+    from latency_specialized.kernels.kda_decode import kda_decode
+
+    g = _gen(11)
+    B, H, S, R = 8, 12, 20, 128
+    inp = _kda_inputs(B, H, S, torch.bfloat16, torch.float32, g)
+    inp["f"] = torch.randn(B, R, generator=g, device=DEV).bfloat16()
+    f_b = (torch.randn(H * 128, R, generator=g, device=DEV) * R ** -0.5).bfloat16()
+    eager_in = {k: v.clone() for k, v in inp.items()}
+    eager = kda_decode(**eager_in, num_heads=H, f_b_weight=f_b)
+    graph_in = {k: v.clone() for k, v in inp.items()}
+    out = torch.full_like(eager, float("nan"))
+    snapshot = {k: v.clone() for k, v in graph_in.items()}
+    gr = _graph_replay(lambda: kda_decode(**graph_in, num_heads=H, out=out, f_b_weight=f_b))
+    for k in ("state", "conv_state"):
+        graph_in[k].copy_(snapshot[k])
+    gr.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager) and torch.equal(graph_in["state"], eager_in["state"])
+
+
 # ------------------------------------------------------------------------------------ side stream
 def _shared_mlp(x, w13, w2, act):
     gu = torch.nn.functional.linear(x, w13)

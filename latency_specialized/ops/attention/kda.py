@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from latency_specialized.ops.gemm import gemm_reference
 from latency_specialized.ops.registry import Implementation, always
 
 
@@ -25,7 +26,8 @@ def kda_decode_reference(mixed_qkv: torch.Tensor, conv_state: torch.Tensor, conv
                          f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, beta_logit: torch.Tensor,
                          g_out: torch.Tensor, norm_weight: torch.Tensor, state: torch.Tensor,
                          state_idx: torch.Tensor, *, num_heads: int, eps: float = 1e-5,
-                         gate_lower_bound: float = -5.0, scale: float | None = None) -> torch.Tensor:
+                         gate_lower_bound: float = -5.0, scale: float | None = None,
+                         f_b_weight: torch.Tensor | None = None) -> torch.Tensor:
     """Fused KDA decode for one token per sequence.
 
     Parameters
@@ -33,7 +35,10 @@ def kda_decode_reference(mixed_qkv: torch.Tensor, conv_state: torch.Tensor, conv
     mixed_qkv : [B, 3*H*D] q|k|v projections before the conv (activation dtype).
     conv_state : [S, 3*H*D, W-1] previous conv inputs, oldest first (activation dtype), updated in place.
     conv_weight : [3*H*D, W] depthwise conv taps (last tap multiplies the current token).
-    f : [B, H*D] decay input (output of f_b_proj). A_log : [H]. dt_bias : [H*D].
+    f : [B, H*D] decay input (output of f_b_proj), or with ``f_b_weight`` [H*D, R] the low-rank f_a
+        [B, R]: the decay input is then ``f_b_proj(f_a)`` (the gemm contract: fp32 accumulation, one
+        rounding to the activation dtype), computed inside the op (implementations fuse it).
+    A_log : [H]. dt_bias : [H*D].
     beta_logit : [B, H]. g_out : [B, H*D] output-gate logits. norm_weight : [D].
     state : [S, H, D, D] fp32 recurrent states [value, key], updated in place.
     state_idx : [B] int row of ``state`` / ``conv_state`` for each sequence.
@@ -42,6 +47,8 @@ def kda_decode_reference(mixed_qkv: torch.Tensor, conv_state: torch.Tensor, conv
     -------
     [B, H*D] in mixed_qkv.dtype.
     """
+    if f_b_weight is not None:
+        f = gemm_reference(f, f_b_weight)
     B = mixed_qkv.shape[0]
     H = num_heads
     HD = mixed_qkv.shape[1] // 3
