@@ -1,4 +1,4 @@
-"""Per-kernel breakdown of the graphed Kimi K3 KDA+MoE layer: ours vs stock (H200 diagnostic).
+"""Per-kernel breakdown of the graphed Kimi K3 KDA+MoE or MLA+MoE layer: ours vs stock (H200 diagnostic).
 
 The layer bench gives one figure per cell; this says where it goes. Both variants are captured as
 in ``latency-specialized bench`` (K layers, TP rank shapes, one GPU) and replayed under the torch
@@ -6,6 +6,9 @@ profiler (CUPTI reports every kernel node of a graph replay). Per variant and ba
 kernels sorted by device time per replay, and writes the table as JSON.
 
     python benchmarks/scripts/profile_layer.py --batches 1,8,64 --layers 2 --out $OUT/profile.json
+    python benchmarks/scripts/profile_layer.py --kind mla --context 4096 --batches 1 --out $OUT/profile_mla.json
+
+Kernels launched with PDL count the time they wait for their predecessor too: their figures overlap.
 """
 
 from __future__ import annotations
@@ -59,32 +62,38 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--out", default="profile.json")
+    ap.add_argument("--kind", default="kda", choices=("kda", "mla"))
+    ap.add_argument("--context", type=int, default=4096, help="MLA: cached tokens per sequence")
     args = ap.parse_args()
     batches = tuple(int(b) for b in args.batches.split(","))
     from latency_specialized.bench.layer_bench import GraphedStep, _layer_index
-    from latency_specialized.bench.stock.layers import build_stock_kda
+    from latency_specialized.bench.stock.layers import build_stock_kda, build_stock_mla
     from latency_specialized.plugins import get_registry
     from latency_specialized_models.kimi_k3.graphed import build_ours
 
     full = get_registry().adapter("kimi_k3").spec("full")
     dev = torch.device("cuda")
-    ours = build_ours(full, args.tp, "kda", args.layers, batches, dev, say=print)
-    li = _layer_index(full, "kda")
+    mla = args.kind == "mla"
+    ours = build_ours(full, args.tp, args.kind, args.layers, batches, dev, say=print,
+                      contexts=(args.context,) if mla else ())
+    li = _layer_index(full, args.kind)
+    ctx = (args.context,) if mla else ()
     result = {}
     for b in batches:
-        stock_layers = build_stock_kda(full, li, args.tp, b, args.layers, dev, experts=ours.expert_weights(args.layers))
+        build_stock = build_stock_mla if mla else build_stock_kda
+        stock_layers = build_stock(full, li, args.tp, b, *ctx, args.layers, dev, experts=ours.expert_weights(args.layers))
         stock = GraphedStep("stock", args.layers, stock_layers.step, stock_layers.routed_ids)
-        o_k, _ = ours.variants(b)
+        o_k, _ = ours.variants(b, *ctx)
         for name, v in (("ours", o_k), ("stock", stock)):
             v.capture()
             agg, wall = profile(v, args.replays)
             total = sum(t for t, _ in agg.values())
             rows = sorted(agg.items(), key=lambda kv: -kv[1][0])
-            print(f"\n=== {name} batch {b}: {args.layers} layers, graph replay {wall:.1f} us, "
+            print(f"\n=== {args.kind} {name} batch {b}: {args.layers} layers, graph replay {wall:.1f} us, "
                   f"sum of kernel times {total:.1f} us, {sum(n for _, n in agg.values()):.0f} kernels")
             for k, (t, n) in rows:
                 print(f"  {t:8.1f} us  x{n:4.1f}  {k}")
-            result[f"{name}_b{b}"] = {"wall_us": wall, "kernel_sum_us": total,
+            result[f"{args.kind}_{name}_b{b}"] = {"wall_us": wall, "kernel_sum_us": total,
                                       "kernels": {k: {"us": t, "count": n} for k, (t, n) in rows}}
         del stock_layers, stock
         torch.cuda.empty_cache()
