@@ -64,9 +64,13 @@ BLOCK_H = 16
 """Heads per program: the smallest M of a tensor-core ``tl.dot``; H = 12 (Kimi K3 TP8) pads to 16."""
 BLOCK_N = 32
 """Positions per tile (bf16/fp16 cache; 16 for fp32 caches, whose tiles are twice the bytes)."""
-MIN_CHUNK = 64
+MIN_CHUNK = 128
 """Fewest positions a split takes (device side): below this the fp32 partials a split writes and the
-merge reads (H x L x 4 bytes) would rival the cache bytes the split reads."""
+merge reads (H x L x 4 bytes) rival the cache bytes the split reads, and at small batch the merge's
+serial walk over them is the call's time. H200, Kimi TP8 heads, context 4096 (mla_decode_sweep.md):
+128 vs 64 gives 24.8 / 26.2 / 30.2 / 39.4 us vs 27.1 / 29.1 / 34.8 / 40.0 at batch 1 / 2 / 4 / 8 (32
+instead of 64 splits); 256 is slower (31.2 us at batch 1: the split kernel then has too few programs).
+From context ~16k (MAX_SPLITS) and from batch 16 (WAVES) the split count, so the time, is the same."""
 MAX_SPLITS = 256
 """Most splits of one sequence (the merge holds every split's m and l in one vector)."""
 WAVES = 2
