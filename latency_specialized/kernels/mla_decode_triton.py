@@ -91,6 +91,12 @@ PROLOGUE_K = 128
 """Most of nope per ``tl.dot`` step (a masked loop: any nope works): Kimi's 128 in one step, so a program
 issues all its loads (a 128 x 64 W_UK tile, the q rows) before its one dot."""
 MERGE_WARPS = 4
+MERGE_L_FUSED = 128
+"""Latent columns per step of the fused merge (merge + W_UV): a program walks L / MERGE_L_FUSED tiles,
+each over all split tiles; wider tiles mean fewer serial L2 round trips per program."""
+MERGE_TILE = 1 << 30
+"""Most fp32 partials (split tile x latent tile) one fused-merge step loads: caps the split tile when
+the latent tile is wide (registers)."""
 NUM_WARPS = 4
 NUM_STAGES = 2
 FUSED = True
@@ -485,10 +491,12 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
             raise UserError(f"{NAME}: out must have a unit last stride (got {y.stride()})")
         g = _last_dim_unit(gate) if gate is not None else y
         vb = merge_v_block(B, H, v, _sms(q.device))
+        ml_f = min(MERGE_L_FUSED, L)
+        fused_args = dict(merge_args, S_TILE=max(1, min(s_tile, MERGE_TILE // ml_f)))
         kernels["merge"][(B, H, -(-v // vb))](
             sp.ws_acc, sp.ws_m, sp.ws_l, seq_lens, y, w_uv, g, y, sp.num_splits, v, *sp.strides, 0, 0,
             w_uv.stride(0), w_uv.stride(1), g.stride(0), y.stride(0),
-            L=L, ML=ml, V_PAD=vb, EPILOGUE=True, HAS_GATE=gate is not None, **merge_args)
+            L=L, ML=ml_f, V_PAD=vb, EPILOGUE=True, HAS_GATE=gate is not None, **fused_args)
         return y
     # unfused: merge to o_lat (activation dtype), torch W_UV bmm, the reference's epilogue
     if sp.num_splits > 1:

@@ -46,7 +46,7 @@ FP32 = dict(rtol=1e-5, atol=1e-5)
 
 @pytest.mark.skipif(_INTERPRET, reason="this process interprets: the kernel cases run in-process")
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=35)
+    run_interpreted(__file__, min_passed=40)
 
 
 @pytest.fixture
@@ -250,3 +250,17 @@ def test_registered_above_torch_paged():
 
     names = [i.name for i in get_registry().implementations.family("attention.mla")]
     assert names.index("attention.mla.triton_splitkv") < names.index("attention.mla.torch_paged")
+
+
+@interpreted
+@pytest.mark.parametrize("merge_l,merge_tile", [(1 << 12, 1 << 30), (1 << 12, 64), (16, 32)],
+                         ids=["whole_latent", "whole_latent_capped_split_tile", "narrow"])
+def test_fused_merge_tile_shapes(mla, monkeypatch, merge_l, merge_tile):
+    """The fused merge's latent tile (MERGE_L_FUSED, clamped to L) and split-tile cap (MERGE_TILE) change
+    how a program walks the partials, never the result: several live splits, padding rows, a gate."""
+    monkeypatch.setattr(mla, "MIN_CHUNK", 16)
+    monkeypatch.setattr(mla, "MERGE_L_FUSED", merge_l)
+    monkeypatch.setattr(mla, "MERGE_TILE", merge_tile)
+    args, kw = _case(77, [0, 40, 7, 33], H=4, bs=2, gate=True)
+    for splits in (1, 3, 5):
+        _check(mla, args, kw, num_splits=splits)
