@@ -91,12 +91,16 @@ PROLOGUE_K = 128
 """Most of nope per ``tl.dot`` step (a masked loop: any nope works): Kimi's 128 in one step, so a program
 issues all its loads (a 128 x 64 W_UK tile, the q rows) before its one dot."""
 MERGE_WARPS = 4
-MERGE_L_FUSED = 128
+MERGE_L_FUSED = 512
 """Latent columns per step of the fused merge (merge + W_UV): a program walks L / MERGE_L_FUSED tiles,
-each over all split tiles; wider tiles mean fewer serial L2 round trips per program."""
-MERGE_TILE = 1 << 30
+each over all split tiles; wider tiles mean fewer serial L2 round trips per program. H200, Kimi TP8
+heads (mla_decode_sweep.md), 512 (the whole latent) with MERGE_TILE 16384 vs 128: context 4096 batch
+1 / 2 / 4 / 8 / 64 19.6 / 20.5 / 24.5 / 34.9 / 138.8 us vs 25.2 / 26.1 / 30.8 / 40.5 / 144.9; 32768
+batch 4 / 8 / 64 73.0 / 123.9 / 795.5 vs 84.9 / 131.7 / 804.1, batch 1 43.8 vs 39.5 (256 splits in 8
+tiles of 32)."""
+MERGE_TILE = 16384
 """Most fp32 partials (split tile x latent tile) one fused-merge step loads: caps the split tile when
-the latent tile is wide (registers)."""
+the latent tile is wide (64 KiB per step: 128 registers per thread at 4 warps)."""
 NUM_WARPS = 4
 NUM_STAGES = 2
 FUSED = True
