@@ -81,7 +81,8 @@ def main() -> None:
     result = {}
     for b in batches:
         build_stock = build_stock_mla if mla else build_stock_kda
-        stock_layers = build_stock(full, li, args.tp, b, *ctx, args.layers, dev, experts=ours.expert_weights(args.layers))
+        stock_layers = build_stock(full, li, args.tp, b, *ctx, args.layers, dev,
+                                   experts=ours.expert_weights(args.layers))
         stock = GraphedStep("stock", args.layers, stock_layers.step, stock_layers.routed_ids)
         o_k, _ = ours.variants(b, *ctx)
         for name, v in (("ours", o_k), ("stock", stock)):

@@ -64,7 +64,8 @@ def to_markdown(result: dict[str, Any]) -> str:
     lines += ["", "Kernels: graph kernel nodes per layer, all of them / without communication (ours: kernels of the "
               "all-reduce and all-gather sites, counted per site during capture, taken out; stock has no "
               "communication kernels on one GPU).", "",
-              "| layer | batch | context | ours us/layer | kernels (no comm) | stock us/layer | kernels | roofline us | "
+              "| layer | batch | context | ours us/layer | kernels (no comm) | stock us/layer | kernels | "
+              "roofline us | "
               "ours % roofline | stock % roofline | speed-up | speed-up per byte | experts ours/stock | "
               "noise ours/stock |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

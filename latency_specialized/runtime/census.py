@@ -160,6 +160,8 @@ class KernelCensus:
     def _nodes(self, graph: int, bucket: int) -> int | None:
         """Kernel nodes so far; a driver error never breaks the capture: the census stops counting
         (``error`` says why, the bucket's counts are dropped: callers report "unknown")."""
+        if self._driver is None:
+            return None
         try:
             return self._driver.kernel_nodes(graph)
         except (OSError, RuntimeError) as e:
