@@ -95,11 +95,12 @@ def _kernels(o: dict[str, Any]) -> str:
 
 
 def site_table(result: dict[str, Any]) -> str:
-    """Markdown: kernels per layer by op site of ours, one column per (kind, batch, context) cell."""
+    """Markdown: kernels per layer by op site of ours, one column per (kind, batch, context) cell (sites
+    with no kernel in any cell, e.g. the LM head that the per-layer difference cancels, are left out)."""
     cells = [c for c in result["cells"] if (c.get("ours") or {}).get("site_kernels")]
     if not cells:
         return ""
-    sites = sorted({s.split("/", 1)[-1] for c in cells for s in c["ours"]["site_kernels"]})
+    sites = sorted({s.split("/", 1)[-1] for c in cells for s, n in c["ours"]["site_kernels"].items() if n})
     head = [f"{c['kind']} b{c['batch']}" + ("" if c.get("context") is None else f" c{c['context']}") for c in cells]
     lines = ["| site | " + " | ".join(head) + " |", "|---|" + "---|" * len(cells)]
 

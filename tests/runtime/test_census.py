@@ -124,12 +124,13 @@ def test_per_layer_site_kernels_and_split():
 
 def test_report_shows_both_counts_and_the_site_table():
     ours = {"us": 100.0, "kernels": 17.0, "kernels_no_comm": 12.0, "unattributed_kernels": 0.0,
-            "site_kernels": {"kda+moe/attn.allreduce": 1.0, "kda+moe/attn.kda": 1.0}}
+            "site_kernels": {"kda+moe/attn.allreduce": 1.0, "kda+moe/attn.kda": 1.0, "lm_head": 0.0}}
     result = {"config": {}, "cells": [{"kind": "kda", "batch": 1, "context": None, "ours": ours,
                                        "stock": {"us": 150.0, "kernels": 25.0}, "roofline": {"us": 60.0}}]}
     md = report.to_markdown(result)
     assert "| 17 (12) |" in md
     assert "| attn.allreduce | 1 |" in md and "| attn.kda | 1 |" in md and "| **all** | 17 |" in md
+    assert "| lm_head |" not in md  # a site without kernels in any cell (cancelled per layer) is left out
 
 
 @pytest.mark.gpu
