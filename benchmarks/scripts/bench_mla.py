@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from latency_specialized.bench.ops_bench_moe_kda import time_graph  # noqa: E402 (after the path set-up)
 
 
 def _ints(s: str) -> list[int]:
@@ -57,31 +58,9 @@ def _inputs(B, ctx, a, n_caches, g):
     return caches, (q, kv[:, :L].contiguous(), kv[:, L:]), blocks, lens, slots, w, gate
 
 
-def _time_graph(fns, reps: int, warmup: int = 3) -> float:
-    """Median us of one replay of a graph that runs every fn once."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    for _ in range(warmup):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        graph.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3)
-    del graph
-    return statistics.median(times)
+def _time_graph(fns, reps: int) -> float:
+    """Median us of one replay of a graph that runs every fn once (each replay waited for)."""
+    return time_graph(lambda r: fns[r](), len(fns), replays=reps, warmup=3, sync_each=True) * len(fns)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -262,8 +262,9 @@ def _distinct(ids: list[torch.Tensor], batch: int) -> float | None:
     return statistics.fmean(float(torch.unique(t[:batch].flatten()).numel()) for t in ids)
 
 
-def per_layer(m: Measured, base: Measured | None) -> dict[str, Any]:
-    """Per-layer figures of a measured variant (minus its 1-layer baseline, when it has one)."""
+def per_layer(m: Measured, base: Measured | None, *, no_comm_sites: bool = False) -> dict[str, Any]:
+    """Per-layer figures of a measured variant (minus its 1-layer baseline, when it has one);
+    ``no_comm_sites``: the variant has no communication kernels (see :func:`add_kernel_split`)."""
     rec: dict[str, Any] = {"graph": m.graph, "error": m.error, "layers": m.layers}
     if m.us is None:
         rec.update(us=None, kernels=None, noise=None)
@@ -290,11 +291,11 @@ def per_layer(m: Measured, base: Measured | None) -> dict[str, Any]:
         rec["rounds"] = [r / m.layers for r in m.rounds]
         rec["noise"] = m.noise
     rec["nodes"] = m.nodes
-    add_kernel_split(rec)
+    add_kernel_split(rec, no_comm_sites=no_comm_sites)
     return rec
 
 
-def add_kernel_split(rec: dict[str, Any]) -> dict[str, Any]:
+def add_kernel_split(rec: dict[str, Any], *, no_comm_sites: bool = False) -> dict[str, Any]:
     """Per-layer kernels split into communication sites and the rest (``rec['site_kernels']``).
 
     ``comm_kernels``: kernels of the all-reduce and all-gather sites (runtime.census);
@@ -309,7 +310,7 @@ def add_kernel_split(rec: dict[str, Any]) -> dict[str, Any]:
         rec["comm_kernels"] = comm
         rec["kernels_no_comm"] = rec["kernels"] - comm
         rec["unattributed_kernels"] = rec["kernels"] - sum(sites.values())
-    elif rec.get("no_comm_sites"):
+    elif no_comm_sites:
         rec["comm_kernels"], rec["kernels_no_comm"] = 0, rec["kernels"]
     return rec
 
@@ -416,7 +417,7 @@ def _cell(cfg: BenchConfig, full: ModelSpec, li: int, kind: str, batch: int, con
     ours_k, ours_1 = ours.variants(batch, context)
     m_k, m_1, m_s = measure([ours_k, ours_1, stock], cfg, say)
     o = per_layer(m_k, m_1)
-    s = add_kernel_split({**per_layer(m_s, None), "no_comm_sites": True})  # stock: no communication on one GPU
+    s = per_layer(m_s, None, no_comm_sites=True)  # stock: no communication on one GPU
     ids = ours_k.routing() if o["us"] is not None else []
     d_ours = _distinct(ids, batch)
     d_stock = _distinct(stock_layers.routed_ids(), batch)

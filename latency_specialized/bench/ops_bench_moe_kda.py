@@ -71,8 +71,12 @@ class Row:
         return d
 
 
-def time_graph(step: Callable[[int], None], rotations: int, *, replays: int = 40, warmup: int = 5) -> float:
-    """Median us per step of a CUDA graph that calls ``step(r)`` for r in range(rotations)."""
+def time_graph(step: Callable[[int], None], rotations: int, *, replays: int = 40, warmup: int = 5,
+               sync_each: bool = False) -> float:
+    """Median us per step of a CUDA graph that calls ``step(r)`` for r in range(rotations).
+
+    ``sync_each``: the host waits for every replay before recording the next one (no replay overlaps
+    the previous one's tail; the MLA bench's method), else the replays are queued back to back."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -86,11 +90,15 @@ def time_graph(step: Callable[[int], None], rotations: int, *, replays: int = 40
             step(r)
     for _ in range(warmup):
         g.replay()
+    if sync_each:
+        torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
     for e0, e1 in events:
         e0.record()
         g.replay()
         e1.record()
+        if sync_each:
+            e1.synchronize()
     torch.cuda.synchronize()
     times = [e0.elapsed_time(e1) * 1e3 / rotations for e0, e1 in events]
     del g

@@ -357,13 +357,17 @@ def _compile(cfg: KDAConfig):
         def fake(dtype, shape, stride, align=4):
             return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
 
+        R = cfg.decay_rank
+        if R:  # f_a [B, R] (16-byte aligned rows) and f_b [H*D, R]
+            decay = (fake(dt, (bsym, R), (cute.sym_int64(), 1), 16), fake(dt, (HD, R), (R, 1), 16))
+        else:  # f [B, H*D]; the f_b slot takes f again (unused)
+            f = fake(dt, (bsym, HD), (cute.sym_int64(), 1), 2)
+            decay = (f, f)
         args = (
             fake(dt, (bsym, 3 * HD), (cute.sym_int64(), 1), 2),  # mixed_qkv
             fake(dt, (ssym, 3 * HD, W - 1), (3 * HD * (W - 1), W - 1, 1), 2),  # conv_state
             fake(pdt, (3 * HD, W), (W, 1)),  # conv_weight
-            *((fake(dt, (bsym, HD), (cute.sym_int64(), 1), 2),) * 2 if not cfg.decay_rank else  # f; f_b unused
-              (fake(dt, (bsym, cfg.decay_rank), (cute.sym_int64(), 1), 16),  # f_a (rows 16-byte aligned)
-               fake(dt, (HD, cfg.decay_rank), (cfg.decay_rank, 1), 16))),  # f_b
+            *decay,  # f, f_b
             fake(pdt, (H,), (1,)),  # A_log
             fake(pdt, (HD,), (1,)),  # dt_bias
             fake(dt, (bsym, H), (cute.sym_int64(), 1), 2),  # beta_logit

@@ -25,13 +25,13 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from latency_specialized.runtime.graph_runner import _count_nodes
+
 COMMUNICATION_SUFFIXES = ("allreduce", "all_gather")
 """Site names ending so are communication: on one GPU their kernels are stand-ins for the exchange
 (the fused all-reduce sites run the one-rank residual + RMSNorm kernel that the real fused
 all-reduce replaces, the all-gathers copy the rank's slice)."""
 
-_KERNEL_NODE = 0  # CU_GRAPH_NODE_TYPE_KERNEL
-_CHILD_GRAPH_NODE = 4  # CU_GRAPH_NODE_TYPE_GRAPH
 _CAPTURE_ACTIVE = 1  # CU_STREAM_CAPTURE_STATUS_ACTIVE
 
 
@@ -77,28 +77,9 @@ class _Driver:
 
     def kernel_nodes(self, graph: int) -> int:
         """Kernel nodes of ``graph`` (child graphs included)."""
-        lib, h = self._lib, ctypes.c_void_p(graph)
-        n = ctypes.c_size_t(0)
-        rc = lib.cuGraphGetNodes(h, None, ctypes.byref(n))
-        if rc != 0:
-            raise RuntimeError(f"cuGraphGetNodes failed (CUresult {rc})")
-        if n.value == 0:  # an empty graph (the first site of a capture): the driver rejects a 0-long array
-            return 0
-        nodes = (ctypes.c_void_p * n.value)()
-        rc = lib.cuGraphGetNodes(h, nodes, ctypes.byref(n))
-        if rc != 0:
-            raise RuntimeError(f"cuGraphGetNodes failed (CUresult {rc})")
-        total = 0
-        for i in range(n.value):
-            t = ctypes.c_int(-1)
-            lib.cuGraphNodeGetType(ctypes.c_void_p(nodes[i]), ctypes.byref(t))
-            if t.value == _KERNEL_NODE:
-                total += 1
-            elif t.value == _CHILD_GRAPH_NODE:
-                child = ctypes.c_void_p()
-                lib.cuGraphChildGraphNodeGetGraph(ctypes.c_void_p(nodes[i]), ctypes.byref(child))
-                total += self.kernel_nodes(child.value)
-        return total
+        counts: dict[str, int] = {}
+        _count_nodes(self._lib, graph, counts)
+        return counts.get("kernel", 0)
 
 
 class KernelCensus:

@@ -78,13 +78,19 @@ def _cuda_driver() -> Any:
 
 
 def _count_nodes(lib: Any, graph_handle: int, counts: dict[str, int]) -> None:
+    """Add the nodes of a graph (finished, or under capture) to ``counts`` by type; child graphs count
+    what they hold. RuntimeError names the CUresult of a failing driver call."""
     n = ctypes.c_size_t(0)
     h = ctypes.c_void_p(graph_handle)
-    if lib.cuGraphGetNodes(h, None, ctypes.byref(n)) != 0:
-        raise RuntimeError("cuGraphGetNodes failed")
-    nodes = (ctypes.c_void_p * max(n.value, 1))()
-    if lib.cuGraphGetNodes(h, nodes, ctypes.byref(n)) != 0:
-        raise RuntimeError("cuGraphGetNodes failed")
+    rc = lib.cuGraphGetNodes(h, None, ctypes.byref(n))
+    if rc != 0:
+        raise RuntimeError(f"cuGraphGetNodes failed (CUresult {rc})")
+    if n.value == 0:  # an empty graph (e.g. at the first site of a capture): the driver rejects a 0-long array
+        return
+    nodes = (ctypes.c_void_p * n.value)()
+    rc = lib.cuGraphGetNodes(h, nodes, ctypes.byref(n))
+    if rc != 0:
+        raise RuntimeError(f"cuGraphGetNodes failed (CUresult {rc})")
     for i in range(n.value):
         t = ctypes.c_int(-1)
         lib.cuGraphNodeGetType(ctypes.c_void_p(nodes[i]), ctypes.byref(t))

@@ -92,6 +92,45 @@ def test_without_driver_nothing_is_recorded():
     assert census.wrap("s", 1, lambda: 3)() == 3 and census.kernels(1) is None
 
 
+class FakeCuda:
+    """cuGraphGetNodes / cuGraphNodeGetType over a list of node types; like the driver, a node array of
+    length 0 is an invalid value."""
+
+    def __init__(self, types: list[int]) -> None:
+        self.types = types
+
+    def cuGraphGetNodes(self, graph, nodes, num):
+        n = num._obj
+        if nodes is None:
+            n.value = len(self.types)
+            return 0
+        if n.value == 0:
+            return 1  # CUDA_ERROR_INVALID_VALUE
+        for i in range(n.value):
+            nodes[i] = i + 1
+        return 0
+
+    def cuGraphNodeGetType(self, node, out):
+        out._obj.value = self.types[node.value - 1]
+        return 0
+
+
+def test_node_count_of_an_empty_graph_under_capture_and_by_type():
+    from latency_specialized.runtime.census import _Driver
+    from latency_specialized.runtime.graph_runner import _count_nodes
+
+    counts: dict[str, int] = {}
+    _count_nodes(FakeCuda([]), 1, counts)  # the first site of a capture sees an empty graph
+    assert counts == {}
+    _count_nodes(FakeCuda([0, 1, 0, 7]), 1, counts)
+    assert counts == {"kernel": 2, "memcpy": 1, "event_record": 1}
+    drv = _Driver.__new__(_Driver)  # the census's shim over the same walk
+    drv._lib = FakeCuda([0, 2, 0])
+    assert drv.kernel_nodes(1) == 2
+    drv._lib = FakeCuda([])
+    assert drv.kernel_nodes(1) == 0
+
+
 def test_communication_sites_and_split():
     assert is_communication("kda+moe/attn.allreduce") and is_communication("kda+moe/moe.latent_allreduce")
     assert is_communication("lm_head.all_gather") and is_communication("kda+moe/moe.all_gather")
@@ -115,8 +154,7 @@ def test_per_layer_site_kernels_and_split():
                                    "kda+moe/attn.kda": 1, "lm_head": 0}
     assert rec["comm_kernels"] == 4 and rec["kernels_no_comm"] == 13
     assert rec["unattributed_kernels"] == 17 - 5
-    stock = add_kernel_split({**per_layer(Measured("stock", 3, nodes={"kernel": 75}, rounds=[1.0]), None),
-                              "no_comm_sites": True})
+    stock = per_layer(Measured("stock", 3, nodes={"kernel": 75}, rounds=[1.0]), None, no_comm_sites=True)
     assert stock["kernels"] == 25 and stock["comm_kernels"] == 0 and stock["kernels_no_comm"] == 25
     unknown = add_kernel_split(per_layer(Measured("x", 3, nodes={"kernel": 75}, rounds=[1.0]), None))
     assert "kernels_no_comm" not in unknown
