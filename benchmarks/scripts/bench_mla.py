@@ -48,6 +48,9 @@ def _inputs(B, ctx, a, n_caches, g):
     nb = B * per
     caches = [torch.randn(nb, bs, L + R, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(n_caches)]
     blocks = torch.randperm(nb, device="cuda", generator=g).view(B, per).to(torch.int32)
+    cap = -(-max(a.capacity or 0, ctx) // bs)
+    if cap > per:  # a table wider than the context (as a runtime sized for its longest sequence): -1 past the end
+        blocks = torch.cat([blocks, blocks.new_full((B, cap - per), -1)], dim=1)
     lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
     p = ctx - 1
     slots = blocks[:, p // bs].long() * bs + p % bs
@@ -81,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-paged", action="store_true", help="time the Triton kernel only")
     ap.add_argument("--bw", type=float, default=4.3e12, help="roofline bandwidth, bytes/s (H200 measured copy)")
     ap.add_argument("--tag", default="", help="suffix of the output file names (sweeps)")
+    ap.add_argument("--capacity", type=int, default=None,
+                    help="block-table width in tokens (default: the context): num_splits follows it, the "
+                         "columns past the context hold -1 (how a runtime sized for a longer context calls it)")
     ap.add_argument("--block-n", type=int, default=None)
     ap.add_argument("--warps", type=int, default=None)
     ap.add_argument("--stages", type=int, default=None)
@@ -153,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                       gate=gate, out=o, **kw)
                                      for c, o in zip(caches[:pcalls], outs)], max(5, a.reps // 4)) / pcalls
             roof = bytes_total / a.bw * 1e6
-            row = dict(B=B, context=ctx, MB=round(cache_bytes / 1e6, 2), roofline_us=round(roof, 2),
+            row = dict(B=B, context=ctx, capacity=blocks.shape[1] * a.block_size, MB=round(cache_bytes / 1e6, 2), roofline_us=round(roof, 2),
                        triton_us=round(tri, 2), pct_roofline=round(100 * roof / tri, 1),
                        split_kernel_us=round(split, 2), split_kernel_tbps=round(cache_bytes / split / 1e6, 2),
                        triton_unfused_us=round(tri_unfused, 2),
@@ -180,12 +186,12 @@ def main(argv: list[str] | None = None) -> int:
              "triton: the whole call (fused: prologue = latent write + absorbed query, split, merge + W_UV + gate: "
              "3 launches); split kernel: that kernel alone (TB/s of cache read); unfused: torch latent write "
              "and epilogue (~25 launches).", "",
-             "| B | context | MB | roofline us | triton us | % roofline | split kernel us (TB/s) | triton unfused us "
-             "| torch_paged us | max rel err | splits |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| B | context | table capacity | MB | roofline us | triton us | % roofline | split kernel us (TB/s) "
+             "| triton unfused us | torch_paged us | max rel err | splits |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         paged = r["torch_paged_note"] if r["torch_paged_us"] is None else f"{r['torch_paged_us']}"
-        lines.append(f"| {r['B']} | {r['context']} | {r['MB']} | {r['roofline_us']} | {r['triton_us']} | "
+        lines.append(f"| {r['B']} | {r['context']} | {r['capacity']} | {r['MB']} | {r['roofline_us']} | {r['triton_us']} | "
                      f"{r['pct_roofline']} | {r['split_kernel_us']} ({r['split_kernel_tbps']}) | "
                      f"{r['triton_unfused_us']} | {paged} | {r['max_rel_err']:.2e} | {r['num_splits']} |")
     (out / f"mla_decode{a.tag}.md").write_text("\n".join(lines) + "\n")

@@ -12,6 +12,7 @@ definitions and the timing method live in ``latency_specialized/bench/ops_bench_
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -23,8 +24,9 @@ def _meta(*shape, dtype=torch.float32):
     return torch.empty(*shape, dtype=dtype, device="meta")
 
 
-def compile_units() -> list:
-    """(compile function, args) for every configuration the GPU tests and the benchmark use."""
+def compile_units(sweep_only: bool = False) -> list:
+    """(compile function, args) for every configuration the GPU tests and the benchmark use
+    (``sweep_only``: those of ``--experts-sweep``)."""
     from latency_specialized.kernels import kda_decode as kd
     from latency_specialized.kernels import moe_experts as me
     from latency_specialized.kernels import moe_router as mr
@@ -48,14 +50,22 @@ def compile_units() -> list:
         cfg = mr.make_config(_meta(1, E, dtype=ldt), _meta(E) if bias else None, k, RouterSpec(**rkw), idt)
         units.append((mr._compile, (cfg,)))
     # experts: (M, K, I, N, k, activation, dtype, tuning)
-    from latency_specialized.bench.ops_bench_moe_kda import EXPERT_VARIANTS
+    from latency_specialized.bench.ops_bench_moe_kda import EXPERT_VARIANTS, EXPERT_VARIANTS_MULTI
 
     tuned = [t for t in EXPERT_VARIANTS.values() if t] + [dict(pdl=True)]
+    sweep = [(m, 3584, i, 3584, 16, situ, torch.bfloat16, t) for i in (384, 192) for m in (2, 4, 8, 16, 32, 64)
+             for t in EXPERT_VARIANTS_MULTI.values()]
+    if sweep_only:
+        # gate_up does not depend on the down fields (its compile key drops them): one unit per bucket
+        return list(dict.fromkeys(u for M, K, I, N, k, act, dt, tuning in sweep
+                                  for c in [me.make_config(M, K, I, N, k, dt, torch.int64, act, **tuning)]
+                                  for u in ((me._compile_gate_up, (dataclasses.replace(c, dn_rows=0, dn_warps=0),)),
+                                            (me._compile_down, (c,)))))
     for M, K, I, N, k, act, dt, tuning in (
         [(m, 3584, 384, 3584, 16, situ, torch.bfloat16, {}) for m in (1, 3, 8, 64)]
         + [(1, 3584, 384, 3584, 16, situ, torch.bfloat16, t) for t in tuned]
         + [(3, 3584, 384, 3584, 16, situ, torch.bfloat16, dict(pdl=True))]
-        + [(m, 3584, 192, 3584, 16, situ, torch.bfloat16, {}) for m in (1, 64)]
+        + [(m, 3584, 192, 3584, 16, situ, torch.bfloat16, {}) for m in (1, 64)] + sweep
         + [(5, 512, 136, 200, 3, swiglu, torch.bfloat16, {}), (1, 512, 136, 200, 3, situ, torch.bfloat16, {}),
            (6, 1024, 384, 1024, 8, situ, torch.bfloat16, {}), (4, 1024, 256, 1024, 4, situ, torch.bfloat16, {})]):
         cfg = me.make_config(M, K, I, N, k, dt, torch.int64, act, **tuning)
@@ -78,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=None, help="parallel compile processes")
     ap.add_argument("--out", default="benchmarks/results/h200", help="where ops_moe_kda.{json,md} go")
     ap.add_argument("--quick", action="store_true", help="routed experts at TP8 only")
+    ap.add_argument("--experts-sweep", default=None, metavar="BATCHES",
+                    help="only the routed-expert variants at these batches (e.g. 2,4,8,16,32,64) vs stock Triton")
+    ap.add_argument("--tps", default="8,16", help="TP degrees of --experts-sweep")
     args = ap.parse_args(argv)
     if args.precompile:
         from latency_specialized.kernels.compile_cache import disk_dir, precompile
@@ -86,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         if disk_dir() is None:
             print("set LS_KERNEL_CACHE_DIR to a directory first", file=sys.stderr)
             return 2
-        units = compile_units()
+        units = compile_units(sweep_only=bool(args.experts_sweep))
         t0 = time.perf_counter()
         res = precompile(units, jobs=args.jobs)
         bad = [r for r in res if r[2]]
@@ -97,9 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("the benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
-    from latency_specialized.bench.ops_bench_moe_kda import run_all
+    from latency_specialized.bench.ops_bench_moe_kda import run_all, run_experts_sweep
 
     os.makedirs(args.out, exist_ok=True)
+    if args.experts_sweep:
+        run_experts_sweep(args.out, [int(b) for b in args.experts_sweep.split(",")],
+                          [int(t) for t in args.tps.split(",")], log=lambda s: print(s, flush=True))
+        return 0
     run_all(args.out, quick=args.quick, log=lambda s: print(s, flush=True))
     return 0
 

@@ -5,7 +5,9 @@
 #   source scripts/device_env.sh && bash benchmarks/scripts/h200_session.sh
 # Put the local commit into the command, e.g. `LS_GIT_COMMIT=<git rev-parse HEAD here> LS_GIT_DIRTY=0 ...`:
 # the device copy's .git is not the tree's (it kept the session's first commit), and result files record it.
-# STEPS (default "tests,table,bench") picks the parts (tests,table,opsmoe,opsmla,bench,long); results under $OUT.
+# STEPS (default "tests,table,bench") picks the parts (tests,table,ops,opsmoe,experts,opsmla,bench,long);
+# results under $OUT. ops = bench-ops of OPS (default gemm,norm,prefetch) with a fresh gemm table;
+# experts = the routed-expert variants at EXPERT_BATCHES (default 2,4,8,16,32,64) vs stock Triton.
 set -o pipefail
 OUT=${OUT:-/tmp/ls_out}
 mkdir -p "$OUT/res"
@@ -25,7 +27,20 @@ if [[ $STEPS == *table* ]]; then
     --write-table "$OUT/res/h200_gemm.json" --jobs 15 > "$OUT/bench_ops.log" 2>&1
   echo "table rc=$? at $(( $(date +%s) - t0 )) s"; tail -2 "$OUT/bench_ops.log"
 fi
+if [[ ",$STEPS," == *",ops,"* ]]; then
+  timeout "${OPS_S:-300}" python3 -m latency_specialized.cli bench-ops --ops "${OPS:-gemm,norm,prefetch}" \
+    --out "$OUT/res" --write-table "$OUT/res/h200_gemm.json" --jobs 15 > "$OUT/bench_ops.log" 2>&1
+  echo "ops rc=$? at $(( $(date +%s) - t0 )) s"; tail -2 "$OUT/bench_ops.log"
+fi
 if [ -f "$OUT/res/h200_gemm.json" ]; then export LS_GEMM_TABLE="$OUT/res/h200_gemm.json"; fi
+if [[ ",$STEPS," == *",experts,"* ]]; then
+  python3 benchmarks/scripts/bench_moe_kda.py --precompile --experts-sweep "${EXPERT_BATCHES:-2,4,8,16,32,64}" \
+    --jobs 15 > "$OUT/experts_precompile.log" 2>&1
+  echo "experts precompile rc=$? at $(( $(date +%s) - t0 )) s"; tail -1 "$OUT/experts_precompile.log"
+  timeout "${EXPERTS_S:-240}" python3 benchmarks/scripts/bench_moe_kda.py --out "$OUT/res" \
+    --experts-sweep "${EXPERT_BATCHES:-2,4,8,16,32,64}" --tps "${EXPERT_TPS:-8,16}" > "$OUT/experts_sweep.log" 2>&1
+  echo "experts sweep rc=$? at $(( $(date +%s) - t0 )) s"; grep "^experts" "$OUT/experts_sweep.log" | cut -c1-150
+fi
 if [[ $STEPS == *opsmoe* ]]; then
   timeout "${MOE_S:-150}" python3 benchmarks/scripts/bench_moe_kda.py --out "$OUT/res" > "$OUT/bench_moe_kda.log" 2>&1
   echo "moe/kda ops rc=$? at $(( $(date +%s) - t0 )) s"; grep "^kda tp8 B=64\|^router" "$OUT/bench_moe_kda.log" | head -8

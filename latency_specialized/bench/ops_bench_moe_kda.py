@@ -36,6 +36,14 @@ EXPERT_VARIANTS: dict[str, dict[str, Any]] = {
     "nopdl_gu4_dn8": dict(pdl=False, gu_rows=4, dn_rows=8, stream_hint=False),
 }
 """Routed-expert tuning variants timed at batch 1 (ExpertsConfig fields)."""
+EXPERT_VARIANTS_MULTI: dict[str, dict[str, Any]] = {
+    "default": {},
+    "dn8": dict(dn_rows=8),
+    "dn12": dict(dn_rows=12),
+    "w6dn14": dict(dn_warps=6, dn_rows=14),
+}
+"""Variants timed at several tokens (``--experts-sweep``): the default sizes ``down`` to one wave
+(``moe_experts.one_wave_down_rows``: 10 rows for N 3584 on 132 SMs); dn8 is the previous default."""
 K3 = dict(E=896, top_k=16, latent=3584, expert_inter=3072, hidden=7168, shared=2, heads=96, head_dim=128, conv=4)
 
 
@@ -130,7 +138,10 @@ def _routing(M: int, E: int, k: int, g: torch.Generator, dev: str):
 
 # ------------------------------------------------------------------------------------------ experts
 def bench_experts(tp: int, batches: list[int], variants: dict[str, dict[str, int]], *, rotations: int = 8,
-                  seed: int = 0, log: Callable[[str], None] = print) -> list[Row]:
+                  seed: int = 0, log: Callable[[str], None] = print,
+                  multi_variants: dict[str, dict[str, Any]] | None = None) -> list[Row]:
+    """Routed experts (ours per variant, the two kernels alone, stock Triton) per batch. ``variants``
+    are timed at batch 1, ``multi_variants`` (default: the default only) at larger batches."""
     from latency_specialized.kernels.moe_experts import experts
 
     dev = "cuda"
@@ -149,7 +160,7 @@ def bench_experts(tp: int, batches: list[int], variants: dict[str, dict[str, int
         distinct = statistics.mean(len(torch.unique(ids)) for _, ids in routes)
         nbytes = int(distinct * expert_bytes + M * K * 2 * 2)
         case = f"tp{tp} M={M} E={E} k={k} K={K} I={I} ({distinct:.0f} distinct experts)"
-        for vname, tuning in (variants.items() if M == 1 else [("default", {})]):
+        for vname, tuning in (variants if M == 1 else (multi_variants or {"default": {}})).items():
             outs = [torch.empty(M, N, device=dev, dtype=torch.bfloat16) for _ in range(rotations)]
             wss = [dict() for _ in range(rotations)]
 
@@ -453,6 +464,23 @@ def rows_from_json(path: str) -> tuple[str, list[Row]]:
         data = json.load(f)
     names = {f for f in Row.__dataclass_fields__}
     return data["device"], [Row(**{k: v for k, v in r.items() if k in names}) for r in data["rows"]]
+
+
+def run_experts_sweep(out_dir: str, batches: list[int], tps: list[int], *,
+                      log: Callable[[str], None] = print) -> list[Row]:
+    """Routed experts at several tokens: every ``EXPERT_VARIANTS_MULTI`` variant against stock Triton
+    (which of the two serves each bucket); writes ops_moe_experts_sweep.{json,md} into ``out_dir``."""
+    import os
+
+    device = torch.cuda.get_device_name(0)
+    rows: list[Row] = []
+    for tp in tps:
+        rows += bench_experts(tp, batches, {"default": {}}, log=log, multi_variants=EXPERT_VARIANTS_MULTI)
+        with open(os.path.join(out_dir, "ops_moe_experts_sweep.json"), "w") as f:
+            json.dump(dict(device=device, rows=[r.to_json() for r in rows]), f, indent=1)
+        with open(os.path.join(out_dir, "ops_moe_experts_sweep.md"), "w") as f:
+            f.write(to_markdown(rows, device))
+    return rows
 
 
 def run_all(out_dir: str, *, quick: bool = False, log: Callable[[str], None] = print) -> list[Row]:

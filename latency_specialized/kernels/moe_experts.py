@@ -19,6 +19,8 @@ Batch 1 (``max_tokens == 1``) compiles a path without the leader search: the top
 are distinct, so every pair is its own leader.
 """
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -515,6 +517,9 @@ def _fake(cute, dtype, shape, stride, align=16):
 
 
 def _compile_gate_up(cfg: ExpertsConfig):
+    # the down kernel's fields do not shape gate_up: one compile (and key) serves every down variant
+    cfg = dataclasses.replace(cfg, dn_rows=0, dn_warps=0)
+
     def build(arch: str):
         import cutlass
         import cutlass.cute as cute
@@ -563,22 +568,40 @@ def token_bucket(m: int) -> int:
     return b
 
 
-def default_tuning(max_tokens: int) -> dict[str, int | bool]:
+DOWN_CTAS_PER_SM = 3
+"""Resident ``down`` CTAs per SM with several tokens (4 warps, <= 170 registers: ``min_blocks_per_mp``)."""
+
+
+def one_wave_down_rows(n: int, sms: int, ctas_per_sm: int = DOWN_CTAS_PER_SM) -> int:
+    """Output rows per ``down`` CTA so that the whole grid is resident at once (one wave).
+
+    Every ``down`` CTA walks *all* routing pairs (its rows of every selected expert), so a CTA's
+    time is the serial chain of its leaders, not its bytes: a grid one CTA over the resident
+    slots runs a second wave that costs a whole CTA time while the DRAM idles (Kimi K3 TP8, N 3584,
+    8 rows: 448 CTAs on 396 slots of an H200, the 52 left over ran a second wave; down at batch 64
+    649 us = 61% of its roofline). The smallest row count whose grid fits the slots keeps the
+    most CTAs (bytes in flight) in that one wave: ``ceil(n / (sms * ctas_per_sm))``, at least 1."""
+    return max(1, -(-n // (sms * ctas_per_sm)))
+
+
+def default_tuning(max_tokens: int, n: int | None = None, sms: int = 132) -> dict[str, int | bool]:
     """Tuning per token bucket, from the H200 measurements in NOTES_moe_kda.md.
 
     Batch 1: PDL (``down`` starts while ``gate_up`` drains), 4-row gate_up CTAs and 8-row down CTAs
     (finer tails), plain loads (the L2::256B hint did not help here): 37.5 us for K3 TP8 = 82% of the
     selected experts' roofline (v1 default 40.4 us). Several tokens: 32 intermediate rows per
     gate_up CTA (rolled loop) amortise the per-CTA leader search and keep 3 CTAs/SM without spills;
-    8 output rows per down CTA keep the member loop under 170 registers; PDL measured no gain."""
+    ``down`` rows from ``one_wave_down_rows`` (``n``, the output width, given; else 8, the old default:
+    8 rows keep the member loop under 170 registers); PDL measured no gain."""
     if max_tokens == 1:
         return dict(pdl=True, gu_rows=4, dn_rows=8, stream_hint=False)
-    return dict(gu_rows=32, dn_rows=8)
+    return dict(gu_rows=32, dn_rows=8 if n is None else max(8, one_wave_down_rows(n, sms)))
 
 
 def make_config(M: int, K: int, I: int, N: int, top_k: int, dtype: torch.dtype, ids_dtype: torch.dtype,
-                activation: ActivationSpec, **tuning: int) -> ExpertsConfig:
-    """Validated compile key; UserError names what to change."""
+                activation: ActivationSpec, sms: int = 132, **tuning: int) -> ExpertsConfig:
+    """Validated compile key; UserError names what to change. ``sms``: SMs of the GPU (the ``down``
+    grid is sized to one wave of them; 132, an H200's, where there is no GPU)."""
     if dtype != torch.bfloat16:
         raise UserError(f"moe experts kernel: dtype {dtype} unsupported (bf16 only); use moe.experts.reference")
     if K % 256 != 0:
@@ -593,7 +616,7 @@ def make_config(M: int, K: int, I: int, N: int, top_k: int, dtype: torch.dtype, 
     bucket = token_bucket(max(M, 1))
     cfg = ExpertsConfig(K, I, N, top_k, _dtype_name(dtype), _dtype_name(ids_dtype), activation.kind,
                         float(activation.beta or 0.0), float(activation.beta_lin or 0.0), clamp,
-                        bucket, **{**default_tuning(bucket), **tuning})
+                        bucket, **{**default_tuning(bucket, N, sms), **tuning})
     if cfg.gu_rows % cfg.gu_warps != 0:
         raise UserError("moe experts kernel: gu_rows must be a multiple of gu_warps")
     if cfg.dn_warps * cfg.max_tokens * cfg.dn_rows * 4 > 160 * 1024:
@@ -632,7 +655,7 @@ def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up
         raise UserError("moe experts: expert weights must be contiguous; call .contiguous() once at load time")
     if x.stride(1) != 1 or x.stride(0) % 8 != 0 or x.data_ptr() % 16 != 0:
         x = x.contiguous()
-    cfg = make_config(M, K, I, N, top_k, x.dtype, ids.dtype, activation, **tuning)
+    cfg = make_config(M, K, I, N, top_k, x.dtype, ids.dtype, activation, sms=_sms(x.device), **tuning)
     gate_up, down = _compile_gate_up(cfg), _compile_down(cfg)
     ids_flat = ids.reshape(-1)
     w_flat = weights.reshape(-1)
@@ -651,6 +674,18 @@ def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up
     gate_up(x, ids_flat, w_gate_up, ws["h"], ws["lead"], ws["members"])
     down(ws["h"], ids_flat, w_flat, ws["lead"], ws["members"], w_down, y)
     return y
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sms(device: torch.device) -> int:
+    """SMs of ``device`` (132, an H200's, off the GPU: compile-only runs)."""
+    if device.type != "cuda":
+        return 132
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _supports(ctx: OpContext) -> Support:

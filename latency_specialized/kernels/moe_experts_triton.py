@@ -1,12 +1,12 @@
 """Routed experts through the Triton fused-MoE kernels (``moe.experts.triton_fused``), for many tokens.
 
 Our CuTe DSL experts kernels (``moe_experts.py``) dot every selected expert's rows with its tokens
-on CUDA cores. That is the fastest way to read an expert once when it serves one token, but the
-work per weight byte grows with the tokens an expert serves, and from about 8 tokens per step the
-kernels are compute-bound (H200, TP8 Kimi K3 layer: 135 vs ~129 us per layer at batch 4, 223 vs
-186 us at batch 8, 1032 vs 625 us at batch 64, against the tensor-core Triton fused MoE of the
-stock composition). Until a tensor-core CuTe DSL grouped kernel exists, multi-token buckets use the
-same tensor-core Triton kernels stock vLLM's fused MoE uses (``kernels/triton_moe.py``, which the
+on CUDA cores. That is the fastest way to read an expert once when it serves few tokens, but the
+work per weight byte grows with the tokens an expert serves: for Kimi K3 TP8 (expert width 384 per
+rank) the tensor-core Triton fused MoE of the stock composition is faster from 8 tokens
+(``MIN_TOKENS``); for narrow experts (TP16, 192) the CuTe DSL kernels win at every measured batch
+(``MAX_CUTEDSL_WIDTH``). Until a tensor-core CuTe DSL grouped kernel exists, the other cells use
+the same tensor-core Triton kernels stock vLLM's fused MoE uses (``kernels/triton_moe.py``, which the
 stock composition runs too: sort/align, gate/up GEMM, SiTU-GLU, down GEMM x routing weight, sum over
 top-k: 5 kernels), so our decode is never slower than stock's on the experts. Plans say which one serves each bucket (``latency-specialized explain``).
 
@@ -86,12 +86,17 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_
     return y
 
 
-MIN_TOKENS = 4
-"""Buckets from which this implementation serves, measured in the graphed TP8 Kimi K3 layer on the
-H200 (benchmarks/results/h200/profile_kimi_k3_tp8.json): batch 1 CuTe DSL 42 vs Triton 54 us per
-layer; batch 4 CuTe DSL 135 vs Triton ~129 us; batch 8 223 vs 186; batch 64 1032 vs 625. Batch 2
-was not measured separately and stays on the CuTe DSL kernels. From this bucket on, this
-implementation outranks them (priority 15 vs 10)."""
+MIN_TOKENS = 8
+"""Buckets from which this implementation serves. H200, Kimi K3 TP8 (per-rank expert width 384),
+routed experts alone (benchmarks/results/h200/ops_moe_experts_sweep.md, after the CuTe DSL ``down``
+grid went to one wave): CuTe DSL vs Triton 74.2 vs 85.0 us at 2 tokens, 141.5 vs 144.0 at 4, 266.5
+vs 253.4 at 8, 477 vs 446 at 16, 1306 vs 1198 at 64. From this bucket on, this implementation
+outranks them (priority 15 vs 10)."""
+MAX_CUTEDSL_WIDTH = 192
+"""Per-rank expert widths up to this stay on the CuTe DSL kernels at every batch: Kimi K3 TP16 (192),
+same sweep: CuTe DSL 41 / 74 / 130 / 240 / 406 / 662 us vs Triton 58 / 91 / 155 / 272 / 446 / 700
+at 2 / 4 / 8 / 16 / 32 / 64 tokens (the gate/up rows of a narrow expert are too few for Triton's
+16-row tensor-core tiles to pay)."""
 
 
 def _supports(ctx: OpContext) -> Support:
@@ -105,11 +110,19 @@ def _supports(ctx: OpContext) -> Support:
         return f"activation {ctx.attr('activation')} (SiTU-GLU only)"
     if ctx.tokens < MIN_TOKENS:
         return f"{ctx.tokens} tokens: the CuTe DSL experts kernels are faster below {MIN_TOKENS}"
+    try:
+        width = ctx.dim("N")
+    except KeyError:
+        width = None
+    if width is not None and width <= MAX_CUTEDSL_WIDTH:
+        return (f"per-rank expert width {width} <= {MAX_CUTEDSL_WIDTH}: the CuTe DSL experts kernels are faster "
+                "at every measured batch")
     return True
 
 
 IMPLEMENTATIONS = [
     Implementation("moe.experts", NAME, experts_triton, _supports, priority=15,
                    description="tensor-core Triton fused MoE (stock's kernels: align, gate/up, act, down, sum) "
-                               f"for >= {MIN_TOKENS} tokens, where the CUDA-core CuTe DSL kernels are compute-bound"),
+                               f"for >= {MIN_TOKENS} tokens and experts wider than {MAX_CUTEDSL_WIDTH} per rank, where the "
+                               "CUDA-core CuTe DSL kernels are slower"),
 ]

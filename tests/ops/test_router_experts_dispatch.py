@@ -65,9 +65,9 @@ def test_kimi_router_gemm_site_is_split_and_fp32_out_only_the_gemv_kernel_stores
 def test_multi_token_experts_go_to_triton_only_when_it_can_run():
     from latency_specialized.kernels.moe_experts_triton import MIN_TOKENS, _supports
 
-    def ctx(tokens: int, act: str = "situ_glu", arch: str = "sm_90") -> OpContext:
+    def ctx(tokens: int, act: str = "situ_glu", arch: str = "sm_90", width: int = 384) -> OpContext:
         return OpContext(family="moe.experts", arch=arch, dtype="bfloat16", tokens=tokens, world_size=1,
-                         dims=(("E", 896), ("K", 3584), ("N", 384), ("topk", 16)), attrs=(("activation", act),))
+                         dims=(("E", 896), ("K", 3584), ("N", width), ("topk", 16)), attrs=(("activation", act),))
 
     import importlib.util
 
@@ -76,5 +76,6 @@ def test_multi_token_experts_go_to_triton_only_when_it_can_run():
     assert (r is True) if have_triton else ("triton" in r)
     if have_triton:
         assert "faster below" in _supports(ctx(MIN_TOKENS - 1))
+        assert "faster at every measured batch" in _supports(ctx(64, width=192))  # TP16 Kimi K3
         assert "SiTU-GLU only" in _supports(ctx(64, act="swiglu"))
         assert "sm_80+" in _supports(ctx(64, arch="cpu"))
