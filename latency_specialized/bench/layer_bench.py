@@ -375,8 +375,9 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None] = print,
     if "mla" in cfg.kinds:
         notes.append("MLA layers: both variants run the same MLA decode attention (attention.mla.triton_splitkv, a "
                      "Triton split-KV kernel standing in for stock's MLA backend - vLLM's TRITON_MLA; FlashMLA is not "
-                     "runnable here), so MLA cells compare everything around that kernel. Roofline: the latent KV cache "
-                     "of 'context' tokens per sequence is read once per step (paged, block size 64).")
+                     "runnable here; ours fuses the kv_a RMSNorm into its latent write, stock runs that norm as a "
+                     "kernel of its own), so MLA cells compare everything around that kernel. Roofline: the latent KV "
+                     "cache of 'context' tokens per sequence is read once per step (paged, block size 64).")
     for kind in cfg.kinds:
         li = _layer_index(full, kind)
         contexts: tuple[int | None, ...] = tuple(cfg.contexts) if kind == "mla" else (None,)

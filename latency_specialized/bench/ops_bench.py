@@ -70,6 +70,8 @@ class BenchSettings:
     """Target duration of one timed group."""
     quick: bool = False
     """Fewer kernel configs (smoke runs)."""
+    shapes: tuple[tuple[int, int], ...] = ()
+    """gemm: only these (N, K) of the model's shapes (empty: all of them)."""
     hbm_bytes_per_s: float = HBM_BYTES_PER_S
 
 

@@ -107,7 +107,16 @@ def gemm_cases(settings: BenchSettings):
 
     runners = {gemm_gemv.NAME: gemm_gemv.gemm_gemv, gemm_small_m.NAME: gemm_small_m.gemm_small_m,
                gemm_splitk.NAME: gemm_splitk.gemm_splitk}
-    for (n, k), sites in sorted(gemm_shapes(settings.model, settings.tps).items(), key=lambda kv: -kv[0][0] * kv[0][1]):
+    shapes = gemm_shapes(settings.model, settings.tps)
+    if settings.shapes:
+        missing = [s for s in settings.shapes if s not in shapes]
+        if missing:
+            from latency_specialized.errors import UserError
+
+            raise UserError(f"--shapes {missing} are not gemm shapes of {settings.model} at TP {settings.tps} "
+                            f"(have {sorted(shapes)})")
+        shapes = {s: shapes[s] for s in settings.shapes}
+    for (n, k), sites in sorted(shapes.items(), key=lambda kv: -kv[0][0] * kv[0][1]):
         wbytes = n * k * 2
         pool: dict[int, Any] = {}  # weight copies, shared by every M of this shape, made on first use
 

@@ -32,6 +32,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="write the gemm dispatch table (default path: the package's tuning/h200_gemm.json)")
     p.add_argument("--jobs", type=int, default=0, help="parallel compile processes (needs $LS_KERNEL_CACHE_DIR)")
     p.add_argument("--quick", action="store_true", help="one config per kernel (smoke run)")
+    p.add_argument("--shapes", default="", metavar="N:K,...",
+                   help="gemm: only these of the model's (N, K) shapes (e.g. a new fused projection)")
+    p.add_argument("--merge-table", action="store_true",
+                   help="with --write-table: add/replace the measured cells in the existing table, keep the others")
     return p
 
 
@@ -48,7 +52,13 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise UserError("bench-ops needs a CUDA GPU: run it on the H200 (see scripts/device_env.sh)")
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_%d%da" % torch.cuda.get_device_capability())
-    settings = ops_bench.BenchSettings(model=args.model, tps=_ints(args.tp), ms=_ints(args.m), quick=args.quick)
+    shapes = tuple(tuple(int(v) for v in item.split(":")) for item in args.shapes.split(",") if item.strip())
+    if any(len(s) != 2 for s in shapes):
+        raise UserError(f"--shapes takes N:K pairs separated by commas, got {args.shapes!r}")
+    if args.merge_table and args.write_table is None:
+        raise UserError("--merge-table needs --write-table (the table to merge into)")
+    settings = ops_bench.BenchSettings(model=args.model, tps=_ints(args.tp), ms=_ints(args.m), quick=args.quick,
+                                       shapes=shapes)
     out = Path(args.out)
     ops_bench.disk_tier_selftest()
     for note in ops_bench.load_case_modules():
@@ -68,6 +78,14 @@ def run(args: argparse.Namespace) -> int:
 
             path = Path(args.write_table) if args.write_table else GEMM_TABLE
             table = build_gemm_table(rows, ops_bench.environment())
+            if args.merge_table and path.exists():
+                old = json.loads(path.read_text())
+                merged = dict(old.get("entries", {}))
+                merged.update(table["entries"])
+                print(f"merging {len(table['entries'])} measured cells into {len(old.get('entries', {}))} of {path}")
+                table = dict(old, entries=merged,
+                             merged=old.get("merged", []) + [dict(environment=table["environment"],
+                                                                  cells=sorted(table["entries"]))])
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
             won = {}

@@ -30,11 +30,13 @@ VEC_BYTES = 16
 
 
 def check_gemm_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
-                    out: torch.Tensor | None, *, kmult: int, out_dtype: torch.dtype | None = None) -> tuple[int, int, int]:
+                    out: torch.Tensor | None, *, kmult: int, out_dtype: torch.dtype | None = None,
+                    strided_x: bool = False) -> tuple[int, int, int]:
     """Validate the gemm contract for the kernels; returns (M, N, K).
 
     The kernels read rows with 16-byte loads, so both operands must be contiguous bf16 rows whose
-    length K is a multiple of ``kmult`` and whose base is 16-byte aligned.
+    length K is a multiple of ``kmult`` and whose base is 16-byte aligned (``strided_x``: x rows may
+    sit apart - unit column stride, 16-byte aligned row starts - for kernels that read a row stride).
     """
     if x.dim() != 2 or weight.dim() != 2:
         raise UserError(f"gemm kernels take x[M,K] and weight[N,K]; got x{tuple(x.shape)} weight{tuple(weight.shape)}:"
@@ -48,6 +50,9 @@ def check_gemm_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
     if k % kmult:
         raise UserError(f"gemm kernel needs K % {kmult} == 0 (K={k}): use gemm.cublas for this shape")
     for name, t in (("x", x), ("weight", weight)):
+        if strided_x and name == "x" and m > 1 and t.stride(1) == 1 and t.stride(0) >= k \
+                and (t.stride(0) * t.element_size()) % VEC_BYTES == 0 and t.data_ptr() % VEC_BYTES == 0:
+            continue  # rows apart, each 16-byte aligned: the kernel reads x's row stride
         if not t.is_contiguous() or t.data_ptr() % VEC_BYTES:
             raise UserError(f"gemm kernel needs a contiguous, 16-byte aligned {name}: call .contiguous() first")
     for name, t in (("residual", residual), ("out", out)):

@@ -78,27 +78,32 @@ def _kernel_class():
     P = ptx()
 
     class GemvKernel:
-        def __init__(self, k: int, m: int, cfg: GemvConfig, residual: bool, glu=None):
+        def __init__(self, k: int, m: int, cfg: GemvConfig, residual: bool, glu=None, split: bool = False,
+                     norm: bool = False):
             self.k, self.m, self.cfg, self.residual = k, m, cfg, residual
+            self.norm = norm                        # x -> round(rmsnorm(x) * g) first; x rows strided
+            self.split = split                      # rows < y.shape[1] -> y (fp32), the rest -> res (bf16)
             self.vecs = k // 8                      # 16-byte vectors per row
             self.full, self.tail = divmod(self.vecs, 32)
             self.iters = self.full + (1 if self.tail else 0)
             self.glu = glu                          # mlp_fused._ActVariant: [gate | up] rows -> act
             self.parts = 2 if glu is not None else 1
             self.act = gated_act_fn(glu) if glu is not None else None
+            assert not (split and (residual or glu is not None))
 
         @cute.jit
-        def __call__(self, x: cute.Tensor, w: cute.Tensor, res: cute.Tensor, y: cute.Tensor, cap: Int32, stream):
+        def __call__(self, x: cute.Tensor, w: cute.Tensor, res: cute.Tensor, y: cute.Tensor, cap: Int32,
+                     gain: cute.Tensor, eps: Float32, stream):
             n = w.shape[0] // self.parts           # output rows
             rows_per_cta = self.cfg.warps * self.cfg.rows_per_warp
             groups = (n + rows_per_cta - 1) // rows_per_cta
-            self.kernel(x, w, res, y, n, groups).launch(
+            self.kernel(x, w, res, y, n, groups, gain, eps).launch(
                 grid=[cutlass.min(groups, cap), 1, 1], block=[32 * self.cfg.warps, 1, 1],
                 stream=stream, use_pdl=self.cfg.pdl)
 
         @cute.kernel
         def kernel(self, x: cute.Tensor, w: cute.Tensor, res: cute.Tensor, y: cute.Tensor, n: Int32,
-                   groups: Int32):
+                   groups: Int32, gain: cute.Tensor, eps: Float32):
             # grid = min(row groups, cap): with a cap (ctas_per_sm) the CTAs stay resident and walk
             # the row groups, leaving SM room for the next kernel's PDL prologue
             bid, _, _ = cute.arch.block_idx()
@@ -107,12 +112,13 @@ def _kernel_class():
                 # one loop, no peeled first group (the body is large: K is fully unrolled);
                 # griddepcontrol.wait is a no-op once the previous grid has completed
                 for gi in range(bid, groups, grid):
-                    self.group(x, w, res, y, n, gi)
+                    self.group(x, w, res, y, n, gi, gain, eps)
             else:
-                self.group(x, w, res, y, n, bid)
+                self.group(x, w, res, y, n, bid, gain, eps)
 
         @cute.jit
-        def group(self, x: cute.Tensor, w: cute.Tensor, res: cute.Tensor, y: cute.Tensor, n: Int32, gi: Int32):
+        def group(self, x: cute.Tensor, w: cute.Tensor, res: cute.Tensor, y: cute.Tensor, n: Int32, gi: Int32,
+                  gain: cute.Tensor, eps: Float32):
             R: cutlass.Constexpr = self.cfg.rows_per_warp
             M: cutlass.Constexpr = self.m
             K: cutlass.Constexpr = self.k
@@ -130,7 +136,11 @@ def _kernel_class():
             for r, s in streams:
                 row = cutlass.min(row0 + r, n - 1) + s * n
                 w_base[(r, s)] = w.iterator.toint() + Int64(row) * (2 * K) + Int64(lane) * 16
-            x_base = [x.iterator.toint() + Int64(m * 2 * K) + Int64(lane) * 16 for m in range(M)]
+            if cutlass.const_expr(self.norm):   # x: a column slice of a wider row (dynamic row stride)
+                x_base = [x.iterator.toint() + Int64(m) * Int64(x.stride[0]) * 2 + Int64(lane) * 16 for m in range(M)]
+                g_base = gain.iterator.toint() + Int64(lane) * 16
+            else:
+                x_base = [x.iterator.toint() + Int64(m * 2 * K) + Int64(lane) * 16 for m in range(M)]
             acc = {(rs, m): Float32(0.0) for rs in streams for m in range(M)}
             batches = [list(range(b0, min(b0 + B, self.iters))) for b0 in range(0, self.iters, B)]
 
@@ -151,6 +161,22 @@ def _kernel_class():
             if cutlass.const_expr(self.cfg.pdl):
                 cute.arch.griddepcontrol_wait()
                 cute.arch.griddepcontrol_launch_dependents()
+            rstd = []
+            if cutlass.const_expr(self.norm):
+                # RMSNorm prologue (ops/norm.py order): every warp reduces the whole x row itself (K/256
+                # vectors per lane from L1/L2): rstd = rsqrt(mean(x^2) + eps) in fp32
+                for m in cutlass.range_constexpr(M):
+                    ss = Float32(0.0)
+                    for i in cutlass.range_constexpr(self.iters):
+                        addr = x_base[m] + Int64(i * 512)
+                        if cutlass.const_expr(i == self.full):
+                            xv = P.unpack_bf16x8(P.ld_act_if(addr, tail_ok))
+                        else:
+                            xv = P.unpack_bf16x8(P.ld_act(addr))
+                        for e in cutlass.range_constexpr(8):
+                            ss = xv[e] * xv[e] + ss
+                    ss = cute.arch.warp_reduction_sum(ss)
+                    rstd.append(cute.math.rsqrt(ss / Float32(K) + eps, fastmath=False))
             for j in cutlass.range_constexpr(len(batches)):
                 if cutlass.const_expr(j + L < len(batches) and (j + L) not in pending):
                     pending[j + L] = issue(batches[j + L])
@@ -164,6 +190,16 @@ def _kernel_class():
                         else:
                             xw = P.ld_act(addr)
                         xf = P.unpack_bf16x8(xw)
+                        if cutlass.const_expr(self.norm):
+                            # x * rstd * g in fp32, rounded to bf16 as the norm op's output would be
+                            gaddr = g_base + Int64(i * 512)
+                            if cutlass.const_expr(i == self.full):
+                                gf = P.unpack_bf16x8(P.ld_act_if(gaddr, tail_ok))
+                            else:
+                                gf = P.unpack_bf16x8(P.ld_act(gaddr))
+                            packed = [P.pack_bf16x2(xf[2 * e] * rstd[m] * gf[2 * e], xf[2 * e + 1] * rstd[m] * gf[2 * e + 1])
+                                      for e in range(4)]
+                            xf = P.unpack_bf16x8(packed)
                         for rs in streams:
                             # a short per-vector chain, then one add: iterations stay independent
                             t = wf[rs][0] * xf[0]
@@ -185,22 +221,38 @@ def _kernel_class():
                                 v = self.act(g, P.bf16_lo(P.pack_bf16x2(u, u)))
                             if cutlass.const_expr(self.residual):
                                 v = v + res[m, row].to(Float32)
-                            y[m, row] = v.to(y.element_type)
+                            if cutlass.const_expr(self.split):
+                                # two outputs of one weight stream: fp32 head rows, rounded tail rows
+                                n_head = y.shape[1]
+                                if row < n_head:
+                                    y[m, row] = v
+                                else:
+                                    res[m, row - n_head] = v.to(res.element_type)
+                            else:
+                                y[m, row] = v.to(y.element_type)
 
     return GemvKernel
 
 
-def compile_gemv(k: int, m: int, cfg: GemvConfig, residual: bool, out_fp32: bool = False, glu=None):
-    """Compiled kernel for (K, M, config, residual, output dtype, GLU); N is dynamic (one compile per K and M).
+def compile_gemv(k: int, m: int, cfg: GemvConfig, residual: bool, out_fp32: bool = False, glu=None,
+                 split: bool = False, norm: bool = False):
+    """Compiled kernel for (K, M, config, residual, output dtype, GLU, split); N is dynamic (one compile per K and M).
 
     ``out_fp32``: the accumulator is stored as fp32 (router logits) instead of rounded to bf16;
     the (unused) residual operand then has the output's type, so the output buffer can stand in.
     ``glu``: an ``mlp_fused._ActVariant`` (bf16): the weight is [gate | up] (2I rows) and the kernel
-    stores act(gate) * lin(up) [M, I]; no residual."""
+    stores act(gate) * lin(up) [M, I]; no residual.
+    ``split``: two outputs from one weight stream (``gemv_split``): rows ``< out.shape[1]`` go to the
+    fp32 ``out``, the rest (rounded) to the bf16 tensor passed as the residual operand.
+    ``norm``: x is RMS-normalised first (``gemm_gemv(norm_weight=)``): x rows may be strided."""
     if out_fp32 and residual:
         raise ValueError("fp32 output with a residual is not a gemm site of any model: not compiled")
     if glu is not None and (residual or out_fp32 or glu.dtype != "bfloat16"):
         raise ValueError("the GLU epilogue writes bf16 act(gate) * lin(up) without a residual: not compiled")
+    if split and (residual or glu is not None or not out_fp32):
+        raise ValueError("the split epilogue writes fp32 head rows and bf16 tail rows, no residual: not compiled")
+    if norm and (glu is not None or split):
+        raise ValueError("the norm prologue is for plain projections (no GLU, no split): not compiled")
 
     def build(arch: str):
         import cutlass
@@ -212,15 +264,26 @@ def compile_gemv(k: int, m: int, cfg: GemvConfig, residual: bool, out_fp32: bool
         bf = cutlass.BFloat16
         yt = cutlass.Float32 if out_fp32 else bf
         wn = cute.sym_int() if glu is not None else n   # GLU: 2I weight rows, I outputs
-        args = (fake_rows(bf, m, k), fake_rows(bf, wn, k), fake_strided_rows(yt, m, n), fake_strided_rows(yt, m, n), 1,
-                fake_stream())
-        return cute.compile(_kernel_class()(k, m, cfg, residual, glu), *args,
+        from latency_specialized.kernels.gemm_common import fake_vec
+
+        xf = fake_strided_rows(bf, m, k) if norm else fake_rows(bf, m, k)
+        if split:  # weight rows = head + tail: all three counts dynamic
+            args = (xf, fake_rows(bf, cute.sym_int(), k), fake_strided_rows(bf, m, cute.sym_int()),
+                    fake_strided_rows(yt, m, n), 1)
+        else:
+            args = (xf, fake_rows(bf, wn, k), fake_strided_rows(yt, m, n), fake_strided_rows(yt, m, n), 1)
+        args += (fake_vec(bf, k), 1e-6, fake_stream())
+        return cute.compile(_kernel_class()(k, m, cfg, residual, glu, split, norm), *args,
                             options=compile_options(arch, max_regs(32 * cfg.warps, cfg.ctas_per_sm)))
 
     # "strided_out": residual/out take a dynamic row stride (artifacts cached before that differ)
     key = (k, m, residual, "strided_out") + (("out_fp32",) if out_fp32 else ()) + tuple(sorted(asdict(cfg).items()))
     if glu is not None:
         key += (("glu",) + tuple(sorted(asdict(glu).items())),)
+    if split:
+        key += ("split",)
+    if norm:
+        key += ("norm",)
     return compile_cache.cached_compile(NAME, key, build)
 
 
@@ -231,17 +294,22 @@ def default_config(n: int, k: int, m: int) -> GemvConfig:
 
 def gemm_gemv(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor | None = None,
               out: torch.Tensor | None = None, config: GemvConfig | None = None,
-              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+              out_dtype: torch.dtype | None = None, norm_weight: torch.Tensor | None = None,
+              norm_eps: float = 1e-6) -> torch.Tensor:
     """y = x @ weight.T (+ residual) with the CUDA-core GEMV kernel (gemm contract, ops/gemm.py).
 
     Parameters
     ----------
-    x : [M, K] bf16, M in 1..4, K % 8 == 0.
+    x : [M, K] bf16, M in 1..4, K % 8 == 0 (with ``norm_weight``: rows may be strided, e.g. a column
+        slice of a fused projection's output).
     weight : [N, K] bf16.
     residual : optional [M, N] bf16 added before the single rounding.
     out : optional [M, N] destination (bf16, or fp32 with ``out_dtype=torch.float32``).
     config : kernel choices; default: the tuning table's, else a heuristic.
     out_dtype : torch.float32 stores the fp32 accumulator unrounded (router logits, no residual).
+    norm_weight : optional [K] bf16 RMSNorm gain: y = rmsnorm(x, norm_weight, norm_eps) @ weight.T, the
+        norm computed by every warp in fp32 and rounded to bf16 as the norm op rounds it (one kernel
+        instead of a norm kernel and a GEMV).
     """
     from latency_specialized.errors import UserError
 
@@ -249,7 +317,12 @@ def gemm_gemv(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor |
     if fp32 and (out_dtype != torch.float32 or residual is not None):
         raise UserError(f"{NAME}: out_dtype={out_dtype} (with residual={residual is not None}): the kernel writes "
                         "bf16, or fp32 without a residual; use gemm.cublas")
-    m, n, k = check_gemm_args(x, weight, residual, out, kmult=8, out_dtype=out_dtype)
+    norm = norm_weight is not None
+    m, n, k = check_gemm_args(x, weight, residual, out, kmult=8, out_dtype=out_dtype, strided_x=norm)
+    if norm and (tuple(norm_weight.shape) != (k,) or norm_weight.dtype != x.dtype
+                 or norm_weight.data_ptr() % 16 or fp32 or residual is not None):
+        raise UserError(f"{NAME}: norm_weight must be a 16-byte aligned [{k}] {x.dtype} gain (got "
+                        f"{tuple(norm_weight.shape)} {norm_weight.dtype}), for a bf16 output without residual")
     if not 1 <= m <= MAX_M:
         raise UserError(f"{NAME} serves M=1..{MAX_M} (got M={m}): use gemm.cutedsl_small_m or gemm.cublas")
     if config is None:
@@ -258,9 +331,15 @@ def gemm_gemv(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor |
         config = tuning.config_for(NAME, n, k, m, GemvConfig) or default_config(n, k, m)
     if out is None:
         out = torch.empty(m, n, dtype=torch.float32 if fp32 else x.dtype, device=x.device)
-    fn = compile_gemv(k, m, config, residual is not None, out_fp32=fp32)
-    fn(x, weight, residual if residual is not None else out, out, grid_cap(x.device, config.ctas_per_sm))
+    fn = compile_gemv(k, m, config, residual is not None, out_fp32=fp32, norm=norm)
+    fn(x, weight, residual if residual is not None else out, out, grid_cap(x.device, config.ctas_per_sm),
+       *_norm_args(x, norm_weight, norm_eps))
     return out
+
+
+def _norm_args(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, float]:
+    """The kernel's (gain, eps) operands; variants without the norm prologue get x's first row (unused)."""
+    return (norm_weight, float(eps)) if norm_weight is not None else (x[0], 0.0)
 
 
 def glu_config(n_gate_up: int, k: int, m: int) -> GemvConfig:
@@ -295,8 +374,53 @@ def gemv_glu(x: torch.Tensor, w_gate_up: torch.Tensor, variant, *, out: torch.Te
     config = config or glu_config(n2, k, m)
     if out is None:
         out = torch.empty(m, inter, dtype=x.dtype, device=x.device)
-    compile_gemv(k, m, config, False, glu=variant)(x, w_gate_up, out, out, grid_cap(x.device, config.ctas_per_sm))
+    compile_gemv(k, m, config, False, glu=variant)(x, w_gate_up, out, out, grid_cap(x.device, config.ctas_per_sm),
+                                                   *_norm_args(x, None, 0.0))
     return out
+
+
+def gemv_split(x: torch.Tensor, weight: torch.Tensor, n_head: int, *, head_out: torch.Tensor | None = None,
+               tail_out: torch.Tensor | None = None, config: GemvConfig | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two projections of one x in one weight stream: ``[head | tail] = x @ weight.T`` with the first
+    ``n_head`` rows stored as fp32 (unrounded) and the rest rounded to x.dtype.
+
+    The latent MoE's router logits (fp32, vLLM's GateLinear) and latent down-projection read the same
+    normed hidden state: one kernel instead of two, one launch and ramp less.
+
+    Parameters
+    ----------
+    x : [M, K] bf16, M in 1..4, K % 8 == 0.
+    weight : [n_head + n_tail, K] bf16 (e.g. ``cat([router weight, latent down weight])``).
+    head_out : optional [M, n_head] fp32 destination; tail_out : optional [M, n_tail] bf16 (unit
+        column stride, any row stride).
+    config : kernel choices; default: the tuning table's entry of the whole weight, else the heuristic.
+
+    Returns
+    -------
+    (head [M, n_head] fp32, tail [M, n_tail] x.dtype).
+    """
+    from latency_specialized.errors import UserError
+
+    m, n, k = check_gemm_args(x, weight, None, None, kmult=8)
+    if not 1 <= m <= MAX_M or x.dtype != torch.bfloat16:
+        raise UserError(f"{NAME} split: serves bf16 M=1..{MAX_M} (got M={m}, {x.dtype}): use the two gemm sites")
+    if not 0 < n_head < n:
+        raise UserError(f"{NAME} split: n_head={n_head} must be inside the {n} weight rows")
+    if head_out is None:
+        head_out = torch.empty(m, n_head, dtype=torch.float32, device=x.device)
+    if tail_out is None:
+        tail_out = torch.empty(m, n - n_head, dtype=x.dtype, device=x.device)
+    check_gemm_args(x, weight[:n_head], None, head_out, kmult=8, out_dtype=torch.float32)
+    check_gemm_args(x, weight[n_head:], None, tail_out, kmult=8)
+    if config is None:
+        from latency_specialized.kernels import tuning
+
+        config = tuning.config_for(NAME, n, k, m, GemvConfig) or default_config(n, k, m)
+    compile_gemv(k, m, config, False, out_fp32=True, split=True)(x, weight, tail_out, head_out,
+                                                                 grid_cap(x.device, config.ctas_per_sm),
+                                                                 *_norm_args(x, None, 0.0))
+    return head_out, tail_out
 
 
 def _supports(ctx: OpContext) -> Support:
@@ -312,7 +436,37 @@ def _supports(ctx: OpContext) -> Support:
     return tuning.gemm_supports(NAME, ctx, fp32_out=True)
 
 
+GATE_DOWN_NAME = "moe.gate_down.cutedsl_gemv"
+GATE_DOWN_MAX_M = 2
+"""Tokens up to which the fused router + latent GEMV serves: the GEMV is the measured gemm winner for
+both projections at M = 1-2 (ops_gemm.md); from M = 3 the router logits go to cuBLAS split-K."""
+
+
+def gate_down_gemv(x: torch.Tensor, weight: torch.Tensor, n_gate: int, *, logits_out: torch.Tensor | None = None,
+                   latent_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe.gate_down`` (contract: ``ops.moe.gate_down_reference``) as one split GEMV (``gemv_split``)."""
+    return gemv_split(x, weight, n_gate, head_out=logits_out, tail_out=latent_out)
+
+
+def _gate_down_supports(ctx: OpContext) -> Support:
+    from latency_specialized.kernels.compile_cache import cute_available
+
+    if not ctx.arch.startswith("sm_90"):
+        return f"GEMV kernels are verified on sm_90 (H200) only, not {ctx.arch}"
+    if ctx.dtype != "bfloat16":
+        return f"bf16 kernel (dtype={ctx.dtype})"
+    if ctx.tokens > GATE_DOWN_MAX_M:
+        return f"serves M<={GATE_DOWN_MAX_M} (M={ctx.tokens}): the router and latent gemm sites take larger batches"
+    if ctx.dim("K") % 8:
+        return f"needs K % 8 == 0 (K={ctx.dim('K')})"
+    return cute_available()
+
+
 IMPLEMENTATIONS = [
-    Implementation("gemm", NAME, gemm_gemv, _supports, priority=30,
-                   description="CuTe DSL CUDA-core GEMV, M<=4: 16-B weight stream, warp shuffle, PDL prologue"),
+    Implementation("gemm", NAME, gemm_gemv, _supports, priority=30, norm_prologue=True,
+                   description="CuTe DSL CUDA-core GEMV, M<=4: 16-B weight stream, warp shuffle, PDL prologue, "
+                               "optional RMSNorm prologue"),
+    Implementation("moe.gate_down", GATE_DOWN_NAME, gate_down_gemv, _gate_down_supports, priority=30,
+                   description=f"router logits (fp32) + latent down-projection (bf16) in one GEMV, "
+                               f"M<={GATE_DOWN_MAX_M}"),
 ]

@@ -13,9 +13,12 @@ bytes, are the time):
    sequences x ``PROLOGUE_L`` latent columns; ``tl.dot``, fp32 accumulation, **rounding to the
    activation dtype**) into ``q_lat`` [H, B, L]; the programs of the extra head index ``H`` write the
    new latents ``[kv_c | k_pe]`` of their sequences into the paged cache at ``slot_mapping``
-   (negative: nothing; each column tile writes its kv_c columns, the first one k_pe too)
-   [``ops.attention.mla._write_new_latents``, then one torch ``bmm`` over the heads in the activation
-   dtype: the same roundings; no host sync either way];
+   (negative: nothing; each column tile writes its kv_c columns, the first one k_pe too); with
+   ``kv_norm_weight`` (the model's kv_a RMSNorm fused) each of them first takes the sum of squares of
+   its rows' whole raw latent in fp32 and writes ``kv_c * rstd * w`` rounded to the activation dtype,
+   then to the cache dtype: the roundings of a norm kernel followed by the write
+   [``ops.attention.mla._write_new_latents`` (after ``rmsnorm_reference``), then one torch ``bmm``
+   over the heads in the activation dtype: the same roundings; no host sync either way];
 2. **split kernel**, grid ``(B, head groups, num_splits)``: a program takes up to ``BLOCK_H`` (16,
    the smallest ``tl.dot`` tile) heads of one sequence and one contiguous chunk of its positions.
    The chunk length comes from ``seq_lens[b]`` read *on the device* (``cdiv(seq_len, num_splits)``,
@@ -55,7 +58,8 @@ from typing import NamedTuple
 import torch
 
 from latency_specialized.errors import UserError
-from latency_specialized.ops.attention.mla import _finish, _write_new_latents, latent_widths
+from latency_specialized.ops.attention.mla import (_finish, _write_new_latents, check_kv_norm, latent_widths,
+                                                   normed_latent)
 from latency_specialized.ops.registry import Implementation, OpContext, Support
 
 NAME = "attention.mla.triton_splitkv"
@@ -133,14 +137,15 @@ def _kernels(interpret: bool):
     import triton.language as tl
 
     @triton.jit
-    def prologue_kernel(q, w_uk, kv_c, k_pe, slots, cache, q_lat, B, H, NOPE,
+    def prologue_kernel(q, w_uk, kv_c, k_pe, slots, cache, q_lat, kv_w, eps, B, H, NOPE,
                         s_qb, s_qh, s_wh, s_wk, s_lh, s_lb, s_c, s_p, s_row,
                         L: tl.constexpr, R: tl.constexpr, BB: tl.constexpr, BL: tl.constexpr,
-                        BK: tl.constexpr, PREC: tl.constexpr):
+                        BK: tl.constexpr, PREC: tl.constexpr, HAS_NORM: tl.constexpr):
         # grid (cdiv(B, BB), H + 1, L / BL): rows bt*BB.., latent columns lt*BL..; heads h < H compute
         # q_lat[h, rows, cols] = q_nope[rows, h] @ W_UK[h][:, cols], the extra head h == H writes the new
-        # latents of its rows (its kv_c columns; column tile 0 also k_pe). Masks from comparisons only
-        # (the interpreter mishandles & of a vector and a scalar mask).
+        # latents of its rows (its kv_c columns; column tile 0 also k_pe). HAS_NORM: kv_c is the raw
+        # latent and kv_w [L] its RMSNorm weight (eps). Masks from comparisons only (the interpreter
+        # mishandles & of a vector and a scalar mask).
         bt = tl.program_id(0)
         h = tl.program_id(1)
         lt = tl.program_id(2)
@@ -164,6 +169,18 @@ def _kernels(interpret: bool):
             ok = slot >= 0
             row = cache + tl.maximum(slot, 0)[:, None] * s_row
             c = tl.load(kv_c + offs_b[:, None] * s_c + offs_l[None, :], mask=ok[:, None], other=0.0)
+            if HAS_NORM:
+                # every column tile recomputes its rows' sum of squares over the whole latent (L <= 1024
+                # values per row, from L1/L2) rather than share it across programs: no extra launch or
+                # sync; masked rows load zeros, so rstd stays finite (1/sqrt(eps)) and is never stored
+                offs_all = tl.arange(0, L)
+                x = tl.load(kv_c + offs_b[:, None] * s_c + offs_all[None, :], mask=ok[:, None],
+                            other=0.0).to(tl.float32)                                   # [BB, L]
+                rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / L + eps)                       # [BB]
+                wn = tl.load(kv_w + offs_l).to(tl.float32)                              # [BL]
+                # (x * rstd) * w, as rmsnorm_reference; rounded to the activation dtype as a norm
+                # kernel's output would be, then (below) to the cache dtype as the write would
+                c = (c.to(tl.float32) * rstd[:, None] * wn[None, :]).to(q.dtype.element_ty)
             tl.store(row + offs_l[None, :], c.to(cache.dtype.element_ty), mask=ok[:, None])
             offs_r = tl.arange(0, R)
             r_ok = ok[:, None] & (offs_r < tl.where(lt == 0, R, 0))[None, :]
@@ -343,12 +360,15 @@ def _last_dim_unit(t: torch.Tensor) -> torch.Tensor:
 
 
 def _prologue(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor,
-              flat: torch.Tensor, w_uk: torch.Tensor, q_lat: torch.Tensor | None = None) -> torch.Tensor:
+              flat: torch.Tensor, w_uk: torch.Tensor, q_lat: torch.Tensor | None = None,
+              kv_norm_weight: torch.Tensor | None = None, kv_norm_eps: float = 1e-6) -> torch.Tensor:
     """Launch the prologue kernel (one launch): ``flat[slot_mapping[b]] = [kv_c[b] | k_pe[b]]`` in the
     cache dtype for slots >= 0, and return ``q_lat`` [H, B, L] (contiguous, q.dtype) ``= q_nope[:, h] @
     w_uk[h]`` with fp32 accumulation and one rounding (as the torch ``bmm`` of the unfused path).
     q [B, H, nope + R]; w_uk [H, nope, L] in q.dtype; ``q_lat``: optional destination (tests poison it).
-    Static grid from shapes only (graph-safe)."""
+    ``kv_norm_weight`` [L] (q.dtype): kv_c is the raw latent, RMS-normalised (``kv_norm_eps``) before the
+    write (fp32 math, rounded to q.dtype, then to the cache dtype). kv_c's rows may be strided (unit
+    last stride): its row stride is passed, nothing is copied. Static grid from shapes only (graph-safe)."""
     B, H, _ = q.shape
     _, nope, L = w_uk.shape
     R = k_pe.shape[-1]
@@ -359,14 +379,20 @@ def _prologue(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapp
     qn = _last_dim_unit(q[..., :nope])
     w_uk = _last_dim_unit(w_uk)
     kv_c, k_pe = _last_dim_unit(kv_c), _last_dim_unit(k_pe)
+    has_norm = kv_norm_weight is not None
+    if has_norm:
+        check_kv_norm(q, kv_c, kv_norm_weight)
+        kv_w = kv_norm_weight.contiguous()   # [L]: a no-op for a weight tensor
+    else:
+        kv_w = kv_c                          # never read (constexpr branch)
     bl = min(PROLOGUE_L, L)
     bk = min(max(_next_pow2(nope), 16), PROLOGUE_K)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"  # as the split kernel: IEEE fp32 for fp32 tensors
     _kernels(_interpreting())["prologue"][(-(-B // PROLOGUE_B), H + 1, L // bl)](
-        qn, w_uk, kv_c, k_pe, slot_mapping, flat, q_lat, B, H, nope,
+        qn, w_uk, kv_c, k_pe, slot_mapping, flat, q_lat, kv_w, float(kv_norm_eps), B, H, nope,
         qn.stride(0), qn.stride(1), w_uk.stride(0), w_uk.stride(1), q_lat.stride(0), q_lat.stride(1),
         kv_c.stride(0), k_pe.stride(0), flat.stride(0),
-        L=L, R=R, BB=PROLOGUE_B, BL=bl, BK=bk, PREC=prec, num_warps=NUM_WARPS)
+        L=L, R=R, BB=PROLOGUE_B, BL=bl, BK=bk, PREC=prec, HAS_NORM=has_norm, num_warps=NUM_WARPS)
     return q_lat
 
 
@@ -422,12 +448,13 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
                       w_kv_b: torch.Tensor, *, qk_nope_head_dim: int, v_head_dim: int,
                       scale: float | None = None, gate: torch.Tensor | None = None,
                       out: torch.Tensor | None = None, num_splits: int | None = None,
-                      fused: bool | None = None) -> torch.Tensor:
+                      fused: bool | None = None, kv_norm_weight: torch.Tensor | None = None,
+                      kv_norm_eps: float = 1e-6) -> torch.Tensor:
     """Absorbed MLA decode, one token per sequence (contract: ``ops.attention.mla.mla_decode_reference``).
 
     Parameters
     ----------
-    q : [B, H, nope + R]; kv_c : [B, L]; k_pe : [B, R];
+    q : [B, H, nope + R]; kv_c : [B, L] (rows may be strided, unit last stride); k_pe : [B, R];
     kv_cache : [num_blocks, block_size, L + R] paged latent cache (bf16/fp16/fp32, contiguous), written in place;
     slot_mapping : [B] int (< 0: write nothing); block_table : [B, max_blocks] int;
     seq_lens : [B] int (new token included; 0: padding row -> zeros);
@@ -438,6 +465,9 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
         and the merge + W_UV + gate epilogue are Triton kernels (3 launches in all: prologue, split,
         merge); False: torch for those (``_write_new_latents``, ``bmm``, ``bmm``, ``_finish``: about 25
         launches, the composition the kernels are checked against).
+    kv_norm_weight : optional [L] in q.dtype: kv_c is the raw latent, RMS-normalised first (``kv_norm_eps``;
+        the contract's). Fused: inside the prologue's latent-writer programs (no extra launch);
+        unfused: ``rmsnorm_reference`` before the torch write.
 
     Returns
     -------
@@ -459,6 +489,8 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
         raise UserError(f"{NAME}: the kv cache must be contiguous (got strides {kv_cache.stride()})")
     if w_kv_b.shape != (H * (nope + v), L):
         raise ValueError(f"w_kv_b {tuple(w_kv_b.shape)} != [H * (nope + v), L] = [{H * (nope + v)}, {L}]")
+    if kv_norm_weight is not None:  # before any kernel is built or launched
+        check_kv_norm(q, kv_c, kv_norm_weight)
     fused = FUSED if fused is None else fused
     dtype = q.dtype
     block = kv_cache.shape[1]
@@ -468,9 +500,11 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
     w = w_kv_b.view(H, nope + v, L)
     if w.dtype != dtype:
         w = w.to(dtype)
-    if fused:  # 1. one launch: the new latents into the cache and the absorbed query, no host sync
-        q_lat = _prologue(q, kv_c, k_pe, slot_mapping, flat, w[:, :nope])       # [H, B, L]
-    else:      # torch write, then one bmm over the heads in the activation dtype: [H, B, nope] x [H, nope, L]
+    if fused:  # 1. one launch: the (normed) new latents into the cache and the absorbed query, no host sync
+        q_lat = _prologue(q, kv_c, k_pe, slot_mapping, flat, w[:, :nope], kv_norm_weight=kv_norm_weight,
+                          kv_norm_eps=kv_norm_eps)                             # [H, B, L]
+    else:      # torch norm (rmsnorm_reference) and write, then one bmm over the heads in the activation dtype:
+        kv_c = normed_latent(q, kv_c, kv_norm_weight, kv_norm_eps)            # [H, B, nope] x [H, nope, L]
         _write_new_latents(flat, torch.cat([kv_c, k_pe], dim=-1).to(kv_cache.dtype), slot_mapping)
         q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope])         # [H, B, L]
     q_pe = _last_dim_unit(q[..., nope:])                                     # [B, H, R]

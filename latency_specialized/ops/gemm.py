@@ -13,7 +13,8 @@ from latency_specialized.ops.registry import Implementation, OpContext, Support,
 
 
 def gemm_reference(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor | None = None,
-                   out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                   norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6) -> torch.Tensor:
     """y = x @ weight.T (+ residual).
 
     Parameters
@@ -25,11 +26,17 @@ def gemm_reference(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Ten
         stride: a column slice of a wider tensor) and may be the same tensor (in-place add).
     out_dtype : dtype of the result (default x.dtype); fp32 for router logits (vLLM's GateLinear:
         bf16 x bf16 -> fp32, no rounding to bf16).
+    norm_weight : optional [K] RMSNorm gain: x is first replaced by ``rmsnorm_reference(x, norm_weight,
+        norm_eps)`` (rounded to x.dtype) - the norm prologue of implementations with ``norm_prologue``.
 
     Returns
     -------
     [M, N] in out_dtype (x.dtype by default).
     """
+    if norm_weight is not None:
+        from latency_specialized.ops.norm import rmsnorm_reference
+
+        x = rmsnorm_reference(x, norm_weight, norm_eps)
     acc = torch.float64 if torch.float64 in (x.dtype, weight.dtype) else torch.float32
     y = x.to(acc) @ weight.to(acc).t()
     if residual is not None:
@@ -86,7 +93,7 @@ def _torch_supports(ctx: OpContext) -> Support:
 
 IMPLEMENTATIONS = [
     Implementation("gemm", "gemm.reference", gemm_reference, always, priority=-100, is_reference=True,
-                   description="fp32-accumulate torch matmul", strided_rows=True),
+                   description="fp32-accumulate torch matmul", strided_rows=True, norm_prologue=True),
     # cuBLAS takes a row stride (lda) >= K directly: a column slice is not copied
     Implementation("gemm", "gemm.cublas", gemm_torch, _torch_supports, priority=0,
                    description="torch.nn.functional.linear (cuBLAS), residual unfused", strided_rows=True),

@@ -2,7 +2,9 @@
 
 ``route`` turns router logits into top-k weights and expert ids (sigmoid, sqrtsoftplus or
 softmax scores; bias-corrected selection; renormalise; scaling). ``experts`` runs only the
-selected experts and combines them with the routing weights.
+selected experts and combines them with the routing weights. ``gate_down`` (latent MoE) computes
+the router logits and the latent down-projection, which read the same hidden state, from one
+concatenated weight: a kernel can then stream both weights in one launch.
 """
 
 from __future__ import annotations
@@ -76,7 +78,34 @@ def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     return y
 
 
+def gate_down_reference(x: torch.Tensor, weight: torch.Tensor, n_gate: int, *, logits_out: torch.Tensor | None = None,
+                        latent_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits and latent input of a latent MoE from one weight ``[W_gate; W_down]``.
+
+    Parameters
+    ----------
+    x : [M, K] normed hidden state.
+    weight : [n_gate + n_latent, K]: the router weight's rows (this rank's experts), then the latent
+        down-projection's rows (this rank's latent channels).
+    n_gate : router rows. logits_out / latent_out : optional destinations.
+
+    Returns
+    -------
+    logits [M, n_gate] in fp32 (at least: vLLM's GateLinear, bf16 x bf16 -> fp32, no rounding) and
+    latent [M, n_latent] in x.dtype (one rounding): exactly the two gemm sites' results.
+    """
+    from latency_specialized.ops.gemm import gemm_reference
+
+    if not 0 < n_gate < weight.shape[0]:
+        raise ValueError(f"gate_down: n_gate={n_gate} must be inside the {weight.shape[0]} weight rows")
+    logits = gemm_reference(x, weight[:n_gate], out=logits_out, out_dtype=torch.promote_types(x.dtype, torch.float32))
+    latent = gemm_reference(x, weight[n_gate:], out=latent_out)
+    return logits, latent
+
+
 IMPLEMENTATIONS = [
+    Implementation("moe.gate_down", "moe.gate_down.reference", gate_down_reference, always, priority=-100,
+                   is_reference=True, description="two fp32-accumulated matmuls over row slices of the weight"),
     Implementation("moe.router", "moe.router.reference", route_reference, always, priority=-100,
                    is_reference=True, description="torch scores + stable sort top-k"),
     Implementation("moe.experts", "moe.experts.reference", experts_reference, always, priority=-100,

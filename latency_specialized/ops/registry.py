@@ -23,6 +23,7 @@ FAMILIES: dict[str, str] = {
     "norm": "RMSNorm variants: residual-fused, gated, zero-centred",
     "allreduce": "all-reduce fused with residual add and RMSNorm",
     "moe.router": "router scores, bias-corrected top-k, renormalise, scaling",
+    "moe.gate_down": "router logits (fp32) and latent input of a latent MoE from one read of the hidden state",
     "moe.experts": "routed experts over the selected experts only (gate/up + act + down + combine)",
     "mlp": "dense gated MLP (gate/up + activation + down): dense layers and shared experts",
     "prefetch": "warm the L2 with upcoming weights from a side stream",
@@ -104,6 +105,10 @@ class Implementation:
     strided_rows: bool = False
     """Takes a 2-D input ``x`` whose rows are strided (a column slice of a wider tensor: unit column
     stride, 16-byte aligned row starts) without copying it; else callers pass contiguous rows."""
+    norm_prologue: bool = False
+    """gemm: takes ``norm_weight=``/``norm_eps=`` and RMS-normalises x itself (y = rmsnorm(x) @ W^T, the
+    norm rounded to the activation dtype as the norm op rounds it; x may be a strided column slice).
+    A program then skips the norm site in front of such a gemm (one kernel less)."""
 
 
 def always(_: OpContext) -> Support:

@@ -33,7 +33,8 @@ latent up-projection writes only the rank's hidden slice (added to the shared ex
 so the FFN all-reduce counts it once); the LM head's vocabulary slices are all-gathered (glue).
 Router and latent down-projection are split across ranks (``ops/tp_moe.py``): each rank scores
 its experts and projects its latent channels, and one all-gather joins both (stock vLLM
-replicates them on every rank).
+replicates them on every rank). Where a kernel serves ``moe.gate_down`` (batch <= 2 on the H200)
+both come from one weight stream ``[W_gate; W_down]`` and the two gemm sites are skipped.
 
 ``weights_sharded=True`` takes weights that already are this rank's shard (``tp.shard_weights``
 names and shapes) - the bench draws rank-shaped random weights directly, as the full model's
@@ -99,15 +100,18 @@ def _arrange(spec: KimiK3Spec, w: Mapping[str, torch.Tensor]) -> list[_Layer]:
             }
         else:
             assert isinstance(a, MLAAttentionSpec)
+            gated = a.output_gate == "sigmoid"
             if a.q_lora_rank:
-                attn = {"qkv_a": torch.cat([w[s + "q_a_proj.weight"], w[s + "kv_a_proj_with_mqa.weight"]]),
+                # [q_a | kv_a] as vLLM's fused_qkv_a_proj, and the output-gate rows too: all read the same h
+                attn = {"qkv_a": torch.cat([w[s + "q_a_proj.weight"], w[s + "kv_a_proj_with_mqa.weight"]]
+                                           + ([w[s + "g_proj.weight"]] if gated else [])),
                         "q_a_norm": w[s + "q_a_layernorm.weight"], "q_b": w[s + "q_b_proj.weight"]}
             else:
                 attn = {"kv_a": w[s + "kv_a_proj_with_mqa.weight"], "q": w[s + "q_proj.weight"]}
+                if gated:
+                    attn["g"] = w[s + "g_proj.weight"]
             attn.update({"kv_a_norm": w[s + "kv_a_layernorm.weight"], "kv_b": w[s + "kv_b_proj.weight"],
                          "o": w[s + "o_proj.weight"]})
-            if a.output_gate == "sigmoid":
-                attn["g"] = w[s + "g_proj.weight"]
         f = layer.ffn
         if isinstance(f, DenseMLPSpec):
             m = p + "mlp."
@@ -123,7 +127,11 @@ def _arrange(spec: KimiK3Spec, w: Mapping[str, torch.Tensor]) -> list[_Layer]:
                 "w2": torch.stack([w[m + f"experts.{e}.w2.weight"] for e in range(f.num_experts)]),
             }
             if f.latent_dim:
-                ffn["down"] = w[m + "routed_expert_down_proj.weight"]
+                # router rows, then latent-down rows, in one tensor (the moe.gate_down site streams both
+                # in one kernel); "gate" and "down" are views of it for the two gemm sites
+                gate_down = torch.cat([ffn["gate"], w[m + "routed_expert_down_proj.weight"]])
+                n_gate = ffn["gate"].shape[0]
+                ffn.update(gate_down=gate_down, gate=gate_down[:n_gate], down=gate_down[n_gate:])
                 ffn["up"] = w[m + "routed_expert_up_proj.weight"]
                 if spec.latent_moe_norm:
                     ffn["latent_norm"] = w[m + "routed_expert_norm.weight"]
@@ -136,6 +144,9 @@ def _arrange(spec: KimiK3Spec, w: Mapping[str, torch.Tensor]) -> list[_Layer]:
                              w[p + "mlp_res_proj.weight"][0], w[p + "post_attention_layernorm.weight"], attn, ffn))
     return layers
 
+
+FUSING_FAMILIES = frozenset({"moe.gate_down"})
+"""Families whose site replaces other sites when a kernel serves it (``KimiK3Program._fused_ok``)."""
 
 ROUTER_SIDE_MIN_BATCH = 2
 """Smallest bucket whose router GEMM runs on its own stream beside the latent down-projection. H200
@@ -202,9 +213,20 @@ class KimiK3Program:
         self._ops: dict[int, dict[str, Callable[..., Any]]] = {}
         self._strided_ok: dict[int, set[str]] = {}
         """Per bucket, the sites whose implementation takes strided rows (no copy of a column slice)."""
+        self._norm_in_ok: dict[int, set[str]] = {}
+        """Per bucket, the gemm sites whose implementation normalises its input itself (``norm_prologue``):
+        the norm site in front of them (MLA's q_a_norm) is then skipped."""
+        self._fused_ok: dict[int, set[str]] = {}
+        """Per bucket, the fusing sites a kernel serves (``moe.gate_down``): there the program calls them
+        instead of the sites they fuse; where only their reference would serve, it calls the separate
+        sites (each dispatched to its own best implementation)."""
         for bucket, plan in sorted(plans.items()):
             self._ops[bucket] = {c.site.name: self._counted(c.site.name, plan.impl(c.site.name)) for c in plan.choices}
             self._strided_ok[bucket] = {c.site.name for c in plan.choices if c.impl is not None and c.impl.strided_rows}
+            self._norm_in_ok[bucket] = {c.site.name for c in plan.choices if c.impl is not None
+                                        and c.impl.norm_prologue}
+            self._fused_ok[bucket] = {c.site.name for c in plan.choices if c.site.ctx.family in FUSING_FAMILIES
+                                      and c.impl is not None and not c.impl.is_reference}
             for c in plan.choices:
                 assert c.impl is not None  # plan.impl above raised otherwise
                 self.trace.site(c.site.name, c.impl.name, f"bucket {bucket}")
@@ -341,19 +363,24 @@ class KimiK3Program:
         if a.q_lora_rank:
             ql = a.q_lora_rank
             y = ops[f"{kind}/attn.qkv_a_proj"](h, w["qkv_a"])
-            # column slices of the fused projection
-            q_c = ops[f"{kind}/attn.q_a_norm"](self._rows(f"{kind}/attn.q_a_norm", y[:, :ql]), w["q_a_norm"], eps)
-            kv = y[:, ql:]
-            c = ops[f"{kind}/attn.kv_a_norm"](self._rows(f"{kind}/attn.kv_a_norm", kv[:, :L]), w["kv_a_norm"], eps)
-            q = ops[f"{kind}/attn.q_b_proj"](q_c, w["q_b"])
+            # column slices of the fused projection [q_a | kv_a (latent, rope key) | output-gate logits]
+            kv = y[:, ql:ql + L + R]
+            gate = y[:, ql + L + R:] if a.output_gate == "sigmoid" else None  # strided rows: the op takes them
+            if f"{kind}/attn.q_b_proj" in self._norm_in_ok.get(y.shape[0], ()):  # q_a_norm inside the gemm
+                q = ops[f"{kind}/attn.q_b_proj"](y[:, :ql], w["q_b"], norm_weight=w["q_a_norm"], norm_eps=eps)
+            else:
+                q_c = ops[f"{kind}/attn.q_a_norm"](self._rows(f"{kind}/attn.q_a_norm", y[:, :ql]), w["q_a_norm"], eps)
+                q = ops[f"{kind}/attn.q_b_proj"](q_c, w["q_b"])
         else:
             kv = ops[f"{kind}/attn.kv_a_proj"](h, w["kv_a"])
-            c = ops[f"{kind}/attn.kv_a_norm"](self._rows(f"{kind}/attn.kv_a_norm", kv[:, :L]), w["kv_a_norm"], eps)
             q = ops[f"{kind}/attn.q_proj"](h, w["q"])
-        gate = ops[f"{kind}/attn.gate_proj"](h, w["g"]) if "g" in w else None
-        o = ops[f"{kind}/attn.mla"](q.view(h.shape[0], a.num_heads, a.qk_nope_head_dim + R), c, kv[:, L:],
+            gate = ops[f"{kind}/attn.gate_proj"](h, w["g"]) if "g" in w else None
+        # kv_a_layernorm is part of the MLA op (its only consumer): the raw latent slice kv[:, :L] goes in
+        # as is (strided rows) and the op normalises it while writing the cache - one launch less per layer
+        o = ops[f"{kind}/attn.mla"](q.view(h.shape[0], a.num_heads, a.qk_nope_head_dim + R), kv[:, :L], kv[:, L:],
                                     self.cache.kv[i], meta["slots"], meta["block_table"], meta["seq_lens"], w["kv_b"],
-                                    qk_nope_head_dim=a.qk_nope_head_dim, v_head_dim=a.v_head_dim, gate=gate)
+                                    qk_nope_head_dim=a.qk_nope_head_dim, v_head_dim=a.v_head_dim, gate=gate,
+                                    kv_norm_weight=w["kv_a_norm"], kv_norm_eps=eps)
         return ops[f"{kind}/attn.o_proj"](o, w["o"])
 
     def _moe(self, ops, kind: str, f: MoESpec, w: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
@@ -366,7 +393,9 @@ class KimiK3Program:
         # the latent input: at TP > 1 each rank computes its slice of both (experts r*E/tp.., latent
         # channels r*L/tp..) and one all-gather joins them - no rank repeats another's weight reads
         logits_dtype = torch.promote_types(h.dtype, torch.float32)
-        if self.router_side is not None and b >= ROUTER_SIDE_MIN_BATCH:  # a graph branch, joined before the router
+        if f"{kind}/moe.gate_down" in self._fused_ok.get(b, ()):  # both from one weight stream, one kernel
+            logits, x = ops[f"{kind}/moe.gate_down"](h, w["gate_down"], w["gate"].shape[0])
+        elif self.router_side is not None and b >= ROUTER_SIDE_MIN_BATCH:  # a graph branch, joined before the router
             routing = self.router_side.run(ops[f"{kind}/moe.router_gemm"], h, w["gate"], out_dtype=logits_dtype)
             x = ops[f"{kind}/moe.latent_down"](h, w["down"])
             logits = routing.join()

@@ -9,10 +9,13 @@ own sites:
   norm (``*.allreduce``);
 * KDA's fused input projection also carries f_a (rank ``head_dim``, replicated) and beta, as vLLM's
   ``in_proj_qkvgfab``; f_b is its own GEMM;
-* MLA: one GEMM for ``[q_a | kv_a]`` (vLLM ``fused_qkv_a_proj``), two norms, q_b, the output-gate
-  GEMM, then attention with the gate fused (``attention.mla``), then o_proj;
+* MLA: one GEMM for ``[q_a | kv_a | gate]`` (vLLM's ``fused_qkv_a_proj`` plus the output-gate rows,
+  which read the same input), the q_a norm, q_b, then attention with the kv_a norm and the gate
+  fused (``attention.mla``), then o_proj;
 * latent MoE: router GEMM (fp32 logits) and latent down-projection of the rank's slice (one all-gather
-  joins them), routing, routed experts at the
+  joins them) - or, where a kernel serves it, both in one site (``moe.gate_down``, one weight
+  stream; the program then skips the two gemm sites: the only sites not called every step), routing,
+  routed experts at the
   latent width, the experts' all-reduce fused with the latent RMSNorm (*after* the experts),
   shared experts, and the latent up-projection of the rank's hidden slice with the shared output
   as its residual (one rounding, as vLLM's ``addmm_``);
@@ -48,17 +51,20 @@ def _attention(b: SiteBuilder, a, hidden: int) -> None:
         return
     assert isinstance(a, MLAAttentionSpec)
     qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+    gate = a.num_heads * a.v_head_dim if a.output_gate == "sigmoid" else 0
     if a.q_lora_rank:
-        b.gemm("attn.qkv_a_proj", a.q_lora_rank + a.kv_lora_rank + a.qk_rope_head_dim, hidden)
+        # the output-gate rows ride in the fused [q_a | kv_a] projection (all read h): one GEMM less
+        b.gemm("attn.qkv_a_proj", a.q_lora_rank + a.kv_lora_rank + a.qk_rope_head_dim + gate, hidden)
         b.add("attn.q_a_norm", "norm", N=a.q_lora_rank)
-        b.add("attn.kv_a_norm", "norm", N=a.kv_lora_rank)
         b.gemm("attn.q_b_proj", a.num_heads * qk, a.q_lora_rank)
     else:
         b.gemm("attn.kv_a_proj", a.kv_lora_rank + a.qk_rope_head_dim, hidden)
-        b.add("attn.kv_a_norm", "norm", N=a.kv_lora_rank)
         b.gemm("attn.q_proj", a.num_heads * qk, hidden)
-    if a.output_gate == "sigmoid":
-        b.gemm("attn.gate_proj", a.num_heads * a.v_head_dim, hidden)
+        if gate:
+            b.gemm("attn.gate_proj", gate, hidden)
+    # kv_a_layernorm (RMSNorm of the latent slice kv[:, :L]) is part of the MLA op (kv_norm_weight): its
+    # only consumer is the attention, which normalises the raw latent as it writes the cache - no site.
+    # (The site counts no weight bytes, w_kv_b included, so the norm's L * 2 bytes are not added either.)
     b.add("attn.mla", "attention.mla", heads=a.num_heads, kv_lora=a.kv_lora_rank, rope=a.qk_rope_head_dim,
           nope=a.qk_nope_head_dim, v=a.v_head_dim, attrs={"gate": a.output_gate, "rope": a.use_rope})
     b.gemm("attn.o_proj", hidden, a.num_heads * a.v_head_dim)
@@ -75,6 +81,12 @@ def _ffn(b: SiteBuilder, f, hidden: int, tp: int, latent_norm: bool) -> None:
     # r*E/tp.. and projects latent channels r*L/tp..; one all-gather (communication, not a site)
     # assembles the full logits and latent on every rank. The router weight is bf16 (as stored);
     # its logits are fp32 (vLLM's GateLinear: bf16 x bf16 -> fp32), so the site asks for fp32 output.
+    if f.latent_dim:
+        # both read the same normed h: where a kernel serves this site (M <= 2 GEMV) the program calls it
+        # instead of the two gemm sites below (one weight stream, one launch); elsewhere it calls those
+        n_gate, n_latent = f.num_experts // tp, width // tp
+        b.add("moe.gate_down", "moe.gate_down", weight_bytes=(n_gate + n_latent) * hidden * 2,
+              N=n_gate + n_latent, K=hidden, n_gate=n_gate)
     b.gemm("moe.router_gemm", f.num_experts // tp, hidden, out_dtype="float32")
     b.add("moe.router", "moe.router", E=f.num_experts, topk=f.top_k,
           attrs={"score_func": f.router.score_func, "bias": f.router.bias_corrected})

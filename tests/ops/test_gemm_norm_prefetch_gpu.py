@@ -182,6 +182,50 @@ def test_persistent_variants_match_reference(kind, m, n, k, residual, _seed):
                                                                                   config=cfg), out)
 
 
+@pytest.mark.parametrize("m,n_gate,n_latent", [(1, 112, 448), (2, 112, 448), (2, 56, 224), (1, 37, 203)])
+def test_gate_down_split_gemv_matches_reference_and_replays(m, n_gate, n_latent, _seed):
+    """moe.gate_down: fp32 router logits + bf16 latent from one GEMV == the two gemm references."""
+    from latency_specialized.kernels.gemm_gemv import gate_down_gemv
+    from latency_specialized.ops.moe import gate_down_reference
+
+    k = 7168
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    w = (torch.randn(n_gate + n_latent, k, device="cuda") * k ** -0.5).bfloat16()
+    ref_logits, ref_latent = gate_down_reference(x, w, n_gate)
+    logits, latent = _nan((m, n_gate), torch.float32), _nan((m, n_latent))
+    gate_down_gemv(x, w, n_gate, logits_out=logits, latent_out=latent)
+    assert logits.dtype == torch.float32 and latent.dtype == torch.bfloat16
+    _close(logits, ref_logits, torch.bfloat16, f"gate_down logits M={m}", _seed)
+    # fp32 logits: only the summation order differs from the fp32 reference (no rounding to bf16)
+    assert (logits - ref_logits).abs().max().item() <= 1e-4 * ref_logits.abs().max().item()
+    _close(latent, ref_latent, torch.bfloat16, f"gate_down latent M={m}", _seed)
+    both = torch.cat([logits, latent.float()], dim=1)
+
+    def run():
+        gate_down_gemv(x, w, n_gate, logits_out=logits, latent_out=latent)
+        both.copy_(torch.cat([logits, latent.float()], dim=1))
+
+    _graph_equals_eager(run, both)
+
+
+@pytest.mark.parametrize("m,n,k,width", [(1, 2304, 1536, 3648), (2, 2304, 1536, 3648), (2, 1152, 1536, 1536),
+                                         (3, 200, 264, 300)])
+def test_gemv_norm_prologue_matches_norm_then_gemm(m, n, k, width, _seed):
+    """gemm(x, W, norm_weight=g) == gemm_reference(rmsnorm_reference(x, g), W) for x a column slice of a
+    wider row (MLA: q_a inside the fused [q_a | kv_a | gate] output), and graph replay == eager."""
+    from latency_specialized.kernels.gemm_gemv import gemm_gemv
+
+    wide = torch.randn(m, width, device="cuda").bfloat16()
+    x = wide[:, :k]
+    w = (torch.randn(n, k, device="cuda") * k ** -0.5).bfloat16()
+    g = (1 + 0.1 * torch.randn(k, device="cuda")).bfloat16()
+    ref = gemm_reference(x, w, norm_weight=g, norm_eps=1e-6)
+    out = _nan((m, n))
+    gemm_gemv(x, w, out=out, norm_weight=g, norm_eps=1e-6)
+    _close(out, ref, torch.bfloat16, f"gemv+norm M={m} N={n} K={k} stride {width}", _seed)
+    _graph_equals_eager(lambda: gemm_gemv(x, w, out=out, norm_weight=g, norm_eps=1e-6), out)
+
+
 @pytest.mark.parametrize("impl", ["gemv", "small_m", "splitk"])
 def test_gemm_graph_replay_equals_eager(impl):
     from latency_specialized.kernels import gemm_gemv, gemm_small_m, gemm_splitk

@@ -97,6 +97,37 @@ def test_gemv_fp32_output_stores_the_unrounded_accumulator(sm90):
 
 
 @needs_cute
+def test_gemv_split_stores_fp32_head_rows_and_rounded_tail_rows(sm90):
+    """moe.gate_down: router logits (fp32) and latent rows (bf16) from one weight stream."""
+    from latency_specialized.kernels.gemm_gemv import GemvConfig, compile_gemv
+
+    p = _ptx(compile_gemv(7168, 2, GemvConfig(), False, out_fp32=True, split=True))
+    assert p.count(WEIGHT_LOAD) == 7168 // 8 // 32                # one stream per row
+    assert p.count("st.global.b32") == 2 and p.count("st.global.b16") == 2  # per token: one of each kind
+    assert "cvt.rn.bf16" in p                                   # only the tail rows round
+    with pytest.raises(ValueError, match="split"):
+        compile_gemv(7168, 2, GemvConfig(), False, out_fp32=False, split=True)
+    with pytest.raises(ValueError, match="residual"):
+        compile_gemv(7168, 2, GemvConfig(), True, out_fp32=True, split=True)
+
+
+@needs_cute
+def test_gemv_norm_prologue_reduces_the_row_then_rounds_the_normed_x(sm90):
+    """q_a_norm inside q_b_proj: each warp re-reads x for its sum of squares, scales by rsqrt and the
+    gain, rounds to bf16 (the norm op's output), then the usual stream; x rows take a row stride."""
+    from latency_specialized.kernels.gemm_gemv import GemvConfig, compile_gemv
+
+    p = _ptx(compile_gemv(1536, 2, GemvConfig(rows_per_warp=2), False, norm=True))
+    plain = _ptx(compile_gemv(1536, 2, GemvConfig(rows_per_warp=2), False))
+    assert p.count("rsqrt") == 2 and "rsqrt" not in plain                 # one per token
+    assert p.count("cvt.rn.bf16x2.f32") >= 2 * 1536 // 2 // 32             # normed x rounded per pair
+    assert p.count(WEIGHT_LOAD) == plain.count(WEIGHT_LOAD)                # the weight stream is unchanged
+    assert p.index("griddepcontrol.wait") < p.index("rsqrt")                # x is read after the PDL wait
+    with pytest.raises(ValueError, match="norm prologue"):
+        compile_gemv(1536, 1, GemvConfig(), False, out_fp32=True, split=True, norm=True)
+
+
+@needs_cute
 def test_small_m_compiles_to_mma_sync_with_register_fragments(sm90):
     from latency_specialized.kernels.gemm_small_m import MmaConfig, compile_mma
 

@@ -19,6 +19,8 @@ Every case: fresh random inputs, ``out`` poisoned with NaN, every cache row that
 reads poisoned with NaN (tails of the last blocks, unused blocks, the new tokens' slots before the
 write), -1 and garbage block ids past each sequence's end, padding rows (seq_lens 0, slot -1) before
 live rows; the cache must change at exactly the live slots and the result equal the reference.
+The kv_norm cases (the model's kv_a RMSNorm fused into the op) pass the *raw* latent as a strided
+column slice of a wider projection output, and the cache rows must hold the normed latent.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import pytest
 import torch
 
 from latency_specialized.errors import UserError
-from latency_specialized.ops.attention.mla import mla_decode_reference
+from latency_specialized.ops.attention.mla import mla_decode_paged, mla_decode_reference
+from latency_specialized.ops.norm import rmsnorm_reference
 from latency_specialized.ops.registry import make_context
 
 from tests.interpret import INTERPRETING as _INTERPRET
@@ -46,7 +49,7 @@ FP32 = dict(rtol=1e-5, atol=1e-5)
 
 @pytest.mark.skipif(_INTERPRET, reason="this process interprets: the kernel cases run in-process")
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=40)
+    run_interpreted(__file__, min_passed=55)
 
 
 @pytest.fixture
@@ -84,8 +87,25 @@ def _case(seed, lens, *, H=12, L=32, R=16, nope=16, v=16, bs=2, spare=3, gate=Fa
     return args, dict(qk_nope_head_dim=nope, v_head_dim=v, gate=gt)
 
 
+def _norm_case(seed, lens, **case):
+    """``_case`` with the kv_a norm fused: kv_c the raw latent, a strided column slice of a wider
+    [B, 8 + L + R] projection output (as the Kimi program passes ``kv[:, :L]``), scaled off unit RMS so
+    an unapplied norm shows; a [L] gain near 1 and the model's eps."""
+    args, kw = _case(seed, lens, **case)
+    g = torch.Generator().manual_seed(seed + 7919)
+    B, L, R = len(lens), args[1].shape[-1], args[2].shape[-1]
+    wide = 3.0 * torch.randn(B, 8 + L + R, generator=g) + 0.5
+    kv_c = wide[:, 8:8 + L]
+    assert B == 1 or not kv_c.is_contiguous()
+    weight = 1.0 + 0.1 * torch.randn(L, generator=g)
+    return (args[0], kv_c, *args[2:]), dict(kw, kv_norm_weight=weight, kv_norm_eps=1e-5)
+
+
 def _check(mla, args, kw, **call):
     q, kv_c, k_pe, cache, slots, blocks, seq_lens, w = args
+    norm_w = kw.get("kv_norm_weight")
+    # what the cache must hold at the new slots: the latent itself, or its RMSNorm (the norm reference)
+    latent = kv_c if norm_w is None else rmsnorm_reference(kv_c, norm_w, kw["kv_norm_eps"])
     before = cache.clone()
     c_ref, c_tri = cache.clone(), cache.clone()
     want = mla_decode_reference(q, kv_c, k_pe, c_ref, slots, blocks, seq_lens, w, **kw)
@@ -103,8 +123,16 @@ def _check(mla, args, kw, **call):
     changed = torch.zeros(flat.shape[0], dtype=torch.bool)
     changed[live] = True
     torch.testing.assert_close(flat[~changed], flat0[~changed], rtol=0, atol=0, equal_nan=True)
-    assert torch.equal(flat[live], torch.cat([kv_c, k_pe], -1)[slots >= 0])
-    torch.testing.assert_close(c_tri, c_ref, rtol=0, atol=0, equal_nan=True)
+    new = torch.cat([latent, k_pe], -1)[slots >= 0]
+    if norm_w is not None and call.get("fused", True):
+        # the kernel's fp32 sum of squares runs in its own order (not torch's): equal to an fp32 rounding
+        L = kv_c.shape[-1]
+        torch.testing.assert_close(flat[live][:, :L], new[:, :L], rtol=1e-6, atol=1e-6)
+        assert torch.equal(flat[live][:, L:], new[:, L:])
+        torch.testing.assert_close(c_tri, c_ref, rtol=1e-6, atol=1e-6, equal_nan=True)
+    else:
+        assert torch.equal(flat[live], new)
+        torch.testing.assert_close(c_tri, c_ref, rtol=0, atol=0, equal_nan=True)
     return got
 
 
@@ -264,3 +292,108 @@ def test_fused_merge_tile_shapes(mla, monkeypatch, merge_l, merge_tile):
     args, kw = _case(77, [0, 40, 7, 33], H=4, bs=2, gate=True)
     for splits in (1, 3, 5):
         _check(mla, args, kw, num_splits=splits)
+
+
+@interpreted
+@pytest.mark.parametrize("bs,lens,splits", [(2, [0, 1, 7, 33, 0, 20], 3), (16, [33, 0, 64, 5], 1)])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch_epilogue"])
+def test_kv_norm_matches_reference(mla, monkeypatch, bs, lens, splits, fused):
+    """kv_norm_weight: the raw latent (a strided column slice) normalised inside the op - by the prologue's
+    latent writers (fused) or rmsnorm_reference (unfused) - against the reference with the same norm; the
+    cache rows hold the normed latent (``_check``), padding rows write nothing."""
+    monkeypatch.setattr(mla, "MIN_CHUNK", 16)
+    args, kw = _norm_case(bs * 100 + splits * 10 + 9, lens, bs=bs, gate=True)
+    _check(mla, args, kw, num_splits=splits, fused=fused)
+
+
+@interpreted
+def test_kv_norm_medium_widths_fused_equals_unfused(mla, monkeypatch):
+    """L = 64 in several prologue column tiles (each recomputes its rows' sum of squares over all 64
+    columns), two head groups, 17 rows (two prologue row tiles); fused == unfused == reference."""
+    monkeypatch.setattr(mla, "MIN_CHUNK", 16)
+    monkeypatch.setattr(mla, "PROLOGUE_L", 16)
+    lens = [0 if i % 4 == 1 else 1 + (7 * i) % 23 for i in range(17)]
+    args, kw = _norm_case(29, lens, H=20, L=64, R=32, nope=32, v=24, bs=4, gate=True)
+    fused = _check(mla, args, kw, num_splits=2)
+    unfused = _check(mla, args, kw, num_splits=2, fused=False)
+    scale = unfused.abs().max().item() + 1e-6
+    torch.testing.assert_close(fused, unfused, rtol=FP32["rtol"], atol=FP32["atol"] * scale)
+
+
+@interpreted
+@pytest.mark.parametrize("B", [1, 17])
+def test_prologue_writes_normed_latents(mla, monkeypatch, B):
+    """The prologue kernel alone with the norm: NaN-poisoned cache rows at the live slots == the norm
+    reference of the raw (strided) latent | k_pe, nothing else written; q_lat as without the norm."""
+    monkeypatch.setattr(mla, "PROLOGUE_L", 16)            # L = 32: two column tiles, each normalising its half
+    g = torch.Generator().manual_seed(B + 4242)
+    H, L, R, nope = 3, 32, 16, 16
+    q = torch.randn(B, H, nope + R, generator=g)
+    w = torch.randn(H, nope, L, generator=g)
+    wide = 2.0 * torch.randn(B, 5 + L + R, generator=g) - 0.3
+    kv_c, k_pe = wide[:, 5:5 + L], wide[:, 5 + L:]
+    weight = 1.0 + 0.1 * torch.randn(L, generator=g)
+    nslots = 2 * B + 5
+    slots = torch.randperm(nslots, generator=g)[:B]
+    slots[1::3] = -1
+    flat = torch.full((nslots, L + R), float("nan"))
+    q_lat = torch.full((H, B, L), float("nan"))
+    mla._prologue(q, kv_c, k_pe, slots, flat, w, q_lat, kv_norm_weight=weight, kv_norm_eps=1e-6)
+    want = torch.bmm(q[..., :nope].transpose(0, 1), w)
+    torch.testing.assert_close(q_lat, want, rtol=FP32["rtol"], atol=FP32["atol"] * want.abs().max().item())
+    live = slots >= 0
+    normed = rmsnorm_reference(kv_c, weight, 1e-6)
+    torch.testing.assert_close(flat[slots[live]][:, :L], normed[live], rtol=1e-6, atol=1e-6)
+    assert torch.equal(flat[slots[live]][:, L:], k_pe[live])
+    untouched = torch.ones(nslots, dtype=torch.bool)
+    untouched[slots[live]] = False
+    assert torch.isnan(flat[untouched]).all(), "a negative slot or a masked row wrote the cache"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("paged", [False, True], ids=["reference", "torch_paged"])
+def test_kv_norm_contract_is_norm_then_attention(dtype, paged):
+    """The contract: with kv_norm_weight the torch implementations equal themselves called on
+    ``rmsnorm_reference(kv_c)`` exactly (results and caches), in fp32 and bf16 (one rounding of the
+    normed latent to the activation dtype), for a strided raw latent."""
+    fn = mla_decode_paged if paged else mla_decode_reference
+    args, kw = _norm_case(31, [0, 5, 12, 1], bs=2, gate=True)
+    args = tuple(t.to(dtype) if t.is_floating_point() else t for t in args)
+    kw = {k: (t.to(dtype) if isinstance(t, torch.Tensor) else t) for k, t in kw.items()}
+    q, kv_c, k_pe, cache, *rest = args
+    if paged:  # torch_paged reads every block id of the table (clamping negatives): no garbage ids
+        rest[1] = torch.where(rest[1] >= cache.shape[0], -1, rest[1])
+    wide = torch.cat([torch.zeros(kv_c.shape[0], 3, dtype=dtype), kv_c], -1)
+    kv_c = wide[:, 3:]                                    # .to(dtype) made it contiguous: strided again
+    norm = {k: kw.pop(k) for k in ("kv_norm_weight", "kv_norm_eps")}
+    c_fused, c_plain = cache.clone(), cache.clone()
+    got = fn(q, kv_c, k_pe, c_fused, *rest, **kw, **norm)
+    normed = rmsnorm_reference(kv_c, norm["kv_norm_weight"], norm["kv_norm_eps"])
+    assert normed.dtype == dtype
+    want = fn(q, normed, k_pe, c_plain, *rest, **kw)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(c_fused, c_plain, rtol=0, atol=0, equal_nan=True)
+    live = rest[0] >= 0
+    assert torch.equal(c_fused.view(-1, c_fused.shape[-1])[rest[0][live]], torch.cat([normed, k_pe], -1)[live])
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda w: w[:-1], "needs \\[32\\]"),
+    (lambda w: w.view(1, -1), "needs \\[32\\]"),
+    (lambda w: w.double(), "dtype"),
+])
+def test_kv_norm_bad_weight_raises_a_user_error(mla, bad, match):
+    """A wrong kv_norm_weight is refused before any work (every implementation), naming the fix."""
+    args, kw = _norm_case(37, [3, 4], bs=2)
+    kw = dict(kw, kv_norm_weight=bad(kw["kv_norm_weight"]))
+    for fn in (mla_decode_reference, mla_decode_paged, mla.mla_decode_triton):
+        with pytest.raises(UserError, match=match):
+            fn(*args, **kw)
+
+
+def test_kv_norm_needs_the_latent_in_q_dtype(mla):
+    args, kw = _norm_case(41, [3, 4], bs=2)
+    args = (args[0], args[1].double(), *args[2:])
+    for fn in (mla_decode_reference, mla.mla_decode_triton):
+        with pytest.raises(UserError, match="q's dtype"):
+            fn(*args, **kw)

@@ -4,7 +4,9 @@ Every case: fresh random inputs, ``out`` poisoned with NaN, cache rows that no l
 poisoned with NaN, -1 / garbage block ids past each sequence's end, padding rows (seq_lens 0, slot
 -1) before live rows; bf16 tolerance against the fp32 reference (``mla_decode_reference``: fp32 math,
 one rounding), the cache written at exactly the live slots. A captured call replays for new
-seq_lens / slot_mapping / cache contents bit-identically to the eager call.
+seq_lens / slot_mapping / cache contents bit-identically to the eager call. The kv_norm cases fuse
+the kv_a RMSNorm: the raw latent is a strided column slice, the cache rows hold its norm up to one
+bf16 rounding of the norm reference's.
 Run on the H200: ``pytest -m gpu tests/ops/test_mla_triton_gpu.py``.
 """
 
@@ -15,6 +17,7 @@ import torch
 
 from latency_specialized.kernels.mla_decode_triton import _prologue, mla_decode_triton
 from latency_specialized.ops.attention.mla import mla_decode_reference
+from latency_specialized.ops.norm import rmsnorm_reference
 
 from gpu_helpers import seeded_generator as _gen
 
@@ -25,7 +28,7 @@ KIMI_TP8 = dict(H=12, L=512, R=64, nope=128, v=128)
 MEDIUM = dict(H=8, L=128, R=32, nope=64, v=64)
 
 
-def _case(seed, lens, *, H, L, R, nope, v, bs, per=None, gate=True, dtype=torch.bfloat16):
+def _case(seed, lens, *, H, L, R, nope, v, bs, per=None, gate=True, dtype=torch.bfloat16, kv_norm=False):
     g = _gen(seed)
     B = len(lens)
     per = per or -(-max(max(lens), 1) // bs) + 2
@@ -49,6 +52,11 @@ def _case(seed, lens, *, H, L, R, nope, v, bs, per=None, gate=True, dtype=torch.
     kv = torch.randn(B, L + R, generator=g, device=DEV).to(dtype)
     w = (torch.randn(H * (nope + v), L, generator=g, device=DEV) * L ** -0.5).to(dtype)
     gt = torch.randn(B, H * v, generator=g, device=DEV).to(dtype) if gate else None
+    if kv_norm:  # the raw latent as the Kimi program passes it: kv[:, :L] of the projection, off unit RMS
+        kv = (3.0 * kv.float() + 0.5).to(dtype)
+        norm_w = (1.0 + 0.1 * torch.randn(L, generator=g, device=DEV)).to(dtype)
+        args = (q, kv[:, :L], kv[:, L:], cache, slots, blocks, lens_t, w)
+        return args, dict(qk_nope_head_dim=nope, v_head_dim=v, gate=gt, kv_norm_weight=norm_w, kv_norm_eps=1e-5)
     args = (q, kv[:, :L].contiguous(), kv[:, L:], cache, slots, blocks, lens_t, w)
     return args, dict(qk_nope_head_dim=nope, v_head_dim=v, gate=gt)
 
@@ -70,7 +78,16 @@ def _check(args, kw, **call):
     changed[live] = True
     flat, flat0 = c_tri.view(-1, cache.shape[-1]), before.view(-1, cache.shape[-1])
     torch.testing.assert_close(flat[~changed], flat0[~changed], rtol=0, atol=0, equal_nan=True)
-    assert torch.equal(flat[live], torch.cat([kv_c, k_pe], -1)[slots >= 0])
+    norm_w = kw.get("kv_norm_weight")
+    if norm_w is None:
+        assert torch.equal(flat[live], torch.cat([kv_c, k_pe], -1)[slots >= 0])
+    else:
+        # the normed latent: the kernel's fp32 sum of squares (its own order, its sqrt/divide) may round
+        # to the neighbouring bf16 value of the norm reference's: one bf16 ulp (2^-7 relative at most)
+        L = kv_c.shape[-1]
+        normed = rmsnorm_reference(kv_c, norm_w, kw["kv_norm_eps"])[slots >= 0]
+        torch.testing.assert_close(flat[live][:, :L].float(), normed.float(), rtol=2 ** -7, atol=0)
+        assert torch.equal(flat[live][:, L:], k_pe[slots >= 0])
     return got
 
 
@@ -134,23 +151,42 @@ def test_prologue_q_lat_and_write_bf16(B):
     assert torch.isnan(flat[untouched]).all(), "a negative slot or a masked row wrote the cache"
 
 
+@pytest.mark.parametrize("lens", [[1], [0, 3000, 7, 1, 0], [(37 * i) % 4099 for i in range(64)]],
+                         ids=["B1", "B5", "B64"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch_epilogue"])
+def test_kv_norm_matches_reference_bf16(lens, fused):
+    """kv_norm_weight at Kimi K3 TP8 widths: the raw latent (a strided column slice of the projection)
+    normalised inside the prologue (fused) or by rmsnorm_reference (unfused), against the reference
+    with the same norm; cache rows == the normed latent up to one bf16 rounding."""
+    args, kw = _case(f"kvnorm-{len(lens)}", lens, bs=64, kv_norm=True, **KIMI_TP8)
+    assert len(lens) == 1 or not args[1].is_contiguous()
+    _check(args, kw, fused=fused)
+
+
 def test_long_context_single_sequence():
     args, kw = _case("long", [32768], bs=64, **KIMI_TP8)
     _check(args, kw)
 
 
+@pytest.mark.parametrize("kv_norm", [False, True], ids=["plain", "kv_norm"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch_epilogue"])
-def test_graph_replay_equals_eager(fused):
-    """Capture once; new seq_lens / slots / cache contents / q in the static buffers; replay == eager."""
+def test_graph_replay_equals_eager(fused, kv_norm):
+    """Capture once; new seq_lens / slots / cache contents / q in the static buffers; replay == eager.
+    kv_norm: the raw latent stays a strided slice of one static projection buffer, the norm weight static."""
     shape, bs, per = KIMI_TP8, 64, 80
-    a0, kw = _case("graph0", [0, 2500, 7, 4000, 1], bs=bs, per=per, **shape)
+    a0, kw = _case("graph0", [0, 2500, 7, 4000, 1], bs=bs, per=per, kv_norm=kv_norm, **shape)
     static = [t.clone() for t in a0]
+    if kv_norm:  # clone() of a column slice is contiguous: keep the strided layout the program passes
+        wide = torch.cat([a0[1], a0[2]], -1)
+        static[1], static[2] = wide[:, :shape["L"]], wide[:, shape["L"]:]
+    norm = {k: (kw[k].clone() if isinstance(kw[k], torch.Tensor) else kw[k])
+            for k in ("kv_norm_weight", "kv_norm_eps") if k in kw}
     gate = kw["gate"].clone()
     out = torch.empty(len(a0[6]), shape["H"] * shape["v"], device=DEV, dtype=torch.bfloat16)
 
     def call():
         mla_decode_triton(*static, qk_nope_head_dim=kw["qk_nope_head_dim"], v_head_dim=kw["v_head_dim"], gate=gate,
-                          out=out, fused=fused)
+                          out=out, fused=fused, **norm)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -161,10 +197,12 @@ def test_graph_replay_equals_eager(fused):
     with torch.cuda.graph(graph):
         call()
     for seed, lens in (("graph1", [3000, 0, 1, 5000, 64]), ("graph2", [1, 1, 0, 0, 5119])):
-        a, kw2 = _case(seed, lens, bs=bs, per=per, **shape)   # same shapes, new contents
+        a, kw2 = _case(seed, lens, bs=bs, per=per, kv_norm=kv_norm, **shape)   # same shapes, new contents
         for dst, src in zip(static, a):
             dst.copy_(src)
         gate.copy_(kw2["gate"])
+        if kv_norm:
+            norm["kv_norm_weight"].copy_(kw2["kv_norm_weight"])
         eager_cache = a[3].clone()
         eager = mla_decode_triton(*a[:3], eager_cache, *a[4:], **kw2, fused=fused)
         out.fill_(float("nan"))

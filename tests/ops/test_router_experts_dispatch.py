@@ -79,3 +79,23 @@ def test_multi_token_experts_go_to_triton_only_when_it_can_run():
         assert "faster at every measured batch" in _supports(ctx(64, width=192))  # TP16 Kimi K3
         assert "SiTU-GLU only" in _supports(ctx(64, act="swiglu"))
         assert "sm_80+" in _supports(ctx(64, arch="cpu"))
+
+
+def test_gate_down_reference_is_the_two_gemm_sites():
+    """moe.gate_down: the router logits (fp32) and the latent (activation dtype) of one concatenated
+    weight equal the router-gemm and latent-down gemm sites exactly; bad splits name the rows."""
+    import pytest
+    import torch
+
+    from latency_specialized.ops.gemm import gemm_reference
+    from latency_specialized.ops.moe import gate_down_reference
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    w_gate, w_down = torch.randn(8, 64, generator=g).bfloat16(), torch.randn(24, 64, generator=g).bfloat16()
+    logits, latent = gate_down_reference(x, torch.cat([w_gate, w_down]), 8)
+    assert logits.dtype == torch.float32 and latent.dtype == torch.bfloat16
+    assert torch.equal(logits, gemm_reference(x, w_gate, out_dtype=torch.float32))
+    assert torch.equal(latent, gemm_reference(x, w_down))
+    with pytest.raises(ValueError, match="inside the 32 weight rows"):
+        gate_down_reference(x, torch.cat([w_gate, w_down]), 32)

@@ -10,6 +10,11 @@ key and value rows of ``kv_b_proj`` (``w_kv_b.view(H, nope + v, L)``, key rows f
    ``s_t = scale * (q_lat . c_t + q_pe . k_pe_t)``, ``p = softmax(s)``, ``o_lat = sum_t p_t c_t``;
 4. ``o = W_UV[h] @ o_lat`` ``[v]``; with ``gate``: ``o *= sigmoid(gate)`` (Kimi K3's output gate).
 
+With ``kv_norm_weight``, ``kv_c`` is the *raw* latent (the kv_a projection's first L columns) and the op
+first RMS-normalises it exactly as the norm family's reference does (``ops.norm.rmsnorm_reference``:
+fp32 math, one rounding to the activation dtype), so a model's ``kv_a_layernorm`` needs no launch of
+its own: its only consumer is this op (the normed latent goes into the cache and is attended).
+
 This equals the expanded form (``k_t = [W_UK c_t | k_pe_t]``, ``v_t = W_UV c_t``) exactly in real
 arithmetic; the absorbed form reads only the ``L + R`` cached values per token. There is no
 RoPE here: a model with RoPE rotates ``q_pe`` and ``k_pe`` before the call (Kimi K3 is NoPE).
@@ -22,6 +27,8 @@ from typing import NamedTuple
 
 import torch
 
+from latency_specialized.errors import UserError
+from latency_specialized.ops.norm import rmsnorm_reference
 from latency_specialized.ops.registry import Implementation, always
 
 
@@ -42,6 +49,36 @@ def latent_widths(q: torch.Tensor, kv_c: torch.Tensor, kv_cache: torch.Tensor, n
     if kv_cache.shape[-1] != L + R:
         raise ValueError(f"kv_cache width {kv_cache.shape[-1]} != kv_lora {L} + rope {R}")
     return L, R
+
+
+def check_kv_norm(q: torch.Tensor, kv_c: torch.Tensor, kv_norm_weight: torch.Tensor) -> None:
+    """Shape/dtype checks of the fused kv_a RMSNorm (every MLA implementation; host metadata only).
+
+    The normed latent is rounded to ``kv_c``'s dtype by the reference and to the activation dtype by the
+    kernels, so both must be q's; the weight is [L] in that dtype too (the model's kv_a_layernorm)."""
+    L = kv_c.shape[-1]
+    if kv_c.dtype != q.dtype:
+        raise UserError(f"attention.mla: with kv_norm_weight the raw latent kv_c must be in q's dtype {q.dtype} "
+                        f"(got {kv_c.dtype}): pass the kv_a projection's output slice as is")
+    if kv_norm_weight.shape != (L,):
+        raise UserError(f"attention.mla: kv_norm_weight has shape {tuple(kv_norm_weight.shape)}, needs [{L}] "
+                        f"(kv_lora, the width of kv_c): pass the layer's kv_a_layernorm weight")
+    if kv_norm_weight.dtype != q.dtype:
+        raise UserError(f"attention.mla: kv_norm_weight dtype {kv_norm_weight.dtype} != q dtype {q.dtype}: "
+                        f"cast the kv_a_layernorm weight to the activation dtype once, at load")
+    if kv_norm_weight.device != kv_c.device:
+        raise UserError(f"attention.mla: kv_norm_weight is on {kv_norm_weight.device}, kv_c on {kv_c.device}: "
+                        "move the weight with the model")
+
+
+def normed_latent(q: torch.Tensor, kv_c: torch.Tensor, kv_norm_weight: torch.Tensor | None,
+                  kv_norm_eps: float) -> torch.Tensor:
+    """``kv_c`` itself without a norm weight, else its RMSNorm by the norm family's reference (the
+    contract's step 0: a torch composition of the fused norm, shared by the torch implementations)."""
+    if kv_norm_weight is None:
+        return kv_c
+    check_kv_norm(q, kv_c, kv_norm_weight)
+    return rmsnorm_reference(kv_c, kv_norm_weight, kv_norm_eps)
 
 
 def _absorb(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, w_kv_b: torch.Tensor,
@@ -71,13 +108,15 @@ def mla_decode_reference(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
                          slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                          w_kv_b: torch.Tensor, *, qk_nope_head_dim: int, v_head_dim: int,
                          scale: float | None = None, gate: torch.Tensor | None = None,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, kv_norm_weight: torch.Tensor | None = None,
+                         kv_norm_eps: float = 1e-6) -> torch.Tensor:
     """Absorbed MLA decode for one token per sequence over a paged latent cache.
 
     Parameters
     ----------
     q : [B, H, nope + R] queries (after q_b_proj; the last R values are the rope part).
-    kv_c : [B, L] RMS-normed latent of the new token. k_pe : [B, R] its rope key.
+    kv_c : [B, L] RMS-normed latent of the new token (raw, with ``kv_norm_weight``; rows may be strided,
+        unit last stride: a column slice of the kv_a projection). k_pe : [B, R] its rope key.
     kv_cache : [num_blocks, block_size, L + R] paged latent cache, written in place.
     slot_mapping : [B] int flat slot of the new token (< 0: write nothing, e.g. padding).
     block_table : [B, max_blocks] int blocks of each sequence.
@@ -86,6 +125,10 @@ def mla_decode_reference(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
     scale : softmax scale; default (nope + R) ** -0.5.
     gate : optional [B, H * v] output-gate logits; the output is multiplied by sigmoid(gate).
     out : optional [B, H * v] destination.
+    kv_norm_weight : optional [L] RMSNorm weight in q's dtype (kv_a_layernorm): ``kv_c`` is then the raw
+        latent and is normalised first, ``rmsnorm_reference(kv_c, kv_norm_weight, kv_norm_eps)`` (fp32
+        math, one rounding to q's dtype), before it is cached and attended. kv_c must be in q's dtype.
+    kv_norm_eps : that norm's epsilon (the model's rms_norm_eps).
 
     Returns
     -------
@@ -93,6 +136,7 @@ def mla_decode_reference(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
     sequences and reads ``seq_lens`` on the host (a sync); GPU kernels must not.
     """
     B, H, _ = q.shape
+    kv_c = normed_latent(q, kv_c, kv_norm_weight, kv_norm_eps)
     a = _absorb(q, kv_c, k_pe, kv_cache, w_kv_b, qk_nope_head_dim, v_head_dim, scale)
     L, v, flat, new, q_lat, q_pe, w_uv, scale = a.L, a.v, a.flat, a.new, a.q_lat, a.q_pe, a.w_uv, a.scale
     block = kv_cache.shape[1]
@@ -135,16 +179,18 @@ def mla_decode_paged(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv
                      slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                      w_kv_b: torch.Tensor, *, qk_nope_head_dim: int, v_head_dim: int,
                      scale: float | None = None, gate: torch.Tensor | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, kv_norm_weight: torch.Tensor | None = None,
+                     kv_norm_eps: float = 1e-6) -> torch.Tensor:
     """The reference's contract (same arguments and result) with no host sync: CUDA-graph capturable.
 
     Every sequence attends over all ``block_table.shape[1] * block_size`` positions of its block
     table with positions >= ``seq_lens[b]`` masked out (padding rows, ``seq_lens == 0``, give 0), so
     the work is O(max context) per step whatever the live lengths - a composition for capturing a
     whole decode step into one graph (Kimi K3's MLA layers), not a fast kernel. fp32 math, one
-    rounding, like the reference.
+    rounding, like the reference; ``kv_norm_weight`` normalises the raw latent first, as there.
     """
     B, H, _ = q.shape
+    kv_c = normed_latent(q, kv_c, kv_norm_weight, kv_norm_eps)   # no host sync: a torch composition
     a = _absorb(q, kv_c, k_pe, kv_cache, w_kv_b, qk_nope_head_dim, v_head_dim, scale)
     L, v, flat, q_lat, q_pe, w_uv, scale = a.L, a.v, a.flat, a.q_lat, a.q_pe, a.w_uv, a.scale
     block = kv_cache.shape[1]

@@ -103,9 +103,13 @@ def test_trace_proves_the_program_ran():
     assert summary["fast_steps"] == steps and summary["stock_steps"] == 0
     assert summary["sites"] == len(s.plan.choices)          # one binding event per site
     assert s.program.steps_run == steps
-    # every site was called every step, once per layer it stands for
+    # every site was called every step, once per layer it stands for - except the fusing site whose
+    # reference would serve it (moe.gate_down: the program calls the two gemm sites it fuses instead)
+    # and the q_a norm, which the q_b gemm takes as its prologue (the gemm reference has one)
     for c in s.plan.choices:
-        assert s.program.calls[c.site.name] == steps * max(len(c.site.layers), 1), c.site.name
+        skipped = c.site.ctx.family == "moe.gate_down" or c.site.name.endswith("attn.q_a_norm")
+        want = 0 if skipped else steps * max(len(c.site.layers), 1)
+        assert s.program.calls[c.site.name] == want, c.site.name
     assert s.trace.impl_calls["attention.kda.reference"] == 2 and s.trace.impl_calls["attention.mla.reference"] == 1
 
 
@@ -130,6 +134,49 @@ def test_program_dispatches_through_the_plan():
         assert _rel(got, want) <= TOL[torch.float32]
     assert calls["mla"] == 2 * len(s.spec.mla_layers)
     assert any(e.impl == "attention.mla.spy" for e in s.trace.events if e.kind == "site")
+
+
+def test_fused_gate_down_site_replaces_the_router_and_latent_gemms():
+    """Where a (non-reference) implementation serves moe.gate_down, the program calls it - one weight
+    [W_gate; W_down] - and not the router-gemm / latent-down sites; the step still equals the model."""
+    calls = Counter()
+    base = get_registry().implementations
+    ref = base.reference("moe.gate_down").fn
+
+    def fused(x, weight, n_gate, **kw):
+        calls["gate_down"] += 1
+        assert weight.shape[0] > n_gate and weight.is_contiguous()
+        return ref(x, weight, n_gate, **kw)
+
+    reg = ImplementationRegistry()
+    for impl in base:
+        reg.register(impl)
+    reg.register(Implementation("moe.gate_down", "moe.gate_down.test_fused", fused, always, priority=1000,
+                                provider="test"))
+    s = Setup(torch.float32, [6, 3], 2, seed=5, registry=reg)
+    for _ in range(2):
+        got, want = s.step()
+        assert _rel(got, want) <= TOL[torch.float32]
+    moe_layers = sum(1 for layer in s.spec.layers if hasattr(layer.ffn, "num_experts"))
+    assert calls["gate_down"] == 2 * moe_layers > 0
+    assert not any(name.endswith(("moe.router_gemm", "moe.latent_down")) for name in s.program.calls)
+
+
+def test_q_a_norm_site_runs_where_the_q_b_gemm_has_no_norm_prologue():
+    """A gemm implementation without ``norm_prologue`` (as the small-M/cuBLAS kernels from batch 3)
+    makes the program run the q_a norm site itself; the step still equals the model."""
+    base = get_registry().implementations
+    ref = base.reference("gemm").fn
+    reg = ImplementationRegistry()
+    for impl in base:
+        reg.register(impl)
+    reg.register(Implementation("gemm", "gemm.test_plain", lambda *a, **kw: ref(*a, **kw), always, priority=1000,
+                                provider="test", strided_rows=True))
+    s = Setup(torch.float32, [5, 8], 2, seed=9, registry=reg)
+    for _ in range(2):
+        got, want = s.step()
+        assert _rel(got, want) <= TOL[torch.float32]
+    assert s.program.calls["mla+moe/attn.q_a_norm"] == 2 * len(s.spec.mla_layers) > 0
 
 
 def test_program_refuses_plans_it_cannot_run():
