@@ -34,6 +34,9 @@ EXPERT_VARIANTS: dict[str, dict[str, Any]] = {
     "v1_gu8_dn16_hint": dict(pdl=False, gu_rows=8, dn_rows=16, stream_hint=True),
     "pdl_gu4_dn8_hint": dict(pdl=True, gu_rows=4, dn_rows=8, stream_hint=True),
     "nopdl_gu4_dn8": dict(pdl=False, gu_rows=4, dn_rows=8, stream_hint=False),
+    # 8 warps halve each down warp's serial chain of pairs (16 pairs: 2 per warp instead of 4)
+    "pdl_gu4_w8dn8": dict(pdl=True, gu_rows=4, dn_rows=8, dn_warps=8, stream_hint=False),
+    "pdl_gu4_w8dn14": dict(pdl=True, gu_rows=4, dn_rows=14, dn_warps=8, stream_hint=False),
 }
 """Routed-expert tuning variants timed at batch 1 (ExpertsConfig fields)."""
 EXPERT_VARIANTS_MULTI: dict[str, dict[str, Any]] = {

@@ -60,6 +60,8 @@ def test_attnres_matches_reference(rows, m, max_m, n, s, out_norm, dtype):
 
 MLP_CASES = [  # (M, K, I, N, activation)
     (1, 7168, 768, 7168, ActivationSpec(kind="situ_glu", beta=4, beta_lin=25)),
+    # M=2: the GEMV+GLU stands in for the small-M gate/up winner (mlp_fused.ACT_KERNEL_US)
+    (2, 7168, 768, 7168, ActivationSpec(kind="situ_glu", beta=4, beta_lin=25)),
     (4, 7168, 768, 7168, ActivationSpec(kind="situ_glu", beta=4, beta_lin=25)),
     (64, 7168, 768, 7168, ActivationSpec(kind="situ_glu", beta=4, beta_lin=25)),
     (8, 1024, 512, 1024, ActivationSpec(kind="swiglu", clamp=10.0)),
