@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warps", type=int, default=None)
     ap.add_argument("--stages", type=int, default=None)
     ap.add_argument("--min-chunk", type=int, default=None)
+    ap.add_argument("--min-chunk-small", type=int, default=None, help="MIN_CHUNK_SMALL_BATCH (batch <= 2)")
     ap.add_argument("--waves", type=int, default=None)
     ap.add_argument("--merge-s-tile", type=int, default=None)
     ap.add_argument("--merge-warps", type=int, default=None)
@@ -106,12 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     from latency_specialized.ops.attention.mla import mla_decode_paged, mla_decode_reference
 
     for flag, const in (("block_n", "BLOCK_N"), ("warps", "NUM_WARPS"), ("stages", "NUM_STAGES"),
-                        ("min_chunk", "MIN_CHUNK"), ("waves", "WAVES"), ("merge_s_tile", "MERGE_S_TILE"),
+                        ("min_chunk", "MIN_CHUNK"), ("min_chunk_small", "MIN_CHUNK_SMALL_BATCH"), ("waves", "WAVES"), ("merge_s_tile", "MERGE_S_TILE"),
                         ("merge_warps", "MERGE_WARPS"), ("merge_l_fused", "MERGE_L_FUSED"),
                         ("merge_tile", "MERGE_TILE")):
         if getattr(a, flag) is not None:
             setattr(mk, const, getattr(a, flag))
-    tuning = {k: getattr(mk, k) for k in ("BLOCK_H", "BLOCK_N", "NUM_WARPS", "NUM_STAGES", "MIN_CHUNK", "WAVES",
+    tuning = {k: getattr(mk, k) for k in ("BLOCK_H", "BLOCK_N", "NUM_WARPS", "NUM_STAGES", "MIN_CHUNK", "MIN_CHUNK_SMALL_BATCH", "WAVES",
                                           "MAX_SPLITS", "MERGE_L", "MERGE_S_TILE", "MERGE_WARPS", "MERGE_L_FUSED",
                                           "MERGE_TILE")}
     H, L, R, nope, v = a.heads, a.kv_lora, a.rope, a.nope, a.v

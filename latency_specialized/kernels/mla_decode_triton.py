@@ -75,6 +75,13 @@ serial walk over them is the call's time. H200, Kimi TP8 heads, context 4096 (ml
 128 vs 64 gives 24.8 / 26.2 / 30.2 / 39.4 us vs 27.1 / 29.1 / 34.8 / 40.0 at batch 1 / 2 / 4 / 8 (32
 instead of 64 splits); 256 is slower (31.2 us at batch 1: the split kernel then has too few programs).
 From context ~16k (MAX_SPLITS) and from batch 16 (WAVES) the split count, so the time, is the same."""
+MIN_CHUNK_SMALL_BATCH = 64
+"""``MIN_CHUNK`` for batches up to ``SMALL_BATCH`` (``min_chunk``): with one or two sequences the split
+kernel has so few programs that halving the chunk (twice the splits) pays more than the larger merge
+costs. H200, Kimi TP8 heads, whole call 64 vs 128 (mla_decode_sweep.md, fourth measurement): context
+4096 batch 1 / 2 18.0 / 19.4 vs 19.6 / 20.4 us; batch 4 25.1 vs 24.0 (hence only up to batch 2); 32
+is slower again (19.8 / 22.8)."""
+SMALL_BATCH = 2
 MAX_SPLITS = 256
 """Most splits of one sequence (the merge holds every split's m and l in one vector)."""
 WAVES = 2
@@ -321,11 +328,17 @@ def choose_num_splits(batch: int, heads: int, capacity: int, sms: int) -> int:
     batch 64 run as one wave of 256 programs where 5 would leave a tail wave of 56: H200, Kimi TP8,
     64 x 32k tokens, split kernel: 2.1 TB/s with 5 splits, 2.5 with 3 or 9, 3.2 with 4), no more
     splits than ``capacity``
-    (block-table positions) holds chunks of ``MIN_CHUNK``, at most ``MAX_SPLITS``. The live chunk of
+    (block-table positions) holds chunks of ``min_chunk(batch)``, at most ``MAX_SPLITS``. The live chunk of
     each split is then sized on the device from ``seq_lens`` (short sequences use fewer splits)."""
     groups = -(-heads // BLOCK_H)
     want = WAVES * sms // max(batch * groups, 1)
-    return max(1, min(want, -(-capacity // MIN_CHUNK), MAX_SPLITS))
+    return max(1, min(want, -(-capacity // min_chunk(batch)), MAX_SPLITS))
+
+
+def min_chunk(batch: int) -> int:
+    """Fewest positions per split at this batch (a static choice: graph-safe): ``MIN_CHUNK``, or
+    ``MIN_CHUNK_SMALL_BATCH`` up to ``SMALL_BATCH`` sequences."""
+    return MIN_CHUNK_SMALL_BATCH if batch <= SMALL_BATCH else MIN_CHUNK
 
 
 def _sms(device: torch.device) -> int:
@@ -434,7 +447,7 @@ def _split_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor
         H, num_splits, block_size, scale * _LOG2E,
         q_lat.stride(1), q_lat.stride(0), q_pe.stride(0), q_pe.stride(1), flat.stride(0), block_table.stride(0),
         *sw, *so,
-        L=L, R=R, BH=BLOCK_H, BN=block_n, MIN_CHUNK=MIN_CHUNK, DIRECT=direct, PREC=prec,
+        L=L, R=R, BH=BLOCK_H, BN=block_n, MIN_CHUNK=min_chunk(B), DIRECT=direct, PREC=prec,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return _Split(ws_acc, ws_m, ws_l, sw, 1 if direct else num_splits, block_n)
 
@@ -518,7 +531,7 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
     # wide split tiles: at batch 1 (256 splits, 12 programs) the merge is a serial loop per program,
     # latency-bound with narrow tiles (H200: 85 us of a 109 us call at 32k tokens with 8-split tiles)
     s_tile = min(MERGE_S_TILE, 1 << (sp.num_splits.bit_length() - 1))
-    merge_args = dict(BN=sp.block_n, MIN_CHUNK=MIN_CHUNK, S_PAD=s_pad, S_TILE=s_tile, num_warps=MERGE_WARPS)
+    merge_args = dict(BN=sp.block_n, MIN_CHUNK=min_chunk(B), S_PAD=s_pad, S_TILE=s_tile, num_warps=MERGE_WARPS)
     ml = min(MERGE_L, L)
 
     # 3. fused: merge + W_UV + gate + rounding into out

@@ -146,7 +146,8 @@ def _check(mla, args, kw, **call):
 ])
 @pytest.mark.parametrize("gate", [False, True])
 def test_matches_reference(mla, monkeypatch, bs, lens, splits, gate):
-    monkeypatch.setattr(mla, "MIN_CHUNK", 16)   # several live splits per sequence at these lengths
+    monkeypatch.setattr(mla, "MIN_CHUNK", 16)
+    monkeypatch.setattr(mla, "MIN_CHUNK_SMALL_BATCH", 16)   # several live splits per sequence at these lengths
     args, kw = _case(bs * 100 + splits * 10 + gate, lens, bs=bs, gate=gate)
     _check(mla, args, kw, num_splits=splits)
 
@@ -158,6 +159,7 @@ def test_unfused_epilogue_matches_reference(mla, monkeypatch, bs, lens, splits):
     """fused=False: torch latent write, merge to o_lat (or the split kernel writes it: one split), torch
     W_UV bmm and the reference's gate epilogue."""
     monkeypatch.setattr(mla, "MIN_CHUNK", 16)
+    monkeypatch.setattr(mla, "MIN_CHUNK_SMALL_BATCH", 16)
     args, kw = _case(bs * 100 + splits * 10 + 5, lens, bs=bs, gate=True)
     _check(mla, args, kw, num_splits=splits, fused=False)
 
@@ -166,6 +168,7 @@ def test_unfused_epilogue_matches_reference(mla, monkeypatch, bs, lens, splits):
 def test_two_head_groups_and_medium_widths(mla, monkeypatch):
     """H = 20 (two programs of 16 heads, the second part-masked), L = 64, R = 32, split merge."""
     monkeypatch.setattr(mla, "MIN_CHUNK", 16)
+    monkeypatch.setattr(mla, "MIN_CHUNK_SMALL_BATCH", 16)
     args, kw = _case(7, [0, 40, 3], H=20, L=64, R=32, nope=32, v=24, bs=4, gate=True)
     _check(mla, args, kw, num_splits=3)                  # v = 24: two 16-wide v blocks, the second part-masked
     _check(mla, args, kw, num_splits=3, fused=False)
@@ -224,6 +227,7 @@ def test_prologue_batch_sizes_match_reference_and_unfused(mla, monkeypatch, B, s
     """The whole fused call (prologue, split, merge) across the prologue's row tiles, padding rows
     (slot -1) among live ones, against the reference and the unfused (torch write + bmm) path."""
     monkeypatch.setattr(mla, "MIN_CHUNK", 16)
+    monkeypatch.setattr(mla, "MIN_CHUNK_SMALL_BATCH", 16)
     lens = [0 if i % 4 == 1 else 1 + (7 * i) % 23 for i in range(B)]
     args, kw = _case(B * 10 + splits, lens, H=4, bs=2, gate=True)   # 4 heads: the interpreter's time is B x H
     fused = _check(mla, args, kw, num_splits=splits)
@@ -233,13 +237,15 @@ def test_prologue_batch_sizes_match_reference_and_unfused(mla, monkeypatch, B, s
 
 
 def test_num_splits_heuristic_is_static():
-    from latency_specialized.kernels.mla_decode_triton import MAX_SPLITS, MIN_CHUNK, choose_num_splits
+    from latency_specialized.kernels.mla_decode_triton import MAX_SPLITS, choose_num_splits, min_chunk
 
     assert choose_num_splits(1, 12, 32768, 132) == min(2 * 132, MAX_SPLITS)
     assert choose_num_splits(8, 12, 32768, 132) == 33           # 264 programs: 2 per SM
     assert choose_num_splits(64, 12, 32768, 132) == 4           # 256 programs, not 320 (a tail wave)
     assert choose_num_splits(64, 96, 32768, 132) == 1           # 6 head groups: the batch alone fills it
-    assert choose_num_splits(1, 12, 4 * MIN_CHUNK, 132) == 4    # capacity bound: chunks of MIN_CHUNK
+    assert choose_num_splits(1, 12, 4 * min_chunk(1), 132) == 4  # capacity bound: chunks of min_chunk(batch)
+    assert choose_num_splits(4, 12, 4 * min_chunk(4), 132) == 4
+    assert min_chunk(1) == min_chunk(2) < min_chunk(3)            # shorter chunks for one or two sequences
 
 
 def test_merge_v_block_spreads_small_batches():
@@ -287,6 +293,7 @@ def test_fused_merge_tile_shapes(mla, monkeypatch, merge_l, merge_tile):
     """The fused merge's latent tile (MERGE_L_FUSED, clamped to L) and split-tile cap (MERGE_TILE) change
     how a program walks the partials, never the result: several live splits, padding rows, a gate."""
     monkeypatch.setattr(mla, "MIN_CHUNK", 16)
+    monkeypatch.setattr(mla, "MIN_CHUNK_SMALL_BATCH", 16)
     monkeypatch.setattr(mla, "MERGE_L_FUSED", merge_l)
     monkeypatch.setattr(mla, "MERGE_TILE", merge_tile)
     args, kw = _case(77, [0, 40, 7, 33], H=4, bs=2, gate=True)
@@ -302,6 +309,7 @@ def test_kv_norm_matches_reference(mla, monkeypatch, bs, lens, splits, fused):
     latent writers (fused) or rmsnorm_reference (unfused) - against the reference with the same norm; the
     cache rows hold the normed latent (``_check``), padding rows write nothing."""
     monkeypatch.setattr(mla, "MIN_CHUNK", 16)
+    monkeypatch.setattr(mla, "MIN_CHUNK_SMALL_BATCH", 16)
     args, kw = _norm_case(bs * 100 + splits * 10 + 9, lens, bs=bs, gate=True)
     _check(mla, args, kw, num_splits=splits, fused=fused)
 
@@ -311,6 +319,7 @@ def test_kv_norm_medium_widths_fused_equals_unfused(mla, monkeypatch):
     """L = 64 in several prologue column tiles (each recomputes its rows' sum of squares over all 64
     columns), two head groups, 17 rows (two prologue row tiles); fused == unfused == reference."""
     monkeypatch.setattr(mla, "MIN_CHUNK", 16)
+    monkeypatch.setattr(mla, "MIN_CHUNK_SMALL_BATCH", 16)
     monkeypatch.setattr(mla, "PROLOGUE_L", 16)
     lens = [0 if i % 4 == 1 else 1 + (7 * i) % 23 for i in range(17)]
     args, kw = _norm_case(29, lens, H=20, L=64, R=32, nope=32, v=24, bs=4, gate=True)
