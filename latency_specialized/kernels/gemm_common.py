@@ -296,4 +296,4 @@ def mma_supports(name: str, what: str, max_m: int, ctx: Any) -> Any:
         return f"{what} kernel serves M<={max_m} (M={ctx.tokens})"
     if ctx.dim("K") % 32:
         return f"needs K % 32 == 0 (K={ctx.dim('K')})"
-    return tuning.gemm_supports(name, ctx)
+    return tuning.gemm_supports(name, ctx, fp32_out=True)

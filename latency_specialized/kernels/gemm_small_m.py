@@ -238,8 +238,12 @@ def _kernel_class():
     return MmaGemmKernel
 
 
-def compile_mma(k: int, cfg: MmaConfig, residual: bool):
-    """Compiled kernel for (K, config, residual); M and N are dynamic."""
+def compile_mma(k: int, cfg: MmaConfig, residual: bool, out_fp32: bool = False):
+    """Compiled kernel for (K, config, residual, output dtype); M and N are dynamic. ``out_fp32``: the
+    fp32 sums are stored unrounded (router logits); the unused residual operand then has the
+    output's type, so the output buffer stands in for it."""
+    if out_fp32 and residual:
+        raise ValueError("fp32 output with a residual is not a gemm site of any model: not compiled")
 
     def build(arch: str):
         import cutlass
@@ -249,14 +253,15 @@ def compile_mma(k: int, cfg: MmaConfig, residual: bool):
 
         m, n = cute.sym_int(), cute.sym_int()
         bf = cutlass.BFloat16
-        args = (fake_rows(bf, m, k), fake_rows(bf, n, k), fake_strided_rows(bf, m, n), fake_strided_rows(bf, m, n), 1,
+        yt = cutlass.Float32 if out_fp32 else bf
+        args = (fake_rows(bf, m, k), fake_rows(bf, n, k), fake_strided_rows(yt, m, n), fake_strided_rows(yt, m, n), 1,
                 fake_stream())
         return cute.compile(_kernel_class()(k, cfg, residual), *args,
                             options=compile_options(arch, max_regs(32 * cfg.wk, cfg.ctas_per_sm)))
 
     # "strided_out": residual/out take a dynamic row stride (artifacts cached before that differ)
-    return compile_cache.cached_compile("gemm.cutedsl_mma", (k, residual, "strided_out") + tuple(sorted(asdict(cfg).items())),
-                                        build)
+    key = (k, residual, "strided_out") + (("out_fp32",) if out_fp32 else ()) + tuple(sorted(asdict(cfg).items()))
+    return compile_cache.cached_compile("gemm.cutedsl_mma", key, build)
 
 
 def _pow2_at_most(x: float, cap: int) -> int:
@@ -284,24 +289,29 @@ def default_config(n: int, k: int, m: int, *, sk_max: int = 1) -> MmaConfig:
 
 
 def run_mma(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor | None,
-            config: MmaConfig, name: str) -> torch.Tensor:
+            config: MmaConfig, name: str, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     from latency_specialized.errors import UserError
 
-    m, n, k = check_gemm_args(x, weight, residual, out, kmult=32)
+    fp32 = out_dtype is not None and out_dtype != x.dtype
+    if fp32 and (out_dtype != torch.float32 or residual is not None):
+        raise UserError(f"{name}: out_dtype={out_dtype} (with residual={residual is not None}): the kernel writes "
+                        "bf16, or fp32 without a residual; use gemm.cublas")
+    m, n, k = check_gemm_args(x, weight, residual, out, kmult=32, out_dtype=out_dtype)
     if m > 8 * config.nt:
         raise UserError(f"{name}: config {config.label()} serves M<={8 * config.nt}, got M={m}")
     if config.smem_bytes() > SMEM_LIMIT or config.sk > 8:
         raise UserError(f"{name}: config {config.label()} needs {config.smem_bytes()} B of shared memory / "
                         f"cluster {config.sk}: use wk*mt*nt <= 96 and sk <= 8")
     if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    fn = compile_mma(k, config, residual is not None)
+        out = torch.empty(m, n, dtype=torch.float32 if fp32 else x.dtype, device=x.device)
+    fn = compile_mma(k, config, residual is not None, out_fp32=fp32)
     fn(x, weight, residual if residual is not None else out, out, grid_cap(x.device, config.ctas_per_sm))
     return out
 
 
 def gemm_small_m(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None, config: MmaConfig | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, config: MmaConfig | None = None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = x @ weight.T (+ residual) on tensor cores, M <= 16 (gemm contract, ops/gemm.py).
 
     Parameters
@@ -309,8 +319,9 @@ def gemm_small_m(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tenso
     x : [M, K] bf16, M <= 16, K % 32 == 0.
     weight : [N, K] bf16.
     residual : optional [M, N] bf16 added before the single rounding.
-    out : optional [M, N] bf16 destination.
+    out : optional [M, N] destination (bf16, or fp32 with ``out_dtype=torch.float32``).
     config : kernel choices; default: the tuning table's, else a heuristic (no cluster).
+    out_dtype : torch.float32 stores the fp32 sums unrounded (router logits, no residual).
     """
     from latency_specialized.errors import UserError
 
@@ -321,7 +332,7 @@ def gemm_small_m(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tenso
         from latency_specialized.kernels import tuning
 
         config = tuning.config_for(NAME, n, k, m, MmaConfig) or default_config(n, k, m)
-    return run_mma(x, weight, residual, out, config, NAME)
+    return run_mma(x, weight, residual, out, config, NAME, out_dtype)
 
 
 def _supports(ctx: OpContext) -> Support:

@@ -28,7 +28,8 @@ def splitk_config(n: int, k: int, m: int) -> MmaConfig:
 
 
 def gemm_splitk(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor | None = None,
-                out: torch.Tensor | None = None, config: MmaConfig | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, config: MmaConfig | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = x @ weight.T (+ residual), cluster split-K on tensor cores, M <= 64 (gemm contract).
 
     Parameters
@@ -36,8 +37,9 @@ def gemm_splitk(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor
     x : [M, K] bf16, M <= 64, K % 32 == 0.
     weight : [N, K] bf16.
     residual : optional [M, N] bf16 added before the single rounding.
-    out : optional [M, N] bf16 destination.
+    out : optional [M, N] destination (bf16, or fp32 with ``out_dtype=torch.float32``).
     config : kernel choices; default: the tuning table's, else a heuristic.
+    out_dtype : torch.float32 stores the fp32 sums unrounded (router logits, no residual).
     """
     from latency_specialized.errors import UserError
 
@@ -50,7 +52,7 @@ def gemm_splitk(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor
         config = tuning.config_for(NAME, n, k, m, MmaConfig) or splitk_config(n, k, m)
     if config.nt * 8 < m:  # a table config of a smaller bucket cannot happen; a caller's can
         raise UserError(f"{NAME}: config {config.label()} serves M<={8 * config.nt}, got M={m}")
-    return run_mma(x, weight, residual, out, config, NAME)
+    return run_mma(x, weight, residual, out, config, NAME, out_dtype)
 
 
 def _supports(ctx: OpContext) -> Support:

@@ -226,6 +226,24 @@ def test_gemv_norm_prologue_matches_norm_then_gemm(m, n, k, width, _seed):
     _graph_equals_eager(lambda: gemm_gemv(x, w, out=out, norm_weight=g, norm_eps=1e-6), out)
 
 
+@pytest.mark.parametrize("impl,m", [("small_m", 4), ("splitk", 4), ("splitk", 8), ("splitk", 16), ("small_m", 3)])
+def test_mma_fp32_output_matches_reference(impl, m, _seed):
+    """Router logits on the tensor-core kernels: fp32 out == the fp32 reference up to summation order."""
+    from latency_specialized.kernels import gemm_small_m, gemm_splitk
+
+    k, n = 7168, 112
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    w = (torch.randn(n, k, device="cuda") * k ** -0.5).bfloat16()
+    ref = gemm_reference(x, w, out_dtype=torch.float32)
+    out = _nan((m, n), torch.float32)
+    fn = gemm_small_m.gemm_small_m if impl == "small_m" else gemm_splitk.gemm_splitk
+    fn(x, w, out=out, out_dtype=torch.float32)
+    assert torch.isfinite(out).all(), f"{impl} M={m}: unwritten elements (seed {_seed})"
+    err = ((out - ref).abs().max() / ref.abs().max()).item()
+    assert err <= 1e-4, f"{impl} M={m}: fp32 logits rel err {err:.3g} (seed {_seed})"
+    _graph_equals_eager(lambda: fn(x, w, out=out, out_dtype=torch.float32), out)
+
+
 @pytest.mark.parametrize("impl", ["gemv", "small_m", "splitk"])
 def test_gemm_graph_replay_equals_eager(impl):
     from latency_specialized.kernels import gemm_gemv, gemm_small_m, gemm_splitk

@@ -128,6 +128,19 @@ def test_gemv_norm_prologue_reduces_the_row_then_rounds_the_normed_x(sm90):
 
 
 @needs_cute
+def test_mma_fp32_output_stores_the_unrounded_sums(sm90):
+    """Router logits on the tensor-core kernels (split-K from M=4): fp32 stores, no bf16 rounding."""
+    from latency_specialized.kernels.gemm_small_m import MmaConfig, compile_mma
+
+    cfg = MmaConfig(nt=1, mt=1, wk=4, sk=2, cb=4)
+    p, plain = _ptx(compile_mma(7168, cfg, False, out_fp32=True)), _ptx(compile_mma(7168, cfg, False))
+    assert "st.global.f32" in p or "st.global.b32" in p
+    assert "cvt.rn.bf16" not in p and "cvt.rn.bf16" in plain
+    with pytest.raises(ValueError, match="residual"):
+        compile_mma(7168, cfg, True, out_fp32=True)
+
+
+@needs_cute
 def test_small_m_compiles_to_mma_sync_with_register_fragments(sm90):
     from latency_specialized.kernels.gemm_small_m import MmaConfig, compile_mma
 
