@@ -437,9 +437,13 @@ def _supports(ctx: OpContext) -> Support:
 
 
 GATE_DOWN_NAME = "moe.gate_down.cutedsl_gemv"
-GATE_DOWN_MAX_M = 2
-"""Tokens up to which the fused router + latent GEMV serves: the GEMV is the measured gemm winner for
-both projections at M = 1-2 (ops_gemm.md); from M = 3 the router logits go to cuBLAS split-K."""
+GATE_DOWN_MAX_M = 1
+"""Tokens up to which the fused router + latent GEMV serves. H200, Kimi K3 TP8 layer bench, A/B in one
+session (two repeats each, us per layer, KDA / MLA at context 4096): batch 1 fused 115.3-115.4 /
+123.8-124.3 vs two gemm sites 115.0-116.2 / 123.8-124.0 - even, one kernel less; batch 2 (with the
+GEMV+GLU shared expert, also reverted there) 150.7-151.1 / 173.9-174.1 vs 147.6-148.2 / 168.9-169.9 -
+from batch 2 the router GEMM on its own stream beside the latent down-projection is faster than one
+fused stream."""
 
 
 def gate_down_gemv(x: torch.Tensor, weight: torch.Tensor, n_gate: int, *, logits_out: torch.Tensor | None = None,

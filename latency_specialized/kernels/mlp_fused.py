@@ -180,40 +180,16 @@ def _arch(device: torch.device) -> str:
     return f"sm_{major}{minor}"
 
 
-ACT_KERNEL_US = 1.0
-"""Least an activation kernel of its own costs in a graph (the smallest kernel node measured there: a
-512-wide norm row, 0.74-1.0 us, ops_norm.md). A gate/up GEMV slower than the table's winner by less
-than this still wins once its GLU epilogue saves that kernel."""
-GLU_MAX_M = 2
-"""Largest M at which the GEMV+GLU may stand in for a faster gate/up gemm (the GEMV's measured regime)."""
-
-
-def _glu_fused(gate_up_gemm: str, dtype: str, m: int = 0, n2: int = 0, k: int = 0) -> bool:
-    """Whether the gate/up projection runs as the GEMV with the GLU epilogue (no activation kernel):
-    where the table picks the GEMV, and at M <= ``GLU_MAX_M`` where the GEMV's measured time is within
-    ``ACT_KERNEL_US`` of the winner's (H200, Kimi TP8 shared expert [1536, 7168] at M = 2: GEMV 8.34 us,
-    small-M 7.67 us + an activation kernel)."""
-    if dtype != "bfloat16":
-        return False
-    if gate_up_gemm == "gemm.cutedsl_gemv":
-        return True
-    if not 1 <= m <= GLU_MAX_M:
-        return False
-    from latency_specialized.kernels import tuning
-
-    e = tuning.entry(n2, k, m)
-    times = (e or {}).get("times_us", {})
-    gemv, best = times.get("gemm.cutedsl_gemv"), times.get(gate_up_gemm)
-    return gemv is not None and best is not None and gemv - best < ACT_KERNEL_US
+def _glu_fused(gate_up_gemm: str, dtype: str) -> bool:
+    """Where the table picks the GEMV for gate/up, its GLU epilogue replaces the activation kernel."""
+    return gate_up_gemm == "gemm.cutedsl_gemv" and dtype == "bfloat16"
 
 
 def chosen_gemms(m: int, n: int, inter: int, k: int, arch: str, dtype: str) -> tuple[str, str]:
     """Names of the gemm implementations serving (gate/up, down) - for plans, notes and tests.
     A gate/up GEMV carries the activation in its epilogue ("gemm.cutedsl_gemv+glu")."""
     gu = _gemm_for(m, 2 * inter, k, arch, dtype).name
-    if _glu_fused(gu, dtype, m, 2 * inter, k):
-        gu = "gemm.cutedsl_gemv+glu"
-    return gu, _gemm_for(m, n, inter, arch, dtype).name
+    return gu + ("+glu" if _glu_fused(gu, dtype) else ""), _gemm_for(m, n, inter, arch, dtype).name
 
 
 def mlp_fused(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, activation: ActivationSpec, *,
@@ -238,7 +214,7 @@ def mlp_fused(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, ac
         raise UserError(f"fused MLP kernel supports bf16/fp16, got {x.dtype}: use mlp.reference")
     arch = _arch(x.device)
     gate_up = _gemm_for(m, 2 * inter, k, arch, dtype)
-    if _glu_fused(gate_up.name, dtype, m, 2 * inter, k):
+    if _glu_fused(gate_up.name, dtype):
         # the GEMV streams gate and up rows of each output together: one kernel, same bits
         from latency_specialized.kernels.gemm_gemv import gemv_glu
 

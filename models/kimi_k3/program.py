@@ -33,7 +33,7 @@ latent up-projection writes only the rank's hidden slice (added to the shared ex
 so the FFN all-reduce counts it once); the LM head's vocabulary slices are all-gathered (glue).
 Router and latent down-projection are split across ranks (``ops/tp_moe.py``): each rank scores
 its experts and projects its latent channels, and one all-gather joins both (stock vLLM
-replicates them on every rank). Where a kernel serves ``moe.gate_down`` (batch <= 2 on the H200)
+replicates them on every rank). Where a kernel serves ``moe.gate_down`` (batch 1 on the H200)
 both come from one weight stream ``[W_gate; W_down]`` and the two gemm sites are skipped.
 
 ``weights_sharded=True`` takes weights that already are this rank's shard (``tp.shard_weights``

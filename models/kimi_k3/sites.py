@@ -82,7 +82,7 @@ def _ffn(b: SiteBuilder, f, hidden: int, tp: int, latent_norm: bool) -> None:
     # assembles the full logits and latent on every rank. The router weight is bf16 (as stored);
     # its logits are fp32 (vLLM's GateLinear: bf16 x bf16 -> fp32), so the site asks for fp32 output.
     if f.latent_dim:
-        # both read the same normed h: where a kernel serves this site (M <= 2 GEMV) the program calls it
+        # both read the same normed h: where a kernel serves this site (the batch-1 GEMV) the program calls it
         # instead of the two gemm sites below (one weight stream, one launch); elsewhere it calls those
         n_gate, n_latent = f.num_experts // tp, width // tp
         b.add("moe.gate_down", "moe.gate_down", weight_bytes=(n_gate + n_latent) * hidden * 2,

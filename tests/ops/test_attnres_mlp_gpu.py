@@ -60,7 +60,7 @@ def test_attnres_matches_reference(rows, m, max_m, n, s, out_norm, dtype):
 
 MLP_CASES = [  # (M, K, I, N, activation)
     (1, 7168, 768, 7168, ActivationSpec(kind="situ_glu", beta=4, beta_lin=25)),
-    # M=2: the GEMV+GLU stands in for the small-M gate/up winner (mlp_fused.ACT_KERNEL_US)
+    # M=2: the Kimi TP8 shared expert's shape at batch 2 (small-M gate/up + activation kernel)
     (2, 7168, 768, 7168, ActivationSpec(kind="situ_glu", beta=4, beta_lin=25)),
     (4, 7168, 768, 7168, ActivationSpec(kind="situ_glu", beta=4, beta_lin=25)),
     (64, 7168, 768, 7168, ActivationSpec(kind="situ_glu", beta=4, beta_lin=25)),
