@@ -136,6 +136,12 @@ def _check(mla, args, kw, **call):
     return got
 
 
+def _short_chunks(mla, monkeypatch) -> None:
+    """16-position chunks at every batch: several live splits per sequence at these short lengths."""
+    monkeypatch.setattr(mla, "MIN_CHUNK", 16)
+    monkeypatch.setattr(mla, "MIN_CHUNK_SMALL_BATCH", 16)
+
+
 @interpreted
 @pytest.mark.parametrize("bs,lens,splits", [
     (2, [0, 1, 7, 33, 0, 20], 1),
@@ -146,8 +152,7 @@ def _check(mla, args, kw, **call):
 ])
 @pytest.mark.parametrize("gate", [False, True])
 def test_matches_reference(mla, monkeypatch, bs, lens, splits, gate):
-    monkeypatch.setattr(mla, "MIN_CHUNK", 16)
-    monkeypatch.setattr(mla, "MIN_CHUNK_SMALL_BATCH", 16)   # several live splits per sequence at these lengths
+    _short_chunks(mla, monkeypatch)   # several live splits per sequence at these lengths
     args, kw = _case(bs * 100 + splits * 10 + gate, lens, bs=bs, gate=gate)
     _check(mla, args, kw, num_splits=splits)
 
@@ -158,8 +163,7 @@ def test_matches_reference(mla, monkeypatch, bs, lens, splits, gate):
 def test_unfused_epilogue_matches_reference(mla, monkeypatch, bs, lens, splits):
     """fused=False: torch latent write, merge to o_lat (or the split kernel writes it: one split), torch
     W_UV bmm and the reference's gate epilogue."""
-    monkeypatch.setattr(mla, "MIN_CHUNK", 16)
-    monkeypatch.setattr(mla, "MIN_CHUNK_SMALL_BATCH", 16)
+    _short_chunks(mla, monkeypatch)
     args, kw = _case(bs * 100 + splits * 10 + 5, lens, bs=bs, gate=True)
     _check(mla, args, kw, num_splits=splits, fused=False)
 
@@ -167,8 +171,7 @@ def test_unfused_epilogue_matches_reference(mla, monkeypatch, bs, lens, splits):
 @interpreted
 def test_two_head_groups_and_medium_widths(mla, monkeypatch):
     """H = 20 (two programs of 16 heads, the second part-masked), L = 64, R = 32, split merge."""
-    monkeypatch.setattr(mla, "MIN_CHUNK", 16)
-    monkeypatch.setattr(mla, "MIN_CHUNK_SMALL_BATCH", 16)
+    _short_chunks(mla, monkeypatch)
     args, kw = _case(7, [0, 40, 3], H=20, L=64, R=32, nope=32, v=24, bs=4, gate=True)
     _check(mla, args, kw, num_splits=3)                  # v = 24: two 16-wide v blocks, the second part-masked
     _check(mla, args, kw, num_splits=3, fused=False)
@@ -226,8 +229,7 @@ def test_prologue_writes_latents_and_absorbs_the_query(mla, monkeypatch, B, nope
 def test_prologue_batch_sizes_match_reference_and_unfused(mla, monkeypatch, B, splits):
     """The whole fused call (prologue, split, merge) across the prologue's row tiles, padding rows
     (slot -1) among live ones, against the reference and the unfused (torch write + bmm) path."""
-    monkeypatch.setattr(mla, "MIN_CHUNK", 16)
-    monkeypatch.setattr(mla, "MIN_CHUNK_SMALL_BATCH", 16)
+    _short_chunks(mla, monkeypatch)
     lens = [0 if i % 4 == 1 else 1 + (7 * i) % 23 for i in range(B)]
     args, kw = _case(B * 10 + splits, lens, H=4, bs=2, gate=True)   # 4 heads: the interpreter's time is B x H
     fused = _check(mla, args, kw, num_splits=splits)
@@ -292,8 +294,7 @@ def test_registered_above_torch_paged():
 def test_fused_merge_tile_shapes(mla, monkeypatch, merge_l, merge_tile):
     """The fused merge's latent tile (MERGE_L_FUSED, clamped to L) and split-tile cap (MERGE_TILE) change
     how a program walks the partials, never the result: several live splits, padding rows, a gate."""
-    monkeypatch.setattr(mla, "MIN_CHUNK", 16)
-    monkeypatch.setattr(mla, "MIN_CHUNK_SMALL_BATCH", 16)
+    _short_chunks(mla, monkeypatch)
     monkeypatch.setattr(mla, "MERGE_L_FUSED", merge_l)
     monkeypatch.setattr(mla, "MERGE_TILE", merge_tile)
     args, kw = _case(77, [0, 40, 7, 33], H=4, bs=2, gate=True)
@@ -308,8 +309,7 @@ def test_kv_norm_matches_reference(mla, monkeypatch, bs, lens, splits, fused):
     """kv_norm_weight: the raw latent (a strided column slice) normalised inside the op - by the prologue's
     latent writers (fused) or rmsnorm_reference (unfused) - against the reference with the same norm; the
     cache rows hold the normed latent (``_check``), padding rows write nothing."""
-    monkeypatch.setattr(mla, "MIN_CHUNK", 16)
-    monkeypatch.setattr(mla, "MIN_CHUNK_SMALL_BATCH", 16)
+    _short_chunks(mla, monkeypatch)
     args, kw = _norm_case(bs * 100 + splits * 10 + 9, lens, bs=bs, gate=True)
     _check(mla, args, kw, num_splits=splits, fused=fused)
 
@@ -318,8 +318,7 @@ def test_kv_norm_matches_reference(mla, monkeypatch, bs, lens, splits, fused):
 def test_kv_norm_medium_widths_fused_equals_unfused(mla, monkeypatch):
     """L = 64 in several prologue column tiles (each recomputes its rows' sum of squares over all 64
     columns), two head groups, 17 rows (two prologue row tiles); fused == unfused == reference."""
-    monkeypatch.setattr(mla, "MIN_CHUNK", 16)
-    monkeypatch.setattr(mla, "MIN_CHUNK_SMALL_BATCH", 16)
+    _short_chunks(mla, monkeypatch)
     monkeypatch.setattr(mla, "PROLOGUE_L", 16)
     lens = [0 if i % 4 == 1 else 1 + (7 * i) % 23 for i in range(17)]
     args, kw = _norm_case(29, lens, H=20, L=64, R=32, nope=32, v=24, bs=4, gate=True)
