@@ -79,6 +79,34 @@ class Plan:
     def in_scope(self) -> bool:
         return not self.scope_problems
 
+    def skipped_sites(self) -> dict[str, str]:
+        """Sites a program does not call at this bucket, each with the reason (site name -> why).
+
+        Two declared relations, read from the sites' attributes (set by the adapter's site list):
+
+        * ``fuses`` (a fusing site, e.g. ``moe.gate_down``: comma-separated roles of the sites it
+          replaces, in its own prefix): where a kernel serves it, the program calls it instead of
+          those sites; where only its reference would, the program calls those sites and skips it;
+        * ``norm_site`` (a gemm site: the role of the norm site in front of it): where the gemm's
+          implementation has ``norm_prologue``, it normalises its input itself and the norm site is
+          skipped.
+        Programs decide with this (one rule for the program, ``explain`` and the tests)."""
+        out: dict[str, str] = {}
+        for c in self.choices:
+            prefix = c.site.name.rsplit("/", 1)[0] + "/" if "/" in c.site.name else ""
+            fuses = c.site.ctx.attr("fuses")
+            if fuses:
+                names = [prefix + role for role in fuses.split(",")]
+                if c.is_fast:
+                    for name in names:
+                        out[name] = f"fused into {c.site.name} ({c.impl.name})"
+                else:
+                    out[c.site.name] = f"only its reference serves it: {', '.join(names)} run instead"
+            norm = c.site.ctx.attr("norm_site")
+            if norm and c.impl is not None and c.impl.norm_prologue:
+                out[prefix + norm] = f"{c.site.name} ({c.impl.name}) normalises its input itself"
+        return out
+
     def counts(self) -> dict[str, int]:
         fast = sum(c.is_fast for c in self.choices)
         unserved = sum(c.impl is None for c in self.choices)
@@ -90,7 +118,7 @@ class Plan:
             "model": self.model, "variant": self.variant, "arch": self.hardware.arch,
             "hardware": self.hardware.name, "tp": self.parallel.tp, "batch": self.batch, "bucket": self.bucket,
             "tokens": self.tokens, "dtype": self.dtype, "in_scope": self.in_scope,
-            "scope_problems": self.scope_problems, "counts": self.counts(),
+            "scope_problems": self.scope_problems, "counts": self.counts(), "not_called": self.skipped_sites(),
             "sites": [
                 {"site": c.site.name, "family": c.site.family, "layers": list(c.site.layers),
                  "context": c.site.ctx.describe(), "impl": c.impl.name if c.impl else None,
@@ -111,11 +139,14 @@ class Plan:
                        f"unserved: {c['unserved']}"]
         if self.scope_problems:
             lines.append("  OUT OF SCOPE (stock path would run): " + "; ".join(self.scope_problems))
+        skipped = self.skipped_sites()
         for ch in self.choices:
             layers = _layer_ranges(ch.site.layers)
             where = f" [layers {layers}]" if layers else ""
             impl = ch.impl.name if ch.impl else "NONE"
             lines.append(f"  {ch.site.name:<34} {ch.site.family:<18} -> {impl:<26} {ch.site.ctx.describe()}{where}")
+            if ch.site.name in skipped:
+                lines.append(f"      not called: {skipped[ch.site.name]}")
             if refusals:
                 for name, reason in ch.refusals:
                     lines.append(f"      refused {name}: {reason}")

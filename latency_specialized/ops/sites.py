@@ -61,12 +61,15 @@ class SiteBuilder:
         self.sites.append(OpSite(name, ctx, self.layers, weight_bytes))
 
     def gemm(self, role: str, n: int, k: int, *, residual: bool = False, wbytes: float = 2.0,
-             out_dtype: str | None = None) -> None:
+             out_dtype: str | None = None, norm_site: str | None = None) -> None:
         """A projection y[M,N] = x[M,K] W[N,K]^T; wbytes = bytes per weight element; out_dtype: result
-        dtype when it is not the activation dtype (fp32 router logits)."""
+        dtype when it is not the activation dtype (fp32 router logits); norm_site: role of the norm
+        site in front of it, skipped where the gemm normalises its input (``Plan.skipped_sites``)."""
         attrs: dict = {"residual": residual}
         if out_dtype is not None:
             attrs["out_dtype"] = out_dtype
+        if norm_site is not None:
+            attrs["norm_site"] = norm_site
         self.add(role, "gemm", weight_bytes=int(n * k * wbytes), N=n, K=k, attrs=attrs)
 
 

@@ -145,9 +145,6 @@ def _arrange(spec: KimiK3Spec, w: Mapping[str, torch.Tensor]) -> list[_Layer]:
     return layers
 
 
-FUSING_FAMILIES = frozenset({"moe.gate_down"})
-"""Families whose site replaces other sites when a kernel serves it (``KimiK3Program._fused_ok``)."""
-
 ROUTER_SIDE_MIN_BATCH = 2
 """Smallest bucket whose router GEMM runs on its own stream beside the latent down-projection. H200
 layer bench (TP8 shard): batch 2-64 gained 2.7-9 us per layer; batch 1 lost ~1.7 us (its router GEMM
@@ -213,20 +210,14 @@ class KimiK3Program:
         self._ops: dict[int, dict[str, Callable[..., Any]]] = {}
         self._strided_ok: dict[int, set[str]] = {}
         """Per bucket, the sites whose implementation takes strided rows (no copy of a column slice)."""
-        self._norm_in_ok: dict[int, set[str]] = {}
-        """Per bucket, the gemm sites whose implementation normalises its input itself (``norm_prologue``):
-        the norm site in front of them (MLA's q_a_norm) is then skipped."""
-        self._fused_ok: dict[int, set[str]] = {}
-        """Per bucket, the fusing sites a kernel serves (``moe.gate_down``): there the program calls them
-        instead of the sites they fuse; where only their reference would serve, it calls the separate
-        sites (each dispatched to its own best implementation)."""
+        self._skipped: dict[int, dict[str, str]] = {}
+        """Per bucket, the sites not called and why (``Plan.skipped_sites``): the sites a served
+        ``moe.gate_down`` fuses (or that site itself where only its reference would serve), and the
+        q_a norm where the q_b gemm's implementation normalises its input (``norm_prologue``)."""
         for bucket, plan in sorted(plans.items()):
             self._ops[bucket] = {c.site.name: self._counted(c.site.name, plan.impl(c.site.name)) for c in plan.choices}
             self._strided_ok[bucket] = {c.site.name for c in plan.choices if c.impl is not None and c.impl.strided_rows}
-            self._norm_in_ok[bucket] = {c.site.name for c in plan.choices if c.impl is not None
-                                        and c.impl.norm_prologue}
-            self._fused_ok[bucket] = {c.site.name for c in plan.choices if c.site.ctx.family in FUSING_FAMILIES
-                                      and c.impl is not None and not c.impl.is_reference}
+            self._skipped[bucket] = plan.skipped_sites()
             for c in plan.choices:
                 assert c.impl is not None  # plan.impl above raised otherwise
                 self.trace.site(c.site.name, c.impl.name, f"bucket {bucket}")
@@ -366,7 +357,7 @@ class KimiK3Program:
             # column slices of the fused projection [q_a | kv_a (latent, rope key) | output-gate logits]
             kv = y[:, ql:ql + L + R]
             gate = y[:, ql + L + R:] if a.output_gate == "sigmoid" else None  # strided rows: the op takes them
-            if f"{kind}/attn.q_b_proj" in self._norm_in_ok.get(y.shape[0], ()):  # q_a_norm inside the gemm
+            if f"{kind}/attn.q_a_norm" in self._skipped.get(y.shape[0], {}):  # the q_b gemm normalises q_a
                 q = ops[f"{kind}/attn.q_b_proj"](y[:, :ql], w["q_b"], norm_weight=w["q_a_norm"], norm_eps=eps)
             else:
                 q_c = ops[f"{kind}/attn.q_a_norm"](self._rows(f"{kind}/attn.q_a_norm", y[:, :ql]), w["q_a_norm"], eps)
@@ -393,7 +384,7 @@ class KimiK3Program:
         # the latent input: at TP > 1 each rank computes its slice of both (experts r*E/tp.., latent
         # channels r*L/tp..) and one all-gather joins them - no rank repeats another's weight reads
         logits_dtype = torch.promote_types(h.dtype, torch.float32)
-        if f"{kind}/moe.gate_down" in self._fused_ok.get(b, ()):  # both from one weight stream, one kernel
+        if f"{kind}/moe.router_gemm" in self._skipped.get(b, {}):  # both from one weight stream, one kernel
             logits, x = ops[f"{kind}/moe.gate_down"](h, w["gate_down"], w["gate"].shape[0])
         elif self.router_side is not None and b >= ROUTER_SIDE_MIN_BATCH:  # a graph branch, joined before the router
             routing = self.router_side.run(ops[f"{kind}/moe.router_gemm"], h, w["gate"], out_dtype=logits_dtype)

@@ -56,7 +56,7 @@ def _attention(b: SiteBuilder, a, hidden: int) -> None:
         # the output-gate rows ride in the fused [q_a | kv_a] projection (all read h): one GEMM less
         b.gemm("attn.qkv_a_proj", a.q_lora_rank + a.kv_lora_rank + a.qk_rope_head_dim + gate, hidden)
         b.add("attn.q_a_norm", "norm", N=a.q_lora_rank)
-        b.gemm("attn.q_b_proj", a.num_heads * qk, a.q_lora_rank)
+        b.gemm("attn.q_b_proj", a.num_heads * qk, a.q_lora_rank, norm_site="attn.q_a_norm")
     else:
         b.gemm("attn.kv_a_proj", a.kv_lora_rank + a.qk_rope_head_dim, hidden)
         b.gemm("attn.q_proj", a.num_heads * qk, hidden)
@@ -86,7 +86,7 @@ def _ffn(b: SiteBuilder, f, hidden: int, tp: int, latent_norm: bool) -> None:
         # instead of the two gemm sites below (one weight stream, one launch); elsewhere it calls those
         n_gate, n_latent = f.num_experts // tp, width // tp
         b.add("moe.gate_down", "moe.gate_down", weight_bytes=(n_gate + n_latent) * hidden * 2,
-              N=n_gate + n_latent, K=hidden, n_gate=n_gate)
+              N=n_gate + n_latent, K=hidden, n_gate=n_gate, attrs={"fuses": "moe.router_gemm,moe.latent_down"})
     b.gemm("moe.router_gemm", f.num_experts // tp, hidden, out_dtype="float32")
     b.add("moe.router", "moe.router", E=f.num_experts, topk=f.top_k,
           attrs={"score_func": f.router.score_func, "bias": f.router.bias_corrected})

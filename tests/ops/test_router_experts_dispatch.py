@@ -103,3 +103,26 @@ def test_gate_down_reference_is_the_two_gemm_sites():
     assert torch.equal(latent, gemm_reference(x, w_down))
     with pytest.raises(ValueError, match="inside the 32 weight rows"):
         gate_down_reference(x, torch.cat([w_gate, w_down]), 32)
+
+
+def test_plan_names_the_sites_a_program_does_not_call():
+    """Plan.skipped_sites reads the sites' declared relations: at batch 1 on the H200 the fused router +
+    latent GEMV replaces the two gemm sites and the q_b GEMV takes the q_a norm; from batch 2 the gemm
+    sites run (the fusing site is skipped). explain prints the same."""
+    from latency_specialized.kernels.compile_cache import cute_available
+
+    if cute_available() is not True:
+        import pytest
+
+        pytest.skip("the CuTe DSL kernels' supports() need nvidia-cutlass-dsl (installed by make test)")
+    _, plan1 = _kimi_choices(1)
+    s1 = plan1.skipped_sites()
+    for kind in ("kda+moe", "mla+moe"):
+        assert s1[f"{kind}/moe.router_gemm"].startswith(f"fused into {kind}/moe.gate_down")
+        assert f"{kind}/moe.latent_down" in s1 and f"{kind}/moe.gate_down" not in s1
+    assert "normalises its input itself" in s1["mla+moe/attn.q_a_norm"]
+    assert "not called: fused into" in plan1.to_text()
+    _, plan4 = _kimi_choices(4)
+    s4 = plan4.skipped_sites()
+    assert "only its reference serves it" in s4["kda+moe/moe.gate_down"]
+    assert "kda+moe/moe.router_gemm" not in s4 and "mla+moe/attn.q_a_norm" not in s4  # small-M q_b: no prologue
