@@ -90,7 +90,9 @@ def _decide_graphs(mode: str, device: Any, plan: Any) -> tuple[bool, str]:
         if mode == "on":
             raise UserError("--graphs on needs a CUDA device: use --device cuda, or --graphs off")
         return False, "CUDA graphs need a GPU"
-    refs = sorted({c.site.name for c in plan.choices if c.impl is not None and c.impl.is_reference})
+    skipped = plan.skipped_sites()  # sites the program does not call at this bucket cannot block a capture
+    refs = sorted({c.site.name for c in plan.choices
+                   if c.impl is not None and c.impl.is_reference and c.site.name not in skipped})
     if refs and mode == "auto":
         # torch references read values on the host (sequence lengths, selected experts): not capturable
         return False, (f"{len(refs)} site(s) on torch references ({', '.join(refs[:4])}"
@@ -236,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
     c = plan.counts()
     served = sorted({ch.impl.name for ch in plan.choices if ch.impl is not None})
     print(f"plan: {c['sites']} sites on {plan.hardware.arch} | fast {c['fast']} | reference {c['reference']} | "
-          f"unserved {c['unserved']} | {len(served)} implementations")
+          f"unserved {c['unserved']} | not called {c['not_called']} | {len(served)} implementations")
     if getattr(program, "calls", None):
         print(f"program: {program.steps_run} steps, {sum(program.calls.values())} op calls over "
               f"{len(program.calls)} sites")

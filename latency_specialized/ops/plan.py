@@ -108,10 +108,14 @@ class Plan:
         return out
 
     def counts(self) -> dict[str, int]:
-        fast = sum(c.is_fast for c in self.choices)
-        unserved = sum(c.impl is None for c in self.choices)
-        return {"sites": len(self.choices), "fast": fast, "reference": len(self.choices) - fast - unserved,
-                "unserved": unserved}
+        """Sites, and of those a program calls: fast / reference / unserved; ``not_called``: the rest
+        (``skipped_sites``: a fused site or its parts, an absorbed norm)."""
+        skipped = self.skipped_sites()
+        called = [c for c in self.choices if c.site.name not in skipped]
+        fast = sum(c.is_fast for c in called)
+        unserved = sum(c.impl is None for c in called)
+        return {"sites": len(self.choices), "fast": fast, "reference": len(called) - fast - unserved,
+                "unserved": unserved, "not_called": len(self.choices) - len(called)}
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -136,7 +140,7 @@ class Plan:
                 f"TP={self.parallel.tp}, batch {self.batch} -> bucket {self.bucket} ({self.tokens} tokens/step), "
                 f"{self.dtype}")
         lines = [head, f"  sites: {c['sites']} | fast: {c['fast']} | reference: {c['reference']} | "
-                       f"unserved: {c['unserved']}"]
+                       f"unserved: {c['unserved']} | not called: {c['not_called']}"]
         if self.scope_problems:
             lines.append("  OUT OF SCOPE (stock path would run): " + "; ".join(self.scope_problems))
         skipped = self.skipped_sites()
