@@ -22,6 +22,14 @@ j needs weight rows j and I + j; one warp streams both, rounds each sum to bf16 
 contract's rounding) and stores ``act(gate) * lin(up)`` - the gate/up projection and the gated
 activation of an MLP in one kernel (mlp_fused.py), bit-identical to the GEMV + activation kernel.
 
+Split mode (``gemv_split``, ``moe.gate_down``): one weight ``[W_head; W_tail]`` streamed once, the
+first rows stored as fp32 (router logits), the rest rounded to bf16 (the latent MoE's input).
+
+Norm prologue (``gemm_gemv(norm_weight=)``, ``Implementation.norm_prologue``): every warp first reduces
+the (possibly strided) x row to rsqrt(mean(x^2) + eps) in fp32, then multiplies each x vector by rstd
+and the gain and rounds it to bf16 - the norm op's output - before the usual stream: MLA's q_a norm
+and q_b projection in one kernel.
+
 Anatomy: config -> kernel class (built on first use; cutlass is imported lazily) -> cached
 compile (static K, M, config; N dynamic) -> public wrapper with ``residual=``/``out=``.
 """
