@@ -7,7 +7,9 @@ does not have (``latency-specialized explain --arch sm_90`` on a laptop).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Any
 
 from latency_specialized.errors import UserError
 
@@ -62,6 +64,27 @@ def for_arch(arch: str) -> Hardware:
     if arch not in _NOMINAL:
         raise UserError(f"unknown arch '{arch}': use one of {', '.join(KNOWN_ARCHS)}")
     return _NOMINAL[arch]
+
+
+NOMINAL_SMS = 132
+"""SMs assumed for launch geometry off the GPU (an H200's): compile-only and interpreter runs."""
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: Any) -> int:
+    """SMs of a torch device, for kernels that size their grids by it (cached per device index);
+    ``NOMINAL_SMS`` for a non-CUDA device."""
+    import torch
+
+    if device.type != "cuda":
+        return NOMINAL_SMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def probe(device: int | None = None) -> Hardware:

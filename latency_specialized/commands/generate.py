@@ -90,9 +90,8 @@ def _decide_graphs(mode: str, device: Any, plan: Any) -> tuple[bool, str]:
         if mode == "on":
             raise UserError("--graphs on needs a CUDA device: use --device cuda, or --graphs off")
         return False, "CUDA graphs need a GPU"
-    skipped = plan.skipped_sites()  # sites the program does not call at this bucket cannot block a capture
-    refs = sorted({c.site.name for c in plan.choices
-                   if c.impl is not None and c.impl.is_reference and c.site.name not in skipped})
+    # only the sites the program calls at this bucket can block a capture
+    refs = sorted({c.site.name for c in plan.called_choices() if c.impl is not None and c.impl.is_reference})
     if refs and mode == "auto":
         # torch references read values on the host (sequence lengths, selected experts): not capturable
         return False, (f"{len(refs)} site(s) on torch references ({', '.join(refs[:4])}"

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from latency_specialized.errors import UserError
+from latency_specialized.hardware import sm_count
 from latency_specialized.kernels.dsl_common import compile_options, ptx_of  # noqa: F401 (re-exported)
 
 VEC_BYTES = 16
@@ -66,16 +67,27 @@ def check_gemm_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
     return m, n, k
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def fp32_output(name: str, x: torch.Tensor, out_dtype: torch.dtype | None, residual: torch.Tensor | None) -> bool:
+    """Whether a gemm kernel call stores its fp32 sums unrounded (router logits, vLLM's GateLinear):
+    ``out_dtype=torch.float32`` on bf16 x. Other output dtypes, or fp32 with a residual, raise."""
+    fp32 = out_dtype is not None and out_dtype != x.dtype
+    if fp32 and (out_dtype != torch.float32 or residual is not None):
+        raise UserError(f"{name}: out_dtype={out_dtype} (with residual={residual is not None}): the kernel writes "
+                        "bf16, or fp32 without a residual; use gemm.cublas")
+    return fp32
+
+
+def refuse_fp32_residual(out_fp32: bool, residual: bool) -> None:
+    """Compile-time twin of ``fp32_output``'s check: no model has an fp32-output gemm with a residual."""
+    if out_fp32 and residual:
+        raise ValueError("fp32 output with a residual is not a gemm site of any model: not compiled")
 
 
 def grid_cap(device: torch.device, ctas_per_sm: int) -> int:
     """Launch-time grid cap of the persistent kernels: ctas_per_sm x SMs (0 = no cap)."""
     if ctas_per_sm <= 0:
         return 1 << 30
-    return ctas_per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return ctas_per_sm * sm_count(device)
 
 
 def cute_dtype(dtype: torch.dtype) -> Any:

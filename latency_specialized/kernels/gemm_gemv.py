@@ -41,7 +41,8 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from latency_specialized.kernels import compile_cache
-from latency_specialized.kernels.gemm_common import check_gemm_args, grid_cap, max_regs
+from latency_specialized.kernels.gemm_common import (check_gemm_args, fp32_output, grid_cap, max_regs,
+                                                     refuse_fp32_residual)
 from latency_specialized.ops.registry import Implementation, OpContext, Support
 
 NAME = "gemm.cutedsl_gemv"
@@ -253,8 +254,7 @@ def compile_gemv(k: int, m: int, cfg: GemvConfig, residual: bool, out_fp32: bool
     ``split``: two outputs from one weight stream (``gemv_split``): rows ``< out.shape[1]`` go to the
     fp32 ``out``, the rest (rounded) to the bf16 tensor passed as the residual operand.
     ``norm``: x is RMS-normalised first (``gemm_gemv(norm_weight=)``): x rows may be strided."""
-    if out_fp32 and residual:
-        raise ValueError("fp32 output with a residual is not a gemm site of any model: not compiled")
+    refuse_fp32_residual(out_fp32, residual)
     if glu is not None and (residual or out_fp32 or glu.dtype != "bfloat16"):
         raise ValueError("the GLU epilogue writes bf16 act(gate) * lin(up) without a residual: not compiled")
     if split and (residual or glu is not None or not out_fp32):
@@ -321,10 +321,7 @@ def gemm_gemv(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor |
     """
     from latency_specialized.errors import UserError
 
-    fp32 = out_dtype is not None and out_dtype != x.dtype
-    if fp32 and (out_dtype != torch.float32 or residual is not None):
-        raise UserError(f"{NAME}: out_dtype={out_dtype} (with residual={residual is not None}): the kernel writes "
-                        "bf16, or fp32 without a residual; use gemm.cublas")
+    fp32 = fp32_output(NAME, x, out_dtype, residual)
     norm = norm_weight is not None
     m, n, k = check_gemm_args(x, weight, residual, out, kmult=8, out_dtype=out_dtype, strided_x=norm)
     if norm and (tuple(norm_weight.shape) != (k,) or norm_weight.dtype != x.dtype

@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from latency_specialized.kernels import compile_cache
-from latency_specialized.kernels.gemm_common import check_gemm_args, grid_cap, max_regs, mma_supports
+from latency_specialized.kernels.gemm_common import (check_gemm_args, fp32_output, grid_cap, max_regs, mma_supports,
+                                                     refuse_fp32_residual)
 from latency_specialized.ops.registry import Implementation, OpContext, Support
 
 NAME = "gemm.cutedsl_small_m"
@@ -242,8 +243,7 @@ def compile_mma(k: int, cfg: MmaConfig, residual: bool, out_fp32: bool = False):
     """Compiled kernel for (K, config, residual, output dtype); M and N are dynamic. ``out_fp32``: the
     fp32 sums are stored unrounded (router logits); the unused residual operand then has the
     output's type, so the output buffer stands in for it."""
-    if out_fp32 and residual:
-        raise ValueError("fp32 output with a residual is not a gemm site of any model: not compiled")
+    refuse_fp32_residual(out_fp32, residual)
 
     def build(arch: str):
         import cutlass
@@ -292,10 +292,7 @@ def run_mma(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
             config: MmaConfig, name: str, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     from latency_specialized.errors import UserError
 
-    fp32 = out_dtype is not None and out_dtype != x.dtype
-    if fp32 and (out_dtype != torch.float32 or residual is not None):
-        raise UserError(f"{name}: out_dtype={out_dtype} (with residual={residual is not None}): the kernel writes "
-                        "bf16, or fp32 without a residual; use gemm.cublas")
+    fp32 = fp32_output(name, x, out_dtype, residual)
     m, n, k = check_gemm_args(x, weight, residual, out, kmult=32, out_dtype=out_dtype)
     if m > 8 * config.nt:
         raise UserError(f"{name}: config {config.label()} serves M<={8 * config.nt}, got M={m}")

@@ -58,6 +58,7 @@ from typing import NamedTuple
 import torch
 
 from latency_specialized.errors import UserError
+from latency_specialized.hardware import sm_count
 from latency_specialized.ops.attention.mla import (_finish, _write_new_latents, check_kv_norm, latent_widths,
                                                    normed_latent)
 from latency_specialized.ops.registry import Implementation, OpContext, Support
@@ -317,11 +318,6 @@ def _kernels(interpret: bool):
     return dict(prologue=prologue_kernel, split=split_kernel, merge=merge_kernel)
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def choose_num_splits(batch: int, heads: int, capacity: int, sms: int) -> int:
     """Splits per sequence from static shapes only (graph-safe): batch x head groups x splits at most
     ``WAVES`` x SMs programs (rounded *down*: two programs fit an SM at once, so e.g. 4 splits at
@@ -339,13 +335,6 @@ def min_chunk(batch: int) -> int:
     """Fewest positions per split at this batch (a static choice: graph-safe): ``MIN_CHUNK``, or
     ``MIN_CHUNK_SMALL_BATCH`` up to ``SMALL_BATCH`` sequences."""
     return MIN_CHUNK_SMALL_BATCH if batch <= SMALL_BATCH else MIN_CHUNK
-
-
-def _sms(device: torch.device) -> int:
-    """SMs of ``device`` (132, an H200's, where there is no GPU: interpreter tests)."""
-    if device.type != "cuda":
-        return 132
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def merge_v_block(batch: int, heads: int, v: int, sms: int) -> int:
@@ -427,7 +416,7 @@ def _split_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor
     H, B, L = q_lat.shape
     R = q_pe.shape[-1]
     if num_splits is None:
-        num_splits = choose_num_splits(B, H, block_table.shape[1] * block_size, _sms(q_lat.device))
+        num_splits = choose_num_splits(B, H, block_table.shape[1] * block_size, sm_count(q_lat.device))
     num_splits = max(1, min(int(num_splits), MAX_SPLITS))
     block_n = BLOCK_N if flat.element_size() <= 2 else min(BLOCK_N, 16)
     prec = "ieee" if flat.dtype == torch.float32 else "tf32"
@@ -541,7 +530,7 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
         if y.stride(-1) != 1:
             raise UserError(f"{NAME}: out must have a unit last stride (got {y.stride()})")
         g = _last_dim_unit(gate) if gate is not None else y
-        vb = merge_v_block(B, H, v, _sms(q.device))
+        vb = merge_v_block(B, H, v, sm_count(q.device))
         ml_f = min(MERGE_L_FUSED, L)
         fused_args = dict(merge_args, S_TILE=max(1, min(s_tile, MERGE_TILE // ml_f)))
         kernels["merge"][(B, H, -(-v // vb))](

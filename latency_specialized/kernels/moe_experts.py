@@ -20,12 +20,12 @@ are distinct, so every pair is its own leader.
 """
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from latency_specialized.errors import UserError
+from latency_specialized.hardware import sm_count
 from latency_specialized.kernels.compile_cache import cached_compile
 from latency_specialized.kernels.dsl_common import compile_options as _compile_options, ptx_of  # noqa: F401
 from latency_specialized.kernels.dsl_common import sm90_dsl_support
@@ -655,7 +655,7 @@ def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up
         raise UserError("moe experts: expert weights must be contiguous; call .contiguous() once at load time")
     if x.stride(1) != 1 or x.stride(0) % 8 != 0 or x.data_ptr() % 16 != 0:
         x = x.contiguous()
-    cfg = make_config(M, K, I, N, top_k, x.dtype, ids.dtype, activation, sms=_sms(x.device), **tuning)
+    cfg = make_config(M, K, I, N, top_k, x.dtype, ids.dtype, activation, sms=sm_count(x.device), **tuning)
     gate_up, down = _compile_gate_up(cfg), _compile_down(cfg)
     ids_flat = ids.reshape(-1)
     w_flat = weights.reshape(-1)
@@ -674,18 +674,6 @@ def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up
     gate_up(x, ids_flat, w_gate_up, ws["h"], ws["lead"], ws["members"])
     down(ws["h"], ids_flat, w_flat, ws["lead"], ws["members"], w_down, y)
     return y
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _sms(device: torch.device) -> int:
-    """SMs of ``device`` (132, an H200's, off the GPU: compile-only runs)."""
-    if device.type != "cuda":
-        return 132
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _supports(ctx: OpContext) -> Support:

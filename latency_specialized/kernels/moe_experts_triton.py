@@ -110,11 +110,8 @@ def _supports(ctx: OpContext) -> Support:
         return f"activation {ctx.attr('activation')} (SiTU-GLU only)"
     if ctx.tokens < MIN_TOKENS:
         return f"{ctx.tokens} tokens: the CuTe DSL experts kernels are faster below {MIN_TOKENS}"
-    try:
-        width = ctx.dim("N")
-    except KeyError:
-        width = None
-    if width is not None and width <= MAX_CUTEDSL_WIDTH:
+    width = ctx.dim("N")
+    if width <= MAX_CUTEDSL_WIDTH:
         return (f"per-rank expert width {width} <= {MAX_CUTEDSL_WIDTH}: the CuTe DSL experts kernels are faster "
                 "at every measured batch")
     return True

@@ -107,11 +107,15 @@ class Plan:
                 out[prefix + norm] = f"{c.site.name} ({c.impl.name}) normalises its input itself"
         return out
 
+    def called_choices(self) -> list[SiteChoice]:
+        """The choices of the sites a program calls at this bucket (all but ``skipped_sites``)."""
+        skipped = self.skipped_sites()
+        return [c for c in self.choices if c.site.name not in skipped]
+
     def counts(self) -> dict[str, int]:
         """Sites, and of those a program calls: fast / reference / unserved; ``not_called``: the rest
         (``skipped_sites``: a fused site or its parts, an absorbed norm)."""
-        skipped = self.skipped_sites()
-        called = [c for c in self.choices if c.site.name not in skipped]
+        called = self.called_choices()
         fast = sum(c.is_fast for c in called)
         unserved = sum(c.impl is None for c in called)
         return {"sites": len(self.choices), "fast": fast, "reference": len(called) - fast - unserved,

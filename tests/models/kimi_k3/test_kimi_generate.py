@@ -138,8 +138,8 @@ def test_graphs_auto_names_the_sites_that_keep_a_step_eager():
     from latency_specialized.errors import UserError
 
     def plan(*refs: bool, skipped: tuple[str, ...] = ()):
-        return NS(choices=[NS(site=NS(name=f"l/site{i}"), impl=NS(is_reference=r)) for i, r in enumerate(refs)],
-                  skipped_sites=lambda: {name: "not called" for name in skipped})
+        choices = [NS(site=NS(name=f"l/site{i}"), impl=NS(is_reference=r)) for i, r in enumerate(refs)]
+        return NS(choices=choices, called_choices=lambda: [c for c in choices if c.site.name not in skipped])
 
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
     assert _decide_graphs("auto", gpu, plan(False, False)) == (True, "")
