@@ -16,13 +16,13 @@ STEPS=${STEPS:-tests,table,bench}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv \
   > "$OUT/gpu.txt" 2>&1
 t0=$(date +%s)
-if [[ $STEPS == *tests* ]]; then
+if [[ ",$STEPS," == *",tests,"* ]]; then
   timeout "${TEST_S:-240}" python3 -m pytest -m gpu ${TESTS:-tests/ops/test_attnres_mlp_gpu.py \
     tests/ops/test_gemm_norm_prefetch_gpu.py tests/models/kimi_k3/test_long_check.py} -q -rfE -p no:cacheprovider \
     > "$OUT/gpu_tests.log" 2>&1
   echo "tests rc=$? at $(( $(date +%s) - t0 )) s"; tail -4 "$OUT/gpu_tests.log"
 fi
-if [[ $STEPS == *table* ]]; then
+if [[ ",$STEPS," == *",table,"* ]]; then
   timeout "${TABLE_S:-240}" python3 -m latency_specialized.cli bench-ops --ops gemm --tp 8,16 --out "$OUT/res" \
     --write-table "$OUT/res/h200_gemm.json" --jobs 15 > "$OUT/bench_ops.log" 2>&1
   echo "table rc=$? at $(( $(date +%s) - t0 )) s"; tail -2 "$OUT/bench_ops.log"
@@ -41,21 +41,21 @@ if [[ ",$STEPS," == *",experts,"* ]]; then
     --experts-sweep "${EXPERT_BATCHES:-2,4,8,16,32,64}" --tps "${EXPERT_TPS:-8,16}" > "$OUT/experts_sweep.log" 2>&1
   echo "experts sweep rc=$? at $(( $(date +%s) - t0 )) s"; grep "^experts" "$OUT/experts_sweep.log" | cut -c1-150
 fi
-if [[ $STEPS == *opsmoe* ]]; then
+if [[ ",$STEPS," == *",opsmoe,"* ]]; then
   timeout "${MOE_S:-150}" python3 benchmarks/scripts/bench_moe_kda.py --out "$OUT/res" > "$OUT/bench_moe_kda.log" 2>&1
   echo "moe/kda ops rc=$? at $(( $(date +%s) - t0 )) s"; grep "^kda tp8 B=64\|^router" "$OUT/bench_moe_kda.log" | head -8
 fi
-if [[ $STEPS == *opsmla* ]]; then
+if [[ ",$STEPS," == *",opsmla,"* ]]; then
   timeout "${MLA_S:-150}" python3 benchmarks/scripts/bench_mla.py --out "$OUT/res" ${MLA_ARGS:-} > "$OUT/bench_mla.log" 2>&1
   echo "mla ops rc=$? at $(( $(date +%s) - t0 )) s"; tail -4 "$OUT/bench_mla.log"
 fi
-if [[ $STEPS == *bench* ]]; then
+if [[ ",$STEPS," == *",bench,"* ]]; then
   timeout "${BENCH_S:-150}" python3 -m latency_specialized.cli bench --model kimi_k3 --tp 8 --kinds ${KINDS:-kda} \
     --batch ${BATCH:-1,2,4,8,16,32,64} --context ${CONTEXT:-4096,32768} --layers 3 ${NAME:+--name $NAME} --out "$OUT/res" \
     > "$OUT/bench.log" 2>&1
   echo "bench rc=$? at $(( $(date +%s) - t0 )) s"; grep "batch" "$OUT/bench.log" | tail -16
 fi
-if [[ $STEPS == *long* ]]; then
+if [[ ",$STEPS," == *",long,"* ]]; then
   timeout "${LONG_S:-500}" python3 benchmarks/scripts/kimi_long_check.py --runs "${RUNS:-64:256:0}" \
     --out "$OUT/res/kimi_long_check.json" > "$OUT/long_check.log" 2>&1
   echo "long check rc=$? at $(( $(date +%s) - t0 )) s"; grep "^batch" "$OUT/long_check.log"
