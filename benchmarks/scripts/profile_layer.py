@@ -55,6 +55,34 @@ def profile(variant, replays: int) -> tuple[dict[str, list[float]], float]:
     return dict(agg), wall
 
 
+def timeline(variant, path: str) -> list[dict]:
+    """One replay's kernels in order of their end (chrome trace of the torch profiler): stream, start
+    and end relative to the first kernel's start, duration and ``gain`` = how much later it ends than
+    every kernel before it (its marginal cost on the step's critical path: PDL overlap included)."""
+    from torch.profiler import ProfilerActivity, profile as tprof
+
+    for _ in range(3):
+        variant.replay()
+    torch.cuda.synchronize()
+    with tprof(activities=[ProfilerActivity.CUDA]) as prof:
+        variant.replay()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    ks = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    if not ks:
+        return []
+    t0 = min(e["ts"] for e in ks)
+    rows, last_end = [], t0
+    for e in sorted(ks, key=lambda e: e["ts"] + e["dur"]):
+        end = e["ts"] + e["dur"]
+        rows.append({"name": _short(e["name"]), "stream": e.get("args", {}).get("stream"),
+                     "start": e["ts"] - t0, "end": end - t0, "dur": e["dur"], "gain": max(0.0, end - last_end)})
+        last_end = max(last_end, end)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,2,4,8,64")
@@ -64,6 +92,8 @@ def main() -> None:
     ap.add_argument("--out", default="profile.json")
     ap.add_argument("--kind", default="kda", choices=("kda", "mla"))
     ap.add_argument("--context", type=int, default=4096, help="MLA: cached tokens per sequence")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also print one replay's kernels in order of their end, with each one's marginal cost")
     args = ap.parse_args()
     batches = tuple(int(b) for b in args.batches.split(","))
     from latency_specialized.bench.layer_bench import GraphedStep, _layer_index
@@ -96,6 +126,12 @@ def main() -> None:
                 print(f"  {t:8.1f} us  x{n:4.1f}  {k}")
             result[f"{args.kind}_{name}_b{b}"] = {"wall_us": wall, "kernel_sum_us": total,
                                       "kernels": {k: {"us": t, "count": n} for k, (t, n) in rows}}
+            if args.timeline and name == "ours":
+                tl = timeline(v, args.out + f".{args.kind}_b{b}.trace.json")
+                print(f"  -- one replay, kernels by end time (us): start  end  dur  gain  stream  name")
+                for r in tl:
+                    print(f"  {r['start']:7.1f} {r['end']:7.1f} {r['dur']:6.1f} {r['gain']:6.1f}  s{r['stream']}  {r['name']}")
+                result[f"{args.kind}_{name}_b{b}"]["timeline"] = tl
         del stock_layers, stock
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:

@@ -43,7 +43,6 @@ def gemm_variant_configs(n: int, k: int, m: int, quick: bool = False) -> list[tu
     from latency_specialized.kernels import gemm_gemv, gemm_small_m, gemm_splitk
     from latency_specialized.kernels.gemm_gemv import GemvConfig
     from latency_specialized.kernels.gemm_small_m import SMEM_LIMIT, MmaConfig
-    from latency_specialized.hardware import NOMINAL_SMS
 
     out: list[tuple[str, Any]] = []
     if m <= gemm_gemv.MAX_M and k % 8 == 0:
@@ -59,17 +58,6 @@ def gemm_variant_configs(n: int, k: int, m: int, quick: bool = False) -> list[tu
             cfgs += [GemvConfig(rows_per_warp=1, ctas_per_sm=4), GemvConfig(rows_per_warp=2, ctas_per_sm=2)]
             if m <= 2 and k >= 1024:  # short rows: a whole row is one batch; more rows per warp instead
                 cfgs.append(GemvConfig(rows_per_warp=4))
-        if m <= 2:
-            # L2 requests during the PDL wait: the twin row group D CTAs on (D ~ resident CTAs: 6-10 per SM
-            # by registers), and/or the rest of long own rows
-            sms = NOMINAL_SMS
-            if k >= 4096:
-                cfgs += [GemvConfig(rows_per_warp=1, l2_rest=True), GemvConfig(rows_per_warp=2, l2_rest=True),
-                         GemvConfig(rows_per_warp=1, l2_rest=True, l2_ahead=8 * sms),
-                         GemvConfig(rows_per_warp=1, lookahead=1, l2_rest=True)]
-            else:
-                cfgs += [GemvConfig(rows_per_warp=1, l2_ahead=8 * sms), GemvConfig(rows_per_warp=1, l2_ahead=10 * sms),
-                         GemvConfig(rows_per_warp=2, l2_ahead=6 * sms)]
         out += [(gemm_gemv.NAME, c) for c in (cfgs[:1] if quick else cfgs)]
     if k % 32:
         return out

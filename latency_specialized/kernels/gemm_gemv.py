@@ -68,21 +68,11 @@ class GemvConfig:
     lookahead: int = 0
     """Batches requested ahead of the one being multiplied (0: a warp waits for each batch in turn;
     L: L more batches in flight, and L + 1 issued before the PDL wait)."""
-    l2_ahead: int = 0
-    """0: off. D > 0 (with PDL, one CTA per row group): before ``griddepcontrol.wait`` every warp also
-    requests into L2 (``cp.async.bulk.prefetch.L2``) the rows of its twin in row group ``bid + D``.
-    The CTAs resident while the previous kernel ends hold their own rows in registers; the CTAs that
-    start only after it (D ~ resident CTAs) find theirs in L2, so DRAM keeps streaming across the
-    kernel boundary instead of idling for a launch and a DRAM latency."""
-    l2_rest: bool = False
-    """With PDL: before the wait, also request into L2 the rest of this warp's own rows (the bytes past
-    the batches already in flight into registers): long rows (K = 7168) then stream during the wait."""
 
     def label(self) -> str:
         cap = f"g{self.ctas_per_sm}" if self.ctas_per_sm else ""
         ahead = f"a{self.lookahead}" if self.lookahead else ""
-        l2 = (f"l{self.l2_ahead}" if self.l2_ahead else "") + ("lr" if self.l2_rest else "")
-        return f"r{self.rows_per_warp}w{self.warps}b{self.batch}{ahead}{cap}{l2}{'p' if self.pdl else ''}"
+        return f"r{self.rows_per_warp}w{self.warps}b{self.batch}{ahead}{cap}{'p' if self.pdl else ''}"
 
 
 @functools.cache
@@ -177,20 +167,6 @@ def _kernel_class():
             # batches 0..L are requested before the PDL wait; then batch j + L is requested just
             # before batch j is multiplied (program order is kept: the loads are side-effecting asm)
             pending = {j: issue(batches[j]) for j in range(min(L + 1, len(batches)))}
-            if cutlass.const_expr(self.cfg.l2_ahead > 0):
-                # this warp's twin rows in row group gi + D: contiguous R rows per part, one bulk request
-                twin = (gi + self.cfg.l2_ahead) * self.cfg.warps * R + (tid // 32) * R
-                if twin < n:
-                    if lane == 0:
-                        rows = cutlass.min(n - twin, R)
-                        for s in cutlass.range_constexpr(S):
-                            P.prefetch_l2_bulk(w.iterator.toint() + Int64(twin + s * n) * (2 * K), rows * (2 * K))
-            pre_bytes = min(L + 1, len(batches)) * B * 512      # per row, already requested into registers
-            if cutlass.const_expr(self.cfg.l2_rest and pre_bytes < 2 * K):
-                if lane == 0:
-                    for r, s in streams:
-                        row = cutlass.min(row0 + r, n - 1) + s * n
-                        P.prefetch_l2_bulk(w.iterator.toint() + Int64(row) * (2 * K) + pre_bytes, 2 * K - pre_bytes)
             if cutlass.const_expr(self.cfg.pdl):
                 cute.arch.griddepcontrol_wait()
                 cute.arch.griddepcontrol_launch_dependents()
@@ -285,9 +261,6 @@ def compile_gemv(k: int, m: int, cfg: GemvConfig, residual: bool, out_fp32: bool
         raise ValueError("the split epilogue writes fp32 head rows and bf16 tail rows, no residual: not compiled")
     if norm and (glu is not None or split):
         raise ValueError("the norm prologue is for plain projections (no GLU, no split): not compiled")
-    if (cfg.l2_ahead or cfg.l2_rest) and (cfg.ctas_per_sm or not cfg.pdl):
-        raise ValueError("l2_ahead / l2_rest prefetch during the PDL wait: they need pdl=True and one CTA per "
-                         "row group (ctas_per_sm=0)")
 
     def build(arch: str):
         import cutlass

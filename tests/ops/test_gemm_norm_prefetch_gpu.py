@@ -76,9 +76,7 @@ def _gemv_cfgs():
     from latency_specialized.kernels.gemm_gemv import GemvConfig
 
     return (GemvConfig(rows_per_warp=1), GemvConfig(rows_per_warp=2, pdl=False),
-            GemvConfig(rows_per_warp=2, lookahead=1), GemvConfig(batch=4, lookahead=2),
-            # L2 prefetch modes: a small distance so the twin row groups exist at every N (incl. partial ones)
-            GemvConfig(rows_per_warp=2, l2_ahead=3, l2_rest=True), GemvConfig(batch=2, l2_ahead=1, l2_rest=True))
+            GemvConfig(rows_per_warp=2, lookahead=1), GemvConfig(batch=4, lookahead=2))
 
 
 def _small_m_cfgs(m, n, k):

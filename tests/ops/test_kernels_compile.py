@@ -71,26 +71,6 @@ def test_gemv_lookahead_issues_more_batches_before_the_wait(sm90):
 
 
 @needs_cute
-def test_gemv_l2_prefetches_are_issued_before_the_wait(sm90):
-    """l2_ahead / l2_rest: bulk L2 prefetches (twin row group, rest of own rows) precede griddepcontrol.wait;
-    the register loads are unchanged; without PDL or with persistent CTAs the options are refused."""
-    from latency_specialized.kernels.gemm_gemv import GemvConfig, compile_gemv
-
-    for cfg, n_pref in ((GemvConfig(l2_ahead=1320), 1), (GemvConfig(l2_rest=True), 1),
-                        (GemvConfig(rows_per_warp=2, l2_ahead=8, l2_rest=True), 3)):
-        p = _ptx(compile_gemv(7168, 1, cfg, False))
-        assert p.count(WEIGHT_LOAD) == 7168 // 8 // 32 * cfg.rows_per_warp, cfg.label()
-        assert p.count("cp.async.bulk.prefetch.L2.global") == n_pref, cfg.label()
-        assert p.rindex("cp.async.bulk.prefetch.L2.global") < p.index("griddepcontrol.wait"), cfg.label()
-    # a row of K=1536 is one register batch: nothing left for l2_rest to request
-    assert "cp.async.bulk.prefetch" not in _ptx(compile_gemv(1536, 1, GemvConfig(l2_rest=True), False))
-    assert GemvConfig(l2_ahead=1320, l2_rest=True).label() == "r1w4b8l1320lrp"
-    for bad in (GemvConfig(l2_ahead=4, pdl=False), GemvConfig(l2_rest=True, ctas_per_sm=2)):
-        with pytest.raises(ValueError, match="PDL wait"):
-            compile_gemv(7168, 1, bad, False)
-
-
-@needs_cute
 def test_gemv_glu_epilogue_streams_gate_and_up_rows(sm90):
     """GLU mode: two weight rows per output row, bf16-rounded sums, the activation, one bf16 store."""
     from latency_specialized.kernels.gemm_gemv import GemvConfig, compile_gemv
