@@ -47,8 +47,10 @@ def compile_units(sweep_only: bool = False) -> list:
                      routed_scaling=2.5), torch.float32, True, torch.int64),
         (256, 8, dict(score_func="sigmoid", renormalize=False, routed_scaling=2.5), torch.float32, True, torch.int64),
     ]:
-        cfg = mr.make_config(_meta(1, E, dtype=ldt), _meta(E) if bias else None, k, RouterSpec(**rkw), idt)
-        units.append((mr._compile, (cfg,)))
+        for sort in (None, False):  # the default (sort where it applies) and the rounds kernel
+            cfg = mr.make_config(_meta(1, E, dtype=ldt), _meta(E) if bias else None, k, RouterSpec(**rkw), idt,
+                                 sort=sort)
+            units.append((mr._compile, (cfg,)))
     # experts: (M, K, I, N, k, activation, dtype, tuning)
     from latency_specialized.bench.ops_bench_moe_kda import EXPERT_VARIANTS, EXPERT_VARIANTS_MULTI
 

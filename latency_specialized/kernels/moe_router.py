@@ -53,6 +53,11 @@ class RouterConfig:
     pdl: bool = True
     """Programmatic dependent launch: launched while the logits' producer drains (it waits before
     reading them) and lets the experts kernel launch early in turn."""
+    sort: bool = False
+    """One CTA per token, one thread per expert (E <= 1024, top_k <= 16, no softmax): every warp
+    bitonic-sorts its 32 (key, id) pairs in registers (15 shuffle stages), then a tree of bitonic
+    merges (5 stages each, one block barrier per level) keeps the top 16 of two lists at a time:
+    ~log2(E/32) + 1 short steps instead of top_k serial rounds of warp argmax."""
 
 
 def _build_kernel_class():
@@ -67,12 +72,19 @@ def _build_kernel_class():
             self.cfg = cfg
             self.slots = (cfg.num_experts + 32 * cfg.split - 1) // (32 * cfg.split)  # experts per lane
             self.cand_slots = (cfg.split * cfg.top_k + 31) // 32  # merge candidates per lane (split > 1)
+            self.sort_warps = (cfg.num_experts + 31) // 32          # sort: one thread per expert
+            self.sort_stages = [(k >> (d + 1), k) for k in (2, 4, 8, 16, 32) for d in range(k.bit_length() - 1)]
+            self.merge_strides = [1 << i for i in range(max(1, self.sort_warps - 1).bit_length())
+                                  if (1 << i) < self.sort_warps]
 
         @cute.jit
         def __call__(self, logits: cute.Tensor, bias: cute.Tensor, w_out: cute.Tensor, ids_out: cute.Tensor,
                      stream):
             m_tokens = logits.shape[0]
-            if cutlass.const_expr(self.cfg.split == 1):
+            if cutlass.const_expr(self.cfg.sort):
+                self.sort_kernel(logits, bias, w_out, ids_out).launch(
+                    grid=[m_tokens, 1, 1], block=[32 * self.sort_warps, 1, 1], stream=stream, use_pdl=self.cfg.pdl)
+            elif cutlass.const_expr(self.cfg.split == 1):
                 grid = (m_tokens + WARPS_PER_CTA - 1) // WARPS_PER_CTA
                 self.kernel(logits, bias, w_out, ids_out).launch(
                     grid=[grid, 1, 1], block=[32 * WARPS_PER_CTA, 1, 1], stream=stream, use_pdl=self.cfg.pdl)
@@ -302,6 +314,73 @@ def _build_kernel_class():
                             top = self._max_below(cands, top)
                 self._weights_out(logits, w_out, ids_out, m, lane, fin_id, vmax, inv_sum)
 
+        def _cmpx(self, key, eid, lane, j: int, k: int):
+            """One bitonic compare-exchange with lane ^ j: the pair's larger (key, then lower id) goes to
+            the lower lane where block k runs descending ((lane & k) == 0), to the upper lane elsewhere.
+            Plain Python over DSL values (selects, no branches): traced inline, j and k fixed."""
+            sel = cutlass.select_
+            pk = cute.arch.shuffle_sync_bfly(key, j).to(Uint32)   # (the shuffle returns Int32 bits)
+            pe = cute.arch.shuffle_sync_bfly(eid, j).to(Int32)
+            def bit(cond):
+                return Int32(sel(cond, Int32(1), Int32(0)))
+
+            p_gt = bit(pk > key) | (bit(pk == key) & bit(pe < eid))
+            take_max = bit((lane & j) == 0)                              # lower lane of the pair
+            if k < 32:                                                   # trace time: block direction
+                take_max = Int32(1) - (take_max ^ bit((lane & k) == 0))
+            swap = p_gt == take_max                                      # the partner's element belongs here
+            return Uint32(sel(swap, pk, key)), Int32(sel(swap, pe, eid))
+
+        @cute.kernel
+        def sort_kernel(self, logits: cute.Tensor, bias: cute.Tensor, w_out: cute.Tensor, ids_out: cute.Tensor):
+            """One token per CTA, thread t scores expert t; warp sorts, then a merge tree (see RouterConfig.sort)."""
+            cfg = self.cfg
+            E = cfg.num_experts
+            W = self.sort_warps
+            LIST: cutlass.Constexpr = 16  # entries a warp's list keeps (top_k <= 16)
+            tidx, _, _ = cute.arch.thread_idx()
+            m, _, _ = cute.arch.block_idx()
+            lane = tidx % 32
+            wid = tidx // 32
+            smem = SmemAllocator()
+            s_key = smem.allocate_tensor(Uint32, cute.make_layout(W * LIST), byte_alignment=16)
+            s_id = smem.allocate_tensor(Int32, cute.make_layout(W * LIST), byte_alignment=16)
+            self._pdl_wait()
+            ec = cutlass.min(tidx, Int32(E - 1))
+            sel = self._score(logits[m, ec].to(Float32), Float32(0.0), Float32(1.0))
+            if cutlass.const_expr(cfg.has_bias):
+                sel = sel + bias[ec].to(Float32)
+            key = self._key(sel)
+            if cutlass.const_expr(W * 32 > E):
+                if tidx >= E:
+                    key = Uint32(0)   # below every real key: never selected while top_k <= E
+            eid = Int32(tidx)
+            # 1. the warp's 32 pairs sorted descending (bitonic network, registers + shuffles)
+            for st in cutlass.range_constexpr(len(self.sort_stages)):
+                key, eid = self._cmpx(key, eid, lane, self.sort_stages[st][0], self.sort_stages[st][1])
+            # 2. merge tree: at stride s, warp w (w % 2s == 0) takes the top LIST of warp w + s into lanes
+            # 16..31 reversed (a bitonic sequence with its own lanes 0..15) and half-cleans it: 5 stages.
+            # Writers of a level (w % 2s == s) use slots no reader of the previous level touches: one
+            # barrier per level.
+            for lv in cutlass.range_constexpr(len(self.merge_strides)):
+                st = self.merge_strides[lv]
+                if wid % (2 * st) == st:
+                    if lane < LIST:
+                        s_key[wid * LIST + lane] = key
+                        s_id[wid * LIST + lane] = eid
+                cute.arch.barrier()
+                if wid % (2 * st) == 0:
+                    if wid + st < W:
+                        if lane >= LIST:
+                            src = (wid + st) * LIST + (31 - lane)
+                            key = s_key[src]
+                            eid = s_id[src]
+                        for jj in cutlass.range_constexpr(5):
+                            key, eid = self._cmpx(key, eid, lane, 16 >> jj, 64)
+            # 3. warp 0, lane r < top_k: winner r (rank order, as the other kernels)
+            if wid == 0:
+                self._weights_out(logits, w_out, ids_out, m, lane, eid, Float32(0.0), Float32(1.0))
+
         def _max_below(self, vals, below):
             """max of ``vals`` (Uint64), only those < ``below`` when given (0 if none): unrolled tree."""
             if below is not None:
@@ -344,6 +423,25 @@ SPLIT_MAX_TOKENS = 16
 SPLIT_WARPS = 4
 
 
+SORT_MAX_TOKENS = 64
+"""Batches up to this many tokens use the sort kernel where it applies (see RouterConfig.sort)."""
+SORT_MAX_EXPERTS = 1024
+"""One thread per expert in one CTA."""
+SORT_MAX_TOP_K = 16
+"""A warp's list keeps 16 entries."""
+
+
+def sort_applies(num_experts: int, top_k: int, score_func: str) -> str | None:
+    """None when the sort kernel can route this router, else why not."""
+    if score_func == "softmax":
+        return "softmax scores need row statistics over all experts"
+    if num_experts > SORT_MAX_EXPERTS:
+        return f"E={num_experts} > {SORT_MAX_EXPERTS} (one thread per expert)"
+    if top_k > SORT_MAX_TOP_K:
+        return f"top_k={top_k} > {SORT_MAX_TOP_K}"
+    return None
+
+
 def choose_split(tokens: int, num_experts: int, top_k: int, score_func: str) -> int:
     """Warps per token for a batch of ``tokens`` (1 = one warp scans all experts)."""
     if score_func == "softmax" or tokens > SPLIT_MAX_TOKENS:
@@ -353,7 +451,8 @@ def choose_split(tokens: int, num_experts: int, top_k: int, score_func: str) -> 
 
 
 def make_config(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, router: RouterSpec,
-                ids_dtype: torch.dtype = torch.int64, split: int | None = None) -> RouterConfig:
+                ids_dtype: torch.dtype = torch.int64, split: int | None = None,
+                sort: bool | None = None) -> RouterConfig:
     """The compile key for one call (validates what the kernel supports; UserError names the fix)."""
     if logits.dim() != 2:
         raise UserError(f"moe router: logits must be [M, E], got shape {tuple(logits.shape)}")
@@ -366,6 +465,13 @@ def make_config(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, rou
     use_bias = bias is not None and router.bias_corrected
     if use_bias and tuple(bias.shape) != (E,):
         raise UserError(f"moe router: bias must be [E={E}], got {tuple(bias.shape)}")
+    why_not = sort_applies(E, top_k, router.score_func)
+    if sort is None:
+        sort = why_not is None and logits.shape[0] <= SORT_MAX_TOKENS and split is None
+    if sort:
+        if why_not is not None:
+            raise UserError(f"moe router: sort kernel: {why_not}; use sort=False")
+        split = 1
     if split is None:
         split = choose_split(logits.shape[0], E, top_k, router.score_func)
     if split > 1 and (router.score_func == "softmax" or E // split < top_k):
@@ -373,12 +479,13 @@ def make_config(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, rou
                         f"(E={E}, top_k={top_k}, score={router.score_func}); use split=1")
     return RouterConfig(E, top_k, router.score_func, float(router.logit_scale), use_bias, router.renormalize,
                         float(router.renormalize_eps), float(router.routed_scaling), _dtype_name(logits.dtype),
-                        _dtype_name(bias.dtype) if use_bias else "float32", _dtype_name(ids_dtype), split)
+                        _dtype_name(bias.dtype) if use_bias else "float32", _dtype_name(ids_dtype), split,
+                        sort=bool(sort))
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, router: RouterSpec, *,
           out_weights: torch.Tensor | None = None, out_ids: torch.Tensor | None = None,
-          split: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          split: int | None = None, sort: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k routing on the GPU (same contract as ``ops.moe.route_reference``).
 
     Parameters
@@ -386,7 +493,9 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, router: R
     logits : [M, E] router logits (fp32, bf16 or fp16; unit stride along E).
     bias : [E] selection bias or None. top_k : experts per token (<= 32). router : RouterSpec.
     out_weights : optional [M, top_k] fp32 destination. out_ids : optional [M, top_k] int64/int32.
-    split : warps per token (default: ``choose_split`` for this M).
+    split : warps per token of the rounds kernel (default: ``choose_split`` for this M).
+    sort : the sort kernel (default: where it applies, up to ``SORT_MAX_TOKENS`` tokens, unless a
+        ``split`` is given).
 
     Returns
     -------
@@ -395,7 +504,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, router: R
     """
     M = logits.shape[0]
     ids_dtype = out_ids.dtype if out_ids is not None else torch.int64
-    cfg = make_config(logits, bias, top_k, router, ids_dtype, split)
+    cfg = make_config(logits, bias, top_k, router, ids_dtype, split, sort)
     fn = _compile(cfg)
     w = out_weights if out_weights is not None else torch.empty(M, top_k, dtype=torch.float32,
                                                                 device=logits.device)
@@ -427,8 +536,9 @@ def prepare(ctx: OpContext, router: RouterSpec, logits_dtype: torch.dtype = torc
 
 IMPLEMENTATIONS = [
     Implementation("moe.router", "moe.router.cutedsl", route, _supports, priority=10,
-                   description="ordered-key redux.sync top-k (1 warp per token; 4 warps + a merge at <= 16 tokens), "
-                               "renormalise, scale"),
+                   description="ordered-key top-k: warp bitonic sorts + a merge tree (one thread per expert, "
+                               "E <= 1024, top_k <= 16), else redux.sync rounds (1 warp per token; 4 warps + a merge "
+                               "at <= 16 tokens); renormalise, scale"),
 ]
 
 __all__ = ["route", "RouterConfig", "make_config", "prepare", "IMPLEMENTATIONS"]

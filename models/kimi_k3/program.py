@@ -145,6 +145,13 @@ def _arrange(spec: KimiK3Spec, w: Mapping[str, torch.Tensor]) -> list[_Layer]:
     return layers
 
 
+SHARED_FORK_LATE_MAX_BATCH = 0
+"""Largest bucket whose shared experts fork onto their side stream only after the router's inputs
+(logits, latent) are computed, instead of at the start of the MoE block. Early, the shared experts'
+33 MB (TP8) compete for DRAM and SMs with the small router/latent projection that the routed path
+waits on (H200 profile at batch 1: that 8 MB kernel took 15 us beside them); late, they fill the
+router kernel's idle DRAM instead. 0: always early."""
+
 ROUTER_SIDE_MIN_BATCH = 2
 """Smallest bucket whose router GEMM runs on its own stream beside the latent down-projection. H200
 layer bench (TP8 shard): batch 2-64 gained 2.7-9 us per layer; batch 1 lost ~1.7 us (its router GEMM
@@ -378,8 +385,12 @@ class KimiK3Program:
         eps, b = self.spec.norm.eps, h.shape[0]
         # the shared experts depend only on h: fork them onto the side stream (graph branch) so they
         # overlap the router, the latent down-projection and the routed experts; joined before latent_up
-        pending = self.side.run(ops[f"{kind}/moe.shared"], h, w["shared_gate_up"], w["shared_down"], f.activation) \
-            if (self.side is not None and f.num_shared_experts) else None
+        def fork_shared():
+            return self.side.run(ops[f"{kind}/moe.shared"], h, w["shared_gate_up"], w["shared_down"], f.activation) \
+                if (self.side is not None and f.num_shared_experts) else None
+
+        late = b <= SHARED_FORK_LATE_MAX_BATCH
+        pending = None if late else fork_shared()
         # fp32 router logits from the bf16 router weight (vLLM's GateLinear: bf16 x bf16 -> fp32) and
         # the latent input: at TP > 1 each rank computes its slice of both (experts r*E/tp.., latent
         # channels r*L/tp..) and one all-gather joins them - no rank repeats another's weight reads
@@ -393,6 +404,8 @@ class KimiK3Program:
         else:
             logits = ops[f"{kind}/moe.router_gemm"](h, w["gate"], out_dtype=logits_dtype)
             x = ops[f"{kind}/moe.latent_down"](h, w["down"])
+        if late:
+            pending = fork_shared()
         if self.tp > 1:
             logits, x = self._communicate(f"{kind}/moe.all_gather", b, gather_parts, self.comm, [logits, x])
         weights, ids = ops[f"{kind}/moe.router"](logits, w["bias"], f.top_k, f.router)

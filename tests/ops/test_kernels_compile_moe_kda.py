@@ -40,7 +40,8 @@ def _count(ptx: str, pattern: str) -> int:
 def test_router_compiles_with_redux_topk():
     from latency_specialized.kernels import moe_router as mr
 
-    cfg = mr.make_config(_meta(1, 896), _meta(896), 16, RouterSpec(score_func="sigmoid"))
+    cfg = mr.make_config(_meta(1, 896), _meta(896), 16, RouterSpec(score_func="sigmoid"), split=1)
+    assert not cfg.sort  # an explicit split picks the rounds kernel
     ptx = mr.ptx_of(mr._compile(cfg))
     assert ptx is not None and ".target sm_90a" in ptx
     assert _count(ptx, r"redux\.sync\.max\.u32") >= 1  # ordered-key argmax
@@ -49,13 +50,36 @@ def test_router_compiles_with_redux_topk():
     # PDL: the logits (another kernel's output) are read only after griddepcontrol.wait
     assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
     # batch <= 16: 4 warps per token, each selects among 224 experts, warp 0 merges 64 candidates
-    split = mr.make_config(_meta(8, 896), _meta(896), 16, RouterSpec(score_func="sigmoid"))
-    assert split.split == 4 and mr.make_config(_meta(64, 896), _meta(896), 16, RouterSpec(score_func="sigmoid")).split == 1
+    split = mr.make_config(_meta(8, 896), _meta(896), 16, RouterSpec(score_func="sigmoid"), sort=False)
+    assert split.split == 4
+    assert mr.make_config(_meta(64, 896), _meta(896), 16, RouterSpec(score_func="sigmoid"), sort=False).split == 1
     sptx = mr.ptx_of(mr._compile(split))
     assert _count(sptx, r"redux\.sync\.max\.u32") >= 2 and "bar.sync" in sptx and ".local" not in sptx
     assert sptx.index("griddepcontrol.wait") < sptx.index("ld.global")
     with pytest.raises(UserError, match="split"):
         mr.make_config(_meta(1, 896), _meta(896), 16, RouterSpec(score_func="softmax"), split=4)
+
+
+@needs_cute
+def test_router_sort_kernel_compiles_to_a_shuffle_network():
+    """sort: one thread per expert; 15 bitonic stages per warp + 5 merge stages per tree level (2 shuffles
+    each: key and id), one barrier per level, no local memory; chosen by default where it applies."""
+    from latency_specialized.kernels import moe_router as mr
+
+    sig = RouterSpec(score_func="sigmoid")
+    for E, k, levels in ((896, 16, 5), (256, 8, 3), (20, 7, 0)):
+        cfg = mr.make_config(_meta(1, E), _meta(E), k, sig)
+        assert cfg.sort and cfg.split == 1, (E, k)
+        ptx = mr.ptx_of(mr._compile(cfg))
+        assert _count(ptx, r"shfl\.sync\.bfly") == 2 * (15 + 5 * levels) + 5, (E, k)  # + renormalising sum
+        assert _count(ptx, r"bar\.sync") == levels and ".local" not in ptx and "redux.sync" not in ptx
+        assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+    assert not mr.make_config(_meta(65, 896), _meta(896), 16, sig).sort  # above SORT_MAX_TOKENS
+    for E, k, score, why in ((896, 17, "sigmoid", "top_k=17"), (1100, 8, "sigmoid", "E=1100"),
+                             (64, 4, "softmax", "softmax")):
+        assert not mr.make_config(_meta(1, E), _meta(E), k, RouterSpec(score_func=score)).sort
+        with pytest.raises(UserError, match=why):
+            mr.make_config(_meta(1, E), _meta(E), k, RouterSpec(score_func=score), sort=True)
 
 
 @needs_cute

@@ -40,23 +40,41 @@ ROUTER_CASES = [
     ("softmax_nobias_odd", 37, 5, 3, dict(score_func="softmax", logit_scale=0.7, bias_corrected=False,
                                           renormalize_eps=1e-6, routed_scaling=2.5), torch.float32),
     ("glm_no_renorm", 256, 8, 2, dict(score_func="sigmoid", renormalize=False, routed_scaling=2.5), torch.float32),
+    # sort kernel edges: one warp (E < 32), a partial last warp, the 1024-expert limit
+    ("sort_one_warp", 20, 7, 3, dict(score_func="sigmoid"), torch.float32),
+    ("sort_1024_k16", 1024, 16, 4, dict(score_func="sqrtsoftplus"), torch.float32),
+    ("sort_odd_e_k1", 999, 1, 2, dict(score_func="sigmoid"), torch.float32),
 ]
 
 
+def _router_kernels(E, top_k, router) -> list[bool]:
+    """The kernels (sort=False: redux rounds; sort=True: sort + merge tree) that can route this router."""
+    from latency_specialized.kernels.moe_router import sort_applies
+
+    return [False] + ([True] if sort_applies(E, top_k, router.score_func) is None else [])
+
+
 def _route_and_check(logits, bias, top_k, router, ids_dtype=torch.int64):
+    """Every applicable router kernel vs the reference: exact ids, weights to fp32 rounding; the two
+    kernels' weights bit-identical (same winner order, same renormalisation)."""
     from latency_specialized.kernels.moe_router import route
 
     M = logits.shape[0]
-    w = torch.full((M, top_k), float("nan"), device=DEV)
-    ids = torch.full((M, top_k), -1, dtype=ids_dtype, device=DEV)
-    route(logits, bias, top_k, router, out_weights=w, out_ids=ids)
-    torch.cuda.synchronize()
-    assert not torch.isnan(w).any(), "router left weights unwritten"
-    assert not (ids < 0).any(), "router left ids unwritten"
     rw, rids = route_reference(logits, bias, top_k, router)
-    assert torch.equal(ids.long(), rids), f"ids differ:\n{ids}\n{rids}"
-    torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)
-    return w, ids
+    results = []
+    for sort in _router_kernels(logits.shape[1], top_k, router):
+        w = torch.full((M, top_k), float("nan"), device=DEV)
+        ids = torch.full((M, top_k), -1, dtype=ids_dtype, device=DEV)
+        route(logits, bias, top_k, router, out_weights=w, out_ids=ids, sort=sort)
+        torch.cuda.synchronize()
+        assert not torch.isnan(w).any(), f"router (sort={sort}) left weights unwritten"
+        assert not (ids < 0).any(), f"router (sort={sort}) left ids unwritten"
+        assert torch.equal(ids.long(), rids), f"ids differ (sort={sort}):\n{ids}\n{rids}"
+        torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)
+        results.append((w, ids))
+    for w, ids in results[1:]:
+        assert torch.equal(w, results[0][0]) and torch.equal(ids, results[0][1])
+    return results[-1]
 
 
 @pytest.mark.parametrize("name,E,top_k,M,rkw,ldt", ROUTER_CASES, ids=[c[0] for c in ROUTER_CASES])
@@ -88,10 +106,11 @@ def test_router_int32_ids_and_graph_replay():
     logits = torch.randn(M, E, generator=g, device=DEV)
     bias = torch.randn(E, generator=g, device=DEV) * 0.1
     w_e, ids_e = _route_and_check(logits, bias, k, router, ids_dtype=torch.int32)
-    w = torch.full_like(w_e, float("nan"))
-    ids = torch.full_like(ids_e, -1)
-    _graph_replay(lambda: route(logits, bias, k, router, out_weights=w, out_ids=ids))
-    assert torch.equal(w, w_e) and torch.equal(ids, ids_e)
+    for sort in _router_kernels(E, k, router):
+        w = torch.full_like(w_e, float("nan"))
+        ids = torch.full_like(ids_e, -1)
+        _graph_replay(lambda: route(logits, bias, k, router, out_weights=w, out_ids=ids, sort=sort))
+        assert torch.equal(w, w_e) and torch.equal(ids, ids_e)
 
 
 # ---------------------------------------------------------------------------------------- experts
