@@ -145,12 +145,14 @@ def _arrange(spec: KimiK3Spec, w: Mapping[str, torch.Tensor]) -> list[_Layer]:
     return layers
 
 
-SHARED_FORK_LATE_MAX_BATCH = 0
+SHARED_FORK_LATE_MAX_BATCH = 1
 """Largest bucket whose shared experts fork onto their side stream only after the router's inputs
 (logits, latent) are computed, instead of at the start of the MoE block. Early, the shared experts'
 33 MB (TP8) compete for DRAM and SMs with the small router/latent projection that the routed path
 waits on (H200 profile at batch 1: that 8 MB kernel took 15 us beside them); late, they fill the
-router kernel's idle DRAM instead. 0: always early."""
+router kernel's idle DRAM instead. H200 layer A/B (TP8 shard, same machine, two runs each): batch 1
+KDA 110.4 / 111.9 -> 108.6 / 109.4 us, MLA 120.9 / 120.5 -> 119.3 / 119.0 us; batch 2 KDA lost 3.3-6.9 us,
+batch 8 KDA gained 11 us but MLA lost 5 us: late at batch 1 only. 0: always early."""
 
 ROUTER_SIDE_MIN_BATCH = 2
 """Smallest bucket whose router GEMM runs on its own stream beside the latent down-projection. H200
