@@ -76,7 +76,8 @@ class ExcludedCommunicator:
     * ``all_reduce`` returns its input (the other ranks' partial sums are not added);
     * ``all_gather`` writes this rank's slice into a static buffer (one copy kernel) whose other
       ranks' slices were filled once with N(0, stand_in_std) values - so a gathered router's
-      top-k sees logits of a realistic scale for the other ranks' experts, not zeros or copies.
+      top-k sees logits of a realistic scale for the other ranks' experts, not zeros or copies;
+      a producer may write into that slice directly (``gather_slot``): no copy then.
 
     Numbers that go through it are NOT those of a real group: use it for timing only.
     """
@@ -97,18 +98,36 @@ class ExcludedCommunicator:
 
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
         dim = dim % t.dim()
-        key = (tuple(t.shape), dim, t.dtype, t.device)
+        buf, mine = self.gather_slot(tuple(t.shape), t.dtype, t.device, dim)
+        if not _same_view(t, mine):   # a producer that wrote into gather_slot() needs no copy
+            mine.copy_(t)
+        return buf
+
+    def gather_slot(self, part_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
+                    dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gathered buffer, this rank's slice of it) for a part of ``part_shape``: a producer that
+        writes its output into the slice makes ``all_gather`` of that slice free of copies - as an
+        in-place all-gather would be on a real group (the bench excludes communication, not copies
+        of the stand-in's own making)."""
+        dim = dim % len(part_shape)
+        device = torch.device(device)
+        key = (tuple(part_shape), dim, dtype, device)
         buf = self._buffers.get(key)
-        width = t.shape[dim]
+        width = part_shape[dim]
         if buf is None:
-            shape = list(t.shape)
+            shape = list(part_shape)
             shape[dim] = width * self.world_size
             # seeded by creation order, not by data: two programs built alike get the same stand-ins
-            g = torch.Generator(device=t.device).manual_seed(self._seed + len(self._buffers))
-            if t.is_floating_point():
-                buf = (torch.randn(shape, generator=g, device=t.device) * self.stand_in_std).to(t.dtype)
+            g = torch.Generator(device=device).manual_seed(self._seed + len(self._buffers))
+            if dtype.is_floating_point:
+                buf = (torch.randn(shape, generator=g, device=device) * self.stand_in_std).to(dtype)
             else:
-                buf = torch.zeros(shape, dtype=t.dtype, device=t.device)
+                buf = torch.zeros(shape, dtype=dtype, device=device)
             self._buffers[key] = buf
-        buf.narrow(dim, self.rank * width, width).copy_(t)
-        return buf
+        return buf, buf.narrow(dim, self.rank * width, width)
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` are the same elements of the same storage (same start, shape, strides)."""
+    return (a.device == b.device and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+            and a.stride() == b.stride() and a.dtype == b.dtype)

@@ -69,10 +69,17 @@ class GemvConfig:
     """Batches requested ahead of the one being multiplied (0: a warp waits for each batch in turn;
     L: L more batches in flight, and L + 1 issued before the PDL wait)."""
 
+    k_split: int = 1
+    """Warps per output row group, each streaming 1/k_split of K (K a multiple of 256 x k_split): k_split x
+    more loads in flight for projections with few rows (router, latent down/up: N <= ~1000 rows leave most
+    of the GPU's load slots empty at one warp per row). Partial sums meet in shared memory, added in warp
+    order (deterministic)."""
+
     def label(self) -> str:
         cap = f"g{self.ctas_per_sm}" if self.ctas_per_sm else ""
         ahead = f"a{self.lookahead}" if self.lookahead else ""
-        return f"r{self.rows_per_warp}w{self.warps}b{self.batch}{ahead}{cap}{'p' if self.pdl else ''}"
+        ks = f"k{self.k_split}" if self.k_split > 1 else ""
+        return f"r{self.rows_per_warp}w{self.warps}b{self.batch}{ahead}{cap}{ks}{'p' if self.pdl else ''}"
 
 
 @functools.cache
@@ -80,6 +87,7 @@ def _kernel_class():
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64
+    from cutlass.memory import SmemAllocator
 
     from latency_specialized.kernels.gemm_common import ptx
     from latency_specialized.kernels.mlp_fused import gated_act_fn
@@ -104,7 +112,7 @@ def _kernel_class():
         def __call__(self, x: cute.Tensor, w: cute.Tensor, res: cute.Tensor, y: cute.Tensor, cap: Int32,
                      gain: cute.Tensor, eps: Float32, stream):
             n = w.shape[0] // self.parts           # output rows
-            rows_per_cta = self.cfg.warps * self.cfg.rows_per_warp
+            rows_per_cta = self.cfg.warps // self.cfg.k_split * self.cfg.rows_per_warp
             groups = (n + rows_per_cta - 1) // rows_per_cta
             self.kernel(x, w, res, y, n, groups, gain, eps).launch(
                 grid=[cutlass.min(groups, cap), 1, 1], block=[32 * self.cfg.warps, 1, 1],
@@ -134,24 +142,29 @@ def _kernel_class():
             B: cutlass.Constexpr = self.cfg.batch
             L: cutlass.Constexpr = self.cfg.lookahead
             S: cutlass.Constexpr = self.parts
+            KS: cutlass.Constexpr = self.cfg.k_split
             tid, _, _ = cute.arch.thread_idx()
             lane = tid % 32
-            row0 = (gi * self.cfg.warps + tid // 32) * R
+            warp = tid // 32
+            kp = warp % KS                          # this warp's part of K (k_split > 1)
+            row0 = (gi * (self.cfg.warps // KS) + warp // KS) * R
             tail_ok = Int32(lane < self.tail)
+            k_off = Int64(kp) * (self.iters // KS * 512) if KS > 1 else 0  # bytes into the row
             # Rows past N re-read row N-1 (always valid memory) and are never stored: no predicate
             # on the hot loads. Stream (r, s) is part s (GLU: 0 gate, 1 up) of output row row0 + r.
             streams = [(r, s) for r in range(R) for s in range(S)]
             w_base = {}
             for r, s in streams:
                 row = cutlass.min(row0 + r, n - 1) + s * n
-                w_base[(r, s)] = w.iterator.toint() + Int64(row) * (2 * K) + Int64(lane) * 16
+                w_base[(r, s)] = w.iterator.toint() + Int64(row) * (2 * K) + Int64(lane) * 16 + k_off
             if cutlass.const_expr(self.norm):   # x: a column slice of a wider row (dynamic row stride)
                 x_base = [x.iterator.toint() + Int64(m) * Int64(x.stride[0]) * 2 + Int64(lane) * 16 for m in range(M)]
                 g_base = gain.iterator.toint() + Int64(lane) * 16
             else:
-                x_base = [x.iterator.toint() + Int64(m * 2 * K) + Int64(lane) * 16 for m in range(M)]
+                x_base = [x.iterator.toint() + Int64(m * 2 * K) + Int64(lane) * 16 + k_off for m in range(M)]
             acc = {(rs, m): Float32(0.0) for rs in streams for m in range(M)}
-            batches = [list(range(b0, min(b0 + B, self.iters))) for b0 in range(0, self.iters, B)]
+            its_here = self.iters // KS            # 16-byte vectors per lane in this warp's part of K
+            batches = [list(range(b0, min(b0 + B, its_here))) for b0 in range(0, its_here, B)]
 
             def issue(its):
                 wv = {}
@@ -217,7 +230,21 @@ def _kernel_class():
                             acc[(rs, m)] = acc[(rs, m)] + t
             for key in acc:
                 acc[key] = cute.arch.warp_reduction_sum(acc[key])
-            if lane == 0:
+            if cutlass.const_expr(KS > 1):
+                # parts 1..KS-1 of each row group hand their sums to part 0 through shared memory; part 0
+                # adds them in part order (fixed: the result does not depend on warp timing)
+                keys = list(acc.keys())
+                nv = len(keys)
+                red = SmemAllocator().allocate_tensor(Float32, cute.make_layout(self.cfg.warps * nv), byte_alignment=16)
+                if kp > 0:
+                    if lane == 0:
+                        for v in cutlass.range_constexpr(nv):
+                            red[warp * nv + v] = acc[keys[v]]
+                cute.arch.barrier()
+                for j in cutlass.range_constexpr(1, KS):
+                    for v in cutlass.range_constexpr(nv):
+                        acc[keys[v]] = acc[keys[v]] + red[(warp + j) * nv + v]
+            if lane + kp == 0:                      # lane 0 of part 0 stores
                 for r in cutlass.range_constexpr(R):
                     row = row0 + r
                     if row < n:
@@ -261,6 +288,9 @@ def compile_gemv(k: int, m: int, cfg: GemvConfig, residual: bool, out_fp32: bool
         raise ValueError("the split epilogue writes fp32 head rows and bf16 tail rows, no residual: not compiled")
     if norm and (glu is not None or split):
         raise ValueError("the norm prologue is for plain projections (no GLU, no split): not compiled")
+    if cfg.k_split > 1 and (norm or cfg.ctas_per_sm or cfg.warps % cfg.k_split or k % (256 * cfg.k_split)):
+        raise ValueError(f"k_split={cfg.k_split} needs K % (256 x k_split) == 0 (K={k}), warps % k_split == 0, "
+                         "one CTA per row group and no norm prologue: not compiled")
 
     def build(arch: str):
         import cutlass
@@ -295,9 +325,17 @@ def compile_gemv(k: int, m: int, cfg: GemvConfig, residual: bool, out_fp32: bool
     return compile_cache.cached_compile(NAME, key, build)
 
 
+SMALL_N_ROWS = 1024
+"""Up to this many output rows the heuristic splits K over warps (``GemvConfig.k_split``): one warp per
+row leaves most load slots of the GPU empty there (e.g. the 560-row router + latent down-projection)."""
+
+
 def default_config(n: int, k: int, m: int) -> GemvConfig:
-    """Heuristic used where the tuning table has no entry (tests, shapes off the model)."""
-    return GemvConfig(rows_per_warp=2 if m == 1 and n >= 4096 else 1)
+    """Heuristic used where the tuning table has no entry (tests, shapes off the model, moe.gate_down)."""
+    ks = 1
+    if n <= SMALL_N_ROWS:
+        ks = 4 if k % 1024 == 0 else 2 if k % 512 == 0 else 1
+    return GemvConfig(rows_per_warp=2 if m == 1 and n >= 4096 else 1, k_split=ks)
 
 
 def gemm_gemv(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor | None = None,

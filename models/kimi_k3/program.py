@@ -397,15 +397,22 @@ class KimiK3Program:
         # the latent input: at TP > 1 each rank computes its slice of both (experts r*E/tp.., latent
         # channels r*L/tp..) and one all-gather joins them - no rank repeats another's weight reads
         logits_dtype = torch.promote_types(h.dtype, torch.float32)
+        # a communicator with gather slots (the one-GPU bench's stand-in) takes both slices in place: the
+        # projections write straight into its gathered buffers and the all-gather copies nothing
+        slot = getattr(self.comm, "gather_slot", None) if self.tp > 1 else None
+        lg_out = slot((b, w["gate"].shape[0]), logits_dtype, h.device)[1] if slot is not None else None
+        x_out = slot((b, w["down"].shape[0]), h.dtype, h.device)[1] if slot is not None else None
         if f"{kind}/moe.router_gemm" in self._skipped.get(b, {}):  # both from one weight stream, one kernel
-            logits, x = ops[f"{kind}/moe.gate_down"](h, w["gate_down"], w["gate"].shape[0])
+            logits, x = ops[f"{kind}/moe.gate_down"](h, w["gate_down"], w["gate"].shape[0], logits_out=lg_out,
+                                                     latent_out=x_out)
         elif self.router_side is not None and b >= ROUTER_SIDE_MIN_BATCH:  # a graph branch, joined before the router
-            routing = self.router_side.run(ops[f"{kind}/moe.router_gemm"], h, w["gate"], out_dtype=logits_dtype)
-            x = ops[f"{kind}/moe.latent_down"](h, w["down"])
+            routing = self.router_side.run(ops[f"{kind}/moe.router_gemm"], h, w["gate"], out_dtype=logits_dtype,
+                                           out=lg_out)
+            x = ops[f"{kind}/moe.latent_down"](h, w["down"], out=x_out)
             logits = routing.join()
         else:
-            logits = ops[f"{kind}/moe.router_gemm"](h, w["gate"], out_dtype=logits_dtype)
-            x = ops[f"{kind}/moe.latent_down"](h, w["down"])
+            logits = ops[f"{kind}/moe.router_gemm"](h, w["gate"], out_dtype=logits_dtype, out=lg_out)
+            x = ops[f"{kind}/moe.latent_down"](h, w["down"], out=x_out)
         if late:
             pending = fork_shared()
         if self.tp > 1:

@@ -89,3 +89,25 @@ def test_gather_parts_packs_mixed_dtypes_bit_exactly_over_one_all_gather():
     assert RankZeroOfTwo.calls == 1  # both parts in one collective
     assert torch.equal(full_l.view(torch.int32), torch.cat([logits, peer_logits], -1).view(torch.int32))  # -0.0 kept
     assert torch.equal(full_x, torch.cat([latent, peer_latent], -1))
+
+
+def test_excluded_communicator_gather_slot_lets_the_producer_write_in_place():
+    """A producer writing into gather_slot()'s slice: all_gather of that slice returns the buffer and
+    launches no copy (the values are already there); any other tensor is still copied in."""
+    from latency_specialized.comm.base import ExcludedCommunicator
+    from latency_specialized.ops.tp_moe import gather_parts
+
+    comm = ExcludedCommunicator(4, rank=2, seed=5)
+    buf, mine = comm.gather_slot((3, 6), torch.float32, "cpu")
+    assert buf.shape == (3, 24) and mine.data_ptr() == buf[:, 12:18].data_ptr() and mine.stride() == (24, 1)
+    stand_in = buf[:, :12].clone()
+    torch.manual_seed(0)
+    torch.mm(torch.randn(3, 4), torch.randn(4, 6), out=mine)   # the producer writes its slice in place
+    written = mine.clone()
+    full, = gather_parts(comm, [mine])
+    assert full.data_ptr() == buf.data_ptr() and torch.equal(full[:, 12:18], written)
+    assert torch.equal(full[:, :12], stand_in)
+    # the same buffer serves a producer that returns its own tensor (copied in, as before)
+    other = torch.randn(3, 6)
+    full2, = gather_parts(comm, [other])
+    assert full2.data_ptr() == buf.data_ptr() and torch.equal(full2[:, 12:18], other)

@@ -76,7 +76,13 @@ def _gemv_cfgs():
     from latency_specialized.kernels.gemm_gemv import GemvConfig
 
     return (GemvConfig(rows_per_warp=1), GemvConfig(rows_per_warp=2, pdl=False),
-            GemvConfig(rows_per_warp=2, lookahead=1), GemvConfig(batch=4, lookahead=2))
+            GemvConfig(rows_per_warp=2, lookahead=1), GemvConfig(batch=4, lookahead=2),
+            GemvConfig(k_split=2), GemvConfig(warps=8, rows_per_warp=2, k_split=4, batch=4))
+
+
+def _applies(cfg, k) -> bool:
+    """k_split needs K % (256 x k_split) == 0."""
+    return k % (256 * cfg.k_split) == 0
 
 
 def _small_m_cfgs(m, n, k):
@@ -105,7 +111,7 @@ def _precompile():
         yield
         return
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_%d%da" % torch.cuda.get_device_capability())
-    units = [(compile_gemv, (k, m, c, res)) for m, n, k, res in GEMV_CASES for c in _gemv_cfgs()]
+    units = [(compile_gemv, (k, m, c, res)) for m, n, k, res in GEMV_CASES for c in _gemv_cfgs() if _applies(c, k)]
     units += [(compile_mma, (k, c, res)) for m, n, k, res in SMALL_M_CASES for c in _small_m_cfgs(m, n, k)]
     units += [(compile_mma, (k, c, res)) for m, n, k, res in SPLITK_CASES for c in _splitk_cfgs(m, n, k)]
     units += [(compile_gemv if kind == "gemv" else compile_mma,
@@ -121,7 +127,7 @@ def test_gemv_matches_reference(m, n, k, residual, _seed):
 
     x, w, r = _gemm_inputs(m, n, k, residual)
     ref = gemm_reference(x, w, residual=r)
-    for cfg in _gemv_cfgs():
+    for cfg in [c for c in _gemv_cfgs() if _applies(c, k)]:
         out = _nan((m, n))
         gemm_gemv(x, w, residual=r, out=out, config=cfg)
         _close(out, ref, torch.bfloat16, f"gemv {cfg.label()} M={m} N={n} K={k}", _seed)
@@ -206,6 +212,26 @@ def test_gate_down_split_gemv_matches_reference_and_replays(m, n_gate, n_latent,
         both.copy_(torch.cat([logits, latent.float()], dim=1))
 
     _graph_equals_eager(run, both)
+
+
+@pytest.mark.parametrize("m,k_split", [(1, 4), (2, 2), (1, 1)])
+def test_gate_down_writes_into_strided_slices_of_wider_buffers(m, k_split, _seed):
+    """The program's TP path: logits and latent land in this rank's column slices of the gathered
+    buffers (row strides 4x wider); the rest of the buffers stays untouched."""
+    from latency_specialized.kernels.gemm_gemv import GemvConfig, gemv_split
+    from latency_specialized.ops.moe import gate_down_reference
+
+    k, n_gate, n_latent, ranks, rank = 7168, 112, 448, 4, 1
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    w = (torch.randn(n_gate + n_latent, k, device="cuda") * k ** -0.5).bfloat16()
+    ref_logits, ref_latent = gate_down_reference(x, w, n_gate)
+    lbuf, xbuf = _nan((m, ranks * n_gate), torch.float32), _nan((m, ranks * n_latent))
+    lo, xo = lbuf[:, rank * n_gate:(rank + 1) * n_gate], xbuf[:, rank * n_latent:(rank + 1) * n_latent]
+    gemv_split(x, w, n_gate, head_out=lo, tail_out=xo, config=GemvConfig(k_split=k_split))
+    assert (lo - ref_logits).abs().max().item() <= 1e-4 * ref_logits.abs().max().item()
+    _close(xo, ref_latent, torch.bfloat16, f"gate_down strided latent M={m}", _seed)
+    assert torch.isnan(lbuf[:, :rank * n_gate]).all() and torch.isnan(lbuf[:, (rank + 1) * n_gate:]).all()
+    assert torch.isnan(xbuf[:, :rank * n_latent]).all() and torch.isnan(xbuf[:, (rank + 1) * n_latent:]).all()
 
 
 @pytest.mark.parametrize("m,n,k,width", [(1, 2304, 1536, 3648), (2, 2304, 1536, 3648), (2, 1152, 1536, 1536),

@@ -71,6 +71,25 @@ def test_gemv_lookahead_issues_more_batches_before_the_wait(sm90):
 
 
 @needs_cute
+def test_gemv_k_split_streams_a_part_of_k_per_warp(sm90):
+    """k_split: each warp loads K/k_split of its row (fewer loads per warp, more warps per row), partial
+    sums meet over one barrier; the heuristic uses it for few rows; bad shapes are refused."""
+    from latency_specialized.kernels.gemm_gemv import GemvConfig, compile_gemv, default_config
+
+    for ks in (2, 4):
+        p = _ptx(compile_gemv(7168, 1, GemvConfig(k_split=ks), False))
+        assert p.count(WEIGHT_LOAD) == 7168 // 8 // 32 // ks and p.count("bar.sync") == 1
+    assert "bar.sync" not in _ptx(compile_gemv(7168, 1, GemvConfig(), False))
+    assert GemvConfig(k_split=4).label() == "r1w4b8k4p"
+    assert default_config(560, 7168, 1).k_split == 4 and default_config(896, 3584, 2).k_split == 2
+    assert default_config(6288, 7168, 1).k_split == 1 and default_config(1000, 448, 3).k_split == 1
+    for bad, k in ((GemvConfig(k_split=4), 3584), (GemvConfig(warps=6, k_split=4), 7168),
+                   (GemvConfig(k_split=2, ctas_per_sm=2), 7168)):
+        with pytest.raises(ValueError, match="k_split"):
+            compile_gemv(k, 1, bad, False)
+
+
+@needs_cute
 def test_gemv_glu_epilogue_streams_gate_and_up_rows(sm90):
     """GLU mode: two weight rows per output row, bf16-rounded sums, the activation, one bf16 store."""
     from latency_specialized.kernels.gemm_gemv import GemvConfig, compile_gemv
