@@ -242,8 +242,11 @@ def _kernel_class():
                             red[warp * nv + v] = acc[keys[v]]
                 cute.arch.barrier()
                 for j in cutlass.range_constexpr(1, KS):
+                    # part 0 reads parts 1..KS-1 of its group; the other parts (their sums unused) read
+                    # inside their group too, so no read leaves the buffer
+                    src = warp - kp + (kp + j) % KS
                     for v in cutlass.range_constexpr(nv):
-                        acc[keys[v]] = acc[keys[v]] + red[(warp + j) * nv + v]
+                        acc[keys[v]] = acc[keys[v]] + red[src * nv + v]
             if lane + kp == 0:                      # lane 0 of part 0 stores
                 for r in cutlass.range_constexpr(R):
                     row = row0 + r
