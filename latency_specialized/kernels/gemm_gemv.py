@@ -158,8 +158,10 @@ def _kernel_class():
                 row = cutlass.min(row0 + r, n - 1) + s * n
                 w_base[(r, s)] = w.iterator.toint() + Int64(row) * (2 * K) + Int64(lane) * 16 + k_off
             if cutlass.const_expr(self.norm):   # x: a column slice of a wider row (dynamic row stride)
-                x_base = [x.iterator.toint() + Int64(m) * Int64(x.stride[0]) * 2 + Int64(lane) * 16 for m in range(M)]
-                g_base = gain.iterator.toint() + Int64(lane) * 16
+                # the norm reads the whole row (x_row); the stream reads this warp's part (x_base, g_base)
+                x_row = [x.iterator.toint() + Int64(m) * Int64(x.stride[0]) * 2 + Int64(lane) * 16 for m in range(M)]
+                x_base = [xr + k_off for xr in x_row]
+                g_base = gain.iterator.toint() + Int64(lane) * 16 + k_off
             else:
                 x_base = [x.iterator.toint() + Int64(m * 2 * K) + Int64(lane) * 16 + k_off for m in range(M)]
             acc = {(rs, m): Float32(0.0) for rs in streams for m in range(M)}
@@ -190,7 +192,7 @@ def _kernel_class():
                 for m in cutlass.range_constexpr(M):
                     ss = Float32(0.0)
                     for i in cutlass.range_constexpr(self.iters):
-                        addr = x_base[m] + Int64(i * 512)
+                        addr = x_row[m] + Int64(i * 512)
                         if cutlass.const_expr(i == self.full):
                             xv = P.unpack_bf16x8(P.ld_act_if(addr, tail_ok))
                         else:
@@ -291,9 +293,9 @@ def compile_gemv(k: int, m: int, cfg: GemvConfig, residual: bool, out_fp32: bool
         raise ValueError("the split epilogue writes fp32 head rows and bf16 tail rows, no residual: not compiled")
     if norm and (glu is not None or split):
         raise ValueError("the norm prologue is for plain projections (no GLU, no split): not compiled")
-    if cfg.k_split > 1 and (norm or cfg.ctas_per_sm or cfg.warps % cfg.k_split or k % (256 * cfg.k_split)):
-        raise ValueError(f"k_split={cfg.k_split} needs K % (256 x k_split) == 0 (K={k}), warps % k_split == 0, "
-                         "one CTA per row group and no norm prologue: not compiled")
+    if cfg.k_split > 1 and (cfg.ctas_per_sm or cfg.warps % cfg.k_split or k % (256 * cfg.k_split)):
+        raise ValueError(f"k_split={cfg.k_split} needs K % (256 x k_split) == 0 (K={k}), warps % k_split == 0 "
+                         "and one CTA per row group: not compiled")
 
     def build(arch: str):
         import cutlass

@@ -245,11 +245,15 @@ def test_gemv_norm_prologue_matches_norm_then_gemm(m, n, k, width, _seed):
     x = wide[:, :k]
     w = (torch.randn(n, k, device="cuda") * k ** -0.5).bfloat16()
     g = (1 + 0.1 * torch.randn(k, device="cuda")).bfloat16()
+    from latency_specialized.kernels.gemm_gemv import GemvConfig
+
     ref = gemm_reference(x, w, norm_weight=g, norm_eps=1e-6)
-    out = _nan((m, n))
-    gemm_gemv(x, w, out=out, norm_weight=g, norm_eps=1e-6)
-    _close(out, ref, torch.bfloat16, f"gemv+norm M={m} N={n} K={k} stride {width}", _seed)
-    _graph_equals_eager(lambda: gemm_gemv(x, w, out=out, norm_weight=g, norm_eps=1e-6), out)
+    # the default config, and K split over warps (each warp normalises with the whole row's statistics)
+    for cfg in [None] + ([GemvConfig(k_split=2), GemvConfig(warps=6, k_split=3)] if k % 768 == 0 else []):
+        out = _nan((m, n))
+        gemm_gemv(x, w, out=out, norm_weight=g, norm_eps=1e-6, config=cfg)
+        _close(out, ref, torch.bfloat16, f"gemv+norm {cfg} M={m} N={n} K={k} stride {width}", _seed)
+        _graph_equals_eager(lambda: gemm_gemv(x, w, out=out, norm_weight=g, norm_eps=1e-6, config=cfg), out)
 
 
 @pytest.mark.parametrize("impl,m", [("small_m", 4), ("splitk", 4), ("splitk", 8), ("splitk", 16), ("small_m", 3)])
