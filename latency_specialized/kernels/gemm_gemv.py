@@ -515,10 +515,10 @@ def _gate_down_supports(ctx: OpContext) -> Support:
 
 
 IMPLEMENTATIONS = [
-    Implementation("gemm", NAME, gemm_gemv, _supports, priority=30, norm_prologue=True,
+    Implementation("gemm", NAME, gemm_gemv, _supports, priority=30, norm_prologue=True, strided_out=True,
                    description="CuTe DSL CUDA-core GEMV, M<=4: 16-B weight stream, warp shuffle, PDL prologue, "
                                "optional RMSNorm prologue"),
-    Implementation("moe.gate_down", GATE_DOWN_NAME, gate_down_gemv, _gate_down_supports, priority=30,
+    Implementation("moe.gate_down", GATE_DOWN_NAME, gate_down_gemv, _gate_down_supports, priority=30, strided_out=True,
                    description=f"router logits (fp32) + latent down-projection (bf16) in one GEMV, "
                                f"M<={GATE_DOWN_MAX_M}"),
 ]

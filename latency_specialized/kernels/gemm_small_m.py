@@ -337,6 +337,6 @@ def _supports(ctx: OpContext) -> Support:
 
 
 IMPLEMENTATIONS = [
-    Implementation("gemm", NAME, gemm_small_m, _supports, priority=20,
+    Implementation("gemm", NAME, gemm_small_m, _supports, priority=20, strided_out=True,
                    description="CuTe DSL mma.sync m16n8k16, weights as A loaded straight to registers, M<=16"),
 ]

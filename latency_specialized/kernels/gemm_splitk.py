@@ -60,6 +60,6 @@ def _supports(ctx: OpContext) -> Support:
 
 
 IMPLEMENTATIONS = [
-    Implementation("gemm", NAME, gemm_splitk, _supports, priority=10,
+    Implementation("gemm", NAME, gemm_splitk, _supports, priority=10, strided_out=True,
                    description="CuTe DSL mma.sync, K split over warps and a CTA cluster (DSMEM, fixed order), M<=64"),
 ]

@@ -105,6 +105,9 @@ class Implementation:
     strided_rows: bool = False
     """Takes a 2-D input ``x`` whose rows are strided (a column slice of a wider tensor: unit column
     stride, 16-byte aligned row starts) without copying it; else callers pass contiguous rows."""
+    strided_out: bool = False
+    """Writes its 2-D output(s) into ``out=`` tensors with strided rows (a column slice of a wider tensor)
+    directly, without a temporary and a copy: a program may then hand it a slice of a collective's buffer."""
     norm_prologue: bool = False
     """gemm: takes ``norm_weight=``/``norm_eps=`` and RMS-normalises x itself (y = rmsnorm(x) @ W^T, the
     norm rounded to the activation dtype as the norm op rounds it; x may be a strided column slice).

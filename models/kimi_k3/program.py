@@ -219,6 +219,8 @@ class KimiK3Program:
         self._ops: dict[int, dict[str, Callable[..., Any]]] = {}
         self._strided_ok: dict[int, set[str]] = {}
         """Per bucket, the sites whose implementation takes strided rows (no copy of a column slice)."""
+        self._strided_out: dict[int, set[str]] = {}
+        """Per bucket, the sites whose implementation writes a column slice of a wider tensor in place."""
         self._skipped: dict[int, dict[str, str]] = {}
         """Per bucket, the sites not called and why (``Plan.skipped_sites``): the sites a served
         ``moe.gate_down`` fuses (or that site itself where only its reference would serve), and the
@@ -226,6 +228,7 @@ class KimiK3Program:
         for bucket, plan in sorted(plans.items()):
             self._ops[bucket] = {c.site.name: self._counted(c.site.name, plan.impl(c.site.name)) for c in plan.choices}
             self._strided_ok[bucket] = {c.site.name for c in plan.choices if c.impl is not None and c.impl.strided_rows}
+            self._strided_out[bucket] = {c.site.name for c in plan.choices if c.impl is not None and c.impl.strided_out}
             self._skipped[bucket] = plan.skipped_sites()
             for c in plan.choices:
                 assert c.impl is not None  # plan.impl above raised otherwise
@@ -399,10 +402,17 @@ class KimiK3Program:
         logits_dtype = torch.promote_types(h.dtype, torch.float32)
         # a communicator with gather slots (the one-GPU bench's stand-in) takes both slices in place: the
         # projections write straight into its gathered buffers and the all-gather copies nothing
+        # (only for implementations that write such a slice without a temporary and a copy of their own)
         slot = getattr(self.comm, "gather_slot", None) if self.tp > 1 else None
-        lg_out = slot((b, w["gate"].shape[0]), logits_dtype, h.device)[1] if slot is not None else None
-        x_out = slot((b, w["down"].shape[0]), h.dtype, h.device)[1] if slot is not None else None
-        if f"{kind}/moe.router_gemm" in self._skipped.get(b, {}):  # both from one weight stream, one kernel
+        fused = f"{kind}/moe.router_gemm" in self._skipped.get(b, {})
+        in_place = self._strided_out.get(b, set())
+
+        def slot_for(site: str, n: int, dtype: torch.dtype) -> torch.Tensor | None:
+            return slot((b, n), dtype, h.device)[1] if slot is not None and f"{kind}/{site}" in in_place else None
+
+        lg_out = slot_for("moe.gate_down" if fused else "moe.router_gemm", w["gate"].shape[0], logits_dtype)
+        x_out = slot_for("moe.gate_down" if fused else "moe.latent_down", w["down"].shape[0], h.dtype)
+        if fused:  # both from one weight stream, one kernel
             logits, x = ops[f"{kind}/moe.gate_down"](h, w["gate_down"], w["gate"].shape[0], logits_out=lg_out,
                                                      latent_out=x_out)
         elif self.router_side is not None and b >= ROUTER_SIDE_MIN_BATCH:  # a graph branch, joined before the router
