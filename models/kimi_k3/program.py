@@ -389,7 +389,8 @@ class KimiK3Program:
     def _moe(self, ops, kind: str, f: MoESpec, w: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
         eps, b = self.spec.norm.eps, h.shape[0]
         # the shared experts depend only on h: fork them onto the side stream (graph branch) so they
-        # overlap the router, the latent down-projection and the routed experts; joined before latent_up
+        # overlap the router, the latent down-projection and the routed experts; joined before latent_up.
+        # Up to SHARED_FORK_LATE_MAX_BATCH the fork waits for the router inputs (see there)
         def fork_shared():
             return self.side.run(ops[f"{kind}/moe.shared"], h, w["shared_gate_up"], w["shared_down"], f.activation) \
                 if (self.side is not None and f.num_shared_experts) else None
