@@ -1,14 +1,22 @@
-"""CuTe DSL MoE routing kernel: scores, bias-corrected top-k, renormalise, scale (``moe.router``).
+"""CuTe DSL MoE routing kernels: scores, bias-corrected top-k, renormalise, scale (``moe.router``).
 
-One warp routes one token. Lane ``l`` owns experts ``l, l+32, l+64, ...`` (coalesced loads), so
-E=896 is 28 registers per lane. Selection works on 32-bit *ordered keys*: the fp32 selection
-value ``score + bias`` mapped to an unsigned integer whose order is the float order. A round of
-top-k is then two ``redux.sync`` (max key, then min expert id among lanes holding that key: ties
-go to the lower id, as the reference's stable sort does) and only the winning lane rescans its
-28 keys. No shared memory, no block barrier; ``M`` is symbolic (one compile per router config).
+Selection works on 32-bit *ordered keys*: the fp32 selection value ``score + bias`` mapped to an
+unsigned integer whose order is the float order; ties go to the lower expert id, as the
+reference's stable sort does. Two algorithms (``RouterConfig.sort``):
 
-The unbiased score of each winner is recomputed from its logit by the lane that keeps that slot,
-with exactly the instructions used for selection, so weights and selection agree bit for bit.
+* **sort** (default up to ``SORT_MAX_TOKENS`` tokens where E <= 1024, top_k <= 16 and the score needs
+  no row statistics): one CTA per token, thread ``t`` scores expert ``t``. Every warp sorts its 32
+  (key, id) pairs with a bitonic network of shuffles, then a tree of bitonic merges keeps the top 16
+  of two lists at a time (one block barrier per level): ~log2(E/32) + 1 short steps. 3.6 us per
+  call at batch 1 on the H200 (E=896, top-16).
+* **rounds**: one warp per token (or ``split`` warps and a merge at small batches); lane ``l`` owns
+  experts ``l, l+32, ...`` (E=896: 28 registers). A round of top-k is two ``redux.sync`` (max key,
+  then min expert id among the lanes holding it) and only the winning lane rescans its keys: top_k
+  serial rounds (5.9 us at batch 1). Serves softmax scores, larger E or top_k.
+
+In both, the unbiased score of winner ``r`` is recomputed from its logit by lane ``r`` of one warp
+with exactly the instructions used for selection, so weights and selection agree bit for bit, and
+the two algorithms' outputs are identical. ``M`` is symbolic (one compile per router config).
 """
 
 

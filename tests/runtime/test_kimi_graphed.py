@@ -105,6 +105,50 @@ def test_runner_over_kimi_program_equals_direct_steps_cpu():
     assert prog_a.calls["kda+moe/attn.kda"] > 0  # the program's op sites ran, not something else
 
 
+def test_tp_projections_write_into_the_gather_slots_where_the_implementation_writes_strided_out():
+    """TP=2 with the bench's excluded communicator: where the router / latent projections' implementation
+    declares ``strided_out``, they write into the communicator's gather buffers and the all-gather copies
+    nothing; the logits equal those of the copying path (same stand-ins, same values)."""
+    import dataclasses
+
+    from latency_specialized.comm.base import _same_view
+    from latency_specialized_models.kimi_k3.cache import KimiK3Cache
+
+    class Spy(ExcludedCommunicator):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.gathered, self.in_place = 0, 0
+
+        def all_gather(self, t, dim=-1):
+            self.gathered += 1
+            self.in_place += _same_view(t, self.gather_slot(tuple(t.shape), t.dtype, t.device, dim % t.dim())[1])
+            return super().all_gather(t, dim)
+
+    reg, spec, batch = get_registry(), tiny_spec(), 2
+    w = random_weights(spec, seed=3)
+    logits = {}
+    for mark in (False, True):
+        plan = build_plan(reg.adapter("kimi_k3"), reg.implementations, hardware.for_arch("cpu"), tp=2, batch=batch,
+                          variant="tiny")
+        if mark:  # the CPU references copy; declare the two projections' implementation strided_out
+            plan.choices = [dataclasses.replace(c, impl=dataclasses.replace(c.impl, strided_out=True))
+                            if c.site.name.endswith(("moe.router_gemm", "moe.latent_down")) else c
+                            for c in plan.choices]
+        cache = KimiK3Cache.for_sequences(spec.shard(2), plan.bucket, 64, block_size=4, shuffle_seed=3)
+        comm = Spy(2)
+        prog = KimiK3Program(spec, w, plan, cache, comm=comm)
+        buf = DecodeBuffers(BufferSpec(max_batch=plan.bucket, max_blocks_per_seq=len(cache.slots[0].blocks),
+                                       block_size=4, pad_state=0))
+        slots = cache.slots[:batch]
+        buf.load([5] * batch, [3 + i for i in range(batch)], [s.row for s in slots], cache.block_table(slots, "cpu"))
+        r = make_runner(prog, buf, use_graphs=False).run(StepState(num_seqs=batch), tokens=torch.tensor([7, 9]))
+        moe_layers = sum(1 for layer in spec.layers if layer.ffn.kind == "moe")
+        assert comm.gathered >= 2 * moe_layers
+        assert comm.in_place == (2 * moe_layers if mark else 0), (mark, comm.in_place)
+        logits[mark] = r.outputs["logits"].clone()
+    assert torch.equal(logits[True], logits[False])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 5])
 def test_kimi_program_graph_replay_equals_eager(batch):
