@@ -2,11 +2,14 @@
 
     latency-specialized bench --model kimi_k3 --tp 8 --batch 1,2,4,8,16,32,64 --context 4096,32768 [--layers K]
     latency-specialized bench --compare A.json B.json
+    latency-specialized bench --kinds kda --batch 1,2 --ab base --ab rounds:pkg.module.CONST=0 [--repeat 2]
 
 Runs on one GPU with random weights of the real per-rank shapes (communication excluded, and
 reported as such); writes JSON + Markdown + PNG under ``--out`` and prints progress per cell.
 ``--compare`` needs no GPU: it puts two result files side by side and flags regressions beyond the
-noise both runs measured. Method: latency_specialized/bench/layer_bench.py.
+noise both runs measured. ``--ab`` runs variants that differ by module constants or environment on
+this machine, interleaved, each in a fresh process, and summarises them against the first
+(latency_specialized/bench/ab.py). Method: latency_specialized/bench/layer_bench.py.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--out", default=DEFAULT_OUT, help=f"results directory (default {DEFAULT_OUT})")
     p.add_argument("--name", default=None, help="file stem (default bench_<model>_tp<tp>)")
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="compare two result files and exit")
+    p.add_argument("--ab", action="append", metavar="NAME[:MODULE.ATTR=VALUE,env.VAR=VALUE,...]",
+                   help="a variant of a same-machine A/B (repeat the flag; the first is the baseline)")
+    p.add_argument("--repeat", type=int, default=2, help="--ab: runs per variant, interleaved (default 2)")
     return p
 
 
@@ -56,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
         text, regressions = report.compare(a, b)
         print(text)
         return 1 if regressions else 0
+    if args.ab:
+        return _run_ab(args)
     from latency_specialized.bench.layer_bench import BenchConfig, run_bench
 
     cfg = BenchConfig(model=args.model, tp=args.tp, batches=_ints(args.batch), contexts=_ints(args.context),
@@ -80,4 +88,21 @@ def run(args: argparse.Namespace) -> int:
         paths.append(png)
     print(report.to_markdown(result))
     print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _run_ab(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from latency_specialized.bench import ab
+
+    variants = [ab.parse_variant(v) for v in args.ab]
+    argv = ["bench", "--model", args.model, "--tp", str(args.tp), "--batch", args.batch, "--context", args.context,
+            "--kinds", args.kinds, "--layers", str(args.layers), "--iters", str(args.iters), "--rounds", str(args.rounds)]
+    results = ab.run_ab(variants, argv, args.out, repeat=args.repeat, say=lambda m: print(m, flush=True))
+    text = ab.summarize(variants, results)
+    path = Path(args.out) / f"{args.name or 'ab'}.md"
+    path.write_text(text)
+    print(text)
+    print(f"wrote {path}")
     return 0
