@@ -119,7 +119,8 @@ def _subprocess_runner(cmd: list[str]) -> int:
 
 def run_ab(variants: Sequence[Variant], bench_argv: Sequence[str], out_dir: str | Path, *, repeat: int = 2,
            say: Callable[[str], None] = print, runner: Runner = _subprocess_runner) -> dict[str, list[dict]]:
-    """Run ``bench`` once per (repeat, variant), interleaved; return variant name -> list of result dicts."""
+    """Run ``bench`` once per (repeat, variant), interleaved, writing under ``out_dir/ab_runs``; return
+    variant name -> list of result dicts."""
     from latency_specialized.bench import report
 
     if len(variants) < 2:
@@ -131,7 +132,8 @@ def run_ab(variants: Sequence[Variant], bench_argv: Sequence[str], out_dir: str 
         raise UserError(f"--repeat {repeat}: give 1 or more")
     for v in variants:
         check_settings(v)
-    out = Path(out_dir)
+    out = Path(out_dir) / "ab_runs"   # every run's JSON/Markdown/PNG, apart from the committed results
+    out.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {v.name: [] for v in variants}
     for r in range(repeat):
         for v in variants:
