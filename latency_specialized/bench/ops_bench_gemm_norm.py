@@ -61,7 +61,7 @@ def gemm_variant_configs(n: int, k: int, m: int, quick: bool = False) -> list[tu
         if n <= 4096:  # few rows: K split over 2-4 warps puts more loads in flight
             cfgs += [c for c in (GemvConfig(k_split=2), GemvConfig(k_split=4), GemvConfig(warps=8, k_split=4),
                                  GemvConfig(warps=8, k_split=4, batch=4, lookahead=1))
-                     if k % (256 * c.k_split) == 0]
+                     if c.splits(k)]
         out += [(gemm_gemv.NAME, c) for c in (cfgs[:1] if quick else cfgs)]
     if k % 32:
         return out

@@ -75,6 +75,10 @@ class GemvConfig:
     of the GPU's load slots empty at one warp per row). Partial sums meet in shared memory, added in warp
     order (deterministic)."""
 
+    def splits(self, k: int) -> bool:
+        """K divides into k_split parts of whole 512-byte lane steps (K % (256 x k_split) == 0)."""
+        return k % (256 * self.k_split) == 0
+
     def label(self) -> str:
         cap = f"g{self.ctas_per_sm}" if self.ctas_per_sm else ""
         ahead = f"a{self.lookahead}" if self.lookahead else ""
@@ -293,7 +297,7 @@ def compile_gemv(k: int, m: int, cfg: GemvConfig, residual: bool, out_fp32: bool
         raise ValueError("the split epilogue writes fp32 head rows and bf16 tail rows, no residual: not compiled")
     if norm and (glu is not None or split):
         raise ValueError("the norm prologue is for plain projections (no GLU, no split): not compiled")
-    if cfg.k_split > 1 and (cfg.ctas_per_sm or cfg.warps % cfg.k_split or k % (256 * cfg.k_split)):
+    if cfg.k_split > 1 and (cfg.ctas_per_sm or cfg.warps % cfg.k_split or not cfg.splits(k)):
         raise ValueError(f"k_split={cfg.k_split} needs K % (256 x k_split) == 0 (K={k}), warps % k_split == 0 "
                          "and one CTA per row group: not compiled")
 
@@ -337,10 +341,10 @@ row leaves most load slots of the GPU empty there (e.g. the 560-row router + lat
 
 def default_config(n: int, k: int, m: int) -> GemvConfig:
     """Heuristic used where the tuning table has no entry (tests, shapes off the model, moe.gate_down)."""
-    ks = 1
-    if n <= SMALL_N_ROWS:
-        ks = 4 if k % 1024 == 0 else 2 if k % 512 == 0 else 1
-    return GemvConfig(rows_per_warp=2 if m == 1 and n >= 4096 else 1, k_split=ks)
+    cfg = GemvConfig(rows_per_warp=2 if m == 1 and n >= 4096 else 1)
+    if n <= SMALL_N_ROWS:   # the widest split K allows
+        cfg = next((c for c in (replace(cfg, k_split=4), replace(cfg, k_split=2)) if c.splits(k)), cfg)
+    return cfg
 
 
 def gemm_gemv(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor | None = None,

@@ -80,11 +80,6 @@ def _gemv_cfgs():
             GemvConfig(k_split=2), GemvConfig(warps=8, rows_per_warp=2, k_split=4, batch=4))
 
 
-def _applies(cfg, k) -> bool:
-    """k_split needs K % (256 x k_split) == 0."""
-    return k % (256 * cfg.k_split) == 0
-
-
 def _small_m_cfgs(m, n, k):
     from latency_specialized.kernels.gemm_small_m import MmaConfig, default_config
 
@@ -111,7 +106,7 @@ def _precompile():
         yield
         return
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_%d%da" % torch.cuda.get_device_capability())
-    units = [(compile_gemv, (k, m, c, res)) for m, n, k, res in GEMV_CASES for c in _gemv_cfgs() if _applies(c, k)]
+    units = [(compile_gemv, (k, m, c, res)) for m, n, k, res in GEMV_CASES for c in _gemv_cfgs() if c.splits(k)]
     units += [(compile_mma, (k, c, res)) for m, n, k, res in SMALL_M_CASES for c in _small_m_cfgs(m, n, k)]
     units += [(compile_mma, (k, c, res)) for m, n, k, res in SPLITK_CASES for c in _splitk_cfgs(m, n, k)]
     units += [(compile_gemv if kind == "gemv" else compile_mma,
@@ -127,7 +122,7 @@ def test_gemv_matches_reference(m, n, k, residual, _seed):
 
     x, w, r = _gemm_inputs(m, n, k, residual)
     ref = gemm_reference(x, w, residual=r)
-    for cfg in [c for c in _gemv_cfgs() if _applies(c, k)]:
+    for cfg in [c for c in _gemv_cfgs() if c.splits(k)]:
         out = _nan((m, n))
         gemm_gemv(x, w, residual=r, out=out, config=cfg)
         _close(out, ref, torch.bfloat16, f"gemv {cfg.label()} M={m} N={n} K={k}", _seed)

@@ -50,16 +50,17 @@ def test_bench_spec_has_full_widths_and_bench_weights_are_the_rank_shard_shapes(
         bench_spec(full_spec(), 7, "kda", 1)
 
 
-def _program(device: str, batch: int, seed: int, rank_shapes: bool = False):
+def _program(device: str, batch: int, seed: int, rank_shapes: bool = False, *, tp: int = 1, comm=None,
+             edit_plan=None):
     """Program + buffers. ``rank_shapes``: one KDA+MoE layer as rank 0 of TP8 with communication
     excluded (the bench's setup: GPU kernels serve its shapes; the tiny spec's widths fall back to
-    references, and moe.experts.reference syncs)."""
+    references, and moe.experts.reference syncs). Else the tiny model at ``tp`` over ``comm``, its plan
+    passed through ``edit_plan`` when given."""
     from latency_specialized_models.kimi_k3.cache import KimiK3Cache
     from latency_specialized_models.kimi_k3.graphed import _ShapedAdapter
 
     reg = get_registry()
     hw = hardware.probe() if device == "cuda" else hardware.for_arch("cpu")
-    comm = None
     if rank_shapes:
         spec = bench_spec(full_spec(), 8, "kda", 1, vocab=512)
         adapter = _ShapedAdapter(reg.adapter("kimi_k3"), spec)
@@ -68,9 +69,11 @@ def _program(device: str, batch: int, seed: int, rank_shapes: bool = False):
         comm = ExcludedCommunicator(8)
     else:
         spec = tiny_spec()
-        plan = build_plan(reg.adapter("kimi_k3"), reg.implementations, hw, tp=1, batch=batch, variant="tiny")
+        plan = build_plan(reg.adapter("kimi_k3"), reg.implementations, hw, tp=tp, batch=batch, variant="tiny")
+        if edit_plan is not None:
+            edit_plan(plan)
         w = random_weights(spec, seed=seed, device=device)
-    cache_spec = spec.shard(8) if rank_shapes else spec
+    cache_spec = spec.shard(8) if rank_shapes else spec.shard(tp) if tp > 1 else spec
     cache = KimiK3Cache.for_sequences(cache_spec, plan.bucket, 64, block_size=4, device=device, shuffle_seed=seed)
     g = torch.Generator().manual_seed(seed)
     for t in cache.tensors():
@@ -112,7 +115,6 @@ def test_tp_projections_write_into_the_gather_slots_where_the_implementation_wri
     import dataclasses
 
     from latency_specialized.comm.base import _same_view
-    from latency_specialized_models.kimi_k3.cache import KimiK3Cache
 
     class Spy(ExcludedCommunicator):
         def __init__(self, *a, **kw):
@@ -124,25 +126,16 @@ def test_tp_projections_write_into_the_gather_slots_where_the_implementation_wri
             self.in_place += _same_view(t, self.gather_slot(tuple(t.shape), t.dtype, t.device, dim % t.dim())[1])
             return super().all_gather(t, dim)
 
-    reg, spec, batch = get_registry(), tiny_spec(), 2
-    w = random_weights(spec, seed=3)
+    def mark_strided_out(plan):  # the CPU references copy; declare the two projections' implementation strided_out
+        plan.choices = [dataclasses.replace(c, impl=dataclasses.replace(c.impl, strided_out=True))
+                        if c.site.name.endswith(("moe.router_gemm", "moe.latent_down")) else c for c in plan.choices]
+
+    moe_layers = sum(1 for layer in tiny_spec().layers if layer.ffn.kind == "moe")
     logits = {}
     for mark in (False, True):
-        plan = build_plan(reg.adapter("kimi_k3"), reg.implementations, hardware.for_arch("cpu"), tp=2, batch=batch,
-                          variant="tiny")
-        if mark:  # the CPU references copy; declare the two projections' implementation strided_out
-            plan.choices = [dataclasses.replace(c, impl=dataclasses.replace(c.impl, strided_out=True))
-                            if c.site.name.endswith(("moe.router_gemm", "moe.latent_down")) else c
-                            for c in plan.choices]
-        cache = KimiK3Cache.for_sequences(spec.shard(2), plan.bucket, 64, block_size=4, shuffle_seed=3)
         comm = Spy(2)
-        prog = KimiK3Program(spec, w, plan, cache, comm=comm)
-        buf = DecodeBuffers(BufferSpec(max_batch=plan.bucket, max_blocks_per_seq=len(cache.slots[0].blocks),
-                                       block_size=4, pad_state=0))
-        slots = cache.slots[:batch]
-        buf.load([5] * batch, [3 + i for i in range(batch)], [s.row for s in slots], cache.block_table(slots, "cpu"))
-        r = make_runner(prog, buf, use_graphs=False).run(StepState(num_seqs=batch), tokens=torch.tensor([7, 9]))
-        moe_layers = sum(1 for layer in spec.layers if layer.ffn.kind == "moe")
+        prog, buf, _ = _program("cpu", 2, seed=3, tp=2, comm=comm, edit_plan=mark_strided_out if mark else None)
+        r = make_runner(prog, buf, use_graphs=False).run(StepState(num_seqs=2), tokens=torch.tensor([7, 9]))
         assert comm.gathered >= 2 * moe_layers
         assert comm.in_place == (2 * moe_layers if mark else 0), (mark, comm.in_place)
         logits[mark] = r.outputs["logits"].clone()
