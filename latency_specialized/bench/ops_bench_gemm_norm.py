@@ -259,3 +259,50 @@ def norm_cases(settings: BenchSettings):
                          reference=ref, tolerance=1e-2, compile_units=units,
                          meta={"torch": {"impl": "torch add + F.rms_norm"}},
                          checks={"ref: torch add only": lambda d: (d["x"].float() + d["r"].float())})
+
+
+ATTNRES_SITES = (  # (label, N, sources, output norm): Kimi K3's widest mix (a full block of 8 + partial)
+    ("attnres mix (9 sources) + norm", 7168, 9, True),
+    ("attnres mix (2 sources) + norm", 7168, 2, True),
+)
+
+
+@register_cases("norm")
+def attnres_cases(settings: BenchSettings):
+    import torch
+
+    from latency_specialized.kernels import attnres
+    from latency_specialized_models.kimi_k3.attnres import attnres_mix_reference
+
+    for label, n, s, out_norm in ATTNRES_SITES:
+        if not torch.cuda.is_available():
+            return
+        nw = (1.0 + 0.1 * torch.randn(n, device="cuda")).to(torch.bfloat16)
+        q = (torch.randn(n, device="cuda") * n ** -0.5).to(torch.bfloat16)
+        ow = (1.0 + 0.1 * torch.randn(n, device="cuda")).to(torch.bfloat16) if out_norm else None
+        for m in settings.ms:
+            def make(i: int, m=m, n=n, s=s) -> dict[str, Any]:
+                g = torch.Generator(device="cuda").manual_seed(37 * i + m)
+                return {"src": torch.randn(s, m, n, device="cuda", generator=g).to(torch.bfloat16),
+                        "out": torch.empty(m, n, device="cuda", dtype=torch.bfloat16)}
+
+            def ref(d, s=s, nw=nw, q=q, ow=ow) -> Any:
+                return attnres_mix_reference(d["src"].float(), s, nw.float(), q.float(), EPS,
+                                             out_norm_weight=None if ow is None else ow.float(), out_eps=EPS)
+
+            def torch_mix(d, s=s, nw=nw, q=q, ow=ow) -> Any:  # the reference's torch composition, bf16
+                return attnres_mix_reference(d["src"], s, nw, q, EPS, out_norm_weight=ow, out_eps=EPS)
+
+            variants: dict[str, Any] = {"torch": torch_mix}
+            units = []
+            for cs in attnres.CLUSTER_SIZES:
+                if not attnres.fits(n, 2, cs):
+                    continue
+                cfg = attnres.AttnResConfig(cluster=cs)
+                variants[f"cutedsl[c{cs}]"] = (lambda d, s=s, nw=nw, q=q, ow=ow, cfg=cfg: attnres.attnres_cute(
+                    d["src"], s, nw, q, EPS, out_norm_weight=ow, out_eps=EPS, out=d["out"], config=cfg))
+                units.append((attnres.compile_attnres, (attnres._Variant(n, "bfloat16", s, out_norm, cluster=cs),)))
+            yield OpCase(family="norm", op=label, shape={"N": n, "sources": s}, m=m,
+                         bytes=2 * (s * m * n + m * n + (3 if out_norm else 2) * n), make=make, variants=variants,
+                         baseline="torch", reference=ref, tolerance=1e-2, compile_units=units,
+                         meta={"torch": {"impl": "attnres_mix_reference (torch ops, bf16)"}})

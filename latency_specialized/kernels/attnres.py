@@ -7,14 +7,21 @@ Contract: the family reference (``models/kimi_k3/attnres.py``, ``attnres_mix_ref
     out     = RMSNorm(mixed) * out_norm_weight             (optional)
 
 The reference expands into ~15 small torch kernels per call (three calls per Kimi layer); this is
-one launch. One CTA per token row; every thread owns the same 16-byte column vectors of all
-``num_sources`` sources (at N = 7168 bf16: 896 threads); up to 4 vectors per thread stay in
-registers between the two passes, more are re-read from L1 in the mix pass (ptxas -v: no spills up
-to 9 sources, Kimi K3's maximum). Per source the thread's partial <v, w> and <v, v> are reduced by
-warp shuffles, then across warps through shared memory in a fixed order (deterministic,
-identical in every thread), the softmax is computed redundantly per thread (S <= 16 scalars), the
-mix stays in fp32 and, with an output norm, one more block reduction gives its rstd. fp32 math and
-one rounding, as the reference.
+one launch. One CTA - or one *cluster* of 2-8 CTAs (``AttnResConfig.cluster``) - per token row;
+every thread owns the same 16-byte column vectors of all ``num_sources`` sources (at N = 7168 bf16:
+896 threads in one CTA, 112 per CTA in a cluster of 8). With one 896-thread CTA, up to 4 vectors per
+thread stay in registers between the two passes and more are re-read from L1 in the mix pass
+(ptxas -v: no spills up to 9 sources, Kimi K3's maximum); CTAs of <= 256 threads keep up to 16.
+Per source the thread's partial <v, w> and <v, v> are reduced by warp shuffles, then across warps
+through shared memory in a fixed order; in a cluster each CTA then pushes its 2 x S partial sums
+into slot [rank] of every CTA's shared memory (DSMEM) and every CTA adds the slots in rank order
+(deterministic, identical in every thread of every CTA). The softmax is computed redundantly per
+thread (S <= 16 scalars), the mix stays in fp32 and, with an output norm, one more (cluster)
+reduction gives its rstd. fp32 math and one rounding, as the reference.
+
+Why clusters: at batch 1 one CTA reads all S x N x 2 bytes (9 x 14 KB for Kimi K3) through one SM's
+load path, and its block reductions run on 28 warps; a cluster of 8 spreads the reads over 8 SMs
+(16 KB each) at the price of two cluster barriers.
 
 Weights (norm gain, query, output gain) are loaded before ``griddepcontrol.wait`` (PDL): they do
 not depend on the previous kernel.
@@ -34,6 +41,8 @@ NAME = "residual.cutedsl_attnres"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 MAX_SOURCES = 16    # sources live in registers: S x vectors-per-thread x 8 floats
 MAX_THREADS = 1024
+CLUSTER_SIZES = (1, 2, 4, 8)   # 8: the portable cluster size limit
+SMALL_CTA_THREADS = 256        # CTAs this small keep every source vector in registers
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,34 @@ class _Variant:
     sources: int
     out_norm: bool
     pdl: bool = True
+    cluster: int = 1
+    """CTAs per row (``AttnResConfig.cluster``); 1 stays out of the compile key (older artifacts)."""
+
+
+@dataclass(frozen=True)
+class AttnResConfig:
+    """Static launch choice of the AttnRes kernel."""
+
+    cluster: int = 1
+    """CTAs per token row (1, 2, 4 or 8; N's 16-byte vectors must split evenly)."""
+
+
+CLUSTER = 8
+"""CTAs per row of the default config up to ``CLUSTER_MAX_ROWS`` rows (placeholder until measured)."""
+CLUSTER_MAX_ROWS = 16
+
+
+def default_config(n: int, m: int, esize: int = 2) -> AttnResConfig:
+    """``CLUSTER`` CTAs per row up to ``CLUSTER_MAX_ROWS`` rows (where the batch leaves most SMs idle),
+    else one; one wherever N does not split evenly."""
+    want = CLUSTER if m <= CLUSTER_MAX_ROWS else 1
+    return AttnResConfig(cluster=want if fits(n, esize, want) else 1)
+
+
+def fits(n: int, esize: int, cluster: int) -> bool:
+    """Whether a row of N elements splits into ``cluster`` equal runs of 16-byte vectors."""
+    vecs = n * esize // 16
+    return cluster in CLUSTER_SIZES and vecs % cluster == 0 and -(-vecs // cluster // MAX_THREADS) <= 4
 
 
 @functools.cache
@@ -61,7 +98,8 @@ def _kernel_class():
         def __init__(self, var: _Variant):
             self.var = var
             self.esize = torch.empty(0, dtype=DTYPES[var.dtype]).element_size()
-            vecs = var.n * self.esize // 16
+            self.cs = var.cluster
+            vecs = var.n * self.esize // 16 // self.cs     # vectors of a row this CTA owns
             self.vecs = vecs
             self.vpt = -(-vecs // MAX_THREADS)
             tr = -(-vecs // self.vpt)
@@ -79,8 +117,13 @@ def _kernel_class():
         def __call__(self, src: cute.Tensor, src_stride: Int64, nw: cute.Tensor, q: cute.Tensor,
                      ow: cute.Tensor, y: cute.Tensor, eps: Float32, out_eps: Float32, stream):
             m = src.shape[0]
-            self.kernel(src, src_stride, nw, q, ow, y, eps, out_eps, m).launch(
-                grid=[m, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.var.pdl)
+            if cutlass.const_expr(self.cs > 1):
+                self.kernel(src, src_stride, nw, q, ow, y, eps, out_eps, m).launch(
+                    grid=[m, self.cs, 1], block=[self.threads, 1, 1], cluster=[1, self.cs, 1],
+                    stream=stream, use_pdl=self.var.pdl)
+            else:
+                self.kernel(src, src_stride, nw, q, ow, y, eps, out_eps, m).launch(
+                    grid=[m, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.var.pdl)
 
         @cute.kernel
         def kernel(self, src: cute.Tensor, src_stride: Int64, nw: cute.Tensor, q: cute.Tensor,
@@ -91,9 +134,12 @@ def _kernel_class():
             TR: cutlass.Constexpr = self.threads
             NW: cutlass.Constexpr = self.warps
             RB: cutlass.Constexpr = var.n * self.esize
+            CS: cutlass.Constexpr = self.cs
             tid, _, _ = cute.arch.thread_idx()
-            row, _, _ = cute.arch.block_idx()
-            vidx = [tid + TR * i for i in range(VPT)]
+            row, rank, _ = cute.arch.block_idx()      # rank: this CTA's column run (cluster [1, CS, 1])
+            if cutlass.const_expr(CS > 1):
+                P.cluster_arrive_relaxed()            # announce "started": peers may write our smem
+            vidx = [rank * self.vecs + tid + TR * i for i in range(VPT)]
             vok = [Int32(tid + TR * i < self.vecs) for i in range(VPT)]
             # weights first (independent of the previous kernel), then wait for its outputs
             nwv, qv, owv = [], [], []
@@ -117,11 +163,14 @@ def _kernel_class():
             # per thread the mix re-reads them (L1 hits: ld.global.nc allocates in L1) instead of
             # keeping them live across the reduction: 9 sources would exceed the 72 registers a
             # 896-thread CTA allows and spill (checked with ptxas -v).
-            RELOAD: cutlass.Constexpr = S * VPT > 4
+            RELOAD: cutlass.Constexpr = S * VPT > (16 if TR <= SMALL_CTA_THREADS else 4)
 
             smem = cutlass.memory.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout(2 * S * 32), byte_alignment=16)
             red2 = smem.allocate_tensor(Float32, cute.make_layout(32), byte_alignment=16)
+            # cluster slots: [rank][2 S] partial (dot, ss) per source, [rank] output-norm partial
+            slots = smem.allocate_tensor(Float32, cute.make_layout(2 * S * CS), byte_alignment=16)
+            slots2 = smem.allocate_tensor(Float32, cute.make_layout(CS), byte_alignment=16)
             lane, warp = tid % 32, tid // 32
             for s in cutlass.range_constexpr(S):
                 dot, ss = Float32(0.0), Float32(0.0)
@@ -136,12 +185,29 @@ def _kernel_class():
                     red[(2 * s) * 32 + warp] = dot
                     red[(2 * s + 1) * 32 + warp] = ss
             cute.arch.sync_threads()
+            if cutlass.const_expr(CS > 1):
+                # thread j < 2 S owns partial j of this CTA and pushes it into slot [rank][j] of every
+                # CTA of the cluster (its own included); then every CTA adds the slots in rank order
+                P.cluster_wait()  # every CTA of the cluster has started (its shared memory exists)
+                if tid < 2 * S:
+                    part = Float32(0.0)
+                    for wi in cutlass.range_constexpr(NW):
+                        part = part + red[tid * 32 + wi]
+                    dst = P.smem_addr(slots.iterator) + (rank * (2 * S) + tid) * 4
+                    for ci in cutlass.range_constexpr(CS):
+                        P.st_cluster_f32(dst, ci, part)
+                P.cluster_sync()
             logits = []
             for s in cutlass.range_constexpr(S):
                 dot, ss = Float32(0.0), Float32(0.0)
-                for wi in cutlass.range_constexpr(NW):
-                    dot = dot + red[(2 * s) * 32 + wi]
-                    ss = ss + red[(2 * s + 1) * 32 + wi]
+                if cutlass.const_expr(CS > 1):
+                    for ci in cutlass.range_constexpr(CS):
+                        dot = dot + slots[ci * (2 * S) + 2 * s]
+                        ss = ss + slots[ci * (2 * S) + 2 * s + 1]
+                else:
+                    for wi in cutlass.range_constexpr(NW):
+                        dot = dot + red[(2 * s) * 32 + wi]
+                        ss = ss + red[(2 * s + 1) * 32 + wi]
                 logits.append(dot * cute.math.rsqrt(ss / Float32(var.n) + eps, fastmath=False))
             mx = logits[0]
             for s in cutlass.range_constexpr(1, S):
@@ -177,6 +243,13 @@ def _kernel_class():
                 ss = Float32(0.0)
                 for wi in cutlass.range_constexpr(NW):
                     ss = ss + red2[wi]
+                if cutlass.const_expr(CS > 1):
+                    if tid < CS:
+                        P.st_cluster_f32(P.smem_addr(slots2.iterator) + rank * 4, tid, ss)
+                    P.cluster_sync()
+                    ss = Float32(0.0)
+                    for ci in cutlass.range_constexpr(CS):
+                        ss = ss + slots2[ci]
                 rstd = cute.math.rsqrt(ss / Float32(var.n) + out_eps, fastmath=False)
                 for i in cutlass.range_constexpr(VPT):
                     g = self.unpack(owv[i])
@@ -189,7 +262,8 @@ def _kernel_class():
 
 
 def compile_attnres(var: _Variant):
-    """Compiled kernel for one (N, dtype, sources, out_norm) variant; M and the source stride are dynamic."""
+    """Compiled kernel for one (N, dtype, sources, out_norm, cluster) variant; M and the source stride are
+    dynamic."""
 
     def build(arch: str):
         import cutlass.cute as cute
@@ -203,7 +277,9 @@ def compile_attnres(var: _Variant):
                 fake_rows(dt, m, var.n), 1e-5, 1e-5, fake_stream())
         return cute.compile(_kernel_class()(var), *args, options=compile_options(arch))
 
-    return compile_cache.cached_compile(NAME, tuple(sorted(asdict(var).items())), build)
+    # cluster enters the key only when > 1: the one-CTA variants keep their keys (and disk artifacts)
+    key = tuple(sorted((k, v) for k, v in asdict(var).items() if k != "cluster" or v > 1))
+    return compile_cache.cached_compile(NAME, key, build)
 
 
 def _check_vec(t: torch.Tensor, name: str, n: int, dtype: torch.dtype) -> None:
@@ -214,7 +290,7 @@ def _check_vec(t: torch.Tensor, name: str, n: int, dtype: torch.dtype) -> None:
 
 def attnres_cute(sources: torch.Tensor, num_sources: int, norm_weight: torch.Tensor, query: torch.Tensor,
                  eps: float, *, out_norm_weight: torch.Tensor | None = None, out_eps: float = 1e-5,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, config: AttnResConfig | None = None) -> torch.Tensor:
     """Block AttnRes mix in one kernel (contract: the ``residual.attnres`` family reference).
 
     Parameters
@@ -223,6 +299,7 @@ def attnres_cute(sources: torch.Tensor, num_sources: int, norm_weight: torch.Ten
         (the slab stride is free: a ``[:, :b]`` view of a larger buffer is fine), 16-byte aligned.
     num_sources : sources mixed, 1..16 (static: part of the compile key).
     norm_weight, query : [N] in sources.dtype. out_norm_weight : [N] or None.
+    config : CTAs per row; default ``default_config(N, M)`` (one CTA where N does not split evenly).
 
     Returns
     -------
@@ -249,7 +326,12 @@ def attnres_cute(sources: torch.Tensor, num_sources: int, norm_weight: torch.Ten
     if m == 0:
         return y
     dtype_name = {v: k for k, v in DTYPES.items()}[sources.dtype]
-    var = _Variant(n, dtype_name, int(num_sources), out_norm_weight is not None)
+    cfg = config or default_config(n, m, es)
+    if not fits(n, es, cfg.cluster):
+        raise UserError(f"attnres kernel: a row of N={n} ({n * es // 16} 16-byte vectors) does not split over a "
+                        f"cluster of {cfg.cluster} (sizes {CLUSTER_SIZES}, equal runs of <= {4 * MAX_THREADS} "
+                        f"vectors): pass AttnResConfig(cluster=1)")
+    var = _Variant(n, dtype_name, int(num_sources), out_norm_weight is not None, cluster=cfg.cluster)
     ow = out_norm_weight if out_norm_weight is not None else norm_weight
     compile_attnres(var)(sources[0], sources.stride(0) * es, norm_weight, query, ow, y, float(eps), float(out_eps))
     return y

@@ -113,6 +113,8 @@ tiles of 32)."""
 MERGE_TILE = 16384
 """Most fp32 partials (split tile x latent tile) one fused-merge step loads: caps the split tile when
 the latent tile is wide (64 KiB per step: 128 registers per thread at 4 warps)."""
+MERGE_V_BLOCK = 0
+"""Values of ``v`` per fused-merge program; 0: ``merge_v_block``'s rule (sweeps override it)."""
 NUM_WARPS = 4
 NUM_STAGES = 2
 FUSED = True
@@ -530,7 +532,7 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
         if y.stride(-1) != 1:
             raise UserError(f"{NAME}: out must have a unit last stride (got {y.stride()})")
         g = _last_dim_unit(gate) if gate is not None else y
-        vb = merge_v_block(B, H, v, sm_count(q.device))
+        vb = MERGE_V_BLOCK or merge_v_block(B, H, v, sm_count(q.device))
         ml_f = min(MERGE_L_FUSED, L)
         fused_args = dict(merge_args, S_TILE=max(1, min(s_tile, MERGE_TILE // ml_f)))
         kernels["merge"][(B, H, -(-v // vb))](

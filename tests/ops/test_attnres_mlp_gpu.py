@@ -35,9 +35,13 @@ ATTNRES_CASES = [  # (R rows of the buffer, M used of max_m, N, sources, out_nor
 ]
 
 
+@pytest.mark.parametrize("cluster", [1, 2, 4, 8])
 @pytest.mark.parametrize("rows,m,max_m,n,s,out_norm,dtype", ATTNRES_CASES)
-def test_attnres_matches_reference(rows, m, max_m, n, s, out_norm, dtype):
-    from latency_specialized.kernels.attnres import attnres_cute
+def test_attnres_matches_reference(rows, m, max_m, n, s, out_norm, dtype, cluster):
+    from latency_specialized.kernels.attnres import AttnResConfig, attnres_cute, fits
+
+    assert fits(n, torch.empty(0, dtype=dtype).element_size(), cluster)  # every case splits evenly
+    cfg = AttnResConfig(cluster=cluster)
 
     g = _gen(f"attnres{rows}{m}{n}{s}{out_norm}{dtype}")
     buf = torch.randn(rows, max_m, n, device=DEV, dtype=torch.float32, generator=g)
@@ -48,13 +52,13 @@ def test_attnres_matches_reference(rows, m, max_m, n, s, out_norm, dtype):
     ow = (1 + 0.1 * torch.randn(n, device=DEV, generator=g)).to(dtype) if out_norm else None
     ref = attnres_mix_reference(src, s, nw, q, 1e-6, out_norm_weight=ow, out_eps=1e-5)
     out = torch.full((m, n), float("nan"), device=DEV, dtype=dtype)
-    attnres_cute(src, s, nw, q, 1e-6, out_norm_weight=ow, out_eps=1e-5, out=out)
+    attnres_cute(src, s, nw, q, 1e-6, out_norm_weight=ow, out_eps=1e-5, out=out, config=cfg)
     torch.cuda.synchronize()
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
     eager = out.clone()
     out.fill_(float("nan"))
-    _graph_replay(lambda: attnres_cute(src, s, nw, q, 1e-6, out_norm_weight=ow, out_eps=1e-5, out=out))
+    _graph_replay(lambda: attnres_cute(src, s, nw, q, 1e-6, out_norm_weight=ow, out_eps=1e-5, out=out, config=cfg))
     assert torch.equal(out, eager)
 
 
@@ -138,3 +142,28 @@ def test_gated_activation_matches_reference():
     torch.cuda.synchronize()
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("m", [2, 4])
+def test_fused_mlp_preferred_glu_matches_reference(m, monkeypatch):
+    """``GLU_PREFERRED_MAX_M``: the GEMV + GLU epilogue serves gate/up where the table picks another gemm
+    (Kimi TP8 shared expert at M = 2-4: the small-M kernel): same contract, one kernel fewer."""
+    from latency_specialized.kernels import mlp_fused as F
+
+    act = ActivationSpec(kind="situ_glu", beta=4, beta_lin=25)
+    monkeypatch.setattr(F, "GLU_PREFERRED_MAX_M", 4)
+    assert F.chosen_gemms(m, 7168, 768, 7168, "sm_90", "bfloat16")[0] == "gemm.cutedsl_gemv+glu"
+    g = _gen(f"mlpglu{m}")
+    x = torch.randn(m, 7168, device=DEV, generator=g).to(torch.bfloat16)
+    wgu = (torch.randn(2 * 768, 7168, device=DEV, generator=g) * 7168 ** -0.5 * 3).to(torch.bfloat16)
+    wd = (torch.randn(7168, 768, device=DEV, generator=g) * 768 ** -0.5).to(torch.bfloat16)
+    ref = mlp_reference(x, wgu, wd, act)
+    out = torch.full((m, 7168), float("nan"), device=DEV, dtype=torch.bfloat16)
+    F.mlp_fused(x, wgu, wd, act, out=out)
+    torch.cuda.synchronize()
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    eager = out.clone()
+    out.fill_(float("nan"))
+    _graph_replay(lambda: F.mlp_fused(x, wgu, wd, act, out=out))
+    assert torch.equal(out, eager)

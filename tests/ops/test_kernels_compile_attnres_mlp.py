@@ -42,6 +42,40 @@ def test_attnres_compiles_one_pass(sources, out_norm):
 
 
 @needs_cute
+@pytest.mark.parametrize("sources,out_norm,cluster", [(9, True, 8), (9, False, 4), (5, True, 2)])
+def test_attnres_cluster_compiles(sources, out_norm, cluster):
+    """A cluster of CTAs per row: each CTA owns N / cluster columns and exchanges its partial sums
+    through DSMEM (mapa + st.shared::cluster) between cluster barriers."""
+    from latency_specialized.kernels import attnres as A
+
+    var = A._Variant(7168, "bfloat16", sources, out_norm, cluster=cluster)
+    ptx = ptx_of(A.compile_attnres(var))
+    assert ptx is not None and ".target sm_90a" in ptx
+    threads = 7168 // 8 // cluster
+    # CTAs of <= 256 threads keep every source in registers (no L1 re-read in the mix pass)
+    reads = sources if threads <= A.SMALL_CTA_THREADS or sources <= 4 else 2 * sources
+    assert len(re.findall(r"ld\.global[\w.:]*\.v4", ptx)) == reads + (3 if out_norm else 2)
+    assert len(re.findall(r"st\.global[\w.:]*\.v4", ptx)) == 1
+    assert "st.shared::cluster.f32" in ptx and "mapa.shared::cluster" in ptx
+    # start handshake + one exchange per reduction (sources; the output norm)
+    assert ptx.count("barrier.cluster.wait") == (3 if out_norm else 2)
+    assert ".local" not in ptx
+
+
+def test_attnres_cluster_rule():
+    from latency_specialized.kernels import attnres as A
+
+    assert A.fits(7168, 2, 8) and A.fits(7168, 2, 1)
+    assert not A.fits(7168, 2, 16)                      # past the portable cluster size
+    assert not A.fits(7160, 2, 8)                       # 895 vectors do not split in 8
+    assert A.default_config(7160, 1).cluster == 1       # the default never picks a misfit
+    src = torch.randn(2, 1, 7160, dtype=torch.bfloat16)
+    w = torch.randn(7160, dtype=torch.bfloat16)
+    with pytest.raises(UserError, match="AttnResConfig"):
+        A.attnres_cute(src, 2, w, w, 1e-6, config=A.AttnResConfig(cluster=8))
+
+
+@needs_cute
 @pytest.mark.parametrize("act", [SITU, ActivationSpec(kind="swiglu", clamp=10.0), ActivationSpec()])
 def test_gated_activation_compiles(act):
     from latency_specialized.kernels import mlp_fused as F
