@@ -21,7 +21,7 @@ reduction gives its rstd. fp32 math and one rounding, as the reference.
 
 Why clusters: at batch 1 one CTA reads all S x N x 2 bytes (9 x 14 KB for Kimi K3) through one SM's
 load path, and its block reductions run on 28 warps; a cluster of 8 spreads the reads over 8 SMs
-(16 KB each) at the price of two cluster barriers.
+(16 KB each) at the price of two cluster barriers: 10.0 -> 3.3 us per call at 9 sources (H200).
 
 Weights (norm gain, query, output gain) are loaded before ``griddepcontrol.wait`` (PDL): they do
 not depend on the previous kernel.
@@ -66,15 +66,18 @@ class AttnResConfig:
     """CTAs per token row (1, 2, 4 or 8; N's 16-byte vectors must split evenly)."""
 
 
-CLUSTER = 8
-"""CTAs per row of the default config up to ``CLUSTER_MAX_ROWS`` rows (placeholder until measured)."""
-CLUSTER_MAX_ROWS = 16
+CLUSTER_MAX = 8
+"""Largest cluster the default config takes (1: one CTA per row everywhere; A/B runs override it)."""
 
 
 def default_config(n: int, m: int, esize: int = 2) -> AttnResConfig:
-    """``CLUSTER`` CTAs per row up to ``CLUSTER_MAX_ROWS`` rows (where the batch leaves most SMs idle),
-    else one; one wherever N does not split evenly."""
-    want = CLUSTER if m <= CLUSTER_MAX_ROWS else 1
+    """CTAs per row by batch, measured on the H200 (``ops_norm.md``: Kimi K3 N = 7168, 2 and 9 sources
+    with the output norm; us per call, one CTA -> the pick): 8 up to 8 rows (9 sources 10.0 -> 3.3 us at
+    M=1, 10.3 -> 3.6 at M=8; 2 sources 3.2 -> 2.0), 4 up to 32 rows (M=16: 10.5 -> 4.0; M=32, 2 sources:
+    2.87 vs 2.90 with 8), 2 beyond (M=64, 9 sources: 11.8 -> 7.3; 4 and 8 CTAs 8.9 and 10.1). Capped by
+    ``CLUSTER_MAX``; one CTA wherever N does not split evenly."""
+    want = 8 if m <= 8 else 4 if m <= 32 else 2
+    want = min(want, CLUSTER_MAX)
     return AttnResConfig(cluster=want if fits(n, esize, want) else 1)
 
 
