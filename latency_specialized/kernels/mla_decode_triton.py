@@ -117,6 +117,12 @@ MERGE_V_BLOCK = 0
 """Values of ``v`` per fused-merge program; 0: ``merge_v_block``'s rule (sweeps override it)."""
 NUM_WARPS = 4
 NUM_STAGES = 2
+PDL = True
+"""Programmatic dependent launch for the three kernels (sm_90+, compiled, Triton with
+``tl.extra.cuda.gdc_wait``): each is launched while its predecessor runs, issues the loads that do
+not depend on it (the prologue's W_UK tile, the merge's W_UV tile) and then waits
+(``gdc_wait``) before touching its predecessor's outputs; each lets its successor launch right after
+its own wait (``gdc_launch_dependents``), so the next projection's weight stream can start early."""
 FUSED = True
 """Default of ``fused``: Triton prologue (latent write + absorbed query) and merge epilogue (see
 ``mla_decode_triton``)."""
@@ -142,15 +148,16 @@ def _kernels(interpret: bool):
     del interpret  # the cache key only
     # the kernels are defined here, not at import (no triton import for machines without it), but
     # Triton resolves the names a kernel uses through its module globals: hence tl as a global
-    global tl
+    global tl, tlc
     import triton
     import triton.language as tl
+    import triton.language.extra.cuda as tlc
 
     @triton.jit
     def prologue_kernel(q, w_uk, kv_c, k_pe, slots, cache, q_lat, kv_w, eps, B, H, NOPE,
                         s_qb, s_qh, s_wh, s_wk, s_lh, s_lb, s_c, s_p, s_row,
                         L: tl.constexpr, R: tl.constexpr, BB: tl.constexpr, BL: tl.constexpr,
-                        BK: tl.constexpr, PREC: tl.constexpr, HAS_NORM: tl.constexpr):
+                        BK: tl.constexpr, PREC: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
         # grid (cdiv(B, BB), H + 1, L / BL): rows bt*BB.., latent columns lt*BL..; heads h < H compute
         # q_lat[h, rows, cols] = q_nope[rows, h] @ W_UK[h][:, cols], the extra head h == H writes the new
         # latents of its rows (its kv_c columns; column tile 0 also k_pe). HAS_NORM: kv_c is the raw
@@ -167,14 +174,21 @@ def _kernels(interpret: bool):
             for k0 in range(0, NOPE, BK):
                 offs_k = k0 + tl.arange(0, BK)
                 k_ok = offs_k < NOPE
-                a = tl.load(q + offs_b[:, None] * s_qb + h * s_qh + offs_k[None, :],
-                            mask=b_ok[:, None] & k_ok[None, :], other=0.0)                 # [BB, BK]
+                # the weight tile first: it does not depend on the previous kernel (PDL)
                 wt = tl.load(w_uk + h * s_wh + offs_k[:, None] * s_wk + offs_l[None, :],
                              mask=k_ok[:, None], other=0.0)                                # [BK, BL]
+                if PDL:
+                    tlc.gdc_wait()  # q (and kv_c below) come from the previous kernels
+                    tlc.gdc_launch_dependents()
+                a = tl.load(q + offs_b[:, None] * s_qb + h * s_qh + offs_k[None, :],
+                            mask=b_ok[:, None] & k_ok[None, :], other=0.0)                 # [BB, BK]
                 acc = tl.dot(a, wt, acc, input_precision=PREC)
             tl.store(q_lat + h * s_lh + offs_b[:, None] * s_lb + offs_l[None, :],
                      acc.to(q_lat.dtype.element_ty), mask=b_ok[:, None])
         else:  # a negative slot (or a row past B) writes nothing
+            if PDL:
+                tlc.gdc_wait()
+                tlc.gdc_launch_dependents()
             slot = tl.load(slots + offs_b, mask=b_ok, other=-1).to(tl.int64)
             ok = slot >= 0
             row = cache + tl.maximum(slot, 0)[:, None] * s_row
@@ -203,10 +217,13 @@ def _kernels(interpret: bool):
                      s_qb, s_qh, s_pb, s_ph, s_row, s_bt,
                      s_wb, s_ws, s_wh, s_mb, s_ms, s_ob, s_oh,
                      L: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
-                     MIN_CHUNK: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr):
+                     MIN_CHUNK: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
         b = tl.program_id(0)
         hg = tl.program_id(1)
         sp = tl.program_id(2)
+        if PDL:  # every program (dead splits too): q_lat and the new latent come from the prologue
+            tlc.gdc_wait()
+            tlc.gdc_launch_dependents()
         seq_len = tl.load(seq_lens + b).to(tl.int32)
         # this split's chunk, from the device-side length: no host read of seq_lens anywhere
         chunk = tl.maximum(tl.cdiv(seq_len, num_splits), MIN_CHUNK)
@@ -264,13 +281,16 @@ def _kernels(interpret: bool):
                      s_wb, s_ws, s_wh, s_mb, s_ms, s_ob, s_oh, s_uh, s_uv, s_g, s_o,
                      BN: tl.constexpr, MIN_CHUNK: tl.constexpr, S_PAD: tl.constexpr, S_TILE: tl.constexpr,
                      L: tl.constexpr, ML: tl.constexpr, V_PAD: tl.constexpr, EPILOGUE: tl.constexpr,
-                     HAS_GATE: tl.constexpr):
+                     HAS_GATE: tl.constexpr, PDL: tl.constexpr):
         # EPILOGUE: grid (B, H, cdiv(V, V_PAD)), merge + o[v block] = W_UV[h, v block] o_lat (o_lat kept
         # fp32) + gate + the one rounding into out; every v block re-merges the whole o_lat (partials
         # from L2) so that a small batch still spreads the W_UV reads over many SMs.
         # Else grid (B, H, L / ML): merge only, o_lat rounded to its dtype.
         b = tl.program_id(0)
         h = tl.program_id(1)
+        if PDL:  # the partials come from the split kernel
+            tlc.gdc_wait()
+            tlc.gdc_launch_dependents()
         seq_len = tl.load(seq_lens + b).to(tl.int32)
         chunk = tl.maximum(tl.cdiv(seq_len, num_splits), MIN_CHUNK)
         chunk = tl.cdiv(chunk, BN) * BN
@@ -396,7 +416,7 @@ def _prologue(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapp
         qn, w_uk, kv_c, k_pe, slot_mapping, flat, q_lat, kv_w, float(kv_norm_eps), B, H, nope,
         qn.stride(0), qn.stride(1), w_uk.stride(0), w_uk.stride(1), q_lat.stride(0), q_lat.stride(1),
         kv_c.stride(0), k_pe.stride(0), flat.stride(0),
-        L=L, R=R, BB=PROLOGUE_B, BL=bl, BK=bk, PREC=prec, HAS_NORM=has_norm, num_warps=NUM_WARPS)
+        L=L, R=R, BB=PROLOGUE_B, BL=bl, BK=bk, PREC=prec, HAS_NORM=has_norm, **_pdl_args(q.device))
     return q_lat
 
 
@@ -439,12 +459,44 @@ def _split_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor
         q_lat.stride(1), q_lat.stride(0), q_pe.stride(0), q_pe.stride(1), flat.stride(0), block_table.stride(0),
         *sw, *so,
         L=L, R=R, BH=BLOCK_H, BN=block_n, MIN_CHUNK=min_chunk(B), DIRECT=direct, PREC=prec,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        num_stages=NUM_STAGES, **_pdl_args(q_lat.device))
     return _Split(ws_acc, ws_m, ws_l, sw, 1 if direct else num_splits, block_n)
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether the kernels launch with PDL: ``PDL``, compiled (not the interpreter), an sm_90+ GPU and
+    a Triton with grid dependency control (``tl.extra.cuda.gdc_wait``)."""
+    if not PDL or _interpreting() or device.type != "cuda":
+        return False
+    return _sm_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9 \
+        and _triton_has_gdc()
+
+
+@functools.cache
+def _sm_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+@functools.cache
+def _triton_has_gdc() -> bool:
+    """``gdc_wait`` / ``gdc_launch_dependents`` and the ``launch_pdl`` launch option (Triton >= 3.3)."""
+    try:
+        import triton.language.extra.cuda as tlc
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return (hasattr(tlc, "gdc_wait") and hasattr(tlc, "gdc_launch_dependents")
+            and "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}))
+
+
+def _pdl_args(device: torch.device, num_warps: int = NUM_WARPS) -> dict:
+    """Launch keywords: warps, the PDL constexpr and Triton's ``launch_pdl`` (only when on)."""
+    on = pdl_enabled(device)
+    return dict(num_warps=num_warps, PDL=on, **({"launch_pdl": True} if on else {}))
 
 
 def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -522,7 +574,8 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
     # wide split tiles: at batch 1 (256 splits, 12 programs) the merge is a serial loop per program,
     # latency-bound with narrow tiles (H200: 85 us of a 109 us call at 32k tokens with 8-split tiles)
     s_tile = min(MERGE_S_TILE, 1 << (sp.num_splits.bit_length() - 1))
-    merge_args = dict(BN=sp.block_n, MIN_CHUNK=min_chunk(B), S_PAD=s_pad, S_TILE=s_tile, num_warps=MERGE_WARPS)
+    merge_args = dict(BN=sp.block_n, MIN_CHUNK=min_chunk(B), S_PAD=s_pad, S_TILE=s_tile,
+                      **_pdl_args(q.device, MERGE_WARPS))
     ml = min(MERGE_L, L)
 
     # 3. fused: merge + W_UV + gate + rounding into out
