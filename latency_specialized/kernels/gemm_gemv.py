@@ -489,13 +489,14 @@ def _supports(ctx: OpContext) -> Support:
 
 
 GATE_DOWN_NAME = "moe.gate_down.cutedsl_gemv"
-GATE_DOWN_MAX_M = 1
-"""Tokens up to which the fused router + latent GEMV serves. H200, Kimi K3 TP8 layer bench, A/B in one
-session (two repeats each, us per layer, KDA / MLA at context 4096): batch 1 fused 115.3-115.4 /
-123.8-124.3 vs two gemm sites 115.0-116.2 / 123.8-124.0 - even, one kernel less; batch 2 (with the
-GEMV+GLU shared expert, also reverted there) 150.7-151.1 / 173.9-174.1 vs 147.6-148.2 / 168.9-169.9 -
-from batch 2 the router GEMM on its own stream beside the latent down-projection is faster than one
-fused stream."""
+GATE_DOWN_MAX_M = 2
+"""Tokens up to which the fused router + latent GEMV serves. H200, Kimi K3 TP8 layer bench, same-machine
+A/B (two repeats each, us per layer, KDA / MLA at context 4096). First session: batch 1 fused 115.3-115.4 /
+123.8-124.3 vs two gemm sites 115.0-116.2 / 123.8-124.0 - even, one kernel less; batch 2 then lost
+(150.7-151.1 / 173.9-174.1 vs 147.6-148.2 / 168.9-169.9, measured together with the GEMV+GLU shared
+expert). Re-measured with the K-split GEMV config (``bench_kimi_k3_tp8_ab_session16.md``): batch 2
+142.0-142.3 / 161.0-162.4 vs 142.0-142.2 / 160.7-165.2 - even, one kernel less (KDA batch 2: 13 kernels
+without communication). Batch 3+ is not measured."""
 
 
 def gate_down_gemv(x: torch.Tensor, weight: torch.Tensor, n_gate: int, *, logits_out: torch.Tensor | None = None,

@@ -119,10 +119,15 @@ NUM_WARPS = 4
 NUM_STAGES = 2
 PDL = True
 """Programmatic dependent launch for the three kernels (sm_90+, compiled, Triton with
-``tl.extra.cuda.gdc_wait``): each is launched while its predecessor runs, issues the loads that do
-not depend on it (the prologue's W_UK tile, the merge's W_UV tile) and then waits
+``tl.extra.cuda.gdc_wait``) up to ``PDL_MAX_BATCH`` sequences: each is launched while its predecessor
+runs, issues the loads that do not depend on it (the prologue's W_UK tile) and then waits
 (``gdc_wait``) before touching its predecessor's outputs; each lets its successor launch right after
 its own wait (``gdc_launch_dependents``), so the next projection's weight stream can start early."""
+PDL_MAX_BATCH = 1
+"""Largest batch launched with PDL. H200, Kimi K3 TP8 MLA layer at context 4096, same-machine A/B (us
+per layer, PDL vs none): batch 1 107.9 vs 113.6; batch 2 164.5 vs 161.2, batch 4 219.0 vs 211.0 (the
+early-launched programs wait on SMs the split kernel's wider grid needs; the call alone at batch 2,
+context 32768: 62.2 vs 50.4 us); batch 64 even."""
 FUSED = True
 """Default of ``fused``: Triton prologue (latent write + absorbed query) and merge epilogue (see
 ``mla_decode_triton``)."""
@@ -416,7 +421,7 @@ def _prologue(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapp
         qn, w_uk, kv_c, k_pe, slot_mapping, flat, q_lat, kv_w, float(kv_norm_eps), B, H, nope,
         qn.stride(0), qn.stride(1), w_uk.stride(0), w_uk.stride(1), q_lat.stride(0), q_lat.stride(1),
         kv_c.stride(0), k_pe.stride(0), flat.stride(0),
-        L=L, R=R, BB=PROLOGUE_B, BL=bl, BK=bk, PREC=prec, HAS_NORM=has_norm, **_pdl_args(q.device))
+        L=L, R=R, BB=PROLOGUE_B, BL=bl, BK=bk, PREC=prec, HAS_NORM=has_norm, **_pdl_args(q.device, B))
     return q_lat
 
 
@@ -459,7 +464,7 @@ def _split_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor
         q_lat.stride(1), q_lat.stride(0), q_pe.stride(0), q_pe.stride(1), flat.stride(0), block_table.stride(0),
         *sw, *so,
         L=L, R=R, BH=BLOCK_H, BN=block_n, MIN_CHUNK=min_chunk(B), DIRECT=direct, PREC=prec,
-        num_stages=NUM_STAGES, **_pdl_args(q_lat.device))
+        num_stages=NUM_STAGES, **_pdl_args(q_lat.device, B))
     return _Split(ws_acc, ws_m, ws_l, sw, 1 if direct else num_splits, block_n)
 
 
@@ -467,10 +472,10 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def pdl_enabled(device: torch.device) -> bool:
-    """Whether the kernels launch with PDL: ``PDL``, compiled (not the interpreter), an sm_90+ GPU and
-    a Triton with grid dependency control (``tl.extra.cuda.gdc_wait``)."""
-    if not PDL or _interpreting() or device.type != "cuda":
+def pdl_enabled(device: torch.device, batch: int = 1) -> bool:
+    """Whether the kernels launch with PDL: ``PDL``, batch <= ``PDL_MAX_BATCH``, compiled (not the
+    interpreter), an sm_90+ GPU and a Triton with grid dependency control (``tl.extra.cuda.gdc_wait``)."""
+    if not PDL or batch > PDL_MAX_BATCH or _interpreting() or device.type != "cuda":
         return False
     return _sm_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9 \
         and _triton_has_gdc()
@@ -493,9 +498,9 @@ def _triton_has_gdc() -> bool:
             and "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}))
 
 
-def _pdl_args(device: torch.device, num_warps: int = NUM_WARPS) -> dict:
+def _pdl_args(device: torch.device, batch: int, num_warps: int = NUM_WARPS) -> dict:
     """Launch keywords: warps, the PDL constexpr and Triton's ``launch_pdl`` (only when on)."""
-    on = pdl_enabled(device)
+    on = pdl_enabled(device, batch)
     return dict(num_warps=num_warps, PDL=on, **({"launch_pdl": True} if on else {}))
 
 
@@ -575,7 +580,7 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
     # latency-bound with narrow tiles (H200: 85 us of a 109 us call at 32k tokens with 8-split tiles)
     s_tile = min(MERGE_S_TILE, 1 << (sp.num_splits.bit_length() - 1))
     merge_args = dict(BN=sp.block_n, MIN_CHUNK=min_chunk(B), S_PAD=s_pad, S_TILE=s_tile,
-                      **_pdl_args(q.device, MERGE_WARPS))
+                      **_pdl_args(q.device, B, MERGE_WARPS))
     ml = min(MERGE_L, L)
 
     # 3. fused: merge + W_UV + gate + rounding into out
