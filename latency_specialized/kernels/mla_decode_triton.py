@@ -119,15 +119,18 @@ NUM_WARPS = 4
 NUM_STAGES = 2
 PDL = True
 """Programmatic dependent launch for the three kernels (sm_90+, compiled, Triton with
-``tl.extra.cuda.gdc_wait``) up to ``PDL_MAX_BATCH`` sequences: each is launched while its predecessor
-runs, issues the loads that do not depend on it (the prologue's W_UK tile) and then waits
-(``gdc_wait``) before touching its predecessor's outputs; each lets its successor launch right after
-its own wait (``gdc_launch_dependents``), so the next projection's weight stream can start early."""
-PDL_MAX_BATCH = 1
-"""Largest batch launched with PDL. H200, Kimi K3 TP8 MLA layer at context 4096, same-machine A/B (us
-per layer, PDL vs none): batch 1 107.9 vs 113.6; batch 2 164.5 vs 161.2, batch 4 219.0 vs 211.0 (the
-early-launched programs wait on SMs the split kernel's wider grid needs; the call alone at batch 2,
-context 32768: 62.2 vs 50.4 us); batch 64 even."""
+``tl.extra.cuda.gdc_wait``) where the split kernel's grid fits one partial wave (``pdl_enabled``): each
+kernel is launched while its predecessor runs, issues the loads that do not depend on it (the
+prologue's W_UK tile) and then waits (``gdc_wait``) before touching its predecessor's outputs; each lets
+its successor launch right after its own wait (``gdc_launch_dependents``), so the next projection's
+weight stream can start early.
+
+Why only small grids. H200, Kimi K3 TP8 MLA layer, same-machine A/B, us per layer, PDL vs none, block
+table sized for 4096 tokens (68 splits): batch 1 107.9 vs 113.6, batch 2 (136 split programs) 164.5 vs
+161.2, batch 4 219.0 vs 211.0; batch 64 even. Batch 1 with the table sized for 32768 tokens (256 split
+programs, the full layer bench): 114.2 / 140.0 us at context 4096 / 32768 against 111.6 / 134.5 without
+PDL the session before. The early-launched programs wait on SM slots the wider grid needs (the call
+alone at batch 2, context 32768: 62.2 vs 50.4 us)."""
 FUSED = True
 """Default of ``fused``: Triton prologue (latent write + absorbed query) and merge epilogue (see
 ``mla_decode_triton``)."""
@@ -390,7 +393,7 @@ def _last_dim_unit(t: torch.Tensor) -> torch.Tensor:
 
 def _prologue(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor,
               flat: torch.Tensor, w_uk: torch.Tensor, q_lat: torch.Tensor | None = None,
-              kv_norm_weight: torch.Tensor | None = None, kv_norm_eps: float = 1e-6) -> torch.Tensor:
+              kv_norm_weight: torch.Tensor | None = None, kv_norm_eps: float = 1e-6, pdl: bool = False) -> torch.Tensor:
     """Launch the prologue kernel (one launch): ``flat[slot_mapping[b]] = [kv_c[b] | k_pe[b]]`` in the
     cache dtype for slots >= 0, and return ``q_lat`` [H, B, L] (contiguous, q.dtype) ``= q_nope[:, h] @
     w_uk[h]`` with fp32 accumulation and one rounding (as the torch ``bmm`` of the unfused path).
@@ -421,8 +424,15 @@ def _prologue(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapp
         qn, w_uk, kv_c, k_pe, slot_mapping, flat, q_lat, kv_w, float(kv_norm_eps), B, H, nope,
         qn.stride(0), qn.stride(1), w_uk.stride(0), w_uk.stride(1), q_lat.stride(0), q_lat.stride(1),
         kv_c.stride(0), k_pe.stride(0), flat.stride(0),
-        L=L, R=R, BB=PROLOGUE_B, BL=bl, BK=bk, PREC=prec, HAS_NORM=has_norm, **_pdl_args(q.device, B))
+        L=L, R=R, BB=PROLOGUE_B, BL=bl, BK=bk, PREC=prec, HAS_NORM=has_norm, **_pdl_args(pdl))
     return q_lat
+
+
+def _resolve_splits(B: int, H: int, block_table: torch.Tensor, block_size: int, num_splits: int | None,
+                    device: torch.device) -> int:
+    if num_splits is None:
+        num_splits = choose_num_splits(B, H, block_table.shape[1] * block_size, sm_count(device))
+    return max(1, min(int(num_splits), MAX_SPLITS))
 
 
 class _Split(NamedTuple):
@@ -437,14 +447,12 @@ class _Split(NamedTuple):
 
 def _split_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, block_size: int, scale: float, num_splits: int | None,
-                     o_lat: torch.Tensor | None) -> _Split:
+                     o_lat: torch.Tensor | None, pdl: bool = False) -> _Split:
     """Launch the split kernel. q_lat [H, B, L] (any strides, unit last), q_pe [B, H, R], flat
     [slots, L + R]; ``o_lat`` [H, B, L]: given with ``num_splits == 1``, the kernel writes it directly."""
     H, B, L = q_lat.shape
     R = q_pe.shape[-1]
-    if num_splits is None:
-        num_splits = choose_num_splits(B, H, block_table.shape[1] * block_size, sm_count(q_lat.device))
-    num_splits = max(1, min(int(num_splits), MAX_SPLITS))
+    num_splits = _resolve_splits(B, H, block_table, block_size, num_splits, q_lat.device)
     block_n = BLOCK_N if flat.element_size() <= 2 else min(BLOCK_N, 16)
     prec = "ieee" if flat.dtype == torch.float32 else "tf32"
     direct = num_splits == 1 and o_lat is not None
@@ -464,7 +472,7 @@ def _split_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor
         q_lat.stride(1), q_lat.stride(0), q_pe.stride(0), q_pe.stride(1), flat.stride(0), block_table.stride(0),
         *sw, *so,
         L=L, R=R, BH=BLOCK_H, BN=block_n, MIN_CHUNK=min_chunk(B), DIRECT=direct, PREC=prec,
-        num_stages=NUM_STAGES, **_pdl_args(q_lat.device, B))
+        num_stages=NUM_STAGES, **_pdl_args(pdl))
     return _Split(ws_acc, ws_m, ws_l, sw, 1 if direct else num_splits, block_n)
 
 
@@ -472,13 +480,14 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def pdl_enabled(device: torch.device, batch: int = 1) -> bool:
-    """Whether the kernels launch with PDL: ``PDL``, batch <= ``PDL_MAX_BATCH``, compiled (not the
-    interpreter), an sm_90+ GPU and a Triton with grid dependency control (``tl.extra.cuda.gdc_wait``)."""
-    if not PDL or batch > PDL_MAX_BATCH or _interpreting() or device.type != "cuda":
+def pdl_enabled(device: torch.device, split_programs: int) -> bool:
+    """Whether the kernels launch with PDL: ``PDL``, a split grid of at most one program per SM
+    (``split_programs`` = batch x head groups x splits), compiled (not the interpreter), an sm_90+ GPU and
+    a Triton with grid dependency control (``tl.extra.cuda.gdc_wait``)."""
+    if not PDL or _interpreting() or device.type != "cuda":
         return False
-    return _sm_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9 \
-        and _triton_has_gdc()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return split_programs <= sm_count(device) and _sm_major(index) >= 9 and _triton_has_gdc()
 
 
 @functools.cache
@@ -498,9 +507,8 @@ def _triton_has_gdc() -> bool:
             and "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}))
 
 
-def _pdl_args(device: torch.device, batch: int, num_warps: int = NUM_WARPS) -> dict:
+def _pdl_args(on: bool, num_warps: int = NUM_WARPS) -> dict:
     """Launch keywords: warps, the PDL constexpr and Triton's ``launch_pdl`` (only when on)."""
-    on = pdl_enabled(device, batch)
     return dict(num_warps=num_warps, PDL=on, **({"launch_pdl": True} if on else {}))
 
 
@@ -561,26 +569,28 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
     w = w_kv_b.view(H, nope + v, L)
     if w.dtype != dtype:
         w = w.to(dtype)
+    bt = _last_dim_unit(block_table)
+    num_splits = _resolve_splits(B, H, bt, block, num_splits, q.device)
+    pdl = pdl_enabled(q.device, B * -(-H // BLOCK_H) * num_splits)
     if fused:  # 1. one launch: the (normed) new latents into the cache and the absorbed query, no host sync
         q_lat = _prologue(q, kv_c, k_pe, slot_mapping, flat, w[:, :nope], kv_norm_weight=kv_norm_weight,
-                          kv_norm_eps=kv_norm_eps)                             # [H, B, L]
+                          kv_norm_eps=kv_norm_eps, pdl=pdl)                    # [H, B, L]
     else:      # torch norm (rmsnorm_reference) and write, then one bmm over the heads in the activation dtype:
         kv_c = normed_latent(q, kv_c, kv_norm_weight, kv_norm_eps)            # [H, B, nope] x [H, nope, L]
         _write_new_latents(flat, torch.cat([kv_c, k_pe], dim=-1).to(kv_cache.dtype), slot_mapping)
         q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope])         # [H, B, L]
     q_pe = _last_dim_unit(q[..., nope:])                                     # [B, H, R]
     scale = qk ** -0.5 if scale is None else scale
-    bt = _last_dim_unit(block_table)
 
     # 2. split kernel
     o_lat = None if fused else torch.empty(H, B, L, device=q.device, dtype=dtype)
-    sp = _split_attention(q_lat, q_pe, flat, bt, seq_lens, block, scale, num_splits, o_lat)
+    sp = _split_attention(q_lat, q_pe, flat, bt, seq_lens, block, scale, num_splits, o_lat, pdl=pdl)
     s_pad = _next_pow2(sp.num_splits)
     # wide split tiles: at batch 1 (256 splits, 12 programs) the merge is a serial loop per program,
     # latency-bound with narrow tiles (H200: 85 us of a 109 us call at 32k tokens with 8-split tiles)
     s_tile = min(MERGE_S_TILE, 1 << (sp.num_splits.bit_length() - 1))
     merge_args = dict(BN=sp.block_n, MIN_CHUNK=min_chunk(B), S_PAD=s_pad, S_TILE=s_tile,
-                      **_pdl_args(q.device, B, MERGE_WARPS))
+                      **_pdl_args(pdl, MERGE_WARPS))
     ml = min(MERGE_L, L)
 
     # 3. fused: merge + W_UV + gate + rounding into out

@@ -260,6 +260,31 @@ def test_merge_v_block_spreads_small_batches():
     assert merge_v_block(3, 20, 24, 132) == 16       # never below 16 values per program
 
 
+def test_pdl_only_for_one_partial_wave_of_split_programs(monkeypatch):
+    """PDL where the split grid fits one program per SM (measured: faster at 68 split programs, slower
+    at 136-256); never on the CPU / interpreter, nor without Triton's grid dependency control."""
+    from latency_specialized.kernels import mla_decode_triton as mk
+
+    monkeypatch.setattr(mk, "_interpreting", lambda: False)
+    monkeypatch.setattr(mk, "sm_count", lambda device: 132)
+    monkeypatch.setattr(mk, "_sm_major", lambda index: 9)
+    monkeypatch.setattr(mk, "_triton_has_gdc", lambda: True)
+    gpu = torch.device("cuda", 0)
+    assert mk.pdl_enabled(gpu, 68) and mk.pdl_enabled(gpu, 132)
+    assert not mk.pdl_enabled(gpu, 136) and not mk.pdl_enabled(gpu, 256)
+    assert not mk.pdl_enabled(torch.device("cpu"), 1)
+    monkeypatch.setattr(mk, "_sm_major", lambda index: 8)
+    assert not mk.pdl_enabled(gpu, 68)                           # griddepcontrol needs sm_90
+    monkeypatch.setattr(mk, "_sm_major", lambda index: 9)
+    monkeypatch.setattr(mk, "_triton_has_gdc", lambda: False)
+    assert not mk.pdl_enabled(gpu, 68)
+    monkeypatch.setattr(mk, "_triton_has_gdc", lambda: True)
+    monkeypatch.setattr(mk, "PDL", False)
+    assert not mk.pdl_enabled(gpu, 68)
+    assert mk._pdl_args(True, 4) == {"num_warps": 4, "PDL": True, "launch_pdl": True}
+    assert mk._pdl_args(False, 8) == {"num_warps": 8, "PDL": False}
+
+
 def test_unsupported_widths_raise_a_user_error(mla):
     args, kw = _case(3, [4], L=24, R=8, nope=8, v=8)
     with pytest.raises(UserError, match="torch_paged"):
