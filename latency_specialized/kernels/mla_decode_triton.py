@@ -115,6 +115,11 @@ MERGE_TILE = 16384
 the latent tile is wide (64 KiB per step: 128 registers per thread at 4 warps)."""
 MERGE_V_BLOCK = 0
 """Values of ``v`` per fused-merge program; 0: ``merge_v_block``'s rule (sweeps override it)."""
+MERGE_L_TILE = 64
+"""Latent columns per program of the L-tiled fused merge at small batch (``merge_l_tiles``; 0: the v-blocked
+merge everywhere). Each program reads only its columns of every split's partial (at batch 1, 64 splits: 16 KB
+instead of the 128 KB each v-blocked program re-reads) and its W_UV columns; the last of a head's programs
+adds their partial outputs."""
 NUM_WARPS = 4
 NUM_STAGES = 2
 PDL = True
@@ -220,18 +225,22 @@ def _kernels(interpret: bool):
             tl.store(row + L + offs_r[None, :], p.to(cache.dtype.element_ty), mask=r_ok)
 
     @triton.jit
-    def split_kernel(q_lat, q_pe, cache, block_table, seq_lens, ws_acc, ws_m, ws_l, o_lat,
+    def split_kernel(q_lat, q_pe, cache, block_table, seq_lens, ws_acc, ws_m, ws_l, o_lat, count,
                      H, num_splits, block_size, sm_scale_log2,
                      s_qb, s_qh, s_pb, s_ph, s_row, s_bt,
                      s_wb, s_ws, s_wh, s_mb, s_ms, s_ob, s_oh,
                      L: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
-                     MIN_CHUNK: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+                     MIN_CHUNK: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
+                     ZERO_COUNT: tl.constexpr):
         b = tl.program_id(0)
         hg = tl.program_id(1)
         sp = tl.program_id(2)
         if PDL:  # every program (dead splits too): q_lat and the new latent come from the prologue
             tlc.gdc_wait()
             tlc.gdc_launch_dependents()
+        if ZERO_COUNT:  # split 0 zeroes its heads' arrival counters of the L-tiled merge (ran before it)
+            offs_c = hg * BH + tl.arange(0, BH)
+            tl.store(count + b * H + offs_c, tl.zeros([BH], dtype=tl.int32), mask=offs_c < tl.where(sp == 0, H, 0))
         seq_len = tl.load(seq_lens + b).to(tl.int32)
         # this split's chunk, from the device-side length: no host read of seq_lens anywhere
         chunk = tl.maximum(tl.cdiv(seq_len, num_splits), MIN_CHUNK)
@@ -345,7 +354,67 @@ def _kernels(interpret: bool):
                 o = o * tl.sigmoid(g)
             tl.store(out + b * s_o + h * V + offs_v, o.to(out.dtype.element_ty), mask=v_ok)
 
-    return dict(prologue=prologue_kernel, split=split_kernel, merge=merge_kernel)
+    @triton.jit
+    def merge_tiles_kernel(ws_acc, ws_m, ws_l, seq_lens, w_uv, gate, out, ws_o, count, num_splits, H, V,
+                           s_wb, s_ws, s_wh, s_mb, s_ms, s_uh, s_uv, s_g, s_o,
+                           BN: tl.constexpr, MIN_CHUNK: tl.constexpr, S_PAD: tl.constexpr, S_TILE: tl.constexpr,
+                           LT: tl.constexpr, NLT: tl.constexpr, NLT_PAD: tl.constexpr, V_PAD: tl.constexpr,
+                           HAS_GATE: tl.constexpr, PDL: tl.constexpr):
+        # grid (B, H, NLT): program lt merges the splits' partials of latent columns [lt*LT, (lt+1)*LT) only
+        # and multiplies them by its columns of W_UV: a partial o [V] (fp32) into ws_o [B, H, NLT, V_PAD].
+        # The last of a head's NLT programs to arrive (count[b, h], zeroed by the split kernel) adds the NLT
+        # partials in tile order (deterministic), applies the gate and writes out: each partial is read once
+        # (the v-blocked merge re-reads all of them per v block).
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        lt = tl.program_id(2)
+        offs_v = tl.arange(0, V_PAD)
+        v_ok = offs_v < V
+        offs_l = lt * LT + tl.arange(0, LT)
+        # W_UV columns first: weights do not depend on the previous kernel (PDL)
+        w = tl.load(w_uv + h * s_uh + offs_v[:, None] * s_uv + offs_l[None, :], mask=v_ok[:, None], other=0.0)
+        if PDL:  # the partials come from the split kernel
+            tlc.gdc_wait()
+            tlc.gdc_launch_dependents()
+        seq_len = tl.load(seq_lens + b).to(tl.int32)
+        chunk = tl.maximum(tl.cdiv(seq_len, num_splits), MIN_CHUNK)
+        chunk = tl.cdiv(chunk, BN) * BN
+        used = tl.cdiv(seq_len, chunk)  # splits that held positions (same rule as the split kernel)
+        offs_s = tl.arange(0, S_PAD)
+        s_ok = offs_s < used
+        m_s = tl.load(ws_m + b * s_mb + offs_s * s_ms + h, mask=s_ok, other=float("-inf"))
+        l_s = tl.load(ws_l + b * s_mb + offs_s * s_ms + h, mask=s_ok, other=0.0)
+        m_max = tl.max(m_s, 0)
+        m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # padding row: no split, every weight 0
+        denom = tl.sum(tl.where(s_ok, tl.exp2(m_s - m_max), 0.0) * l_s, 0)
+        inv = tl.where(denom > 0, 1.0 / tl.where(denom > 0, denom, 1.0), 0.0)
+        acc = tl.zeros([LT], dtype=tl.float32)
+        for s0 in range(0, used, S_TILE):
+            offs_t = s0 + tl.arange(0, S_TILE)
+            t_ok = offs_t < used
+            m_t = tl.load(ws_m + b * s_mb + offs_t * s_ms + h, mask=t_ok, other=float("-inf"))
+            w_t = tl.where(t_ok, tl.exp2(m_t - m_max), 0.0)
+            part = tl.load(ws_acc + b * s_wb + offs_t[:, None] * s_ws + h * s_wh + offs_l[None, :],
+                           mask=t_ok[:, None], other=0.0)
+            acc += tl.sum(w_t[:, None] * part, 0)
+        po = tl.sum(w.to(tl.float32) * (acc * inv)[None, :], 1)                  # [V_PAD] partial o
+        row = ((b * H + h) * NLT_PAD) * V_PAD
+        tl.store(ws_o + row + lt * V_PAD + offs_v, po)
+        # every thread's store before the arrival; the arrival (acq_rel, GPU scope) releases them and
+        # the last arriver's acquire makes the other programs' partials visible to it (read from L2: .cg)
+        tl.debug_barrier()
+        n = tl.atomic_add(count + b * H + h, 1, sem="acq_rel", scope="gpu")
+        if n == NLT - 1:
+            offs_k = tl.arange(0, NLT_PAD)
+            parts = tl.load(ws_o + row + offs_k[:, None] * V_PAD + offs_v[None, :],
+                            mask=offs_k[:, None] < NLT, other=0.0, cache_modifier=".cg")   # [NLT_PAD, V_PAD]
+            o = tl.sum(parts, 0)
+            if HAS_GATE:
+                g = tl.load(gate + b * s_g + h * V + offs_v, mask=v_ok, other=0.0).to(tl.float32)
+                o = o * tl.sigmoid(g)
+            tl.store(out + b * s_o + h * V + offs_v, o.to(out.dtype.element_ty), mask=v_ok)
+
+    return dict(prologue=prologue_kernel, split=split_kernel, merge=merge_kernel, merge_tiles=merge_tiles_kernel)
 
 
 def choose_num_splits(batch: int, heads: int, capacity: int, sms: int) -> int:
@@ -381,6 +450,15 @@ def merge_v_block(batch: int, heads: int, v: int, sms: int) -> int:
     while vb > 16 and batch * heads * -(-v // vb) < WAVES * sms:
         vb //= 2
     return vb
+
+
+def merge_l_tiles(batch: int, heads: int, L: int, sms: int) -> int:
+    """Latent tiles per head of the fused merge; more than one selects the L-tiled merge
+    (``merge_tiles_kernel``): small batches only (2 x batch x heads <= SMs, where the v-blocked merge
+    would re-merge every partial once per v block), tiles of ``MERGE_L_TILE`` columns (0: off)."""
+    if MERGE_L_TILE <= 0 or 2 * batch * heads > sms or L % MERGE_L_TILE or L // MERGE_L_TILE < 2:
+        return 1
+    return L // MERGE_L_TILE
 
 
 def _next_pow2(n: int) -> int:
@@ -447,9 +525,10 @@ class _Split(NamedTuple):
 
 def _split_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, block_size: int, scale: float, num_splits: int | None,
-                     o_lat: torch.Tensor | None, pdl: bool = False) -> _Split:
+                     o_lat: torch.Tensor | None, pdl: bool = False, count: torch.Tensor | None = None) -> _Split:
     """Launch the split kernel. q_lat [H, B, L] (any strides, unit last), q_pe [B, H, R], flat
-    [slots, L + R]; ``o_lat`` [H, B, L]: given with ``num_splits == 1``, the kernel writes it directly."""
+    [slots, L + R]; ``o_lat`` [H, B, L]: given with ``num_splits == 1``, the kernel writes it directly.
+    ``count`` [B * H] int32: the L-tiled merge's arrival counters, zeroed by the split-0 programs."""
     H, B, L = q_lat.shape
     R = q_pe.shape[-1]
     num_splits = _resolve_splits(B, H, block_table, block_size, num_splits, q_lat.device)
@@ -468,11 +547,11 @@ def _split_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor
         so = (0, 0)
     _kernels(_interpreting())["split"][(B, -(-H // BLOCK_H), num_splits)](
         q_lat, q_pe, flat, block_table, seq_lens, ws_acc, ws_m, ws_l, o_lat if direct else ws_acc,
-        H, num_splits, block_size, scale * _LOG2E,
+        count if count is not None else ws_m, H, num_splits, block_size, scale * _LOG2E,
         q_lat.stride(1), q_lat.stride(0), q_pe.stride(0), q_pe.stride(1), flat.stride(0), block_table.stride(0),
         *sw, *so,
         L=L, R=R, BH=BLOCK_H, BN=block_n, MIN_CHUNK=min_chunk(B), DIRECT=direct, PREC=prec,
-        num_stages=NUM_STAGES, **_pdl_args(pdl))
+        ZERO_COUNT=count is not None, num_stages=NUM_STAGES, **_pdl_args(pdl))
     return _Split(ws_acc, ws_m, ws_l, sw, 1 if direct else num_splits, block_n)
 
 
@@ -582,9 +661,11 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
     q_pe = _last_dim_unit(q[..., nope:])                                     # [B, H, R]
     scale = qk ** -0.5 if scale is None else scale
 
-    # 2. split kernel
+    # 2. split kernel (it also zeroes the L-tiled merge's arrival counters)
     o_lat = None if fused else torch.empty(H, B, L, device=q.device, dtype=dtype)
-    sp = _split_attention(q_lat, q_pe, flat, bt, seq_lens, block, scale, num_splits, o_lat, pdl=pdl)
+    n_lt = merge_l_tiles(B, H, L, sm_count(q.device)) if fused else 1
+    count = torch.empty(B * H, device=q.device, dtype=torch.int32) if n_lt > 1 else None
+    sp = _split_attention(q_lat, q_pe, flat, bt, seq_lens, block, scale, num_splits, o_lat, pdl=pdl, count=count)
     s_pad = _next_pow2(sp.num_splits)
     # wide split tiles: at batch 1 (256 splits, 12 programs) the merge is a serial loop per program,
     # latency-bound with narrow tiles (H200: 85 us of a 109 us call at 32k tokens with 8-split tiles)
@@ -600,6 +681,15 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
         if y.stride(-1) != 1:
             raise UserError(f"{NAME}: out must have a unit last stride (got {y.stride()})")
         g = _last_dim_unit(gate) if gate is not None else y
+        if n_lt > 1:  # small batch: each program merges a latent tile, the last of a head adds the outputs
+            lt, v_pad, n_pad = L // n_lt, _next_pow2(v), _next_pow2(n_lt)
+            ws_o = torch.empty(B * H * n_pad * v_pad, device=q.device, dtype=torch.float32)
+            tile_args = dict(merge_args, S_TILE=max(1, min(1 << (sp.num_splits.bit_length() - 1), MERGE_TILE // lt)))
+            kernels["merge_tiles"][(B, H, n_lt)](
+                sp.ws_acc, sp.ws_m, sp.ws_l, seq_lens, w_uv, g, y, ws_o, count, sp.num_splits, H, v, *sp.strides,
+                w_uv.stride(0), w_uv.stride(1), g.stride(0), y.stride(0),
+                LT=lt, NLT=n_lt, NLT_PAD=n_pad, V_PAD=v_pad, HAS_GATE=gate is not None, **tile_args)
+            return y
         vb = MERGE_V_BLOCK or merge_v_block(B, H, v, sm_count(q.device))
         ml_f = min(MERGE_L_FUSED, L)
         fused_args = dict(merge_args, S_TILE=max(1, min(s_tile, MERGE_TILE // ml_f)))

@@ -177,6 +177,48 @@ def test_two_head_groups_and_medium_widths(mla, monkeypatch):
     _check(mla, args, kw, num_splits=3, fused=False)
 
 
+def _latent_tiles(mla, monkeypatch, tile: int) -> None:
+    """The L-tiled fused merge at these small widths (tiles of ``tile`` columns) whatever the batch."""
+    monkeypatch.setattr(mla, "MERGE_L_TILE", tile)
+    monkeypatch.setattr(mla, "sm_count", lambda device: 10_000)
+
+
+@interpreted
+@pytest.mark.parametrize("bs,lens,splits", [(2, [0, 1, 7, 33, 0, 20], 1), (2, [0, 1, 7, 33, 0, 20], 3),
+                                            (2, [0, 1, 7, 33, 0, 20], 5), (16, [33, 0, 64, 5], 4)])
+@pytest.mark.parametrize("gate", [False, True])
+def test_latent_tiled_merge_matches_reference(mla, monkeypatch, bs, lens, splits, gate):
+    """Small batches' fused merge: program (b, h, tile) merges one latent tile and multiplies it by its W_UV
+    columns; the last arriver of a head (counters zeroed by the split kernel) adds the tiles' outputs in
+    order. Padding rows, one and several live splits, 2 tiles of 16 columns (L = 32)."""
+    _short_chunks(mla, monkeypatch)
+    _latent_tiles(mla, monkeypatch, 16)
+    assert mla.merge_l_tiles(len(lens), 12, 32, mla.sm_count(None)) == 2
+    args, kw = _case(bs * 100 + splits * 10 + gate + 3, lens, bs=bs, gate=gate)
+    _check(mla, args, kw, num_splits=splits)
+
+
+@interpreted
+def test_latent_tiled_merge_two_head_groups_odd_v(mla, monkeypatch):
+    """H = 20 (two head groups), L = 64 in 4 tiles, v = 24 (a 32-wide padded output row, masked)."""
+    _short_chunks(mla, monkeypatch)
+    _latent_tiles(mla, monkeypatch, 16)
+    args, kw = _case(17, [0, 40, 3], H=20, L=64, R=32, nope=32, v=24, bs=4, gate=True)
+    _check(mla, args, kw, num_splits=3)
+    _check(mla, args, kw, num_splits=1)
+
+
+def test_latent_tiles_only_for_small_batches(monkeypatch):
+    from latency_specialized.kernels import mla_decode_triton as mk
+
+    assert mk.merge_l_tiles(1, 12, 512, 132) == 512 // mk.MERGE_L_TILE > 1   # Kimi TP8, batch 1: 8 tiles
+    assert mk.merge_l_tiles(5, 12, 512, 132) > 1                               # 2 x 60 programs <= 132 SMs
+    assert mk.merge_l_tiles(6, 12, 512, 132) == 1                              # the v-blocked merge from here
+    assert mk.merge_l_tiles(1, 12, 32, 132) == 1                               # fewer than two tiles
+    monkeypatch.setattr(mk, "MERGE_L_TILE", 0)
+    assert mk.merge_l_tiles(1, 12, 512, 132) == 1                              # switched off
+
+
 @interpreted
 def test_default_splits_and_scale(mla):
     args, kw = _case(11, [5, 0, 19], bs=2)
