@@ -28,11 +28,17 @@ bytes, are the time):
    ``s = scale * (q_lat c^T + q_pe k_pe^T)`` (tensor cores, fp32 accumulation), online softmax in
    fp32 (base 2), and ``acc += p c`` with **p rounded to the cache dtype** for the tensor-core dot,
    fp32 accumulation. It writes ``(acc, m, l)`` of its split to an fp32 workspace;
-3. **merge kernel**, grid ``(B, H)``: log-sum-exp weights over the splits that held positions
-   (padding rows, ``seq_lens == 0``, give exact zeros), ``o_lat`` kept in fp32, ``o = W_UV[h] o_lat``
-   (fp32 FMAs over the bf16 weight), ``* sigmoid(gate)`` in fp32, **the one rounding** of ``o`` into
-   ``out`` [merge to ``o_lat`` in the activation dtype (**rounding**; with one split the split kernel
-   writes it), ``o = o_lat W_UV^T`` by a torch ``bmm`` (**rounding**), the reference's ``_finish``].
+3. **merge kernel**: log-sum-exp weights over the splits that held positions (padding rows,
+   ``seq_lens == 0``, give exact zeros), ``o_lat`` kept in fp32, ``o = W_UV[h] o_lat`` (fp32 FMAs over
+   the bf16 weight), ``* sigmoid(gate)`` in fp32, **the one rounding** of ``o`` into ``out`` [merge to
+   ``o_lat`` in the activation dtype (**rounding**; with one split the split kernel writes it), ``o =
+   o_lat W_UV^T`` by a torch ``bmm`` (**rounding**), the reference's ``_finish``]. Two grids: small
+   batches (``merge_l_tiles``) ``(B, H, L / MERGE_L_TILE)``, a program per latent tile that reads only
+   its tile of the partials and writes a partial ``o`` [v] in fp32, the last of a head's programs to
+   arrive (arrival counters zeroed by the split kernel) adding the tiles' outputs in tile order;
+   otherwise ``(B, H, v blocks)``, each program merging the whole latent (``merge_v_block``).
+4. **PDL** (``PDL``, ``pdl_enabled``): where the split grid has at most one program per SM, the three
+   kernels are launched with programmatic dependent launch.
 
 So against the fp32 reference the tolerance is a bf16 one (about 2e-2 relative to the output
 scale); with fp32 tensors every step is fp32 (``tl.dot`` in IEEE fp32), which is how the CPU tests
