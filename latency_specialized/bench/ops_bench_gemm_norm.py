@@ -274,9 +274,9 @@ def attnres_cases(settings: BenchSettings):
     from latency_specialized.kernels import attnres
     from latency_specialized_models.kimi_k3.attnres import attnres_mix_reference
 
+    if not torch.cuda.is_available():
+        return
     for label, n, s, out_norm in ATTNRES_SITES:
-        if not torch.cuda.is_available():
-            return
         nw = (1.0 + 0.1 * torch.randn(n, device="cuda")).to(torch.bfloat16)
         q = (torch.randn(n, device="cuda") * n ** -0.5).to(torch.bfloat16)
         ow = (1.0 + 0.1 * torch.randn(n, device="cuda")).to(torch.bfloat16) if out_norm else None

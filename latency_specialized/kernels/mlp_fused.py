@@ -184,24 +184,27 @@ GLU_PREFERRED_MAX_M = 0
 """Up to this many tokens gate/up always takes the GEMV with its GLU epilogue, even where the table
 picks another gemm for the plain [2I, K] projection: the activation kernel (a launch and an [M, 2I]
 round trip) is saved, at the price of the GEMV's time for that shape. 0: only where the table's
-winner is the GEMV."""
+winner is the GEMV. H200, Kimi K3 TP8 layer A/B with 4 (``bench_kimi_k3_tp8_ab_session16.md``): the shared
+expert's gate/up GEMV is slower than the small-M kernel by more than the activation kernel costs on its
+side stream - KDA +0.5 / +2.2 / +2.3 us per layer at batch 1 / 2 / 4, MLA batch 4 +11.6 - hence 0."""
 
 
-def _glu_fused(gate_up_gemm: str, dtype: str, m: int = 0) -> bool:
+def _glu_fused(gate_up_gemm: str, dtype: str, m: int = 0, k: int = 0) -> bool:
     """Whether gate/up runs as the GEMV with its GLU epilogue (replacing the activation kernel): where
-    the table picks the GEMV, or up to ``GLU_PREFERRED_MAX_M`` tokens (bf16; the GEMV serves M <= 4)."""
+    the table picks the GEMV, or up to ``GLU_PREFERRED_MAX_M`` tokens (bf16, K % 8 == 0; the GEMV serves
+    M <= 4)."""
     from latency_specialized.kernels.gemm_gemv import MAX_M
 
     if dtype != "bfloat16":
         return False
-    return gate_up_gemm == "gemm.cutedsl_gemv" or 1 <= m <= min(GLU_PREFERRED_MAX_M, MAX_M)
+    return gate_up_gemm == "gemm.cutedsl_gemv" or (1 <= m <= min(GLU_PREFERRED_MAX_M, MAX_M) and k % 8 == 0)
 
 
 def chosen_gemms(m: int, n: int, inter: int, k: int, arch: str, dtype: str) -> tuple[str, str]:
     """Names of the gemm implementations serving (gate/up, down) - for plans, notes and tests.
     A gate/up GEMV carries the activation in its epilogue ("gemm.cutedsl_gemv+glu")."""
     gu = _gemm_for(m, 2 * inter, k, arch, dtype).name
-    if _glu_fused(gu, dtype, m):
+    if _glu_fused(gu, dtype, m, k):
         gu = "gemm.cutedsl_gemv+glu"
     return gu, _gemm_for(m, n, inter, arch, dtype).name
 
@@ -228,7 +231,7 @@ def mlp_fused(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, ac
         raise UserError(f"fused MLP kernel supports bf16/fp16, got {x.dtype}: use mlp.reference")
     arch = _arch(x.device)
     gate_up = _gemm_for(m, 2 * inter, k, arch, dtype)
-    if _glu_fused(gate_up.name, dtype, m) and k % 8 == 0:
+    if _glu_fused(gate_up.name, dtype, m, k):
         # the GEMV streams gate and up rows of each output together: one kernel, same bits
         from latency_specialized.kernels.gemm_gemv import gemv_glu
 
