@@ -87,6 +87,20 @@ def sm_count(device: Any) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    import torch
+
+    return torch.cuda.get_device_capability(index)
+
+
+def capability(device: Any) -> tuple[int, int]:
+    """(major, minor) compute capability of a CUDA torch device (cached per device index)."""
+    import torch
+
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def probe(device: int | None = None) -> Hardware:
     """The current CUDA device, or the CPU when torch sees no GPU."""
     import torch

@@ -64,7 +64,7 @@ from typing import NamedTuple
 import torch
 
 from latency_specialized.errors import UserError
-from latency_specialized.hardware import sm_count
+from latency_specialized.hardware import capability, sm_count
 from latency_specialized.ops.attention.mla import (_finish, _write_new_latents, check_kv_norm, latent_widths,
                                                    normed_latent)
 from latency_specialized.ops.registry import Implementation, OpContext, Support
@@ -571,13 +571,7 @@ def pdl_enabled(device: torch.device, split_programs: int) -> bool:
     a Triton with grid dependency control (``tl.extra.cuda.gdc_wait``)."""
     if not PDL or _interpreting() or device.type != "cuda":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return split_programs <= sm_count(device) and _sm_major(index) >= 9 and _triton_has_gdc()
-
-
-@functools.cache
-def _sm_major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
+    return split_programs <= sm_count(device) and capability(device)[0] >= 9 and _triton_has_gdc()
 
 
 @functools.cache

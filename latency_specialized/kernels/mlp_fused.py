@@ -176,7 +176,9 @@ def _gemm_for(m: int, n: int, k: int, arch: str, dtype: str):
 
 
 def _arch(device: torch.device) -> str:
-    major, minor = torch.cuda.get_device_capability(device)
+    from latency_specialized.hardware import capability
+
+    major, minor = capability(device)
     return f"sm_{major}{minor}"
 
 

@@ -75,6 +75,21 @@ def test_attnres_cluster_rule():
         A.attnres_cute(src, 2, w, w, 1e-6, config=A.AttnResConfig(cluster=8))
 
 
+@pytest.mark.parametrize("m,config,want", [(1, None, 8), (16, None, 4), (64, None, 2), (1, (2,), 2), (64, (1,), 1)])
+def test_attnres_config_reaches_the_compiled_variant(monkeypatch, m, config, want):
+    """The default (by batch) or explicit cluster is what gets compiled and launched: a wrapper that
+    ignored it would still compute right on the GPU, so check the compile key here."""
+    from latency_specialized.kernels import attnres as A
+
+    seen = []
+    monkeypatch.setattr(A, "compile_attnres", lambda var: seen.append(var) or (lambda *args: None))
+    src = torch.randn(3, m, 7168, dtype=torch.bfloat16)
+    w = torch.randn(7168, dtype=torch.bfloat16)
+    cfg = A.AttnResConfig(*config) if config else None
+    A.attnres_cute(src, 3, w, w, 1e-6, out_norm_weight=w, config=cfg)
+    assert [v.cluster for v in seen] == [want]
+
+
 @needs_cute
 @pytest.mark.parametrize("act", [SITU, ActivationSpec(kind="swiglu", clamp=10.0), ActivationSpec()])
 def test_gated_activation_compiles(act):

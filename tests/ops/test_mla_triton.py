@@ -309,15 +309,15 @@ def test_pdl_only_for_one_partial_wave_of_split_programs(monkeypatch):
 
     monkeypatch.setattr(mk, "_interpreting", lambda: False)
     monkeypatch.setattr(mk, "sm_count", lambda device: 132)
-    monkeypatch.setattr(mk, "_sm_major", lambda index: 9)
+    monkeypatch.setattr(mk, "capability", lambda device: (9, 0))
     monkeypatch.setattr(mk, "_triton_has_gdc", lambda: True)
     gpu = torch.device("cuda", 0)
     assert mk.pdl_enabled(gpu, 68) and mk.pdl_enabled(gpu, 132)
     assert not mk.pdl_enabled(gpu, 136) and not mk.pdl_enabled(gpu, 256)
     assert not mk.pdl_enabled(torch.device("cpu"), 1)
-    monkeypatch.setattr(mk, "_sm_major", lambda index: 8)
+    monkeypatch.setattr(mk, "capability", lambda device: (8, 0))
     assert not mk.pdl_enabled(gpu, 68)                           # griddepcontrol needs sm_90
-    monkeypatch.setattr(mk, "_sm_major", lambda index: 9)
+    monkeypatch.setattr(mk, "capability", lambda device: (9, 0))
     monkeypatch.setattr(mk, "_triton_has_gdc", lambda: False)
     assert not mk.pdl_enabled(gpu, 68)
     monkeypatch.setattr(mk, "_triton_has_gdc", lambda: True)

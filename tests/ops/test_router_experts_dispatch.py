@@ -107,8 +107,8 @@ def test_gate_down_reference_is_the_two_gemm_sites():
 
 def test_plan_names_the_sites_a_program_does_not_call():
     """Plan.skipped_sites reads the sites' declared relations: at batch 1 on the H200 the fused router +
-    latent GEMV replaces the two gemm sites and the q_b GEMV takes the q_a norm; from batch 2 the gemm
-    sites run (the fusing site is skipped). explain prints the same."""
+    latent GEMV replaces the two gemm sites and the q_b GEMV takes the q_a norm; past GATE_DOWN_MAX_M (2)
+    the gemm sites run (the fusing site is skipped). explain prints the same."""
     from latency_specialized.kernels.compile_cache import cute_available
 
     if cute_available() is not True:
