@@ -489,14 +489,15 @@ def _supports(ctx: OpContext) -> Support:
 
 
 GATE_DOWN_NAME = "moe.gate_down.cutedsl_gemv"
-GATE_DOWN_MAX_M = 2
-"""Tokens up to which the fused router + latent GEMV serves. H200, Kimi K3 TP8 layer bench, same-machine
+GATE_DOWN_MAX_M = 4
+"""Tokens up to which the fused router + latent GEMV serves (the GEMV's MAX_M). H200, Kimi K3 TP8 layer bench, same-machine
 A/B (two repeats each, us per layer, KDA / MLA at context 4096). First session: batch 1 fused 115.3-115.4 /
 123.8-124.3 vs two gemm sites 115.0-116.2 / 123.8-124.0 - even, one kernel less; batch 2 then lost
 (150.7-151.1 / 173.9-174.1 vs 147.6-148.2 / 168.9-169.9, measured together with the GEMV+GLU shared
 expert). Re-measured with the K-split GEMV config (``bench_kimi_k3_tp8_ab_session16.md``): batch 2
 142.0-142.3 / 161.0-162.4 vs 142.0-142.2 / 160.7-165.2 - even, one kernel less (KDA batch 2: 13 kernels
-without communication). Batch 3+ is not measured."""
+without communication). Batch 4 (session 17, ``bench_kimi_k3_tp8_ab_session17.md``): KDA 196.9-197.8 vs
+199.8-200.6 us, one kernel less (13 without communication); MLA 158.3-179.0 vs 176.3-179.6 (noisy, not slower)."""
 
 
 def gate_down_gemv(x: torch.Tensor, weight: torch.Tensor, n_gate: int, *, logits_out: torch.Tensor | None = None,

@@ -183,7 +183,8 @@ def test_persistent_variants_match_reference(kind, m, n, k, residual, _seed):
                                                                                   config=cfg), out)
 
 
-@pytest.mark.parametrize("m,n_gate,n_latent", [(1, 112, 448), (2, 112, 448), (2, 56, 224), (1, 37, 203)])
+@pytest.mark.parametrize("m,n_gate,n_latent", [(1, 112, 448), (2, 112, 448), (2, 56, 224), (1, 37, 203),
+                                              (3, 112, 448), (4, 112, 448)])
 def test_gate_down_split_gemv_matches_reference_and_replays(m, n_gate, n_latent, _seed):
     """moe.gate_down: fp32 router logits + bf16 latent from one GEMV == the two gemm references."""
     from latency_specialized.kernels.gemm_gemv import gate_down_gemv
@@ -209,7 +210,7 @@ def test_gate_down_split_gemv_matches_reference_and_replays(m, n_gate, n_latent,
     _graph_equals_eager(run, both)
 
 
-@pytest.mark.parametrize("m,k_split", [(1, 4), (2, 2), (1, 1)])
+@pytest.mark.parametrize("m,k_split", [(1, 4), (2, 2), (1, 1), (4, 4)])
 def test_gate_down_writes_into_strided_slices_of_wider_buffers(m, k_split, _seed):
     """The program's TP path: logits and latent land in this rank's column slices of the gathered
     buffers (row strides 4x wider); the rest of the buffers stays untouched."""
