@@ -34,7 +34,6 @@ import torch
 from latency_specialized.errors import UserError
 from latency_specialized.runtime.census import split_communication
 from latency_specialized.runtime.graph_runner import _new_graph, graph_node_counts
-from latency_specialized.runtime.side_stream import capture_stream
 from latency_specialized.spec import KDAAttentionSpec, MLAAttentionSpec, ModelSpec, MoESpec
 
 HBM_BYTES_PER_S = 4.3e12
@@ -103,8 +102,7 @@ class GraphedStep:
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         g = _new_graph()
-        # both variants capture on the same stream (priority above the side streams': side_stream.py)
-        with torch.cuda.graph(g, stream=capture_stream()):
+        with torch.cuda.graph(g):
             self._step()
         if hasattr(g, "instantiate"):
             try:

@@ -142,6 +142,10 @@ table sized for 4096 tokens (68 splits): batch 1 107.9 vs 113.6, batch 2 (136 sp
 programs, the full layer bench): 114.2 / 140.0 us at context 4096 / 32768 against 111.6 / 134.5 without
 PDL the session before. The early-launched programs wait on SM slots the wider grid needs (the call
 alone at batch 2, context 32768: 62.2 vs 50.4 us)."""
+MERGE_PDL = True
+"""Where ``PDL`` is off (a split grid wider than the SMs) the latent-tiled merge still launches with PDL,
+triggered by the split programs at their end rather than their start (``late_merge_pdl``): its programs
+can only take SM room the split kernel no longer needs. A/B: ``--ab name:...mla_decode_triton.MERGE_PDL=False``."""
 FUSED = True
 """Default of ``fused``: Triton prologue (latent write + absorbed query) and merge epilogue (see
 ``mla_decode_triton``)."""
@@ -167,10 +171,45 @@ def _kernels(interpret: bool):
     del interpret  # the cache key only
     # the kernels are defined here, not at import (no triton import for machines without it), but
     # Triton resolves the names a kernel uses through its module globals: hence tl as a global
-    global tl, tlc
+    global tl, tlc, _split_weights, _merged_columns
     import triton
     import triton.language as tl
     import triton.language.extra.cuda as tlc
+
+    # the two merges' shared steps (module globals too: kernels resolve the functions they call there)
+    @triton.jit
+    def _split_weights(ws_m, ws_l, seq_lens, b, h, num_splits, s_mb, s_ms,
+                       BN: tl.constexpr, MIN_CHUNK: tl.constexpr, S_PAD: tl.constexpr):
+        # -> (used, m_max, inv): the splits that held positions (the split kernel's rule), their common
+        # max and 1 / the softmax denominator (0 for a padding row: no split, every weight 0)
+        seq_len = tl.load(seq_lens + b).to(tl.int32)
+        chunk = tl.maximum(tl.cdiv(seq_len, num_splits), MIN_CHUNK)
+        chunk = tl.cdiv(chunk, BN) * BN
+        used = tl.cdiv(seq_len, chunk)
+        offs_s = tl.arange(0, S_PAD)
+        s_ok = offs_s < used
+        m_s = tl.load(ws_m + b * s_mb + offs_s * s_ms + h, mask=s_ok, other=float("-inf"))
+        l_s = tl.load(ws_l + b * s_mb + offs_s * s_ms + h, mask=s_ok, other=0.0)
+        m_max = tl.max(m_s, 0)
+        m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+        denom = tl.sum(tl.where(s_ok, tl.exp2(m_s - m_max), 0.0) * l_s, 0)
+        inv = tl.where(denom > 0, 1.0 / tl.where(denom > 0, denom, 1.0), 0.0)
+        return used, m_max, inv
+
+    @triton.jit
+    def _merged_columns(ws_acc, ws_m, b, h, used, m_max, offs_l, s_wb, s_ws, s_wh, s_mb, s_ms,
+                        S_TILE: tl.constexpr, NL: tl.constexpr):
+        # sum over the used splits of exp2(m_s - m_max) * partial_s[offs_l] (fp32, unnormalised), splits in order
+        acc = tl.zeros([NL], dtype=tl.float32)
+        for s0 in range(0, used, S_TILE):
+            offs_t = s0 + tl.arange(0, S_TILE)
+            t_ok = offs_t < used
+            m_t = tl.load(ws_m + b * s_mb + offs_t * s_ms + h, mask=t_ok, other=float("-inf"))
+            w_t = tl.where(t_ok, tl.exp2(m_t - m_max), 0.0)
+            part = tl.load(ws_acc + b * s_wb + offs_t[:, None] * s_ws + h * s_wh + offs_l[None, :],
+                           mask=t_ok[:, None], other=0.0)
+            acc += tl.sum(w_t[:, None] * part, 0)
+        return acc
 
     @triton.jit
     def prologue_kernel(q, w_uk, kv_c, k_pe, slots, cache, q_lat, kv_w, eps, B, H, NOPE,
@@ -237,7 +276,7 @@ def _kernels(interpret: bool):
                      s_wb, s_ws, s_wh, s_mb, s_ms, s_ob, s_oh,
                      L: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
                      MIN_CHUNK: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
-                     ZERO_COUNT: tl.constexpr):
+                     ZERO_COUNT: tl.constexpr, TRIGGER_END: tl.constexpr):
         b = tl.program_id(0)
         hg = tl.program_id(1)
         sp = tl.program_id(2)
@@ -298,6 +337,8 @@ def _kernels(interpret: bool):
                      mask=live[:, None])
             tl.store(ws_m + b * s_mb + sp * s_ms + offs_h, m_i, mask=live)
             tl.store(ws_l + b * s_mb + sp * s_ms + offs_h, l_i, mask=live)
+        if TRIGGER_END:  # the merge (launched with PDL) may start once every program got here (late_merge_pdl)
+            tlc.gdc_launch_dependents()
 
     @triton.jit
     def merge_kernel(ws_acc, ws_m, ws_l, seq_lens, o_lat, w_uv, gate, out, num_splits, V,
@@ -314,18 +355,7 @@ def _kernels(interpret: bool):
         if PDL:  # the partials come from the split kernel
             tlc.gdc_wait()
             tlc.gdc_launch_dependents()
-        seq_len = tl.load(seq_lens + b).to(tl.int32)
-        chunk = tl.maximum(tl.cdiv(seq_len, num_splits), MIN_CHUNK)
-        chunk = tl.cdiv(chunk, BN) * BN
-        used = tl.cdiv(seq_len, chunk)  # splits that held positions (same rule as the split kernel)
-        offs_s = tl.arange(0, S_PAD)
-        s_ok = offs_s < used
-        m_s = tl.load(ws_m + b * s_mb + offs_s * s_ms + h, mask=s_ok, other=float("-inf"))
-        l_s = tl.load(ws_l + b * s_mb + offs_s * s_ms + h, mask=s_ok, other=0.0)
-        m_max = tl.max(m_s, 0)
-        m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # padding row: no split, every weight 0
-        denom = tl.sum(tl.where(s_ok, tl.exp2(m_s - m_max), 0.0) * l_s, 0)
-        inv = tl.where(denom > 0, 1.0 / tl.where(denom > 0, denom, 1.0), 0.0)
+        used, m_max, inv = _split_weights(ws_m, ws_l, seq_lens, b, h, num_splits, s_mb, s_ms, BN, MIN_CHUNK, S_PAD)
         if EPILOGUE:
             l_first = 0
             n_cols = L
@@ -339,15 +369,7 @@ def _kernels(interpret: bool):
         o = tl.zeros([V_PAD], dtype=tl.float32)
         for l0 in range(l_first, l_first + n_cols, ML):
             offs_l = l0 + tl.arange(0, ML)
-            acc = tl.zeros([ML], dtype=tl.float32)
-            for s0 in range(0, used, S_TILE):
-                offs_t = s0 + tl.arange(0, S_TILE)
-                t_ok = offs_t < used
-                m_t = tl.load(ws_m + b * s_mb + offs_t * s_ms + h, mask=t_ok, other=float("-inf"))
-                w_t = tl.where(t_ok, tl.exp2(m_t - m_max), 0.0)
-                part = tl.load(ws_acc + b * s_wb + offs_t[:, None] * s_ws + h * s_wh + offs_l[None, :],
-                               mask=t_ok[:, None], other=0.0)
-                acc += tl.sum(w_t[:, None] * part, 0)
+            acc = _merged_columns(ws_acc, ws_m, b, h, used, m_max, offs_l, s_wb, s_ws, s_wh, s_mb, s_ms, S_TILE, ML)
             if EPILOGUE:
                 w = tl.load(w_uv + h * s_uh + offs_v[:, None] * s_uv + offs_l[None, :], mask=v_ok[:, None],
                             other=0.0)
@@ -382,27 +404,8 @@ def _kernels(interpret: bool):
         if PDL:  # the partials come from the split kernel
             tlc.gdc_wait()
             tlc.gdc_launch_dependents()
-        seq_len = tl.load(seq_lens + b).to(tl.int32)
-        chunk = tl.maximum(tl.cdiv(seq_len, num_splits), MIN_CHUNK)
-        chunk = tl.cdiv(chunk, BN) * BN
-        used = tl.cdiv(seq_len, chunk)  # splits that held positions (same rule as the split kernel)
-        offs_s = tl.arange(0, S_PAD)
-        s_ok = offs_s < used
-        m_s = tl.load(ws_m + b * s_mb + offs_s * s_ms + h, mask=s_ok, other=float("-inf"))
-        l_s = tl.load(ws_l + b * s_mb + offs_s * s_ms + h, mask=s_ok, other=0.0)
-        m_max = tl.max(m_s, 0)
-        m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # padding row: no split, every weight 0
-        denom = tl.sum(tl.where(s_ok, tl.exp2(m_s - m_max), 0.0) * l_s, 0)
-        inv = tl.where(denom > 0, 1.0 / tl.where(denom > 0, denom, 1.0), 0.0)
-        acc = tl.zeros([LT], dtype=tl.float32)
-        for s0 in range(0, used, S_TILE):
-            offs_t = s0 + tl.arange(0, S_TILE)
-            t_ok = offs_t < used
-            m_t = tl.load(ws_m + b * s_mb + offs_t * s_ms + h, mask=t_ok, other=float("-inf"))
-            w_t = tl.where(t_ok, tl.exp2(m_t - m_max), 0.0)
-            part = tl.load(ws_acc + b * s_wb + offs_t[:, None] * s_ws + h * s_wh + offs_l[None, :],
-                           mask=t_ok[:, None], other=0.0)
-            acc += tl.sum(w_t[:, None] * part, 0)
+        used, m_max, inv = _split_weights(ws_m, ws_l, seq_lens, b, h, num_splits, s_mb, s_ms, BN, MIN_CHUNK, S_PAD)
+        acc = _merged_columns(ws_acc, ws_m, b, h, used, m_max, offs_l, s_wb, s_ws, s_wh, s_mb, s_ms, S_TILE, LT)
         po = tl.sum(w.to(tl.float32) * (acc * inv)[None, :], 1)                  # [V_PAD] partial o
         row = ((b * H + h) * NLT_PAD) * V_PAD
         tl.store(ws_o + row + lt * V_PAD + offs_v, po)
@@ -531,10 +534,12 @@ class _Split(NamedTuple):
 
 def _split_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, block_size: int, scale: float, num_splits: int | None,
-                     o_lat: torch.Tensor | None, pdl: bool = False, count: torch.Tensor | None = None) -> _Split:
+                     o_lat: torch.Tensor | None, pdl: bool = False, count: torch.Tensor | None = None,
+                     trigger_end: bool = False) -> _Split:
     """Launch the split kernel. q_lat [H, B, L] (any strides, unit last), q_pe [B, H, R], flat
     [slots, L + R]; ``o_lat`` [H, B, L]: given with ``num_splits == 1``, the kernel writes it directly.
-    ``count`` [B * H] int32: the L-tiled merge's arrival counters, zeroed by the split-0 programs."""
+    ``count`` [B * H] int32: the L-tiled merge's arrival counters, zeroed by the split-0 programs.
+    ``trigger_end``: every program lets the next kernel launch (PDL) after its last store."""
     H, B, L = q_lat.shape
     R = q_pe.shape[-1]
     num_splits = _resolve_splits(B, H, block_table, block_size, num_splits, q_lat.device)
@@ -557,7 +562,7 @@ def _split_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor
         q_lat.stride(1), q_lat.stride(0), q_pe.stride(0), q_pe.stride(1), flat.stride(0), block_table.stride(0),
         *sw, *so,
         L=L, R=R, BH=BLOCK_H, BN=block_n, MIN_CHUNK=min_chunk(B), DIRECT=direct, PREC=prec,
-        ZERO_COUNT=count is not None, num_stages=NUM_STAGES, **_pdl_args(pdl))
+        ZERO_COUNT=count is not None, TRIGGER_END=trigger_end and not pdl, num_stages=NUM_STAGES, **_pdl_args(pdl))
     return _Split(ws_acc, ws_m, ws_l, sw, 1 if direct else num_splits, block_n)
 
 
@@ -572,6 +577,16 @@ def pdl_enabled(device: torch.device, split_programs: int) -> bool:
     if not PDL or _interpreting() or device.type != "cuda":
         return False
     return split_programs <= sm_count(device) and capability(device)[0] >= 9 and _triton_has_gdc()
+
+
+def late_merge_pdl(device: torch.device, pdl: bool, tiled: bool) -> bool:
+    """Whether the latent-tiled merge launches with PDL although the split kernel does not (``pdl`` False:
+    its grid exceeds one program per SM): ``MERGE_PDL``, and the split programs trigger it at their end, so
+    the merge's programs - a grid of at most the SMs - take only the SM room the split kernel's tail
+    frees, load their W_UV columns and wait; the next kernel (o_proj) may then launch early in turn."""
+    if pdl or not tiled or not MERGE_PDL or _interpreting() or device.type != "cuda":
+        return False
+    return capability(device)[0] >= 9 and _triton_has_gdc()
 
 
 @functools.cache
@@ -665,7 +680,9 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
     o_lat = None if fused else torch.empty(H, B, L, device=q.device, dtype=dtype)
     n_lt = merge_l_tiles(B, H, L, sm_count(q.device)) if fused else 1
     count = torch.empty(B * H, device=q.device, dtype=torch.int32) if n_lt > 1 else None
-    sp = _split_attention(q_lat, q_pe, flat, bt, seq_lens, block, scale, num_splits, o_lat, pdl=pdl, count=count)
+    late = late_merge_pdl(q.device, pdl, n_lt > 1)
+    sp = _split_attention(q_lat, q_pe, flat, bt, seq_lens, block, scale, num_splits, o_lat, pdl=pdl, count=count,
+                          trigger_end=late)
     s_pad = _next_pow2(sp.num_splits)
     # wide split tiles: at batch 1 (256 splits, 12 programs) the merge is a serial loop per program,
     # latency-bound with narrow tiles (H200: 85 us of a 109 us call at 32k tokens with 8-split tiles)
@@ -684,7 +701,8 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
         if n_lt > 1:  # small batch: each program merges a latent tile, the last of a head adds the outputs
             lt, v_pad, n_pad = L // n_lt, _next_pow2(v), _next_pow2(n_lt)
             ws_o = torch.empty(B * H * n_pad * v_pad, device=q.device, dtype=torch.float32)
-            tile_args = dict(merge_args, S_TILE=max(1, min(1 << (sp.num_splits.bit_length() - 1), MERGE_TILE // lt)))
+            tile_args = dict(merge_args, S_TILE=max(1, min(1 << (sp.num_splits.bit_length() - 1), MERGE_TILE // lt)),
+                             **(_pdl_args(True, MERGE_WARPS) if late else {}))
             kernels["merge_tiles"][(B, H, n_lt)](
                 sp.ws_acc, sp.ws_m, sp.ws_l, seq_lens, w_uv, g, y, ws_o, count, sp.num_splits, H, v, *sp.strides,
                 w_uv.stride(0), w_uv.stride(1), g.stride(0), y.stride(0),

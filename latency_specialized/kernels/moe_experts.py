@@ -68,9 +68,6 @@ class ExpertsConfig:
     pdl: bool = False
     """Programmatic dependent launch: ``down`` starts while ``gate_up`` drains and, at batch 1, loads
     its first expert's weights before ``griddepcontrol.wait`` (nothing it loads then depends on gate_up)."""
-    gu_pdl: bool = False
-    """``gate_up`` launched with PDL too: its CTAs are resident while the router (which triggers its
-    dependents at its start) finishes, and wait (``griddepcontrol.wait``) before they read anything."""
 
     @property
     def token_chunk(self) -> int:
@@ -157,7 +154,7 @@ def _build_gate_up_class():
             cfg = self.cfg
             self.kernel(x, ids, w_gu, h_ws, lead_count, members).launch(
                 grid=[(cfg.I + cfg.gu_rows - 1) // cfg.gu_rows, ids.shape[0], 1],
-                block=[32 * cfg.gu_warps, 1, 1], stream=stream, use_pdl=cfg.gu_pdl,
+                block=[32 * cfg.gu_warps, 1, 1], stream=stream,
                 # three 128-thread CTAs per SM (<= 170 registers): otherwise ptxas front-loads the token
                 # loop's shared-memory reads next to the 28 weight vectors and needs ~220 registers
                 min_blocks_per_mp=max(1, 12 // cfg.gu_warps),
@@ -302,9 +299,6 @@ def _build_gate_up_class():
             s_words = smem.allocate_tensor(Int32, cute.make_layout(self.nwords), byte_alignment=16)
             s_info = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
 
-            if cutlass.const_expr(cfg.gu_pdl):
-                # launched early (PDL): ids, x and the workspaces come from (or are read by) earlier kernels
-                cute.arch.griddepcontrol_wait()
             if cutlass.const_expr(cfg.pdl):
                 cute.arch.griddepcontrol_launch_dependents()  # let ``down`` be scheduled as SMs free up
             e = ids[p].to(Int32)
@@ -574,11 +568,6 @@ def token_bucket(m: int) -> int:
     return b
 
 
-GATE_UP_PDL_MAX_TOKENS = 4
-"""Token buckets up to this launch ``gate_up`` with PDL behind the router (``ExpertsConfig.gu_pdl``; 0: never).
-Kimi K3 layer timeline at batch 1 (H200): the router ended 2.2-2.8 us before ``gate_up`` started. Read at
-config time, so an A/B can move it (``--ab name:latency_specialized.kernels.moe_experts.GATE_UP_PDL_MAX_TOKENS=0``)."""
-
 DOWN_CTAS_PER_SM = 3
 """Resident ``down`` CTAs per SM with several tokens (4 warps, <= 170 registers: ``min_blocks_per_mp``)."""
 
@@ -603,12 +592,10 @@ def default_tuning(max_tokens: int, n: int | None = None, sms: int = 132) -> dic
     selected experts' roofline (v1 default 40.4 us). Several tokens: 32 intermediate rows per
     gate_up CTA (rolled loop) amortise the per-CTA leader search and keep 3 CTAs/SM without spills;
     ``down`` rows from ``one_wave_down_rows`` (``n``, the output width, given; else 8, the old default:
-    8 rows keep the member loop under 170 registers); PDL between the two kernels measured no gain there.
-    ``gate_up`` itself waits behind the router with PDL up to ``GATE_UP_PDL_MAX_TOKENS``."""
+    8 rows keep the member loop under 170 registers); PDL measured no gain."""
     if max_tokens == 1:
-        return dict(pdl=True, gu_pdl=GATE_UP_PDL_MAX_TOKENS >= 1, gu_rows=4, dn_rows=8, stream_hint=False)
-    return dict(gu_rows=32, dn_rows=8 if n is None else max(8, one_wave_down_rows(n, sms)),
-                gu_pdl=max_tokens <= GATE_UP_PDL_MAX_TOKENS)
+        return dict(pdl=True, gu_rows=4, dn_rows=8, stream_hint=False)
+    return dict(gu_rows=32, dn_rows=8 if n is None else max(8, one_wave_down_rows(n, sms)))
 
 
 def make_config(M: int, K: int, I: int, N: int, top_k: int, dtype: torch.dtype, ids_dtype: torch.dtype,

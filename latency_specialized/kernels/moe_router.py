@@ -226,6 +226,12 @@ def _build_kernel_class():
             s = Float32(0.0)
             if lane < cfg.top_k:
                 s = self._score(logits[m, my_id].to(Float32), vmax, inv_sum)
+            self._store_weights(w_out, ids_out, m, lane, my_id, s)
+
+        @cute.jit
+        def _store_weights(self, w_out: cute.Tensor, ids_out: cute.Tensor, m, lane, my_id, s: Float32):
+            """Lane r < top_k: winner r's unbiased score ``s`` renormalised over the lanes, scaled, stored."""
+            cfg = self.cfg
             w = s
             if cutlass.const_expr(cfg.renormalize):
                 denom = cute.arch.warp_reduction_sum(s) + Float32(cfg.renormalize_eps)
@@ -353,11 +359,17 @@ def _build_kernel_class():
             smem = SmemAllocator()
             s_key = smem.allocate_tensor(Uint32, cute.make_layout(W * LIST), byte_alignment=16)
             s_id = smem.allocate_tensor(Int32, cute.make_layout(W * LIST), byte_alignment=16)
-            self._pdl_wait()
+            s_score = smem.allocate_tensor(Float32, cute.make_layout(W * 32), byte_alignment=16)
             ec = cutlass.min(tidx, Int32(E - 1))
-            sel = self._score(logits[m, ec].to(Float32), Float32(0.0), Float32(1.0))
+            b = Float32(0.0)
             if cutlass.const_expr(cfg.has_bias):
-                sel = sel + bias[ec].to(Float32)
+                b = bias[ec].to(Float32)  # a weight, not the previous kernel's output: read before the PDL wait
+            self._pdl_wait()
+            score = self._score(logits[m, ec].to(Float32), Float32(0.0), Float32(1.0))
+            s_score[tidx] = score  # the winners' weights read it back (no second trip for their logits)
+            sel = score
+            if cutlass.const_expr(cfg.has_bias):
+                sel = sel + b
             key = self._key(sel)
             if cutlass.const_expr(W * 32 > E):
                 if tidx >= E:
@@ -385,9 +397,15 @@ def _build_kernel_class():
                             eid = s_id[src]
                         for jj in cutlass.range_constexpr(5):
                             key, eid = self._cmpx(key, eid, lane, 16 >> jj, 64)
-            # 3. warp 0, lane r < top_k: winner r (rank order, as the other kernels)
+            # 3. warp 0, lane r < top_k: winner r (rank order, as the other kernels); s_score was written
+            # before the merge tree's first barrier (one warp: no barrier, so a warp sync)
+            if cutlass.const_expr(len(self.merge_strides) == 0):
+                cute.arch.sync_warp()
             if wid == 0:
-                self._weights_out(logits, w_out, ids_out, m, lane, eid, Float32(0.0), Float32(1.0))
+                s = Float32(0.0)
+                if lane < cfg.top_k:
+                    s = s_score[eid]
+                self._store_weights(w_out, ids_out, m, lane, eid, s)
 
         def _max_below(self, vals, below):
             """max of ``vals`` (Uint64), only those < ``below`` when given (0 if none): unrolled tree."""

@@ -29,7 +29,6 @@ from latency_specialized.errors import UserError
 from latency_specialized.runtime.buffers import DecodeBuffers
 from latency_specialized.runtime.gate import DecodeGate, StepState
 from latency_specialized.runtime.program import DecodeProgram, check_program
-from latency_specialized.runtime.side_stream import capture_stream
 from latency_specialized.trace import Trace
 
 
@@ -226,8 +225,7 @@ class CUDAGraphRunner:
         for b in order:
             t1 = time.perf_counter()
             g = _new_graph()
-            # the step's own stream outranks its side streams (shared expert): see side_stream.CAPTURE_PRIORITY
-            with torch.cuda.graph(g, pool=self.pool, stream=capture_stream(self.buffers.device)):
+            with torch.cuda.graph(g, pool=self.pool):
                 self.body(b)
             if hasattr(g, "instantiate"):
                 try:

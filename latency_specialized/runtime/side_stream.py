@@ -18,12 +18,6 @@ illegal address during capture or replay):
 * tensors the side work returns were allocated on the side stream; ``join`` records them on the
   joining stream for the same reason, and ``Pending`` holds references to inputs and outputs until
   it is joined.
-
-Priorities: a captured kernel node keeps the priority of the stream it was captured on, and torch
-instantiates graphs with ``cudaGraphInstantiateFlagUseNodePriority``, so inside one replay the block
-scheduler hands free SM room to the higher-priority branch first. ``capture_stream`` gives the decode
-step's own (critical-path) work ``CAPTURE_PRIORITY``; side streams default to 0, the lowest, so the
-shared expert fills the SMs the critical path leaves idle instead of delaying its router and experts.
 """
 
 from __future__ import annotations
@@ -103,25 +97,4 @@ class SideStream:
         return Pending(self, result, inputs + _tensors(result))
 
 
-CAPTURE_PRIORITY = -1
-"""Priority of the stream a decode step is captured on (lower is higher; torch maps it into the device's
-range). 0 captures at the side streams' priority (the behaviour before; A/B:
-``--ab name:latency_specialized.runtime.side_stream.CAPTURE_PRIORITY=0``)."""
-
-_capture_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
-
-
-def capture_stream(device: torch.device | str | int | None = None) -> torch.cuda.Stream:
-    """The stream to capture a decode step on (``torch.cuda.graph(g, stream=capture_stream(dev))``).
-
-    One per (device, ``CAPTURE_PRIORITY``), created on first use - before capture, as stream creation
-    is not captured."""
-    idx = torch.device(device if device is not None else "cuda")
-    idx = idx.index if idx.index is not None else torch.cuda.current_device()
-    key = (idx, CAPTURE_PRIORITY)
-    if key not in _capture_streams:
-        _capture_streams[key] = torch.cuda.Stream(device=idx, priority=CAPTURE_PRIORITY)
-    return _capture_streams[key]
-
-
-__all__ = ["SideStream", "Pending", "capture_stream", "CAPTURE_PRIORITY"]
+__all__ = ["SideStream", "Pending"]

@@ -213,14 +213,23 @@ def test_graph_replay_equals_eager(fused, kv_norm):
         _check(a, kw2, fused=fused)                        # and both are right
 
 
-@pytest.mark.parametrize("B", [1, 4])
-def test_latent_tiled_merge_replays_identically(B):
+@pytest.mark.parametrize("B,splits", [(1, None), (4, None), (1, 256), (2, 160)])
+def test_latent_tiled_merge_replays_identically(B, splits):
     """The small-batch merge's last-arriver reduction (arrival counters zeroed by the split kernel each
-    call): 64 graph replays give the eager output bit for bit, and it matches the v-blocked merge."""
+    call): 64 graph replays give the eager output bit for bit, and it matches the v-blocked merge.
+    Forced wide split grids (more programs than SMs: no PDL for the split kernel) run the merge with the
+    late PDL trigger (``late_merge_pdl``) on an sm_90 GPU."""
     from latency_specialized.kernels import mla_decode_triton as mk
 
-    assert mk.merge_l_tiles(B, KIMI_TP8["H"], KIMI_TP8["L"], torch.cuda.get_device_properties(0).multi_processor_count) > 1
+    dev = torch.device(DEV)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert mk.merge_l_tiles(B, KIMI_TP8["H"], KIMI_TP8["L"], sms) > 1
+    if splits is not None:
+        pdl = mk.pdl_enabled(dev, B * -(-KIMI_TP8["H"] // mk.BLOCK_H) * splits)
+        assert not pdl and mk.late_merge_pdl(dev, pdl, True) == (torch.cuda.get_device_capability()[0] >= 9)
     args, kw = _case(f"tiles{B}", [(1237 * i + 4000) % 4097 for i in range(B)], bs=64, **KIMI_TP8)
+    if splits is not None:
+        kw = dict(kw, num_splits=splits)
     out = torch.empty(B, KIMI_TP8["H"] * KIMI_TP8["v"], device=DEV, dtype=torch.bfloat16)
     cache = args[3].clone()
 

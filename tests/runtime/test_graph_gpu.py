@@ -79,19 +79,3 @@ def test_uncaptured_bucket_runs_fallback_not_graph():
     runner.capture(buckets=[1])
     r = runner.run(StepState(num_seqs=3))
     assert not r.fast and "bucket 4 was not captured" in r.reason and calls == [3]
-
-
-def test_capture_stream_outranks_side_streams():
-    """Decode steps are captured on a stream of higher priority (lower number) than the side streams',
-    one per device and priority; CAPTURE_PRIORITY = 0 gives the side streams' own priority back."""
-    from latency_specialized.runtime import side_stream as ss
-
-    main = ss.capture_stream()
-    assert main.priority < ss.SideStream().stream.priority
-    assert ss.capture_stream(torch.device("cuda")) is main
-    old = ss.CAPTURE_PRIORITY
-    try:
-        ss.CAPTURE_PRIORITY = 0
-        assert ss.capture_stream().priority == ss.SideStream().stream.priority
-    finally:
-        ss.CAPTURE_PRIORITY = old
