@@ -93,11 +93,6 @@ MAX_SPLITS = 256
 """Most splits of one sequence (the merge holds every split's m and l in one vector)."""
 WAVES = 2
 """Target programs per SM (batch x head groups x splits ~ WAVES x SMs) when choosing num_splits."""
-ONE_WAVE_MAX_BATCH = 1
-"""Batches up to this take at most one split program per SM (``choose_num_splits``), so that ``PDL`` applies
-(``pdl_enabled``). At batch 1 one wave and two cost the split kernel the same (H200, whole call at 32768
-tokens: 39.1 vs 39.7 us, mla_decode_sweep.md, first sweep), and PDL gained 5.6 us per MLA layer where the
-grid fit (session 16 A/B). 0: ``WAVES`` everywhere."""
 MERGE_L = 128
 """Latent columns per merge step (per program without the fused epilogue: more programs)."""
 MERGE_S_TILE = 128
@@ -436,12 +431,11 @@ def choose_num_splits(batch: int, heads: int, capacity: int, sms: int) -> int:
     ``WAVES`` x SMs programs (rounded *down*: two programs fit an SM at once, so e.g. 4 splits at
     batch 64 run as one wave of 256 programs where 5 would leave a tail wave of 56: H200, Kimi TP8,
     64 x 32k tokens, split kernel: 2.1 TB/s with 5 splits, 2.5 with 3 or 9, 3.2 with 4), no more
-    splits than ``capacity`` (batches up to ``ONE_WAVE_MAX_BATCH``: one program per SM, so PDL applies)
+    splits than ``capacity``
     (block-table positions) holds chunks of ``min_chunk(batch)``, at most ``MAX_SPLITS``. The live chunk of
     each split is then sized on the device from ``seq_lens`` (short sequences use fewer splits)."""
     groups = -(-heads // BLOCK_H)
-    waves = 1 if batch <= ONE_WAVE_MAX_BATCH else WAVES
-    want = waves * sms // max(batch * groups, 1)
+    want = WAVES * sms // max(batch * groups, 1)
     return max(1, min(want, -(-capacity // min_chunk(batch)), MAX_SPLITS))
 
 
