@@ -146,6 +146,10 @@ MERGE_PDL = True
 """Where ``PDL`` is off (a split grid wider than the SMs) the latent-tiled merge still launches with PDL,
 triggered by the split programs at their end rather than their start (``late_merge_pdl``): its programs
 can only take SM room the split kernel no longer needs. A/B: ``--ab name:...mla_decode_triton.MERGE_PDL=False``."""
+PROLOGUE_PDL = True
+"""Where ``PDL`` is off, the prologue still launches with PDL when its own grid fits one program per SM
+(``early_prologue_pdl``): it requests its W_UK tile while the q projection drains and waits before reading q.
+A/B: ``--ab name:latency_specialized.kernels.mla_decode_triton.PROLOGUE_PDL=False``."""
 FUSED = True
 """Default of ``fused``: Triton prologue (latent write + absorbed query) and merge epilogue (see
 ``mla_decode_triton``)."""
@@ -487,7 +491,8 @@ def _prologue(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapp
     q [B, H, nope + R]; w_uk [H, nope, L] in q.dtype; ``q_lat``: optional destination (tests poison it).
     ``kv_norm_weight`` [L] (q.dtype): kv_c is the raw latent, RMS-normalised (``kv_norm_eps``) before the
     write (fp32 math, rounded to q.dtype, then to the cache dtype). kv_c's rows may be strided (unit
-    last stride): its row stride is passed, nothing is copied. Static grid from shapes only (graph-safe)."""
+    last stride): its row stride is passed, nothing is copied. Static grid from shapes only (graph-safe).
+    ``pdl``: launched with PDL (all three kernels are); else still where ``early_prologue_pdl`` says so."""
     B, H, _ = q.shape
     _, nope, L = w_uk.shape
     R = k_pe.shape[-1]
@@ -507,7 +512,9 @@ def _prologue(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapp
     bl = min(PROLOGUE_L, L)
     bk = min(max(_next_pow2(nope), 16), PROLOGUE_K)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"  # as the split kernel: IEEE fp32 for fp32 tensors
-    _kernels(_interpreting())["prologue"][(-(-B // PROLOGUE_B), H + 1, L // bl)](
+    grid = (-(-B // PROLOGUE_B), H + 1, L // bl)
+    pdl = pdl or early_prologue_pdl(q.device, pdl, grid[0] * grid[1] * grid[2])
+    _kernels(_interpreting())["prologue"][grid](
         qn, w_uk, kv_c, k_pe, slot_mapping, flat, q_lat, kv_w, float(kv_norm_eps), B, H, nope,
         qn.stride(0), qn.stride(1), w_uk.stride(0), w_uk.stride(1), q_lat.stride(0), q_lat.stride(1),
         kv_c.stride(0), k_pe.stride(0), flat.stride(0),
@@ -587,6 +594,14 @@ def late_merge_pdl(device: torch.device, pdl: bool, tiled: bool) -> bool:
     if pdl or not tiled or not MERGE_PDL or _interpreting() or device.type != "cuda":
         return False
     return capability(device)[0] >= 9 and _triton_has_gdc()
+
+
+def early_prologue_pdl(device: torch.device, pdl: bool, programs: int) -> bool:
+    """Whether the prologue launches with PDL although the split kernel does not (``pdl`` False): ``PROLOGUE_PDL``,
+    a prologue grid of at most one program per SM (``programs``), sm_90+, compiled, Triton with ``gdc_wait``."""
+    if pdl or not PROLOGUE_PDL or _interpreting() or device.type != "cuda":
+        return False
+    return programs <= sm_count(device) and capability(device)[0] >= 9 and _triton_has_gdc()
 
 
 @functools.cache

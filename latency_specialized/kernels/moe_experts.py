@@ -68,6 +68,10 @@ class ExpertsConfig:
     pdl: bool = False
     """Programmatic dependent launch: ``down`` starts while ``gate_up`` drains and, at batch 1, loads
     its first expert's weights before ``griddepcontrol.wait`` (nothing it loads then depends on gate_up)."""
+    dn_trigger: bool = False
+    """``down`` lets the next kernel (the latent all-reduce / norm, launched with PDL) launch as soon as every
+    ``down`` CTA has started (``griddepcontrol.launch_dependents``); that kernel still waits for ``down``
+    to complete before it reads the output."""
 
     @property
     def token_chunk(self) -> int:
@@ -424,6 +428,8 @@ def _build_down_class():
             cute.arch.barrier()
             if cutlass.const_expr(cfg.pdl and MT > 1):
                 cute.arch.griddepcontrol_wait()  # the leader table comes from gate_up
+            if cutlass.const_expr(cfg.dn_trigger):
+                cute.arch.griddepcontrol_launch_dependents()
 
             # the next slot's (count, expert, first member) are loaded one iteration ahead: the
             # loop is a chain of dependent loads otherwise (count -> expert -> weights -> members)
@@ -518,7 +524,7 @@ def _fake(cute, dtype, shape, stride, align=16):
 
 def _compile_gate_up(cfg: ExpertsConfig):
     # the down kernel's fields do not shape gate_up: one compile (and key) serves every down variant
-    cfg = dataclasses.replace(cfg, dn_rows=0, dn_warps=0)
+    cfg = dataclasses.replace(cfg, dn_rows=0, dn_warps=0, dn_trigger=False)
 
     def build(arch: str):
         import cutlass
@@ -568,6 +574,9 @@ def token_bucket(m: int) -> int:
     return b
 
 
+DOWN_TRIGGER = True
+"""Default of ``ExpertsConfig.dn_trigger`` (read at config time: ``--ab name:...moe_experts.DOWN_TRIGGER=False``)."""
+
 DOWN_CTAS_PER_SM = 3
 """Resident ``down`` CTAs per SM with several tokens (4 warps, <= 170 registers: ``min_blocks_per_mp``)."""
 
@@ -594,8 +603,8 @@ def default_tuning(max_tokens: int, n: int | None = None, sms: int = 132) -> dic
     ``down`` rows from ``one_wave_down_rows`` (``n``, the output width, given; else 8, the old default:
     8 rows keep the member loop under 170 registers); PDL measured no gain."""
     if max_tokens == 1:
-        return dict(pdl=True, gu_rows=4, dn_rows=8, stream_hint=False)
-    return dict(gu_rows=32, dn_rows=8 if n is None else max(8, one_wave_down_rows(n, sms)))
+        return dict(pdl=True, gu_rows=4, dn_rows=8, stream_hint=False, dn_trigger=DOWN_TRIGGER)
+    return dict(gu_rows=32, dn_rows=8 if n is None else max(8, one_wave_down_rows(n, sms)), dn_trigger=DOWN_TRIGGER)
 
 
 def make_config(M: int, K: int, I: int, N: int, top_k: int, dtype: torch.dtype, ids_dtype: torch.dtype,

@@ -104,6 +104,8 @@ def test_experts_batch1_compiles_with_vector_loads():
     assert ".local" not in gu and ".local" not in dn
     # batch-1 default (measured fastest on the H200): PDL between the kernels, plain 16-byte loads
     assert "griddepcontrol.launch_dependents" in gu and "griddepcontrol.wait" in dn
+    # down lets the next kernel (PDL) launch once all its CTAs started (before its own wait for gate_up)
+    assert cfg.dn_trigger and dn.index("griddepcontrol.launch_dependents") < dn.index("griddepcontrol.wait")
 
 
 @needs_cute
@@ -114,6 +116,7 @@ def test_experts_multi_token_compiles_with_leader_search():
     gu = me.ptx_of(me._compile_gate_up(cfg))
     dn = me.ptx_of(me._compile_down(cfg))
     assert "vote.sync.ballot" in gu and "popc" in gu  # experts shared by tokens are found and read once
+    assert "griddepcontrol.launch_dependents" in dn  # the next kernel may launch early (dn_trigger)
     assert "bar.sync" in gu
     assert _count(dn, r"ld\.global[\w.:]*\.v4") >= 2
     # weights are read once: no L1 allocation, 256-byte L2 prefetch
