@@ -131,8 +131,8 @@ NUM_STAGES = 2
 PDL = True
 """Programmatic dependent launch for the three kernels (sm_90+, compiled, Triton with
 ``tl.extra.cuda.gdc_wait``) where the split kernel's grid fits one partial wave (``pdl_enabled``): each
-kernel is launched while its predecessor runs, issues the loads that do not depend on it (the
-prologue's W_UK tile) and then waits (``gdc_wait``) before touching its predecessor's outputs; each lets
+kernel is launched while its predecessor runs, issues the loads that do not depend on it (the merge's
+W_UV columns) and then waits (``gdc_wait``) before touching its predecessor's outputs; each lets
 its successor launch right after its own wait (``gdc_launch_dependents``), so the next projection's
 weight stream can start early.
 
@@ -148,7 +148,7 @@ triggered by the split programs at their end rather than their start (``late_mer
 can only take SM room the split kernel no longer needs. A/B: ``--ab name:...mla_decode_triton.MERGE_PDL=False``."""
 PROLOGUE_PDL = True
 """Where ``PDL`` is off, the prologue still launches with PDL when its own grid fits one program per SM
-(``early_prologue_pdl``): it requests its W_UK tile while the q projection drains and waits before reading q.
+(``early_prologue_pdl``): its launch overlaps the q projection's tail; it waits before its first load.
 A/B: ``--ab name:latency_specialized.kernels.mla_decode_triton.PROLOGUE_PDL=False``."""
 FUSED = True
 """Default of ``fused``: Triton prologue (latent write + absorbed query) and merge epilogue (see
@@ -233,15 +233,16 @@ def _kernels(interpret: bool):
         offs_l = lt * BL + tl.arange(0, BL)
         if h < H:
             acc = tl.zeros([BB, BL], dtype=tl.float32)
+            if PDL:
+                # before the loop, not inside it: Triton's pipeliner issues a loop's first loads ahead of
+                # its body, so a wait inside the body would let q be read before its producer finished
+                tlc.gdc_wait()  # q (and kv_c below) come from the previous kernels
+                tlc.gdc_launch_dependents()
             for k0 in range(0, NOPE, BK):
                 offs_k = k0 + tl.arange(0, BK)
                 k_ok = offs_k < NOPE
-                # the weight tile first: it does not depend on the previous kernel (PDL)
                 wt = tl.load(w_uk + h * s_wh + offs_k[:, None] * s_wk + offs_l[None, :],
                              mask=k_ok[:, None], other=0.0)                                # [BK, BL]
-                if PDL:
-                    tlc.gdc_wait()  # q (and kv_c below) come from the previous kernels
-                    tlc.gdc_launch_dependents()
                 a = tl.load(q + offs_b[:, None] * s_qb + h * s_qh + offs_k[None, :],
                             mask=b_ok[:, None] & k_ok[None, :], other=0.0)                 # [BB, BK]
                 acc = tl.dot(a, wt, acc, input_precision=PREC)
