@@ -128,11 +128,19 @@ instead of the 128 KB each v-blocked program re-reads) and its W_UV columns; the
 adds their partial outputs."""
 NUM_WARPS = 4
 NUM_STAGES = 2
-PDL = True
-"""Programmatic dependent launch for the three kernels (sm_90+, compiled, Triton with
+PDL = False
+"""Off (session 17): the prologue kernel's ``gdc_wait`` sits inside its k loop, and Triton's software pipeliner
+can issue a loop's first loads ahead of its body - i.e. read q before the q projection has written it. Symptom,
+measured: the prologue alone launched with PDL (an A/B variant, session 17 call 6, since removed) changed the
+Kimi MLA layer's routing at batch 2-4 (distinct experts 28 vs 56: different values), and launch order alone must
+not change values. The layer bench never used this path (its 32k-wide block table gives every batch a split grid
+wider than the SMs); narrow tables did. To re-enable: move the prologue's wait above its loop, then GPU-test
+(`tests/ops/test_mla_triton_gpu.py`) and A/B with the expert counts compared.
+
+Programmatic dependent launch for the three kernels (sm_90+, compiled, Triton with
 ``tl.extra.cuda.gdc_wait``) where the split kernel's grid fits one partial wave (``pdl_enabled``): each
-kernel is launched while its predecessor runs, issues the loads that do not depend on it (the merge's
-W_UV columns) and then waits (``gdc_wait``) before touching its predecessor's outputs; each lets
+kernel is launched while its predecessor runs, issues the loads that do not depend on it (the
+prologue's W_UK tile) and then waits (``gdc_wait``) before touching its predecessor's outputs; each lets
 its successor launch right after its own wait (``gdc_launch_dependents``), so the next projection's
 weight stream can start early.
 
@@ -146,10 +154,6 @@ MERGE_PDL = True
 """Where ``PDL`` is off (a split grid wider than the SMs) the latent-tiled merge still launches with PDL,
 triggered by the split programs at their end rather than their start (``late_merge_pdl``): its programs
 can only take SM room the split kernel no longer needs. A/B: ``--ab name:...mla_decode_triton.MERGE_PDL=False``."""
-PROLOGUE_PDL = True
-"""Where ``PDL`` is off, the prologue still launches with PDL when its own grid fits one program per SM
-(``early_prologue_pdl``): its launch overlaps the q projection's tail; it waits before its first load.
-A/B: ``--ab name:latency_specialized.kernels.mla_decode_triton.PROLOGUE_PDL=False``."""
 FUSED = True
 """Default of ``fused``: Triton prologue (latent write + absorbed query) and merge epilogue (see
 ``mla_decode_triton``)."""
@@ -233,16 +237,15 @@ def _kernels(interpret: bool):
         offs_l = lt * BL + tl.arange(0, BL)
         if h < H:
             acc = tl.zeros([BB, BL], dtype=tl.float32)
-            if PDL:
-                # before the loop, not inside it: Triton's pipeliner issues a loop's first loads ahead of
-                # its body, so a wait inside the body would let q be read before its producer finished
-                tlc.gdc_wait()  # q (and kv_c below) come from the previous kernels
-                tlc.gdc_launch_dependents()
             for k0 in range(0, NOPE, BK):
                 offs_k = k0 + tl.arange(0, BK)
                 k_ok = offs_k < NOPE
+                # the weight tile first: it does not depend on the previous kernel (PDL)
                 wt = tl.load(w_uk + h * s_wh + offs_k[:, None] * s_wk + offs_l[None, :],
                              mask=k_ok[:, None], other=0.0)                                # [BK, BL]
+                if PDL:
+                    tlc.gdc_wait()  # q (and kv_c below) come from the previous kernels
+                    tlc.gdc_launch_dependents()
                 a = tl.load(q + offs_b[:, None] * s_qb + h * s_qh + offs_k[None, :],
                             mask=b_ok[:, None] & k_ok[None, :], other=0.0)                 # [BB, BK]
                 acc = tl.dot(a, wt, acc, input_precision=PREC)
@@ -492,8 +495,7 @@ def _prologue(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapp
     q [B, H, nope + R]; w_uk [H, nope, L] in q.dtype; ``q_lat``: optional destination (tests poison it).
     ``kv_norm_weight`` [L] (q.dtype): kv_c is the raw latent, RMS-normalised (``kv_norm_eps``) before the
     write (fp32 math, rounded to q.dtype, then to the cache dtype). kv_c's rows may be strided (unit
-    last stride): its row stride is passed, nothing is copied. Static grid from shapes only (graph-safe).
-    ``pdl``: launched with PDL (all three kernels are); else still where ``early_prologue_pdl`` says so."""
+    last stride): its row stride is passed, nothing is copied. Static grid from shapes only (graph-safe)."""
     B, H, _ = q.shape
     _, nope, L = w_uk.shape
     R = k_pe.shape[-1]
@@ -513,9 +515,7 @@ def _prologue(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapp
     bl = min(PROLOGUE_L, L)
     bk = min(max(_next_pow2(nope), 16), PROLOGUE_K)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"  # as the split kernel: IEEE fp32 for fp32 tensors
-    grid = (-(-B // PROLOGUE_B), H + 1, L // bl)
-    pdl = pdl or early_prologue_pdl(q.device, pdl, grid[0] * grid[1] * grid[2])
-    _kernels(_interpreting())["prologue"][grid](
+    _kernels(_interpreting())["prologue"][(-(-B // PROLOGUE_B), H + 1, L // bl)](
         qn, w_uk, kv_c, k_pe, slot_mapping, flat, q_lat, kv_w, float(kv_norm_eps), B, H, nope,
         qn.stride(0), qn.stride(1), w_uk.stride(0), w_uk.stride(1), q_lat.stride(0), q_lat.stride(1),
         kv_c.stride(0), k_pe.stride(0), flat.stride(0),
@@ -595,14 +595,6 @@ def late_merge_pdl(device: torch.device, pdl: bool, tiled: bool) -> bool:
     if pdl or not tiled or not MERGE_PDL or _interpreting() or device.type != "cuda":
         return False
     return capability(device)[0] >= 9 and _triton_has_gdc()
-
-
-def early_prologue_pdl(device: torch.device, pdl: bool, programs: int) -> bool:
-    """Whether the prologue launches with PDL although the split kernel does not (``pdl`` False): ``PROLOGUE_PDL``,
-    a prologue grid of at most one program per SM (``programs``), sm_90+, compiled, Triton with ``gdc_wait``."""
-    if pdl or not PROLOGUE_PDL or _interpreting() or device.type != "cuda":
-        return False
-    return programs <= sm_count(device) and capability(device)[0] >= 9 and _triton_has_gdc()
 
 
 @functools.cache

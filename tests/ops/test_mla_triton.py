@@ -304,9 +304,12 @@ def test_merge_v_block_spreads_small_batches():
 
 def test_pdl_only_for_one_partial_wave_of_split_programs(monkeypatch):
     """PDL where the split grid fits one program per SM (measured: faster at 68 split programs, slower
-    at 136-256); never on the CPU / interpreter, nor without Triton's grid dependency control."""
+    at 136-256); never on the CPU / interpreter, nor without Triton's grid dependency control. Off by
+    default (``PDL``'s docstring: the prologue's wait must move above its loop first): the rule is checked on."""
     from latency_specialized.kernels import mla_decode_triton as mk
 
+    assert mk.PDL is False
+    monkeypatch.setattr(mk, "PDL", True)
     monkeypatch.setattr(mk, "_interpreting", lambda: False)
     monkeypatch.setattr(mk, "sm_count", lambda device: 132)
     monkeypatch.setattr(mk, "capability", lambda device: (9, 0))
@@ -325,6 +328,25 @@ def test_pdl_only_for_one_partial_wave_of_split_programs(monkeypatch):
     assert not mk.pdl_enabled(gpu, 68)
     assert mk._pdl_args(True, 4) == {"num_warps": 4, "PDL": True, "launch_pdl": True}
     assert mk._pdl_args(False, 8) == {"num_warps": 8, "PDL": False}
+
+
+def test_late_merge_pdl_only_behind_a_split_kernel_without_pdl(monkeypatch):
+    """The tiled merge launches with PDL on its own (the split programs trigger it at their end) only where
+    the three kernels do not already, the merge is tiled, MERGE_PDL is on, on sm_90+ with gdc."""
+    from latency_specialized.kernels import mla_decode_triton as mk
+
+    monkeypatch.setattr(mk, "_interpreting", lambda: False)
+    monkeypatch.setattr(mk, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(mk, "_triton_has_gdc", lambda: True)
+    gpu = torch.device("cuda", 0)
+    assert mk.late_merge_pdl(gpu, False, True)
+    assert not mk.late_merge_pdl(gpu, True, True) and not mk.late_merge_pdl(gpu, False, False)
+    assert not mk.late_merge_pdl(torch.device("cpu"), False, True)
+    monkeypatch.setattr(mk, "capability", lambda device: (8, 0))
+    assert not mk.late_merge_pdl(gpu, False, True)
+    monkeypatch.setattr(mk, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(mk, "MERGE_PDL", False)
+    assert not mk.late_merge_pdl(gpu, False, True)
 
 
 def test_unsupported_widths_raise_a_user_error(mla):

@@ -218,8 +218,7 @@ def test_latent_tiled_merge_replays_identically(B, splits):
     """The small-batch merge's last-arriver reduction (arrival counters zeroed by the split kernel each
     call): 64 graph replays give the eager output bit for bit, and it matches the v-blocked merge.
     Forced wide split grids (more programs than SMs: no PDL for the split kernel) run the merge with the
-    late PDL trigger (``late_merge_pdl``) and the prologue with PDL of its own (``early_prologue_pdl``) on an
-    sm_90 GPU."""
+    late PDL trigger (``late_merge_pdl``) on an sm_90 GPU."""
     from latency_specialized.kernels import mla_decode_triton as mk
 
     dev = torch.device(DEV)
@@ -227,10 +226,7 @@ def test_latent_tiled_merge_replays_identically(B, splits):
     assert mk.merge_l_tiles(B, KIMI_TP8["H"], KIMI_TP8["L"], sms) > 1
     if splits is not None:
         pdl = mk.pdl_enabled(dev, B * -(-KIMI_TP8["H"] // mk.BLOCK_H) * splits)
-        sm90 = torch.cuda.get_device_capability()[0] >= 9
-        assert not pdl and mk.late_merge_pdl(dev, pdl, True) == sm90
-        prologue_programs = -(-B // mk.PROLOGUE_B) * (KIMI_TP8["H"] + 1) * (KIMI_TP8["L"] // mk.PROLOGUE_L)
-        assert mk.early_prologue_pdl(dev, pdl, prologue_programs) == sm90  # the prologue alone with PDL
+        assert not pdl and mk.late_merge_pdl(dev, pdl, True) == (torch.cuda.get_device_capability()[0] >= 9)
     args, kw = _case(f"tiles{B}", [(1237 * i + 4000) % 4097 for i in range(B)], bs=64, **KIMI_TP8)
     if splits is not None:
         kw = dict(kw, num_splits=splits)
