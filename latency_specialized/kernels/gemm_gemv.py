@@ -490,8 +490,8 @@ def _supports(ctx: OpContext) -> Support:
 
 GATE_DOWN_NAME = "moe.gate_down.cutedsl_gemv"
 GATE_DOWN_MAX_M = 4
-"""Tokens up to which the fused router + latent GEMV serves (the GEMV's MAX_M). H200, Kimi K3 TP8 layer bench, same-machine
-A/B (two repeats each, us per layer, KDA / MLA at context 4096). First session: batch 1 fused 115.3-115.4 /
+"""Tokens up to which the fused router + latent GEMV serves (the GEMV's MAX_M). H200, Kimi K3 TP8 layer bench,
+same-machine A/B (two repeats each, us per layer, KDA / MLA at context 4096). First session: batch 1 fused 115.3-115.4 /
 123.8-124.3 vs two gemm sites 115.0-116.2 / 123.8-124.0 - even, one kernel less; batch 2 then lost
 (150.7-151.1 / 173.9-174.1 vs 147.6-148.2 / 168.9-169.9, measured together with the GEMV+GLU shared
 expert). Re-measured with the K-split GEMV config (``bench_kimi_k3_tp8_ab_session16.md``): batch 2

@@ -575,7 +575,9 @@ def token_bucket(m: int) -> int:
 
 
 DOWN_TRIGGER = True
-"""Default of ``ExpertsConfig.dn_trigger`` (read at config time: ``--ab name:...moe_experts.DOWN_TRIGGER=False``)."""
+"""Default of ``ExpertsConfig.dn_trigger``, read at config time (A/B: ``--ab name:...moe_experts.DOWN_TRIGGER=False``).
+H200, Kimi K3 TP8 layer, same-machine A/B (``bench_kimi_k3_tp8_ab_session17.md``, call 6): KDA batch 1 98.7 -> 98.0
+us, batch 2 / 4 -0.2 / -0.6 (within noise), MLA even."""
 
 DOWN_CTAS_PER_SM = 3
 """Resident ``down`` CTAs per SM with several tokens (4 warps, <= 170 registers: ``min_blocks_per_mp``)."""
