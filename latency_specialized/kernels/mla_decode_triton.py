@@ -129,13 +129,14 @@ adds their partial outputs."""
 NUM_WARPS = 4
 NUM_STAGES = 2
 PDL = False
-"""Off (session 17): the prologue kernel's ``gdc_wait`` sits inside its k loop, and Triton's software pipeliner
+"""Off (session 17): the prologue kernel's ``gdc_wait`` sat inside its k loop, and Triton's software pipeliner
 can issue a loop's first loads ahead of its body - i.e. read q before the q projection has written it. Symptom,
 measured: the prologue alone launched with PDL (an A/B variant, session 17 call 6, since removed) changed the
 Kimi MLA layer's routing at batch 2-4 (distinct experts 28 vs 56: different values), and launch order alone must
 not change values. The layer bench never used this path (its 32k-wide block table gives every batch a split grid
-wider than the SMs); narrow tables did. To re-enable: move the prologue's wait above its loop, then GPU-test
-(`tests/ops/test_mla_triton_gpu.py`) and A/B with the expert counts compared.
+wider than the SMs); narrow tables did. The wait now sits above the loop (a CPU test keeps every ``gdc_wait`` out
+of loops), but that PDL path has not run on a GPU since: switch it back on only after the GPU tests with a
+PDL-triggering producer of q and a layer A/B whose expert counts match.
 
 Programmatic dependent launch for the three kernels (sm_90+, compiled, Triton with
 ``tl.extra.cuda.gdc_wait``) where the split kernel's grid fits one partial wave (``pdl_enabled``): each
@@ -237,15 +238,16 @@ def _kernels(interpret: bool):
         offs_l = lt * BL + tl.arange(0, BL)
         if h < H:
             acc = tl.zeros([BB, BL], dtype=tl.float32)
+            if PDL:
+                # above the loop, never inside one: Triton's pipeliner issues a loop's first loads ahead of its
+                # body, so a wait inside it let q be read before its producer wrote it (see ``PDL``)
+                tlc.gdc_wait()  # q (and kv_c below) come from the previous kernels
+                tlc.gdc_launch_dependents()
             for k0 in range(0, NOPE, BK):
                 offs_k = k0 + tl.arange(0, BK)
                 k_ok = offs_k < NOPE
-                # the weight tile first: it does not depend on the previous kernel (PDL)
                 wt = tl.load(w_uk + h * s_wh + offs_k[:, None] * s_wk + offs_l[None, :],
                              mask=k_ok[:, None], other=0.0)                                # [BK, BL]
-                if PDL:
-                    tlc.gdc_wait()  # q (and kv_c below) come from the previous kernels
-                    tlc.gdc_launch_dependents()
                 a = tl.load(q + offs_b[:, None] * s_qb + h * s_qh + offs_k[None, :],
                             mask=b_ok[:, None] & k_ok[None, :], other=0.0)                 # [BB, BK]
                 acc = tl.dot(a, wt, acc, input_precision=PREC)

@@ -494,3 +494,29 @@ def test_kv_norm_needs_the_latent_in_q_dtype(mla):
     for fn in (mla_decode_reference, mla.mla_decode_triton):
         with pytest.raises(UserError, match="q's dtype"):
             fn(*args, **kw)
+
+
+def test_no_pdl_wait_inside_a_loop():
+    """Every ``gdc_wait`` of the Triton kernels sits outside loops: Triton's software pipeliner issues a loop's first
+    loads ahead of the loop body, so a wait inside one does not order them (session 17: the prologue's wait in its k
+    loop let q be read before its producer wrote it). Checked on the source, so without a GPU."""
+    import ast
+    import inspect
+
+    from latency_specialized.kernels import mla_decode_triton as mk
+
+    tree = ast.parse(inspect.getsource(mk))
+    waits, in_loops = 0, []
+
+    def visit(node, loops):
+        nonlocal waits
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "gdc_wait":
+            waits += 1
+            if loops:
+                in_loops.append(node.lineno)
+        inner = loops + [node] if isinstance(node, (ast.For, ast.While)) else loops
+        for child in ast.iter_child_nodes(node):
+            visit(child, inner)
+
+    visit(tree, [])
+    assert waits >= 4 and not in_loops, f"gdc_wait inside a loop at line(s) {in_loops}"
