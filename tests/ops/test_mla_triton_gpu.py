@@ -255,3 +255,50 @@ def test_latent_tiled_merge_replays_identically(B, splits):
     finally:
         mk.MERGE_L_TILE = old
     torch.testing.assert_close(eager.float(), vblocked.float(), rtol=2e-2, atol=2e-2 * vblocked.abs().max().item())
+
+
+def test_pdl_reads_q_after_a_producer_that_triggers_early(monkeypatch):
+    """With PDL on (``mla_decode_triton.PDL``, off by default since session 17) and q produced by a CuTe GEMV
+    that lets its dependents launch right after its own wait - as the Kimi program's q projection does - one
+    graph of GEMV -> MLA, replayed with new x each time, matches the reference from the GEMV's q every time.
+    The prologue whose wait sat inside its k loop read q early in exactly this arrangement (a layer A/B routed
+    different experts); switch PDL back on only with this passing."""
+    from latency_specialized.kernels import mla_decode_triton as mk
+    from latency_specialized.kernels.gemm_gemv import gemm_gemv
+
+    monkeypatch.setattr(mk, "PDL", True)
+    B, K = 4, 1536
+    args, kw = _case("pdl-producer", [(997 * i + 3000) % 4096 + 1 for i in range(B)], bs=64, **KIMI_TP8)
+    _, kv_c, k_pe, cache, slots, blocks, lens, w = args
+    H, qk = KIMI_TP8["H"], KIMI_TP8["nope"] + KIMI_TP8["R"]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = mk.choose_num_splits(B, H, blocks.shape[1] * 64, sms)
+    assert mk.pdl_enabled(torch.device(DEV), B * -(-H // mk.BLOCK_H) * splits), "the PDL path must run here"
+    g = _gen("pdl-producer-w")
+    wq = (torch.randn(H * qk, K, generator=g, device=DEV) * K ** -0.5).to(torch.bfloat16)
+    x = torch.randn(B, K, generator=g, device=DEV).to(torch.bfloat16)
+    q = torch.empty(B, H * qk, device=DEV, dtype=torch.bfloat16)
+    out = torch.empty(B, H * KIMI_TP8["v"], device=DEV, dtype=torch.bfloat16)
+
+    def step():
+        gemm_gemv(x, wq, out=q)
+        mla_decode_triton(q.view(B, H, qk), kv_c, k_pe, cache, slots, blocks, lens, w, out=out, **kw)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()                                            # compile + warm up outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for i in range(16):
+        x.copy_(torch.randn(B, K, generator=g, device=DEV).to(torch.bfloat16))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        q_ref = gemm_gemv(x, wq).view(B, H, qk)           # the same rounding as the graph's q
+        want = mla_decode_reference(q_ref, kv_c, k_pe, cache.clone(), slots, blocks, lens, w, **kw)
+        scale = want.float().abs().max().item()
+        torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2 * scale,
+                                   msg=lambda m: f"replay {i}: {m}")
