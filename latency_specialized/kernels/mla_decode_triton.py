@@ -549,7 +549,8 @@ def _split_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor
     """Launch the split kernel. q_lat [H, B, L] (any strides, unit last), q_pe [B, H, R], flat
     [slots, L + R]; ``o_lat`` [H, B, L]: given with ``num_splits == 1``, the kernel writes it directly.
     ``count`` [B * H] int32: the L-tiled merge's arrival counters, zeroed by the split-0 programs.
-    ``trigger_end``: every program lets the next kernel launch (PDL) after its last store."""
+    ``trigger_end``: every program lets the next kernel launch (PDL) after its last store (``late_merge_pdl``,
+    which is never true together with ``pdl``)."""
     H, B, L = q_lat.shape
     R = q_pe.shape[-1]
     num_splits = _resolve_splits(B, H, block_table, block_size, num_splits, q_lat.device)
@@ -572,7 +573,7 @@ def _split_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor
         q_lat.stride(1), q_lat.stride(0), q_pe.stride(0), q_pe.stride(1), flat.stride(0), block_table.stride(0),
         *sw, *so,
         L=L, R=R, BH=BLOCK_H, BN=block_n, MIN_CHUNK=min_chunk(B), DIRECT=direct, PREC=prec,
-        ZERO_COUNT=count is not None, TRIGGER_END=trigger_end and not pdl, num_stages=NUM_STAGES, **_pdl_args(pdl))
+        ZERO_COUNT=count is not None, TRIGGER_END=trigger_end, num_stages=NUM_STAGES, **_pdl_args(pdl))
     return _Split(ws_acc, ws_m, ws_l, sw, 1 if direct else num_splits, block_n)
 
 

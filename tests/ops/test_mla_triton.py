@@ -305,7 +305,7 @@ def test_merge_v_block_spreads_small_batches():
 def test_pdl_only_for_one_partial_wave_of_split_programs(monkeypatch):
     """PDL where the split grid fits one program per SM (measured: faster at 68 split programs, slower
     at 136-256); never on the CPU / interpreter, nor without Triton's grid dependency control. Off by
-    default (``PDL``'s docstring: the prologue's wait must move above its loop first): the rule is checked on."""
+    default until its GPU test has run (``PDL``'s docstring): the rule is checked switched on."""
     from latency_specialized.kernels import mla_decode_triton as mk
 
     assert mk.PDL is False

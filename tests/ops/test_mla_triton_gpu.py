@@ -19,7 +19,7 @@ from latency_specialized.kernels.mla_decode_triton import _prologue, mla_decode_
 from latency_specialized.ops.attention.mla import mla_decode_reference
 from latency_specialized.ops.norm import rmsnorm_reference
 
-from gpu_helpers import seeded_generator as _gen
+from gpu_helpers import graph_replay, seeded_generator as _gen
 
 pytestmark = pytest.mark.gpu
 
@@ -284,14 +284,7 @@ def test_pdl_reads_q_after_a_producer_that_triggers_early(monkeypatch):
         gemm_gemv(x, wq, out=q)
         mla_decode_triton(q.view(B, H, qk), kv_c, k_pe, cache, slots, blocks, lens, w, out=out, **kw)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()                                            # compile + warm up outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = graph_replay(step)                            # warmed up on a side stream, captured, replayed once
     for i in range(16):
         x.copy_(torch.randn(B, K, generator=g, device=DEV).to(torch.bfloat16))
         out.fill_(float("nan"))
