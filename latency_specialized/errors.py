@@ -27,4 +27,4 @@ class PluginError(UserError):
 
 
 class CheckpointError(UserError):
-    """A checkpoint directory is missing a tensor, has a wrong shape or an unknown config key."""
+    """A checkpoint directory is missing a tensor, has a wrong shape or a missing or contradictory config key."""

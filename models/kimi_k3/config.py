@@ -9,15 +9,20 @@ Two layouts are understood (both as vLLM reads them):
 
 Text-config keys are those of vLLM's ``KimiLinearConfig`` (``linear_attn_config`` with
 ``kda_layers``/``full_attn_layers`` 1-indexed, ``attn_res_block_size``, ``routed_expert_hidden_size``,
-``latent_moe_use_norm``, ``activation_situ_beta`` ...). Unknown keys, missing keys and values this
-adapter does not implement (RoPE MLA, softmax routing, grouped top-k, the softplus KDA gate)
-raise :class:`CheckpointError` naming the key.
+``latent_moe_use_norm``, ``activation_situ_beta`` ...), plus ``model_max_length``, the name
+transformers' ``KimiLinearConfig.save_pretrained`` writes for ``max_position_embeddings``.
+Unknown keys (those ``save_pretrained`` adds, vendors' extras) are ignored and named, sorted, in one
+:class:`~latency_specialized.config_keys.UnknownConfigKeysWarning`. Missing keys, contradictory keys
+(``max_position_embeddings`` vs ``model_max_length``) and values this adapter does not implement
+(RoPE MLA, softmax routing, grouped top-k, the softplus KDA gate) raise :class:`CheckpointError`
+naming the key(s).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from latency_specialized.config_keys import ConfigKeys
 from latency_specialized.errors import CheckpointError
 from latency_specialized.spec import ActivationSpec, MoESpec, RouterSpec
 
@@ -41,6 +46,7 @@ _TEXT_KEYS = _HF_COMMON | {
     "mla_use_nope", "mla_use_output_gate", "num_nextn_predict_layers", "linear_attn_config", "attn_res_block_size",
     "latent_moe_use_norm", "activation_situ_beta", "activation_situ_linear_beta", "max_position_embeddings",
     "routed_expert_hidden_size", "topk_method",
+    "model_max_length",  # transformers' spelling of max_position_embeddings (KimiLinearConfig.attribute_map)
 }
 _KDA_KEYS = {"kda_layers", "full_attn_layers", "num_heads", "head_dim", "short_conv_kernel_size",
              "use_full_rank_gate", "gate_lower_bound"}
@@ -57,14 +63,20 @@ def _fail(where: str, key: str, why: str) -> CheckpointError:
     return CheckpointError(f"{where}: config key {key} {why}")
 
 
-def split_config(cfg: dict[str, Any], where: str = "config.json") -> tuple[str, dict[str, Any], dict[str, Any]]:
-    """(layout, text config, top-level config) of a parsed config.json; CheckpointError if not Kimi K3."""
+def split_config(cfg: dict[str, Any], where: str = "config.json",
+                 keys: ConfigKeys | None = None) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """(layout, text config, top-level config) of a parsed config.json; CheckpointError if not Kimi K3.
+
+    Unknown top-level keys of the kimi_k3 layout are noted in ``keys`` (the caller warns); without
+    ``keys`` they are warned about here.
+    """
+    own = keys is None
+    keys = keys if keys is not None else ConfigKeys(where, "Kimi K3")
     mt = cfg.get("model_type")
     if mt == "kimi_k3" or "text_config" in cfg:
-        for k in cfg:
-            if k not in _K3_TOP_KEYS:
-                raise _fail(where, k, f"is unknown for model_type kimi_k3 (known: text_config, vision_config, "
-                                      "architectures, ...): remove it")
+        keys.section(cfg, _K3_TOP_KEYS)
+        if own:
+            keys.warn()
         text = cfg.get("text_config")
         if not isinstance(text, dict):
             raise _fail(where, "text_config", "is missing or not an object: a kimi_k3 config nests the text model there")
@@ -78,15 +90,15 @@ def split_config(cfg: dict[str, Any], where: str = "config.json") -> tuple[str, 
 
 def spec_from_config(cfg: dict[str, Any], where: str = "config.json") -> tuple[KimiK3Spec, dict[str, Any]]:
     """The spec of a config.json (either layout) and its extras (layout, special token ids)."""
-    layout, t, top = split_config(cfg, where)
+    keys = ConfigKeys(where, "Kimi K3")
+    layout, t, top = split_config(cfg, where, keys)
     pre = "text_config." if layout == "kimi_k3" else ""
-    for k in t:
-        if k not in _TEXT_KEYS:
-            raise _fail(where, pre + k, "is unknown to the Kimi K3 adapter (vLLM KimiLinearConfig keys only): "
-                                        "remove it or update the adapter")
-    for k in _REQUIRED:
-        if t.get(k) is None:
-            raise _fail(where, pre + k, "is missing: Kimi K3 needs it")
+    keys.section(t, _TEXT_KEYS, pre)
+    if isinstance(t.get("linear_attn_config"), dict):
+        keys.section(t["linear_attn_config"], _KDA_KEYS, pre + "linear_attn_config.")
+    keys.warn()  # one warning for every section, before any error (a renamed key shows up there)
+    keys.require(t, _REQUIRED, pre)
+    max_context = int(keys.pick(t, "max_position_embeddings", "model_max_length", prefix=pre, default=4096))
 
     def need(key: str, ok: bool, why: str) -> None:
         if not ok:
@@ -94,12 +106,8 @@ def spec_from_config(cfg: dict[str, Any], where: str = "config.json") -> tuple[K
 
     kda = t["linear_attn_config"]
     need("linear_attn_config", isinstance(kda, dict), "must be an object")
-    for k in kda:
-        if k not in _KDA_KEYS:
-            raise _fail(where, pre + f"linear_attn_config.{k}", "is unknown (known: " + ", ".join(sorted(_KDA_KEYS)) + ")")
-    for k in ("kda_layers", "full_attn_layers", "num_heads", "head_dim", "short_conv_kernel_size"):
-        if kda.get(k) is None:
-            raise _fail(where, pre + f"linear_attn_config.{k}", "is missing: Kimi K3 needs it")
+    keys.require(kda, ("kda_layers", "full_attn_layers", "num_heads", "head_dim", "short_conv_kernel_size"),
+                 pre + "linear_attn_config.")
     L = int(t["num_hidden_layers"])
     kda_l, full_l = list(kda["kda_layers"]), list(kda["full_attn_layers"])
     if sorted(kda_l + full_l) != list(range(1, L + 1)):
@@ -147,7 +155,7 @@ def spec_from_config(cfg: dict[str, Any], where: str = "config.json") -> tuple[K
             top_k=int(t["num_experts_per_token"]), shared=int(t.get("num_shared_experts") or 0),
             expert_inter=int(t["moe_intermediate_size"]), latent=t.get("routed_expert_hidden_size"),
             dense_layers=dense, dense_inter=int(t["intermediate_size"]), block_size=int(t["attn_res_block_size"]),
-            max_context=int(t.get("max_position_embeddings", 4096)), eps=float(t["rms_norm_eps"]),
+            max_context=max_context, eps=float(t["rms_norm_eps"]),
             activation=activation, router=router, latent_norm=bool(t.get("latent_moe_use_norm", False)),
             expert_format=expert_format,  # type: ignore[arg-type]
             tie_embeddings=bool(t.get("tie_word_embeddings", top.get("tie_word_embeddings", False))))
