@@ -51,7 +51,7 @@ if [[ ",$STEPS," == *",opsmla,"* ]]; then
 fi
 if [[ ",$STEPS," == *",bench,"* ]]; then
   timeout "${BENCH_S:-150}" python3 -m latency_specialized.cli bench --model kimi_k3 --tp 8 --kinds ${KINDS:-kda} \
-    --batch ${BATCH:-1,2,4,8,16,32,64} --context ${CONTEXT:-4096,32768} --layers 3 ${NAME:+--name $NAME} --out "$OUT/res" \
+    --batch ${BATCH:-1,2,4,8,16,32,64} $([[ ",${KINDS:-kda}," == *",mla,"* ]] && echo --context ${CONTEXT:-4096,32768}) --layers 3 ${NAME:+--name $NAME} --out "$OUT/res" \
     > "$OUT/bench.log" 2>&1
   echo "bench rc=$? at $(( $(date +%s) - t0 )) s"; grep "batch" "$OUT/bench.log" | tail -16
 fi

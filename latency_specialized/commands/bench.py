@@ -1,6 +1,7 @@
 """`latency-specialized bench`: per-layer decode time, kernels, roofline fraction and speed-up vs stock.
 
-    latency-specialized bench --model kimi_k3 --tp 8 --batch 1,2,4,8,16,32,64 --context 4096,32768 [--layers K]
+    latency-specialized bench --model kimi_k3 --tp 8 --batch 1,2,4,8,16,32,64 [--layers K]
+    latency-specialized bench --kinds kda,mla --batch 1,2,4 --context 4096,32768
     latency-specialized bench --compare A.json B.json
     latency-specialized bench --kinds kda --batch 1,2 --ab base --ab rounds:pkg.module.CONST=0 [--repeat 2]
 
@@ -9,7 +10,8 @@ reported as such); writes JSON + Markdown + PNG under ``--out`` and prints progr
 ``--compare`` needs no GPU: it puts two result files side by side and flags regressions beyond the
 noise both runs measured. ``--ab`` runs variants that differ by module constants or environment on
 this machine, interleaved, each in a fresh process, and summarises them against the first
-(latency_specialized/bench/ab.py). Method: latency_specialized/bench/layer_bench.py.
+(latency_specialized/bench/ab.py). ``--context`` sets the MLA cells only: without an mla kind it is an
+error, not ignored. Method: latency_specialized/bench/layer_bench.py.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import sys
 
 DEFAULT_OUT = "benchmarks/results/h200"
+DEFAULT_CONTEXT = "4096,32768"
 
 
 def _ints(s: str) -> tuple[int, ...]:
@@ -32,12 +35,25 @@ def _ints(s: str) -> tuple[int, ...]:
     return vals
 
 
+def _kinds(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--kinds`` as a tuple; UserError when ``--context`` is given but no kind has a context (MLA)."""
+    from latency_specialized.errors import UserError
+
+    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+    if args.context is not None and "mla" not in kinds:
+        raise UserError(f"--context {args.context} sets the MLA cells' context but --kinds {args.kinds} has no mla: "
+                        f"add it (--kinds {','.join(kinds + ('mla',))}) or drop --context")
+    return kinds
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="per-layer decode bench on one GPU: ours vs the stock composition vs roofline")
     p.add_argument("--model", default="kimi_k3", help="adapter name (see `models`)")
     p.add_argument("--tp", type=int, default=8, help="TP size whose rank-0 shard is benched (default 8)")
     p.add_argument("--batch", default="1,2,4,8,16,32,64", help="batch sizes, comma-separated")
-    p.add_argument("--context", default="4096,32768", help="context lengths, comma-separated (MLA layers)")
+    p.add_argument("--context", default=None,
+                   help=f"context lengths of the MLA cells, comma-separated (default {DEFAULT_CONTEXT}; "
+                        "needs an mla kind in --kinds)")
     p.add_argument("--kinds", default="kda",
                    help="layer kinds, comma-separated: kda (context-free), mla (one cell per --context)")
     p.add_argument("--layers", type=int, default=3, help="layer copies per variant, K >= 2 (weights rotate beyond L2)")
@@ -62,12 +78,19 @@ def run(args: argparse.Namespace) -> int:
         text, regressions = report.compare(a, b)
         print(text)
         return 1 if regressions else 0
+    kinds = _kinds(args)
     if args.ab:
         return _run_ab(args)
-    from latency_specialized.bench.layer_bench import BenchConfig, run_bench
+    import torch
 
-    cfg = BenchConfig(model=args.model, tp=args.tp, batches=_ints(args.batch), contexts=_ints(args.context),
-                      kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()), layers=args.layers,
+    from latency_specialized.bench.layer_bench import BenchConfig, run_bench
+    from latency_specialized.errors import UserError
+
+    if not torch.cuda.is_available():
+        raise UserError("bench needs a CUDA GPU and torch sees none: run it where one is visible "
+                        "(bench --compare A.json B.json needs no GPU)")
+    cfg = BenchConfig(model=args.model, tp=args.tp, batches=_ints(args.batch),
+                      contexts=_ints(args.context or DEFAULT_CONTEXT), kinds=kinds, layers=args.layers,
                       iters=args.iters, rounds=args.rounds)
 
     def say(msg: str) -> None:
@@ -97,8 +120,10 @@ def _run_ab(args: argparse.Namespace) -> int:
     from latency_specialized.bench import ab
 
     variants = [ab.parse_variant(v) for v in args.ab]
-    argv = ["bench", "--model", args.model, "--tp", str(args.tp), "--batch", args.batch, "--context", args.context,
+    argv = ["bench", "--model", args.model, "--tp", str(args.tp), "--batch", args.batch,
             "--kinds", args.kinds, "--layers", str(args.layers), "--iters", str(args.iters), "--rounds", str(args.rounds)]
+    if args.context is not None:
+        argv += ["--context", args.context]
     results = ab.run_ab(variants, argv, args.out, repeat=args.repeat, say=lambda m: print(m, flush=True))
     text = ab.summarize(variants, results)
     path = Path(args.out) / f"{args.name or 'ab'}.md"

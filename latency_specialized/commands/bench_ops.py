@@ -50,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        raise UserError("bench-ops needs a CUDA GPU: run it on the H200 (see scripts/device_env.sh)")
+        raise UserError("bench-ops needs a CUDA GPU and torch sees none: run it where one is visible "
+                        "(bench-ops --list needs no GPU)")
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_%d%da" % torch.cuda.get_device_capability())
     shapes = tuple(tuple(int(v) for v in item.split(":")) for item in args.shapes.split(",") if item.strip())
     if any(len(s) != 2 for s in shapes):

@@ -1,4 +1,8 @@
-"""`latency-specialized explain`: the plan per op site, with the reason for every refusal."""
+"""`latency-specialized explain`: the plan per op site, with the reason for every refusal.
+
+Exit 0: the deployment is in the adapter's scope. Exit 2: it is not (arch, TP, batch, dtype or
+spec tokens): the plan is still printed where it can be built, and stderr lists every reason.
+"""
 
 from __future__ import annotations
 
@@ -21,13 +25,26 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from latency_specialized import hardware
+    from latency_specialized.errors import ScopeError
     from latency_specialized.ops.plan import build_plan
     from latency_specialized.plugins import get_registry
+    from latency_specialized.spec import Deployment
 
     reg = get_registry()
     adapter = reg.adapter(args.model)
     hw = hardware.for_arch(args.arch) if args.arch else hardware.probe()
+    # One rule for every cause (arch, TP, batch, dtype, spec tokens): a deployment outside the scope
+    # exits 2 with every reason on one stderr line; the plan (what would run anyway) is printed first
+    # when it can be built - a batch beyond the graph buckets has none.
+    scope = adapter.scope()
+    problems = scope.problems(Deployment(arch=hw.arch, tp=args.tp, batch=args.batch, dtype=args.dtype,
+                                         spec_tokens=args.spec_tokens), adapter.name)
+    if problems and not 1 <= args.batch <= scope.max_batch:
+        adapter.spec(args.size).shard(args.tp)  # a TP the architecture cannot be split by names its own fix
+        raise ScopeError(adapter.name, problems)
     plan = build_plan(adapter, reg.implementations, hw, tp=args.tp, batch=args.batch, dtype=args.dtype,
                       spec_tokens=args.spec_tokens, variant=args.size)
-    print(plan.to_json() if args.json else plan.to_text(refusals=not args.no_refusals))
+    print(plan.to_json() if args.json else plan.to_text(refusals=not args.no_refusals), flush=True)
+    if plan.scope_problems:
+        raise ScopeError(adapter.name, plan.scope_problems)
     return 0

@@ -99,6 +99,42 @@ def _decide_graphs(mode: str, device: Any, plan: Any) -> tuple[bool, str]:
     return True, ""
 
 
+def _parse_prompt_ids(text: str) -> list[int]:
+    """``--prompt-ids`` -> token ids; UserError naming the flag when empty or not integers."""
+    from latency_specialized.errors import UserError
+
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--prompt-ids {text!r}: use comma-separated integers, e.g. 1,2,3") from None
+    if not ids:
+        raise UserError(f"--prompt-ids {text!r} holds no token id: give comma-separated integers, e.g. 1,2,3")
+    return ids
+
+
+def _parse_device(name: str) -> Any:
+    """``--device`` -> a torch.device (cpu or cuda[:N] present here); UserError naming the flag otherwise."""
+    import torch
+
+    from latency_specialized.errors import UserError
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index):
+        raise UserError(f"--device {name!r} is not supported: use --device auto, cpu or cuda[:N]")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {name} but torch sees no CUDA device: use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UserError(f"--device {name}: torch sees {torch.cuda.device_count()} CUDA device(s): use "
+                            f"cuda:0..cuda:{torch.cuda.device_count() - 1}")
+    return device
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -111,11 +147,13 @@ def run(args: argparse.Namespace) -> int:
     from latency_specialized.runtime.graph_runner import CUDAGraphRunner
     from latency_specialized.trace import Trace
 
-    if args.max_tokens < 1 or args.batch < 1:
-        raise UserError("use --max-tokens >= 1 and --batch >= 1")
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda but torch sees no CUDA device: use --device cpu")
+    if args.max_tokens < 1:
+        raise UserError(f"--max-tokens {args.max_tokens}: use --max-tokens >= 1 (tokens generated per sequence; "
+                        "the first comes from prefill)")
+    if args.batch < 1:
+        raise UserError(f"--batch {args.batch}: use --batch >= 1 (sequences decoded together)")
+    prompt_ids = _parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
+    device = _parse_device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(args.threads or 1)
     reg = get_registry()
@@ -139,11 +177,8 @@ def run(args: argparse.Namespace) -> int:
 
     # ---- prompts
     tok = ref.tokenizer
-    if args.prompt_ids:
-        try:
-            prompts = [[int(x) for x in args.prompt_ids.split(",") if x.strip()]]
-        except ValueError:
-            raise UserError(f"--prompt-ids {args.prompt_ids!r}: use comma-separated integers, e.g. 1,2,3") from None
+    if prompt_ids is not None:
+        prompts = [prompt_ids]
         texts = [None]
     else:
         if tok is None:

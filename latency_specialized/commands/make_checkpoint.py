@@ -8,6 +8,7 @@ provide ``write_checkpoint(directory, size=, seed=, dtype=, layout=, expert_form
 from __future__ import annotations
 
 import argparse
+import errno
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -24,6 +25,30 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+_USER_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EISDIR, errno.ENOTDIR}
+
+
+def _writable_directory(directory: str) -> None:
+    """Create ``directory`` if missing; UserError naming the fix when it is a file or cannot be written."""
+    import os
+    from pathlib import Path
+
+    from latency_specialized.errors import UserError
+
+    d = Path(directory)
+    if d.exists() and not d.is_dir():
+        raise UserError(f"{directory} is a file: give make-checkpoint a directory (it writes config.json, "
+                        "model.safetensors and the tokenizer into it)")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create {directory}: {e.strerror or e}: give make-checkpoint a writable "
+                        "directory") from None
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write into {directory}: permission denied: give make-checkpoint a writable "
+                        "directory")
+
+
 def run(args: argparse.Namespace) -> int:
     from latency_specialized.errors import UserError
     from latency_specialized.plugins import get_registry
@@ -37,7 +62,14 @@ def run(args: argparse.Namespace) -> int:
         kw["layout"] = args.layout
     if args.experts:
         kw["expert_format"] = args.experts
-    files = write(args.directory, **kw)
+    _writable_directory(args.directory)
+    try:
+        files = write(args.directory, **kw)
+    except OSError as e:  # a full disk, a read-only mount, a checkpoint file that cannot be replaced
+        if e.errno not in _USER_ERRNOS:
+            raise
+        raise UserError(f"cannot write the checkpoint into {args.directory}: {e.strerror or e}: "
+                        "give make-checkpoint a writable directory") from None
     total = sum(f.stat().st_size for f in files)
     print(f"wrote {adapter.name} ({args.size}, seed {args.seed}, {args.dtype}) to {args.directory}: "
           + ", ".join(f.name for f in files) + f" ({total / 2**20:.1f} MiB)")
