@@ -7,7 +7,11 @@ static method adds the option to every vLLM command line. Three wraps, each idem
 * ``EngineArgs.add_cli_args`` adds ``--decode-backend {auto,latency_specialized}`` (own help group).
 * ``EngineArgs.from_cli_args`` folds the flag into ``additional_config["decode_backend"]``.
 * ``EngineArgs.create_engine_config`` applies the precedence of :mod:`latency_specialized.vllm.config`
-  (env override, validation) once, in the process that builds the config; workers read the key.
+  (env override, validation) once, in the process that builds the config (``vllm serve``, the
+  api_server and ``vllm.LLM`` all come through it), and moves our value out of
+  ``decode_backend`` into ``additional_config["latency_specialized"]`` before vLLM builds anything:
+  vLLM 0.33's in-tree specialized decode reads ``decode_backend`` in the model's ``__init__``.
+  Workers read our entry.
 """
 
 from __future__ import annotations
@@ -32,15 +36,22 @@ HELP = (f"--decode-backend {{{','.join(backend_config.CHOICES)}}}: which path ru
         f"(latency_specialized plugin). 'auto' is stock vLLM; 'latency_specialized' runs the model "
         f"adapter's decode program where it is in scope. Same as --additional-config "
         f"'{{\"{backend_config.KEY}\": ...}}'; ${backend_config.ENV} overrides both.")
+"""Help text on a vLLM without the in-tree specialized decode (vLLM 0.32)."""
+HELP_INTREE = (f" On this vLLM '{backend_config.VLLM_INTREE}' selects vLLM's own in-tree specialized decode "
+               f"(Kimi K3, DeepSeek-V4.1; Blackwell only) instead of ours.")
 
 
 def _add_option(parser: Any) -> None:
     if any(_FLAG_DEST == a.dest for a in getattr(parser, "_actions", [])):
         return  # parser already has it (EngineArgs.add_cli_args called twice on one parser)
-    group = parser.add_argument_group(title=HELP_GROUP, description=HELP)
-    group.add_argument("--decode-backend", dest=_FLAG_DEST, choices=list(backend_config.CHOICES), default=None,
-                       help="Decode path of pure decode steps: 'auto' (stock vLLM) or 'latency_specialized'. "
-                            f"Maps to additional_config['{backend_config.KEY}'].")
+    valid = backend_config.choices()
+    intree = backend_config.VLLM_INTREE in valid
+    description = HELP.replace(",".join(backend_config.CHOICES), ",".join(valid), 1) + (HELP_INTREE if intree else "")
+    group = parser.add_argument_group(title=HELP_GROUP, description=description)
+    group.add_argument("--decode-backend", dest=_FLAG_DEST, choices=list(valid), default=None,
+                       help="Decode path of pure decode steps: 'auto' (stock vLLM) or 'latency_specialized'"
+                            + (f" or '{backend_config.VLLM_INTREE}' (vLLM's in-tree one)" if intree else "")
+                            + f". Same as additional_config['{backend_config.KEY}'].")
 
 
 def patch(arg_utils: ModuleType) -> None:
@@ -80,7 +91,12 @@ def patch(arg_utils: ModuleType) -> None:
         choice, self.additional_config = backend_config.apply(
             self.additional_config, flag_given=bool(getattr(self, _FLAG_ATTR, False)))
         if choice.source != "default":
-            log.info("latency_specialized: %s", choice.describe())
+            carried = {backend_config.OURS: f"carried as additional_config[{backend_config.OWN_KEY!r}], "
+                                            f"not under {backend_config.KEY!r}",
+                       backend_config.VLLM_INTREE: f"vLLM's in-tree specialized decode: additional_config"
+                                                   f"[{backend_config.KEY!r}]={backend_config.INTREE_VALUE!r}"}
+            log.info("latency_specialized: %s%s", choice.describe(),
+                     f" ({carried[choice.value]})" if choice.value in carried else "")
         if choice.source == "env":
             log.warning("latency_specialized: $%s overrides --decode-backend and additional_config",
                         backend_config.ENV)

@@ -55,6 +55,20 @@ def _architectures(vllm_config: Any) -> list[str]:
     return list(getattr(hf, "architectures", None) or [])
 
 
+# Architectures vLLM 0.33's in-tree specialized decode serves (its readers run in these classes'
+# __init__: KimiLinearForCausalLM, also inside KimiK3ForConditionalGeneration; DeepseekV41LLMForCausalLM
+# inside DeepseekV41ForCausalLM).
+INTREE_ARCHITECTURES = frozenset({"KimiK3ForConditionalGeneration", "KimiLinearForCausalLM", "DeepseekV41ForCausalLM"})
+
+
+def _intree_hint(archs: list[str]) -> str:
+    """Where vLLM ships its own specialized decode for the model, how to pick it instead of ours."""
+    if not INTREE_ARCHITECTURES.intersection(archs) or not backend_config.intree_specialized_decode_present():
+        return ""
+    return (f"; vLLM's own in-tree specialized decode serves this model on Blackwell: "
+            f"--decode-backend {backend_config.VLLM_INTREE}")
+
+
 def _local_problems(model: Any, vllm_config: Any, rank: int) -> tuple[list[str], BindContext | None, Any]:
     """This rank's problems and, if it has none, the context and binding to install."""
     reg = get_registry()
@@ -66,7 +80,8 @@ def _local_problems(model: Any, vllm_config: Any, rank: int) -> tuple[list[str],
                 f"(installed adapters serve: {', '.join(served) or 'none'})"], None, None
     if "vllm" not in adapter.capabilities:
         caps = ", ".join(sorted(adapter.capabilities))
-        return [f"adapter {adapter.name} has no vLLM binding yet (capabilities: {caps})"], None, None
+        return [f"adapter {adapter.name} has no vLLM binding yet (capabilities: {caps})"
+                + _intree_hint(archs)], None, None
     hw = hardware.probe()
     deployment = deployment_of(vllm_config, hw.arch)
     scope = adapter.scope()

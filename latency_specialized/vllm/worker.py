@@ -4,7 +4,11 @@ vLLM's workers load their model in ``vllm.v1.worker.gpu_worker.Worker.load_model
 and the other platform workers inherit it). The worker module is imported only after vLLM loaded
 the general plugins of the worker process (``WorkerWrapperBase.init_worker`` resolves the worker
 class by name afterwards), so the plugin wraps that method when the module is imported. The wrap
-reads the worker's own ``vllm_config``: for ``decode_backend=latency_specialized`` it
+reads the choice from where the front process carried it (``additional_config["latency_specialized"]``,
+see :mod:`latency_specialized.vllm.config`; a ``VllmConfig`` that never went through
+``EngineArgs.create_engine_config`` is rewritten the same way here, in place, *before* vLLM builds
+the model, so vLLM 0.33's in-tree specialized decode never reads our value). For
+``latency_specialized`` it
 
 * keeps the loaded weights alive through the CPU build's repack (see
   :mod:`latency_specialized.vllm.weights`), then
@@ -24,9 +28,15 @@ from latency_specialized.vllm import config as backend_config
 _MARK = "__latency_specialized_wrapped__"
 
 
+def backend_of(vllm_config: Any) -> backend_config.BackendChoice:
+    """This deployment's decode backend, from our additional_config entry (rewriting it in place first
+    if the config still holds the user's ``decode_backend`` form)."""
+    return backend_config.apply_in_place(getattr(vllm_config, "additional_config", None))
+
+
 def wants_override(vllm_config: Any) -> bool:
     """True when this deployment's decode backend is latency_specialized."""
-    return backend_config.resolve(getattr(vllm_config, "additional_config", None)).ours
+    return backend_of(vllm_config).ours
 
 
 def patch(gpu_worker: ModuleType) -> None:
