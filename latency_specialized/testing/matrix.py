@@ -1,25 +1,34 @@
 """The cross-model test matrix: cells, results, and the multi-rank (gloo) runner.
 
 A cell is one (adapter, batch, TP, context, speculative tokens, device) combination with a
-readable id (``kimi_k3-tp8-b4-ctx64-s0``). Every installed adapter joins the matrix by being
+readable id (``kimi_k3-tp8-b4-ctx40-s0``). Every installed adapter joins the matrix by being
 installed: the cells come from the registry and from each adapter's scope. Adapters with the
 ``program`` capability implement :meth:`ModelAdapter.verify_cell`, which runs the decode program
 against the model reference for that cell on one rank and returns a :class:`CellResult`; TP>1
 cells run on several CPU processes joined by gloo (see :class:`GlooPool`).
+
+Plan cells (:func:`plan_cells`) are the distinct inputs of ``build_plan``: the context is one of
+them only where ``build_plan`` takes a ``context`` (it does not yet), so no two plan cells build the
+same plan (``kimi_k3-tp8-b4-s0``). :func:`cell_plan` is the plan a program cell is verified with, and
+:func:`kernel_sites` what the plan's rules say must run a kernel (not a reference) in it.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 BATCHES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 TPS: tuple[int, ...] = (1, 2, 8)
 CONTEXTS: tuple[int, ...] = (8, 40)
-"""Prompt lengths (tiny models): one short, one spanning several AttnRes/KV blocks."""
+"""Prompt lengths of a program cell (tiny models): a short one (two KV pages of 4 tokens in Kimi K3's
+verify) and one of many pages (ten)."""
+CELL_DTYPE = "float32"
+"""Activation dtype program cells are verified in (the tiny models run fp32; fp32 tolerances)."""
 
 
 @dataclass(frozen=True)
@@ -27,14 +36,16 @@ class Cell:
     adapter: str
     batch: int
     tp: int
-    context: int
+    context: int | None
+    """Prompt length; None in a plan cell whose plan does not take a context (see ``plan_cells``)."""
     spec_tokens: int
     device: str = "cpu"
 
     @property
     def id(self) -> str:
         dev = "" if self.device == "cpu" else f"-{self.device}"
-        return f"{self.adapter}-tp{self.tp}-b{self.batch}-ctx{self.context}-s{self.spec_tokens}{dev}"
+        ctx = "" if self.context is None else f"-ctx{self.context}"
+        return f"{self.adapter}-tp{self.tp}-b{self.batch}{ctx}-s{self.spec_tokens}{dev}"
 
 
 @dataclass
@@ -84,6 +95,63 @@ def cells_for(adapter: Any, *, devices: tuple[str, ...] = ("cpu", "cuda")) -> li
                     for s in spec_options:
                         cells.append(Cell(adapter.name, batch, tp, ctx, s, device))
     return cells
+
+
+def plan_takes_context() -> bool:
+    """Whether ``build_plan`` takes a ``context`` (the longest sequence the plan serves)."""
+    from latency_specialized.ops.plan import build_plan
+
+    return "context" in inspect.signature(build_plan).parameters
+
+
+def plan_cells(adapter: Any) -> list[Cell]:
+    """The matrix cells of ``adapter`` that build distinct plans (CPU cells; a plan names its arch).
+
+    The context is a plan input only where ``build_plan`` takes it: until then the cells of one
+    (TP, batch, spec tokens) that differ only in context would build the same plan, so they are one
+    plan cell (context None)."""
+    cells = cells_for(adapter, devices=("cpu",))
+    if plan_takes_context():
+        return cells
+    return list(dict.fromkeys(replace(c, context=None) for c in cells))
+
+
+def plan_kwargs(cell: Cell) -> dict[str, Any]:
+    """The deployment arguments of ``build_plan`` a cell stands for (``context`` where it takes one)."""
+    kw: dict[str, Any] = {"tp": cell.tp, "batch": cell.batch, "spec_tokens": cell.spec_tokens}
+    if cell.context is not None:
+        kw["context"] = cell.context
+    return kw
+
+
+def cell_hardware(cell: Cell) -> Any:
+    """The hardware a cell runs on: the probed GPU for 'cuda' cells, else the CPU."""
+    from latency_specialized import hardware
+
+    return hardware.probe() if cell.device == "cuda" else hardware.for_arch("cpu")
+
+
+def cell_plan(adapter: Any, registry: Any, cell: Cell) -> Any:
+    """The plan a program cell verifies: the tiny variant in ``CELL_DTYPE`` on the cell's hardware, at its
+    TP, batch and speculative tokens, for the deployment's default communicator (``build_plan``)."""
+    from latency_specialized.ops.plan import build_plan
+
+    kw = plan_kwargs(cell)
+    if not plan_takes_context():
+        kw.pop("context", None)
+    return build_plan(adapter, registry, cell_hardware(cell), dtype=CELL_DTYPE, variant="tiny", **kw)
+
+
+def kernel_sites(plan: Any, registry: Any) -> dict[str, str]:
+    """The sites a program calls under ``plan`` that the plan's rules give to a kernel: called site ->
+    the best non-reference implementation whose ``supports()`` accepts the site's context. Every other
+    called site may only run its family's reference."""
+    out: dict[str, str] = {}
+    for c in plan.called_choices():
+        impl, _ = registry.select(c.site.ctx, allow_reference=False)
+        if impl is not None:
+            out[c.site.name] = impl.name
+    return out
 
 
 def free_port() -> int:

@@ -1,9 +1,12 @@
 """Cross-model matrix: cells come from the adapter registry, so an installed adapter joins with no test edits.
 
-* ``plan_cell``  - every adapter x batch x TP x context x spec tokens: the plan resolves every op site.
-* ``program_cell`` - adapters with a decode program: program vs reference on that cell, fast path proven by the
-  trace. TP>1 cells run on gloo process pools (one pool per TP, started once per session). Cells on
-  'cuda' carry the gpu marker (skipped without CUDA; run with -m gpu on the H200).
+* ``plan_cell``  - every adapter x batch x TP x spec tokens (x context, once ``build_plan`` takes one:
+  ``testing.matrix.plan_cells``), each a distinct plan: the plan resolves every op site.
+* ``program_cell`` - adapters with a decode program: every batch x TP x context x spec tokens x device;
+  program vs reference on that cell, the fast path proven by the trace, each site served by the
+  implementation the cell's plan gives it (kernels where the plan's rules give one). TP>1 cells run
+  on gloo process pools (one pool per TP, started once per session). Cells on 'cuda' carry the gpu
+  marker (skipped without CUDA; run with -m gpu on the H200).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from latency_specialized.plugins import get_registry
-from latency_specialized.testing.matrix import Cell, GlooPool, cells_for
+from latency_specialized.testing.matrix import Cell, GlooPool, cells_for, plan_cells
 
 
 def _adapters(capability: str | None = None):
@@ -26,7 +29,7 @@ def _param(cell: Cell):
 
 def pytest_generate_tests(metafunc):
     if "plan_cell" in metafunc.fixturenames:
-        cells = [c for a in _adapters() for c in cells_for(a, devices=("cpu",))]
+        cells = [c for a in _adapters() for c in plan_cells(a)]
         metafunc.parametrize("plan_cell", [_param(c) for c in cells])
     if "program_cell" in metafunc.fixturenames:
         cells = [c for a in _adapters("program") for c in cells_for(a)]

@@ -7,9 +7,11 @@ process that imported triton without it (any ``make test`` run: other test modul
 collection), an interpreted kernel cannot call them. Setting the variable here would leak into the
 rest of the session (other modules' kernels, their interpreter-only cases), so:
 
-* in a process started with ``TRITON_INTERPRET=1`` the kernel cases run here, in-process;
-* otherwise ``test_kernel_cases_under_the_interpreter`` runs this file in a subprocess with the
-  variable set (about 30 s), and the in-process kernel cases skip, naming it.
+* in a process started with ``TRITON_INTERPRET=1`` the kernel cases (marker ``interpreter_case``)
+  are collected and run here, in-process;
+* otherwise they are not collected (``tests/conftest.py`` deselects them: no skips in a CPU run) and
+  ``test_kernel_cases_under_the_interpreter`` runs them in a subprocess with the variable set
+  (``tests/interpret.py``); a failing case fails it.
 
 The interpreter's bf16 is unreliable on this CPU (casts and ``tl.dot`` on bf16), so every tensor is
 fp32 and the tolerance is an fp32 one: the kernels' arithmetic is dtype-generic (p is cast to the
@@ -35,19 +37,17 @@ from latency_specialized.ops.attention.mla import mla_decode_paged, mla_decode_r
 from latency_specialized.ops.norm import rmsnorm_reference
 from latency_specialized.ops.registry import make_context
 
-from tests.interpret import INTERPRETING as _INTERPRET
 from tests.interpret import run_interpreted
 
 _HAVE_TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.skipif(not _HAVE_TRITON, reason="needs triton (its interpreter runs the kernels on the CPU)")
-interpreted = pytest.mark.skipif(
-    not _INTERPRET, reason="needs TRITON_INTERPRET=1 from the process start (`TRITON_INTERPRET=1 pytest "
-                           "tests/ops/test_mla_triton.py`); test_kernel_cases_under_the_interpreter runs these")
+interpreted = pytest.mark.interpreter_case
+"""Needs TRITON_INTERPRET=1 from the process start: collected only there (the driver below runs these)."""
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(_INTERPRET, reason="this process interprets: the kernel cases run in-process")
+@pytest.mark.interpreter_driver
 def test_kernel_cases_under_the_interpreter():
     run_interpreted(__file__, min_passed=55)
 

@@ -16,7 +16,7 @@ from latency_specialized.ops.moe import experts_reference, route_reference
 from latency_specialized.ops.norm import rmsnorm_reference
 from latency_specialized.spec import ActivationSpec, RouterSpec
 
-from tests.interpret import INTERPRETING, run_interpreted
+from tests.interpret import CASE, DRIVER, collected_ids, run_interpreted
 
 try:
     import triton  # noqa: F401
@@ -25,20 +25,40 @@ try:
 except Exception:  # noqa: BLE001
     _HAVE_TRITON = False
 
-_INTERPRET = _HAVE_TRITON and INTERPRETING
 DEVICES = [
     pytest.param("cuda", marks=pytest.mark.gpu, id="cuda"),
-    pytest.param("cpu", marks=pytest.mark.skipif(not _INTERPRET, reason="needs TRITON_INTERPRET=1 from the process "
-                                                                        "start: test_cpu_cases_under_the_interpreter "
-                                                                        "runs these in a child process"),
-                 id="interpret"),
+    # collected only under TRITON_INTERPRET=1 from the process start (tests/conftest.py):
+    # test_cpu_cases_under_the_interpreter runs these in a child process
+    pytest.param("cpu", marks=pytest.mark.interpreter_case, id="interpret"),
 ]
+INTERPRETED_FILES = ("tests/runtime/test_stock_kernels.py", "tests/runtime/test_stock_layer.py")
+DRIVEN_FILES = INTERPRETED_FILES + ("tests/ops/test_mla_triton.py",)
+"""Every file with interpreter cases (each has a driver test)."""
 
 
-@pytest.mark.skipif(not _HAVE_TRITON or INTERPRETING, reason="needs triton; in the child itself it would recurse")
+@pytest.mark.interpreter_driver
+@pytest.mark.skipif(not _HAVE_TRITON, reason="needs triton (its interpreter runs the kernels on the CPU)")
 def test_cpu_cases_under_the_interpreter():
     """The stock Triton kernels and the stock KDA+MoE layer on the CPU (Triton interpreter)."""
-    run_interpreted("tests/runtime/test_stock_kernels.py", "tests/runtime/test_stock_layer.py", min_passed=10)
+    run_interpreted(*INTERPRETED_FILES, min_passed=10)
+
+
+@pytest.mark.skipif(not _HAVE_TRITON, reason="needs triton (its interpreter runs the kernels on the CPU)")
+def test_interpreter_cases_are_collected_only_where_they_run():
+    """Without TRITON_INTERPRET=1 a CPU run collects the drivers and none of the interpreter cases (so
+    it shows no skips for them); with it, the cases and none of the drivers (no recursion)."""
+    plain = set(collected_ids(*DRIVEN_FILES, interpreting=False))
+    interp = set(collected_ids(*DRIVEN_FILES, interpreting=True))
+    cases = set(collected_ids(*DRIVEN_FILES, interpreting=True, marks=f"{CASE} and not gpu"))
+    drivers = set(collected_ids(*DRIVEN_FILES, interpreting=False, marks=f"{DRIVER} and not gpu"))
+    assert {d.rsplit("::", 1)[1] for d in drivers} == {"test_cpu_cases_under_the_interpreter",
+                                                       "test_kernel_cases_under_the_interpreter"}, drivers
+    assert len(cases) >= 65, sorted(cases)                # 55 MLA + 10 stock kernel/layer cases
+    assert not cases & plain, sorted(cases & plain)       # not collected, so not skipped, in a CPU run
+    assert drivers <= plain and not drivers & interp      # a driver in the interpreting child would recurse
+    assert interp == (plain - drivers) | cases            # nothing else differs between the two runs
+
+
 BF16 = dict(rtol=2e-2, atol=2e-2)
 
 

@@ -21,6 +21,7 @@ from latency_specialized.plugins import get_registry
 from latency_specialized.runtime.buffers import BufferSpec, DecodeBuffers
 from latency_specialized.runtime.gate import DecodeGate, StepState
 from latency_specialized.runtime.graph_runner import CUDAGraphRunner
+from latency_specialized.testing.matrix import kernel_sites
 from latency_specialized.trace import Trace
 
 from latency_specialized_models.kimi_k3.program import KimiK3Program
@@ -112,6 +113,38 @@ def test_trace_proves_the_program_ran():
         want = 0 if c.site.name in skipped else steps * max(len(c.site.layers), 1)
         assert s.program.calls[c.site.name] == want, c.site.name
     assert s.trace.impl_calls["attention.kda.reference"] == 2 and s.trace.impl_calls["attention.mla.reference"] == 1
+
+
+def test_trace_shows_each_site_on_the_implementation_the_rules_give_it():
+    """On the CPU the trace binds every site to its plan choice and the program runs exactly the sites the
+    plan calls; those on a kernel are the plan rules' ``kernel_sites``: none with the installed registry
+    (every called site runs its family's reference), the MLA site once a kernel says it runs on the CPU."""
+    calls = Counter()
+    base = get_registry().implementations
+    mla_ref = base.reference("attention.mla").fn
+
+    def cpu_kernel(*args, **kw):
+        calls["mla"] += 1
+        return mla_ref(*args, **kw)
+
+    mixed = ImplementationRegistry()
+    for impl in base:
+        mixed.register(impl)
+    mixed.register(Implementation("attention.mla", "attention.mla.test_cpu", cpu_kernel,
+                                  lambda ctx: ctx.arch == "cpu" or "cpu only", priority=1, provider="test"))
+    for reg, kernels in ((base, {}), (mixed, {"mla+moe/attn.mla": "attention.mla.test_cpu"})):
+        s = Setup(torch.float32, [5, 8], 2, seed=11, registry=reg)
+        for _ in range(2):
+            got, want = s.step()
+            assert _rel(got, want) <= TOL[torch.float32]
+        assert s.trace.summary()["fast_steps"] == 2
+        bound = {e.site: e.impl for e in s.trace.events if e.kind == "site"}
+        assert bound == {c.site.name: c.impl.name for c in s.plan.choices}
+        ran = {name for name, n in s.program.calls.items() if n}
+        assert ran == {c.site.name for c in s.plan.called_choices()}
+        on_kernel = {name: bound[name] for name in ran if not reg.get(bound[name]).is_reference}
+        assert on_kernel == kernel_sites(s.plan, reg) == kernels
+    assert calls["mla"] == 2 * len(s.spec.mla_layers) > 0
 
 
 def test_program_dispatches_through_the_plan():
