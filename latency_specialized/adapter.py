@@ -79,5 +79,12 @@ class ModelAdapter:
     def vllm_binding(self) -> Any:
         raise UserError(f"{self.name}: no vLLM binding yet (capabilities: {sorted(self.capabilities)})")
 
+    def layer_bench(self) -> Any:
+        """The "ours" side of ``latency-specialized bench`` (``bench/layer_bench.py``): an object with
+        ``build_ours(full_spec, tp, kind, layers, batches, device, *, seed, say, contexts, steps)`` returning
+        the K-layer / 1-layer graphed programs the bench times (Kimi K3: ``kimi_k3/graphed.py``).
+        The bench reaches an adapter's harness only through this hook, so a third-party adapter can be benched."""
+        raise UserError(f"{self.name}: no graphed layer-bench program (the adapter defines no layer_bench())")
+
     def __repr__(self) -> str:
         return f"<adapter {self.name}>"

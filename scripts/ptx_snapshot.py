@@ -50,12 +50,12 @@ def _elementwise(out: Path) -> None:
 
     for dt in ("bfloat16", "float16", "float32"):
         for s, on in ((3, True), (9, False)):
-            var = A._Variant(7168 if dt != "float32" else 3584, dt, s, on)
+            var = A.AttnResVariant(7168 if dt != "float32" else 3584, dt, s, on)
             _write(out / f"attnres_{dt}_{s}_{on}.ptx", ptx_of(A.compile_attnres(var)))
-    norms = {"block_c2": (R._Variant(7168, "bfloat16", True, True, False, False, True), R.NormConfig(cluster=2)),
-             "gated": (R._Variant(128, "bfloat16", False, True, False, True, True), R.NormConfig()),
-             "fp32": (R._Variant(512, "float32", True, True, True, False, True), R.NormConfig()),
-             "f16": (R._Variant(1536, "float16", True, True, True, False, True), R.NormConfig())}
+    norms = {"block_c2": (R.NormVariant(7168, "bfloat16", True, True, False, False, True), R.NormConfig(cluster=2)),
+             "gated": (R.NormVariant(128, "bfloat16", False, True, False, True, True), R.NormConfig()),
+             "fp32": (R.NormVariant(512, "float32", True, True, True, False, True), R.NormConfig()),
+             "f16": (R.NormVariant(1536, "float16", True, True, True, False, True), R.NormConfig())}
     for name, (var, cfg) in norms.items():
         _write(out / f"norm_{name}.ptx", ptx_of(R.compile_norm(var, cfg)))
     acts = [ActivationSpec(kind="situ_glu", beta=4, beta_lin=25), ActivationSpec(kind="swiglu", clamp=10.0),

@@ -61,8 +61,8 @@ def compile_units(sweep_only: bool = False) -> list:
         # gate_up does not depend on the down fields (its compile key drops them): one unit per bucket
         return list(dict.fromkeys(u for M, K, I, N, k, act, dt, tuning in sweep
                                   for c in [me.make_config(M, K, I, N, k, dt, torch.int64, act, **tuning)]
-                                  for u in ((me._compile_gate_up, (dataclasses.replace(c, dn_rows=0, dn_warps=0),)),
-                                            (me._compile_down, (c,)))))
+                                  for u in ((me.compile_gate_up, (dataclasses.replace(c, dn_rows=0, dn_warps=0),)),
+                                            (me.compile_down, (c,)))))
     for M, K, I, N, k, act, dt, tuning in (
         [(m, 3584, 384, 3584, 16, situ, torch.bfloat16, {}) for m in (1, 3, 8, 64)]
         + [(1, 3584, 384, 3584, 16, situ, torch.bfloat16, t) for t in tuned]
@@ -71,7 +71,7 @@ def compile_units(sweep_only: bool = False) -> list:
         + [(5, 512, 136, 200, 3, swiglu, torch.bfloat16, {}), (1, 512, 136, 200, 3, situ, torch.bfloat16, {}),
            (6, 1024, 384, 1024, 8, situ, torch.bfloat16, {}), (4, 1024, 256, 1024, 4, situ, torch.bfloat16, {})]):
         cfg = me.make_config(M, K, I, N, k, dt, torch.int64, act, **tuning)
-        units += [(me._compile_gate_up, (cfg,)), (me._compile_down, (cfg,))]
+        units += [(me.compile_gate_up, (cfg,)), (me.compile_down, (cfg,))]
     # KDA: (H, activation dtype, parameter dtype)
     for H, dt, pdt in [(12, torch.bfloat16, torch.float32), (6, torch.bfloat16, torch.bfloat16),
                        (6, torch.bfloat16, torch.float32), (3, torch.float32, torch.float32)]:

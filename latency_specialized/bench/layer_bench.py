@@ -16,14 +16,13 @@ TP shard (communication excluded on one GPU, and reported as such):
   the batch actually selected; recurrent state read + written) / the HBM bandwidth;
 * ``fraction = t_roofline / t_ours`` and ``speedup = t_stock / t_ours``.
 
-"Ours" comes from the adapter module ``latency_specialized_models.<model>.graphed`` (its
-``build_ours(...)``); its step also runs the embedding, final norm and head, so the bench measures a
+"Ours" comes from the adapter's ``layer_bench()`` hook (an object with ``build_ours(...)``; Kimi K3:
+``latency_specialized_models.kimi_k3.graphed``); its step also runs the embedding, final norm and head, so the bench measures a
 1-layer program too and reports ``(t_K - t_1) / (K - 1)`` per layer (kernels likewise).
 """
 
 from __future__ import annotations
 
-import importlib
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ import torch
 
 from latency_specialized.errors import UserError
 from latency_specialized.runtime.census import split_communication
-from latency_specialized.runtime.graph_runner import _new_graph, graph_node_counts
+from latency_specialized.runtime.graph_runner import graph_node_counts, new_graph
 from latency_specialized.spec import KDAAttentionSpec, MLAAttentionSpec, ModelSpec, MoESpec
 
 HBM_BYTES_PER_S = 4.3e12
@@ -101,7 +100,7 @@ class GraphedStep:
                 self._step()
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-        g = _new_graph()
+        g = new_graph()
         with torch.cuda.graph(g):
             self._step()
         if hasattr(g, "instantiate"):
@@ -330,7 +329,7 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None] = print,
     ``checkpoint(partial_result)`` is called after every cell (a time-limited run keeps what it measured).
     """
     if not torch.cuda.is_available():
-        raise UserError("the bench needs a CUDA GPU: run it on the H200 (device machine)")
+        raise UserError("the bench needs a CUDA GPU and torch sees none: run it where one is visible")
     bad = [k for k in cfg.kinds if k not in KINDS]
     if bad:
         raise UserError(f"layer kind(s) {bad} not benchable: use --kinds with {', '.join(KINDS)}")
@@ -344,10 +343,7 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None] = print,
     adapter = reg.adapter(cfg.model)
     full = adapter.spec("full")
     full.shard(cfg.tp)  # UserError naming the fix for an unsupported TP
-    try:
-        graphed = importlib.import_module(f"latency_specialized_models.{adapter.name}.graphed")
-    except ImportError as e:
-        raise UserError(f"{adapter.name}: no graphed bench program (models/{adapter.name}/graphed.py): {e}") from None
+    graphed = adapter.layer_bench()  # the adapter's hook (UserError when it has no graphed bench program)
     device = torch.device("cuda")
     t_start = time.perf_counter()
     machine = machine_info()

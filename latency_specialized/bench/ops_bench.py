@@ -10,7 +10,7 @@ compared with the case's fp32 reference: a wrong variant is reported and never t
 **Adding cases** (one function per op family, from any module, e.g.
 ``latency_specialized/bench/ops_bench_moe_kda.py``)::
 
-    from latency_specialized.bench.ops_bench import BenchSettings, OpCase, register_cases
+    from latency_specialized.bench.op_cases import BenchSettings, OpCase, register_cases
 
     @register_cases("moe")
     def moe_cases(settings: BenchSettings):
@@ -35,9 +35,14 @@ import math
 import statistics
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
+
+# The case API (what case modules import) lives in bench/op_cases.py, so that the case modules this
+# module loads by name do not import it back; re-exported here.
+from latency_specialized.bench.op_cases import (CASES, HBM_BYTES_PER_S, RUNNERS, BenchSettings, CaseFactory,  # noqa: F401
+                                                OpCase, Runner, graph_time_us, n_sets, register_cases,
+                                                register_runner)
 
 CASE_MODULES: tuple[str, ...] = (
     "latency_specialized.bench.ops_bench_gemm_norm",
@@ -45,98 +50,7 @@ CASE_MODULES: tuple[str, ...] = (
     "latency_specialized.bench.ops_bench_moe_kda",
 )
 
-HBM_BYTES_PER_S = 4.3e12  # H200 achievable read bandwidth (PERF.md); rooflines use it
-
-
-@dataclass(frozen=True)
-class BenchSettings:
-    """What to sweep and how to time it."""
-
-    model: str = "kimi_k3"
-    """Adapter whose per-rank shapes are benchmarked."""
-    tps: tuple[int, ...] = (8, 16)
-    """Tensor-parallel shards (per-rank shapes)."""
-    ms: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-    """Token counts M."""
-    rotate_bytes: int = int(2.5 * 60e6)
-    """Input sets rotate until their bytes exceed this (L2 is 60 MB)."""
-    max_sets: int = 512
-    """Cap on rotated input sets (tiny ops)."""
-    min_calls: int = 32
-    """Calls per captured graph (the rotation is repeated to reach it)."""
-    groups: int = 11
-    """Timed groups of graph replays; the median is reported."""
-    group_us: float = 600.0
-    """Target duration of one timed group."""
-    quick: bool = False
-    """Fewer kernel configs (smoke runs)."""
-    shapes: tuple[tuple[int, int], ...] = ()
-    """gemm: only these (N, K) of the model's shapes (empty: all of them)."""
-    hbm_bytes_per_s: float = HBM_BYTES_PER_S
-
-
-@dataclass
-class OpCase:
-    """One benchmark cell: an op at one shape and token count, with its variants."""
-
-    family: str
-    """Group of the results file (ops_<family>.json)."""
-    op: str
-    """Op label, e.g. 'kda+moe/attn.in_proj (tp8)'."""
-    shape: dict[str, int]
-    """Static sizes shown in the table."""
-    m: int
-    """Tokens (rows) per call."""
-    bytes: int
-    """HBM bytes one call must move at least (roofline = bytes / bandwidth)."""
-    make: Callable[[int], dict[str, Any]]
-    """Input set i (tensors on the GPU)."""
-    variants: dict[str, Callable[[dict[str, Any]], Any]]
-    """name -> fn(inputs); must be graph-capturable and return the output tensor."""
-    baseline: str = "torch"
-    """The variant that stands for stock (cuBLAS / torch)."""
-    reference: Callable[[dict[str, Any]], Any] | None = None
-    """fp32 oracle on one input set; None: no check."""
-    tolerance: float = 2e-2
-    """Max relative error ||out - ref|| / ||ref|| of a correct variant."""
-    poison: tuple[str, ...] = ("out",)
-    """Input keys filled with NaN before the correctness run (every element must be written)."""
-    compile_units: list[tuple[Callable[..., Any], tuple]] = field(default_factory=list)
-    """(compile function, args) to precompile in parallel before timing."""
-    meta: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Per variant: {'impl': implementation name, 'config': {...}} (for dispatch tables)."""
-    checks: dict[str, Callable[[dict[str, Any]], Any]] = field(default_factory=dict)
-    """Per-variant reference overriding ``reference`` (context variants named 'ref: ...' that
-    compute something else, shown for comparison only)."""
-
-
-CaseFactory = Callable[[BenchSettings], Iterable[OpCase]]
-Runner = Callable[[BenchSettings], list[dict[str, Any]]]
-_CASES: dict[str, list[CaseFactory]] = {}
-_RUNNERS: dict[str, Runner] = {}
 _LOADED: list[str] = []
-
-
-def register_cases(family: str) -> Callable[[CaseFactory], CaseFactory]:
-    """Decorator: ``fn(settings) -> iterable of OpCase`` joins ``family`` (idempotent per function)."""
-
-    def deco(fn: CaseFactory) -> CaseFactory:
-        lst = _CASES.setdefault(family, [])
-        if all(f.__qualname__ != fn.__qualname__ or f.__module__ != fn.__module__ for f in lst):
-            lst.append(fn)
-        return fn
-
-    return deco
-
-
-def register_runner(family: str) -> Callable[[Runner], Runner]:
-    """Decorator for a family with its own protocol: ``fn(settings) -> rows`` (JSON-able dicts)."""
-
-    def deco(fn: Runner) -> Runner:
-        _RUNNERS[family] = fn
-        return fn
-
-    return deco
 
 
 def load_case_modules() -> list[str]:
@@ -157,7 +71,7 @@ def load_case_modules() -> list[str]:
 
 def families() -> list[str]:
     load_case_modules()
-    return sorted(set(_CASES) | set(_RUNNERS))
+    return sorted(set(CASES) | set(RUNNERS))
 
 
 # ----------------------------------------------------------------------------------- timing
@@ -168,42 +82,6 @@ def _rel_err(out: Any, ref: Any) -> float:
     if not torch.isfinite(o).all():
         return math.inf
     return float((o - r).norm() / r.norm().clamp_min(1e-30))
-
-
-def graph_time_us(call_all: Callable[[], None], calls: int, settings: BenchSettings) -> float:
-    """Median device time per call of ``call_all`` (which makes ``calls`` calls), from graph replays."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call_all()  # eager warm-up (compiles, allocator) outside the graph
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        call_all()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    g.replay()
-    e1.record()
-    e1.synchronize()
-    one = max(e0.elapsed_time(e1) * 1000.0, 1.0)
-    reps = max(1, min(200, int(settings.group_us / one)))
-    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-           for _ in range(settings.groups)]
-    for a, b in evs:
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-    torch.cuda.synchronize()
-    per_call = [a.elapsed_time(b) * 1000.0 / (reps * calls) for a, b in evs]
-    del g
-    return statistics.median(per_call)
 
 
 def disk_tier_selftest(log: Callable[[str], None] = print) -> bool:
@@ -246,10 +124,6 @@ def disk_tier_selftest(log: Callable[[str], None] = print) -> bool:
     os.environ.pop(compile_cache.CACHE_DIR_ENV, None)
     compile_cache.forget()
     return False
-
-
-def n_sets(case_bytes: int, settings: BenchSettings) -> int:
-    return max(2, min(settings.max_sets, math.ceil(settings.rotate_bytes / max(case_bytes, 1))))
 
 
 def run_case(case: OpCase, settings: BenchSettings, passes: int = 2) -> dict[str, Any]:
@@ -317,13 +191,13 @@ def run_family(family: str, settings: BenchSettings, *, precompile_jobs: int = 0
                log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """All cases of ``family`` (or its runner): precompile, then check and time each."""
     load_case_modules()
-    if family in _RUNNERS:
-        return _RUNNERS[family](settings)
-    if family not in _CASES:
+    if family in RUNNERS:
+        return RUNNERS[family](settings)
+    if family not in CASES:
         from latency_specialized.errors import UserError
 
         raise UserError(f"no benchmark cases for '{family}': use one of {', '.join(families())}")
-    cases = [c for f in _CASES[family] for c in f(settings)]
+    cases = [c for f in CASES[family] for c in f(settings)]
     units = [u for c in cases for u in c.compile_units]
     if units:
         from latency_specialized.kernels import compile_cache

@@ -16,7 +16,7 @@ import dataclasses
 import math
 from typing import Any, Iterable
 
-from latency_specialized.bench.ops_bench import BenchSettings, OpCase, register_cases
+from latency_specialized.bench.op_cases import BenchSettings, OpCase, register_cases
 
 EPS = 1e-5
 TABLE_MARGIN = 0.03
@@ -106,7 +106,7 @@ def _label(impl: str, cfg: Any) -> str:
 def gemm_cases(settings: BenchSettings):
     import torch
 
-    from latency_specialized.bench.ops_bench import n_sets
+    from latency_specialized.bench.op_cases import n_sets
     from latency_specialized.kernels import gemm_gemv, gemm_small_m, gemm_splitk
 
     runners = {gemm_gemv.NAME: gemm_gemv.gemm_gemv, gemm_small_m.NAME: gemm_small_m.gemm_small_m,
@@ -246,7 +246,7 @@ def norm_cases(settings: BenchSettings):
                     return y[0] if isinstance(y, tuple) else y
 
                 variants[f"cutedsl[c{cs}]"] = ours
-                var = rmsnorm._Variant(n, "bfloat16", residual, True, False, gate, True)
+                var = rmsnorm.NormVariant(n, "bfloat16", residual, True, False, gate, True)
                 units.append((rmsnorm.compile_norm, (var, cfg)))
 
             def ref(d) -> Any:
@@ -272,10 +272,12 @@ def attnres_cases(settings: BenchSettings):
     import torch
 
     from latency_specialized.kernels import attnres
-    from latency_specialized_models.kimi_k3.attnres import attnres_mix_reference
+    from latency_specialized.plugins import get_registry
 
     if not torch.cuda.is_available():
         return
+    # the family's reference as registered (Kimi K3's adapter provides it): reached through the registry
+    attnres_mix_reference = get_registry().implementations.reference("residual.attnres").fn
     for label, n, s, out_norm in ATTNRES_SITES:
         nw = (1.0 + 0.1 * torch.randn(n, device="cuda")).to(torch.bfloat16)
         q = (torch.randn(n, device="cuda") * n ** -0.5).to(torch.bfloat16)
@@ -301,7 +303,7 @@ def attnres_cases(settings: BenchSettings):
                 cfg = attnres.AttnResConfig(cluster=cs)
                 variants[f"cutedsl[c{cs}]"] = (lambda d, s=s, nw=nw, q=q, ow=ow, cfg=cfg: attnres.attnres_cute(
                     d["src"], s, nw, q, EPS, out_norm_weight=ow, out_eps=EPS, out=d["out"], config=cfg))
-                units.append((attnres.compile_attnres, (attnres._Variant(n, "bfloat16", s, out_norm, cluster=cs),)))
+                units.append((attnres.compile_attnres, (attnres.AttnResVariant(n, "bfloat16", s, out_norm, cluster=cs),)))
             yield OpCase(family="norm", op=label, shape={"N": n, "sources": s}, m=m,
                          bytes=2 * (s * m * n + m * n + (3 if out_norm else 2) * n), make=make, variants=variants,
                          baseline="torch", reference=ref, tolerance=1e-2, compile_units=units,

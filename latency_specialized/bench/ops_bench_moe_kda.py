@@ -217,7 +217,7 @@ def _experts_split(xs, routes, w13, w2, wss, outs, case, distinct, I, K, log) ->
 
     M, k = routes[0][1].shape
     cfg = me.make_config(M, K, I, w2.shape[1], k, torch.bfloat16, routes[0][1].dtype, SITU)
-    gate_up, down = me._compile_gate_up(cfg), me._compile_down(cfg)
+    gate_up, down = me.compile_gate_up(cfg), me.compile_down(cfg)
     rows = []
     for name, frac, fn in (
         ("gate_up only", 2 / 3, lambda r: gate_up(xs[r], routes[r][1].view(-1), w13, wss[r]["h"], wss[r]["lead"],

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from latency_specialized.bench.ops_bench import BenchSettings, graph_time_us, register_runner
+from latency_specialized.bench.op_cases import BenchSettings, graph_time_us, register_runner
 
 # (label, N, K, prefetch cap in bytes): Kimi K3 TP8 per-rank projections
 PREFETCH_CASES = (

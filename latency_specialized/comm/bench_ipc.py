@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=180.0, help="watchdog per multi-process world (s)")
     args = ap.parse_args(argv)
     if args.precompile:
-        from latency_specialized.kernels.allreduce_common import precompile
+        from latency_specialized.kernels.allreduce_precompile import precompile
 
         t0 = time.perf_counter()
         done = precompile(args.precompile, standard_configs(tuple(args.worlds)), workers=args.workers)

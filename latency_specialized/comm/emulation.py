@@ -19,7 +19,7 @@ import time
 import torch
 
 from latency_specialized.comm import layout as L
-from latency_specialized.ops.norm import rmsnorm_reference
+from latency_specialized.kernels.norm_reference import rmsnorm_reference
 
 _TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

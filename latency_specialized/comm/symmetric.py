@@ -169,3 +169,51 @@ class SymmetricMemoryCommunicator:
                 self._mem.close()
             self._mem = None
             self.buffer, self.peers = None, []
+
+
+def has_process_group(comm) -> bool:
+    """True when ``comm`` reaches its peers through a torch.distributed process group (what a
+    workspace's IPC handles travel over): a TorchDistributedCommunicator, or a SymmetricMemoryCommunicator
+    built over a group (not a ``single_process_world`` one)."""
+    if isinstance(comm, SymmetricMemoryCommunicator):
+        return comm._base is not None
+    return isinstance(comm, TorchDistributedCommunicator)
+
+
+def workspace_problem(comm, device: torch.device | str) -> str | None:
+    """Why a SymmetricMemoryCommunicator cannot be built over ``comm``'s process group for tensors on
+    ``device``, or None.
+
+    Collective once the local checks pass (every rank of a program makes the same checks): the ranks
+    compare host names, since CUDA IPC maps memory between the processes of one host only.
+    """
+    import socket
+
+    import torch.distributed as dist
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return (f"the program's tensors are on {device}: the symmetric-memory workspace is CUDA IPC memory "
+                "(on CPU the torch.distributed communicator serves)")
+    if not has_process_group(comm):
+        return (f"communicator {getattr(comm, 'name', type(comm).__name__)} has no process group to exchange "
+                "CUDA IPC handles over (build the program with a TorchDistributedCommunicator)")
+    base = comm._base if isinstance(comm, SymmetricMemoryCommunicator) else comm
+    hosts: list = [None] * base.world_size
+    dist.all_gather_object(hosts, socket.gethostname(), group=base.group)
+    if len(set(hosts)) > 1:
+        return (f"the {base.world_size} ranks run on {len(set(hosts))} hosts ({', '.join(sorted(set(hosts)))}): "
+                "CUDA IPC maps memory between the processes of one host only")
+    return None
+
+
+def workspace_over(comm, *, hidden: int, dtype: str | torch.dtype, max_tokens: int,
+                   device: torch.device | str) -> SymmetricMemoryCommunicator:
+    """A SymmetricMemoryCommunicator over the process group of ``comm`` (collective: every rank calls it
+    in the same order). Check :func:`workspace_problem` first."""
+    if not has_process_group(comm):
+        raise UserError(workspace_problem(comm, device) or "no process group")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # tensors name their index: cuda:0 != cuda
+        device = torch.device("cuda", torch.cuda.current_device())
+    return SymmetricMemoryCommunicator(comm.group, hidden=hidden, dtype=dtype, max_tokens=max_tokens, device=device)

@@ -22,7 +22,7 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from latency_specialized.comm.symmetric import NO_MULTICAST_ENV
 
@@ -64,18 +64,22 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
 
 
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.testing", "latency_specialized.comm.worlds",
-           "latency_specialized.comm.emulation", "latency_specialized.ops.allreduce", "latency_specialized.ops.tp_moe"]
+           "latency_specialized.comm.emulation"]
 """Imported once by the fork server (none touches CUDA): what every world body needs anyway
-(torch.distributed.tensor: assert_close imports it lazily, ~4 s of sympy per process)."""
+(torch.distributed.tensor: assert_close imports it lazily, ~4 s of sympy per process). Callers add
+the modules their bodies use (``run_world(..., preload=...)``; comm names nothing above itself)."""
 
 
 def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
-              env: dict[str, str] | None = None, threads: int = 1, start_method: str = "forkserver") -> list[Any]:
+              env: dict[str, str] | None = None, threads: int = 1, start_method: str = "forkserver",
+              preload: Sequence[str] = ()) -> list[Any]:
     """``[fn(rank, world_size, *args) for rank in range(world_size)]``, each in its own process.
 
     ``fn`` must be importable by name (module level). ``start_method``: 'forkserver' (default,
-    torch preloaded) or 'spawn'. Raises WorldError (first failing rank's traceback) or
-    WorldTimeout (every process killed).
+    torch preloaded) or 'spawn'. ``preload``: more modules the fork server imports once, after
+    :data:`PRELOAD` (the fork server starts with the first forkserver world of a process: its
+    ``preload`` counts). Raises WorldError (first failing rank's traceback) or WorldTimeout (every
+    process killed).
     """
     import torch.multiprocessing as mp
 
@@ -83,7 +87,7 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         raise ValueError(f"start_method {start_method!r}: use 'forkserver' or 'spawn' (never fork a CUDA parent)")
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(PRELOAD)
+        ctx.set_forkserver_preload(PRELOAD + [m for m in preload if m not in PRELOAD])
     out = ctx.Queue()
     child_env = {**NO_MULTICAST_ENV, **(env or {})}
     port = _free_port()

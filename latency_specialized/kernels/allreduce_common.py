@@ -14,10 +14,10 @@ from typing import Any, Callable
 
 import torch
 
-from latency_specialized.comm import layout as L
+from latency_specialized.contract import OpContext, Support
 from latency_specialized.errors import UserError
+from latency_specialized.kernels import allreduce_layout as L
 from latency_specialized.kernels.compile_cache import cached_compile, cute_available
-from latency_specialized.ops.registry import OpContext, Support
 
 MAX_THREADS = 1024
 MAX_WORLD = 8
@@ -106,6 +106,17 @@ def _kb(b: int) -> str:
 
 def make_supports(kind: str) -> Callable[[OpContext], Support]:
     """supports(ctx) of the one-shot ('one_shot') or two-stage ('two_stage') implementation."""
+    # why each communicator kind (latency_specialized.comm.kinds; kernels do not import comm) cannot
+    # carry the kernels' peer stores; a context without ``comm`` is planned for the symmetric one
+    comm_refusals = {
+        "torch.distributed": "communicator torch.distributed has no peer-mapped workspace: the kernels need the "
+                             "symmetric-memory communicator (CUDA IPC, ranks on one host), which a program builds "
+                             "over its process group when the plan is made for it (build_plan's default on GPUs)",
+        "symmetric-memory-emulated": "the symmetric-memory workspace is host memory (/dev/shm, the CPU emulation of "
+                                     "the protocol): the kernels store into CUDA IPC memory",
+        "local": "communicator local (one rank): no peer-mapped workspace and nothing to exchange",
+        "excluded": "communication excluded (one-GPU bench): no peers, no peer-mapped workspace",
+    }
 
     def supports(ctx: OpContext) -> Support:
         if ctx.arch == "cpu" or not ctx.arch.startswith("sm_"):
@@ -117,8 +128,10 @@ def make_supports(kind: str) -> Callable[[OpContext], Support]:
             return f"unknown arch {ctx.arch}"
         if major < 90:
             return f"{ctx.arch}: needs sm_90+ (system-scope relaxed 128-bit loads/stores)"
-        if ctx.attr("comm") not in (None, "symmetric-memory"):
-            return f"communicator {ctx.attr('comm')} has no peer-mapped workspace"
+        comm = ctx.attr("comm")
+        if comm not in (None, "symmetric-memory"):
+            return comm_refusals.get(comm, f"communicator {comm} has no peer-mapped workspace: the kernels need "
+                                           "the symmetric-memory communicator (CUDA IPC)")
         try:
             n = ctx.dim("N")
         except KeyError:
@@ -160,7 +173,7 @@ first process to compile a kernel exports it (``export_to_c``) and the others lo
 (about 1 ms). File names carry the config, the arch and a hash of the kernel sources.
 """
 
-_SOURCES = ("allreduce_device.py", "allreduce_lamport.py", "allreduce_two_stage.py", "../comm/layout.py")
+_SOURCES = ("allreduce_device.py", "allreduce_lamport.py", "allreduce_two_stage.py", "allreduce_layout.py")
 
 
 def _sources_hash() -> str:
@@ -176,7 +189,8 @@ def _sources_hash() -> str:
     return h.hexdigest()[:12]
 
 
-def _object_path(directory: str, kernel_name: str, cfg: FusedAllReduceConfig, arch: str) -> tuple[Path, str]:
+def object_path(directory: str, kernel_name: str, cfg: FusedAllReduceConfig, arch: str) -> tuple[Path, str]:
+    """(object file, symbol) of the exported kernel for ``cfg`` in ``directory`` (names carry the sources hash)."""
     symbol = (f"{kernel_name.replace('.', '_')}_{cfg.dtype}_n{cfg.n}_w{cfg.world_size}"
               f"_norm{int(cfg.has_norm)}_{arch}")
     return Path(directory) / f"{symbol}_{_sources_hash()}.o", symbol
@@ -191,7 +205,7 @@ def get_kernel(kernel_name: str, build: Callable[[FusedAllReduceConfig, str], An
             return build(cfg, arch)
         import cutlass.cute as cute
 
-        path, symbol = _object_path(directory, kernel_name, cfg, arch)
+        path, symbol = object_path(directory, kernel_name, cfg, arch)
         if path.exists():
             try:
                 return getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), symbol)
@@ -228,9 +242,7 @@ def launch(kernel_name: str, build: Callable[[FusedAllReduceConfig, str], Any], 
     -------
     (normed [M, N], residual_out [M, N]) in partial.dtype, bit-identical on every rank.
     """
-    from latency_specialized.comm.symmetric import SymmetricMemoryCommunicator
-
-    if not isinstance(comm, SymmetricMemoryCommunicator):
+    if not isinstance(comm, L.PeerWorkspace):  # the raw buffers a SymmetricMemoryCommunicator holds
         raise UserError(f"{kernel_name} needs a SymmetricMemoryCommunicator (got {type(comm).__name__}): build "
                         f"one with SymmetricMemoryCommunicator(group, hidden=N, dtype=..., max_tokens=...)")
     if comm.device.type != "cuda":
@@ -280,65 +292,6 @@ def compile_with(kernel_obj: Any, cfg: FusedAllReduceConfig, arch: str, extra_op
     import cutlass.cute as cute
 
     return cute.compile(kernel_obj, *fake_args(cfg), options=f"--enable-tvm-ffi --gpu-arch {arch} {extra_options}")
-
-
-def _precompile_one(name: str, cfg: FusedAllReduceConfig, directory: str, arch: str) -> tuple[str, str]:
-    """Make sure ``directory`` holds a loadable object for (name, cfg): load it, else compile + export."""
-    import cutlass.cute as cute
-
-    from latency_specialized.kernels import allreduce_lamport, allreduce_two_stage
-
-    path, symbol = _object_path(directory, name, cfg, arch)
-    if path.exists():
-        try:
-            getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), symbol)
-            return str(path), "loaded"
-        except Exception as e:  # noqa: BLE001 - rebuilt below
-            status = f"rebuilt ({type(e).__name__})"
-    else:
-        status = "compiled"
-    builders = {allreduce_lamport.KERNEL_NAME: allreduce_lamport.compile_for,
-                allreduce_two_stage.KERNEL_NAME: allreduce_two_stage.compile_for}
-    fn = builders[name](cfg, arch)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp.o")
-    fn.export_to_c(str(tmp), function_name=symbol)
-    os.replace(tmp, path)
-    return str(path), status
-
-
-def precompile(directory: str, configs: list[tuple[str, FusedAllReduceConfig]], arch: str = "sm_90a",
-               workers: int = 1) -> list[tuple[str, str]]:
-    """Compile and export ``(kernel_name, cfg)`` pairs into ``directory`` (no GPU needed).
-
-    The objects are what :func:`get_kernel` loads when ``$LS_ALLREDUCE_KERNEL_DIR`` points there,
-    so GPU runs (and every rank process) skip compiling. Objects already there are kept if they
-    load. ``workers`` > 1 compiles in that many fresh processes (cute.compile is not thread-safe).
-    Returns (path, 'loaded' | 'compiled' | 'rebuilt (...)') per config.
-    """
-    os.makedirs(directory, exist_ok=True)
-    import cutlass.cute as cute
-
-    done: dict[int, tuple[str, str]] = {}
-    for i, (name, cfg) in enumerate(configs):  # loading is ~1 ms: check everything here first
-        path, symbol = _object_path(directory, name, cfg, arch)
-        if path.exists():
-            try:
-                getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), symbol)
-                done[i] = (str(path), "loaded")
-            except Exception:  # noqa: BLE001 - rebuilt below
-                path.unlink()
-    todo = [i for i in range(len(configs)) if i not in done]
-    if workers <= 1 or len(todo) <= 1:
-        for i in todo:
-            done[i] = _precompile_one(*configs[i], directory, arch)
-    else:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(min(workers, len(todo)), mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {i: pool.submit(_precompile_one, *configs[i], directory, arch) for i in todo}
-            done.update({i: f.result() for i, f in futures.items()})
-    return [done[i] for i in range(len(configs))]
 
 
 def entry_points(kernel_name: str, kernel_class: Callable[[], type]):

@@ -16,7 +16,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr, range_constexpr, select_
 from cutlass._mlir import ir
 
-from latency_specialized.comm import layout as L
+from latency_specialized.kernels import allreduce_layout as L
 
 SENTINEL_BF16 = L.SENTINEL_WORD["bfloat16"]
 SENTINEL_F32 = L.SENTINEL_WORD["float32"]

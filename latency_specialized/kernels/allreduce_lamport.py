@@ -10,7 +10,7 @@ rewrites -0.0 to +0.0, stores it into slot ``[this rank][row]`` of every peer's 
 scope, unicast), then spins on its own buffer until no lane of any rank's slice is the sentinel
 and sums the W slices in rank order (so every rank rounds identically: bit-identical results).
 Residual add, rounding, and the RMSNorm (CTA reduction of the sum of squares) follow in the same
-kernel. No barrier across ranks or CTAs: the data is the flag (see ``comm/layout.py``).
+kernel. No barrier across ranks or CTAs: the data is the flag (see ``allreduce_layout.py``).
 
 Traffic per rank: (W - 1) x message of stores, so it pays for small messages; above the one-shot
 limit (``allreduce_common.ONE_SHOT_LIMIT_BYTES``: TP=2 never, TP<=4 512 KiB, TP<=8 256 KiB) the
@@ -19,8 +19,8 @@ two-stage kernel (``allreduce_two_stage.py``) serves.
 
 # No `from __future__ import annotations`: the DSL evaluates the kernel annotations, which name
 # cute/Int32 imported inside _kernel_class.
+from latency_specialized.contract import Implementation
 from latency_specialized.kernels.allreduce_common import FusedAllReduceConfig, entry_points, launch, make_supports
-from latency_specialized.ops.registry import Implementation
 
 KERNEL_NAME = "allreduce.lamport_one_shot"
 
@@ -30,7 +30,7 @@ def _kernel_class():
     import cutlass.cute as cute
     from cutlass import Float32, Int32, const_expr, range_constexpr
 
-    from latency_specialized.comm import layout as L
+    from latency_specialized.kernels import allreduce_layout as L
     from latency_specialized.kernels import allreduce_device as D
 
     class OneShotLamportAllReduce(D.FusedAllReduceKernel):

@@ -13,14 +13,14 @@ row's 128-bit vectors are split into W contiguous column chunks; rank ``c`` owns
    residual, rounds once, and stores the rounded chunk into every peer (1 x message);
 3. every rank spins for the chunks it does not own, writes residual_out and applies RMSNorm.
 
-Two Lamport exchanges in one kernel, no barrier (see ``comm/layout.py``). Every rank holds the
+Two Lamport exchanges in one kernel, no barrier (see ``allreduce_layout.py``). Every rank holds the
 owner's rounded bits, so results are bit-identical on every rank.
 """
 
 # No `from __future__ import annotations`: the DSL evaluates the kernel annotations, which name
 # cute/Int32 imported inside _kernel_class.
+from latency_specialized.contract import Implementation
 from latency_specialized.kernels.allreduce_common import FusedAllReduceConfig, entry_points, launch, make_supports
-from latency_specialized.ops.registry import Implementation
 
 KERNEL_NAME = "allreduce.two_stage"
 
@@ -30,7 +30,7 @@ def _kernel_class():
     import cutlass.cute as cute
     from cutlass import Float32, Int32, const_expr, range_constexpr
 
-    from latency_specialized.comm import layout as L
+    from latency_specialized.kernels import allreduce_layout as L
     from latency_specialized.kernels import allreduce_device as D
 
     class TwoStageAllReduce(D.FusedAllReduceKernel):

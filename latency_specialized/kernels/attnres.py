@@ -33,9 +33,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
 from latency_specialized.kernels import compile_cache
-from latency_specialized.ops.registry import Implementation, OpContext, Support
 
 NAME = "residual.cutedsl_attnres"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -46,7 +46,7 @@ SMALL_CTA_THREADS = 256        # CTAs this small keep every source vector in reg
 
 
 @dataclass(frozen=True)
-class _Variant:
+class AttnResVariant:
     """Static choices (hashable: the compile key). M and the source stride are dynamic."""
 
     n: int
@@ -98,7 +98,7 @@ def _kernel_class():
     P = ptx()
 
     class AttnResKernel:
-        def __init__(self, var: _Variant):
+        def __init__(self, var: AttnResVariant):
             self.var = var
             self.esize = torch.empty(0, dtype=DTYPES[var.dtype]).element_size()
             self.cs = var.cluster
@@ -264,7 +264,7 @@ def _kernel_class():
     return AttnResKernel
 
 
-def compile_attnres(var: _Variant):
+def compile_attnres(var: AttnResVariant):
     """Compiled kernel for one (N, dtype, sources, out_norm, cluster) variant; M and the source stride are
     dynamic."""
 
@@ -334,7 +334,7 @@ def attnres_cute(sources: torch.Tensor, num_sources: int, norm_weight: torch.Ten
         raise UserError(f"attnres kernel: a row of N={n} ({n * es // 16} 16-byte vectors) does not split over a "
                         f"cluster of {cfg.cluster} (sizes {CLUSTER_SIZES}, equal runs of <= {4 * MAX_THREADS} "
                         f"vectors): pass AttnResConfig(cluster=1)")
-    var = _Variant(n, dtype_name, int(num_sources), out_norm_weight is not None, cluster=cfg.cluster)
+    var = AttnResVariant(n, dtype_name, int(num_sources), out_norm_weight is not None, cluster=cfg.cluster)
     ow = out_norm_weight if out_norm_weight is not None else norm_weight
     compile_attnres(var)(sources[0], sources.stride(0) * es, norm_weight, query, ow, y, float(eps), float(out_eps))
     return y

@@ -39,7 +39,7 @@ def ptx_of(compiled: Any) -> str | None:
 
 def sm90_dsl_support(ctx: Any) -> Any:
     """The checks every sm_90 CuTe DSL kernel's ``supports()`` starts with: the DSL is installed and
-    the target is sm_90 or newer. True, or the reason (an ops.registry Support)."""
+    the target is sm_90 or newer. True, or the reason (a contract.Support)."""
     from latency_specialized.kernels.compile_cache import cute_available
 
     ok = cute_available()

@@ -40,10 +40,10 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.kernels import compile_cache
 from latency_specialized.kernels.gemm_common import (check_gemm_args, fp32_output, grid_cap, max_regs,
                                                      refuse_fp32_residual)
-from latency_specialized.ops.registry import Implementation, OpContext, Support
 
 NAME = "gemm.cutedsl_gemv"
 MAX_M = 4
@@ -94,7 +94,7 @@ def _kernel_class():
     from cutlass.memory import SmemAllocator
 
     from latency_specialized.kernels.gemm_common import ptx
-    from latency_specialized.kernels.mlp_fused import gated_act_fn
+    from latency_specialized.kernels.gated_act import gated_act_fn
 
     P = ptx()
 
@@ -107,7 +107,7 @@ def _kernel_class():
             self.vecs = k // 8                      # 16-byte vectors per row
             self.full, self.tail = divmod(self.vecs, 32)
             self.iters = self.full + (1 if self.tail else 0)
-            self.glu = glu                          # mlp_fused._ActVariant: [gate | up] rows -> act
+            self.glu = glu                          # gated_act.ActVariant: [gate | up] rows -> act
             self.parts = 2 if glu is not None else 1
             self.act = gated_act_fn(glu) if glu is not None else None
             assert not (split and (residual or glu is not None))
@@ -285,7 +285,7 @@ def compile_gemv(k: int, m: int, cfg: GemvConfig, residual: bool, out_fp32: bool
 
     ``out_fp32``: the accumulator is stored as fp32 (router logits) instead of rounded to bf16;
     the (unused) residual operand then has the output's type, so the output buffer can stand in.
-    ``glu``: an ``mlp_fused._ActVariant`` (bf16): the weight is [gate | up] (2I rows) and the kernel
+    ``glu``: a ``gated_act.ActVariant`` (bf16): the weight is [gate | up] (2I rows) and the kernel
     stores act(gate) * lin(up) [M, I]; no residual.
     ``split``: two outputs from one weight stream (``gemv_split``): rows ``< out.shape[1]`` go to the
     fp32 ``out``, the rest (rounded) to the bf16 tensor passed as the residual operand.
@@ -411,7 +411,7 @@ def gemv_glu(x: torch.Tensor, w_gate_up: torch.Tensor, variant, *, out: torch.Te
     ----------
     x : [M, K] bf16, M in 1..4, K % 8 == 0.
     w_gate_up : [2I, K] bf16, gate rows then up rows.
-    variant : ``mlp_fused._ActVariant`` of the activation (bf16).
+    variant : ``gated_act.ActVariant`` of the activation (bf16).
     out : optional [M, I] bf16 destination.
     config : kernel choices; default: :func:`glu_config`.
     """

@@ -25,10 +25,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.kernels import compile_cache
 from latency_specialized.kernels.gemm_common import (check_gemm_args, fp32_output, grid_cap, max_regs, mma_supports,
                                                      refuse_fp32_residual)
-from latency_specialized.ops.registry import Implementation, OpContext, Support
 
 NAME = "gemm.cutedsl_small_m"
 MAX_M = 16

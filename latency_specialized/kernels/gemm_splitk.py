@@ -13,9 +13,9 @@ Where cuBLAS is faster (it is, for some shapes at M = 32-64) the measured table 
 
 import torch
 
+from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.kernels.gemm_common import mma_supports
 from latency_specialized.kernels.gemm_small_m import MmaConfig, default_config, run_mma
-from latency_specialized.ops.registry import Implementation, OpContext, Support
 
 NAME = "gemm.cutedsl_splitk"
 MAX_M = 64

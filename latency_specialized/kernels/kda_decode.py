@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
 from latency_specialized.kernels.compile_cache import cached_compile
 from latency_specialized.kernels.dsl_common import compile_options as _compile_options, ptx_of  # noqa: F401
 from latency_specialized.kernels.dsl_common import sm90_dsl_support
 from latency_specialized.kernels.dsl_common import cutlass_dtype as _cutlass_dtype, dtype_name as _dtype_name
-from latency_specialized.ops.registry import Implementation, OpContext, Support
 
 HEAD_DIM = 128
 THREADS = 256

@@ -17,7 +17,7 @@ bytes, are the time):
    ``kv_norm_weight`` (the model's kv_a RMSNorm fused) each of them first takes the sum of squares of
    its rows' whole raw latent in fp32 and writes ``kv_c * rstd * w`` rounded to the activation dtype,
    then to the cache dtype: the roundings of a norm kernel followed by the write
-   [``ops.attention.mla._write_new_latents`` (after ``rmsnorm_reference``), then one torch ``bmm``
+   [``kernels.mla_common.write_new_latents`` (after ``rmsnorm_reference``), then one torch ``bmm``
    over the heads in the activation dtype: the same roundings; no host sync either way];
 2. **split kernel**, grid ``(B, head groups, num_splits)``: a program takes up to ``BLOCK_H`` (16,
    the smallest ``tl.dot`` tile) heads of one sequence and one contiguous chunk of its positions.
@@ -32,7 +32,7 @@ bytes, are the time):
    ``seq_lens == 0``, give exact zeros), ``o_lat`` kept in fp32, ``o = W_UV[h] o_lat`` (fp32 FMAs over
    the bf16 weight), ``* sigmoid(gate)`` in fp32, **the one rounding** of ``o`` into ``out`` [merge to
    ``o_lat`` in the activation dtype (**rounding**; with one split the split kernel writes it), ``o =
-   o_lat W_UV^T`` by a torch ``bmm`` (**rounding**), the reference's ``_finish``]. Two grids: small
+   o_lat W_UV^T`` by a torch ``bmm`` (**rounding**), the reference's ``finish_output``]. Two grids: small
    batches (``merge_l_tiles``) ``(B, H, L / MERGE_L_TILE)``, a program per latent tile that reads only
    its tile of the partials and writes a partial ``o`` [v] in fp32, the last of a head's programs to
    arrive (arrival counters zeroed by the split kernel) adding the tiles' outputs in tile order;
@@ -63,11 +63,11 @@ from typing import NamedTuple
 
 import torch
 
+from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
 from latency_specialized.hardware import capability, sm_count
-from latency_specialized.ops.attention.mla import (_finish, _write_new_latents, check_kv_norm, latent_widths,
-                                                   normed_latent)
-from latency_specialized.ops.registry import Implementation, OpContext, Support
+from latency_specialized.kernels.mla_common import (check_kv_norm, finish_output, latent_widths, normed_latent,
+                                                    write_new_latents)
 
 NAME = "attention.mla.triton_splitkv"
 
@@ -637,7 +637,7 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
     num_splits : splits per sequence; default from static shapes (``choose_num_splits``). Tests force it.
     fused : True (default, ``FUSED``): the latent write with the absorbed query (one prologue kernel)
         and the merge + W_UV + gate epilogue are Triton kernels (3 launches in all: prologue, split,
-        merge); False: torch for those (``_write_new_latents``, ``bmm``, ``bmm``, ``_finish``: about 25
+        merge); False: torch for those (``write_new_latents``, ``bmm``, ``bmm``, ``finish_output``: about 25
         launches, the composition the kernels are checked against).
     kv_norm_weight : optional [L] in q.dtype: kv_c is the raw latent, RMS-normalised first (``kv_norm_eps``;
         the contract's). Fused: inside the prologue's latent-writer programs (no extra launch);
@@ -682,7 +682,7 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
                           kv_norm_eps=kv_norm_eps, pdl=pdl)                    # [H, B, L]
     else:      # torch norm (rmsnorm_reference) and write, then one bmm over the heads in the activation dtype:
         kv_c = normed_latent(q, kv_c, kv_norm_weight, kv_norm_eps)            # [H, B, nope] x [H, nope, L]
-        _write_new_latents(flat, torch.cat([kv_c, k_pe], dim=-1).to(kv_cache.dtype), slot_mapping)
+        write_new_latents(flat, torch.cat([kv_c, k_pe], dim=-1).to(kv_cache.dtype), slot_mapping)
         q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope])         # [H, B, L]
     q_pe = _last_dim_unit(q[..., nope:])                                     # [B, H, R]
     scale = qk ** -0.5 if scale is None else scale
@@ -734,7 +734,7 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
             o_lat.stride(1), o_lat.stride(0), 0, 0, 0, 0,
             L=L, ML=ml, V_PAD=16, EPILOGUE=False, HAS_GATE=False, **merge_args)
     o = torch.bmm(o_lat, w_uv.transpose(1, 2)).transpose(0, 1).reshape(B, H * v)  # [H,B,L] x [H,L,v]
-    return _finish(o, gate, dtype, out)
+    return finish_output(o, gate, dtype, out)
 
 
 def _arch_number(arch: str) -> int | None:

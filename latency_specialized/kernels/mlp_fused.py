@@ -14,57 +14,28 @@ Where step 1 is the GEMV (M <= 4, bf16), steps 1-2 are one kernel: the GEMV's GL
 activation function (``gated_act_fn``) to the same bf16-rounded sums - bit-identical, one launch
 and one [M, 2I] round trip fewer.
 
-Which gemm serves each projection is decided once per (M, N, K, arch, dtype) and cached, so graph
-capture and replay see fixed kernels.
+Which gemm serves each projection is the plan's choice: the implementation declares the two gemms
+as inner op calls (:func:`inner_sites`), the planner resolves them from the gemm family like any site
+(``explain`` prints them under the MLP site) and binds them (``inner=``), so graph capture and replay
+see fixed kernels and no second planner exists here.
 """
 
 import functools
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
+from typing import Mapping
 
 import torch
 
+from latency_specialized.contract import Implementation, OpContext, Support, make_context
 from latency_specialized.errors import UserError
 from latency_specialized.kernels import compile_cache
-from latency_specialized.ops.registry import Implementation, OpContext, Support, make_context
+from latency_specialized.kernels.gated_act import ActVariant, gated_act_fn
 from latency_specialized.spec import ActivationSpec
 
 NAME = "mlp.cutedsl_fused"
 ACT_NAME = "activation.cutedsl_gated"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 THREADS = 128
-
-
-@dataclass(frozen=True)
-class _ActVariant:
-    inter: int          # I: output width; the input row is [gate (I) | up (I)]
-    dtype: str
-    kind: str
-    beta: float = 0.0
-    beta_lin: float = 0.0
-    clamp: float = 0.0  # 0: no clamp (swiglu)
-    pdl: bool = True
-
-
-@functools.cache
-def gated_act_fn(var: _ActVariant):
-    """Device function ``(g, u) -> act(g) * lin(up)`` in fp32 for a kernel body (the activation
-    kernel's and the GLU GEMV's epilogue; one definition so the two stay bit-identical)."""
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass import Float32
-
-    def act(g, u):
-        one = Float32(1.0)
-        if cutlass.const_expr(var.kind == "swiglu"):
-            if cutlass.const_expr(var.clamp > 0.0):
-                g = cutlass.min(g, Float32(var.clamp))
-                u = cutlass.max(cutlass.min(u, Float32(var.clamp)), Float32(-var.clamp))
-            return g / (one + cute.math.exp(-g, fastmath=False)) * u
-        b, bl = Float32(var.beta), Float32(var.beta_lin)
-        sig = one / (one + cute.math.exp(-g, fastmath=False))
-        return b * cute.math.tanh(g / b, fastmath=False) * sig * (bl * cute.math.tanh(u / bl, fastmath=False))
-
-    return act
 
 
 @functools.cache
@@ -78,7 +49,7 @@ def _act_kernel_class():
     P = ptx()
 
     class GatedActKernel:
-        def __init__(self, var: _ActVariant):
+        def __init__(self, var: ActVariant):
             self.var = var
             self.act = gated_act_fn(var)        # (g, u) -> fp32, shared with the GLU GEMV epilogue
             self.vecs = var.inter // 8          # 16-byte vectors of one output row (bf16/fp16)
@@ -117,20 +88,20 @@ def _act_kernel_class():
     return GatedActKernel
 
 
-def _act_variant(inter: int, dtype: torch.dtype, act: ActivationSpec) -> _ActVariant:
+def _act_variant(inter: int, dtype: torch.dtype, act: ActivationSpec) -> ActVariant:
     name = {v: k for k, v in DTYPES.items()}.get(dtype)
     if name is None:
         raise UserError(f"fused MLP kernel supports bf16/fp16, got {dtype}: use mlp.reference")
     if inter % 8:
         raise UserError(f"fused MLP kernel needs the intermediate width % 8 == 0 (got {inter}): use mlp.reference")
     if act.kind == "situ_glu":
-        return _ActVariant(inter, name, "situ_glu", beta=float(act.beta), beta_lin=float(act.beta_lin))
+        return ActVariant(inter, name, "situ_glu", beta=float(act.beta), beta_lin=float(act.beta_lin))
     if act.kind == "swiglu":
-        return _ActVariant(inter, name, "swiglu", clamp=float(act.clamp or 0.0))
+        return ActVariant(inter, name, "swiglu", clamp=float(act.clamp or 0.0))
     raise UserError(f"fused MLP kernel: unknown activation {act.kind!r}: use mlp.reference")
 
 
-def compile_act(var: _ActVariant):
+def compile_act(var: ActVariant):
     """Compiled gated-activation kernel for one (I, dtype, activation); M is dynamic."""
 
     def build(arch: str):
@@ -159,27 +130,17 @@ def gated_activation_cute(gate_up: torch.Tensor, act: ActivationSpec, *, out: to
     return h
 
 
-@functools.cache
-def _gemm_for(m: int, n: int, k: int, arch: str, dtype: str):
-    """The highest-priority fast gemm implementation that supports (M, N, K) - never the reference."""
-    from latency_specialized.kernels import registry as kreg
-    from latency_specialized.ops import gemm as ogemm
+def inner_sites(ctx: OpContext) -> list[tuple[str, OpContext]]:
+    """The two gemms this implementation runs, for the planner to choose (``Implementation.inner``):
+    ``gate_up`` (M, 2I, K) and ``down`` (M, N, I) of an ``mlp`` site (dims N = I, K = the hidden size;
+    the output is [M, K])."""
+    inter, hidden = ctx.dim("N"), ctx.dim("K")
 
-    ctx = make_context("gemm", arch=arch, dtype=dtype, tokens=m, dims={"N": n, "K": k},
-                       attrs={"residual": False})
-    cands = [i for i in list(kreg.IMPLEMENTATIONS) + list(ogemm.IMPLEMENTATIONS)
-             if i.family == "gemm" and not i.is_reference]
-    for impl in sorted(cands, key=lambda i: (-i.priority, i.name)):
-        if impl.supports(ctx) is True:
-            return impl
-    raise UserError(f"no fast gemm serves M={m} N={n} K={k} on {arch}: use mlp.reference")
+    def gemm(n: int, k: int) -> OpContext:
+        return make_context("gemm", arch=ctx.arch, dtype=ctx.dtype, tokens=ctx.tokens, dims={"N": n, "K": k},
+                            attrs={"residual": False})
 
-
-def _arch(device: torch.device) -> str:
-    from latency_specialized.hardware import capability
-
-    major, minor = capability(device)
-    return f"sm_{major}{minor}"
+    return [("gate_up", gemm(2 * inter, hidden)), ("down", gemm(hidden, inter))]
 
 
 GLU_PREFERRED_MAX_M = 0
@@ -191,7 +152,7 @@ expert's gate/up GEMV is slower than the small-M kernel by more than the activat
 side stream - KDA +0.5 / +2.2 / +2.3 us per layer at batch 1 / 2 / 4, MLA batch 4 +11.6 - hence 0."""
 
 
-def _glu_fused(gate_up_gemm: str, dtype: str, m: int = 0, k: int = 0) -> bool:
+def glu_fused(gate_up_gemm: str, dtype: str, m: int = 0, k: int = 0) -> bool:
     """Whether gate/up runs as the GEMV with its GLU epilogue (replacing the activation kernel): where
     the table picks the GEMV, or up to ``GLU_PREFERRED_MAX_M`` tokens (bf16, K % 8 == 0; the GEMV serves
     M <= 4)."""
@@ -202,22 +163,16 @@ def _glu_fused(gate_up_gemm: str, dtype: str, m: int = 0, k: int = 0) -> bool:
     return gate_up_gemm == "gemm.cutedsl_gemv" or (1 <= m <= min(GLU_PREFERRED_MAX_M, MAX_M) and k % 8 == 0)
 
 
-def chosen_gemms(m: int, n: int, inter: int, k: int, arch: str, dtype: str) -> tuple[str, str]:
-    """Names of the gemm implementations serving (gate/up, down) - for plans, notes and tests.
-    A gate/up GEMV carries the activation in its epilogue ("gemm.cutedsl_gemv+glu")."""
-    gu = _gemm_for(m, 2 * inter, k, arch, dtype).name
-    if _glu_fused(gu, dtype, m, k):
-        gu = "gemm.cutedsl_gemv+glu"
-    return gu, _gemm_for(m, n, inter, arch, dtype).name
-
-
 def mlp_fused(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, activation: ActivationSpec, *,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, inner: Mapping[str, Implementation] | None = None) -> torch.Tensor:
     """Gated MLP in 3 kernels (contract: ops/mlp.py ``mlp_reference``).
 
     Parameters
     ----------
     x : [M, K] bf16/fp16; w_gate_up : [2*I, K] (gate rows, then up rows); w_down : [N, I].
+    inner : the gemm implementations of ``gate_up`` and ``down`` (:func:`inner_sites`), as the plan
+        chose them: the plan binds them (``Plan.impl``); a direct caller takes them from
+        ``ImplementationRegistry.inner_choices``. This kernel does not choose gemms itself.
 
     Returns
     -------
@@ -231,16 +186,18 @@ def mlp_fused(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, ac
     dtype = {v: k_ for k_, v in DTYPES.items()}.get(x.dtype)
     if dtype is None:
         raise UserError(f"fused MLP kernel supports bf16/fp16, got {x.dtype}: use mlp.reference")
-    arch = _arch(x.device)
-    gate_up = _gemm_for(m, 2 * inter, k, arch, dtype)
-    if _glu_fused(gate_up.name, dtype, m, k):
+    if inner is None or "gate_up" not in inner or "down" not in inner:
+        raise UserError(f"{NAME} runs the gemms its plan chose (inner gate_up and down): call it through the plan "
+                        "(Plan.impl) or pass inner= from ImplementationRegistry.inner_choices")
+    gate_up = inner["gate_up"]
+    if glu_fused(gate_up.name, dtype, m, k):
         # the GEMV streams gate and up rows of each output together: one kernel, same bits
         from latency_specialized.kernels.gemm_gemv import gemv_glu
 
         h = gemv_glu(x, w_gate_up, _act_variant(inter, x.dtype, activation))
     else:
         h = gated_activation_cute(gate_up.fn(x, w_gate_up).contiguous(), activation)
-    y = _gemm_for(m, n, inter, arch, dtype).fn(h, w_down)
+    y = inner["down"].fn(h, w_down)
     if out is not None:
         out.copy_(y)
         return out
@@ -260,6 +217,6 @@ def _supports(ctx: OpContext) -> Support:
 
 
 IMPLEMENTATIONS = [
-    Implementation("mlp", NAME, mlp_fused, _supports, priority=20,
+    Implementation("mlp", NAME, mlp_fused, _supports, priority=20, inner=inner_sites,
                    description="best fast gemm (gate|up) + one CuTe DSL SwiGLU/SiTU-GLU kernel (in the GEMV epilogue at M<=4) + best fast gemm (down)"),
 ]

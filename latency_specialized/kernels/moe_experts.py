@@ -24,13 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
+from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
 from latency_specialized.hardware import sm_count
 from latency_specialized.kernels.compile_cache import cached_compile
 from latency_specialized.kernels.dsl_common import compile_options as _compile_options, ptx_of  # noqa: F401
 from latency_specialized.kernels.dsl_common import sm90_dsl_support
 from latency_specialized.kernels.dsl_common import cutlass_dtype as _cutlass_dtype, dtype_name as _dtype_name
-from latency_specialized.ops.registry import Implementation, OpContext, Support
 from latency_specialized.spec import ActivationSpec
 
 MAX_TOKENS = 256
@@ -522,7 +522,7 @@ def _fake(cute, dtype, shape, stride, align=16):
     return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
 
 
-def _compile_gate_up(cfg: ExpertsConfig):
+def compile_gate_up(cfg: ExpertsConfig):
     # the down kernel's fields do not shape gate_up: one compile (and key) serves every down variant
     cfg = dataclasses.replace(cfg, dn_rows=0, dn_warps=0, dn_trigger=False)
 
@@ -545,7 +545,7 @@ def _compile_gate_up(cfg: ExpertsConfig):
     return cached_compile("moe_experts.gate_up", (cfg,), build)
 
 
-def _compile_down(cfg: ExpertsConfig):
+def compile_down(cfg: ExpertsConfig):
     def build(arch: str):
         import cutlass
         import cutlass.cute as cute
@@ -667,7 +667,7 @@ def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up
     if x.stride(1) != 1 or x.stride(0) % 8 != 0 or x.data_ptr() % 16 != 0:
         x = x.contiguous()
     cfg = make_config(M, K, I, N, top_k, x.dtype, ids.dtype, activation, sms=sm_count(x.device), **tuning)
-    gate_up, down = _compile_gate_up(cfg), _compile_down(cfg)
+    gate_up, down = compile_gate_up(cfg), compile_down(cfg)
     ids_flat = ids.reshape(-1)
     w_flat = weights.reshape(-1)
     if w_flat.dtype != torch.float32:

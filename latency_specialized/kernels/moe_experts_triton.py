@@ -20,8 +20,8 @@ import importlib.util
 
 import torch
 
+from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
-from latency_specialized.ops.registry import Implementation, OpContext, Support
 from latency_specialized.spec import ActivationSpec
 
 NAME = "moe.experts.triton_fused"

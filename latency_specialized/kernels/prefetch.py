@@ -22,9 +22,9 @@ from typing import Sequence
 
 import torch
 
+from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
 from latency_specialized.kernels import compile_cache
-from latency_specialized.ops.registry import Implementation, OpContext, Support
 
 NAME = "prefetch.cutedsl_l2"
 CHUNK = 16 * 1024  # bytes per cp.async.bulk.prefetch: large enough to be cheap to issue, small to spread

@@ -1,6 +1,6 @@
 """GPU kernel implementations, registered into their op families by the builtin_ops plugin.
 
-Each kernel module exposes ``IMPLEMENTATIONS`` (list of ops.registry.Implementation) and must
+Each kernel module exposes ``IMPLEMENTATIONS`` (list of latency_specialized.contract.Implementation) and must
 import cutlass lazily (inside compile functions), so that this list builds on any machine and
 ``supports()`` can name what is missing instead of failing at import.
 """

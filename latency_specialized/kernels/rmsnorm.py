@@ -25,9 +25,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
 from latency_specialized.kernels import compile_cache
-from latency_specialized.ops.registry import Implementation, OpContext, Support
 
 NAME = "norm.cutedsl_rmsnorm"
 AR_NAME = "allreduce.cutedsl_local"
@@ -47,7 +47,7 @@ class NormConfig:
 
 
 @dataclass(frozen=True)
-class _Variant:
+class NormVariant:
     n: int
     dtype: str
     residual: bool
@@ -72,7 +72,7 @@ def _kernel_class():
     P = ptx()
 
     class RMSNormKernel:
-        def __init__(self, var: _Variant, cfg: NormConfig):
+        def __init__(self, var: NormVariant, cfg: NormConfig):
             self.var, self.cfg = var, cfg
             self.esize = torch.empty(0, dtype=DTYPES[var.dtype]).element_size()
             self.vec_elems = 16 // self.esize
@@ -220,7 +220,7 @@ def _kernel_class():
     return RMSNormKernel
 
 
-def compile_norm(var: _Variant, cfg: NormConfig):
+def compile_norm(var: NormVariant, cfg: NormConfig):
     """Compiled kernel for one (N, dtype, flags) variant; the row count M is dynamic."""
 
     def build(arch: str):
@@ -259,7 +259,7 @@ def _check(x: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tensor:
 
 
 def _rows(x: torch.Tensor, n: int) -> tuple[torch.Tensor, bool]:
-    """x as [M, N] rows for the kernel, and whether they are strided (``_Variant.strided_x``).
+    """x as [M, N] rows for the kernel, and whether they are strided (``NormVariant.strided_x``).
 
     A contiguous x is viewed as is. Otherwise x must view as [-1, N] (2-D x, or N-D x whose leading
     dims merge, e.g. a column slice of a [B, S, W] tensor) with unit column stride, non-overlapping
@@ -303,7 +303,7 @@ def _run(x, weight, eps, residual, gate, zero_centered, out, norm, config, resid
     cfg = config or default_config(n, m)
     if n // vec // max(1, cfg.cluster) * max(1, cfg.cluster) != n // vec:
         cfg = NormConfig(cluster=1, pdl=cfg.pdl)  # N not divisible over the cluster: one CTA per row
-    var = _Variant(n, dtype_name, residual is not None, weight is not None, zero_centered, gate is not None, norm,
+    var = NormVariant(n, dtype_name, residual is not None, weight is not None, zero_centered, gate is not None, norm,
                    strided_x=strided)
     y = out if out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
     if out is not None:

@@ -7,6 +7,7 @@ binds to and what a CUDA graph freezes; ``explain`` prints it.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -41,10 +42,23 @@ class SiteChoice:
     site: OpSite
     impl: Implementation | None
     refusals: tuple[tuple[str, str], ...]
+    inner: tuple[tuple[str, "SiteChoice"], ...] = ()
+    """(role, choice) of the op calls ``impl`` makes inside itself (``Implementation.inner``), resolved
+    by the planner like any site; their site names are ``<site>[<role>]``."""
 
     @property
     def is_fast(self) -> bool:
         return self.impl is not None and not self.impl.is_reference
+
+    @property
+    def fn(self) -> Callable[..., Any] | None:
+        """What a program binds: ``impl.fn``, given ``inner={role: Implementation}`` where the
+        implementation makes inner op calls (None when nothing serves the site)."""
+        if self.impl is None:
+            return None
+        if not self.inner:
+            return self.impl.fn
+        return functools.partial(self.impl.fn, inner={role: c.impl for role, c in self.inner})
 
 
 @dataclass
@@ -61,6 +75,9 @@ class Plan:
     dtype: str
     choices: list[SiteChoice]
     scope_problems: list[str] = field(default_factory=list)
+    comm: str = "local"
+    """Communicator kind the communication sites were planned for (``latency_specialized.comm.kinds``);
+    each such site's context carries it as attr ``comm``."""
 
     def choice(self, site: str) -> SiteChoice:
         for c in self.choices:
@@ -73,7 +90,23 @@ class Plan:
         if c.impl is None:
             raise UserError(f"{self.model}: no implementation serves {site}: "
                             + "; ".join(f"{n}: {r}" for n, r in c.refusals))
-        return c.impl.fn
+        return c.fn
+
+    def runs_on(self, site: str | SiteChoice, comm: Any) -> bool | str:
+        """Whether the implementation the plan picked for ``site`` runs on ``comm`` (a communicator, a
+        kind name, or None for one rank): True, or the reason it does not - that implementation's
+        ``supports()`` asked with the site's context planned for ``comm``'s kind."""
+        from latency_specialized.comm.kinds import kind_of
+
+        c = site if isinstance(site, SiteChoice) else self.choice(site)
+        if c.impl is None:
+            return "no implementation serves it"
+        ctx = _with_comm(c.site, kind_of(comm)).ctx
+        try:
+            ok = c.impl.supports(ctx)
+        except Exception as e:  # as the registry's select: a buggy supports() names itself
+            ok = f"supports() raised {type(e).__name__}: {e}"
+        return True if ok is True else (str(ok) if ok else "not supported")
 
     @property
     def in_scope(self) -> bool:
@@ -125,12 +158,15 @@ class Plan:
         return {
             "model": self.model, "variant": self.variant, "arch": self.hardware.arch,
             "hardware": self.hardware.name, "tp": self.parallel.tp, "batch": self.batch, "bucket": self.bucket,
-            "tokens": self.tokens, "dtype": self.dtype, "in_scope": self.in_scope,
+            "tokens": self.tokens, "dtype": self.dtype, "comm": self.comm, "in_scope": self.in_scope,
             "scope_problems": self.scope_problems, "counts": self.counts(), "not_called": self.skipped_sites(),
             "sites": [
                 {"site": c.site.name, "family": c.site.family, "layers": list(c.site.layers),
                  "context": c.site.ctx.describe(), "impl": c.impl.name if c.impl else None,
-                 "refused": [{"impl": n, "reason": r} for n, r in c.refusals]}
+                 "refused": [{"impl": n, "reason": r} for n, r in c.refusals],
+                 **({"inner": [{"role": role, "family": ic.site.family, "context": ic.site.ctx.describe(),
+                                "impl": ic.impl.name if ic.impl else None} for role, ic in c.inner]}
+                    if c.inner else {})}
                 for c in self.choices
             ],
         }
@@ -142,7 +178,7 @@ class Plan:
         c = self.counts()
         head = (f"plan: {self.model} ({self.variant}) on {self.hardware.arch} [{self.hardware.name}], "
                 f"TP={self.parallel.tp}, batch {self.batch} -> bucket {self.bucket} ({self.tokens} tokens/step), "
-                f"{self.dtype}")
+                f"{self.dtype}" + (f", communicator {self.comm}" if self.parallel.tp > 1 else ""))
         lines = [head, f"  sites: {c['sites']} | fast: {c['fast']} | reference: {c['reference']} | "
                        f"unserved: {c['unserved']} | not called: {c['not_called']}"]
         if self.scope_problems:
@@ -155,6 +191,9 @@ class Plan:
             lines.append(f"  {ch.site.name:<34} {ch.site.family:<18} -> {impl:<26} {ch.site.ctx.describe()}{where}")
             if ch.site.name in skipped:
                 lines.append(f"      not called: {skipped[ch.site.name]}")
+            for role, ic in ch.inner:  # what the implementation runs inside itself, as the planner chose it
+                inner_impl = ic.impl.name if ic.impl else "NONE"
+                lines.append(f"      inside: {role:<12} {ic.site.family:<10} -> {inner_impl:<26} {ic.site.ctx.describe()}")
             if refusals:
                 for name, reason in ch.refusals:
                     lines.append(f"      refused {name}: {reason}")
@@ -177,15 +216,49 @@ def _layer_ranges(layers: tuple[int, ...]) -> str:
     return ", ".join(out)
 
 
+def _with_comm(site: OpSite, kind: str) -> OpSite:
+    """``site`` with attr ``comm`` = ``kind`` in its context (other fields unchanged)."""
+    from dataclasses import replace
+
+    from latency_specialized.ops.registry import make_context
+
+    c = site.ctx
+    ctx = make_context(c.family, arch=c.arch, dtype=c.dtype, tokens=c.tokens, world_size=c.world_size,
+                       dims=dict(c.dims), attrs={**dict(c.attrs), "comm": kind})
+    return replace(site, ctx=ctx)
+
+
+def _inner_choices(registry: ImplementationRegistry, site: OpSite,
+                   impl: Implementation | None) -> tuple[tuple[str, SiteChoice], ...]:
+    """The planner's choice for every op call ``impl`` makes inside itself at ``site``."""
+    if impl is None:
+        return ()
+    return tuple((role, SiteChoice(OpSite(f"{site.name}[{role}]", ctx, site.layers), chosen, tuple(refusals)))
+                 for role, ctx, chosen, refusals in registry.inner_choices(impl, site.ctx))
+
+
 def build_plan(adapter: ModelAdapter, registry: ImplementationRegistry, hardware: Hardware, *,
                tp: int = 1, batch: int = 1, dtype: str = "bfloat16", spec_tokens: int = 0,
-               variant: Variant = "full", force: dict[str, str] | None = None) -> Plan:
+               variant: Variant = "full", force: dict[str, str] | None = None, comm: Any = None) -> Plan:
     """Resolve every op site of ``adapter``'s decode step for one deployment.
 
     Raises UserError for a TP the architecture cannot be split by or a batch out of scope;
     other scope problems (arch, dtype) are kept in ``plan.scope_problems`` so ``explain`` can show
     what would run anyway. ``force`` maps family -> implementation name (for tests and A/B runs).
+
+    ``comm``: the communicator the all-reduce sites will run on, or its kind (``comm.kinds``); every
+    communication site's context carries the kind (attr ``comm``), so implementations that cannot run
+    on it refuse with the reason. Default: the kind a deployment builds (``comm.kinds.default_kind``:
+    one rank ``local``; on a GPU ``symmetric-memory``, whose CUDA IPC workspaces the program builds
+    over its process group; on a CPU ``torch.distributed``).
     """
+    from latency_specialized.comm.kinds import COMM_FAMILIES, default_kind, kind_of
+
+    kind = default_kind(hardware.arch, tp) if comm is None else kind_of(comm)
+    world = getattr(comm, "world_size", None) if comm is not None and not isinstance(comm, str) else None
+    if world is not None and world != tp:
+        raise UserError(f"a plan for TP={tp} over a communicator of {world} rank(s): plan with tp={world} "
+                        "or pass that TP's communicator")
     scope = adapter.scope()
     spec = adapter.spec(variant)
     rank_spec = spec.shard(tp)  # raises the divisibility error naming the fix
@@ -194,10 +267,11 @@ def build_plan(adapter: ModelAdapter, registry: ImplementationRegistry, hardware
     parallel = ParallelSpec(tp=tp)
     deployment = Deployment(arch=hardware.arch, tp=tp, batch=batch, dtype=dtype, spec_tokens=spec_tokens)  # type: ignore[arg-type]
     problems = scope.problems(deployment, adapter.name)
-    sites = adapter.op_sites(rank_spec, parallel, tokens, hardware.arch, dtype)
+    sites = [_with_comm(s, kind) if s.family in COMM_FAMILIES else s
+             for s in adapter.op_sites(rank_spec, parallel, tokens, hardware.arch, dtype)]
     choices = []
     for site in sites:
         only = (force or {}).get(site.family)
         impl, refusals = registry.select(site.ctx, only=only)
-        choices.append(SiteChoice(site, impl, tuple(refusals)))
-    return Plan(adapter.name, variant, hardware, parallel, batch, bucket, tokens, dtype, choices, problems)
+        choices.append(SiteChoice(site, impl, tuple(refusals), _inner_choices(registry, site, impl)))
+    return Plan(adapter.name, variant, hardware, parallel, batch, bucket, tokens, dtype, choices, problems, kind)

@@ -9,13 +9,13 @@ reasons of those that refused so that ``explain`` can print them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Iterable
 
+# The implementation contract lives in the foundation (kernels use it too); re-exported here.
+from latency_specialized.contract import Implementation, OpContext, Support, always, make_context
 from latency_specialized.errors import PluginError
 
-Support = bool | str
-"""``True`` when an implementation serves a context, else the reason it does not."""
+__all__ = ["FAMILIES", "Implementation", "ImplementationRegistry", "OpContext", "Support", "always", "make_context"]
 
 # The families DESIGN.md names; an implementation for any other family is a plugin error.
 FAMILIES: dict[str, str] = {
@@ -34,88 +34,6 @@ FAMILIES: dict[str, str] = {
     "attention.dcp_merge": "merge partial attention outputs by LSE across context-parallel ranks",
     "residual.attnres": "Block AttnRes: softmax mix of RMS-normed block outputs by a learned query (+ RMSNorm)",
 }
-
-
-@dataclass(frozen=True)
-class OpContext:
-    """Everything an implementation may look at to decide whether it serves an op site."""
-
-    family: str
-    """Op family."""
-    arch: str
-    """'cpu' or 'sm_XY'."""
-    dtype: str
-    """Activation dtype name ('bfloat16', 'float32' ...)."""
-    tokens: int
-    """Rows M processed per call (batch bucket x (1 + speculative tokens))."""
-    world_size: int = 1
-    """Ranks of the communicator (allreduce) or TP size."""
-    dims: tuple[tuple[str, int], ...] = ()
-    """Static named sizes, e.g. (('N', 12288), ('K', 7168))."""
-    attrs: tuple[tuple[str, Any], ...] = ()
-    """Static non-size attributes, e.g. (('score_func', 'sigmoid'),)."""
-
-    def dim(self, name: str) -> int:
-        for k, v in self.dims:
-            if k == name:
-                return v
-        raise KeyError(f"op context of {self.family} has no dim {name!r}")
-
-    def attr(self, name: str, default: Any = None) -> Any:
-        for k, v in self.attrs:
-            if k == name:
-                return v
-        return default
-
-    def describe(self) -> str:
-        dims = " ".join(f"{k}={v}" for k, v in self.dims)
-        attrs = " ".join(f"{k}={v}" for k, v in self.attrs)
-        return " ".join(x for x in (f"M={self.tokens}", dims, attrs, self.dtype) if x)
-
-
-def make_context(family: str, *, arch: str, dtype: str, tokens: int, world_size: int = 1,
-                 dims: Mapping[str, int] | None = None, attrs: Mapping[str, Any] | None = None) -> OpContext:
-    """Build an OpContext from plain mappings (sorted, so equal contexts hash equal)."""
-    return OpContext(family, arch, dtype, tokens, world_size,
-                     tuple(sorted((dims or {}).items())), tuple(sorted((attrs or {}).items())))
-
-
-@dataclass(frozen=True)
-class Implementation:
-    """One way to compute an op family."""
-
-    family: str
-    """Family it implements."""
-    name: str
-    """Unique name, e.g. 'gemm.cutedsl_gemv'."""
-    fn: Callable[..., Any]
-    """The callable, with the family's calling convention."""
-    supports: Callable[[OpContext], Support]
-    """True, or the reason it refuses a context."""
-    priority: int = 0
-    """Higher wins among the implementations that support a context. References use -100."""
-    description: str = ""
-    """One line for `explain`."""
-    provider: str = "latency_specialized"
-    """Plugin that registered it."""
-    is_reference: bool = False
-    """The plain-torch oracle of the family."""
-    prepare: Callable[..., Any] | None = field(default=None, compare=False)
-    """Optional warm-up/compile hook called with the context before graph capture."""
-    strided_rows: bool = False
-    """Takes a 2-D input ``x`` whose rows are strided (a column slice of a wider tensor: unit column
-    stride, 16-byte aligned row starts) without copying it; else callers pass contiguous rows."""
-    strided_out: bool = False
-    """Writes its 2-D output(s) into ``out=`` tensors with strided rows (a column slice of a wider tensor)
-    directly, without a temporary and a copy: a program may then hand it a slice of a collective's buffer."""
-    norm_prologue: bool = False
-    """gemm: takes ``norm_weight=``/``norm_eps=`` and RMS-normalises x itself (y = rmsnorm(x) @ W^T, the
-    norm rounded to the activation dtype as the norm op rounds it; x may be a strided column slice).
-    A program then skips the norm site in front of such a gemm (one kernel less)."""
-
-
-def always(_: OpContext) -> Support:
-    return True
 
 
 class ImplementationRegistry:
@@ -160,7 +78,8 @@ class ImplementationRegistry:
                allow_reference: bool = True) -> tuple[Implementation | None, list[tuple[str, str]]]:
         """The best implementation for ``ctx`` and the (name, reason) of every one refused first.
 
-        ``only`` forces one implementation by name (a refusal then returns None).
+        ``only`` forces one implementation by name (a refusal then returns None). An implementation with
+        inner op calls (``Implementation.inner``) serves only where each of them has a fast implementation.
         """
         refusals: list[tuple[str, str]] = []
         for impl in self._by_family[ctx.family]:
@@ -171,9 +90,29 @@ class ImplementationRegistry:
                 continue
             try:
                 ok = impl.supports(ctx)
+                if ok is True and impl.inner is not None:
+                    ok = self._inner_problem(impl, ctx)
             except Exception as e:  # a buggy supports() must not take the planner down
                 ok = f"supports() raised {type(e).__name__}: {e}"
             if ok is True:
                 return impl, refusals
             refusals.append((impl.name, str(ok) if ok else "not supported"))
         return None, refusals
+
+    def inner_choices(self, impl: Implementation, ctx: OpContext
+                      ) -> list[tuple[str, OpContext, Implementation | None, list[tuple[str, str]]]]:
+        """``(role, context, implementation or None, refusals)`` of every inner op call of ``impl`` at
+        ``ctx`` (``Implementation.inner``): the best *fast* implementation of each, as :meth:`select`
+        picks it (references are never chosen inside another implementation). Empty without ``inner``."""
+        if impl.inner is None:
+            return []
+        out = []
+        for role, inner_ctx in impl.inner(ctx):
+            chosen, refusals = self.select(inner_ctx, allow_reference=False)
+            out.append((role, inner_ctx, chosen, refusals))
+        return out
+
+    def _inner_problem(self, impl: Implementation, ctx: OpContext) -> Support:
+        missing = [f"{role} ({c.family} {c.describe()})" for role, c, chosen, _ in self.inner_choices(impl, ctx)
+                   if chosen is None]
+        return True if not missing else "no fast implementation serves its inner " + ", ".join(missing)

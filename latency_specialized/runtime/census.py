@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from latency_specialized.runtime.graph_runner import _count_nodes
+from latency_specialized.runtime.graph_runner import count_nodes
 
 COMMUNICATION_SUFFIXES = ("allreduce", "all_gather")
 """Site names ending so are communication: on one GPU their kernels are stand-ins for the exchange
@@ -78,7 +78,7 @@ class _Driver:
     def kernel_nodes(self, graph: int) -> int:
         """Kernel nodes of ``graph`` (child graphs included)."""
         counts: dict[str, int] = {}
-        _count_nodes(self._lib, graph, counts)
+        count_nodes(self._lib, graph, counts)
         return counts.get("kernel", 0)
 
 
@@ -162,16 +162,19 @@ class KernelCensus:
         return counted
 
     def instrument(self, program: Any) -> int:
-        """Wrap every op of ``program``'s bound op tables (``program._ops[bucket][site]``) and set
-        ``program.census`` (the program counts its non-site communication, e.g. all-gathers, through
-        it). Call after any rebinding of sites. Returns the number of ops wrapped."""
-        n = 0
-        for bucket, ops in program._ops.items():
-            for site in list(ops):
-                ops[site] = self.wrap(site, bucket, ops[site])
-                n += 1
+        """Wrap every op of ``program``'s bound op table (``program.op_table.wrap(hook)``, the one public
+        way to instrument a program: ``runtime/program.py``) and set ``program.census`` (a program that
+        counts its non-site communication, e.g. all-gathers, does it through it). Call after any
+        rebinding of sites. Returns the number of ops wrapped.
+
+        A ``runtime.op_table.OpTable`` (the composed program) also runs its communication calls through
+        the hook, so they are counted too; ``runtime.program.DictOpTable`` wraps a program's own tables."""
+        table = getattr(program, "op_table", None)
+        if table is None:
+            raise TypeError(f"{type(program).__name__} exposes no op_table: a program the census counts binds its "
+                            "sites in an op table with wrap(hook) (runtime.op_table.OpTable or runtime.program.DictOpTable)")
         program.census = self
-        return n
+        return table.wrap(self.wrap)
 
 
 __all__ = ["KernelCensus", "COMMUNICATION_SUFFIXES", "is_communication", "split_communication"]

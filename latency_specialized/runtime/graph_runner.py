@@ -60,7 +60,8 @@ class StepResult:
     """True when a CUDA graph was replayed."""
 
 
-def _new_graph() -> torch.cuda.CUDAGraph:
+def new_graph() -> torch.cuda.CUDAGraph:
+    """A CUDA graph whose nodes can be counted (:func:`graph_node_counts`) after capture."""
     # keep_graph=True keeps the cudaGraph_t so its nodes can be counted (torch >= 2.8).
     try:
         return torch.cuda.CUDAGraph(keep_graph=True)
@@ -77,7 +78,7 @@ def _cuda_driver() -> Any:
     return ctypes.CDLL("libcuda.so.1")
 
 
-def _count_nodes(lib: Any, graph_handle: int, counts: dict[str, int]) -> None:
+def count_nodes(lib: Any, graph_handle: int, counts: dict[str, int]) -> None:
     """Add the nodes of a graph (finished, or under capture) to ``counts`` by type; child graphs count
     what they hold. RuntimeError names the CUresult of a failing driver call."""
     n = ctypes.c_size_t(0)
@@ -98,7 +99,7 @@ def _count_nodes(lib: Any, graph_handle: int, counts: dict[str, int]) -> None:
         if name == "graph":  # a child graph: count what it holds
             child = ctypes.c_void_p()
             lib.cuGraphChildGraphNodeGetGraph(ctypes.c_void_p(nodes[i]), ctypes.byref(child))
-            _count_nodes(lib, child.value, counts)
+            count_nodes(lib, child.value, counts)
             continue
         counts[name] = counts.get(name, 0) + 1
 
@@ -114,7 +115,7 @@ def graph_node_counts(graph: torch.cuda.CUDAGraph) -> dict[str, int] | None:
         return None
     try:
         counts: dict[str, int] = {}
-        _count_nodes(_cuda_driver(), int(handle), counts)
+        count_nodes(_cuda_driver(), int(handle), counts)
         return counts
     except (OSError, RuntimeError):
         return None
@@ -224,7 +225,7 @@ class CUDAGraphRunner:
         infos = []
         for b in order:
             t1 = time.perf_counter()
-            g = _new_graph()
+            g = new_graph()
             with torch.cuda.graph(g, pool=self.pool):
                 self.body(b)
             if hasattr(g, "instantiate"):

@@ -13,11 +13,17 @@ this shape. The graph runner only needs four things from it:
 * ``outputs()`` - the static output tensors (``[max_batch, ...]``), read after a replay.
 
 ``FunctionProgram`` adapts a plain function to this shape (tests, benches, toy programs).
+
+A program that binds op sites also exposes them as ``op_table``: an object with
+``wrap(hook) -> int`` that replaces every bound op ``fn`` by ``hook(site, bucket, fn)`` (the census,
+routing recorders and the benches' communication stand-ins instrument a program only this way).
+``runtime.op_table.OpTable`` is one; :class:`DictOpTable` gives the same hook over a program's own
+``{bucket: {site: fn}}`` tables.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -46,6 +52,35 @@ class DecodeProgram(Protocol):
     def outputs(self) -> Mapping[str, torch.Tensor]:
         """Static outputs ``[max_batch, ...]`` written by ``step`` (e.g. 'logits', 'next_tokens')."""
         ...
+
+
+OpHook = Callable[[str, int, Callable[..., Any]], Callable[..., Any]]
+"""``hook(site, bucket, fn) -> fn'``: wraps (or replaces) one bound op."""
+
+
+@runtime_checkable
+class WrappableOps(Protocol):
+    """A program's bound ops as instrumentation sees them (``program.op_table``)."""
+
+    def wrap(self, hook: OpHook) -> int:
+        """Replace every bound op ``fn`` by ``hook(site, bucket, fn)``; returns the number of ops wrapped."""
+        ...
+
+
+class DictOpTable:
+    """:class:`WrappableOps` over plain ``{bucket: {site: fn}}`` tables, wrapped in place (the program
+    keeps calling its tables; a wrap is seen by its next step)."""
+
+    def __init__(self, tables: dict[int, dict[str, Callable[..., Any]]]):
+        self.tables = tables
+
+    def wrap(self, hook: OpHook) -> int:
+        n = 0
+        for bucket, ops in self.tables.items():
+            for site in list(ops):
+                ops[site] = hook(site, bucket, ops[site])
+                n += 1
+        return n
 
 
 class FunctionProgram:

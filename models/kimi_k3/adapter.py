@@ -101,6 +101,12 @@ class KimiK3Adapter(ModelAdapter):
 
         return verify_cell(self, cell, comm)
 
+    def layer_bench(self) -> Any:
+        """The layer bench's "ours": ``graphed.build_ours`` (rank-shaped programs in CUDA graphs)."""
+        from latency_specialized_models.kimi_k3 import graphed
+
+        return graphed
+
     def write_checkpoint(self, directory: str | Path, *, size: Variant = "tiny", seed: int = 0,
                          dtype: str = "bfloat16", layout: str = "kimi_k3", expert_format: str | None = None) -> list[Path]:
         """A random-weight checkpoint (config, safetensors, tokenizer) of the ``size`` variant."""

@@ -120,7 +120,7 @@ def bench_weights(spec: KimiK3Spec, device: torch.device, *, seed: int = 0, tp: 
     return out
 
 
-class _ShapedAdapter:
+class ShapedAdapter:
     """The Kimi adapter with another spec: plans get the rank-shaped dims (what the kernels see)."""
 
     def __init__(self, base: Any, spec: KimiK3Spec):
@@ -211,6 +211,10 @@ class ProgramVariant:
         return [t[: self.batch] for t in self.b.recorded]
 
 
+LOCAL_ALLREDUCE = "allreduce.cutedsl_local"
+"""The one-rank fused residual (+RMSNorm) implementation of the ``allreduce`` family."""
+
+
 def exclude_communication(program: Any) -> int:
     """Bind every all-reduce site of ``program`` to the one-rank fused kernel (communication left
     out, for the one-GPU bench); returns the number of sites rebound.
@@ -218,34 +222,36 @@ def exclude_communication(program: Any) -> int:
     The rank's partial sums are added to the residual as if the other ranks contributed zero: the
     kernel does the same memory traffic as the real fused all-reduce minus the peer exchange.
     """
-    from latency_specialized.kernels.rmsnorm import allreduce_residual_rmsnorm_local
+    from latency_specialized.plugins import get_registry
 
-    n = 0
-    for ops in program._ops.values():  # the program's bound op table (same package)
-        for site in list(ops):
-            if not site.endswith("allreduce"):
-                continue
+    # the one-rank fused kernel, reached through its op family's registry (adapters import no kernels)
+    one_rank = get_registry().implementations.get(LOCAL_ALLREDUCE).fn
+    rebound: list[str] = []
 
-            def local(partial, residual, weight, eps, *, comm=None, _fn=allreduce_residual_rmsnorm_local, **kw):
-                return _fn(partial, residual, weight, eps, comm=None, **kw)
+    def hook(site: str, bucket: int, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if not site.endswith("allreduce"):
+            return fn
 
-            ops[site] = local
-            n += 1
-    return n
+        def local(partial, residual, weight, eps, *, comm=None, _fn=one_rank, **kw):
+            return _fn(partial, residual, weight, eps, comm=None, **kw)
+
+        rebound.append(site)
+        return local
+
+    program.op_table.wrap(hook)
+    return len(rebound)
 
 
 def _shared_gemm_note(plan: Any, spec: KimiK3Spec, arch: str, bucket: int) -> str:
-    """Which gemm kernels serve inside the fused shared-expert MLP (it picks them itself)."""
+    """Which gemm kernels serve inside the fused shared-expert MLP: the plan's inner choices of that site."""
     c = next((c for c in plan.choices if c.site.name.endswith("moe.shared")), None)
     if c is None or c.impl is None or c.impl.name != "mlp.cutedsl_fused":
         return f"bucket {bucket}: moe.shared served by {c.impl.name if c and c.impl else 'nothing'}"
-    from latency_specialized.kernels.mlp_fused import chosen_gemms
-
-    moe = next(l.ffn for l in spec.layers if isinstance(l.ffn, MoESpec))
-    inter = moe.num_shared_experts * moe.expert_intermediate
-    gu, down = chosen_gemms(bucket, spec.hidden_size, inter, spec.hidden_size, arch, "bfloat16")
-    act = "SiTU-GLU in the GEMV epilogue" if gu.endswith("+glu") else "SiTU-GLU kernel"
-    return f"bucket {bucket}: moe.shared = mlp.cutedsl_fused with gate/up {gu.removesuffix('+glu')}, {act}, down {down}"
+    inner = {role: ic.impl.name if ic.impl else "NONE" for role, ic in c.inner}
+    gu, down = inner.get("gate_up", "NONE"), inner.get("down", "NONE")
+    # a gate/up GEMV carries the activation in its epilogue (bf16: mlp.cutedsl_fused's rule, glu_fused)
+    act = "SiTU-GLU in the GEMV epilogue" if gu == "gemm.cutedsl_gemv" else "SiTU-GLU kernel"
+    return f"bucket {bucket}: moe.shared = mlp.cutedsl_fused with gate/up {gu}, {act}, down {down}"
 
 
 class OursBench:
@@ -277,10 +283,13 @@ class OursBench:
         self.built: dict[int, _Built] = {}
         for n_layers in (layers, 1):
             spec = bench_spec(full, tp, kind, n_layers)
-            adapter = _ShapedAdapter(base, spec)
+            adapter = ShapedAdapter(base, spec)
+            # plans made for the stand-in communicator (its all-reduce sites are then rebound to the one-rank
+            # kernel: exclude_communication); the program refuses a plan its communicator cannot run
+            comm = ExcludedCommunicator(tp) if tp > 1 else None
             plans = {}
             for b in self.batches:
-                plan = build_plan(adapter, reg.implementations, hw, tp=tp, batch=b, dtype="bfloat16")
+                plan = build_plan(adapter, reg.implementations, hw, tp=tp, batch=b, dtype="bfloat16", comm=comm)
                 plans[plan.bucket] = plan
             weights = bench_weights(spec, device, seed=seed + n_layers, tp=tp)
             cache = KimiK3Cache.for_sequences(spec.shard(tp), max(self.batches), max_len, block_size=block,
@@ -288,7 +297,6 @@ class OursBench:
             for t in cache.tensors():  # a live state, not zeros
                 t.normal_(0.0, 0.05)
             trace = Trace()
-            comm = ExcludedCommunicator(tp) if tp > 1 else None
             program = KimiK3Program(spec, weights, plans, cache, trace=trace, comm=comm, weights_sharded=True)
             del weights  # the program holds the arranged (stacked) copies
             excluded = exclude_communication(program) if tp > 1 else 0
@@ -332,11 +340,11 @@ class OursBench:
     def _record_routing(built: _Built, kind: str) -> None:
         # Instrument the router site of every bucket: while ``recording`` (an eager step outside the
         # timed graphs) its expert ids are copied out, so the roofline can count distinct experts.
-        site = f"{kind}+moe/moe.router"
-        for ops in built.program._ops.values():  # the program's bound op table (same package)
-            fn = ops.get(site)
-            if fn is None:
-                continue
+        router = f"{kind}+moe/moe.router"
+
+        def hook(site: str, bucket: int, fn: Callable[..., Any]) -> Callable[..., Any]:
+            if site != router:
+                return fn
 
             def wrapped(*args: Any, _fn=fn, **kw: Any):
                 out = _fn(*args, **kw)
@@ -344,7 +352,9 @@ class OursBench:
                     built.recorded.append(out[1].detach().clone())
                 return out
 
-            ops[site] = wrapped
+            return wrapped
+
+        built.program.op_table.wrap(hook)
 
     def variants(self, batch: int, context: int | None = None) -> tuple[ProgramVariant, ProgramVariant]:
         """(K-layer, 1-layer) variants at ``batch`` (MLA: ``context`` cached tokens per sequence)."""

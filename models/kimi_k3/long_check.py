@@ -102,7 +102,7 @@ def teacher_forced(batch: int, steps: int, *, device: str = "cuda", seed: int = 
     from latency_specialized.runtime.gate import StepState
     from latency_specialized.trace import Trace
 
-    from latency_specialized_models.kimi_k3.graphed import _ShapedAdapter, make_runner
+    from latency_specialized_models.kimi_k3.graphed import ShapedAdapter, make_runner
     from latency_specialized_models.kimi_k3.program import KimiK3Program
 
     t0 = time.perf_counter()
@@ -113,7 +113,7 @@ def teacher_forced(batch: int, steps: int, *, device: str = "cuda", seed: int = 
         _, _, ref32, cache32, _, _ = _setup(**kw, fp32=True)
     reg = get_registry()
     hw = hardware.probe() if device == "cuda" else hardware.for_arch("cpu")
-    plan = build_plan(_ShapedAdapter(reg.adapter("kimi_k3"), spec), reg.implementations, hw, tp=1, batch=batch,
+    plan = build_plan(ShapedAdapter(reg.adapter("kimi_k3"), spec), reg.implementations, hw, tp=1, batch=batch,
                       dtype="bfloat16")
     trace = Trace()
     program = KimiK3Program(spec, w, plan, cache.clone(), trace=trace)

@@ -52,6 +52,8 @@ import torch
 from latency_specialized.errors import UserError
 from latency_specialized.ops.plan import Plan
 from latency_specialized.ops.tp_moe import gather_parts, shard_range
+from latency_specialized.runtime.communicators import SiteCommunicators
+from latency_specialized.runtime.program import DictOpTable
 from latency_specialized.runtime.side_stream import SideStream
 from latency_specialized.spec import DenseMLPSpec, KDAAttentionSpec, MLAAttentionSpec, MoESpec
 from latency_specialized.trace import Trace
@@ -266,6 +268,12 @@ class KimiK3Program:
         # The router GEMM runs beside the latent down-projection (both read only the normed h), on a
         # higher-priority stream: it leads to the router and the experts, the critical path.
         self.router_side = SideStream(dev, priority=-1) if dev.type == "cuda" else None
+        # Last (it may allocate peer-mapped memory): the communicator of every all-reduce site - ``comm``
+        # where the plan's implementation runs on it, else a symmetric-memory workspace (CUDA IPC) built
+        # over comm's process group where the plan picked a fused kernel; a site no communicator here can
+        # serve fails the build, naming the fix. Collective: every rank builds the same plans.
+        self.site_comms = SiteCommunicators(plans, comm, dev)
+        """(bucket, site) -> communicator of the all-reduce sites; ``close()`` releases what it built."""
 
     def _counted(self, site: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         calls = self.calls
@@ -276,6 +284,12 @@ class KimiK3Program:
 
         return call
 
+    @property
+    def op_table(self) -> DictOpTable:
+        """The bound ops, bucket -> site -> callable: census, benches and recorders instrument them through
+        ``op_table.wrap(hook)`` (``hook(site, bucket, fn) -> fn``), never through this program's members."""
+        return DictOpTable(self._ops)
+
     # ------------------------------------------------------------------ DecodeProgram protocol
     def prepare(self, bucket: int) -> None:
         """Warm every implementation of the bucket's plan (compile hooks) before any capture."""
@@ -285,6 +299,11 @@ class KimiK3Program:
         for c in plan.choices:
             if c.impl is not None and c.impl.prepare is not None:
                 c.impl.prepare(c.site.ctx)
+
+    def close(self) -> None:
+        """Release the communication workspaces this program built (collective: every rank calls it, after
+        its last step). The program cannot step afterwards."""
+        self.site_comms.close()
 
     def state_tensors(self) -> Sequence[torch.Tensor]:
         return self.cache.tensors()
@@ -316,14 +335,16 @@ class KimiK3Program:
             else:
                 a = self._mla(ops, kind, i, layer.attention, L.attn, h, meta)
             # the sum goes straight back into the partial-block source (residual_out aliases residual)
-            ops[f"{kind}/attn.allreduce"](a, src[k + 1], None, eps, comm=self.comm, out=(None, src[k + 1]))
+            ops[f"{kind}/attn.allreduce"](a, src[k + 1], None, eps, comm=self.site_comms(b, f"{kind}/attn.allreduce"),
+                                          out=(None, src[k + 1]))
             h = ops[f"{kind}/ffn.attnres"](src, k + 2, L.mlp_res_norm, L.mlp_res_query, eps,
                                            out_norm_weight=L.post_norm, out_eps=eps)
             if isinstance(layer.ffn, DenseMLPSpec):
                 m = ops[f"{kind}/mlp"](h, L.ffn["gate_up"], L.ffn["down"], layer.ffn.activation)
             else:
                 m = self._moe(ops, kind, layer.ffn, L.ffn, h)
-            ops[f"{kind}/ffn.allreduce"](m, src[k + 1], None, eps, comm=self.comm, out=(None, src[k + 1]))
+            ops[f"{kind}/ffn.allreduce"](m, src[k + 1], None, eps, comm=self.site_comms(b, f"{kind}/ffn.allreduce"),
+                                         out=(None, src[k + 1]))
         h = ops["final.attnres"](src, spec.attnres_rows, self.final["norm"], self.final["query"], eps)
         h = ops["final_norm"](h, self.final["out"], eps)
         logits = ops["lm_head"](h, self.head)
@@ -432,7 +453,7 @@ class KimiK3Program:
         y = ops[f"{kind}/moe.experts"](x, weights, ids, w["w13"], w["w2"], f.activation)  # partial at TP > 1
         # all-reduce of the experts' partial latent, fused with the latent RMSNorm (no residual: zeros)
         normed, y = ops[f"{kind}/moe.latent_allreduce"](y, self.zeros[:b, :y.shape[-1]], w.get("latent_norm"), eps,
-                                                         comm=self.comm)
+                                                         comm=self.site_comms(b, f"{kind}/moe.latent_allreduce"))
         y = y if normed is None else normed
         if pending is not None:
             shared = pending.join()

@@ -87,4 +87,4 @@ class VllmMoEAdapter(ModelAdapter):
     def vllm_binding(self) -> Any:
         from latency_specialized_models.vllm_moe.vllm import VllmMoEBinding
 
-        return VllmMoEBinding()
+        return VllmMoEBinding(self)

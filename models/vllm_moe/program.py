@@ -25,8 +25,8 @@ from typing import Any, Callable
 import torch
 
 from latency_specialized.comm.base import Communicator, LocalCommunicator
+from latency_specialized.runtime.vllm_binding import SiteTable
 from latency_specialized.spec import ActivationSpec, RouterSpec
-from latency_specialized.vllm.binding import SiteTable
 
 _LOCAL = LocalCommunicator()
 

@@ -23,11 +23,10 @@ from typing import Any
 import torch
 
 from latency_specialized.adapter import ModelAdapter
+from latency_specialized.runtime.vllm_binding import BindContext, SiteTable
+from latency_specialized.runtime.vllm_weights import expert_weights, linear_weight
 from latency_specialized.spec import ActivationSpec, RouterSpec
-from latency_specialized.vllm.binding import BindContext, SiteTable
-from latency_specialized.vllm.weights import expert_weights, linear_weight
 
-from latency_specialized_models.vllm_moe.adapter import VllmMoEAdapter
 from latency_specialized_models.vllm_moe.program import (Attention, DenseMLP, Layer, Linear, MoE, Norm,
                                                          VllmMoEProgram, kind_of)
 
@@ -159,10 +158,16 @@ def bind_layers(model: Any, tp: int) -> tuple[list[Layer], Norm]:
 
 
 class VllmMoEBinding:
-    """:class:`latency_specialized.vllm.binding.VllmBinding` of the generic MoE adapter."""
+    """:class:`latency_specialized.runtime.vllm_binding.VllmBinding` of the generic MoE adapter.
+
+    ``adapter``: the VllmMoEAdapter that made it (its ``for_config`` gives the plan's adapter; the
+    binding does not import the adapter module, which imports this one)."""
+
+    def __init__(self, adapter: Any):
+        self.adapter = adapter
 
     def plan_adapter(self, ctx: BindContext) -> ModelAdapter:
-        return VllmMoEAdapter.for_config(ctx.vllm_config.model_config.hf_text_config)
+        return self.adapter.for_config(ctx.vllm_config.model_config.hf_text_config)
 
     def problems(self, ctx: BindContext) -> list[str]:
         out = []

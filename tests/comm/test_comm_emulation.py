@@ -18,11 +18,13 @@ from latency_specialized.comm.worlds import WorldError, run_world
 import comm_worlds as cw
 
 WORLD_SIZES = (2, 4, 8)
+PRELOAD = ("latency_specialized.ops.allreduce", "latency_specialized.ops.tp_moe")
+"""Op modules the world bodies use: imported once by the fork server (comm's own list names none)."""
 
 
 @functools.cache
 def world(world_size: int) -> list[dict]:
-    return run_world(cw.all_checks, world_size, 17 + world_size, timeout=240)
+    return run_world(cw.all_checks, world_size, 17 + world_size, timeout=240, preload=PRELOAD)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -68,7 +70,7 @@ def test_spawn_start_method_works():
 
 def test_failing_rank_fails_the_world():
     with pytest.raises(WorldError, match="rank 0 raised"):
-        run_world(_raise_on_rank0, 2, timeout=60)
+        run_world(_raise_on_rank0, 2, timeout=60, preload=PRELOAD)
 
 
 def _raise_on_rank0(rank, world_size):

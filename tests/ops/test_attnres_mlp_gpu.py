@@ -62,6 +62,21 @@ def test_attnres_matches_reference(rows, m, max_m, n, s, out_norm, dtype, cluste
     assert torch.equal(out, eager)
 
 
+def _mlp_inner(m: int, k: int, inter: int, n: int | None = None) -> dict:
+    """The gemms the planner gives ``mlp.cutedsl_fused`` for (M, K, I) on sm_90 (what a plan binds)."""
+    from latency_specialized.ops.registry import make_context
+    from latency_specialized.plugins import get_registry
+
+    reg = get_registry().implementations
+    ctx = make_context("mlp", arch="sm_90", dtype="bfloat16", tokens=m, dims={"N": inter, "K": k})
+    inner = {role: chosen for role, _, chosen, _ in reg.inner_choices(reg.get("mlp.cutedsl_fused"), ctx)}
+    if n is not None and n != k:  # the family allows an output width other than the hidden size (no site has one)
+        down = make_context("gemm", arch="sm_90", dtype="bfloat16", tokens=m, dims={"N": n, "K": inter},
+                            attrs={"residual": False})
+        inner["down"] = reg.select(down, allow_reference=False)[0]
+    return inner
+
+
 MLP_CASES = [  # (M, K, I, N, activation)
     (1, 7168, 768, 7168, ActivationSpec(kind="situ_glu", beta=4, beta_lin=25)),
     # M=2: the Kimi TP8 shared expert's shape at batch 2 (small-M gate/up + activation kernel)
@@ -83,14 +98,15 @@ def test_fused_mlp_matches_reference(m, k, inter, n, act):
     wd = (torch.randn(n, inter, device=DEV, generator=g) * inter ** -0.5).to(torch.bfloat16)
     ref = mlp_reference(x, wgu, wd, act)
     out = torch.full((m, n), float("nan"), device=DEV, dtype=torch.bfloat16)
-    mlp_fused(x, wgu, wd, act, out=out)
+    inner = _mlp_inner(m, k, inter, n)
+    mlp_fused(x, wgu, wd, act, out=out, inner=inner)
     torch.cuda.synchronize()
     assert not out.isnan().any()
     # bf16 at two roundings (gate/up output, intermediate) whose 1-ulp flips the down GEMM sums up
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
     eager = out.clone()
     out.fill_(float("nan"))
-    _graph_replay(lambda: mlp_fused(x, wgu, wd, act, out=out))
+    _graph_replay(lambda: mlp_fused(x, wgu, wd, act, out=out, inner=inner))
     assert torch.equal(out, eager)
 
 
@@ -152,18 +168,19 @@ def test_fused_mlp_preferred_glu_matches_reference(m, monkeypatch):
 
     act = ActivationSpec(kind="situ_glu", beta=4, beta_lin=25)
     monkeypatch.setattr(F, "GLU_PREFERRED_MAX_M", 4)
-    assert F.chosen_gemms(m, 7168, 768, 7168, "sm_90", "bfloat16")[0] == "gemm.cutedsl_gemv+glu"
+    inner = _mlp_inner(m, 7168, 768)
+    assert F.glu_fused(inner["gate_up"].name, "bfloat16", m, 7168)
     g = _gen(f"mlpglu{m}")
     x = torch.randn(m, 7168, device=DEV, generator=g).to(torch.bfloat16)
     wgu = (torch.randn(2 * 768, 7168, device=DEV, generator=g) * 7168 ** -0.5 * 3).to(torch.bfloat16)
     wd = (torch.randn(7168, 768, device=DEV, generator=g) * 768 ** -0.5).to(torch.bfloat16)
     ref = mlp_reference(x, wgu, wd, act)
     out = torch.full((m, 7168), float("nan"), device=DEV, dtype=torch.bfloat16)
-    F.mlp_fused(x, wgu, wd, act, out=out)
+    F.mlp_fused(x, wgu, wd, act, out=out, inner=inner)
     torch.cuda.synchronize()
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
     eager = out.clone()
     out.fill_(float("nan"))
-    _graph_replay(lambda: F.mlp_fused(x, wgu, wd, act, out=out))
+    _graph_replay(lambda: F.mlp_fused(x, wgu, wd, act, out=out, inner=inner))
     assert torch.equal(out, eager)

@@ -93,9 +93,9 @@ def test_gemv_k_split_streams_a_part_of_k_per_warp(sm90):
 def test_gemv_glu_epilogue_streams_gate_and_up_rows(sm90):
     """GLU mode: two weight rows per output row, bf16-rounded sums, the activation, one bf16 store."""
     from latency_specialized.kernels.gemm_gemv import GemvConfig, compile_gemv
-    from latency_specialized.kernels.mlp_fused import _ActVariant
+    from latency_specialized.kernels.gated_act import ActVariant
 
-    var = _ActVariant(256, "bfloat16", "situ_glu", beta=4.0, beta_lin=25.0)
+    var = ActVariant(256, "bfloat16", "situ_glu", beta=4.0, beta_lin=25.0)
     p = _ptx(compile_gemv(7168, 1, GemvConfig(), False, glu=var))
     assert p.count(WEIGHT_LOAD) == 2 * 7168 // 8 // 32
     assert "cvt.rn.bf16x2.f32" in p and "ex2.approx" in p and p.count("st.global.b16") == 1
@@ -184,16 +184,16 @@ def test_splitk_compiles_to_cluster_dsmem_reduction(sm90):
 
 @needs_cute
 def test_rmsnorm_variants_compile(sm90):
-    from latency_specialized.kernels.rmsnorm import NormConfig, _Variant, compile_norm
+    from latency_specialized.kernels.rmsnorm import NormConfig, NormVariant, compile_norm
 
-    block = _ptx(compile_norm(_Variant(7168, "bfloat16", True, True, False, False, True), NormConfig(cluster=2)))
+    block = _ptx(compile_norm(NormVariant(7168, "bfloat16", True, True, False, False, True), NormConfig(cluster=2)))
     assert WEIGHT_LOAD in block and "ld.global.nc.v4.b32" in block and "st.global.v4.b32" in block
     assert "st.shared::cluster.f32" in block and "barrier.cluster" in block and "rsqrt.approx" in block
     assert "cvt.rn.bf16x2.f32" in block                     # h rounded to bf16 before the norm
     assert block.index("griddepcontrol.wait") > block.index(WEIGHT_LOAD)  # weights before the PDL wait
-    gated = _ptx(compile_norm(_Variant(128, "bfloat16", False, True, False, True, True), NormConfig()))
+    gated = _ptx(compile_norm(NormVariant(128, "bfloat16", False, True, False, True, True), NormConfig()))
     assert "ex2.approx" in gated and "bar.sync" not in gated  # warp mode: shuffles only
-    fp32 = _ptx(compile_norm(_Variant(512, "float32", True, True, True, False, True), NormConfig()))
+    fp32 = _ptx(compile_norm(NormVariant(512, "float32", True, True, True, False, True), NormConfig()))
     assert "cvt.rn.bf16x2" not in fp32 and "st.global.v4.b32" in fp32
 
 
@@ -202,16 +202,16 @@ def test_rmsnorm_strided_x_variant_compiles(sm90):
     """Strided x rows (column slices of the fused MLA projection): a separate variant reading the
     row stride from x's runtime layout; the contiguous variant keeps its compile key."""
     from latency_specialized.kernels import compile_cache
-    from latency_specialized.kernels.rmsnorm import NAME, NormConfig, _Variant, compile_norm
+    from latency_specialized.kernels.rmsnorm import NAME, NormConfig, NormVariant, compile_norm
 
-    cases = [(_Variant(512, "bfloat16", False, True, False, False, True, strided_x=True), NormConfig()),   # warp
-             (_Variant(1536, "bfloat16", False, True, False, False, True, strided_x=True), NormConfig()),  # block
-             (_Variant(7168, "bfloat16", True, True, False, False, True, strided_x=True), NormConfig(cluster=2))]
+    cases = [(NormVariant(512, "bfloat16", False, True, False, False, True, strided_x=True), NormConfig()),   # warp
+             (NormVariant(1536, "bfloat16", False, True, False, False, True, strided_x=True), NormConfig()),  # block
+             (NormVariant(7168, "bfloat16", True, True, False, False, True, strided_x=True), NormConfig(cluster=2))]
     for var, cfg in cases:
         p = _ptx(compile_norm(var, cfg))
         assert "_param_0[24]" in p and "_param_0+16]" in p  # x: pointer, M, dynamic row stride
         assert "ld.global.nc.v4.b32" in p and "st.global.v4.b32" in p
-    contiguous = _ptx(compile_norm(_Variant(512, "bfloat16", False, True, False, False, True), NormConfig()))
+    contiguous = _ptx(compile_norm(NormVariant(512, "bfloat16", False, True, False, False, True), NormConfig()))
     assert "_param_0[16]" in contiguous and "_param_0+16]" not in contiguous
     keys = [k for k in compile_cache._CACHE if k[0] == NAME]
     assert any(("strided_x", True) in k for k in keys)
@@ -429,7 +429,7 @@ def test_bench_registry_and_markdown():
         return []
 
     ops_bench.register_cases("unit_test_family")(cases)      # idempotent
-    assert len(ops_bench._CASES["unit_test_family"]) == 1
+    assert len(ops_bench.CASES["unit_test_family"]) == 1
     row = {"op": "o", "shape": {"N": 1}, "m": 1, "bytes": 4.3e6, "floor_us": 1.0, "baseline": "cublas",
            "variants": {"cublas": {"us": 2.0, "roofline": 0.5}, "k[a]": {"us": 1.25, "roofline": 0.8},
                         "k[b]": {"error": "boom"}}}

@@ -30,7 +30,7 @@ def _sm90a(monkeypatch):
 def test_attnres_compiles_one_pass(sources, out_norm):
     from latency_specialized.kernels import attnres as A
 
-    ptx = ptx_of(A.compile_attnres(A._Variant(7168, "bfloat16", sources, out_norm)))
+    ptx = ptx_of(A.compile_attnres(A.AttnResVariant(7168, "bfloat16", sources, out_norm)))
     assert ptx is not None and ".target sm_90a" in ptx
     # 16-byte vectors: every source once (twice beyond 4: the mix pass re-reads them from L1 rather
     # than spill), plus 2-3 weight vectors; one 16-byte store
@@ -48,7 +48,7 @@ def test_attnres_cluster_compiles(sources, out_norm, cluster):
     through DSMEM (mapa + st.shared::cluster) between cluster barriers."""
     from latency_specialized.kernels import attnres as A
 
-    var = A._Variant(7168, "bfloat16", sources, out_norm, cluster=cluster)
+    var = A.AttnResVariant(7168, "bfloat16", sources, out_norm, cluster=cluster)
     ptx = ptx_of(A.compile_attnres(var))
     assert ptx is not None and ".target sm_90a" in ptx
     threads = 7168 // 8 // cluster
@@ -113,10 +113,17 @@ def test_attnres_supports_reasons():
 
 
 def test_mlp_gemm_choice_never_reference():
-    from latency_specialized.kernels.mlp_fused import chosen_gemms
+    """The fused MLP's two gemms are inner op calls the planner resolves, never the reference."""
+    from latency_specialized.plugins import get_registry
 
+    reg = get_registry().implementations
+    impl = reg.get("mlp.cutedsl_fused")
     for m in (1, 4, 64):
-        names = chosen_gemms(m, 7168, 768, 7168, "sm_90", "bfloat16")
+        ctx = make_context("mlp", arch="sm_90", dtype="bfloat16", tokens=m, dims={"N": 768, "K": 7168})
+        got = reg.inner_choices(impl, ctx)
+        assert [role for role, *_ in got] == ["gate_up", "down"]
+        assert [(c.dim("N"), c.dim("K"), c.tokens) for _, c, _, _ in got] == [(1536, 7168, m), (7168, 768, m)]
+        names = [chosen.name for _, _, chosen, _ in got]
         assert all(n.startswith("gemm.") and n != "gemm.reference" for n in names), names
 
 
@@ -143,14 +150,20 @@ def test_plan_serves_kimi_attnres_and_shared_expert_on_gpu_kernels():
     from latency_specialized import hardware
     from latency_specialized.ops.plan import build_plan
     from latency_specialized.plugins import get_registry
-    from latency_specialized_models.kimi_k3.graphed import _ShapedAdapter, bench_spec
+    from latency_specialized_models.kimi_k3.graphed import ShapedAdapter, bench_spec
 
     if cute_available() is not True:
         pytest.skip("nvidia-cutlass-dsl not installed")
     reg = get_registry()
     base = reg.adapter("kimi_k3")
-    adapter = _ShapedAdapter(base, bench_spec(base.spec("full"), 8, "kda", 2))
+    adapter = ShapedAdapter(base, bench_spec(base.spec("full"), 8, "kda", 2))
     plan = build_plan(adapter, reg.implementations, hardware.for_arch("sm_90"), tp=8, batch=4, dtype="bfloat16")
     picked = {c.site.name.split("/")[-1]: c.impl.name for c in plan.choices}
     assert picked["attn.attnres"] == picked["ffn.attnres"] == picked["final.attnres"] == "residual.cutedsl_attnres"
     assert picked["moe.shared"] == "mlp.cutedsl_fused"
+    # its gemms are the plan's (shown by explain, bound into the callable), not chosen by the kernel
+    shared = next(c for c in plan.choices if c.site.name.endswith("moe.shared"))
+    inner = {role: c.impl for role, c in shared.inner}
+    assert set(inner) == {"gate_up", "down"} and all(not i.is_reference for i in inner.values())
+    assert plan.impl(shared.site.name).keywords["inner"] == inner
+    assert "inside: gate_up" in plan.to_text() and plan.to_dict()["sites"][plan.choices.index(shared)]["inner"]

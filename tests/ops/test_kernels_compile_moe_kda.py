@@ -91,8 +91,8 @@ def test_experts_batch1_compiles_with_vector_loads():
     from latency_specialized.kernels import moe_experts as me
 
     cfg = me.make_config(1, 3584, 384, 3584, 16, torch.bfloat16, torch.int64, SITU)
-    gu = me.ptx_of(me._compile_gate_up(cfg))
-    dn = me.ptx_of(me._compile_down(cfg))
+    gu = me.ptx_of(me.compile_gate_up(cfg))
+    dn = me.ptx_of(me.compile_down(cfg))
     rows_per_warp = cfg.gu_rows // cfg.gu_warps
     # gate + up rows: K/256 16-byte loads per lane each, all issued before the first use
     assert _count(gu, r"ld\.global[\w.:]*\.v4") >= 2 * (3584 // 256) * rows_per_warp
@@ -113,8 +113,8 @@ def test_experts_multi_token_compiles_with_leader_search():
     from latency_specialized.kernels import moe_experts as me
 
     cfg = me.make_config(8, 512, 128, 256, 4, torch.bfloat16, torch.int32, ActivationSpec(kind="swiglu", clamp=7.0))
-    gu = me.ptx_of(me._compile_gate_up(cfg))
-    dn = me.ptx_of(me._compile_down(cfg))
+    gu = me.ptx_of(me.compile_gate_up(cfg))
+    dn = me.ptx_of(me.compile_down(cfg))
     assert "vote.sync.ballot" in gu and "popc" in gu  # experts shared by tokens are found and read once
     assert "griddepcontrol.launch_dependents" in dn  # the next kernel may launch early (dn_trigger)
     assert "bar.sync" in gu

@@ -9,6 +9,7 @@ import torch
 from latency_specialized.bench import report
 from latency_specialized.bench.layer_bench import Measured, add_kernel_split, per_layer
 from latency_specialized.runtime.census import KernelCensus, is_communication, split_communication
+from latency_specialized.runtime.program import DictOpTable
 
 
 class FakeDriver:
@@ -61,14 +62,16 @@ def test_instrument_wraps_every_bound_op_and_sets_program_census():
     drv = FakeDriver()
     drv.capture_id = 1
 
+    ops = {1: {"a": _op(drv, 1), "b.allreduce": _op(drv, 1)}, 4: {"a": _op(drv, 5)}}
+
     class Prog:
         census = None
-        _ops = {1: {"a": _op(drv, 1), "b.allreduce": _op(drv, 1)}, 4: {"a": _op(drv, 5)}}
+        op_table = DictOpTable(ops)
 
     p = Prog()
     census = KernelCensus(driver=drv)
     assert census.instrument(p) == 3 and p.census is census
-    p._ops[1]["a"](), p._ops[1]["b.allreduce"](), p._ops[4]["a"]()
+    ops[1]["a"](), ops[1]["b.allreduce"](), ops[4]["a"]()
     assert census.kernels(1) == {"a": 1, "b.allreduce": 1} and census.kernels(4) == {"a": 5}
 
 
@@ -117,12 +120,12 @@ class FakeCuda:
 
 def test_node_count_of_an_empty_graph_under_capture_and_by_type():
     from latency_specialized.runtime.census import _Driver
-    from latency_specialized.runtime.graph_runner import _count_nodes
+    from latency_specialized.runtime.graph_runner import count_nodes
 
     counts: dict[str, int] = {}
-    _count_nodes(FakeCuda([]), 1, counts)  # the first site of a capture sees an empty graph
+    count_nodes(FakeCuda([]), 1, counts)  # the first site of a capture sees an empty graph
     assert counts == {}
-    _count_nodes(FakeCuda([0, 1, 0, 7]), 1, counts)
+    count_nodes(FakeCuda([0, 1, 0, 7]), 1, counts)
     assert counts == {"kernel": 2, "memcpy": 1, "event_record": 1}
     drv = _Driver.__new__(_Driver)  # the census's shim over the same walk
     drv._lib = FakeCuda([0, 2, 0])

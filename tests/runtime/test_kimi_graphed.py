@@ -57,16 +57,16 @@ def _program(device: str, batch: int, seed: int, rank_shapes: bool = False, *, t
     references, and moe.experts.reference syncs). Else the tiny model at ``tp`` over ``comm``, its plan
     passed through ``edit_plan`` when given."""
     from latency_specialized_models.kimi_k3.cache import KimiK3Cache
-    from latency_specialized_models.kimi_k3.graphed import _ShapedAdapter
+    from latency_specialized_models.kimi_k3.graphed import ShapedAdapter
 
     reg = get_registry()
     hw = hardware.probe() if device == "cuda" else hardware.for_arch("cpu")
     if rank_shapes:
         spec = bench_spec(full_spec(), 8, "kda", 1, vocab=512)
-        adapter = _ShapedAdapter(reg.adapter("kimi_k3"), spec)
-        plan = build_plan(adapter, reg.implementations, hw, tp=8, batch=batch)
-        w = bench_weights(spec, torch.device(device), seed=seed, tp=8)
+        adapter = ShapedAdapter(reg.adapter("kimi_k3"), spec)
         comm = ExcludedCommunicator(8)
+        plan = build_plan(adapter, reg.implementations, hw, tp=8, batch=batch, comm=comm)
+        w = bench_weights(spec, torch.device(device), seed=seed, tp=8)
     else:
         spec = tiny_spec()
         plan = build_plan(reg.adapter("kimi_k3"), reg.implementations, hw, tp=tp, batch=batch, variant="tiny")

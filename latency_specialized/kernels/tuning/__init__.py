@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from latency_specialized.ops.registry import OpContext, Support
+from latency_specialized.contract import OpContext, Support
 
 M_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 """Token counts the table is measured at; a call with M tokens uses the smallest bucket >= M."""

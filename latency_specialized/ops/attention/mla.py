@@ -27,9 +27,13 @@ from typing import NamedTuple
 
 import torch
 
-from latency_specialized.errors import UserError
-from latency_specialized.ops.norm import rmsnorm_reference
+# helpers every MLA implementation shares (these torch ones and the Triton kernel): kernel layer, re-exported
+from latency_specialized.kernels.mla_common import (check_kv_norm, finish_output, latent_widths, normed_latent,
+                                                    write_new_latents)
 from latency_specialized.ops.registry import Implementation, always
+
+__all__ = ["IMPLEMENTATIONS", "check_kv_norm", "latent_widths", "mla_decode_paged", "mla_decode_reference",
+           "normed_latent"]
 
 
 class _Absorbed(NamedTuple):
@@ -43,44 +47,6 @@ class _Absorbed(NamedTuple):
     scale: float
 
 
-def latent_widths(q: torch.Tensor, kv_c: torch.Tensor, kv_cache: torch.Tensor, nope: int) -> tuple[int, int]:
-    """(L, R): kv_lora and rope widths of a call, checked against the cache (every MLA implementation)."""
-    L, R = kv_c.shape[-1], q.shape[-1] - nope
-    if kv_cache.shape[-1] != L + R:
-        raise ValueError(f"kv_cache width {kv_cache.shape[-1]} != kv_lora {L} + rope {R}")
-    return L, R
-
-
-def check_kv_norm(q: torch.Tensor, kv_c: torch.Tensor, kv_norm_weight: torch.Tensor) -> None:
-    """Shape/dtype checks of the fused kv_a RMSNorm (every MLA implementation; host metadata only).
-
-    The normed latent is rounded to ``kv_c``'s dtype by the reference and to the activation dtype by the
-    kernels, so both must be q's; the weight is [L] in that dtype too (the model's kv_a_layernorm)."""
-    L = kv_c.shape[-1]
-    if kv_c.dtype != q.dtype:
-        raise UserError(f"attention.mla: with kv_norm_weight the raw latent kv_c must be in q's dtype {q.dtype} "
-                        f"(got {kv_c.dtype}): pass the kv_a projection's output slice as is")
-    if kv_norm_weight.shape != (L,):
-        raise UserError(f"attention.mla: kv_norm_weight has shape {tuple(kv_norm_weight.shape)}, needs [{L}] "
-                        f"(kv_lora, the width of kv_c): pass the layer's kv_a_layernorm weight")
-    if kv_norm_weight.dtype != q.dtype:
-        raise UserError(f"attention.mla: kv_norm_weight dtype {kv_norm_weight.dtype} != q dtype {q.dtype}: "
-                        f"cast the kv_a_layernorm weight to the activation dtype once, at load")
-    if kv_norm_weight.device != kv_c.device:
-        raise UserError(f"attention.mla: kv_norm_weight is on {kv_norm_weight.device}, kv_c on {kv_c.device}: "
-                        "move the weight with the model")
-
-
-def normed_latent(q: torch.Tensor, kv_c: torch.Tensor, kv_norm_weight: torch.Tensor | None,
-                  kv_norm_eps: float) -> torch.Tensor:
-    """``kv_c`` itself without a norm weight, else its RMSNorm by the norm family's reference (the
-    contract's step 0: a torch composition of the fused norm, shared by the torch implementations)."""
-    if kv_norm_weight is None:
-        return kv_c
-    check_kv_norm(q, kv_c, kv_norm_weight)
-    return rmsnorm_reference(kv_c, kv_norm_weight, kv_norm_eps)
-
-
 def _absorb(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, w_kv_b: torch.Tensor,
             nope: int, v: int, scale: float | None) -> _Absorbed:
     """Shape checks and the absorbed query, shared by the MLA implementations (steps 1-2 of the contract)."""
@@ -91,17 +57,6 @@ def _absorb(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: t
     q_lat = torch.einsum("bhn,hnl->bhl", q[..., :nope].float(), w_uk)      # [B, H, L]
     return _Absorbed(L, v, kv_cache.view(-1, L + R), torch.cat([kv_c, k_pe], dim=-1).to(kv_cache.dtype), q_lat,
                      q[..., nope:].float(), w_uv, qk ** -0.5 if scale is None else scale)
-
-
-def _finish(o: torch.Tensor, gate: torch.Tensor | None, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
-    """Output gate, the one rounding, optional destination (step 4 of the contract)."""
-    if gate is not None:
-        o = o * torch.sigmoid(gate.float())
-    y = o.to(dtype)
-    if out is not None:
-        out.copy_(y)
-        return out
-    return y
 
 
 def mla_decode_reference(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -155,24 +110,7 @@ def mla_decode_reference(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
         s = (q_lat[b] @ ctx[:, :L].t() + q_pe[b] @ ctx[:, L:].t()) * scale  # [H, n]
         o_lat = torch.softmax(s, dim=-1) @ ctx[:, :L]                # [H, L]
         o[b] = torch.einsum("hl,hvl->hv", o_lat, w_uv)
-    return _finish(o.reshape(B, H * v), gate, q.dtype, out)
-
-
-def _write_new_latents(flat: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """``flat[slot_mapping[b]] = new[b]`` for slots >= 0, without a host sync.
-
-    Boolean-mask indexing would read the mask on the host. Instead every padding row (slot < 0) is
-    pointed at the first live row's slot *with that row's value*: duplicate indices of one
-    ``index_put_`` then carry identical values, so the result is deterministic. With no live row
-    at all, every row rewrites slot 0 with its current value (a no-op)."""
-    slots = slot_mapping.long()
-    live = slots >= 0
-    # first live row (0 if none); index_select, not t[first]: a 0-d tensor index reads it on the host
-    first = torch.argmax(live.to(torch.int32)).view(1)
-    any_live = live.any()
-    target = torch.where(live, slots, slots.index_select(0, first).clamp(min=0))
-    filler = torch.where(any_live, new.index_select(0, first)[0], flat[0])          # [L + R]
-    flat.index_put_((target,), torch.where(live.unsqueeze(-1), new, filler))
+    return finish_output(o.reshape(B, H * v), gate, q.dtype, out)
 
 
 def mla_decode_paged(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -194,7 +132,7 @@ def mla_decode_paged(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv
     a = _absorb(q, kv_c, k_pe, kv_cache, w_kv_b, qk_nope_head_dim, v_head_dim, scale)
     L, v, flat, q_lat, q_pe, w_uv, scale = a.L, a.v, a.flat, a.q_lat, a.q_pe, a.w_uv, a.scale
     block = kv_cache.shape[1]
-    _write_new_latents(flat, a.new, slot_mapping)
+    write_new_latents(flat, a.new, slot_mapping)
     n_max = block_table.shape[1] * block
     pos = torch.arange(n_max, device=q.device)
     # blocks past a sequence's end may hold any id (or -1): clamp to a valid row, masked below
@@ -208,7 +146,7 @@ def mla_decode_paged(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv
     # a padding row (seq_lens == 0) has no valid position: softmax is NaN there; its output is 0
     p = torch.where(valid.any(-1).view(B, 1, 1), torch.softmax(s, dim=-1), 0.0)
     o_lat = torch.einsum("bht,btl->bhl", p, ctx[..., :L])
-    return _finish(torch.einsum("bhl,hvl->bhv", o_lat, w_uv).reshape(B, H * v), gate, q.dtype, out)
+    return finish_output(torch.einsum("bhl,hvl->bhv", o_lat, w_uv).reshape(B, H * v), gate, q.dtype, out)
 
 
 def _paged_supports(ctx) -> bool | str:

@@ -52,13 +52,13 @@ def test_medium_model_whole_step_replays_from_one_cuda_graph(batch):
     from latency_specialized.runtime.gate import StepState
     from latency_specialized.trace import Trace
 
-    from latency_specialized_models.kimi_k3.graphed import _ShapedAdapter, make_runner
+    from latency_specialized_models.kimi_k3.graphed import ShapedAdapter, make_runner
     from latency_specialized_models.kimi_k3.long_check import _setup
     from latency_specialized_models.kimi_k3.program import KimiK3Program
 
     spec, w, ref, cache, lens, stream = _setup(batch, 6, device="cuda", seed=0, prompt=12, router_scale=0.0)
     reg = get_registry()
-    plan = build_plan(_ShapedAdapter(reg.adapter("kimi_k3"), spec), reg.implementations, hardware.probe(), tp=1,
+    plan = build_plan(ShapedAdapter(reg.adapter("kimi_k3"), spec), reg.implementations, hardware.probe(), tp=1,
                       batch=batch, dtype="bfloat16")
     mla = {c.impl.name for c in plan.choices if c.site.family == "attention.mla"}
     assert mla and "attention.mla.reference" not in mla, mla  # the reference syncs: not capturable
