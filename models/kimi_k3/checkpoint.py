@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from latency_specialized.errors import CheckpointError
+from latency_specialized.runtime.checkpoint import mxfp4_dequantize, mxfp4_quantize  # the generic MXFP4 codec
 
 from latency_specialized_models.kimi_k3.config import config_from_spec, spec_from_config
 from latency_specialized_models.kimi_k3.spec import KimiK3Spec
@@ -30,39 +31,6 @@ PREFIX = "language_model."
 _IGNORED_K3 = ("vision_tower.", "mm_projector.")
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts\.\d+\.w[123])\.weight_(packed|scale)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-# e2m1 magnitudes by the low three bits; bit 3 is the sign.
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-# ---------------------------------------------------------------------------------------------- MXFP4
-def mxfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """[N, K/2] uint8 codes + [N, K/32] uint8 ue8m0 exponents -> [N, K] fp32."""
-    lut = torch.tensor([*_E2M1, *(-v for v in _E2M1)], dtype=torch.float32, device=packed.device)
-    p = packed.to(torch.int64)
-    codes = torch.stack([p & 0xF, p >> 4], dim=-1).flatten(-2)            # low nibble first
-    vals = lut[codes]
-    exp = scale.to(torch.float32) - 127.0
-    return (vals.view(*vals.shape[:-1], -1, 32) * torch.exp2(exp).unsqueeze(-1)).flatten(-2)
-
-
-def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (codes [N, K/2] uint8, ue8m0 scales [N, K/32] uint8), OCP MX rules.
-
-    Scale exponent per 32 values: floor(log2(amax)) - 2 (e2m1's largest exponent); values are
-    rounded to the nearest e2m1 magnitude (saturating at 6).
-    """
-    if w.shape[-1] % 32:
-        raise CheckpointError(f"MXFP4 needs the input width divisible by 32 (got {w.shape[-1]})")
-    g = w.float().reshape(*w.shape[:-1], -1, 32)
-    amax = g.abs().amax(-1, keepdim=True).clamp_min(2.0 ** -126)
-    e = (torch.floor(torch.log2(amax)) - 2).clamp(-127, 127)
-    x = g / torch.exp2(e)
-    mags = torch.tensor(_E2M1, dtype=torch.float32, device=w.device)
-    idx = (x.abs().unsqueeze(-1) - mags).abs().argmin(-1)                 # nearest magnitude (ties: smaller)
-    codes = (idx | ((x < 0) & (idx > 0)).to(torch.int64) << 3).flatten(-2)
-    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
-    return packed, (e.squeeze(-1) + 127).to(torch.uint8)
 
 
 # ---------------------------------------------------------------------------------------------- write
@@ -129,21 +97,29 @@ def _tensor_files(d: Path) -> dict[str, Path]:
     files = sorted(d.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{d}: no *.safetensors files: point at a Hugging Face model directory")
-    from safetensors import safe_open
-
     out: dict[str, Path] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as h:
+        with _open_safetensors(f) as h:
             for k in h.keys():
                 out[k] = f
     return out
 
 
+def _open_safetensors(f: Path) -> Any:
+    """``safe_open(f)``; a truncated or corrupt file raises CheckpointError naming it (not SafetensorError)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(f), framework="pt")
+    except SafetensorError as e:
+        why = " ".join(str(e).split())  # one line
+        raise CheckpointError(f"{f}: not a readable safetensors file ({why}): the file is truncated or corrupt; "
+                              "download or write it again") from None
+
+
 def load_checkpoint(directory: str | Path, *, dtype: torch.dtype = torch.bfloat16,
                     device: torch.device | str = "cpu") -> LoadedCheckpoint:
     """Validate and load a Kimi K3 checkpoint directory (either layout) in activation dtype ``dtype``."""
-    from safetensors import safe_open
-
     from latency_specialized_models.kimi_k3.tokenizer import load_tokenizer
 
     d = Path(directory)
@@ -197,7 +173,7 @@ def load_checkpoint(directory: str | Path, *, dtype: torch.dtype = torch.bfloat1
         if f not in handles:
             if not f.exists():
                 raise CheckpointError(f"{d}: tensor {ck} maps to missing file {f.name}")
-            handles[f] = safe_open(str(f), framework="pt")
+            handles[f] = _open_safetensors(f)
         return handles[f].get_tensor(ck)
 
     pre = PREFIX if layout == "kimi_k3" else ""

@@ -1,0 +1,18 @@
+"""Composition layer: reusable layer pieces an adapter lists per layer (docs/composition.md).
+
+A piece implements the runtime's protocols (``runtime/pieces_api.py``: ``Piece``,
+``ResidualPiece``); the generic program (``runtime/composed.py``) drives them. Pieces import ops,
+runtime and the foundation - never ``kernels/`` (an implementation is reached through its op
+family) and never ``models/``.
+"""
+
+from latency_specialized.pieces.attention.gqa import GQAAttention
+from latency_specialized.pieces.attention.rope import apply_rope, rope_inv_freq
+from latency_specialized.pieces.embedding import TokenEmbedding
+from latency_specialized.pieces.ffn.dense_mlp import DenseMLP
+from latency_specialized.pieces.ffn.moe import RoutedMoE
+from latency_specialized.pieces.lm_head import LMHead
+from latency_specialized.pieces.residual.prenorm import PreNormResidual
+
+__all__ = ["TokenEmbedding", "LMHead", "PreNormResidual", "DenseMLP", "RoutedMoE", "GQAAttention", "apply_rope",
+           "rope_inv_freq"]

@@ -1,0 +1,1 @@
+"""Attention pieces (one module per attention kind)."""

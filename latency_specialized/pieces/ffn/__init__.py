@@ -1,0 +1,1 @@
+"""Feed-forward pieces (dense MLP, routed MoE, ...)."""

@@ -1,0 +1,1 @@
+"""Residual-scheme pieces (pre-norm add, ...)."""

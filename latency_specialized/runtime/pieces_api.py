@@ -1,0 +1,212 @@
+"""The contract between the generic decode program and the layer pieces (docs/composition.md).
+
+The runtime drives pieces through these protocols; ``latency_specialized/pieces/`` implements them
+and adapters list them. Nothing here knows a model: a piece is described by what it declares
+(op sites, weights, states) and by one forward written against bound ops.
+
+Shapes: ``M`` = rows of the step (the batch bucket x (1 + speculative tokens)), ``H`` = hidden size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Mapping, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from latency_specialized.ops.sites import SiteBuilder
+from latency_specialized.spec import ModelSpec
+
+BoundOp = Callable[..., Any]
+"""An op-family call as the plan bound it for one site (the family's calling convention)."""
+
+
+@dataclass(frozen=True)
+class WeightDecl:
+    """One tensor a piece reads per layer (or per model, for model-level pieces)."""
+
+    name: str
+    """Piece-local name, e.g. 'q_proj' or 'experts.w1' (expert-stacked tensors start with 'experts.')."""
+    shape: tuple[int, ...]
+    """Full (unsharded) shape; expert-stacked tensors lead with the expert count."""
+    split: int | None = None
+    """Dimension TP splits into equal rank slices (None: every rank keeps it whole)."""
+    parts: tuple[int, ...] = ()
+    """Sizes along ``split`` of tensors fused in the checkpoint (e.g. q|k|v rows): each part is split
+    on its own and the rank's slices are concatenated. Empty: one part."""
+    dtype: Literal["act", "float32"] = "act"
+    """Storage: the activation dtype, or fp32 whatever the activations are (gates, biases, A_log)."""
+    optional: bool = False
+    """Absent from a checkpoint is fine (the piece then runs without it)."""
+    replicas: int = 1
+    """Ranks that hold the same slice (KV heads past TP = num_kv_heads: ``tp // num_kv_heads``): the
+    ``split`` dim is cut into ``tp // replicas`` slices and rank ``r`` keeps slice ``r // replicas``."""
+
+
+@dataclass(frozen=True)
+class StateDecl:
+    """One cache or recurrent state a piece keeps per layer (allocated by ``runtime/states.py``)."""
+
+    name: str
+    """Piece-local name, e.g. 'kv' (paged cache) or 'state' (recurrent rows)."""
+    kind: Literal["paged", "rows"]
+    """'paged': ``[num_blocks, block_size, *shape]`` addressed through block tables and slot mappings;
+    'rows': ``[num_rows, *shape]``, one row per sequence (row 0 = padding scratch)."""
+    shape: tuple[int, ...]
+    """Per token ('paged') or per sequence row ('rows'), on this rank."""
+    dtype: Literal["act", "float32"] = "act"
+    """Storage dtype: the activation dtype, or fp32 (recurrent states)."""
+
+
+@dataclass
+class StepContext:
+    """What a piece's forward sees of one decode step (built by the program per step; static views).
+
+    ``ops`` maps site names to bound ops; a piece calls ``step.op(role)`` which adds the layer kind
+    prefix. ``meta`` holds the step's static inputs sliced to ``[:M]``: 'tokens', 'positions',
+    'slots', 'seq_lens', 'block_table', 'rows' (state rows).
+    """
+
+    ops: "BoundOps"
+    meta: Mapping[str, torch.Tensor]
+    rows: int
+    """M: rows of this step."""
+    comm: Any
+    """Communicator of the all-reduce / all-gather sites (a LocalCommunicator on one rank)."""
+    tp: int
+    rank: int
+    spec: ModelSpec
+    """The unsharded spec."""
+    rank_spec: ModelSpec
+    """This rank's shard of the spec."""
+    prefix: str = ""
+    """The current layer kind ('' for model-level pieces); site names are f'{prefix}/{role}'."""
+    layer: int = -1
+    """Index of the current layer (-1 for model-level pieces)."""
+    scratch: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Static buffers the program allocated for the pieces (``Piece.buffers``), by name."""
+    site_comm: Callable[[str], Any] | None = None
+    """Communicator of a communication site by full site name (the program's ``SiteCommunicators`` at
+    this bucket: a symmetric-memory workspace where the plan picked a fused kernel); None: ``comm``."""
+    streams: dict[str, Any] = field(default_factory=dict)
+    """Side streams the program created before capture (``runtime.side_stream.SideStream``), by name:
+    'side' on CUDA devices where a plan site asks for one (attr ``side_stream``); empty on the CPU."""
+
+    def site(self, role: str) -> str:
+        return f"{self.prefix}/{role}" if self.prefix else role
+
+    def op(self, role: str) -> BoundOp:
+        return self.ops[self.site(role)]
+
+    def skipped(self, role: str) -> bool:
+        """True where the plan skips this site at this bucket (fused into another, or absorbed)."""
+        return self.site(role) in self.ops.skipped
+
+    def strided_rows(self, role: str) -> bool:
+        """True where the site's implementation takes a column slice without a copy."""
+        return self.site(role) in self.ops.strided_rows
+
+    def strided_out(self, role: str) -> bool:
+        """True where the site's implementation writes a column slice of a wider tensor in place."""
+        return self.site(role) in self.ops.strided_out
+
+    def contiguous_for(self, role: str, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as the site takes it: as is where it reads strided rows (or already is contiguous)."""
+        return x if x.is_contiguous() or self.strided_rows(role) else x.contiguous()
+
+    def comm_at(self, site: str) -> Any:
+        """The communicator the all-reduce site ``site`` (full name) runs on: pass it as the op's ``comm=``."""
+        return self.site_comm(site) if self.site_comm is not None else self.comm
+
+    def communicate(self, role: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """``fn(*args, **kw)``: a communication call outside the plan (an all-gather), run as site
+        ``f'{prefix}/{role}'`` so that the op table's hooks (census, trace) see it."""
+        return self.ops.communicate(self.site(role), fn, *args, **kw)
+
+
+class BoundOps(Protocol):
+    """One bucket's bound op table (``runtime/op_table.py``)."""
+
+    skipped: Mapping[str, str]
+    strided_rows: frozenset[str]
+    strided_out: frozenset[str]
+
+    def __getitem__(self, site: str) -> BoundOp: ...
+
+    def communicate(self, site: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """Run a communication call as ``site`` through the table's hooks (not a plan site)."""
+        ...
+
+
+@runtime_checkable
+class Piece(Protocol):
+    """A reusable part of a layer (attention, FFN) or of the model (embedding, LM head)."""
+
+    role: str
+    """'attn', 'ffn', 'embed' or 'head' (what the program hands it and takes from it)."""
+
+    def sites(self, b: SiteBuilder, rank_spec: ModelSpec) -> None:
+        """Add this piece's op sites to ``b`` (its prefix / layers are set by the caller)."""
+        ...
+
+    def weights(self, spec: ModelSpec, tp: int) -> Sequence[WeightDecl]:
+        """The tensors it reads, by piece-local name, full shapes and TP split."""
+        ...
+
+    def states(self, spec: ModelSpec, tp: int) -> Sequence[StateDecl]:
+        """Caches / recurrent states it keeps per layer (on this rank)."""
+        ...
+
+    def arrange(self, w: Mapping[str, torch.Tensor], rank_spec: ModelSpec) -> dict[str, torch.Tensor]:
+        """This rank's weights (sharded) in the form the forward's op calls take."""
+        ...
+
+    def forward(self, step: StepContext, w: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor],
+                h: torch.Tensor) -> torch.Tensor:
+        """``h [M, H]`` (for 'embed': token ids ``[M]``) -> output ``[M, H]`` (a TP partial sum for
+        row-parallel outputs; for 'head': logits ``[M, vocab / tp]``)."""
+        ...
+
+
+@runtime_checkable
+class ResidualPiece(Protocol):
+    """The model's residual scheme: how sublayer outputs join the stream and become inputs."""
+
+    def sites(self, b: SiteBuilder, rank_spec: ModelSpec, where: Literal["attn", "ffn", "final"]) -> None:
+        """Sites around one sublayer ('attn' / 'ffn', in the layer-kind prefix) or at the end ('final')."""
+        ...
+
+    def weights(self, spec: ModelSpec, tp: int, where: Literal["layer", "final"]) -> Sequence[WeightDecl]:
+        """Per-layer residual weights (norms, mixing queries) or the final ones."""
+        ...
+
+    def buffers(self, spec: ModelSpec, max_rows: int, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+        """Static buffers the stream needs across layers (allocated once per program)."""
+        ...
+
+    def start(self, step: StepContext, x: torch.Tensor) -> Any:
+        """The stream state after the embedding ``x [M, H]``."""
+        ...
+
+    def before(self, step: StepContext, rs: Any, w: Mapping[str, torch.Tensor], which: Literal["attn", "ffn"]) -> torch.Tensor:
+        """The input of the sublayer ``which`` of layer ``step.layer``."""
+        ...
+
+    def after(self, step: StepContext, rs: Any, w: Mapping[str, torch.Tensor], which: Literal["attn", "ffn"],
+              y: torch.Tensor) -> None:
+        """Join the sublayer's output ``y`` (a TP partial sum) into the stream (the all-reduce sites)."""
+        ...
+
+    def finish(self, step: StepContext, rs: Any, w: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The final hidden state ``[M, H]`` (before the LM head)."""
+        ...
+
+
+@dataclass(frozen=True)
+class LayerPieces:
+    """One layer: its kind (prefix of its sites) and its two sublayer pieces."""
+
+    index: int
+    kind: str
+    attention: Piece
+    ffn: Piece
