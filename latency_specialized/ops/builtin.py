@@ -18,11 +18,15 @@ OP_MODULES = (
     "latency_specialized.ops.moe",
     "latency_specialized.ops.allreduce",
     "latency_specialized.ops.prefetch",
+    "latency_specialized.ops.attnres",
     "latency_specialized.ops.attention.kda",
     "latency_specialized.ops.attention.mla",
     "latency_specialized.ops.attention.gqa",
     "latency_specialized.ops.attention.sparse",
     "latency_specialized.ops.attention.dcp_merge",
+    "latency_specialized.ops.residual_mhc",
+    "latency_specialized.ops.residual_gated",
+    "latency_specialized.ops.attention.sparse_mla",
     "latency_specialized.kernels.registry",
 )
 

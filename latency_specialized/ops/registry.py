@@ -33,6 +33,10 @@ FAMILIES: dict[str, str] = {
     "attention.sparse": "top-k index attention (DSA-style)",
     "attention.dcp_merge": "merge partial attention outputs by LSE across context-parallel ranks",
     "residual.attnres": "Block AttnRes: softmax mix of RMS-normed block outputs by a learned query (+ RMSNorm)",
+    "residual.mhc": "mHC seam: fold the sublayer output into n streams (post/comb), Sinkhorn coefficients, carried-pre collapse + RMSNorm",
+    "residual.gated": "residual join: post-sublayer RMSNorm (weightless/weighted/input-scaled), plain or norm-preserving gated add, next RMSNorm",
+    "attention.indexer": "DSA indexer: key LayerNorm + RoPE + key-cache write, relu-weighted scores, static-width top-k",
+    "attention.sparse_mla": "absorbed MLA decode over an indexer's top-k of a paged latent cache",
 }
 
 
