@@ -1,90 +1,45 @@
-"""The contract between the backend and one model.
+"""The adapter base class every model subclasses: the contract, plus op sites from the spec's pieces.
 
 An adapter names its model, gives its architecture (:meth:`ModelAdapter.spec`), says what its
 fast path supports (:meth:`scope`), and lists the op sites of one decode step
-(:meth:`op_sites`; the default derives them from the spec's layer kinds, so an adapter built
-from standard blocks needs nothing more to be planned). Adapters that can run also provide a
-reference, a program and a vLLM binding; ``capabilities`` says which exist so that the test
-matrix and the CLI only ask for what is there.
+(:meth:`op_sites`; the default composes the standard pieces of the spec's layer kinds,
+``pieces.standard.compose_standard``, and lists their sites - one definition per site kind - so an
+adapter built from standard blocks needs nothing more to be planned). Adapters that can run also
+provide a reference, a program and a vLLM binding; ``capabilities`` says which exist so that the
+test matrix and the CLI only ask for what is there (the contract and its hooks:
+``adapter_contract.AdapterContract``, which is what the planner and the registry hold).
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any
 
+from latency_specialized.adapter_contract import AdapterContract, Capability, Variant
 from latency_specialized.errors import UserError
-from latency_specialized.spec import DecodeScope, Deployment, ModelSpec, ParallelSpec
+from latency_specialized.spec import ModelSpec, ParallelSpec
 
-Variant = Literal["full", "medium", "tiny"]
-"""full: the published architecture; tiny: a few narrow layers every adapter with a reference offers
-(CPU tests); medium: optional, a few layers at widths the GPU kernels serve (``variants`` says who has it)."""
-
-Capability = Literal["spec", "reference", "program", "checkpoint", "vllm"]
+__all__ = ["ModelAdapter", "AdapterContract", "Capability", "Variant"]
 
 
-class ModelAdapter:
-    """Base class of every adapter (built-in or third-party)."""
+class ModelAdapter(AdapterContract):
+    """Base class of every adapter (built-in or third-party): the contract with the standard op sites."""
 
-    name: ClassVar[str] = ""
-    """Registry name, e.g. 'kimi_k3'."""
-    description: ClassVar[str] = ""
-    """One line for `latency-specialized models`."""
-    hf_architectures: ClassVar[tuple[str, ...]] = ()
-    """`architectures` values of the Hugging Face config this adapter serves."""
-    capabilities: ClassVar[frozenset[str]] = frozenset({"spec"})
-    """What this adapter provides beyond a spec (see Capability)."""
-    variants: ClassVar[tuple[str, ...]] = ("full", "tiny")
-    """Spec variants :meth:`spec` accepts (see Variant)."""
+    def composed_model(self, spec: ModelSpec) -> Any:
+        """The model as pieces (a ``runtime.composed.ComposedModel``) of the unsharded ``spec``; default:
+        the standard pieces of its layer kinds (``pieces.standard.compose_standard``, which names what has
+        no piece yet)."""
+        from latency_specialized.pieces.standard import compose_standard
 
-    # ------------------------------------------------------------------ required
-    def spec(self, variant: Variant = "full") -> ModelSpec:
-        raise UserError(f"{self.name}: adapter defines no spec")
+        return compose_standard(spec)
 
-    def scope(self) -> DecodeScope:
-        raise UserError(f"{self.name}: adapter defines no scope")
-
-    # ------------------------------------------------------------------ derived
-    def op_sites(self, spec: ModelSpec, parallel: ParallelSpec, tokens: int, arch: str, dtype: str) -> list[Any]:
-        """Op sites of one decode step on one rank; default: from the spec's standard blocks."""
-        from latency_specialized.ops.sites import standard_op_sites
-
-        return standard_op_sites(spec, parallel, tokens, arch, dtype)
-
-    def check(self, deployment: Deployment, variant: Variant = "full") -> list[str]:
-        """Every reason ``deployment`` is outside this adapter's fast path (empty: in scope)."""
-        problems = self.scope().problems(deployment, self.name)
-        try:
-            self.spec(variant).shard(deployment.tp)
-        except UserError as e:
-            msg = str(e)
-            if msg not in " ".join(problems):
-                problems.append(msg)
-        return problems
-
-    # ------------------------------------------------------------------ optional
-    def reference(self, spec: ModelSpec, **kw: Any) -> Any:
-        raise UserError(f"{self.name}: no torch reference yet (capabilities: {sorted(self.capabilities)})")
-
-    def program(self, spec: ModelSpec, **kw: Any) -> Any:
-        raise UserError(f"{self.name}: no decode program yet (capabilities: {sorted(self.capabilities)})")
-
-    def verify_cell(self, cell: Any, comm: Any = None) -> Any:
-        """Run the decode program against the reference for one test-matrix cell on this rank.
-
-        ``cell`` is a latency_specialized.testing.matrix.Cell; ``comm`` the rank's communicator
-        (None for TP=1). Returns a CellResult. Adapters with the 'program' capability implement it.
-        """
-        raise UserError(f"{self.name}: no decode program to verify yet (capabilities: {sorted(self.capabilities)})")
-
-    def vllm_binding(self) -> Any:
-        raise UserError(f"{self.name}: no vLLM binding yet (capabilities: {sorted(self.capabilities)})")
-
-    def layer_bench(self) -> Any:
-        """The "ours" side of ``latency-specialized bench`` (``bench/layer_bench.py``): an object with
-        ``build_ours(full_spec, tp, kind, layers, batches, device, *, seed, say, contexts, steps)`` returning
-        the K-layer / 1-layer graphed programs the bench times (Kimi K3: ``kimi_k3/graphed.py``).
-        The bench reaches an adapter's harness only through this hook, so a third-party adapter can be benched."""
-        raise UserError(f"{self.name}: no graphed layer-bench program (the adapter defines no layer_bench())")
-
-    def __repr__(self) -> str:
-        return f"<adapter {self.name}>"
+    def op_sites(self, spec: ModelSpec, parallel: ParallelSpec, tokens: int, arch: str, dtype: str, *,
+                 context: int | None = None) -> list[Any]:
+        """Op sites of one decode step on one rank: the sites of :meth:`composed_model` (``spec`` full or
+        sharded for ``parallel.tp``; a sharded spec is composed from this adapter's unsharded one)."""
+        full = spec
+        if spec.tp != 1:
+            full = self.spec(spec.variant)  # type: ignore[arg-type]
+            if full.tp != 1 or full.shard(spec.tp) != spec:
+                raise UserError(f"{self.name}: op sites of a spec sharded for TP={spec.tp} that is not this adapter's "
+                                f"{spec.variant!r} spec: pass the unsharded spec")
+        return self.composed_model(full).op_sites(spec, parallel, tokens, arch, dtype, context=context)

@@ -390,6 +390,9 @@ class Deployment(Frozen):
     """Speculative draft tokens verified per sequence per step."""
     cuda_graphs: bool = True
     """Whether the decode step may be captured into CUDA graphs."""
+    context: int | None = None
+    """Longest sequence (prompt + generated tokens) the deployment serves; None: not given (plans then
+    carry no length, see ``ops.plan.build_plan``)."""
 
 
 class DecodeScope(Frozen):
@@ -408,8 +411,11 @@ class DecodeScope(Frozen):
     needs_cuda_graphs: bool = False
     """True when the fast path is only correct/fast inside CUDA graphs."""
 
-    def problems(self, d: Deployment, model: str = "model") -> list[str]:
-        """Every requirement ``d`` misses, one phrase each naming the fix (empty: in scope)."""
+    def problems(self, d: Deployment, model: str = "model", max_context: int | None = None) -> list[str]:
+        """Every requirement ``d`` misses, one phrase each naming the fix (empty: in scope).
+
+        ``max_context``: the longest context of the model's architecture (``ModelSpec.max_context``); a
+        ``d.context`` beyond it is out of scope (the scope itself does not know the spec)."""
         out: list[str] = []
         if d.arch not in self.archs:
             out.append(f"arch {d.arch} not supported (use one of {', '.join(self.archs)})")
@@ -423,4 +429,9 @@ class DecodeScope(Frozen):
             out.append(f"{d.spec_tokens} speculative tokens not supported (use one of {list(self.spec_tokens)})")
         if self.needs_cuda_graphs and not d.cuda_graphs:
             out.append("CUDA graphs are off (drop --enforce-eager)")
+        if d.context is not None and d.context < 1:
+            out.append(f"context {d.context} is not valid (use a context of 1..{max_context or 'max_context'} tokens)")
+        elif d.context is not None and max_context is not None and d.context > max_context:
+            out.append(f"context {d.context} beyond {model}'s longest context {max_context} "
+                       f"(use a context of at most {max_context} tokens)")
         return out

@@ -8,7 +8,8 @@ import json
 
 import torch
 
-from latency_specialized_models.kimi_k3.long_check import as_dict, teacher_forced
+from latency_specialized.plugins import get_registry
+from latency_specialized.testing.long_check import as_dict, teacher_forced
 
 
 def main() -> None:
@@ -27,7 +28,8 @@ def main() -> None:
     rows = []
     for b, n, scale in runs:
         b, n = int(b), int(n)
-        r = teacher_forced(b, n, device=args.device, fp32_floor=not args.no_floor, router_scale=scale)
+        r = teacher_forced(get_registry().adapter("kimi_k3"), b, n, device=args.device, fp32_floor=not args.no_floor,
+                           router_scale=scale)
         print(f"batch {b}, router x{scale}: {n} steps, program vs bf16 reference: max rel err {r.max_rel_err:.3e} (first "
               f"{r.first_rel_err:.3e}, last {r.last_rel_err:.3e}), top-1 {r.top1_agreement:.4f}; bf16 reference vs "
               f"fp32 reference: {r.floor_max_rel_err}, top-1 {r.floor_top1}; program vs fp32 reference: "

@@ -99,12 +99,11 @@ def main() -> None:
     from latency_specialized.bench.layer_bench import GraphedStep, _layer_index
     from latency_specialized.bench.stock.layers import build_stock_kda, build_stock_mla
     from latency_specialized.plugins import get_registry
-    from latency_specialized_models.kimi_k3.graphed import build_ours
-
-    full = get_registry().adapter("kimi_k3").spec("full")
+    adapter = get_registry().adapter("kimi_k3")
+    full = adapter.spec("full")
     dev = torch.device("cuda")
     mla = args.kind == "mla"
-    ours = build_ours(full, args.tp, args.kind, args.layers, batches, dev, say=print,
+    ours = adapter.layer_bench().build_ours(full, args.tp, args.kind, args.layers, batches, dev, say=print,
                       contexts=(args.context,) if mla else ())
     li = _layer_index(full, args.kind)
     ctx = (args.context,) if mla else ()

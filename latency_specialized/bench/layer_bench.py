@@ -16,9 +16,10 @@ TP shard (communication excluded on one GPU, and reported as such):
   the batch actually selected; recurrent state read + written) / the HBM bandwidth;
 * ``fraction = t_roofline / t_ours`` and ``speedup = t_stock / t_ours``.
 
-"Ours" comes from the adapter's ``layer_bench()`` hook (an object with ``build_ours(...)``; Kimi K3:
-``latency_specialized_models.kimi_k3.graphed``); its step also runs the embedding, final norm and head, so the bench measures a
-1-layer program too and reports ``(t_K - t_1) / (K - 1)`` per layer (kernels likewise).
+"Ours" comes from the adapter's ``layer_bench()`` hook (an object with ``build_ours(...)``: the generic
+harness ``runtime/layer_harness.py`` over the adapter's pieces and its ``bench_spec``); its step also runs
+the embedding, final norm and head, so the bench measures a 1-layer program too and reports
+``(t_K - t_1) / (K - 1)`` per layer (kernels likewise).
 """
 
 from __future__ import annotations
@@ -343,7 +344,7 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None] = print,
     adapter = reg.adapter(cfg.model)
     full = adapter.spec("full")
     full.shard(cfg.tp)  # UserError naming the fix for an unsupported TP
-    graphed = adapter.layer_bench()  # the adapter's hook (UserError when it has no graphed bench program)
+    harness = adapter.layer_bench()  # the adapter's hook (UserError when it has no graphed bench program)
     device = torch.device("cuda")
     t_start = time.perf_counter()
     machine = machine_info()
@@ -379,7 +380,7 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None] = print,
         contexts: tuple[int | None, ...] = tuple(cfg.contexts) if kind == "mla" else (None,)
         say(f"[{kind}] building ours: {cfg.layers} + 1 layers of real TP{cfg.tp} rank shapes ...")
         t0 = time.perf_counter()
-        ours = graphed.build_ours(full, cfg.tp, kind, cfg.layers, cfg.batches, device, seed=cfg.seed, say=say,
+        ours = harness.build_ours(full, cfg.tp, kind, cfg.layers, cfg.batches, device, seed=cfg.seed, say=say,
                                   contexts=cfg.contexts if kind == "mla" else (), steps=steps_per_cell(cfg))
         say(f"[{kind}] ours ready in {time.perf_counter() - t0:.0f} s: {ours.description}")
         notes.extend(ours.notes)

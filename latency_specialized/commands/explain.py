@@ -1,7 +1,8 @@
 """`latency-specialized explain`: the plan per op site, with the reason for every refusal.
 
-Exit 0: the deployment is in the adapter's scope. Exit 2: it is not (arch, TP, batch, dtype or
-spec tokens): the plan is still printed where it can be built, and stderr lists every reason.
+Exit 0: the deployment is in the adapter's scope. Exit 2: it is not (arch, TP, batch, dtype, spec
+tokens or a context beyond the model's): the plan is still printed where it can be built, and stderr
+lists every reason.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--arch", default=None, help="plan for this arch (sm_90, sm_100, sm_103, cpu); default: this machine")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--spec-tokens", type=int, default=0, help="speculative tokens verified per step")
+    p.add_argument("--context", type=int, default=None, metavar="N",
+                   help="longest sequence (tokens) the plan serves; the attention sites carry it")
     p.add_argument("--size", default="full", choices=["full", "tiny"], help="architecture variant")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--no-refusals", action="store_true", help="hide the refused implementations")
@@ -38,12 +41,13 @@ def run(args: argparse.Namespace) -> int:
     # when it can be built - a batch beyond the graph buckets has none.
     scope = adapter.scope()
     problems = scope.problems(Deployment(arch=hw.arch, tp=args.tp, batch=args.batch, dtype=args.dtype,
-                                         spec_tokens=args.spec_tokens), adapter.name)
+                                         spec_tokens=args.spec_tokens, context=args.context), adapter.name,
+                              max_context=adapter.spec(args.size).max_context)
     if problems and not 1 <= args.batch <= scope.max_batch:
         adapter.spec(args.size).shard(args.tp)  # a TP the architecture cannot be split by names its own fix
         raise ScopeError(adapter.name, problems)
     plan = build_plan(adapter, reg.implementations, hw, tp=args.tp, batch=args.batch, dtype=args.dtype,
-                      spec_tokens=args.spec_tokens, variant=args.size)
+                      spec_tokens=args.spec_tokens, context=args.context, variant=args.size)
     print(plan.to_json() if args.json else plan.to_text(refusals=not args.no_refusals), flush=True)
     if plan.scope_problems:
         raise ScopeError(adapter.name, plan.scope_problems)

@@ -1,6 +1,6 @@
 """residual.cutedsl_attnres: Block AttnRes mixing in ONE CuTe DSL kernel.
 
-Contract: the family reference (``models/kimi_k3/attnres.py``, ``attnres_mix_reference``)::
+Contract: the family reference (``ops/attnres.py``, ``attnres_mix_reference``)::
 
     logit_s = < RMSNorm(v_s) * norm_weight , query >      s < num_sources
     mixed   = sum_s softmax(logit)_s * v_s

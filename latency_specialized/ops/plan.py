@@ -8,31 +8,52 @@ binds to and what a CUDA graph freezes; ``explain`` prints it.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
-from latency_specialized.adapter import ModelAdapter, Variant
+from latency_specialized.adapter_contract import AdapterContract, Variant
 from latency_specialized.errors import UserError
 from latency_specialized.hardware import Hardware
 from latency_specialized.ops.registry import Implementation, ImplementationRegistry
-from latency_specialized.ops.sites import OpSite
+from latency_specialized.ops.sites import OpSite, with_context
 from latency_specialized.spec import Deployment, ParallelSpec
 
 # CUDA-graph batch buckets: small sizes exact (they dominate latency serving), then steps of 8.
 BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+"""The one bucket rule (``bucket_for``, ``buckets_upto``, ``bucket_of``) is defined here; the planner,
+the runtime's gate (``runtime/gate.py``) and the vLLM binding (``runtime/vllm_binding.py``) all use it."""
 
 
 def bucket_for(batch: int, max_batch: int = 64) -> int:
-    """Smallest graph bucket that holds ``batch`` (raises UserError beyond ``max_batch``)."""
+    """Smallest graph bucket that holds ``batch`` under a scope limit of ``max_batch``: the smallest of
+    ``BATCH_BUCKETS`` up to ``max_batch`` that holds it, else ``max_batch`` itself (a limit between two
+    buckets is a bucket of its own). Raises UserError beyond ``max_batch``."""
     if batch < 1:
         raise UserError(f"batch {batch} is not valid: use a batch of 1..{max_batch}")
+    if batch > max_batch:
+        raise UserError(f"batch {batch} beyond the scope: use 1..{max_batch} (larger batches run stock)")
     for b in BATCH_BUCKETS:
-        if b >= batch and b <= max_batch:
+        if batch <= b <= max_batch:
             return b
-    if batch <= max_batch:
-        return batch
-    raise UserError(f"batch {batch} beyond the scope: use 1..{max_batch} (larger batches run stock)")
+    return max_batch
+
+
+def buckets_upto(max_batch: int, limit: int | None = None) -> tuple[int, ...]:
+    """Every bucket a batch of 1..``max_batch`` gets from :func:`bucket_for` under the scope limit
+    ``limit`` (default ``max_batch``), ascending: the buckets a deployment plans (and captures)."""
+    limit = max_batch if limit is None else limit
+    if not 1 <= max_batch <= limit:
+        raise UserError(f"buckets up to batch {max_batch} under a limit of {limit}: use 1 <= max_batch <= limit")
+    return tuple(sorted({bucket_for(b, limit) for b in range(1, max_batch + 1)}))
+
+
+def bucket_of(batch: int, buckets: Collection[int]) -> int | None:
+    """Smallest of ``buckets`` (any set: the planned ones, the captured ones) that holds ``batch``;
+    None when none does."""
+    fitting = [b for b in buckets if b >= batch]
+    return min(fitting) if fitting else None
 
 
 @dataclass(frozen=True)
@@ -45,10 +66,14 @@ class SiteChoice:
     inner: tuple[tuple[str, "SiteChoice"], ...] = ()
     """(role, choice) of the op calls ``impl`` makes inside itself (``Implementation.inner``), resolved
     by the planner like any site; their site names are ``<site>[<role>]``."""
+    stock: str = ""
+    """Non-empty where a host framework's own module serves the site instead of the planner's choice,
+    and why: an integration's binding sets it over a plan (``runtime.vllm_binding.SiteTable.serve_stock``:
+    vLLM's Attention layer over its own KV cache); ``impl`` is then that module's call (name 'stock')."""
 
     @property
     def is_fast(self) -> bool:
-        return self.impl is not None and not self.impl.is_reference
+        return self.impl is not None and not self.impl.is_reference and not self.stock
 
     @property
     def fn(self) -> Callable[..., Any] | None:
@@ -78,6 +103,9 @@ class Plan:
     comm: str = "local"
     """Communicator kind the communication sites were planned for (``latency_specialized.comm.kinds``);
     each such site's context carries it as attr ``comm``."""
+    context: int | None = None
+    """Longest sequence (tokens) the plan serves; every attention site's context carries it as attr
+    ``context`` (None: not given, no site carries one)."""
 
     def choice(self, site: str) -> SiteChoice:
         for c in self.choices:
@@ -146,19 +174,22 @@ class Plan:
         return [c for c in self.choices if c.site.name not in skipped]
 
     def counts(self) -> dict[str, int]:
-        """Sites, and of those a program calls: fast / reference / unserved; ``not_called``: the rest
-        (``skipped_sites``: a fused site or its parts, an absorbed norm)."""
+        """Sites, and of those a program calls: fast / reference / stock (an integration's own module,
+        ``SiteChoice.stock``) / unserved; ``not_called``: the rest (``skipped_sites``: a fused site or its
+        parts, an absorbed norm)."""
         called = self.called_choices()
         fast = sum(c.is_fast for c in called)
+        stock = sum(bool(c.stock) for c in called)
         unserved = sum(c.impl is None for c in called)
-        return {"sites": len(self.choices), "fast": fast, "reference": len(called) - fast - unserved,
-                "unserved": unserved, "not_called": len(self.choices) - len(called)}
+        return {"sites": len(self.choices), "fast": fast, "reference": len(called) - fast - stock - unserved,
+                "stock": stock, "unserved": unserved, "not_called": len(self.choices) - len(called)}
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "model": self.model, "variant": self.variant, "arch": self.hardware.arch,
             "hardware": self.hardware.name, "tp": self.parallel.tp, "batch": self.batch, "bucket": self.bucket,
-            "tokens": self.tokens, "dtype": self.dtype, "comm": self.comm, "in_scope": self.in_scope,
+            "tokens": self.tokens, "context": self.context, "dtype": self.dtype, "comm": self.comm,
+            "in_scope": self.in_scope,
             "scope_problems": self.scope_problems, "counts": self.counts(), "not_called": self.skipped_sites(),
             "sites": [
                 {"site": c.site.name, "family": c.site.family, "layers": list(c.site.layers),
@@ -180,7 +211,9 @@ class Plan:
                 f"TP={self.parallel.tp}, batch {self.batch} -> bucket {self.bucket} ({self.tokens} tokens/step), "
                 f"{self.dtype}" + (f", communicator {self.comm}" if self.parallel.tp > 1 else ""))
         lines = [head, f"  sites: {c['sites']} | fast: {c['fast']} | reference: {c['reference']} | "
-                       f"unserved: {c['unserved']} | not called: {c['not_called']}"]
+                       f"stock: {c['stock']} | unserved: {c['unserved']} | not called: {c['not_called']}"]
+        lines.append(f"  context: up to {self.context} tokens per sequence (attention sites carry it)"
+                     if self.context is not None else "  context: not given (attention sites carry no length)")
         if self.scope_problems:
             lines.append("  OUT OF SCOPE (stock path would run): " + "; ".join(self.scope_problems))
         skipped = self.skipped_sites()
@@ -237,14 +270,36 @@ def _inner_choices(registry: ImplementationRegistry, site: OpSite,
                  for role, ctx, chosen, refusals in registry.inner_choices(impl, site.ctx))
 
 
-def build_plan(adapter: ModelAdapter, registry: ImplementationRegistry, hardware: Hardware, *,
+def _adapter_sites(adapter: AdapterContract, spec: Any, parallel: ParallelSpec, tokens: int, arch: str, dtype: str,
+                   context: int | None) -> list[OpSite]:
+    """``adapter.op_sites`` for ``context``. An adapter whose ``op_sites`` was written before the ``context``
+    argument (no such parameter, no ``**kw``) is asked without it, and its attention sites get the context
+    here by the rule ``SiteBuilder`` applies (``ops.sites.with_context``): the same sites either way."""
+    if context is None:
+        return list(adapter.op_sites(spec, parallel, tokens, arch, dtype))
+    try:
+        params = inspect.signature(adapter.op_sites).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a builtin or C callable: assume the contract
+        params = {"context": None}  # type: ignore[assignment]
+    if "context" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return list(adapter.op_sites(spec, parallel, tokens, arch, dtype, context=context))
+    return [with_context(s, context) for s in adapter.op_sites(spec, parallel, tokens, arch, dtype)]
+
+
+def build_plan(adapter: AdapterContract, registry: ImplementationRegistry, hardware: Hardware, *,
                tp: int = 1, batch: int = 1, dtype: str = "bfloat16", spec_tokens: int = 0,
-               variant: Variant = "full", force: dict[str, str] | None = None, comm: Any = None) -> Plan:
+               context: int | None = None, variant: Variant = "full", force: dict[str, str] | None = None,
+               comm: Any = None) -> Plan:
     """Resolve every op site of ``adapter``'s decode step for one deployment.
 
-    Raises UserError for a TP the architecture cannot be split by or a batch out of scope;
-    other scope problems (arch, dtype) are kept in ``plan.scope_problems`` so ``explain`` can show
-    what would run anyway. ``force`` maps family -> implementation name (for tests and A/B runs).
+    Raises UserError for a TP the architecture cannot be split by, a batch out of scope or a context
+    below 1; other scope problems (arch, dtype, a context beyond the spec's ``max_context``) are kept in
+    ``plan.scope_problems`` so ``explain`` can show what would run anyway. ``force`` maps family ->
+    implementation name (for tests and A/B runs).
+
+    ``context``: the longest sequence (tokens per sequence) the plan serves; it reaches the attention
+    sites' contexts (attr ``context``, ``adapter.op_sites(..., context=)``), so implementations can choose
+    or refuse by length, and ``plan.context``. None: not given (no site carries a length).
 
     ``comm``: the communicator the all-reduce sites will run on, or its kind (``comm.kinds``); every
     communication site's context carries the kind (attr ``comm``), so implementations that cannot run
@@ -263,15 +318,25 @@ def build_plan(adapter: ModelAdapter, registry: ImplementationRegistry, hardware
     spec = adapter.spec(variant)
     rank_spec = spec.shard(tp)  # raises the divisibility error naming the fix
     bucket = bucket_for(batch, scope.max_batch)
+    if context is not None and context < 1:
+        raise UserError(f"context {context} is not valid: use a context of 1..{spec.max_context} tokens")
     tokens = bucket * (1 + spec_tokens)
     parallel = ParallelSpec(tp=tp)
-    deployment = Deployment(arch=hardware.arch, tp=tp, batch=batch, dtype=dtype, spec_tokens=spec_tokens)  # type: ignore[arg-type]
-    problems = scope.problems(deployment, adapter.name)
+    deployment = Deployment(arch=hardware.arch, tp=tp, batch=batch, dtype=dtype, spec_tokens=spec_tokens,  # type: ignore[arg-type]
+                            context=context)
+    problems = scope.problems(deployment, adapter.name, max_context=spec.max_context)
     sites = [_with_comm(s, kind) if s.family in COMM_FAMILIES else s
-             for s in adapter.op_sites(rank_spec, parallel, tokens, hardware.arch, dtype)]
+             for s in _adapter_sites(adapter, rank_spec, parallel, tokens, hardware.arch, dtype, context)]
     choices = []
     for site in sites:
+        try:
+            registry.family(site.family)
+        except KeyError:
+            raise UserError(f"{adapter.name}: op site {site.name} calls the op family {site.family!r}, which the op "
+                            "registry does not know: register the family and its implementations (ops/registry.py "
+                            "FAMILIES), or compose the model from pieces whose families exist") from None
         only = (force or {}).get(site.family)
         impl, refusals = registry.select(site.ctx, only=only)
         choices.append(SiteChoice(site, impl, tuple(refusals), _inner_choices(registry, site, impl)))
-    return Plan(adapter.name, variant, hardware, parallel, batch, bucket, tokens, dtype, choices, problems, kind)
+    return Plan(adapter.name, variant, hardware, parallel, batch, bucket, tokens, dtype, choices, problems, kind,
+                context)

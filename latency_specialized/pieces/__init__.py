@@ -16,3 +16,12 @@ from latency_specialized.pieces.residual.prenorm import PreNormResidual
 
 __all__ = ["TokenEmbedding", "LMHead", "PreNormResidual", "DenseMLP", "RoutedMoE", "GQAAttention", "apply_rope",
            "rope_inv_freq"]
+
+# residual schemes and sparse attention without an adapter yet (issue 20): interface + reference
+from latency_specialized.pieces.attention.sparse_mla import IndexerOptions, SparseMLAAttention  # noqa: E402
+from latency_specialized.pieces.residual.gated import GatedResidual, NormPreservingGate  # noqa: E402
+from latency_specialized.pieces.residual.mhc import MHCResidual  # noqa: E402
+from latency_specialized.pieces.residual.sandwich import SandwichResidual  # noqa: E402
+
+__all__ += ["MHCResidual", "GatedResidual", "NormPreservingGate", "SandwichResidual", "SparseMLAAttention",
+            "IndexerOptions"]

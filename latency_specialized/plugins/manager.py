@@ -16,7 +16,7 @@ from typing import Any
 
 import pluggy
 
-from latency_specialized.adapter import ModelAdapter
+from latency_specialized.adapter_contract import AdapterContract
 from latency_specialized.errors import PluginError, UserError
 from latency_specialized.ops.registry import Implementation, ImplementationRegistry
 from latency_specialized.plugins import hookspecs
@@ -36,7 +36,7 @@ class PluginFailure:
 class Registry:
     """Adapters and implementations from every loaded plugin."""
 
-    adapters: dict[str, ModelAdapter] = field(default_factory=dict)
+    adapters: dict[str, AdapterContract] = field(default_factory=dict)
     providers: dict[str, str] = field(default_factory=dict)
     implementations: ImplementationRegistry = field(default_factory=ImplementationRegistry)
     failures: list[PluginFailure] = field(default_factory=list)
@@ -44,7 +44,7 @@ class Registry:
     blocked: list[str] = field(default_factory=list)
     pm: Any = None
 
-    def adapter(self, name: str) -> ModelAdapter:
+    def adapter(self, name: str) -> AdapterContract:
         key = name.strip().lower().replace("-", "_")
         if key in self.adapters:
             return self.adapters[key]
@@ -55,7 +55,7 @@ class Registry:
         raise UserError(f"unknown model '{name}': installed adapters are {known} "
                         f"(see `latency-specialized models`)")
 
-    def adapter_for_architecture(self, architectures: list[str] | tuple[str, ...]) -> ModelAdapter | None:
+    def adapter_for_architecture(self, architectures: list[str] | tuple[str, ...]) -> AdapterContract | None:
         for arch in architectures:
             for a in self.adapters.values():
                 if arch in a.hf_architectures:
@@ -65,7 +65,7 @@ class Registry:
 
 def _register_from(plugin: Any, name: str, reg: Registry, pm: pluggy.PluginManager) -> None:
     """Register one plugin object and collect what its hooks register."""
-    adapters: list[ModelAdapter] = []
+    adapters: list[AdapterContract] = []
     impls: list[Implementation] = []
     pm.register(plugin, name=name)
     pm.check_pending()  # a misspelled hook name is an error of this plugin, not a silent no-op
@@ -74,7 +74,7 @@ def _register_from(plugin: Any, name: str, reg: Registry, pm: pluggy.PluginManag
     caller("register_adapters", remove_plugins=others)(register=adapters.append)
     caller("register_implementations", remove_plugins=others)(register=impls.append)
     for a in adapters:
-        if not isinstance(a, ModelAdapter) or not a.name:
+        if not isinstance(a, AdapterContract) or not a.name:
             raise PluginError(f"registered {a!r}, which is not a named ModelAdapter")
         if a.name in reg.adapters and type(reg.adapters[a.name]) is not type(a):
             raise PluginError(f"adapter name {a.name} is already registered by {reg.providers[a.name]}")

@@ -168,11 +168,11 @@ class KernelCensus:
         rebinding of sites. Returns the number of ops wrapped.
 
         A ``runtime.op_table.OpTable`` (the composed program) also runs its communication calls through
-        the hook, so they are counted too; ``runtime.program.DictOpTable`` wraps a program's own tables."""
+        the hook, so they are counted too."""
         table = getattr(program, "op_table", None)
         if table is None:
             raise TypeError(f"{type(program).__name__} exposes no op_table: a program the census counts binds its "
-                            "sites in an op table with wrap(hook) (runtime.op_table.OpTable or runtime.program.DictOpTable)")
+                            "sites in an op table with wrap(hook) (runtime.op_table.OpTable)")
         program.census = self
         return table.wrap(self.wrap)
 

@@ -212,12 +212,15 @@ def _cast(name: str, t: torch.Tensor, kind: DTypeKind, dtype: torch.dtype, where
 
 def load_checkpoint(directory: str | Path, expected: Mapping[str, tuple[tuple[int, ...], DTypeKind]],
                     dtype: torch.dtype = torch.bfloat16, *, device: torch.device | str = "cpu",
-                    strict: bool = False) -> LoadedCheckpoint:
+                    strict: bool = False,
+                    adjust: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> LoadedCheckpoint:
     """Read the ``expected`` tensors (name -> (shape, dtype kind)) of a checkpoint directory.
 
     Each is checked against its shape and cast by its kind (activation ``dtype``, fp32, or kept);
     a ``*.weight`` stored as MXFP4 (``weight_packed`` + ``weight_scale``) is dequantised. Tensors
-    not expected are listed in ``unused`` (``strict=True``: a CheckpointError instead)."""
+    not expected are listed in ``unused`` (``strict=True``: a CheckpointError instead).
+    ``adjust(name, tensor)``: an adapter's fix-up of a tensor as stored, before its shape check (a
+    layout that older checkpoints use, e.g. another shape of the same values)."""
     d = Path(directory)
     config = read_config(d)
     files = tensor_files(d)
@@ -260,6 +263,8 @@ def load_checkpoint(directory: str | Path, expected: Mapping[str, tuple[tuple[in
         else:
             raise CheckpointError(f"{d}: missing tensor {name} (shape {list(shape)}): the checkpoint does not match "
                                   "this config (another layer count, layout or model?)")
+        if adjust is not None:
+            t = adjust(name, t)
         if tuple(t.shape) != shape:
             raise CheckpointError(f"{where}: tensor {name} has shape {list(t.shape)}, expected {list(shape)} for this "
                                   "config: the checkpoint was written for another config")

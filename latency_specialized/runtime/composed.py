@@ -22,6 +22,10 @@ write no KV slot and use state row 0)::
     TP > 1: all-gather of the vocabulary slices (communication site 'lm_head.all_gather')
     -> static ``logits`` (fp32, NaN before the first step) and ``next_tokens`` (greedy argmax)
 
+A model without a head (``head=None``: the LM head is the host framework's, e.g. vLLM's
+``compute_logits`` after its forward) stops after ``residual.finish``: its only output is the static
+``hidden`` ``[max_batch, H]`` (activation dtype), the final hidden state - what vLLM's forward returns.
+
 Pieces (the residual included) may define ``buffers(spec, max_rows, dtype, device) -> {name: tensor}``:
 the program allocates them once, for its largest bucket, into ``StepContext.scratch`` (one tensor per
 name; two pieces asking for one name with one shape share it). On CUDA devices the program creates
@@ -79,7 +83,8 @@ class ComposedModel:
     embedding: Piece
     residual: ResidualPiece
     layers: Sequence[LayerPieces]
-    head: Piece
+    head: Piece | None
+    """The LM head; None: the program stops at the final hidden state (see the module docstring)."""
     _kinds: dict[str, tuple[LayerPieces, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -94,6 +99,8 @@ class ComposedModel:
             raise UserError(f"{self.spec.name}: layer pieces for layers {got[:8]}..., the spec has {want[:8]}...: "
                             "give one LayerPieces per spec layer, in order")
         for piece, role, what in ((self.embedding, "embed", "embedding"), (self.head, "head", "head")):
+            if piece is None and role == "head":
+                continue
             if getattr(piece, "role", None) != role:
                 raise UserError(f"{self.spec.name}: the {what} piece has role {getattr(piece, 'role', None)!r}, "
                                 f"needs {role!r}")
@@ -115,13 +122,15 @@ class ComposedModel:
         return dict(self._kinds)
 
     # ------------------------------------------------------------------ sites
-    def op_sites(self, spec: ModelSpec, parallel: ParallelSpec, tokens: int, arch: str, dtype: str) -> list[OpSite]:
+    def op_sites(self, spec: ModelSpec, parallel: ParallelSpec, tokens: int, arch: str, dtype: str, *,
+                 context: int | None = None) -> list[OpSite]:
         """Sites of one decode step on one rank (``spec`` full or already sharded for ``parallel.tp``),
         in the pieces' order: per layer kind the residual's 'attn' sites, the attention's, the residual's
         'ffn' sites, the FFN's; then the residual's 'final' sites and the head's. An adapter's
-        ``op_sites`` returns this, so the plan, ``explain`` and the program see one list."""
+        ``op_sites`` returns this, so the plan, ``explain`` and the program see one list. ``context``: the
+        longest sequence the plan serves (``SiteBuilder``: the attention sites carry it)."""
         rank_spec = spec if spec.tp == parallel.tp else spec.shard(parallel.tp)
-        b = SiteBuilder(arch, dtype, tokens, parallel.tp)
+        b = SiteBuilder(arch, dtype, tokens, parallel.tp, context=context)
         self.embedding.sites(b, rank_spec)
         for kind, layers in self._kinds.items():
             b.prefix, b.layers = kind, tuple(l.index for l in layers)
@@ -132,7 +141,8 @@ class ComposedModel:
             first.ffn.sites(b, rank_spec)
         b.prefix, b.layers = "", ()
         self.residual.sites(b, rank_spec, "final")
-        self.head.sites(b, rank_spec)
+        if self.head is not None:
+            self.head.sites(b, rank_spec)
         names = [s.name for s in b.sites]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
@@ -161,7 +171,8 @@ class ComposedModel:
             add(lp.index, "attn", attn)
             add(lp.index, "ffn", ffn)
         add(MODEL, "residual", self.residual.weights(spec, tp, "final"))
-        add(MODEL, "head", self.head.weights(spec, tp))
+        if self.head is not None:
+            add(MODEL, "head", self.head.weights(spec, tp))
         return out
 
     def state_decls(self, tp: int = 1) -> dict[int, dict[str, list[StateDecl]]]:
@@ -175,7 +186,7 @@ class ComposedModel:
         out: list[Any] = []
         for p in [self.embedding, self.residual, *(x for ls in self._kinds.values() for x in (ls[0].attention, ls[0].ffn)),
                   self.head]:
-            if not any(p is q for q in out):
+            if p is not None and not any(p is q for q in out):
                 out.append(p)
         return out
 
@@ -368,7 +379,7 @@ class ComposedProgram:
                   for i, roles in rank_w.items()}
         rs = self.rank_spec
         self.w_embed = model.embedding.arrange(rank_w[MODEL]["embed"], rs)
-        self.w_head = model.head.arrange(rank_w[MODEL]["head"], rs)
+        self.w_head = model.head.arrange(rank_w[MODEL]["head"], rs) if model.head is not None else {}
         self.w_final = dict(rank_w[MODEL].get("residual", {}))
         self.w_layers: list[dict[str, dict[str, torch.Tensor]]] = []
         for lp in model.layers:
@@ -402,9 +413,16 @@ class ComposedProgram:
         self.max_batch = max(self.plans)
 
         self.scratch = self._buffers()
-        self.logits = torch.full((self.max_batch, spec.vocab_size), float("nan"), dtype=torch.float32,
-                                 device=self.device)
-        self.next_tokens = torch.zeros(self.max_batch, dtype=torch.int64, device=self.device)
+        self.logits: torch.Tensor | None = None
+        self.next_tokens: torch.Tensor | None = None
+        self.hidden: torch.Tensor | None = None
+        """The final hidden state ``[max_batch, H]`` of a model without a head (else None)."""
+        if model.head is not None:
+            self.logits = torch.full((self.max_batch, spec.vocab_size), float("nan"), dtype=torch.float32,
+                                     device=self.device)
+            self.next_tokens = torch.zeros(self.max_batch, dtype=torch.int64, device=self.device)
+        else:
+            self.hidden = torch.zeros(self.max_batch, spec.hidden_size, dtype=self.dtype, device=self.device)
         self.streams: dict[str, Any] = {}
         """Side streams for the pieces (``StepContext.streams``), created before any capture."""
         if self.device.type == "cuda":
@@ -479,6 +497,8 @@ class ComposedProgram:
         return self.states.tensors()
 
     def outputs(self) -> Mapping[str, torch.Tensor]:
+        if self.hidden is not None:
+            return {"hidden": self.hidden}
         return {"logits": self.logits, "next_tokens": self.next_tokens}
 
     def close(self) -> None:
@@ -507,6 +527,10 @@ class ComposedProgram:
             residual.after(step, rs, w["residual"], "ffn", lp.ffn.forward(step, w["ffn"], s_ffn, h))
         step.prefix, step.layer = "", MODEL
         h = residual.finish(step, rs, self.w_final)
+        if self.hidden is not None:  # no head: the final hidden state is the output
+            self.hidden[:b].copy_(h)
+            self.steps_run += 1
+            return
         logits = model.head.forward(step, self.w_head, {}, h)
         if logits.shape[-1] != self.spec.vocab_size:  # this rank's vocabulary slice: every rank's, in rank order
             logits = ops.communicate("lm_head.all_gather", self.comm.all_gather, logits, dim=-1)

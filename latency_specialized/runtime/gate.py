@@ -4,6 +4,8 @@ The gate looks only at host state the scheduler already has - how many sequences
 prefill tokens are in the step, speculative tokens, features the fast path lacks - so it costs
 no device sync and decides identically on every TP rank. Its reasons are one line each, written
 so that a user reading the trace knows what to change ("batch 80 beyond the fast path: 1..64").
+Buckets follow the planner's one rule (``ops.plan.bucket_for`` / ``buckets_upto`` / ``bucket_of``;
+``bucket_of`` is re-exported here).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Collection
 
-from latency_specialized.ops.plan import BATCH_BUCKETS
+from latency_specialized.ops.plan import bucket_of, buckets_upto
 
 
 @dataclass(frozen=True)
@@ -40,12 +42,6 @@ class GateDecision:
     """Why the stock path runs (empty on the fast path)."""
 
 
-def bucket_of(batch: int, buckets: Collection[int]) -> int | None:
-    """Smallest bucket >= ``batch``, or None when the batch exceeds every bucket."""
-    fitting = [b for b in buckets if b >= batch]
-    return min(fitting) if fitting else None
-
-
 @dataclass(frozen=True)
 class DecodeGate:
     """Decides fast vs stock for each step from host state only.
@@ -53,7 +49,7 @@ class DecodeGate:
     Parameters
     ----------
     max_batch : largest batch the fast path decodes (the adapter scope's ``max_batch``).
-    buckets : graph batch sizes (default: ``ops.plan.BATCH_BUCKETS`` up to ``max_batch``).
+    buckets : graph batch sizes (default: ``ops.plan.buckets_upto(max_batch)``, the planner's bucket rule).
     spec_tokens : speculative token counts the program supports.
     unsupported_features : features that force the stock path (names as in ``StepState.features``).
     enabled : False forces the stock path (``--decode-backend auto`` or a user switch).
@@ -69,7 +65,7 @@ class DecodeGate:
         """The graph buckets this gate routes to, ascending."""
         if self.buckets:
             return tuple(sorted(self.buckets))
-        return tuple(b for b in BATCH_BUCKETS if b <= self.max_batch)
+        return buckets_upto(self.max_batch)
 
     def decide(self, state: StepState, captured: Collection[int] | None = None) -> GateDecision:
         """Fast (with the bucket) or stock (with the first reason that applies).
@@ -101,3 +97,6 @@ class DecodeGate:
             return GateDecision(False, None, f"bucket {bucket} was not captured (captured: {sorted(captured)}); "
                                              "capture it at start-up")
         return GateDecision(True, bucket)
+
+
+__all__ = ["StepState", "GateDecision", "DecodeGate", "bucket_of"]

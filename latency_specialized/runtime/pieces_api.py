@@ -56,6 +56,15 @@ class StateDecl:
     """Per token ('paged') or per sequence row ('rows'), on this rank."""
     dtype: Literal["act", "float32"] = "act"
     """Storage dtype: the activation dtype, or fp32 (recurrent states)."""
+    split: int | None = None
+    """Dimension of ``shape`` TP splits into rank slices (None: every rank keeps the state whole); with
+    ``parts`` and ``replicas`` as in :class:`WeightDecl`, so a rank's copy of a full (TP=1) state is
+    generic (``runtime.states.shard_states``)."""
+    parts: tuple[int, ...] = ()
+    """Sizes along ``split`` of states fused per part (e.g. the q|k|v channels of a conv tail), at this
+    declaration's TP; each part is split on its own. Empty: one part."""
+    replicas: int = 1
+    """Ranks that hold the same slice (KV heads past TP = num_kv_heads)."""
 
 
 @dataclass
@@ -122,6 +131,28 @@ class StepContext:
         """``fn(*args, **kw)``: a communication call outside the plan (an all-gather), run as site
         ``f'{prefix}/{role}'`` so that the op table's hooks (census, trace) see it."""
         return self.ops.communicate(self.site(role), fn, *args, **kw)
+
+
+def join(parts: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``torch.cat(parts, dim)`` for a piece's ``arrange`` - but where the parts are adjacent slices, in
+    order, of one tensor (a checkpoint's or vLLM's fused q|k|v, gate|up or w1|w3 weight handed over as
+    views), the view of that tensor they cover: weights bound to a framework's own tensors stay views,
+    no copy. Otherwise a new tensor (``torch.cat``)."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    d = dim % first.dim()
+    at = first.storage_offset()
+    for t in parts:
+        if (t.dtype != first.dtype or t.device != first.device or t.stride() != first.stride()
+                or t.dim() != first.dim() or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or any(t.shape[i] != first.shape[i] for i in range(t.dim()) if i != d)
+                or t.storage_offset() != at):
+            return torch.cat(list(parts), dim=dim)
+        at += t.shape[d] * t.stride(d)
+    shape = list(first.shape)
+    shape[d] = sum(t.shape[d] for t in parts)
+    return first.as_strided(shape, first.stride(), first.storage_offset())
 
 
 class BoundOps(Protocol):

@@ -16,9 +16,8 @@ this shape. The graph runner only needs four things from it:
 
 A program that binds op sites also exposes them as ``op_table``: an object with
 ``wrap(hook) -> int`` that replaces every bound op ``fn`` by ``hook(site, bucket, fn)`` (the census,
-routing recorders and the benches' communication stand-ins instrument a program only this way).
-``runtime.op_table.OpTable`` is one; :class:`DictOpTable` gives the same hook over a program's own
-``{bucket: {site: fn}}`` tables.
+routing recorders and the benches' communication stand-ins instrument a program only this way);
+``runtime.op_table.OpTable`` is the one the composed program binds.
 """
 
 from __future__ import annotations
@@ -65,22 +64,6 @@ class WrappableOps(Protocol):
     def wrap(self, hook: OpHook) -> int:
         """Replace every bound op ``fn`` by ``hook(site, bucket, fn)``; returns the number of ops wrapped."""
         ...
-
-
-class DictOpTable:
-    """:class:`WrappableOps` over plain ``{bucket: {site: fn}}`` tables, wrapped in place (the program
-    keeps calling its tables; a wrap is seen by its next step)."""
-
-    def __init__(self, tables: dict[int, dict[str, Callable[..., Any]]]):
-        self.tables = tables
-
-    def wrap(self, hook: OpHook) -> int:
-        n = 0
-        for bucket, ops in self.tables.items():
-            for site in list(ops):
-                ops[site] = hook(site, bucket, ops[site])
-                n += 1
-        return n
 
 
 class FunctionProgram:

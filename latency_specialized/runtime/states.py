@@ -3,6 +3,7 @@
     states = ModelStates.allocate(model, num_seqs=4, max_len=64, tp=1, block_size=16, dtype=torch.bfloat16,
                                   shuffle_seed=0)         # standalone: one slot per sequence
     states = ModelStates.external(model, {layer: {"k": k_cache, "v": v_cache}}, tp=tp)   # vLLM's own tensors
+    rank_states = shard_states(model, states, rank, tp)   # a rank's copy of full (TP=1) states (a prefilled cache)
 
 Layout per layer and state (``runtime/pieces_api.StateDecl``; shapes are this rank's):
 
@@ -222,6 +223,64 @@ class ModelStates:
         return ModelStates({i: {n: t.clone() for n, t in by.items()} for i, by in self.by_layer.items()}, self.decls,
                            block_size=self.block_size, slots=self.slots, allocator=None, tp=self.tp)
 
+    def copy_sequence(self, dst: SeqSlot, src: "ModelStates", src_slot: SeqSlot, tokens: int) -> None:
+        """Copy one sequence's state from ``src`` (same model and TP): its 'rows' states row by row and the
+        paged blocks holding its first ``tokens`` tokens (a batch of many sequences from a few prefilled ones)."""
+        if src.block_size != self.block_size:
+            raise UserError(f"copy between states of block sizes {src.block_size} and {self.block_size}: use one")
+        n_blocks = cdiv(tokens, self.block_size or 1)
+        if n_blocks > min(len(dst.blocks), len(src_slot.blocks)):
+            raise UserError(f"copy of {tokens} tokens: more than the slots' {len(dst.blocks)} / "
+                            f"{len(src_slot.blocks)} blocks hold")
+        for layer, by_name in self.decls.items():
+            for name, d in by_name.items():
+                a, b = self.by_layer[layer][name], src.by_layer[layer][name]
+                if d.kind == "rows":
+                    a[dst.row] = b[src_slot.row]
+                else:
+                    for k in range(n_blocks):
+                        a[dst.blocks[k]] = b[src_slot.blocks[k]]
+
+
+def rank_slice(t: torch.Tensor, dim: int, parts: Sequence[int], slices: int, index: int) -> torch.Tensor:
+    """Slice ``index`` of ``slices`` equal slices of every part (sizes ``parts``) of ``t`` along ``dim``,
+    concatenated: a new contiguous tensor (one TP rank's shard)."""
+    out, at = [], 0
+    for p in parts:
+        if p % slices:
+            raise UserError(f"TP not supported: {p} rows along dim {dim} do not split into {slices} equal slices")
+        per = p // slices
+        out.append(t.narrow(dim, at + index * per, per))
+        at += p
+    return torch.cat(out, dim=dim) if len(out) > 1 else out[0].clone(memory_format=torch.contiguous_format)
+
+
+def shard_states(model: "ModelWithStates", states: ModelStates, rank: int, tp: int) -> ModelStates:
+    """Rank ``rank``'s copy of full (TP=1) ``states`` at ``tp`` (same slots): every state its declaration
+    splits (``StateDecl.split``, ``parts``, ``replicas``) cut to the rank's slice, the others copied whole.
+    TP=1: a clone. Runs a reference's prefilled cache through the rank programs of a TP group."""
+    if states.tp != 1:
+        raise UserError(f"shard_states takes full (TP=1) states, got states of TP={states.tp}")
+    if tp == 1:
+        return states.clone()
+    if not 0 <= rank < tp:
+        raise UserError(f"rank {rank} of TP={tp}")
+    full, mine = flat_state_decls(model, 1), flat_state_decls(model, tp)
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for layer, by_name in mine.items():
+        out[layer] = {}
+        for name, d in by_name.items():
+            t, f = states.layer(layer)[name], full[layer][name]
+            if d.split is None:
+                shard = t.clone()
+            else:
+                dim = (2 if d.kind == "paged" else 1) + d.split % len(d.shape)
+                n = tp // d.replicas
+                shard = rank_slice(t, dim, tuple(f.parts) or (t.shape[dim],), n, rank // d.replicas)
+            _check_shape(layer, name, d, shard, tp)
+            out[layer][name] = shard
+    return ModelStates(out, mine, block_size=states.block_size, slots=states.slots, allocator=None, tp=tp)
+
 
 def _check_shape(layer: int, name: str, d: StateDecl, t: torch.Tensor, tp: int) -> None:
     lead = 2 if d.kind == "paged" else 1
@@ -243,4 +302,5 @@ def check_states(model: "ModelWithStates", states: ModelStates, tp: int) -> None
             _check_shape(layer, name, d, have[name], tp)
 
 
-__all__ = ["ModelStates", "BlockAllocator", "SeqSlot", "flat_state_decls", "state_dtype", "check_states"]
+__all__ = ["ModelStates", "BlockAllocator", "SeqSlot", "flat_state_decls", "state_dtype", "check_states", "shard_states",
+           "rank_slice"]

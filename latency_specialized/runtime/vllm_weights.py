@@ -62,20 +62,21 @@ def retain_loaded_weights(enabled: bool = True) -> Iterator[None]:
 
 
 def linear_weight(layer: Any) -> tuple[torch.Tensor | None, str]:
-    """The [N, K] weight of a vLLM linear layer as loaded, or (None, why not).
+    """The [N, K] weight of a vLLM linear layer as loaded (the parameter itself, or the tensor the CPU build's
+    repack replaced, kept by ``retain_loaded_weights``: never a copy), or (None, why not).
 
     Only unquantized layers without bias qualify: the gemm family computes x @ W^T (+ residual).
     """
     method = getattr(layer, "quant_method", None)
     if method is not None and type(method).__name__ != "UnquantizedLinearMethod":
-        return None, f"quantized ({type(method).__name__}): the stock module serves"
+        return None, f"quantized ({type(method).__name__})"
     if getattr(layer, "bias", None) is not None:
-        return None, "has a bias: the stock module serves"
+        return None, "has a bias"
     w = getattr(layer, RETAINED, None)
     if w is None:
         w = getattr(layer, "weight", None)
     if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.numel() == 0:
-        return None, "weight repacked by vLLM and not retained: the stock module serves"
+        return None, "weight repacked by vLLM and not retained"
     return w, ""
 
 
@@ -83,18 +84,17 @@ def expert_weights(routed_experts: Any) -> tuple[torch.Tensor | None, torch.Tens
     """(w13 [E, 2I, K], w2 [E, N, I], '') of unquantized routed experts as loaded, or (None, None, why)."""
     method = getattr(routed_experts, "quant_method", None)
     if method is not None and type(method).__name__ != "UnquantizedFusedMoEMethod":
-        return None, None, f"quantized experts ({type(method).__name__}): the stock MoE serves"
+        return None, None, f"quantized experts ({type(method).__name__})"
     w13 = getattr(routed_experts, RETAINED_W13, None)
     w2 = getattr(routed_experts, RETAINED_W2, None)
     if w13 is None or w2 is None:
         from vllm.platforms import current_platform
 
         if current_platform.is_cpu():  # the CPU build prepacks in place of the loaded layout
-            return None, None, "experts prepacked by vLLM's CPU build and not retained: the stock MoE serves"
+            return None, None, "experts prepacked by vLLM's CPU build and not retained"
         w13, w2 = getattr(routed_experts, "w13_weight", None), getattr(routed_experts, "w2_weight", None)
     if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor) or w13.dim() != 3 or w2.dim() != 3:
-        return None, None, "expert weights not in [E, 2I, K] / [E, N, I] layout: the stock MoE serves"
+        return None, None, "expert weights not in [E, 2I, K] / [E, N, I] layout"
     if w13.shape[0] != w2.shape[0] or w13.shape[1] != 2 * w2.shape[2] or w13.shape[2] != w2.shape[1]:
-        return None, None, (f"expert weights padded or transposed ({tuple(w13.shape)}, {tuple(w2.shape)}): "
-                            "the stock MoE serves")
+        return None, None, f"expert weights padded or transposed ({tuple(w13.shape)}, {tuple(w2.shape)})"
     return w13, w2, ""

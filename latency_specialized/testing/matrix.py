@@ -7,9 +7,10 @@ installed: the cells come from the registry and from each adapter's scope. Adapt
 against the model reference for that cell on one rank and returns a :class:`CellResult`; TP>1
 cells run on several CPU processes joined by gloo (see :class:`GlooPool`).
 
-Plan cells (:func:`plan_cells`) are the distinct inputs of ``build_plan``: the context is one of
-them only where ``build_plan`` takes a ``context`` (it does not yet), so no two plan cells build the
-same plan (``kimi_k3-tp8-b4-s0``). :func:`cell_plan` is the plan a program cell is verified with, and
+Plan cells (:func:`plan_cells`) are the distinct inputs of ``build_plan``: (adapter, batch, TP,
+context, speculative tokens) - the context is one of them because ``build_plan`` takes it (the
+attention sites carry it), so no two plan cells build the same plan (``kimi_k3-tp8-b4-ctx40-s0``).
+:func:`cell_plan` is the plan a program cell is verified with, and
 :func:`kernel_sites` what the plan's rules say must run a kernel (not a reference) in it.
 """
 
@@ -107,9 +108,9 @@ def plan_takes_context() -> bool:
 def plan_cells(adapter: Any) -> list[Cell]:
     """The matrix cells of ``adapter`` that build distinct plans (CPU cells; a plan names its arch).
 
-    The context is a plan input only where ``build_plan`` takes it: until then the cells of one
-    (TP, batch, spec tokens) that differ only in context would build the same plan, so they are one
-    plan cell (context None)."""
+    The context is a plan input where ``build_plan`` takes it (it does: ``plan.context`` and the attention
+    sites' attr ``context``); a ``build_plan`` without one would make the cells of one (TP, batch, spec
+    tokens) that differ only in context build the same plan, so they would be one plan cell (context None)."""
     cells = cells_for(adapter, devices=("cpu",))
     if plan_takes_context():
         return cells

@@ -9,7 +9,8 @@
 * ``weights``      - the model's own weights through the CPU build's repack.
 * ``scope``        - the deployment vs the adapter scope, gathered across ranks.
 * ``install``      - find the adapter, check collectively, plan, bind, replace ``model.forward``.
-* ``binding``      - the contract of an adapter's vLLM binding and the per-site dispatch table.
+* ``binding``      - the contract of an adapter's vLLM binding, the plans per bucket (SiteTable) and the
+                     generic decode step (the runtime's ComposedProgram over vLLM's tensors).
 * ``override``     - the per-step gate (pure decode in scope?) and dispatch, with the trace.
 * ``trace_file``   - ``LATENCY_SPECIALIZED_TRACE_FILE``: the trace as JSON, per rank.
 

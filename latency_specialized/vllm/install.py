@@ -5,11 +5,15 @@ backend is ``latency_specialized``:
 
 1. find the adapter for the model's architecture (``get_registry().adapter_for_architecture``);
 2. list this rank's problems: adapter scope vs the deployment (arch, TP, dtype, speculative
-   tokens, CUDA graphs), vLLM features the override cannot run with, and the binding's own checks;
+   tokens, CUDA graphs), vLLM features the override cannot run with, the binding's own checks, and
+   the plans of every batch bucket (``ops.plan.buckets_upto``, the bucket rule the gate uses too),
+   which - with the sites vLLM's own modules serve marked by the binding (``binding.stock_sites``) -
+   must leave no site unserved;
 3. gather the lists from every rank; if any rank has a problem, every rank raises the same
    :class:`DeploymentScopeError` listing all of them (the server fails at start);
-4. plan every batch bucket, bind the program to the model's own weights and caches, replace
-   ``model.forward`` on that instance with a :class:`DecodeOverride`, log the plan once (rank 0).
+4. bind the program - the runtime's ``ComposedProgram`` - to the model's own weights and caches
+   (``binding.bind``), replace ``model.forward`` on that instance with a :class:`DecodeOverride`,
+   log the plan once (rank 0).
 """
 
 from __future__ import annotations
@@ -70,7 +74,8 @@ def _intree_hint(archs: list[str]) -> str:
 
 
 def _local_problems(model: Any, vllm_config: Any, rank: int) -> tuple[list[str], BindContext | None, Any]:
-    """This rank's problems and, if it has none, the context and binding to install."""
+    """This rank's problems and the context and ``(binding, sites)`` to install (the plans of every
+    bucket, with the sites vLLM's own modules serve marked; None where planning failed)."""
     reg = get_registry()
     archs = _architectures(vllm_config)
     adapter = reg.adapter_for_architecture(archs)
@@ -100,7 +105,16 @@ def _local_problems(model: Any, vllm_config: Any, rank: int) -> tuple[list[str],
     except UserError as e:
         problems.append(str(e))
     problems += [p for p in binding.problems(ctx) if p not in problems]
-    return problems, ctx, (binding, plan_adapter)
+    if problems:
+        return problems, ctx, None
+    try:
+        sites = SiteTable.build(plan_adapter, ctx.registry, ctx.hardware, ctx.deployment, ctx.max_batch)
+    except UserError as e:
+        return [str(e)], ctx, None
+    mark = getattr(binding, "stock_sites", None)  # optional: a binding whose sites the plan serves whole
+    if mark is not None:
+        mark(ctx, sites)
+    return sites.problems(), ctx, (binding, sites)
 
 
 def install(model: Any, vllm_config: Any) -> DecodeOverride:
@@ -112,13 +126,12 @@ def install(model: Any, vllm_config: Any) -> DecodeOverride:
     if everyone:
         raise DeploymentScopeError(name, everyone)
     assert ctx is not None and bound is not None  # no problems on this rank means it was bound
-    binding, plan_adapter = bound
-    sites = SiteTable.build(plan_adapter, ctx.registry, ctx.hardware, ctx.deployment, ctx.max_batch)
+    binding, sites = bound
     step = binding.bind(ctx, sites)
     template = os.environ.get(TRACE_ENV, "").strip()
     writer = TraceWriter(ctx.trace, trace_path(template, rank) if template else None,
                          extra={"model": ctx.adapter.name, "rank": rank, "backend": backend_config.OURS})
-    gate = DecodeGate(max_batch=ctx.max_batch, buckets=tuple(sorted(sites.plans)),
+    gate = DecodeGate(max_batch=ctx.max_batch, buckets=sites.buckets,  # the planned buckets: one bucket rule
                       spec_tokens=ctx.adapter.scope().spec_tokens)
     override = DecodeOverride(model.forward, step, gate=gate, trace=ctx.trace, writer=writer)
     model.forward = override  # this instance only: vLLM's class and every other model stay stock
@@ -127,8 +140,8 @@ def install(model: Any, vllm_config: Any) -> DecodeOverride:
     first = sites.plans[smallest]
     with writer.lock:
         for c in first.choices:
-            sc = sites.choice(smallest, c.site.name)
-            ctx.trace.site(c.site.name, sc.impl, sc.reason)
+            impl = c.impl.name if c.impl is not None else "NONE"
+            ctx.trace.site(c.site.name, impl, sites.reason(smallest, c.site.name))
         ctx.trace.note(f"installed on rank {rank}: buckets {sorted(sites.plans)}, max batch {ctx.max_batch}",
                        buckets=sorted(sites.plans), deployment=ctx.deployment.model_dump())
         writer.touched()
@@ -139,9 +152,10 @@ def install(model: Any, vllm_config: Any) -> DecodeOverride:
 
 
 def _served_text(sites: SiteTable, bucket: int) -> str:
-    """What actually serves each site after the binding's layout checks (stock fallbacks named)."""
+    """What serves each site of the program (the sites vLLM's own modules serve named, with why)."""
     lines = [f"  served (bucket {bucket}):"]
     for c in sites.plans[bucket].choices:
-        sc = sites.choice(bucket, c.site.name)
-        lines.append(f"    {c.site.name:<34} {sc.impl}" + (f"  ({sc.reason})" if sc.reason else ""))
+        why = sites.reason(bucket, c.site.name)
+        lines.append(f"    {c.site.name:<34} {c.impl.name if c.impl is not None else 'NONE'}"
+                     + (f"  ({why})" if why else ""))
     return "\n".join(lines)

@@ -7,8 +7,8 @@ from typing import Any, ClassVar
 from latency_specialized.adapter import ModelAdapter, Variant
 from latency_specialized.spec import DecodeScope, ModelSpec, ParallelSpec
 
-from latency_specialized_models.deepseek_v41_flash.sites import dsv41_op_sites
-from latency_specialized_models.deepseek_v41_flash.spec import NAME, full_spec, tiny_spec
+from latency_specialized_models.deepseek_v41_flash.sites import composed_model, dsv41_op_sites
+from latency_specialized_models.deepseek_v41_flash.spec import NAME, DeepseekV41Spec, full_spec, tiny_spec
 
 
 class DeepseekV41FlashAdapter(ModelAdapter):
@@ -28,5 +28,11 @@ class DeepseekV41FlashAdapter(ModelAdapter):
         return DecodeScope(archs=("cpu", "sm_90", "sm_100", "sm_103"), tp_sizes=(1, 2, 4, 8), max_batch=64,
                            dtypes=("bfloat16", "float32"), spec_tokens=(0, full_spec().draft.num_speculative_tokens))
 
-    def op_sites(self, spec: ModelSpec, parallel: ParallelSpec, tokens: int, arch: str, dtype: str) -> list[Any]:
-        return dsv41_op_sites(spec, parallel, tokens, arch, dtype)
+    def composed_model(self, spec: ModelSpec) -> Any:
+        assert isinstance(spec, DeepseekV41Spec)
+        return composed_model(spec)
+
+    def op_sites(self, spec: ModelSpec, parallel: ParallelSpec, tokens: int, arch: str, dtype: str, *,
+                 context: int | None = None) -> list[Any]:
+        """The composed model's sites with the experts' SwiGLU clamp (``sites.dsv41_op_sites``)."""
+        return dsv41_op_sites(spec, super().op_sites(spec, parallel, tokens, arch, dtype, context=context))

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from latency_specialized.adapter import ModelAdapter, Variant
-from latency_specialized.spec import DecodeScope, ModelSpec, ParallelSpec
+from latency_specialized.spec import DecodeScope, ModelSpec
 
-from latency_specialized_models.glm53.sites import glm53_op_sites
-from latency_specialized_models.glm53.spec import NAME, full_spec, tiny_spec
+from latency_specialized_models.glm53.sites import composed_model
+from latency_specialized_models.glm53.spec import NAME, Glm53Spec, full_spec, tiny_spec
 
 
 class Glm53Adapter(ModelAdapter):
@@ -28,5 +28,8 @@ class Glm53Adapter(ModelAdapter):
         return DecodeScope(archs=("cpu", "sm_90", "sm_100", "sm_103"), tp_sizes=(1, 2, 4, 8, 16), max_batch=64,
                            dtypes=("bfloat16", "float32"), spec_tokens=(0, full_spec().mtp.num_speculative_tokens))
 
-    def op_sites(self, spec: ModelSpec, parallel: ParallelSpec, tokens: int, arch: str, dtype: str) -> list[Any]:
-        return glm53_op_sites(spec, parallel, tokens, arch, dtype)
+    def composed_model(self, spec: ModelSpec) -> Any:
+        """Standard pieces with the sparse-MLA stand-in (``sites.composed_model``); the default
+        ``op_sites`` lists their sites."""
+        assert isinstance(spec, Glm53Spec)
+        return composed_model(spec)

@@ -1,4 +1,6 @@
-"""The Kimi K3 adapter: spec, scope, op sites, reference, program and checkpoints."""
+"""The Kimi K3 adapter: spec, scope, pieces and names, reference, bench spec and checkpoints. What runs is
+generic over the pieces (``composed.py``): the op sites and program are the composed model's, matrix cells
+``testing/verify.py``'s, the layer bench's "ours" ``runtime/layer_harness.py``'s over :meth:`bench_spec`."""
 
 from __future__ import annotations
 
@@ -9,20 +11,23 @@ import torch
 
 from latency_specialized.adapter import ModelAdapter, Variant
 from latency_specialized.errors import UserError
-from latency_specialized.spec import DecodeScope, ModelSpec, ParallelSpec
+from latency_specialized.runtime.composed import ComposedProgram
+from latency_specialized.runtime.layer_harness import LayerBenchHarness
+from latency_specialized.runtime.random_weights import torch_dtype
+from latency_specialized.spec import DecodeScope, KDAAttentionSpec, MLAAttentionSpec, ModelSpec, MoESpec
+from latency_specialized.testing import verify
 
-from latency_specialized_models.kimi_k3.spec import KimiK3Spec, full_spec, medium_spec, tiny_spec
+from latency_specialized_models.kimi_k3 import checkpoint as ckpt
+from latency_specialized_models.kimi_k3 import composed
+from latency_specialized_models.kimi_k3.reference import KimiK3Reference
+from latency_specialized_models.kimi_k3.spec import KimiK3Spec, build_spec, full_spec, medium_spec, tiny_spec
+from latency_specialized_models.kimi_k3.tokenizer import train_tokenizer
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 
-
-def torch_dtype(name: str | torch.dtype) -> torch.dtype:
-    """torch dtype from a name ('bfloat16', 'float32', ...); UserError naming the choices."""
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise UserError(f"dtype {name!r} not supported: use one of {', '.join(DTYPES)}")
-    return DTYPES[name]
+def _kimi(spec: Any, what: str) -> KimiK3Spec:
+    if not isinstance(spec, KimiK3Spec):
+        raise UserError(f"kimi_k3 {what} needs a KimiK3Spec (adapter.spec('tiny'), or a checkpoint's)")
+    return spec
 
 
 class KimiK3Adapter(ModelAdapter):
@@ -41,79 +46,81 @@ class KimiK3Adapter(ModelAdapter):
         return DecodeScope(archs=("cpu", "sm_90", "sm_100", "sm_103"), tp_sizes=(1, 2, 4, 8, 16), max_batch=64,
                            dtypes=("bfloat16", "float32"), spec_tokens=(0,))
 
-    def op_sites(self, spec: ModelSpec, parallel: ParallelSpec, tokens: int, arch: str, dtype: str) -> list[Any]:
-        """Kimi's own step: AttnRes mixes instead of residual norms, latent MoE tail (see sites.py)."""
-        from latency_specialized_models.kimi_k3.sites import kimi_op_sites
+    # ------------------------------------------------------------------ pieces
+    def composed_model(self, spec: ModelSpec) -> Any:
+        """The pieces of the unsharded ``spec`` (their sites are the adapter's ``op_sites``)."""
+        return composed.composed_model(_kimi(spec, "composed model"))
 
-        return kimi_op_sites(spec, parallel, tokens, arch, dtype)
+    def tensor_names(self, spec: ModelSpec) -> Any:
+        """``tensor_name(layer, role, local) -> str | None``: the checkpoint name of each piece weight."""
+        return composed.tensor_name_for(_kimi(spec, "tensor names"))
+
+    def bench_spec(self, full: ModelSpec, tp: int, kind: str, num_layers: int, *, vocab: int = 512) -> KimiK3Spec:
+        """``num_layers`` layers of ``kind`` (+MoE) with Kimi K3's full widths (heads, experts, latent ...), the
+        layer bench's spec: run at TP ``tp`` on rank-shaped weights, every kernel sees a TP-``tp`` shard's
+        shapes. Routed experts bf16; a small vocabulary (the LM head is not part of a layer)."""
+        full = _kimi(full, "bench spec")
+        kda = next(l.attention for l in full.layers if isinstance(l.attention, KDAAttentionSpec))
+        mla = next(l.attention for l in full.layers if isinstance(l.attention, MLAAttentionSpec))
+        moe = next(l.ffn for l in full.layers if isinstance(l.ffn, MoESpec))
+        spec = build_spec(variant=f"bench-{kind}x{num_layers}", hidden=full.hidden_size, vocab=vocab * tp,
+                          num_layers=num_layers, mla_layers=tuple(range(num_layers)) if kind == "mla" else (),
+                          kda_heads=kda.num_heads, head_dim=kda.head_dim, conv=kda.conv_kernel,
+                          gate_lower_bound=kda.gate_lower_bound, mla_heads=mla.num_heads, q_lora=mla.q_lora_rank,
+                          kv_lora=mla.kv_lora_rank, nope=mla.qk_nope_head_dim, rope=mla.qk_rope_head_dim,
+                          v_dim=mla.v_head_dim, experts=moe.num_experts, top_k=moe.top_k,
+                          shared=moe.num_shared_experts, expert_inter=moe.expert_intermediate, latent=moe.latent_dim,
+                          dense_layers=(), dense_inter=moe.expert_intermediate,
+                          block_size=full.residual.block_size or 12, max_context=full.max_context, eps=full.norm.eps,
+                          activation=moe.activation, router=moe.router, latent_norm=full.latent_moe_norm,
+                          expert_format="bf16")
+        spec.shard(tp)  # UserError naming the fix for a TP the model cannot be split by
+        return spec
 
     # ------------------------------------------------------------------ reference / program
     def reference(self, spec: ModelSpec | None = None, *, checkpoint: str | Path | None = None,
                   weights: dict[str, torch.Tensor] | None = None, seed: int = 0, dtype: str | torch.dtype = "bfloat16",
                   device: str | torch.device = "cpu", tokenizer: bool = True, **_: Any):
-        """The torch reference with weights: from ``checkpoint``, from ``weights``, or random (``seed``).
-
-        Random weights are offered for the tiny and medium variants (the full model has 2.8T parameters).
-        ``tokenizer`` trains a byte-level tokenizer of the spec's vocabulary in memory for random weights.
-        """
-        from latency_specialized_models.kimi_k3.reference import KimiK3Reference
-
+        """The torch reference with weights: from ``checkpoint``, from ``weights``, or random (``seed``: tiny
+        and medium only). ``tokenizer`` trains a byte-level tokenizer of the vocabulary for random weights."""
         dt = torch_dtype(dtype)
         if checkpoint is not None:
-            from latency_specialized_models.kimi_k3.checkpoint import load_checkpoint
-
-            ck = load_checkpoint(checkpoint, dtype=dt, device=device)
+            ck = ckpt.load_checkpoint(checkpoint, dtype=dt, device=device)
             return KimiK3Reference(ck.spec, ck.weights, tokenizer=ck.tokenizer, bos_token_id=ck.bos_token_id,
                                    eos_token_id=ck.eos_token_id)
-        spec = spec if spec is not None else tiny_spec()
-        if not isinstance(spec, KimiK3Spec):
-            raise UserError("kimi_k3 reference needs a KimiK3Spec (adapter.spec('tiny'), or a checkpoint)")
+        spec = _kimi(spec if spec is not None else tiny_spec(), "reference")
         if weights is None:
             if spec.variant == "full":
                 raise UserError("random weights for the full Kimi K3 (2.8T parameters) do not fit anywhere: "
                                 "pass --checkpoint DIR or use --size tiny / medium")
-            from latency_specialized_models.kimi_k3.weights import random_weights
-
-            weights = random_weights(spec, seed=seed, dtype=dt, device=device)
-        tok = None
-        if tokenizer:
-            from latency_specialized_models.kimi_k3.tokenizer import train_tokenizer
-
-            tok = train_tokenizer(spec.vocab_size)
+            weights = composed.random_weights(spec, seed=seed, dtype=dt, device=device)
+        tok = train_tokenizer(spec.vocab_size) if tokenizer else None
         return KimiK3Reference(spec, weights, tokenizer=tok, bos_token_id=1, eos_token_id=2)
 
     def program(self, spec: ModelSpec, *, plans: Any, cache: Any, reference: Any = None,
-                weights: dict[str, torch.Tensor] | None = None, trace: Any = None, comm: Any = None, **_: Any):
-        """The decode program over ``cache`` bound to ``plans`` (weights from ``reference`` or ``weights``)."""
-        from latency_specialized_models.kimi_k3.program import KimiK3Program
-
+                weights: dict[str, torch.Tensor] | None = None, trace: Any = None, comm: Any = None,
+                weights_sharded: bool = False, **_: Any):
+        """The composed decode program over ``cache`` (this rank's ``ModelStates``) bound to ``plans``; weights
+        by official name from ``reference`` or ``weights`` (full, or the rank's with ``weights_sharded``)."""
         if weights is None:
             if reference is None:
                 raise UserError("kimi_k3 program needs weights: pass reference= or weights=")
             weights = reference.w
-        if not isinstance(spec, KimiK3Spec):
-            raise UserError("kimi_k3 program needs a KimiK3Spec")
-        return KimiK3Program(spec, weights, plans, cache, trace=trace, comm=comm)
+        spec = _kimi(spec, "program")
+        return ComposedProgram(composed.composed_model(spec), composed.piece_weights(spec, weights), plans, cache,
+                               comm=comm, trace=trace, weights_sharded=weights_sharded)
 
     def verify_cell(self, cell: Any, comm: Any = None) -> Any:
-        """Program vs reference for one cross-model matrix cell on this rank (see verify.py)."""
-        from latency_specialized_models.kimi_k3.verify import verify_cell
-
-        return verify_cell(self, cell, comm)
+        """Program vs reference for one cross-model matrix cell on this rank (``testing/verify.py``)."""
+        return verify.verify_cell(self, cell, comm)
 
     def layer_bench(self) -> Any:
-        """The layer bench's "ours": ``graphed.build_ours`` (rank-shaped programs in CUDA graphs)."""
-        from latency_specialized_models.kimi_k3 import graphed
-
-        return graphed
+        """The layer bench's "ours": the generic harness over this adapter's pieces and :meth:`bench_spec`."""
+        return LayerBenchHarness(self)
 
     def write_checkpoint(self, directory: str | Path, *, size: Variant = "tiny", seed: int = 0,
                          dtype: str = "bfloat16", layout: str = "kimi_k3", expert_format: str | None = None) -> list[Path]:
         """A random-weight checkpoint (config, safetensors, tokenizer) of the ``size`` variant."""
-        from latency_specialized_models.kimi_k3.checkpoint import save_checkpoint
-        from latency_specialized_models.kimi_k3.tokenizer import train_tokenizer
-        from latency_specialized_models.kimi_k3.weights import random_weights
-
         if size != "tiny":
             raise UserError("only --size tiny checkpoints can be made (the full model has 2.8T parameters)")
         spec = tiny_spec()
@@ -121,8 +128,5 @@ class KimiK3Adapter(ModelAdapter):
             if expert_format not in ("bf16", "mxfp4"):
                 raise UserError(f"expert format {expert_format!r}: use bf16 or mxfp4")
             spec = spec.model_copy(update={"routed_expert_format": expert_format})
-        weights = random_weights(spec, seed=seed, dtype=torch_dtype(dtype))
-        return save_checkpoint(directory, spec, weights, layout=layout, tokenizer=train_tokenizer(spec.vocab_size))
-
-    def __repr__(self) -> str:
-        return f"<adapter {self.name}>"
+        weights = composed.random_weights(spec, seed=seed, dtype=torch_dtype(dtype))
+        return ckpt.save_checkpoint(directory, spec, weights, layout=layout, tokenizer=train_tokenizer(spec.vocab_size))

@@ -1,7 +1,6 @@
 """Entry point of the Kimi K3 adapter (group `latency_specialized.adapters`).
 
-Besides the adapter it registers the reference of the Kimi-only op family ``residual.attnres``
-(Block AttnRes mixing), so a deployment that blocks this plugin loses the family with the model.
+Its op families (Block AttnRes mixing, ``residual.attnres``, included) are the backend's built-in ones.
 """
 
 from latency_specialized.plugins import hookimpl
@@ -12,11 +11,3 @@ def register_adapters(register):
     from latency_specialized_models.kimi_k3.adapter import KimiK3Adapter
 
     register(KimiK3Adapter())
-
-
-@hookimpl
-def register_implementations(register):
-    from latency_specialized_models.kimi_k3.attnres import IMPLEMENTATIONS
-
-    for impl in IMPLEMENTATIONS:
-        register(impl)

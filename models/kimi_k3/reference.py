@@ -16,6 +16,10 @@ deliberately *not* from the backend's op families, so that program == reference 
 Numerics: math in fp32 (fp64 when the weights are fp64), rounded to the activation dtype after
 every projection, norm and mix - the points where a bf16 serving stack rounds. The KDA state is
 fp32 (fp64 in fp64 runs). CPU and GPU: everything follows the weights' device.
+
+Decode state: ``runtime.states.ModelStates`` in the pieces' layout (the program's): per KDA layer ``conv``
+``[rows, 3*H*D, W-1]`` (last W-1 q|k|v inputs) and ``state`` ``[rows, H, D, D]``; per MLA layer a paged ``kv``
+``[blocks, block_size, kv_lora + rope]``. Row 0 is padding scratch; sequences start from zero state.
 """
 
 from __future__ import annotations
@@ -25,19 +29,19 @@ from typing import Sequence
 import torch
 
 from latency_specialized.errors import UserError
+from latency_specialized.runtime.states import ModelStates, SeqSlot
 from latency_specialized.spec import ActivationSpec, DenseMLPSpec, KDAAttentionSpec, MLAAttentionSpec, MoESpec
 
-from latency_specialized_models.kimi_k3.cache import KimiK3Cache, SeqSlot
 from latency_specialized_models.kimi_k3.spec import KimiK3Spec
 
 
 class KimiK3Reference:
-    """Prefill and decode of Kimi K3 over a :class:`KimiK3Cache`, one sequence at a time.
+    """Prefill and decode of Kimi K3 over its decode state (``ModelStates``, see the module docstring).
 
     Parameters
     ----------
     spec : the (unsharded) architecture.
-    weights : official name -> tensor (see weights.py), activation dtype except the fp32 parameters.
+    weights : official name -> tensor (``composed.tensor_name_for``), activation dtype except the fp32 parameters.
     tokenizer : optional ``tokenizers.Tokenizer`` (used by ``generate``).
     bos_token_id, eos_token_id : special ids of the tokenizer/config (None if unknown).
     """
@@ -49,22 +53,22 @@ class KimiK3Reference:
         self.spec = spec
         self.w = weights
         emb = weights["model.embed_tokens.weight"]
-        self.dtype = emb.dtype
-        self.device = emb.device
+        self.dtype, self.device = emb.dtype, emb.device
         self.acc = torch.float64 if self.dtype == torch.float64 else torch.float32
-        self.tokenizer = tokenizer
-        self.bos_token_id = bos_token_id
-        self.eos_token_id = eos_token_id
+        self.tokenizer, self.bos_token_id, self.eos_token_id = tokenizer, bos_token_id, eos_token_id
 
     # ------------------------------------------------------------------ public API
     def new_cache(self, num_seqs: int, max_len: int, *, block_size: int = 16,
-                  shuffle_seed: int | None = None) -> KimiK3Cache:
-        """Zero decode state for ``num_seqs`` sequences of up to ``max_len`` tokens."""
-        return KimiK3Cache.for_sequences(self.spec, num_seqs, max_len, block_size=block_size, dtype=self.dtype,
-                                         device=self.device, shuffle_seed=shuffle_seed)
+                  shuffle_seed: int | None = None) -> ModelStates:
+        """Zero decode state for ``num_seqs`` sequences of up to ``max_len`` tokens (``shuffle_seed``: KV
+        blocks handed out in a random order, so paging is exercised)."""
+        from latency_specialized_models.kimi_k3.composed import composed_model  # the layout only, no math
+
+        return ModelStates.allocate(composed_model(self.spec), num_seqs, max_len, block_size=block_size,
+                                    dtype=self.dtype, device=self.device, shuffle_seed=shuffle_seed)
 
     @torch.no_grad()
-    def prefill(self, cache: KimiK3Cache, slot: SeqSlot, start: int, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    def prefill(self, cache: ModelStates, slot: SeqSlot, start: int, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """Run ``tokens`` (positions ``start ..``) of one sequence; fills its caches.
 
         Returns the logits of every token, ``[T, vocab]`` (fp32; fp64 in fp64 runs). ``start > 0``
@@ -77,7 +81,7 @@ class KimiK3Reference:
         return self._forward(cache, [slot], [start], ids.view(1, -1), absorbed=False)
 
     @torch.no_grad()
-    def decode(self, cache: KimiK3Cache, slots: Sequence[SeqSlot], positions: Sequence[int],
+    def decode(self, cache: ModelStates, slots: Sequence[SeqSlot], positions: Sequence[int],
                tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """One decode step: token ``tokens[b]`` at position ``positions[b]`` of sequence ``slots[b]``.
 
@@ -96,7 +100,7 @@ class KimiK3Reference:
         return self._forward(cache, list(slots), [int(p) for p in positions], ids.view(-1, 1), absorbed=True)
 
     # ------------------------------------------------------------------ model
-    def _forward(self, cache: KimiK3Cache, slots: list[SeqSlot], starts: list[int], ids: torch.Tensor,
+    def _forward(self, cache: ModelStates, slots: list[SeqSlot], starts: list[int], ids: torch.Tensor,
                  absorbed: bool) -> torch.Tensor:
         """ids [B, T]: T consecutive tokens (from ``starts[b]``) of each of B sequences -> logits [B*T, V].
 
@@ -177,7 +181,7 @@ class KimiK3Reference:
             return self._round(mixed)
         return self._rms(mixed, out_norm, eps)
 
-    def _kda(self, cache: KimiK3Cache, i: int, a: KDAAttentionSpec, rows: SeqSlot | list[int],
+    def _kda(self, cache: ModelStates, i: int, a: KDAAttentionSpec, rows: SeqSlot | list[int],
              x: torch.Tensor) -> torch.Tensor:
         """KDA over x [B, T, H]: T consecutive tokens of the sequences in state rows ``rows`` ([B]).
         A single SeqSlot with x [T, H] is one sequence (returns [T, H])."""
@@ -189,9 +193,10 @@ class KimiK3Reference:
         idx = torch.as_tensor(rows, dtype=torch.long, device=x.device)
         # Short causal conv over [tail | new tokens] per q/k/v channel, then SiLU.
         raw = [self._lin(x, p + f"{n}_proj.weight") for n in ("q", "k", "v")]   # 3 x [B, T, HD]
-        tail = cache.conv[i][idx]                                                # [B, 3HD, W-1]
+        st = cache.layer(i)
+        tail = st["conv"][idx]                                                   # [B, 3HD, W-1]
         seq = torch.cat([tail, torch.cat(raw, dim=-1).transpose(1, 2)], dim=-1)  # [B, 3HD, W-1+T]
-        cache.conv[i][idx] = seq[..., -(W - 1):]
+        st["conv"][idx] = seq[..., -(W - 1):]
         taps = torch.cat([self.w[p + f"{n}_conv1d.weight"].to(acc)[:, 0] for n in ("q", "k", "v")])  # [3HD, W]
         windows = seq.to(acc).unfold(-1, W, 1)                                   # [B, 3HD, T, W]
         conv = self._round(torch.nn.functional.silu((windows * taps.unsqueeze(1)).sum(-1))).transpose(1, 2)
@@ -203,14 +208,14 @@ class KimiK3Reference:
         A = torch.exp(self.w[p + "A_log"].to(acc)).view(Hh, 1)
         g = a.gate_lower_bound * torch.sigmoid(A * (f + self.w[p + "dt_bias"].to(acc).view(Hh, D)))
         beta = torch.sigmoid(self._lin(x, p + "b_proj.weight").to(acc))          # [B, T, Hh]
-        S = cache.state[i][idx].to(acc)                                          # [B, Hh, Dv, Dk]
+        S = st["state"][idx].to(acc)                                             # [B, Hh, Dv, Dk]
         outs = []
         for t in range(T):
             S = S * torch.exp(g[:, t]).unsqueeze(2)                              # decay along keys
             v_new = beta[:, t].unsqueeze(-1) * (v[:, t] - torch.einsum("bhvk,bhk->bhv", S, k[:, t]))
             S = S + v_new.unsqueeze(-1) * k[:, t].unsqueeze(2)
             outs.append(torch.einsum("bhvk,bhk->bhv", S, q[:, t]))
-        cache.state[i][idx] = S.to(cache.state[i].dtype)
+        st["state"][idx] = S.to(st["state"].dtype)
         o = torch.stack(outs, dim=1)                                             # [B, T, Hh, D]
         # Gated RMSNorm per head with the full-rank output gate.
         gate = torch.sigmoid(self._lin(x, p + "g_proj.weight").to(acc).view(B, T, Hh, D))
@@ -218,7 +223,7 @@ class KimiK3Reference:
         o = self._round(o * self.w[p + "o_norm.weight"].to(acc) * gate).reshape(B, T, Hh * D)
         return self._lin(o, p + "o_proj.weight")
 
-    def _mla(self, cache: KimiK3Cache, i: int, a: MLAAttentionSpec, slot: SeqSlot, start: int, x: torch.Tensor,
+    def _mla(self, cache: ModelStates, i: int, a: MLAAttentionSpec, slot: SeqSlot, start: int, x: torch.Tensor,
              absorbed: bool) -> torch.Tensor:
         p = f"model.layers.{i}.self_attn."
         eps, acc = self.spec.norm.eps, self.acc
@@ -234,7 +239,7 @@ class KimiK3Reference:
         kpe = kv[:, L:]
         # Write the new tokens' latents into the paged cache, then read the whole context back.
         bsz = cache.block_size
-        cache_i = cache.kv[i]
+        cache_i = cache.layer(i)["kv"]
         for t in range(T):
             pos = start + t
             cache_i[slot.blocks[pos // bsz], pos % bsz] = torch.cat([c[t], kpe[t]]).to(cache_i.dtype)
@@ -312,7 +317,7 @@ class KimiK3Reference:
                                   f.activation).to(acc)
         return self._round(out)
 
-    def _check_capacity(self, cache: KimiK3Cache, slot: SeqSlot, length: int) -> None:
+    def _check_capacity(self, cache: ModelStates, slot: SeqSlot, length: int) -> None:
         cap = len(slot.blocks) * cache.block_size
         if length > cap:
             raise UserError(f"sequence of {length} tokens exceeds its cache capacity {cap}: allocate a longer cache")

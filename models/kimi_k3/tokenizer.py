@@ -2,17 +2,16 @@
 
 A byte-level BPE (Hugging Face ``tokenizers``) trained on the embedded corpus below, with Kimi's
 special-token names at fixed ids (``<|pad|>`` 0, ``[BOS]`` 1, ``[EOS]`` 2) and reserved tokens
-filling the vocabulary up to the model's size, so every id the model can emit decodes. Saved as
-``tokenizer.json`` + ``tokenizer_config.json`` (loadable by ``transformers``' fast tokenizer).
-The real Kimi K3 tokenizer (tiktoken-based, 163840 ids) is not reproduced.
+filling the vocabulary up to the model's size (``runtime/tokenizer.py``). The real Kimi K3 tokenizer
+(tiktoken-based, 163840 ids) is not reproduced.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from latency_specialized.errors import CheckpointError
+from latency_specialized.runtime import tokenizer
+from latency_specialized.runtime.tokenizer import train_byte_bpe
 
 PAD, BOS, EOS = "<|pad|>", "[BOS]", "[EOS]"
 SPECIALS = (PAD, BOS, EOS)
@@ -38,44 +37,9 @@ In the beginning the program was slow; after many small steps it was fast, and s
 
 def train_tokenizer(vocab_size: int):
     """The byte-level BPE of exactly ``vocab_size`` ids (deterministic; no network)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    if vocab_size < 260:
-        raise CheckpointError(f"a byte-level tokenizer needs >= 260 ids (256 bytes + specials); got vocab {vocab_size}")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=1)
-    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
-    # A small corpus may run out of merges before the target: fill with reserved special tokens
-    # so that ids up to vocab_size - 1 (which a random model can emit) all decode.
-    missing = vocab_size - tok.get_vocab_size()
-    if missing > 0:
-        tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(missing)])
-    if tok.get_vocab_size() != vocab_size:
-        raise CheckpointError(f"tokenizer came out with {tok.get_vocab_size()} ids instead of {vocab_size}")
-    return tok
+    return train_byte_bpe(vocab_size, [_CORPUS] * 4, SPECIALS)
 
 
 def save_tokenizer(tok, directory: str | Path, *, max_length: int) -> list[Path]:
-    """Write tokenizer.json and tokenizer_config.json into ``directory``."""
-    d = Path(directory)
-    tok.save(str(d / "tokenizer.json"))
-    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
-           "model_max_length": max_length, "add_bos_token": True, "clean_up_tokenization_spaces": False}
-    (d / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    return [d / "tokenizer.json", d / "tokenizer_config.json"]
-
-
-def load_tokenizer(directory: str | Path):
-    """The ``tokenizers.Tokenizer`` of a checkpoint directory, or None when it has no tokenizer.json."""
-    path = Path(directory) / "tokenizer.json"
-    if not path.exists():
-        return None
-    from tokenizers import Tokenizer
-
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # noqa: BLE001 - any parse failure is a bad checkpoint
-        raise CheckpointError(f"{path}: not a valid tokenizers file ({e}); regenerate it or pass --prompt-ids") from e
+    """Write tokenizer.json and tokenizer_config.json (Kimi's special-token names) into ``directory``."""
+    return tokenizer.save_tokenizer(tok, directory, max_length=max_length, bos=BOS, eos=EOS, pad=PAD)

@@ -7,8 +7,8 @@ from typing import Any, ClassVar
 from latency_specialized.adapter import ModelAdapter, Variant
 from latency_specialized.spec import DecodeScope, ModelSpec, ParallelSpec
 
-from latency_specialized_models.muse_spark.sites import muse_op_sites
-from latency_specialized_models.muse_spark.spec import NAME, full_spec, tiny_spec
+from latency_specialized_models.muse_spark.sites import composed_model, muse_op_sites
+from latency_specialized_models.muse_spark.spec import NAME, MuseSparkSpec, full_spec, tiny_spec
 
 
 class MuseSparkAdapter(ModelAdapter):
@@ -29,5 +29,11 @@ class MuseSparkAdapter(ModelAdapter):
         return DecodeScope(archs=("cpu", "sm_90", "sm_100", "sm_103"), tp_sizes=(1, 2, 4, 8, 16), max_batch=64,
                            dtypes=("bfloat16", "float32"), spec_tokens=(0, full_spec().draft.num_speculative_tokens))
 
-    def op_sites(self, spec: ModelSpec, parallel: ParallelSpec, tokens: int, arch: str, dtype: str) -> list[Any]:
-        return muse_op_sites(spec, parallel, tokens, arch, dtype)
+    def composed_model(self, spec: ModelSpec) -> Any:
+        assert isinstance(spec, MuseSparkSpec)
+        return composed_model(spec)
+
+    def op_sites(self, spec: ModelSpec, parallel: ParallelSpec, tokens: int, arch: str, dtype: str, *,
+                 context: int | None = None) -> list[Any]:
+        """The composed model's sites plus what Muse adds to its pieces (``sites.muse_op_sites``)."""
+        return muse_op_sites(spec, super().op_sites(spec, parallel, tokens, arch, dtype, context=context))

@@ -1,16 +1,23 @@
 """Op sites of one Muse Spark decode step on one rank.
 
-Starts from :func:`standard_op_sites` (every layer is ``gqa+moe``, so the standard list is shaped
-after layer 0, a sliding-window layer) and edits it where Muse Spark differs:
+The sites of Muse Spark as standard pieces (``pieces.standard.compose_standard``), with what is Muse's:
 
-* attention is two sites: sliding window 2048 with RoPE (46 layers) and full attention without
-  RoPE (16 layers, l % 4 == 1);
-* weightless QK-norm after the QKV projection; the attention output goes RMSNorm -> sigmoid gate
-  (the norm family's gated form) -> o_proj;
-* sandwich norms and the gated residual: the all-reduce sites carry ``residual_kind=gated`` and the
-  post-norm (eps 1e-8, zero-centred) that precede the next pre-norm;
-* latent MoE with a norm on the experts' latent output too;
-* RMS-normed embeddings (model-level site) and the logit softcap (attrs of ``lm_head``).
+* two layer kinds: ``gqa.window+moe`` (sliding window 2048 with RoPE, 46 layers) and ``gqa.full+moe``
+  (full attention without RoPE, 16 layers, l % 4 == 1): GQA pieces with the weightless QK norm
+  (``attn.q_norm`` / ``attn.k_norm``) and the sigmoid output gate, whose rows ride in ``attn.qkv_proj``;
+* the attention output's RMSNorm before the gate (``attn.out_norm``, the norm family's gated form,
+  per head) - the GQA piece has no output norm, so it is inserted after ``attn.gqa``;
+* latent MoE (``LatentMoE(input_norm=True, output_norm=False)``): the pre-expert RMSNorm is
+  ``moe.latent_norm``; the post-expert norm applies per expert, before the routing weight, so it is
+  part of ``moe.experts`` (attr ``post_expert_norm``), not a site;
+* the gated residual with sandwich norms: ``SandwichResidual`` with the norm-preserving gate
+  (temperature 0.3, floor 1e-3), zero-centred pre-norms (eps 1e-5), a weightless attention post-norm
+  and an input-scaled FFN post-norm (eps 1e-8), an fp32 stream and a final norm whose gain is not
+  zero-centred (vLLM 0.33's Muse Spark, as the piece documents): every join is a ``residual.gated``
+  site (``attn.join`` / ``ffn.join``: post-norm, gate, next pre-norm in one call; layer 0's input norm
+  ``attn.norm``; the final norm in the last ``ffn.join``), the sublayers' partial sums are plain
+  all-reduce sites (no residual, no norm) at TP > 1;
+* RMS-normed embeddings (``embed_norm``, weightless) and the logit softcap (attrs of ``lm_head``).
 """
 
 from __future__ import annotations
@@ -18,12 +25,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from latency_specialized.ops.sites import OpSite, SiteBuilder, standard_op_sites
-from latency_specialized.spec import GQAAttentionSpec, ModelSpec, ParallelSpec
+from latency_specialized.ops.sites import OpSite, SiteBuilder
+from latency_specialized.pieces.embedding import TokenEmbedding
+from latency_specialized.pieces.ffn.latent_moe import LatentMoE
+from latency_specialized.pieces.residual.gated import NormPreservingGate
+from latency_specialized.pieces.residual.sandwich import SandwichResidual
+from latency_specialized.pieces.standard import compose_standard
+from latency_specialized.runtime.composed import ComposedModel
+from latency_specialized.spec import GQAAttentionSpec, LayerSpec, ModelSpec, MoESpec
 
 from latency_specialized_models.muse_spark.spec import MuseSparkSpec
 
-KIND = "gqa+moe"
+WINDOW_KIND, FULL_KIND = "gqa.window+moe", "gqa.full+moe"
 
 
 def _with(site: OpSite, *, layers: tuple[int, ...] | None = None, **attrs: Any) -> OpSite:
@@ -34,81 +47,53 @@ def _with(site: OpSite, *, layers: tuple[int, ...] | None = None, **attrs: Any) 
     return dataclasses.replace(site, ctx=ctx, layers=site.layers if layers is None else tuple(layers))
 
 
-def muse_op_sites(spec: ModelSpec, parallel: ParallelSpec, tokens: int, arch: str, dtype: str) -> list[OpSite]:
-    """Sites of one decode step (``spec`` full or per-rank; sharded to ``parallel.tp`` here)."""
+def _kind(layer: LayerSpec) -> str:
+    a = layer.attention
+    assert isinstance(a, GQAAttentionSpec)
+    return FULL_KIND if a.sliding_window is None else WINDOW_KIND
+
+
+def composed_model(spec: MuseSparkSpec) -> ComposedModel:
+    """Muse Spark's pieces (unsharded spec): standard GQA, the latent MoE with the pre-expert norm, the
+    sandwich-normed gated residual, the normed embedding (see the module docstring)."""
+    def ffn(layer: LayerSpec) -> LatentMoE:
+        assert isinstance(layer.ffn, MoESpec) and layer.ffn.latent_dim
+        return LatentMoE(layer.ffn, norm_eps=spec.norm.eps, input_norm=True, output_norm=False)
+
+    residual = SandwichResidual.for_spec(
+        spec, gate=NormPreservingGate(temperature=spec.residual_gate.temperature, eps=spec.residual_gate.floor),
+        final_zero_centered=False, post_attn="weightless", post_ffn="input_scaled", post_eps=spec.post_norm.eps,
+        post_zero_centered=spec.post_norm.zero_centered, stream_dtype="float32")
+    return compose_standard(spec, kind=_kind, ffn=ffn, residual=residual,
+                            embedding=TokenEmbedding(normed=spec.embed_norm))
+
+
+def muse_op_sites(spec: ModelSpec, sites: list[OpSite]) -> list[OpSite]:
+    """The sites of :func:`composed_model` (one rank, ``sites``) with what Muse adds to its pieces: the
+    attention output norm after every ``attn.gqa``, the per-expert post-norm of ``moe.experts``, the
+    weightless embedding norm and the logit softcap (``spec``: the Muse spec, full or per rank)."""
     if not isinstance(spec, MuseSparkSpec):
         raise TypeError(f"muse_spark sites need a MuseSparkSpec, got {type(spec).__name__}")
-    rank = spec if spec.tp == parallel.tp else spec.shard(parallel.tp)
-    hidden = spec.hidden_size
-    full_layers, window_layers = spec.full_attention_layers(), spec.window_layers()
-    all_layers = tuple(range(spec.num_layers))
-    attn = rank.layers[window_layers[0] if window_layers else 0].attention
-    assert isinstance(attn, GQAAttentionSpec)
-    moe = rank.layers[0].ffn
-    pre = {"zero_centered": spec.norm.zero_centered, "eps": spec.norm.eps}
-    gated = {"residual_kind": "gated", "post_norm_eps": spec.post_norm.eps,
-             "zero_centered": spec.post_norm.zero_centered}
-
-    b = SiteBuilder(arch, dtype, tokens, parallel.tp)
-
-    def sites(fill) -> list[OpSite]:
-        start = len(b.sites)
-        fill()
-        return b.sites[start:]
-
-    def qk_norm() -> None:
-        b.layers = all_layers
-        # Weightless, per head over head_dim, on every local q and k head.
-        b.add("attn.qk_norm", "norm", N=attn.head_dim, heads=attn.num_heads + attn.num_kv_heads,
-              attrs={"weightless": True})
-
-    def attention() -> None:
-        common = {"heads": attn.num_heads, "kv_heads": attn.num_kv_heads, "head_dim": attn.head_dim}
-        attrs = {"qk_norm": attn.qk_norm, "scale": attn.softmax_scale}
-        if window_layers:
-            b.layers = window_layers
-            b.add("attn.gqa.window", "attention.gqa", window=attn.sliding_window or 0, **common,
-                  attrs={**attrs, "rope": True})
-        if full_layers:
-            b.layers = full_layers
-            b.add("attn.gqa.full", "attention.gqa", window=0, **common, attrs={**attrs, "rope": False})
-
-    def out_norm() -> None:
-        b.layers = all_layers
-        # RMSNorm of the attention output fused with the sigmoid gate (norm's gated form).
-        # guess: per head over head_dim, like Muse Glimmer's per-head gate; MODELS.md gives no width.
-        b.add("attn.out_norm", "norm", N=attn.head_dim, heads=attn.num_heads, attrs={"gate": True})
-
-    def latent_post_norm() -> None:
-        b.layers = all_layers
-        assert moe.kind == "moe" and moe.latent_dim
-        b.add("moe.latent_post_norm", "norm", N=moe.latent_dim)
-
-    first = sites(lambda: b.add("embed_norm", "norm", N=hidden, attrs={"weightless": True}))  # model level
-    b.prefix = KIND
-    after = {f"{KIND}/attn.qkv_proj": sites(qk_norm), f"{KIND}/attn.gate_proj": sites(out_norm),
-             f"{KIND}/moe.experts": sites(latent_post_norm)}
-    replace = {f"{KIND}/attn.gqa": sites(attention)}
-
-    std = standard_op_sites(rank, parallel, tokens, arch, dtype)
-    missing = (set(after) | set(replace)) - {s.name for s in std}
-    if missing:  # the standard list changed shape: fail loudly rather than drop model-specific work
-        raise RuntimeError(f"muse_spark: standard op sites no longer contain {sorted(missing)}")
-    out: list[OpSite] = list(first) if spec.embed_norm else []
-    for site in std:
-        if site.name in replace:
-            out += replace[site.name]
-            continue
-        if site.family == "allreduce":
-            site = _with(site, **gated, eps=spec.norm.eps)
-        elif site.name == f"{KIND}/attn.norm":
-            site = _with(site, **pre, residual_kind="gated")
-        elif site.name == f"{KIND}/moe.router":
-            r = moe.router  # type: ignore[union-attr]
-            site = _with(site, logit_scale=r.logit_scale, renormalize_eps=r.renormalize_eps,
-                         routed_scaling=r.routed_scaling)
+    out: list[OpSite] = []
+    for site in sites:
+        kind, _, role = site.name.rpartition("/")
+        if site.name == "embed_norm":
+            site = _with(site, weightless=True)
+        elif role == "moe.experts" and spec.latent_post_norm:
+            site = _with(site, post_expert_norm=True)
         elif site.name == "lm_head":
             site = _with(site, softcap=spec.logits.softcap, logit_scale=spec.logits.scale)
         out.append(site)
-        out += after.get(site.name, [])
+        if role == "attn.gqa" and spec.attn_output_norm:
+            # RMSNorm of the attention output fused with the sigmoid gate (norm's gated form), per head over
+            # head_dim (guess: like Muse Glimmer's per-head gate; MODELS.md gives no width), rows = M x heads
+            # as the GQA piece's per-head QK norms
+            c = site.ctx
+            b = SiteBuilder(c.arch, c.dtype, c.tokens, c.world_size)
+            b.prefix, b.layers = kind, site.layers
+            b.add("attn.out_norm", "norm", tokens=c.tokens * c.dim("heads"), N=c.dim("head_dim"),
+                  attrs={"per_head": True, "gate": True})
+            out += b.sites
+    if spec.attn_output_norm and not any(s.name.endswith("/attn.out_norm") for s in out):
+        raise RuntimeError("muse_spark: the composed sites no longer contain attn.gqa")  # fail loudly
     return out

@@ -1,24 +1,23 @@
-"""The generic vLLM MoE adapter: vLLM's own MoE decoder model, decode steps from op families.
+"""The generic vLLM MoE adapter: vLLM's own MoE decoder model, decode steps by the runtime's ComposedProgram.
 
 Unlike the model adapters, this one brings no architecture of its own: it reads the spec off the
-config vLLM loaded (:func:`spec_from_config`) and binds to vLLM's in-tree module tree
-(:mod:`latency_specialized_models.vllm_moe.vllm`). It proves the integration end to end on the CPU
-build of vLLM until a target model's own binding lands.
+config vLLM loaded (:func:`spec_from_config`), composes it from the pieces ``models/qwen3_moe`` uses
+(:mod:`~latency_specialized_models.vllm_moe.composed`, no head) and binds vLLM's in-tree module tree
+onto them (:mod:`latency_specialized_models.vllm_moe.vllm`: module -> piece weight map). It proves the
+integration end to end on the CPU build of vLLM until a target model's own binding lands.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any, ClassVar
 
 from latency_specialized.adapter import ModelAdapter, Variant
 from latency_specialized.errors import UserError
-from latency_specialized.ops.registry import make_context
-from latency_specialized.ops.sites import OpSite, standard_op_sites
-from latency_specialized.spec import DecodeScope, GQAAttentionSpec, ModelSpec, MoESpec, ParallelSpec
+from latency_specialized.spec import DecodeScope, ModelSpec
 
 from latency_specialized_models.vllm_moe.checkpoint import TinyQwen3MoeConfig, write_tiny_qwen3_moe
+from latency_specialized_models.vllm_moe.composed import composed_model
 from latency_specialized_models.vllm_moe.spec import NAME, full_spec, spec_from_config, tiny_spec
 
 
@@ -48,30 +47,10 @@ class VllmMoEAdapter(ModelAdapter):
         return DecodeScope(archs=("cpu", "sm_90", "sm_100", "sm_103"), tp_sizes=(1, 2, 4, 8), max_batch=64,
                            dtypes=("bfloat16", "float32"), spec_tokens=(0,))
 
-    def op_sites(self, spec: ModelSpec, parallel: ParallelSpec, tokens: int, arch: str, dtype: str) -> list[Any]:
-        """Standard sites, plus the per-head QK norms, with vLLM's replicated router GEMM."""
-        rank_spec = spec if spec.tp == parallel.tp else spec.shard(parallel.tp)
-        sites = standard_op_sites(rank_spec, parallel, tokens, arch, dtype)
-        by_kind = {layer.kind: layer for layer in rank_spec.layers}
-        out: list[OpSite] = []
-        for site in sites:
-            kind, _, role = site.name.rpartition("/")
-            layer = by_kind.get(kind)
-            if role == "moe.router_gemm" and layer is not None and isinstance(layer.ffn, MoESpec):
-                # vLLM's GateLinear is replicated: every rank scores all experts.
-                e = layer.ffn.num_experts
-                site = dataclasses.replace(site, ctx=make_context(
-                    "gemm", arch=arch, dtype=dtype, tokens=tokens, world_size=parallel.tp,
-                    dims={"N": e, "K": spec.hidden_size}, attrs={"residual": False}),
-                    weight_bytes=e * spec.hidden_size * 2)
-            out.append(site)
-            if role == "attn.qkv_proj" and layer is not None and isinstance(layer.attention, GQAAttentionSpec) \
-                    and layer.attention.qk_norm:
-                for which in ("q", "k"):
-                    ctx = make_context("norm", arch=arch, dtype=dtype, tokens=tokens, world_size=parallel.tp,
-                                       dims={"N": layer.attention.head_dim}, attrs={"per_head": True})
-                    out.append(OpSite(f"{kind}/attn.{which}_norm", ctx, site.layers))
-        return out
+    def composed_model(self, spec: ModelSpec) -> Any:
+        """The pieces (``composed.py``: those ``qwen3_moe`` composes, head-less): the plan's sites (the
+        base class's ``op_sites``) are the ones the vLLM binding's program calls."""
+        return composed_model(spec)
 
     def write_checkpoint(self, directory: str | Path, *, size: str = "tiny", seed: int = 1234,
                          dtype: str = "bfloat16", layout: str | None = None,

@@ -13,16 +13,15 @@ import torch.distributed
 
 def tiny_program(world_size: int, plans, comm, device: str):
     """The tiny Kimi K3 program of this rank over ``comm`` for ``plans`` ({bucket: Plan})."""
-    from latency_specialized_models.kimi_k3.cache import KimiK3Cache
-    from latency_specialized_models.kimi_k3.program import KimiK3Program
-    from latency_specialized_models.kimi_k3.spec import tiny_spec
-    from latency_specialized_models.kimi_k3.weights import random_weights
+    from latency_specialized.plugins import get_registry
+    from latency_specialized.runtime.states import ModelStates
 
-    spec = tiny_spec()
-    w = random_weights(spec, seed=0, dtype=torch.float32, device=device)
-    cache = KimiK3Cache.for_sequences(spec.shard(world_size) if world_size > 1 else spec, max(plans), 16,
-                                      block_size=4, dtype=torch.float32, device=device)
-    return KimiK3Program(spec, w, plans, cache, comm=comm)
+    adapter = get_registry().adapter("kimi_k3")
+    spec = adapter.spec("tiny")
+    ref = adapter.reference(spec, seed=0, dtype="float32", device=device, tokenizer=False)
+    states = ModelStates.allocate(adapter.composed_model(spec), max(plans), 16, tp=world_size, block_size=4,
+                                  dtype=torch.float32, device=device)
+    return adapter.program(spec, reference=ref, plans=plans, cache=states, comm=comm)
 
 
 def tiny_plans(world_size: int, arch: str, buckets=(1, 4), comm=None) -> dict:

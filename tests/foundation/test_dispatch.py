@@ -146,3 +146,129 @@ def test_hardware_for_arch_and_probe():
     hw = hardware.probe()
     assert hw.arch == ("cpu" if not torch.cuda.is_available() else hw.arch)
     assert hw.probed == torch.cuda.is_available()
+
+
+# ------------------------------------------------------------------------------------------------
+# The plan's context; the default op sites (the standard pieces of the spec)
+# ------------------------------------------------------------------------------------------------
+
+
+def _readme_adapter():
+    """The README's third-party adapter: GQA + MoE from the spec only (no op_sites of its own)."""
+    from latency_specialized.adapter import ModelAdapter
+    from latency_specialized.spec import DecodeScope, GQAAttentionSpec, LayerSpec, ModelSpec, MoESpec, RouterSpec
+
+    class MyModel(ModelAdapter):
+        name = "my_model"
+
+        def spec(self, variant="full"):
+            attn = GQAAttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128)
+            moe = MoESpec(num_experts=64, top_k=8, num_shared_experts=1, expert_intermediate=1408,
+                          router=RouterSpec(score_func="softmax", bias_corrected=False))
+            return ModelSpec(name=self.name, hidden_size=4096, vocab_size=151936, max_context=131072,
+                             layers=tuple(LayerSpec(index=i, attention=attn, ffn=moe) for i in range(48)))
+
+        def scope(self):
+            return DecodeScope(archs=("sm_90", "sm_100"), tp_sizes=(1, 2, 4, 8), max_batch=64)
+
+    return MyModel()
+
+
+def test_plan_context_reaches_the_attention_sites():
+    reg = get_registry()
+    a = reg.adapter("kimi_k3")
+    plan = build_plan(a, reg.implementations, hardware.for_arch("sm_90"), tp=8, batch=4, context=4096)
+    assert plan.context == 4096 and plan.to_dict()["context"] == 4096
+    assert "context: up to 4096 tokens per sequence" in plan.to_text()
+    for c in plan.choices:
+        assert c.site.ctx.attr("context") == (4096 if c.site.family.startswith("attention.") else None), c.site.name
+    none = build_plan(a, reg.implementations, hardware.for_arch("sm_90"), tp=8, batch=4)
+    assert none.context is None and all(c.site.ctx.attr("context") is None for c in none.choices)
+    assert "context: not given" in none.to_text()
+    assert [c.site.name for c in none.choices] == [c.site.name for c in plan.choices]
+    with pytest.raises(UserError, match="context 0 is not valid"):
+        build_plan(a, reg.implementations, hardware.for_arch("sm_90"), tp=8, batch=4, context=0)
+
+
+def test_adapter_whose_op_sites_take_no_context_still_plans_one():
+    """An adapter written before ``op_sites(..., context=)``: the planner gives its attention sites the context
+    by the rule SiteBuilder applies."""
+    reg = get_registry()
+    base = _readme_adapter()
+
+    class OldSignature(type(base)):
+        def op_sites(self, spec, parallel, tokens, arch, dtype):
+            return super().op_sites(spec, parallel, tokens, arch, dtype)
+
+    new = build_plan(base, reg.implementations, hardware.for_arch("sm_90"), tp=2, batch=2, context=1000)
+    old = build_plan(OldSignature(), reg.implementations, hardware.for_arch("sm_90"), tp=2, batch=2, context=1000)
+    assert [c.site for c in old.choices] == [c.site for c in new.choices]
+    assert new.choice("gqa+moe/attn.gqa").site.ctx.attr("context") == 1000
+
+
+def test_default_op_sites_are_the_standard_pieces():
+    from latency_specialized.pieces.standard import compose_standard
+    from latency_specialized.spec import ParallelSpec
+
+    a = _readme_adapter()
+    full = a.spec()
+    for tp in (1, 8):
+        rank = full.shard(tp)
+        got = a.op_sites(rank, ParallelSpec(tp=tp), 4, "sm_90", "bfloat16", context=100)
+        assert got == compose_standard(full).op_sites(rank, ParallelSpec(tp=tp), 4, "sm_90", "bfloat16", context=100)
+    names = [s.name for s in got]
+    assert names == ["gqa+moe/attn.norm", "gqa+moe/attn.allreduce", "gqa+moe/attn.qkv_proj", "gqa+moe/attn.gqa",
+                     "gqa+moe/attn.o_proj", "gqa+moe/ffn.allreduce", "gqa+moe/moe.router_gemm", "gqa+moe/moe.router",
+                     "gqa+moe/moe.experts", "gqa+moe/moe.shared", "lm_head"]
+    by = {s.name: s for s in got}
+    assert by["gqa+moe/moe.router_gemm"].ctx.dim("N") == 64 // 8  # the router split across ranks
+    assert by["gqa+moe/attn.gqa"].ctx.attr("context") == 100
+    reg = get_registry()
+    plan = build_plan(a, reg.implementations, hardware.for_arch("sm_90"), tp=8, batch=4)
+    assert plan.in_scope and plan.counts()["unserved"] == 0
+
+
+def test_a_block_without_a_piece_names_what_is_missing():
+    from latency_specialized.pieces.standard import MissingPiece, compose_standard
+    from latency_specialized.spec import ResidualSpec, SparseMQAAttentionSpec
+
+    full = _readme_adapter().spec()
+    mqa = SparseMQAAttentionSpec(num_heads=8, head_dim=64, rope_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=16,
+                                 sliding_window=16, compress_ratio=0)
+    layers = tuple(l.model_copy(update={"attention": mqa}) if l.index < 2 else l for l in full.layers)
+    with pytest.raises(MissingPiece, match=r"no standard piece for sparse_mqa attention \(layers 0..1 \(2\)\)"):
+        compose_standard(full.model_copy(update={"layers": layers}))
+    assert issubclass(MissingPiece, UserError)
+    from latency_specialized.pieces.residual.gated import GatedResidual
+
+    gated = compose_standard(full.model_copy(update={"residual": ResidualSpec(kind="gated")}))
+    assert isinstance(gated.residual, GatedResidual)  # a residual kind with a piece gets it
+
+
+def test_scope_flags_a_context_beyond_the_spec():
+    from latency_specialized.spec import DecodeScope, Deployment
+
+    scope = DecodeScope(archs=("sm_90",), tp_sizes=(1,))
+    assert scope.problems(Deployment(arch="sm_90", context=4096), "m", max_context=4096) == []
+    assert scope.problems(Deployment(arch="sm_90", context=4097), "m", max_context=4096) == [
+        "context 4097 beyond m's longest context 4096 (use a context of at most 4096 tokens)"]
+    assert scope.problems(Deployment(arch="sm_90", context=10**9), "m") == []  # no spec given: nothing to check
+    assert "use a context of at most 131072 tokens" in " ".join(
+        _readme_adapter().check(Deployment(arch="sm_90", context=131073)))
+
+
+def test_a_site_of_an_unknown_family_is_refused_by_name():
+    from latency_specialized.ops.registry import make_context
+    from latency_specialized.ops.sites import OpSite
+
+    reg = get_registry()
+    base = _readme_adapter()
+
+    class Unknown(type(base)):
+        def op_sites(self, spec, parallel, tokens, arch, dtype, *, context=None):
+            ctx = make_context("residual.future", arch=arch, dtype=dtype, tokens=tokens)
+            return [*super().op_sites(spec, parallel, tokens, arch, dtype, context=context), OpSite("future", ctx)]
+
+    with pytest.raises(UserError, match="op site future calls the op family 'residual.future', which the op registry "
+                                        "does not know"):
+        build_plan(Unknown(), reg.implementations, hardware.for_arch("sm_90"), tp=1, batch=1)

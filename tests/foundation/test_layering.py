@@ -67,9 +67,13 @@ LAYER_OF: dict[str, str] = {
     "latency_specialized.kernels": "kernels",
     "latency_specialized.comm": "comm",
     "latency_specialized.ops": "ops",
-    # The adapter contract is what the planner (ops.plan) asks of a model; its default op_sites is
-    # the ops-level standard site list. So it is ops, not foundation.
-    "latency_specialized.adapter": "ops",
+    # The adapter contract (name, spec, scope, op sites, optional hooks) is vocabulary: what the planner
+    # (ops.plan), the plugin registry and the runtime hold adapters as. It needs the spec only.
+    "latency_specialized.adapter_contract": "foundation",
+    # ModelAdapter, the class adapters subclass, is that contract plus the default op sites: the sites of
+    # the spec's standard pieces (pieces.standard.compose_standard, one definition per site kind). So it
+    # sits with the pieces, below the adapters, above everything that holds adapters by the contract.
+    "latency_specialized.adapter": "composition",
     "latency_specialized.runtime": "runtime",
     # The test matrix runs adapters' programs per rank (communicators, the registry) and adapters
     # return its CellResult: below adapters, above comm and the registry - runtime.

@@ -1,7 +1,7 @@
 """Cross-model matrix: cells come from the adapter registry, so an installed adapter joins with no test edits.
 
-* ``plan_cell``  - every adapter x batch x TP x spec tokens (x context, once ``build_plan`` takes one:
-  ``testing.matrix.plan_cells``), each a distinct plan: the plan resolves every op site.
+* ``plan_cell``  - every adapter x batch x TP x context x spec tokens (``testing.matrix.plan_cells``: the
+  context is a plan input, ``build_plan(context=)``), each a distinct plan: the plan resolves every op site.
 * ``program_cell`` - adapters with a decode program: every batch x TP x context x spec tokens x device;
   program vs reference on that cell, the fast path proven by the trace, each site served by the
   implementation the cell's plan gives it (kernels where the plan's rules give one). TP>1 cells run

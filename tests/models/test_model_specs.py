@@ -286,7 +286,11 @@ def test_plan_covers_every_op_site_in_scope(registry, name):
             covered = set()
             for c in plan.choices:
                 assert c.site.family in FAMILIES
-                assert c.site.ctx.tokens == plan.tokens == batch * (1 + spec_tokens)  # batches are buckets here
+                assert plan.tokens == batch * (1 + spec_tokens)  # batches are buckets here
+                if c.site.ctx.attr("per_head"):  # a per-head norm's rows: every token's heads (one KV head at TP 16)
+                    assert c.site.ctx.tokens % plan.tokens == 0
+                else:
+                    assert c.site.ctx.tokens == plan.tokens
                 # Served, or the family has no implementation at all yet (refusals explain the rest).
                 assert c.impl is not None or not registry.implementations.family(c.site.family), c.site.name
                 covered |= set(c.site.layers)
@@ -308,45 +312,95 @@ def test_deepseek_plan_places_model_specific_work(registry):
     assert _layers_of(plan, "/attn.sparse_mqa.window") == {0, 1}
     assert _layers_of(plan, "/attn.sparse_mqa.c2") == set(range(2, 20))
     assert _layers_of(plan, "/attn.sparse_mqa.c1") == set(range(20, 40))
-    mhc = plan.choice("sparse_mqa+moe/attn.mhc_gemm").site.ctx
-    assert (mhc.dim("N"), mhc.dim("K"), mhc.attr("weight_dtype")) == (24, 4 * 5120, "float32")
+    # The mHC residual piece: a seam (residual.mhc: mixing coefficients from the 4 x 5120 streams, Sinkhorn,
+    # collapse, input norm) in front of every sublayer and at the end; plain all-reduce sites at TP > 1.
+    for site in ("sparse_mqa+moe/attn.mhc", "sparse_mqa+moe/ffn.mhc"):
+        mhc = plan.choice(site)
+        assert mhc.site.family == "residual.mhc" and mhc.site.layers == tuple(range(40))
+        assert (mhc.site.ctx.dim("N"), mhc.site.ctx.dim("streams"), mhc.site.ctx.dim("iters")) == (5120, 4, 20)
+        assert mhc.site.weight_bytes == 24 * 4 * 5120 * 4 + 5120 * 2  # the fp32 projection + the norm
+    assert plan.choice("final.mhc").site.ctx.attr("mix") is False
     for site in ("sparse_mqa+moe/attn.allreduce", "sparse_mqa+moe/ffn.allreduce"):
         ctx = plan.choice(site).site.ctx
-        assert (ctx.attr("residual_kind"), ctx.attr("streams"), ctx.attr("sinkhorn_iters")) == ("mhc", 4, 20)
+        assert (ctx.attr("residual"), ctx.attr("norm")) == (False, False)
+    names = [c.site.name for c in plan.choices]
+    assert names.index("sparse_mqa+moe/engram.wkv") < names.index("sparse_mqa+moe/attn.mhc")
+    assert not any(n.endswith(("mhc_gemm", "attn.norm")) or n == "final_norm" for n in names)
     att = plan.choice("sparse_mqa+moe/attn.sparse_mqa.c1").site.ctx
     assert (att.dim("heads"), att.dim("head_dim"), att.dim("topk"), att.dim("window")) == (8, 512, 512, 128)
     assert plan.choice("sparse_mqa+moe/moe.experts").site.ctx.attr("clamp") == 10.0
     o_a = plan.choice("sparse_mqa+moe/attn.o_a_proj").site.ctx  # one group per rank at TP 8: 8 heads x 512
     assert (o_a.attr("groups"), o_a.dim("K"), o_a.dim("N")) == (1, 4096, 1024)
+    # The routed-MoE piece: the router split across ranks (E / tp rows), fp32 logits, non-default routing.
+    router = plan.choice("sparse_mqa+moe/moe.router_gemm").site.ctx
+    assert (router.dim("N"), router.attr("out_dtype")) == (384 // 8, "float32")
+    assert plan.choice("sparse_mqa+moe/moe.router").site.ctx.attr("routed_scaling") == 1.5
 
 
 def test_muse_plan_places_model_specific_work(registry):
     s = muse.full_spec()
     plan = _plan(registry, "muse_spark", tp=8, batch=4)
-    assert _layers_of(plan, "/attn.gqa.full") == set(s.full_attention_layers())
-    assert _layers_of(plan, "/attn.gqa.window") == set(s.window_layers())
-    assert plan.choice("gqa+moe/attn.gqa.window").site.ctx.dim("window") == 2048
-    assert plan.choice("gqa+moe/attn.gqa.full").site.ctx.dim("window") == 0
-    assert plan.choice("embed_norm").site.layers == ()
-    for site in ("gqa+moe/attn.allreduce", "gqa+moe/ffn.allreduce"):
-        ctx = plan.choice(site).site.ctx
-        assert (ctx.attr("residual_kind"), ctx.attr("post_norm_eps"), ctx.attr("zero_centered")) == ("gated", 1e-8,
-                                                                                                       True)
-    assert plan.choice("gqa+moe/attn.out_norm").site.ctx.attr("gate") is True
-    assert plan.choice("gqa+moe/moe.latent_post_norm").site.ctx.dim("N") == 4096
-    assert plan.choice("gqa+moe/moe.router").site.ctx.attr("logit_scale") == 2.0**-2.5
+    # Two layer kinds (GQA pieces of two specs): sliding-window RoPE layers and full NoPE layers.
+    assert _layers_of(plan, "gqa.full+moe/attn.gqa") == set(s.full_attention_layers())
+    assert _layers_of(plan, "gqa.window+moe/attn.gqa") == set(s.window_layers())
+    assert plan.choice("gqa.window+moe/attn.gqa").site.ctx.dim("window") == 2048
+    assert plan.choice("gqa.full+moe/attn.gqa").site.ctx.dim("window") == 0
+    w = "gqa.window+moe"
+    # GQA piece: the sigmoid gate's rows ride in qkv_proj ((2 x 16 heads + 2 x 2 KV heads) x 64 per rank),
+    # weightless per-head QK norms (rows = tokens x heads); Muse's output norm (gated form) before o_proj.
+    assert plan.choice(f"{w}/attn.qkv_proj").site.ctx.dim("N") == (2 * 16 + 2 * 2) * 64
+    q_norm = plan.choice(f"{w}/attn.q_norm").site.ctx
+    assert (q_norm.tokens, q_norm.dim("N"), q_norm.attr("weight")) == (4 * 16, 64, False)
+    names = [c.site.name for c in plan.choices]
+    assert names.index(f"{w}/attn.out_norm") == names.index(f"{w}/attn.gqa") + 1
+    assert plan.choice(f"{w}/attn.out_norm").site.ctx.attr("gate") is True
+    assert plan.choice("embed_norm").site.layers == () and plan.choice("embed_norm").site.ctx.attr("weightless")
+    # The sandwich-normed gated residual: every join one residual.gated site (post-norm, gate, next norm),
+    # layer 0's input norm, the partial sums plain all-reduce sites; no final_norm site (the last ffn.join).
+    joins = {site: plan.choice(f"{w}/{site}").site.ctx for site in ("attn.join", "ffn.join")}
+    assert all(c.family == "residual.gated" and c.attr("gate") and c.attr("stream") == "float32"
+               for c in joins.values())
+    assert (joins["attn.join"].attr("post"), joins["ffn.join"].attr("post")) == ("weightless", "input_scaled")
+    assert plan.choice(f"{w}/attn.norm").site.layers == (0,) and "gqa.full+moe/attn.norm" not in names
+    assert plan.choice(f"{w}/attn.allreduce").site.ctx.attr("residual") is False and "final_norm" not in names
+    # The latent MoE piece's sites: router (fp32 logits, E/tp rows) and latent down-projection (Ld/tp) or
+    # both in moe.gate_down; the pre-expert norm (input_norm); the experts with the per-expert post-norm;
+    # the experts' all-reduce (no latent norm after it); the up-projection of the rank's hidden slice.
+    router = plan.choice(f"{w}/moe.router_gemm").site.ctx
+    assert (router.dim("N"), router.dim("K"), router.attr("out_dtype")) == (256 // 8, 8192, "float32")
+    assert plan.choice(f"{w}/moe.latent_down").site.ctx.dim("N") == 4096 // 8
+    assert plan.choice(f"{w}/moe.gate_down").site.ctx.dim("N") == 256 // 8 + 4096 // 8
+    assert plan.choice(f"{w}/moe.latent_norm").site.ctx.dim("N") == 4096
+    assert plan.choice(f"{w}/moe.experts").site.ctx.attr("post_expert_norm") is True
+    assert plan.choice(f"{w}/moe.latent_allreduce").site.ctx.attr("norm") is False
+    up = plan.choice(f"{w}/moe.latent_up").site.ctx
+    assert (up.dim("N"), up.dim("K")) == (8192 // 8, 4096)
+    assert not any(n.endswith("moe.latent_post_norm") for n in names)
+    assert plan.choice(f"{w}/moe.router").site.ctx.attr("logit_scale") == 2.0**-2.5
     assert plan.choice("lm_head").site.ctx.attr("softcap") == 20.0
 
 
 def test_glm_plan_runs_the_indexer_on_21_layers_only(registry):
     s = glm.full_spec()
     plan = _plan(registry, "glm53", tp=8, batch=4)
+    # The sparse MLA piece: layers that run their own indexer and layers that reuse its top-k are kinds of
+    # their own; the indexer's projections ride in the fused latent / query projections of its layers.
     assert _layers_of(plan, "/attn.indexer") == set(s.indexer_layers())
-    assert _layers_of(plan, "/attn.indexer.q_proj") == _layers_of(plan, "/attn.indexer.k_weights_proj") == set(
-        s.indexer_layers())
-    assert _layers_of(plan, "/attn.mla") == set(range(78))
-    assert plan.choice("mla+moe/attn.mla").site.ctx.attr("sparse_topk") == 2048
+    assert _layers_of(plan, "mla.reuse+moe/attn.sparse_mla") == set(s.shared_indexer_layers())
+    assert _layers_of(plan, "/attn.sparse_mla") == set(range(78))
+    assert not any(c.site.name.endswith(("attn.mla", "attn.indexer.q_proj", "attn.kv_a_norm")) for c in plan.choices)
+    full, reuse = (plan.choice(f"{k}/attn.qkv_a_proj").site.ctx.dim("N") for k in ("mla+moe", "mla.reuse+moe"))
+    assert (reuse, full) == (2048 + 512 + 64, 2048 + 512 + 64 + 128 + 32)   # + indexer key and head weights
+    assert plan.choice("mla+moe/attn.q_b_proj").site.ctx.dim("N") == 8 * 256 + 32 * 128  # + indexer queries
+    assert plan.choice("mla+moe/attn.sparse_mla").site.ctx.dim("topk") == 2048
+    assert plan.choice("mla+moe/attn.indexer").site.ctx.attr("rope_interleaved") is True
     assert plan.choice("mla+moe/moe.router").site.ctx.attr("routed_scaling") == 2.5
+    # The MLA piece's sites: the kv_a norm is part of the attention op (no site), q_b names its norm site; the
+    # pre-norm piece: one input norm (layer 0), the final norm inside the last ffn.allreduce.
+    names = {c.site.name for c in plan.choices}
+    assert "final_norm" not in names and plan.choice("mla+dense/attn.norm").site.layers == (0,)
+    assert plan.choice("mla+moe/attn.q_b_proj").site.ctx.attr("norm_site") == "attn.q_a_norm"
+    assert plan.choice("mla+moe/moe.router_gemm").site.ctx.attr("out_dtype") == "float32"
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -356,6 +410,26 @@ def test_explain_cli_prints_the_plan(capsys, name):
     assert out.startswith(f"plan: {name} (full) on sm_90")
     assert cli_main(["explain", "--model", name, "--tp", "3", "--arch", "sm_90"]) == 2
     assert "divisible by TP" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_context_reaches_the_attention_sites_and_is_checked_against_max_context(registry, name, capsys):
+    a = adapter(name)
+    plan = build_plan(a, registry.implementations, hardware.for_arch("sm_90"), tp=8, batch=4, context=32768)
+    assert plan.context == 32768 and plan.in_scope
+    attention = [c for c in plan.choices if c.site.family.startswith("attention.")]
+    assert attention and all(c.site.ctx.attr("context") == 32768 for c in attention)
+    assert all(c.site.ctx.attr("context") is None for c in plan.choices if not c.site.family.startswith("attention."))
+    beyond = a.spec("full").max_context + 1
+    fix = f"use a context of at most {a.spec('full').max_context} tokens"
+    assert any(fix in p for p in a.check(Deployment(arch="sm_90", tp=8, batch=4, context=beyond)))
+    plan = build_plan(a, registry.implementations, hardware.for_arch("sm_90"), tp=8, batch=4, context=beyond)
+    assert not plan.in_scope and any(fix in p for p in plan.scope_problems)
+    assert cli_main(["explain", "--model", name, "--tp", "8", "--batch", "4", "--arch", "sm_90", "--context",
+                     "32768"]) == 0
+    assert "context: up to 32768 tokens per sequence" in capsys.readouterr().out
+    assert cli_main(["explain", "--model", name, "--tp", "8", "--arch", "sm_90", "--context", str(beyond)]) == 2
+    assert fix in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", MODELS)

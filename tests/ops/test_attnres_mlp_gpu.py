@@ -12,7 +12,7 @@ import torch
 
 from latency_specialized.ops.mlp import mlp_reference
 from latency_specialized.spec import ActivationSpec
-from latency_specialized_models.kimi_k3.attnres import attnres_mix_reference
+from latency_specialized.ops.attnres import attnres_mix_reference
 
 from gpu_helpers import graph_replay as _graph_replay, seeded_generator as _gen
 

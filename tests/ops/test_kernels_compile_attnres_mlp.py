@@ -150,13 +150,13 @@ def test_plan_serves_kimi_attnres_and_shared_expert_on_gpu_kernels():
     from latency_specialized import hardware
     from latency_specialized.ops.plan import build_plan
     from latency_specialized.plugins import get_registry
-    from latency_specialized_models.kimi_k3.graphed import ShapedAdapter, bench_spec
+    from latency_specialized.runtime.harness import SpecBoundAdapter
 
     if cute_available() is not True:
         pytest.skip("nvidia-cutlass-dsl not installed")
     reg = get_registry()
     base = reg.adapter("kimi_k3")
-    adapter = ShapedAdapter(base, bench_spec(base.spec("full"), 8, "kda", 2))
+    adapter = SpecBoundAdapter(base, base.bench_spec(base.spec("full"), 8, "kda", 2))
     plan = build_plan(adapter, reg.implementations, hardware.for_arch("sm_90"), tp=8, batch=4, dtype="bfloat16")
     picked = {c.site.name.split("/")[-1]: c.impl.name for c in plan.choices}
     assert picked["attn.attnres"] == picked["ffn.attnres"] == picked["final.attnres"] == "residual.cutedsl_attnres"

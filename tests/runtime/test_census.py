@@ -9,7 +9,19 @@ import torch
 from latency_specialized.bench import report
 from latency_specialized.bench.layer_bench import Measured, add_kernel_split, per_layer
 from latency_specialized.runtime.census import KernelCensus, is_communication, split_communication
-from latency_specialized.runtime.program import DictOpTable
+
+
+class DictOpTable:
+    """A program's op table over plain ``{bucket: {site: fn}}`` dicts, wrapped in place (``wrap(hook)``)."""
+
+    def __init__(self, tables):
+        self.tables = tables
+
+    def wrap(self, hook):
+        for bucket, ops in self.tables.items():
+            for site in list(ops):
+                ops[site] = hook(site, bucket, ops[site])
+        return sum(len(ops) for ops in self.tables.values())
 
 
 class FakeDriver:

@@ -67,16 +67,20 @@ def test_same_greedy_tokens_as_auto_and_the_trace_shows_the_fast_path(servers):
     assert max(e["data"]["batch"] for e in fast) > 1, "concurrent requests should share decode steps"
     assert all(e["data"]["bucket"] >= e["data"]["batch"] for e in fast)
     served = {e["site"]: e["impl"] for e in trace["events"] if e["kind"] == "site"}
-    # The program composes the op families over vLLM's weights (references serve on the CPU)...
+    # The program (the runtime's ComposedProgram of the pieces) runs the op families over vLLM's
+    # weights (references serve on the CPU)...
     assert served["gqa+moe/moe.experts"] == "moe.experts.reference"
     assert served["gqa+moe/moe.router"] == "moe.router.reference"
     assert served["gqa+moe/attn.qkv_proj"] == "gemm.reference"
     assert served["gqa+dense/mlp"] == "mlp.reference"
     assert served["gqa+moe/attn.allreduce"] == "allreduce.reference"
-    # ...calls the stock module where there is no op binding (vLLM's paged attention)...
-    assert served["gqa+moe/attn.gqa"] == "stock"
-    # ...and fuses the later layers' input norms and the final norm into the all-reduce sites.
-    assert served["final_norm"] == served["gqa+moe/attn.norm"] == "fused"
+    # ...calls vLLM's own Attention layer at the attention sites (its paged KV cache and backend)...
+    assert served["gqa+moe/attn.gqa"] == served["gqa+dense/attn.gqa"] == "stock"
+    stock = [e for e in trace["events"] if e["kind"] == "site" and e["site"] == "gqa+moe/attn.gqa"]
+    assert "vLLM's Attention layer owns the paged KV cache" in stock[0]["message"]
+    # ...and the pre-norm residual joins every sublayer output in an all-reduce site that norms it for
+    # its consumer: the later layers' input norms and the final norm are no sites of their own.
+    assert "final_norm" not in served and "gqa+moe/attn.norm" not in served and "lm_head" not in served
     assert served["gqa+dense/attn.norm"] == "norm.reference"  # layer 0's own input norm
     assert trace["model"] == "vllm_moe" and trace["rank"] == 0
 

@@ -38,7 +38,7 @@ import torch
 from latency_specialized.errors import UserError
 from latency_specialized.ops.sites import SiteBuilder
 from latency_specialized.pieces.attention.rope import RopeStyle, apply_rope, rope_inv_freq
-from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl
+from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl, join
 from latency_specialized.spec import GQAAttentionSpec, ModelSpec
 
 QKNorm = Literal["none", "weighted", "weightless"]
@@ -126,13 +126,12 @@ class GQAAttention:
         return out
 
     def states(self, spec: ModelSpec, tp: int) -> list[StateDecl]:
-        a = _local(self.spec, tp)
-        return [StateDecl("k", "paged", (a.num_kv_heads, a.head_dim)),
-                StateDecl("v", "paged", (a.num_kv_heads, a.head_dim))]
+        a, reps = _local(self.spec, tp), kv_replicas(self.spec, tp)
+        return [StateDecl(n, "paged", (a.num_kv_heads, a.head_dim), split=0, replicas=reps) for n in ("k", "v")]
 
     def arrange(self, w: Mapping[str, torch.Tensor], rank_spec: ModelSpec) -> dict[str, torch.Tensor]:
         parts = [w["q_proj"], w["k_proj"], w["v_proj"]] + ([w["g_proj"]] if self._gated() else [])
-        out = {"qkv": torch.cat(parts).contiguous(), "o_proj": w["o_proj"].contiguous()}
+        out = {"qkv": join(parts).contiguous(), "o_proj": w["o_proj"].contiguous()}  # views of a fused qkv stay views
         for name in ("q_norm", "k_norm", "sinks"):
             if name in w:
                 out[name] = w[name]

@@ -96,8 +96,8 @@ class KDAAttention:
     def states(self, spec: ModelSpec, tp: int) -> Sequence[StateDecl]:
         a = self.local(tp)
         hd = a.num_heads * a.head_dim
-        return [StateDecl("conv", "rows", (3 * hd, a.conv_kernel - 1)),
-                StateDecl("state", "rows", (a.num_heads, a.head_dim, a.head_dim), dtype="float32")]
+        return [StateDecl("conv", "rows", (3 * hd, a.conv_kernel - 1), split=0, parts=(hd, hd, hd)),
+                StateDecl("state", "rows", (a.num_heads, a.head_dim, a.head_dim), dtype="float32", split=0)]
 
     def arrange(self, w: Mapping[str, torch.Tensor], rank_spec: ModelSpec) -> dict[str, torch.Tensor]:
         a = self.local(rank_spec.tp)

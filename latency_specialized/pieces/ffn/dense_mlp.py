@@ -15,7 +15,7 @@ from typing import ClassVar, Mapping
 import torch
 
 from latency_specialized.ops.sites import SiteBuilder
-from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl
+from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl, join
 from latency_specialized.spec import DenseMLPSpec, ModelSpec
 
 
@@ -42,7 +42,7 @@ class DenseMLP:
         return []
 
     def arrange(self, w: Mapping[str, torch.Tensor], rank_spec: ModelSpec) -> dict[str, torch.Tensor]:
-        return {"gate_up": torch.cat([w["gate_proj"], w["up_proj"]]), "down": w["down_proj"].contiguous()}
+        return {"gate_up": join([w["gate_proj"], w["up_proj"]]), "down": w["down_proj"].contiguous()}
 
     def forward(self, step: StepContext, w: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor],
                 h: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,8 @@ import torch
 from latency_specialized.errors import UserError
 from latency_specialized.ops.sites import SiteBuilder
 from latency_specialized.ops.tp_moe import gather_parts
-from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl
+from latency_specialized.pieces.ffn.latent_moe import router_attrs
+from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl, join
 from latency_specialized.spec import ModelSpec, MoESpec
 
 
@@ -64,8 +65,7 @@ class RoutedMoE:
         local = f.shard(tp)
         rows = f.num_experts // tp if self._split(tp) else f.num_experts
         b.gemm("moe.router_gemm", rows, hidden, out_dtype="float32" if f.router.fp32 else None)
-        b.add("moe.router", "moe.router", E=f.num_experts, topk=f.top_k,
-              attrs={"score_func": f.router.score_func, "bias": f.router.bias_corrected})
+        b.add("moe.router", "moe.router", E=f.num_experts, topk=f.top_k, attrs=router_attrs(f.router))
         b.add("moe.experts", "moe.experts", E=f.num_experts, topk=f.top_k, N=local.expert_intermediate, K=hidden,
               attrs={"activation": f.activation.kind})
         if f.num_shared_experts:
@@ -93,7 +93,7 @@ class RoutedMoE:
 
     def arrange(self, w: Mapping[str, torch.Tensor], rank_spec: ModelSpec) -> dict[str, torch.Tensor]:
         out = {"router": w["router"].contiguous(),
-               "w13": torch.cat([w["experts.w1"], w["experts.w3"]], dim=1).contiguous(),
+               "w13": join([w["experts.w1"], w["experts.w3"]], dim=1).contiguous(),
                "w2": w["experts.w2"].contiguous()}
         if "router_bias" in w:
             out["router_bias"] = w["router_bias"]

@@ -2,7 +2,7 @@
 
 The residual stream ``h`` lives in one static buffer (``residual [max_rows, H]``) that the fused
 all-reduce sites update in place (their ``residual_out`` aliases ``residual``). Sites, in the layer
-kind's prefix (as ``ops/sites.py::standard_op_sites`` and ``models/vllm_moe/program.py``):
+kind's prefix:
 
 * ``attn.norm`` (family ``norm``): the first layer's input norm of the embedding - only in the
   kind group that holds the model's first layer;

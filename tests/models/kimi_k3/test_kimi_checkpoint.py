@@ -13,9 +13,9 @@ from latency_specialized.errors import CheckpointError
 from latency_specialized.plugins import get_registry
 
 from latency_specialized_models.kimi_k3.checkpoint import load_checkpoint, mxfp4_dequantize, mxfp4_quantize
+from latency_specialized_models.kimi_k3.composed import expected_tensors, random_weights
 from latency_specialized_models.kimi_k3.reference import KimiK3Reference
 from latency_specialized_models.kimi_k3.spec import tiny_spec
-from latency_specialized_models.kimi_k3.weights import expected_tensors, random_weights
 
 
 def _write(tmp_path, **kw):

@@ -29,10 +29,9 @@ from latency_specialized.runtime.buffers import BufferSpec, DecodeBuffers
 from latency_specialized.runtime.gate import DecodeGate, StepState
 from latency_specialized.runtime.graph_runner import CUDAGraphRunner
 
-from latency_specialized_models.kimi_k3.program import KimiK3Program
+from latency_specialized_models.kimi_k3.composed import random_weights
 from latency_specialized_models.kimi_k3.reference import KimiK3Reference
 from latency_specialized_models.kimi_k3.spec import tiny_spec
-from latency_specialized_models.kimi_k3.weights import cast_weights, random_weights
 
 STEPS = 2048
 STEP_BOUND, GROWTH, STATE_BOUND = 1e-4, 10.0, 1e-5
@@ -50,7 +49,7 @@ def test_2048_fp32_steps_stay_within_bound_of_float64():
     reg = get_registry()
     plan = build_plan(reg.adapter("kimi_k3"), reg.implementations, hardware.for_arch("cpu"), tp=1, batch=1,
                       dtype="float32", variant="tiny")
-    program = KimiK3Program(spec, w32, plan, cache)
+    program = reg.adapter("kimi_k3").program(spec, weights=w32, plans=plan, cache=cache)
     buffers = DecodeBuffers(BufferSpec(max_batch=1, max_blocks_per_seq=len(cache.slots[0].blocks), block_size=16))
     buffers.load(tokens[:1], [0], [cache.slots[0].row], cache.block_table())
     runner = CUDAGraphRunner(program, buffers, use_graphs=False, feed_back_tokens=False,
@@ -61,7 +60,7 @@ def test_2048_fp32_steps_stay_within_bound_of_float64():
     t_prog = time.perf_counter() - t0
 
     t1 = time.perf_counter()
-    ref64 = KimiK3Reference(spec, cast_weights(w32, spec, torch.float64))
+    ref64 = KimiK3Reference(spec, {n: t.double() for n, t in w32.items()})
     c64 = ref64.new_cache(1, STEPS, block_size=16)
     want = torch.cat([ref64.prefill(c64, c64.slots[0], a, tokens[a:a + 256]) for a in range(0, STEPS, 256)])
     t_ref = time.perf_counter() - t1
@@ -72,6 +71,6 @@ def test_2048_fp32_steps_stay_within_bound_of_float64():
     assert err.max() <= STEP_BOUND, f"worst step {int(err.argmax())}: {err.max():.2e}"
     assert err[-512:].max() <= GROWTH * err[:512].max(), f"error grows: {err[:512].max():.2e} -> {err[-512:].max():.2e}"
     assert torch.equal(got.argmax(-1), want.argmax(-1))
-    for i in cache.state:
-        s32, s64 = cache.state[i][1].double(), c64.state[i][1]
+    for i in spec.kda_layers:
+        s32, s64 = cache.layer(i)["state"][1].double(), c64.layer(i)["state"][1]
         assert ((s32 - s64).abs().max() / s64.abs().max()).item() <= STATE_BOUND, f"layer {i} state drifted"

@@ -18,13 +18,13 @@ import torch
 
 from latency_specialized.ops.attention.kda import kda_decode_reference
 from latency_specialized.ops.attention.mla import mla_decode_paged, mla_decode_reference
+from latency_specialized.ops.attnres import attnres_mix_reference
 from latency_specialized.ops.moe import route_reference
 from latency_specialized.spec import RouterSpec
 
-from latency_specialized_models.kimi_k3.attnres import attnres_mix_reference
+from latency_specialized_models.kimi_k3.composed import random_weights
 from latency_specialized_models.kimi_k3.reference import KimiK3Reference
 from latency_specialized_models.kimi_k3.spec import tiny_spec
-from latency_specialized_models.kimi_k3.weights import random_weights
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}   # relative to the output's max magnitude
 
@@ -218,8 +218,8 @@ def test_model_reference_kda_equals_op():
     ref = KimiK3Reference(spec, w)
     cache = ref.new_cache(1, 16)
     a = spec.layers[1].attention
-    cache.state[1].normal_()
-    cache.conv[1].normal_()
+    cache.layer(1)["state"].normal_()
+    cache.layer(1)["conv"].normal_()
     cache2 = cache.clone()
     x = torch.randn(1, spec.hidden_size)
     got = ref._kda(cache, 1, a, cache.slots[0], x)
@@ -227,11 +227,11 @@ def test_model_reference_kda_equals_op():
     lin = lambda n, t: t @ w[p + n].t()  # noqa: E731
     mixed = torch.cat([lin("q_proj.weight", x), lin("k_proj.weight", x), lin("v_proj.weight", x)], -1)
     conv_w = torch.cat([w[p + f"{n}_conv1d.weight"][:, 0] for n in "qkv"])
-    o = kda_decode_reference(mixed, cache2.conv[1], conv_w, lin("f_b_proj.weight", lin("f_a_proj.weight", x)),
+    o = kda_decode_reference(mixed, cache2.layer(1)["conv"], conv_w, lin("f_b_proj.weight", lin("f_a_proj.weight", x)),
                              w[p + "A_log"], w[p + "dt_bias"], lin("b_proj.weight", x), lin("g_proj.weight", x),
-                             w[p + "o_norm.weight"], cache2.state[1], torch.tensor([1]), num_heads=a.num_heads)
+                             w[p + "o_norm.weight"], cache2.layer(1)["state"], torch.tensor([1]), num_heads=a.num_heads)
     _close(got, lin("o_proj.weight", o), torch.float32)
-    _close(cache.state[1], cache2.state[1], torch.float32)
+    _close(cache.layer(1)["state"], cache2.layer(1)["state"], torch.float32)
 
 
 # ----------------------------------------------------------------------------------------- AttnRes

@@ -1,4 +1,5 @@
-"""The Kimi K3 decode program against the model reference, and proof that the program ran.
+"""The Kimi K3 decode program (the generic ComposedProgram over its pieces) against the model reference,
+and proof that the program ran.
 
 Sequences of different lengths are prefilled by the reference into one paged cache (shuffled
 blocks); then every decode step runs both the reference (per sequence) and the program (through
@@ -24,10 +25,14 @@ from latency_specialized.runtime.graph_runner import CUDAGraphRunner
 from latency_specialized.testing.matrix import kernel_sites
 from latency_specialized.trace import Trace
 
-from latency_specialized_models.kimi_k3.program import KimiK3Program
+from latency_specialized.runtime.composed import named_weights
+
+from latency_specialized_models.kimi_k3.adapter import KimiK3Adapter
+from latency_specialized_models.kimi_k3.composed import composed_model, piece_weights, random_weights, tensor_name_for
 from latency_specialized_models.kimi_k3.reference import KimiK3Reference
-from latency_specialized_models.kimi_k3.spec import tiny_spec
-from latency_specialized_models.kimi_k3.weights import random_weights
+from latency_specialized_models.kimi_k3.spec import build_spec, mla_layer_indices, tiny_spec
+
+ADAPTER = KimiK3Adapter()
 
 # max|program - reference| / max|reference| over logits and states; measured over 54 steps of
 # batches 1-4: fp32 <= 9.2e-6 (summation order only), bf16 <= 1.2e-2 (mostly 0: same rounding points)
@@ -50,7 +55,7 @@ class Setup:
         self.plan = build_plan(reg.adapter("kimi_k3"), registry or reg.implementations, hardware.for_arch("cpu"),
                                tp=1, batch=self.B, dtype=NAMES[dtype], variant="tiny")
         self.trace = Trace()
-        self.program = KimiK3Program(spec, self.w, self.plan, self.pcache, trace=self.trace)
+        self.program = ADAPTER.program(spec, weights=self.w, plans=self.plan, cache=self.pcache, trace=self.trace)
         bs = BufferSpec(max_batch=self.plan.bucket, max_blocks_per_seq=len(self.cache.slots[0].blocks),
                         block_size=self.cache.block_size, pad_state=0)
         self.buffers = DecodeBuffers(bs)
@@ -88,11 +93,13 @@ def test_program_matches_reference(dtype, lens):
             assert torch.equal(got.argmax(-1), want.argmax(-1))
     # every state tensor of every live sequence agrees (padding only touched row 0 / no KV slot)
     rows = [sl.row for sl in s.cache.slots]
-    for i in s.cache.state:
-        assert _rel(s.pcache.state[i][rows], s.cache.state[i][rows]) <= TOL[dtype]
-        assert _rel(s.pcache.conv[i][rows].float(), s.cache.conv[i][rows].float()) <= TOL[dtype]
-    for i in s.cache.kv:
-        assert _rel(s.pcache.kv[i].float(), s.cache.kv[i].float()) <= TOL[dtype]
+    for i in s.spec.kda_layers:
+        for name in ("state", "conv"):
+            assert _rel(s.pcache.layer(i)[name][rows].float(), s.cache.layer(i)[name][rows].float()) <= TOL[dtype]
+    for i in s.spec.mla_layers:
+        assert _rel(s.pcache.layer(i)["kv"].float(), s.cache.layer(i)["kv"].float()) <= TOL[dtype]
+    # the program's states are the cache's own tensors, updated in place (not copies)
+    assert sorted(t.data_ptr() for t in s.program.state_tensors()) == sorted(t.data_ptr() for t in s.pcache.tensors())
 
 
 def test_trace_proves_the_program_ran():
@@ -221,11 +228,11 @@ def test_program_refuses_plans_it_cannot_run():
     plan = build_plan(reg.adapter("kimi_k3"), reg.implementations, hardware.for_arch("cpu"), tp=2, batch=1,
                       variant="tiny")
     with pytest.raises(UserError, match="communicator has 1 rank"):
-        KimiK3Program(spec, w, plan, cache)
+        ADAPTER.program(spec, weights=w, plans=plan, cache=cache)
     plan = build_plan(reg.adapter("kimi_k3"), reg.implementations, hardware.for_arch("cpu"), tp=1, batch=1,
                       spec_tokens=7, variant="tiny")
     with pytest.raises(UserError, match="speculative"):
-        KimiK3Program(spec, w, plan, cache)
+        ADAPTER.program(spec, weights=w, plans=plan, cache=cache)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32])
@@ -241,8 +248,8 @@ def test_reference_prefill_then_decode_equals_one_prefill(dtype):
     part = [ref.prefill(c2, c2.slots[0], 0, ids[:6]), ref.prefill(c2, c2.slots[0], 6, ids[6:10])]
     part += [ref.decode(c2, c2.slots, [j], ids[j:j + 1]) for j in range(10, 13)]
     assert _rel(torch.cat(part), full) <= 1e-5
-    for i in c1.state:
-        assert _rel(c2.state[i], c1.state[i]) <= 1e-5
+    for i in spec.kda_layers:
+        assert _rel(c2.layer(i)["state"], c1.layer(i)["state"]) <= 1e-5
 
 
 def test_reference_batched_decode_equals_each_sequence_alone():
@@ -266,9 +273,83 @@ def test_reference_batched_decode_equals_each_sequence_alone():
         want = torch.cat([ref.decode(alone, [alone.slots[b]], [pos[b]], toks[b:b + 1]) for b in range(3)])
         # fp32: matmuls of 3 rows vs 1 row may sum in another order (measured 1.9e-6)
         assert got.shape == (3, spec.vocab_size) and _rel(got, want) <= 1e-5
-    for i in together.state:
-        assert _rel(together.state[i], alone.state[i]) <= 1e-5
-    for i in together.kv:
-        assert _rel(together.kv[i], alone.kv[i]) <= 1e-5
+    for a, b in zip(together.tensors(), alone.tensors()):
+        assert _rel(a.double(), b.double()) <= 1e-5
     with pytest.raises(UserError, match="twice"):
         ref.decode(together, [together.slots[0], together.slots[0]], [8, 8], toks[:2])
+
+
+def test_name_map_round_trip_keeps_the_tensors():
+    """Official names -> piece weights -> official names: the very same tensors (no copies on the way in)."""
+    spec = tiny_spec()
+    w = random_weights(spec, seed=1, dtype=torch.float32)
+    pw = piece_weights(spec, w)
+    back = named_weights(composed_model(spec), pw, tensor_name_for(spec))
+    assert set(back) == set(w)
+    assert all(torch.equal(back[n], w[n]) for n in w)
+    assert pw[0]["attn"]["q_proj"] is w["model.layers.0.self_attn.q_proj.weight"]
+    assert pw[-1]["residual"]["out_norm"] is w["model.norm.weight"]
+    e = spec.layers[1].ffn.num_experts
+    assert pw[1]["ffn"]["experts.w2"].shape[0] == e
+    assert torch.equal(pw[1]["ffn"]["experts.w2"][e - 1], w[f"model.layers.1.block_sparse_moe.experts.{e - 1}.w2.weight"])
+
+
+def test_op_sites_of_a_rank_spec_are_those_of_its_full_spec():
+    """The plan hands op_sites the rank's spec (the bench a rank-shaped one): the pieces come from its full spec."""
+    from latency_specialized.runtime.harness import SpecBoundAdapter
+    from latency_specialized.spec import ParallelSpec
+
+    spec = tiny_spec()
+    bench = SpecBoundAdapter(ADAPTER, ADAPTER.bench_spec(ADAPTER.spec("full"), 8, "kda", 1))
+    for tp in (2, 8):
+        p = ParallelSpec(tp=tp)
+        assert ADAPTER.op_sites(spec.shard(tp), p, 4, "sm_90", "bfloat16") == ADAPTER.op_sites(spec, p, 4, "sm_90",
+                                                                                                "bfloat16")
+        full = bench.spec()
+        assert bench.op_sites(full.shard(tp), p, 1, "sm_90", "bfloat16") == bench.op_sites(full, p, 1, "sm_90",
+                                                                                            "bfloat16")
+
+
+def _plain_moe_spec():
+    """tiny_spec without the latent width: the plain MoE piece (RoutedMoE)."""
+    return build_spec(variant="tiny", hidden=64, vocab=512, num_layers=7, mla_layers=mla_layer_indices(7, 4),
+                      kda_heads=8, head_dim=16, mla_heads=8, q_lora=32, kv_lora=16, nope=8, rope=8, v_dim=8,
+                      experts=16, top_k=4, shared=2, expert_inter=32, latent=None, dense_inter=64, block_size=3,
+                      max_context=4096, expert_format="bf16")
+
+
+class _PlainMoEAdapter(KimiK3Adapter):
+    def spec(self, variant="full"):
+        return _plain_moe_spec()
+
+
+def test_plain_moe_config_matches_the_reference():
+    """A config without routed_expert_hidden_size composes with the plain MoE piece; its decode steps
+    match the Kimi reference (fp32, this file's bound): the composition is not tied to the latent MoE."""
+    spec = _plain_moe_spec()
+    assert any(type(lp.ffn).__name__ == "RoutedMoE" for lp in composed_model(spec).layers)
+    g = torch.Generator().manual_seed(5)
+    w = random_weights(spec, seed=5, dtype=torch.float32)
+    ref = KimiK3Reference(spec, w)
+    lens, steps = [4, 9], 3
+    cache = ref.new_cache(len(lens), max(lens) + steps, block_size=4, shuffle_seed=5)
+    for b, n in enumerate(lens):
+        ref.prefill(cache, cache.slots[b], 0, torch.randint(3, spec.vocab_size, (n,), generator=g))
+    reg = get_registry()
+    plan = build_plan(_PlainMoEAdapter(), reg.implementations, hardware.for_arch("cpu"), tp=1, batch=len(lens),
+                      dtype="float32", variant="tiny")
+    pcache = cache.clone()
+    program = ADAPTER.program(spec, weights=w, plans=plan, cache=pcache)
+    buffers = DecodeBuffers(BufferSpec(max_batch=plan.bucket, max_blocks_per_seq=len(cache.slots[0].blocks),
+                                       block_size=4, pad_state=0))
+    buffers.load([0] * len(lens), lens, [s.row for s in pcache.slots], pcache.block_table())
+    runner = CUDAGraphRunner(program, buffers, use_graphs=False, feed_back_tokens=False,
+                             gate=DecodeGate(max_batch=plan.bucket, buckets=(plan.bucket,)))
+    positions = list(lens)
+    for _ in range(steps):
+        toks = torch.randint(3, spec.vocab_size, (len(lens),), generator=g)
+        want = ref.decode(cache, cache.slots, positions, toks)
+        got = runner.run(StepState(num_seqs=len(lens)), tokens=toks).outputs["logits"]
+        positions = [p + 1 for p in positions]
+        assert _rel(got, want) <= TOL[torch.float32] and torch.equal(got.argmax(-1), want.argmax(-1))
+    assert program.calls["kda+moe/moe.router_gemm"] == steps * len(spec.kda_layers[1:])

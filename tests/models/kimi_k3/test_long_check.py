@@ -1,4 +1,4 @@
-"""The long teacher-forced program-vs-reference check (models/kimi_k3/long_check.py).
+"""The long teacher-forced program-vs-reference check (``testing/long_check.py``) of Kimi K3's medium model.
 
 CPU: a few steps of the medium model (references serve every site) agree closely. GPU (H200):
 64 bf16 steps at batch 8 through the real kernels; the full 256-step run at batch 1/8/64 is
@@ -8,7 +8,12 @@ CPU: a few steps of the medium model (references serve every site) agree closely
 import pytest
 import torch
 
-from latency_specialized_models.kimi_k3.long_check import teacher_forced
+from latency_specialized.plugins import get_registry
+from latency_specialized.testing.long_check import teacher_forced as _teacher_forced
+
+
+def teacher_forced(*a, **kw):
+    return _teacher_forced(get_registry().adapter("kimi_k3"), *a, **kw)
 
 
 def test_medium_model_teacher_forced_on_cpu_references():
@@ -47,25 +52,24 @@ def test_medium_model_whole_step_replays_from_one_cuda_graph(batch):
     First passed on the H200 on 2026-11-29 (MLA on ``attention.mla.torch_paged``)."""
     from latency_specialized import hardware
     from latency_specialized.ops.plan import build_plan
-    from latency_specialized.plugins import get_registry
     from latency_specialized.runtime.buffers import BufferSpec, DecodeBuffers
     from latency_specialized.runtime.gate import StepState
     from latency_specialized.trace import Trace
 
-    from latency_specialized_models.kimi_k3.graphed import ShapedAdapter, make_runner
-    from latency_specialized_models.kimi_k3.long_check import _setup
-    from latency_specialized_models.kimi_k3.program import KimiK3Program
+    from latency_specialized.runtime.harness import SpecBoundAdapter, make_runner
+    from latency_specialized.testing.long_check import setup
 
-    spec, w, ref, cache, lens, stream = _setup(batch, 6, device="cuda", seed=0, prompt=12, router_scale=0.0)
     reg = get_registry()
-    plan = build_plan(ShapedAdapter(reg.adapter("kimi_k3"), spec), reg.implementations, hardware.probe(), tp=1,
+    adapter = reg.adapter("kimi_k3")
+    spec, w, ref, cache, lens, stream = setup(adapter, batch, 6, device="cuda", seed=0, prompt=12, router_scale=0.0)
+    plan = build_plan(SpecBoundAdapter(adapter, spec), reg.implementations, hardware.probe(), tp=1,
                       batch=batch, dtype="bfloat16")
     mla = {c.impl.name for c in plan.choices if c.site.family == "attention.mla"}
     assert mla and "attention.mla.reference" not in mla, mla  # the reference syncs: not capturable
     runs = []
     for graphs in (True, False):
         trace = Trace()
-        prog = KimiK3Program(spec, w, plan, cache.clone(), trace=trace)
+        prog = adapter.program(spec, weights=w, plans=plan, cache=cache.clone(), trace=trace)
         buf = DecodeBuffers(BufferSpec(max_batch=plan.bucket, max_blocks_per_seq=len(cache.slots[0].blocks),
                                        block_size=cache.block_size, pad_state=0), "cuda")
         buf.load(stream[0], lens, [s.row for s in cache.slots], cache.block_table(device="cpu"))

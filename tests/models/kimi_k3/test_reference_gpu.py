@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from latency_specialized_models.kimi_k3.composed import random_weights
 from latency_specialized_models.kimi_k3.reference import KimiK3Reference
 from latency_specialized_models.kimi_k3.spec import tiny_spec
-from latency_specialized_models.kimi_k3.weights import random_weights
 
 # fp32 on CUDA is checked against float64 on the CPU, relative to max |logits|. bf16 is only run
 # and checked finite: with random weights a bf16 rounding difference flips top-k routing and moves

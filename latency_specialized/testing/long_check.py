@@ -1,31 +1,29 @@
-"""Long teacher-forced check of the Kimi K3 program against the reference on a GPU (bf16).
+"""Long teacher-forced check of an adapter's program against its reference on a GPU (bf16), generically.
 
-The cross-model matrix (verify.py) runs 2 fp32 steps of the tiny model. This runs many bf16 steps
-of a *medium* model whose widths the GPU kernels serve (KDA head_dim 128, latent 512 = 2 x 256,
-128 experts -> the 4-warp router, SiTU-GLU experts through the CuTe DSL kernels at 1-2 tokens and
-the Triton fused MoE from 4, AttnRes / fused residual kernels; projections of off-table shapes on
-cuBLAS; MLA on a sync-free GPU implementation), each step replayed from one CUDA graph, so drift
-of the fp32 KDA states and bf16 rounding over hundreds of steps shows up where it would in serving.
+The cross-model matrix (``testing/verify.py``) runs 2 fp32 steps of a tiny model. This runs many
+bf16 steps of a variant whose widths the GPU kernels serve (default *medium*: every site on a
+kernel or a sync-free composition), each step replayed from one CUDA graph, so drift of fp32
+recurrent states and bf16 rounding over hundreds of steps shows up where it would in serving.
 
 Teacher forcing: both sides decode the same fixed random token stream (their own argmax never feeds
-back), from caches prefilled by the reference (sequences of different lengths). The reference
-computes in fp32 and rounds to bf16 where the program rounds, so differences are kernel
-accumulation order and the program's fused roundings. Reported per run: the largest
-``max|program - reference| / max|reference|`` over steps, that ratio at the first and last step
-(drift), and top-1 agreement of the logits; with ``fp32_floor`` also the same figures for the bf16
-reference against an fp32 reference (random-weight MoE models amplify bf16 rounding: a routing
-flip changes a token's experts), the floor the program should be judged against.
+back), from caches prefilled by the reference (sequences of different lengths). Reported per run:
+the largest ``max|program - reference| / max|reference|`` over steps, that ratio at the first and
+last step (drift), and top-1 agreement; with ``fp32_floor`` also the same figures for the bf16
+reference against an fp32 reference (random-weight MoE models amplify bf16 rounding: a routing flip
+changes a token's experts), the floor the program should be judged against.
+
+What the adapter provides: ``spec(variant)``, ``reference(spec, seed=|weights=, dtype=, device=,
+tokenizer=)`` (with ``w``: its weights by checkpoint name), ``composed_model``, ``tensor_names``
+(the routers' names, for ``router_scale``) and ``program(spec, weights=, plans=, cache=, trace=)``.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
-
-from latency_specialized_models.kimi_k3.spec import medium_spec
 
 
 @dataclass
@@ -58,28 +56,34 @@ class LongCheck:
     """Steps replayed from a captured CUDA graph (all of them on a GPU; 0 on the CPU, which runs eagerly)."""
 
 
-def _setup(batch: int, steps: int, *, device: str, seed: int, prompt: int, router_scale: float, fp32: bool = False):
-    """Reference, prefilled cache and token stream of one check (the same draws for bf16 and fp32)."""
-    from latency_specialized_models.kimi_k3.reference import KimiK3Reference
-    from latency_specialized_models.kimi_k3.weights import random_weights
+def router_names(adapter: Any, spec: Any) -> list[str]:
+    """Checkpoint names of every FFN router weight (piece-local 'router')."""
+    names = adapter.tensor_names(spec)
+    return [n for (layer, role, local) in adapter.composed_model(spec).weight_decls(1)
+            if role == "ffn" and local == "router" and (n := names(layer, role, local)) is not None]
 
-    spec = medium_spec()
-    w = random_weights(spec, seed=seed, dtype=torch.bfloat16, device=device)
+
+def setup(adapter: Any, batch: int, steps: int, *, variant: str = "medium", device: str, seed: int, prompt: int,
+          router_scale: float, fp32: bool = False):
+    """(spec, weights, reference, prefilled states, lengths, token stream) of one check (same draws for bf16
+    and fp32)."""
+    spec = adapter.spec(variant)
+    w = adapter.reference(spec, seed=seed, dtype="bfloat16", device=device, tokenizer=False).w
     if router_scale != 1.0:
-        for name in [n for n in w if n.endswith("block_sparse_moe.gate.weight")]:
+        for name in router_names(adapter, spec):
             w[name] = w[name] * router_scale
-    ref = KimiK3Reference(spec, {k: v.float() for k, v in w.items()} if fp32 else w)
+    ref = adapter.reference(spec, weights={k: v.float() for k, v in w.items()} if fp32 else w, tokenizer=False)
     g = torch.Generator().manual_seed(seed + batch)
     lens = [prompt - (b % 4) for b in range(batch)]
-    cache = ref.new_cache(batch, prompt + steps + 1, block_size=16, shuffle_seed=seed)
-    for slot, n in zip(cache.slots, lens):
-        ref.prefill(cache, slot, 0, torch.randint(3, spec.vocab_size, (n,), generator=g))
+    states = ref.new_cache(batch, prompt + steps + 1, block_size=16, shuffle_seed=seed)
+    for slot, n in zip(states.slots, lens):
+        ref.prefill(states, slot, 0, torch.randint(3, spec.vocab_size, (n,), generator=g))
     stream = torch.randint(3, spec.vocab_size, (steps, batch), generator=g).to(device)
-    return spec, w, ref, cache, lens, stream
+    return spec, w, ref, states, lens, stream
 
 
-def teacher_forced(batch: int, steps: int, *, device: str = "cuda", seed: int = 0, prompt: int = 12,
-                   say: Callable[[str], None] = print, fp32_floor: bool = False,
+def teacher_forced(adapter: Any, batch: int, steps: int, *, variant: str = "medium", device: str = "cuda",
+                   seed: int = 0, prompt: int = 12, say: Callable[[str], None] = print, fp32_floor: bool = False,
                    router_scale: float = 1.0) -> LongCheck:
     """Run ``steps`` teacher-forced decode steps of the program and the reference at ``batch``.
 
@@ -89,39 +93,33 @@ def teacher_forced(batch: int, steps: int, *, device: str = "cuda", seed: int = 
     ``router_scale``: multiplies the router weights; 0 fixes the routing by the selection bias (every
     token picks the same experts, no routing flips), which isolates the kernels' numerics from the
     way random routing amplifies any rounding difference.
-    Cost: until 2026-11-29 the reference decoded sequence by sequence (~3.6 s per step at batch 64
-    with the floor on the H200, so 256 steps did not fit a 10-minute device call; spawning reference
-    workers on the same GPU was slower still: they time-slice it). ``decode`` now runs all sequences
-    at once (KDA per state row, MLA per sequence): 3.8x faster on the CPU at batch 16; on the H200
-    256 steps at batch 64 with the floor took 62 s (2026-11-29).
+    Cost: on the H200, 256 steps of a 4-layer medium model at batch 64 with the floor took 62 s
+    (2026-11-29; the reference decoding all sequences at once).
     """
     from latency_specialized import hardware
     from latency_specialized.ops.plan import build_plan
     from latency_specialized.plugins import get_registry
     from latency_specialized.runtime.buffers import BufferSpec, DecodeBuffers
     from latency_specialized.runtime.gate import StepState
+    from latency_specialized.runtime.harness import SpecBoundAdapter, make_runner
     from latency_specialized.trace import Trace
 
-    from latency_specialized_models.kimi_k3.graphed import ShapedAdapter, make_runner
-    from latency_specialized_models.kimi_k3.program import KimiK3Program
-
     t0 = time.perf_counter()
-    kw = dict(batch=batch, steps=steps, device=device, seed=seed, prompt=prompt, router_scale=router_scale)
-    spec, w, ref, cache, lens, stream = _setup(**kw)
-    ref32 = cache32 = None
+    kw = dict(variant=variant, device=device, seed=seed, prompt=prompt, router_scale=router_scale)
+    spec, w, ref, states, lens, stream = setup(adapter, batch, steps, **kw)
+    ref32 = states32 = None
     if fp32_floor:
-        _, _, ref32, cache32, _, _ = _setup(**kw, fp32=True)
+        _, _, ref32, states32, _, _ = setup(adapter, batch, steps, **kw, fp32=True)
     reg = get_registry()
     hw = hardware.probe() if device == "cuda" else hardware.for_arch("cpu")
-    plan = build_plan(ShapedAdapter(reg.adapter("kimi_k3"), spec), reg.implementations, hw, tp=1, batch=batch,
-                      dtype="bfloat16")
+    plan = build_plan(SpecBoundAdapter(adapter, spec), reg.implementations, hw, tp=1, batch=batch, dtype="bfloat16")
     trace = Trace()
-    program = KimiK3Program(spec, w, plan, cache.clone(), trace=trace)
-    buffers = DecodeBuffers(BufferSpec(max_batch=plan.bucket, max_blocks_per_seq=len(cache.slots[0].blocks),
-                                       block_size=cache.block_size, pad_state=0), device)
-    buffers.load(stream[0], lens, [s.row for s in cache.slots], cache.block_table(device="cpu"))
-    # on a GPU every site of the medium model runs a kernel or a sync-free composition, so the check runs
-    # the graphed step serving would run (one CUDA graph per step); the CPU runs it eagerly
+    program = adapter.program(spec, weights=w, plans=plan, cache=states.clone(), trace=trace)
+    buffers = DecodeBuffers(BufferSpec(max_batch=plan.bucket, max_blocks_per_seq=len(states.slots[0].blocks),
+                                       block_size=states.block_size, pad_state=0), device)
+    buffers.load(stream[0], lens, [s.row for s in states.slots], states.block_table(device="cpu"))
+    # on a GPU every site runs a kernel or a sync-free composition, so the check runs the graphed step
+    # serving would run (one CUDA graph per step); the CPU runs it eagerly
     runner = make_runner(program, buffers, trace=trace, use_graphs=device == "cuda", preserve_state=True)
     if runner.use_graphs:
         runner.capture()
@@ -133,9 +131,9 @@ def teacher_forced(batch: int, steps: int, *, device: str = "cuda", seed: int = 
         res = runner.run(StepState(num_seqs=batch), tokens=stream[t])
         graph_steps += int(res.graph)
         got_all.append(res.outputs["logits"][:batch].float().cpu().clone())
-        want_all.append(ref.decode(cache, cache.slots, positions, stream[t]).float().cpu())
+        want_all.append(ref.decode(states, states.slots, positions, stream[t]).float().cpu())
         if ref32 is not None:
-            w32_all.append(ref32.decode(cache32, cache32.slots, positions, stream[t]).float().cpu())
+            w32_all.append(ref32.decode(states32, states32.slots, positions, stream[t]).float().cpu())
         positions = [p + 1 for p in positions]
         if (t + 1) % 64 == 0:
             n_ = (t + 1) * batch
@@ -174,3 +172,6 @@ def teacher_forced(batch: int, steps: int, *, device: str = "cuda", seed: int = 
 
 def as_dict(r: LongCheck) -> dict:
     return asdict(r)
+
+
+__all__ = ["LongCheck", "teacher_forced", "setup", "router_names", "as_dict"]

@@ -1,8 +1,9 @@
-"""residual.attnres: Block Attention Residuals (Kimi K3), the op-family reference.
+"""residual.attnres: Block Attention Residuals, the op-family reference.
 
-Kimi K3 has no additive residual stream. Each sublayer (attention or FFN) reads a softmax-weighted
-mix of *sources*: the token embedding, the sum of every completed block of layers, and the
-running sum of the current (partial) block. With ``v_s`` the sources of one token::
+A model with Block AttnRes (``pieces/residual/attnres.py``) has no additive residual stream. Each
+sublayer (attention or FFN) reads a softmax-weighted mix of *sources*: the token embedding, the sum
+of every completed block of layers, and the running sum of the current (partial) block. With ``v_s``
+the sources of one token::
 
     logit_s = < RMSNorm(v_s) * norm_weight , query >      (query: the learned pseudo-query, [N])
     mixed   = sum_s softmax(logit)_s * v_s                 (raw sources, not normed)
@@ -14,8 +15,8 @@ embedding, source ``k + 1`` the sum of block ``k``'s sublayer outputs; a call mi
 block can be the (contiguous) residual of a fused all-reduce. This matches vLLM's ``attn_res``
 kernel (fp32 math, one rounding) with the partial block as a source instead of a ``prefix`` argument.
 
-Registered by the kimi_k3 plugin (the family is Kimi-only today); a GPU kernel registers for the
-same family and is tested against :func:`attnres_mix_reference`.
+A GPU kernel registers for the same family (``kernels/attnres.py``) and is tested against
+:func:`attnres_mix_reference`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,231 @@
+"""The layer bench's "ours": an adapter's composed program of TP-rank shapes in CUDA graphs, generically.
+
+``LayerBenchHarness(adapter).build_ours(full, tp, kind, layers, batches, device, ...)`` builds what
+``latency-specialized bench`` times as "ours" (``bench/layer_bench.py`` reaches it through the
+adapter's ``layer_bench()`` hook): the adapter's ``ComposedProgram`` at **TP ``tp``, rank 0**, of
+the spec ``adapter.bench_spec(full, tp, kind, layers)`` (``layers`` layers of one kind at the full
+model's widths), with random weights of that rank's real shapes drawn on the GPU
+(``random_weights.random_rank_weights``) and communication excluded (``ExcludedCommunicator``; the
+all-reduce sites bound to the one-rank fused kernel). Its step also embeds, mixes, norms and runs a
+small-vocabulary head, so the bench subtracts a 1-layer program's step from a K-layer one's.
+
+What the adapter provides: ``composed_model(spec)`` (its pieces), ``bench_spec(full, tp, kind,
+layers)`` (which layer kinds exist, their widths) and ``op_sites`` (plans of the bench spec).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from latency_specialized.comm.base import ExcludedCommunicator
+from latency_specialized.errors import UserError
+from latency_specialized.runtime.buffers import BufferSpec, DecodeBuffers
+from latency_specialized.runtime.census import KernelCensus
+from latency_specialized.runtime.composed import ComposedProgram
+from latency_specialized.runtime.graph_runner import CUDAGraphRunner
+from latency_specialized.runtime.harness import OutputRecorder, SpecBoundAdapter, exclude_communication, make_runner
+from latency_specialized.runtime.random_weights import random_rank_weights
+from latency_specialized.runtime.states import ModelStates
+from latency_specialized.trace import Trace
+
+
+@dataclass
+class BuiltProgram:
+    """One benched program with its buffers, runner, routing recorder and census."""
+
+    spec: Any
+    program: ComposedProgram
+    buffers: DecodeBuffers
+    runner: CUDAGraphRunner
+    routing: OutputRecorder
+    captured: bool = False
+    capture_error: str | None = None
+    census: KernelCensus = field(default_factory=KernelCensus)
+    """Kernel nodes per site of each captured bucket (kernels with / without communication)."""
+
+
+class ProgramVariant:
+    """A layer-bench Variant over one built program at one batch bucket."""
+
+    def __init__(self, name: str, built: BuiltProgram, batch: int, bucket: int, all_buckets: Sequence[int],
+                 context: int | None = None):
+        self.name, self.b, self.batch, self.bucket = name, built, batch, bucket
+        self.context = 16 if context is None else context  # recurrent-only cells: any context (no KV cache read)
+        self.layers = built.spec.num_layers
+        self._all = tuple(all_buckets)
+        self._load()
+
+    def _load(self) -> None:
+        b = self.batch
+        g = torch.Generator().manual_seed(1000 + b)
+        tokens = torch.randint(0, self.b.spec.vocab_size, (b,), generator=g)
+        states = self.b.program.states
+        slots = states.slots[:b]
+        # ``context`` tokens cached per sequence (the new one goes at position ``context``): what attention reads
+        self.b.buffers.load(tokens, [self.context] * b, [s.row for s in slots], states.block_table(slots, device="cpu"))
+
+    def capture(self) -> dict[str, int] | None:
+        if self.b.capture_error is not None:  # failed for an earlier batch: do not warm up and fail again
+            self._load()
+            raise RuntimeError(self.b.capture_error)
+        if not self.b.captured:
+            try:
+                self.b.runner.capture(self._all)  # every bucket at once: largest first, one pool
+            except Exception as e:
+                self.b.capture_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                self._load()
+                raise
+            self.b.captured = True
+        self._load()
+        info = self.b.runner.captures.get(self.bucket)
+        return dict(info.nodes) if (info and info.nodes) else None
+
+    def site_kernels(self) -> dict[str, int] | None:
+        """Kernel nodes per op site of this bucket's graph (None: not counted)."""
+        c = self.b.census.kernels(self.bucket)
+        return dict(c) if c is not None else None
+
+    def replay(self) -> None:
+        self.b.runner.replay(self.bucket)
+
+    def eager(self) -> None:
+        self.b.runner.body(self.bucket)
+
+    def routing(self) -> list[torch.Tensor]:
+        """Expert ids of every MoE layer from one eager step (outside the timed graphs)."""
+        return [t[: self.batch] for t in self.b.routing.record(lambda: self.b.runner.body(self.bucket))]
+
+
+def _shared_gemm_note(plan: Any, bucket: int) -> str:
+    """Which gemm kernels serve inside the fused shared-expert MLP: the plan's inner choices of that site."""
+    c = next((c for c in plan.choices if c.site.name.endswith("moe.shared")), None)
+    if c is None or c.impl is None or c.impl.name != "mlp.cutedsl_fused":
+        return f"bucket {bucket}: moe.shared served by {c.impl.name if c and c.impl else 'nothing'}"
+    inner = {role: ic.impl.name if ic.impl else "NONE" for role, ic in c.inner}
+    gu, down = inner.get("gate_up", "NONE"), inner.get("down", "NONE")
+    # a gate/up GEMV carries the activation in its epilogue (bf16: mlp.cutedsl_fused's rule, glu_fused)
+    act = "SiTU-GLU in the GEMV epilogue" if gu == "gemm.cutedsl_gemv" else "SiTU-GLU kernel"
+    return f"bucket {bucket}: moe.shared = mlp.cutedsl_fused with gate/up {gu}, {act}, down {down}"
+
+
+class OursBench:
+    """K-layer and 1-layer rank-shaped programs with a graph runner each (see the module docstring)."""
+
+    def __init__(self, adapter: Any, full: Any, tp: int, kind: str, layers: int, batches: Sequence[int],
+                 device: torch.device, *, seed: int = 0, say: Callable[[str], None] = print,
+                 contexts: Sequence[int] = (), steps: int = 256):
+        from latency_specialized import hardware
+        from latency_specialized.ops.plan import build_plan
+        from latency_specialized.plugins import get_registry
+
+        if kind not in ("kda", "mla"):
+            raise UserError(f"bench kind {kind!r}: use kda or mla")
+        if kind == "mla" and not contexts:
+            raise UserError("the MLA bench needs --context (cached tokens per sequence), e.g. 4096,32768")
+        # KDA: a fixed-size state, any context; MLA: a paged latent cache of the longest context, vLLM's
+        # MLA block size 64, blocks handed out in a shuffled order. Every replay advances the positions
+        # in the graph (a cell reloads them once, then replays ``steps`` times): the cache holds that
+        # many tokens more, or the last replays would index past the block table
+        max_len, block = (max(contexts) + 1 + steps, 64) if kind == "mla" else (4096, 16)
+        reg = get_registry()
+        hw = hardware.probe()
+        self.kind, self.batches = kind, tuple(batches)
+        self.notes: list[str] = []
+        self.built: dict[int, BuiltProgram] = {}
+        for n_layers in (layers, 1):
+            spec = adapter.bench_spec(full, tp, kind, n_layers)
+            model = adapter.composed_model(spec)
+            # plans made for the stand-in communicator (its all-reduce sites are then rebound to the one-rank
+            # kernel: exclude_communication); the program refuses a plan its communicator cannot run
+            comm = ExcludedCommunicator(tp) if tp > 1 else None
+            plans = {}
+            for b in self.batches:
+                plan = build_plan(SpecBoundAdapter(adapter, spec), reg.implementations, hw, tp=tp, batch=b,
+                                  dtype="bfloat16", comm=comm)
+                plans[plan.bucket] = plan
+            weights = random_rank_weights(model, tp, device=device, seed=seed + n_layers)
+            states = ModelStates.allocate(model, max(self.batches), max_len, tp=tp, block_size=block, device=device,
+                                          shuffle_seed=seed if kind == "mla" else None)
+            for t in states.tensors():  # a live state, not zeros
+                t.normal_(0.0, 0.05)
+            trace = Trace()
+            program = ComposedProgram(model, weights, plans, states, comm=comm, trace=trace, weights_sharded=True)
+            del weights  # the program holds the arranged (stacked) copies
+            excluded = exclude_communication(program) if tp > 1 else 0
+            buffers = DecodeBuffers(BufferSpec(max_batch=program.max_batch,
+                                               max_blocks_per_seq=len(states.slots[0].blocks), block_size=block,
+                                               pad_state=0), device=device)
+            runner = make_runner(program, buffers, buckets=sorted(plans), trace=trace, preserve_state=False)
+            # the router sites' expert ids, copied out of one eager step (the roofline counts distinct experts)
+            built = BuiltProgram(spec, program, buffers, runner, OutputRecorder(program, "/moe.router", lambda o: o[1]))
+            built.census.instrument(program)  # last: it wraps the rebound sites too
+            self.built[n_layers] = built
+            if n_layers == layers:
+                self._notes(plans, tp, excluded, program, kind)
+            torch.cuda.synchronize()
+            say(f"  built {n_layers}-layer program ({torch.cuda.memory_allocated() / 2**30:.1f} GiB on the GPU)")
+        self.layers = layers
+        self.description = (f"ComposedProgram x {layers} (+1) {kind}+moe layers, TP{tp} rank shapes, "
+                            f"buckets {sorted(self.built[layers].program.plans)}")
+
+    def _notes(self, plans: dict[int, Any], tp: int, excluded: int, program: ComposedProgram, kind: str) -> None:
+        for bucket in (min(plans), max(plans)):
+            p = plans[bucket]
+            impls = sorted({f"{c.site.name.split('/')[-1]}={c.impl.name}" for c in p.choices if c.impl})
+            self.notes.append(f"ours plan, bucket {bucket} (TP{tp} plan, rank 0): " + ", ".join(impls))
+            self.notes.append(_shared_gemm_note(p, bucket))
+        if excluded:
+            self.notes.append(
+                f"Ours runs the TP{tp} program of rank 0 with communication excluded: its {excluded} all-reduce "
+                "sites run the one-rank fused residual(+RMSNorm) kernel (allreduce.cutedsl_local) and its "
+                "all-gathers (router logits + latent input, LM head) copy the rank's slice into a static "
+                "buffer whose other slices hold random stand-ins. Router and latent down-projection are "
+                "split across ranks in ours (1/TP of the weights per rank, + one all-gather), replicated in "
+                "stock (no gather).")
+        if "side" in program.streams:
+            self.notes.append("Shared experts run on a side stream (a parallel branch of the graph), "
+                              "overlapping router, latent down-projection and routed experts.")
+        if "router" in program.streams:
+            self.notes.append("From batch 2 the router GEMM runs on a second side stream beside the "
+                              "latent down-projection (both read only the normed hidden state); joined "
+                              "before the all-gather and the router."
+                              + (" KDA layers: the f_b_proj gemm (decay input) runs inside the KDA kernel."
+                                 if kind == "kda" else ""))
+
+    def variants(self, batch: int, context: int | None = None) -> tuple[ProgramVariant, ProgramVariant]:
+        """(K-layer, 1-layer) variants at ``batch`` (MLA: ``context`` cached tokens per sequence)."""
+        out = []
+        for n in (self.layers, 1):
+            built = self.built[n]
+            bucket = next(b for b in sorted(built.program.plans) if b >= batch)
+            out.append(ProgramVariant(f"ours[{n}]", built, batch, bucket, sorted(built.program.plans), context))
+        return out[0], out[1]
+
+    def expert_weights(self, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Routed-expert weights (w13 [E, 2I, L], w2 [E, L, I]) of the K-layer program's layers."""
+        layers = self.built[self.layers].program.w_layers
+        return [(layers[i % len(layers)]["ffn"]["w13"], layers[i % len(layers)]["ffn"]["w2"]) for i in range(copies)]
+
+    def close(self) -> None:
+        self.built.clear()
+
+
+class LayerBenchHarness:
+    """What an adapter's ``layer_bench()`` hook returns: ``build_ours`` over that adapter's pieces."""
+
+    def __init__(self, adapter: Any):
+        self.adapter = adapter
+
+    def build_ours(self, full: Any, tp: int, kind: str, layers: int, batches: Sequence[int], device: torch.device,
+                   *, seed: int = 0, say: Callable[[str], None] = print, contexts: Sequence[int] = (),
+                   steps: int = 256) -> OursBench:
+        """Entry point used by ``bench/layer_bench.py``; ``steps``: decode steps one cell runs after loading
+        its positions (the MLA cache holds ``max(contexts) + 1 + steps`` tokens)."""
+        return OursBench(self.adapter, full, tp, kind, layers, batches, device, seed=seed, say=say,
+                         contexts=contexts, steps=steps)
+
+
+__all__ = ["LayerBenchHarness", "OursBench", "ProgramVariant", "BuiltProgram"]

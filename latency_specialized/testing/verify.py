@@ -1,0 +1,126 @@
+"""One cell of the cross-model test matrix, for any adapter with a reference and a composed program.
+
+The tiny model (fp32, fixed seed: ``adapter.reference(tiny, seed=...)``) prefills ``PROTOTYPES``
+sequences of different lengths around the cell's context with the reference (memoised per process:
+gloo workers serve many cells); a batch of B sequences copies their states (sequence b from
+prototype b % PROTOTYPES) into states with shuffled pages. Then ``STEPS`` decode steps run the
+program (``adapter.program`` over this rank's shard of those states, ``runtime.states.shard_states``,
+through the runtime runner; TP ranks all-reduce over ``comm``) and the reference (whole model; each
+rank checks every TP-th sequence), both fed the program's greedy tokens.
+
+What the adapter provides: ``spec('tiny')``, ``reference(spec, seed=, dtype=, device=, tokenizer=)``
+(``new_cache(num_seqs, max_len, block_size=, shuffle_seed=)`` -> ``ModelStates``, ``prefill``,
+``decode``), ``composed_model(spec)`` and ``program(spec, plans=, cache=, reference=, trace=, comm=)``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from latency_specialized.errors import UserError
+
+STEPS = 2
+PROTOTYPES = 4
+REL_TOL = 5e-5
+"""fp32 bound on max|program - reference| relative to max|reference logits| (measured <= 1e-5 on the tiny
+models: summation order only)."""
+SEED = 1234
+
+
+@functools.lru_cache(maxsize=4)
+def prototypes(adapter: Any, context: int, device: str, seed: int = SEED) -> tuple[Any, Any, list[int]]:
+    """(reference, states, lengths): PROTOTYPES sequences of lengths context, context-1, context-3, ... prefilled."""
+    spec = adapter.spec("tiny")
+    ref = adapter.reference(spec, seed=seed, dtype="float32", device=device, tokenizer=False)
+    lens = [max(1, context - k * (k + 1) // 2) for k in range(PROTOTYPES)]
+    states = ref.new_cache(PROTOTYPES, context, block_size=4)
+    g = torch.Generator().manual_seed(seed + context)
+    for slot, n in zip(states.slots, lens):
+        ref.prefill(states, slot, 0, torch.randint(3, spec.vocab_size, (n,), generator=g))
+    return ref, states, lens
+
+
+def batch_states(ref: Any, proto: Any, lens: list[int], batch: int, max_len: int, seed: int) -> Any:
+    """States of ``batch`` sequences (shuffled pages), sequence b a copy of prototype b % PROTOTYPES."""
+    states = ref.new_cache(batch, max_len, block_size=proto.block_size, shuffle_seed=seed)
+    for b, slot in enumerate(states.slots):
+        states.copy_sequence(slot, proto, proto.slots[b % PROTOTYPES], lens[b % PROTOTYPES])
+    return states
+
+
+def verify_cell(adapter: Any, cell: Any, comm: Any = None, *, rel_tol: float = REL_TOL) -> Any:
+    """Run ``cell`` (a testing.matrix.Cell) on this rank; returns a testing.matrix.CellResult.
+
+    On the CPU torch runs single-threaded for the call (restored after): the tiny models' ops are
+    far too small to gain from threads, and oversubscribed threads slow them down ~50x.
+    """
+    threads = torch.get_num_threads()
+    if cell.device != "cuda":
+        torch.set_num_threads(1)
+    try:
+        return _verify(adapter, cell, comm, rel_tol)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _verify(adapter: Any, cell: Any, comm: Any, rel_tol: float) -> Any:
+    from latency_specialized.plugins import get_registry
+    from latency_specialized.runtime.buffers import BufferSpec, DecodeBuffers
+    from latency_specialized.runtime.gate import DecodeGate, StepState
+    from latency_specialized.runtime.graph_runner import CUDAGraphRunner
+    from latency_specialized.runtime.states import shard_states
+    from latency_specialized.testing.matrix import CellResult, cell_plan
+    from latency_specialized.trace import Trace
+
+    if cell.spec_tokens:
+        raise UserError(f"{cell.id}: the {adapter.name} program does not verify speculative tokens yet (spec_tokens=0)")
+    world = comm.world_size if comm is not None else 1
+    if world != cell.tp:
+        raise UserError(f"{cell.id}: needs {cell.tp} ranks, got a communicator of {world}")
+    rank = comm.rank if comm is not None else 0
+    device = "cuda" if cell.device == "cuda" else "cpu"
+    ref, proto, lens = prototypes(adapter, cell.context, device)
+    spec = ref.spec
+    B = cell.batch
+    states = batch_states(ref, proto, lens, B, cell.context + STEPS, seed=B)
+    positions = [lens[b % PROTOTYPES] for b in range(B)]
+    plan = cell_plan(adapter, get_registry().implementations, cell)
+    trace = Trace()
+    rank_states = shard_states(adapter.composed_model(spec), states, rank, cell.tp)
+    program = adapter.program(spec, plans=plan, cache=rank_states, reference=ref, trace=trace, comm=comm)
+    buffers = DecodeBuffers(BufferSpec(max_batch=plan.bucket, max_blocks_per_seq=len(states.slots[0].blocks),
+                                       block_size=states.block_size, pad_state=0), device)
+    toks = torch.randint(3, spec.vocab_size, (B,), generator=torch.Generator().manual_seed(B)).to(device)
+    buffers.load(toks, positions, [s.row for s in states.slots], states.block_table(device="cpu"))
+    runner = CUDAGraphRunner(program, buffers, trace=trace, use_graphs=False, feed_back_tokens=False,
+                             gate=DecodeGate(max_batch=plan.bucket, buckets=(plan.bucket,)))
+    # The reference work is split over the ranks (rank r checks sequences r, r + TP, ...); the
+    # statistics are then combined, so every rank reports the whole batch.
+    mine = [b for b in range(B) if b % world == rank]
+    err, scale, agree, digest = 0.0, 0.0, 0, 0.0
+    for _ in range(STEPS):
+        got = runner.run(StepState(num_seqs=B), tokens=toks).outputs["logits"]
+        if mine:
+            want = ref.decode(states, [states.slots[b] for b in mine], [positions[b] for b in mine], toks[mine])
+            err = max(err, (got[mine].double() - want.double()).abs().max().item())
+            scale = max(scale, want.abs().max().item())
+            agree += int((got[mine].argmax(-1) == want.argmax(-1)).sum())
+        digest += float(got.double().sum())
+        toks = got.argmax(-1)   # the program's greedy tokens (identical on every rank) feed both next step
+        positions = [p + 1 for p in positions]
+    if world > 1:
+        stats = comm.all_gather(torch.tensor([[err, scale]], dtype=torch.float64), dim=0)
+        err, scale = stats[:, 0].max().item(), stats[:, 1].max().item()
+        agree = int(comm.all_reduce(torch.tensor([float(agree)], dtype=torch.float64)).item())
+    program.close()  # the symmetric-memory workspaces it built (collective; the pool's ranks serve many cells)
+    s = trace.summary()
+    return CellResult(max_abs_err=err, tolerance=rel_tol * scale, top1_agreement=agree / (STEPS * B),
+                      fast_steps=s["fast_steps"], stock_steps=s["stock_steps"], steps=STEPS,
+                      impls={c.site.name: c.impl.name for c in plan.choices if c.impl is not None},
+                      logits_digest=digest)
+
+
+__all__ = ["verify_cell", "prototypes", "batch_states", "STEPS", "PROTOTYPES", "REL_TOL"]

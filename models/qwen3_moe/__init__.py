@@ -1,0 +1,1 @@
+"""Qwen3-MoE adapter (composed from the pieces only)."""
