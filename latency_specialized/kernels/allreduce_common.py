@@ -206,6 +206,7 @@ def get_kernel(kernel_name: str, build: Callable[[FusedAllReduceConfig, str], An
         import cutlass.cute as cute
 
         path, symbol = object_path(directory, kernel_name, cfg, arch)
+        path.parent.mkdir(parents=True, exist_ok=True)  # a fresh machine: the first rank creates it
         if path.exists():
             try:
                 return getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), symbol)
