@@ -1,7 +1,7 @@
 """The cross-model test matrix: cells, results, and the multi-rank (gloo) runner.
 
 A cell is one (adapter, batch, TP, context, speculative tokens, device) combination with a
-readable id (``kimi_k3-tp8-b4-ctx40-s0``). Every installed adapter joins the matrix by being
+readable id (``qwen3_moe-tp2-b4-ctx40-s0``). Every installed adapter joins the matrix by being
 installed: the cells come from the registry and from each adapter's scope. Adapters with the
 ``program`` capability implement :meth:`ModelAdapter.verify_cell`, which runs the decode program
 against the model reference for that cell on one rank and returns a :class:`CellResult`; TP>1
@@ -9,7 +9,7 @@ cells run on several CPU processes joined by gloo (see :class:`GlooPool`).
 
 Plan cells (:func:`plan_cells`) are the distinct inputs of ``build_plan``: (adapter, batch, TP,
 context, speculative tokens) - the context is one of them because ``build_plan`` takes it (the
-attention sites carry it), so no two plan cells build the same plan (``kimi_k3-tp8-b4-ctx40-s0``).
+attention sites carry it), so no two plan cells build the same plan (``qwen3_moe-tp2-b4-ctx40-s0``).
 :func:`cell_plan` is the plan a program cell is verified with, and
 :func:`kernel_sites` what the plan's rules say must run a kernel (not a reference) in it.
 """
@@ -26,8 +26,8 @@ from typing import Any
 BATCHES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 TPS: tuple[int, ...] = (1, 2, 8)
 CONTEXTS: tuple[int, ...] = (8, 40)
-"""Prompt lengths of a program cell (tiny models): a short one (two KV pages of 4 tokens in Kimi K3's
-verify) and one of many pages (ten)."""
+"""Prompt lengths of a program cell (tiny models): a short one (two KV pages of 4 tokens in the
+``testing.verify`` cells) and one of many pages (ten)."""
 CELL_DTYPE = "float32"
 """Activation dtype program cells are verified in (the tiny models run fp32; fp32 tolerances)."""
 
