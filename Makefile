@@ -5,8 +5,10 @@ PYTEST_ARGS ?=
 
 .PHONY: env demo test test-gpu lint clean
 
+# transformers 5.24 (Muse Spark) goes to $(VENV)/extra/transformers-5.24, beside the venv's pinned one.
 env:
 	@bash scripts/bootstrap_env.sh
+	@VENV=$(VENV) bash scripts/install_transformers_extra.sh
 
 demo: env
 	$(VENV)/bin/latency-specialized generate --model kimi_k3 --batch 2 --max-tokens 24 \

@@ -12,13 +12,45 @@ test matrix and the CLI only ask for what is there (the contract and its hooks:
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from latency_specialized.adapter_contract import AdapterContract, Capability, Variant
 from latency_specialized.errors import UserError
-from latency_specialized.spec import ModelSpec, ParallelSpec
+from latency_specialized.spec import KDAAttentionSpec, MLAAttentionSpec, ModelSpec, MoESpec, ParallelSpec
 
-__all__ = ["ModelAdapter", "AdapterContract", "Capability", "Variant"]
+__all__ = ["ModelAdapter", "AdapterContract", "BenchKind", "Capability", "Variant"]
+
+
+@dataclass(frozen=True)
+class BenchKind:
+    """One layer kind of the layer bench (``latency-specialized bench --kinds NAME``): an adapter's
+    :meth:`ModelAdapter.bench_kinds` maps each name to one of these. Plain data: the bench reads it, and
+    the adapter's ``bench_spec(full, tp, NAME, layers)`` builds "ours" for the same name."""
+
+    layer: int
+    """Index of the layer of the full spec this kind stands for: its widths give the stock composition's
+    shapes and the roofline bytes (``bench.layer_bench.layer_bytes``)."""
+    context: bool
+    """True: the layer reads a KV cache, so the bench measures one cell per ``--context`` (the cache holds
+    ``max(contexts) + 1 + steps`` tokens per sequence); False: a fixed-size state, one cell per batch."""
+    stock: str
+    """The bench's stock composition of the layer (``bench/stock/compositions.py``): ``kda_moe`` /
+    ``mla_moe`` (Kimi K3's KDA / MLA + latent MoE) or ``gqa_moe`` (GQA, windowed or not, + MoE)."""
+    kv_block_size: int = 16
+    """Paged KV-cache block size (tokens) of both variants (context kinds; vLLM's default 16, MLA 64)."""
+    router_weight_bytes: int = 2
+    """Bytes per router weight element that the roofline counts and stock stores (4: a model whose
+    router weight is kept in fp32, as vLLM's GateLinear with ``params_dtype=float32``)."""
+    stock_options: Mapping[str, Any] = field(default_factory=dict)
+    """Model facts the stock composition needs beyond the generic spec (keywords of its options, e.g.
+    ``bench.stock.gqa_moe.StockGQAOptions``: rope layout, sandwich norms, residual gate)."""
+    notes: tuple[str, ...] = ()
+    """Notes printed with the results whenever this kind is benched."""
+
+
+_DEFAULT_STOCK = {"kda": "kda_moe", "mla": "mla_moe", "gqa": "gqa_moe"}
+"""Attention kind -> the stock composition the default :meth:`ModelAdapter.bench_kinds` names."""
 
 
 class ModelAdapter(AdapterContract):
@@ -43,3 +75,71 @@ class ModelAdapter(AdapterContract):
                 raise UserError(f"{self.name}: op sites of a spec sharded for TP={spec.tp} that is not this adapter's "
                                 f"{spec.variant!r} spec: pass the unsharded spec")
         return self.composed_model(full).op_sites(spec, parallel, tokens, arch, dtype, context=context)
+
+    def layer_bench(self) -> Any:
+        """The layer bench's "ours": the generic harness over this adapter's pieces and its ``bench_spec`` (an
+        adapter without ``bench_spec`` has none: the contract's error)."""
+        from latency_specialized.runtime.layer_harness import LayerBenchHarness
+
+        if not callable(getattr(self, "bench_spec", None)):
+            return super().layer_bench()
+        return LayerBenchHarness(self)
+
+    def bench_kinds(self) -> dict[str, BenchKind]:
+        """The layer kinds ``latency-specialized bench`` can measure for this model, by ``--kinds`` name.
+
+        Default: one kind per attention kind of the full spec that has a stock composition, named after
+        it (``kda``, ``mla``, ``gqa``), standing for its first layer with a MoE; KDA layers keep a
+        fixed-size state (no context axis), the others read a KV cache (MLA: vLLM's block size 64).
+        An adapter whose layers of one attention kind differ (windowed vs full attention) overrides it."""
+        out: dict[str, BenchKind] = {}
+        for layer in self.spec("full").layers:
+            a = layer.attention
+            if not isinstance(layer.ffn, MoESpec) or a.kind in out or a.kind not in _DEFAULT_STOCK:
+                continue
+            out[a.kind] = BenchKind(layer=layer.index, context=not isinstance(a, KDAAttentionSpec),
+                                    stock=_DEFAULT_STOCK[a.kind],
+                                    kv_block_size=64 if isinstance(a, MLAAttentionSpec) else 16)
+        return out
+
+
+class ComposedAdapter(ModelAdapter):
+    """An adapter whose program is the generic ``ComposedProgram`` over checkpoint tensors by name (Qwen3-MoE,
+    Muse Spark): it gives :meth:`composed_model` and :meth:`tensor_names` (``(layer, role, local) -> name``);
+    this class gives the program, the matrix's verification and the op sites of any spec the pieces were
+    composed for (bench specs included)."""
+
+    def tensor_names(self, spec: ModelSpec) -> Any:
+        raise NotImplementedError(f"{self.name}: a ComposedAdapter names its tensors (tensor_names)")
+
+    def program_tensors(self, named: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The tensors the name map reads, from the checkpoint's (default: as they are; e.g. halves of a fused
+        tensor added as views)."""
+        return named
+
+    def op_sites(self, spec: ModelSpec, parallel: ParallelSpec, tokens: int, arch: str, dtype: str,
+                 **kw: Any) -> list[Any]:
+        return self.composed_model(spec).op_sites(spec, parallel, tokens, arch, dtype, **kw)
+
+    def program(self, spec: ModelSpec, *, plans: Any, cache: Any, reference: Any = None,
+                weights: Mapping[str, Any] | None = None, trace: Any = None, comm: Any = None, **_: Any) -> Any:
+        """``ComposedProgram`` over ``cache`` (this rank's states); full weights by name (``reference.named``
+        or ``weights``)."""
+        from latency_specialized.runtime.composed import ComposedProgram, weights_from_names
+
+        if weights is None:
+            if reference is None:
+                raise UserError(f"{self.name} program needs weights: pass reference= or weights=")
+            weights = reference.named
+        model = self.composed_model(spec)
+        nested = weights_from_names(model, self.program_tensors(weights), self.tensor_names(spec))
+        return ComposedProgram(model, nested, plans, cache, comm=comm, trace=trace)
+
+    def verify_cell(self, cell: Any, comm: Any = None) -> Any:
+        """One matrix cell: the program vs the reference (``testing/verify.py``)."""
+        from latency_specialized.testing.verify import verify_cell
+
+        return verify_cell(self, cell, comm)
+
+
+__all__ += ["ComposedAdapter"]

@@ -90,7 +90,8 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--out", default="profile.json")
-    ap.add_argument("--kind", default="kda", choices=("kda", "mla"))
+    ap.add_argument("--model", default="kimi_k3", help="adapter; other than kimi_k3: ours only")
+    ap.add_argument("--kind", default="kda", help="a bench kind of the model (kimi_k3: kda, mla; muse_spark: swa, full)")
     ap.add_argument("--context", type=int, default=4096, help="MLA: cached tokens per sequence")
     ap.add_argument("--timeline", action="store_true",
                     help="also print one replay's kernels in order of their end, with each one's marginal cost")
@@ -99,22 +100,26 @@ def main() -> None:
     from latency_specialized.bench.layer_bench import GraphedStep, _layer_index
     from latency_specialized.bench.stock.layers import build_stock_kda, build_stock_mla
     from latency_specialized.plugins import get_registry
-    adapter = get_registry().adapter("kimi_k3")
+    adapter = get_registry().adapter(args.model)
     full = adapter.spec("full")
     dev = torch.device("cuda")
-    mla = args.kind == "mla"
+    kimi = args.model == "kimi_k3"
+    mla = args.kind == "mla" or (not kimi and adapter.bench_kinds()[args.kind].context)
     ours = adapter.layer_bench().build_ours(full, args.tp, args.kind, args.layers, batches, dev, say=print,
                       contexts=(args.context,) if mla else ())
-    li = _layer_index(full, args.kind)
     ctx = (args.context,) if mla else ()
     result = {}
     for b in batches:
-        build_stock = build_stock_mla if mla else build_stock_kda
-        stock_layers = build_stock(full, li, args.tp, b, *ctx, args.layers, dev,
-                                   experts=ours.expert_weights(args.layers))
-        stock = GraphedStep("stock", args.layers, stock_layers.step, stock_layers.routed_ids)
         o_k, _ = ours.variants(b, *ctx)
-        for name, v in (("ours", o_k), ("stock", stock)):
+        variants = [("ours", o_k)]
+        stock_layers = stock = None
+        if kimi:
+            build_stock = build_stock_mla if mla else build_stock_kda
+            stock_layers = build_stock(full, _layer_index(full, args.kind), args.tp, b, *ctx, args.layers, dev,
+                                       experts=ours.expert_weights(args.layers))
+            stock = GraphedStep("stock", args.layers, stock_layers.step, stock_layers.routed_ids)
+            variants.append(("stock", stock))
+        for name, v in variants:
             v.capture()
             agg, wall = profile(v, args.replays)
             total = sum(t for t, _ in agg.values())

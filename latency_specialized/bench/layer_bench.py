@@ -1,7 +1,11 @@
 """Per-layer decode bench on one GPU: ours (the adapter's program, graphed) vs the stock composition.
 
 For every (layer kind, batch[, context]) cell, with random weights of the real per-rank shapes of a
-TP shard (communication excluded on one GPU, and reported as such):
+TP shard (communication excluded on one GPU, and reported as such). The kinds are the adapter's
+(``adapter.bench_kinds()`` -> ``adapter.BenchKind`` per ``--kinds`` name: the layer of the full spec it
+stands for, whether its cells have a context axis - a KV cache read - its KV block size, and which
+stock composition of ``bench/stock/compositions.py`` is its baseline): Kimi K3 ``kda`` (context-free)
+and ``mla``; Muse Spark ``swa`` (sliding-window GQA + latent MoE) and ``full`` (NoPE full attention):
 
 * **time**: each variant is captured into CUDA graphs and replayed; every replay is timed with CUDA
   events; a round's figure is the median of ``iters`` replays, and ``rounds`` rounds run
@@ -13,7 +17,8 @@ TP shard (communication excluded on one GPU, and reported as such):
   communication sites (all-reduces, all-gathers: on one GPU stand-ins for the exchange) vs the rest;
 * **roofline**: bytes a layer must read once on this rank (PERF.md "Which bytes count": every
   weight once per TP group, so a rank's share is weight/TP; routed experts = the *distinct* experts
-  the batch actually selected; recurrent state read + written) / the HBM bandwidth;
+  the batch actually selected; recurrent state read + written; the KV cache a step reads, the last
+  ``window`` tokens of a windowed layer, and the new token's entry written) / the HBM bandwidth;
 * ``fraction = t_roofline / t_ours`` and ``speedup = t_stock / t_ours``.
 
 "Ours" comes from the adapter's ``layer_bench()`` hook (an object with ``build_ours(...)``: the generic
@@ -34,13 +39,10 @@ import torch
 from latency_specialized.errors import UserError
 from latency_specialized.runtime.census import split_communication
 from latency_specialized.runtime.graph_runner import graph_node_counts, new_graph
-from latency_specialized.spec import KDAAttentionSpec, MLAAttentionSpec, ModelSpec, MoESpec
+from latency_specialized.spec import GQAAttentionSpec, KDAAttentionSpec, MLAAttentionSpec, ModelSpec, MoESpec
 
 HBM_BYTES_PER_S = 4.3e12
 """H200 achievable HBM read bandwidth (PERF.md): the roofline."""
-
-KINDS = ("kda", "mla")
-"""Layer kinds the bench builds: KDA+MoE (context-free) and MLA+MoE (one cell per context)."""
 
 
 @dataclass(frozen=True)
@@ -125,17 +127,34 @@ class GraphedStep:
 
 # ------------------------------------------------------------------------------------------ roofline
 def layer_bytes(full: ModelSpec, layer: int, tp: int, batch: int, context: int | None,
-                distinct_experts: float | None, *, weight_bytes: float = 2.0) -> dict[str, float]:
+                distinct_experts: float | None, *, weight_bytes: float = 2.0,
+                router_weight_bytes: float | None = None) -> dict[str, float]:
     """Bytes one layer must move on one rank (weights once per TP group, split evenly; state r+w).
 
     ``full`` is the unsharded spec; routed experts count ``distinct_experts`` (the batch's actual
-    routing); bf16 weights (``weight_bytes``, the router's too: it is stored bf16, its logits are
-    fp32) except fp32 parameters. MLA: each rank reads the whole latent KV cache of ``context`` tokens (no DCP).
+    routing); bf16 weights (``weight_bytes``) except fp32 parameters; the router weight counts
+    ``router_weight_bytes`` per element (default ``weight_bytes``: Kimi K3 stores it bf16, its logits are
+    fp32; 4 for a router kept in fp32). MLA: each rank reads the whole latent KV cache of ``context``
+    tokens (no DCP). GQA: the q|k|v(|gate) and o projections (a weightless QK norm has no bytes) and the
+    rank's KV heads' cache, ``batch * tokens_read * KV_rank * head_dim * 2 (k, v) * 2 bytes`` with
+    ``tokens_read = min(context + 1, window)`` for a windowed layer, ``context + 1`` for full attention,
+    plus the new token's k/v written. Residual norms: AttnRes (two mixes of three [N] vectors), else
+    ``norms``: two pre-norm and two post-norm gains [N] (+ the two joins' per-channel gate
+    coefficients, fp32 [N] x 2 each, for a gated residual) and a latent MoE's post-expert norm [L].
+    Latent MoE: ``latent_proj`` = pre- and post-expert projections ([L, N], [N, L]) and the pre-expert
+    (latent) norm [L]; routed experts ``3 * I * L`` each (gate/up [2I, L], down [L, I]).
     """
     spec = full.layers[layer]
     a, f = spec.attention, spec.ffn
     N, wb = full.hidden_size, weight_bytes
-    out: dict[str, float] = {"attnres": 2 * 3 * N * wb / tp}
+    rb = weight_bytes if router_weight_bytes is None else router_weight_bytes
+    out: dict[str, float] = {}
+    if full.residual.kind == "attnres":
+        out["attnres"] = 2 * 3 * N * wb / tp
+    else:
+        gates = 2 * 2 * N * 4 if full.residual.kind == "gated" else 0
+        latent_norm = f.latent_dim * wb if (isinstance(f, MoESpec) and f.latent_dim) else 0
+        out["norms"] = (4 * N * wb + gates + latent_norm) / tp
     if isinstance(a, KDAAttentionSpec):
         hd = a.num_heads * a.head_dim
         out["attn_weights"] = ((4 * hd + a.decay_rank + a.num_heads) * N + hd * a.decay_rank + N * hd) * wb / tp \
@@ -151,9 +170,16 @@ def layer_bytes(full: ModelSpec, layer: int, tp: int, batch: int, context: int |
                                + N * a.num_heads * a.v_head_dim
                                + (a.num_heads * a.v_head_dim * N if a.output_gate == "sigmoid" else 0)) * wb / tp
         out["kv_cache"] = batch * ((context or 0) + 1) * a.latent_width * wb
+    elif isinstance(a, GQAAttentionSpec):
+        q, kv, D = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.head_dim
+        gate = q if a.output_gate == "sigmoid" else 0
+        out["attn_weights"] = ((q + 2 * kv + gate) * N + N * q) * wb / tp
+        kv_rank = (a.shard(tp) if tp > 1 else a).num_kv_heads  # KV heads replicate past TP = num_kv_heads
+        out["kv_cache"] = batch * gqa_tokens_read(a, context) * kv_rank * D * 2 * 2
+        out["kv_write"] = batch * kv_rank * D * 2 * 2
     if isinstance(f, MoESpec):
         L = f.latent_dim or N
-        out["router"] = f.num_experts * N * wb / tp + f.num_experts * 4 / tp  # bf16 weight (fp32 logits), fp32 bias
+        out["router"] = f.num_experts * N * rb / tp + f.num_experts * 4 / tp  # weight (fp32 logits), fp32 bias
         if f.latent_dim:
             out["latent_proj"] = (2 * L * N + L) * wb / tp
         per_expert = 3 * f.expert_intermediate * L * wb
@@ -163,8 +189,16 @@ def layer_bytes(full: ModelSpec, layer: int, tp: int, batch: int, context: int |
     return out
 
 
-def add_stock_roofline(cell: dict[str, Any], full: ModelSpec, tp: int) -> dict[str, Any]:
-    """Stock's own roofline (the experts *its* routing touched) and the per-byte speed-up.
+def gqa_tokens_read(a: GQAAttentionSpec, context: int | None) -> int:
+    """KV positions one decode step of a GQA layer reads per sequence: the ``context`` cached tokens and
+    the new one, the last ``sliding_window`` of them for a windowed layer."""
+    n = (context or 0) + 1
+    return min(n, a.sliding_window) if a.sliding_window else n
+
+
+def add_stock_roofline(cell: dict[str, Any], full: ModelSpec, tp: int, **bytes_kw: Any) -> dict[str, Any]:
+    """Stock's own roofline (the experts *its* routing touched) and the per-byte speed-up (``bytes_kw``: the
+    kind's ``layer_bytes`` keywords, e.g. ``router_weight_bytes``).
 
     The two variants route with different random router weights, so at large batches they touch
     different numbers of distinct experts (the dominant bytes). ``stock_fraction`` is stock's time
@@ -174,7 +208,7 @@ def add_stock_roofline(cell: dict[str, Any], full: ModelSpec, tp: int) -> dict[s
     r, s = cell["roofline"], cell.get("stock") or {}
     d_stock = r.get("distinct_experts_stock")
     rb = layer_bytes(full, cell["layer_index"], tp, cell["batch"], cell.get("context"),
-                     d_stock if d_stock is not None else r.get("distinct_experts"))
+                     d_stock if d_stock is not None else r.get("distinct_experts"), **bytes_kw)
     us = rb["total"] / HBM_BYTES_PER_S * 1e6
     cell["roofline_stock"] = {"bytes": rb["total"], "us": us, "distinct_experts": d_stock}
     cell["stock_fraction"] = (us / s["us"]) if s.get("us") else None
@@ -317,37 +351,124 @@ def add_kernel_split(rec: dict[str, Any], *, no_comm_sites: bool = False) -> dic
 
 # ------------------------------------------------------------------------------------------ the sweep
 def _layer_index(full: ModelSpec, kind: str) -> int:
+    """The first layer of attention kind ``kind`` with a MoE (scripts' helper; the bench itself takes the layer
+    from the adapter's ``bench_kinds()``)."""
     for layer in full.layers:
         if layer.attention.kind == kind and isinstance(layer.ffn, MoESpec):
             return layer.index
     raise UserError(f"{full.name} has no {kind}+moe layer: use --kinds with one of its layer kinds")
 
 
+def bench_kinds(adapter: Any, kinds: Sequence[str]) -> dict[str, Any]:
+    """The adapter's ``BenchKind`` of each of ``kinds`` (in that order); a UserError naming the model's kinds
+    for any it does not have."""
+    hook = getattr(adapter, "bench_kinds", None)  # ModelAdapter's; a bare AdapterContract has none
+    known = hook() if hook is not None else {}
+    bad = [k for k in kinds if k not in known]
+    if bad:
+        have = ", ".join(known) if known else "none"
+        raise UserError(f"layer kind(s) {bad} not benchable for {adapter.name}: use --kinds with {have}")
+    return {k: known[k] for k in kinds}
+
+
+def _bytes_kw(bk: Any) -> dict[str, Any]:
+    """``layer_bytes`` keywords a bench kind sets (only where they differ from the defaults)."""
+    return {} if bk.router_weight_bytes == 2 else {"router_weight_bytes": bk.router_weight_bytes}
+
+
+def kind_summary(full: ModelSpec, tp: int, name: str, bk: Any) -> dict[str, Any]:
+    """What one kind's cells measure (the result's ``kinds`` entry): its layer, context axis, stock
+    composition, and for a KV cache the bytes one cached token costs on this rank (and a window)."""
+    from latency_specialized.bench.stock.compositions import composition
+
+    layer = full.layers[bk.layer]
+    a = layer.attention
+    rec: dict[str, Any] = {"layer_index": bk.layer, "layer_kind": layer.kind, "context_axis": bk.context,
+                           "stock": bk.stock, "stock_description": composition(bk.stock).description}
+    if bk.context:
+        rec["kv_block_size"] = bk.kv_block_size
+    if isinstance(a, GQAAttentionSpec):
+        local = a.shard(tp) if tp > 1 else a
+        rec.update(window=a.sliding_window, rope_theta=a.rope_theta, kv_heads_rank=local.num_kv_heads,
+                   kv_bytes_per_token=local.num_kv_heads * a.head_dim * 2 * 2)
+    elif isinstance(a, MLAAttentionSpec):
+        rec.update(window=None, kv_bytes_per_token=a.latent_width * 2)
+    if bk.router_weight_bytes != 2:
+        rec["router_weight_bytes"] = bk.router_weight_bytes
+    return rec
+
+
+def _weights_note(full: ModelSpec) -> str:
+    fmt = getattr(full, "routed_expert_format", None)
+    stored = f" (the published checkpoint stores {fmt.upper()})" if fmt and fmt not in ("bf16", "bfloat16") else ""
+    return f"Routed experts are bf16 in both variants{stored}; the roofline counts bf16."
+
+
+def _state_phrase(full: ModelSpec, kinds: dict[str, Any]) -> str:
+    """What the roofline counts besides weights, per attention kind benched."""
+    phrases = []
+    for bk in kinds.values():
+        a = full.layers[bk.layer].attention
+        p = None
+        if isinstance(a, KDAAttentionSpec):
+            p = "KDA state read + written"
+        elif isinstance(a, GQAAttentionSpec):
+            p = ("the KV cache read (min(context + 1, window) tokens per sequence for a windowed layer, context + 1 "
+                 "for full attention) + the new token's k/v written")
+        if p and p not in phrases:
+            phrases.append(p)
+    return "".join(f", {p}" for p in phrases)
+
+
+def bench_notes(full: ModelSpec, kinds: dict[str, Any], tp: int) -> list[str]:
+    """The result's notes before "ours" adds its own: the method, then per benched kind the adapter's notes
+    (``BenchKind.notes``), the roofline's terms, and what each stock composition ran (stand-ins, shared kernels)."""
+    from latency_specialized.bench.stock.compositions import composition
+
+    notes = [
+        "One GPU, rank 0 of the TP shard: communication (all-reduces) is excluded from both variants.",
+        _weights_note(full),
+    ]
+    for bk in kinds.values():
+        notes.extend(bk.notes)
+    notes.append(
+        "Roofline bytes: weights once per TP group split evenly (router and latent projections / TP even where a "
+        f"variant replicates them), distinct routed experts of the measured step{_state_phrase(full, kinds)}. "
+        "Each variant's % roofline counts the experts its own routing touched (the two route with different random "
+        "router weights); 'speed-up per byte' = ours % / stock % (the speed-up at equal bytes).")
+    for name, bk in kinds.items():
+        for n in composition(bk.stock).notes(full, name, bk, tp):
+            if n not in notes:
+                notes.append(n)
+    return notes
+
+
 def run_bench(cfg: BenchConfig, say: Callable[[str], None] = print,
               checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run the sweep of ``cfg`` on the current GPU and return the result dict (see report.py).
 
-    ``checkpoint(partial_result)`` is called after every cell (a time-limited run keeps what it measured).
+    The kinds are the adapter's (``adapter.bench_kinds()``: per name, the layer it stands for, whether
+    its cells have a context axis, its stock composition). ``checkpoint(partial_result)`` is called after
+    every cell (a time-limited run keeps what it measured).
     """
     if not torch.cuda.is_available():
         raise UserError("the bench needs a CUDA GPU and torch sees none: run it where one is visible")
-    bad = [k for k in cfg.kinds if k not in KINDS]
-    if bad:
-        raise UserError(f"layer kind(s) {bad} not benchable: use --kinds with {', '.join(KINDS)}")
     if cfg.layers < 2:
         raise UserError("--layers must be >= 2 (ours per layer = (t_K - t_1) / (K - 1))")
     from latency_specialized.bench.machine import machine_info
-    from latency_specialized.bench.stock.layers import build_stock_kda, build_stock_mla
+    from latency_specialized.bench.stock.compositions import composition
     from latency_specialized.plugins import get_registry
 
     reg = get_registry()
     adapter = reg.adapter(cfg.model)
+    kinds = bench_kinds(adapter, cfg.kinds)
     full = adapter.spec("full")
     full.shard(cfg.tp)  # UserError naming the fix for an unsupported TP
     harness = adapter.layer_bench()  # the adapter's hook (UserError when it has no graphed bench program)
     device = torch.device("cuda")
     t_start = time.perf_counter()
     machine = machine_info()
+    summary = {name: kind_summary(full, cfg.tp, name, bk) for name, bk in kinds.items()}
 
     def result() -> dict[str, Any]:
         return {"schema": 1, "machine": machine,
@@ -356,38 +477,22 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None] = print,
                            "iters": cfg.iters, "rounds": cfg.rounds, "dtype": cfg.dtype,
                            "hbm_tb_s": HBM_BYTES_PER_S / 1e12, "comm": "Communication excluded (one GPU).",
                            "seconds": round(time.perf_counter() - t_start, 1)},
-                "notes": notes, "cells": cells}
+                "kinds": summary, "notes": notes, "cells": cells}
 
     cells: list[dict[str, Any]] = []
-    notes = [
-        "One GPU, rank 0 of the TP shard: communication (all-reduces) is excluded from both variants.",
-        "Routed experts are bf16 in both variants (the published checkpoint stores MXFP4); the roofline counts bf16.",
-        "KDA layers keep a fixed-size recurrent state: their work does not depend on the context length, so KDA cells "
-        "are measured once per batch (context 'any').",
-        "Roofline bytes: weights once per TP group split evenly (router and latent projections / TP even where a "
-        "variant replicates them), distinct routed experts of the measured step, KDA state read + written. "
-        "Each variant's % roofline counts the experts its own routing touched (the two route with different random "
-        "router weights); 'speed-up per byte' = ours % / stock % (the speed-up at equal bytes).",
-    ]
-    if "mla" in cfg.kinds:
-        notes.append("MLA layers: both variants run the same MLA decode attention (attention.mla.triton_splitkv, a "
-                     "Triton split-KV kernel standing in for stock's MLA backend - vLLM's TRITON_MLA; FlashMLA is not "
-                     "runnable here; ours fuses the kv_a RMSNorm into its latent write, stock runs that norm as a "
-                     "kernel of its own), so MLA cells compare everything around that kernel. Roofline: the latent KV "
-                     "cache of 'context' tokens per sequence is read once per step (paged, block size 64).")
-    for kind in cfg.kinds:
-        li = _layer_index(full, kind)
-        contexts: tuple[int | None, ...] = tuple(cfg.contexts) if kind == "mla" else (None,)
+    notes = bench_notes(full, kinds, cfg.tp)
+    for kind, bk in kinds.items():
+        stock = composition(bk.stock)
+        contexts: tuple[int | None, ...] = tuple(cfg.contexts) if bk.context else (None,)
         say(f"[{kind}] building ours: {cfg.layers} + 1 layers of real TP{cfg.tp} rank shapes ...")
         t0 = time.perf_counter()
         ours = harness.build_ours(full, cfg.tp, kind, cfg.layers, cfg.batches, device, seed=cfg.seed, say=say,
-                                  contexts=cfg.contexts if kind == "mla" else (), steps=steps_per_cell(cfg))
+                                  contexts=cfg.contexts if bk.context else (), steps=steps_per_cell(cfg))
         say(f"[{kind}] ours ready in {time.perf_counter() - t0:.0f} s: {ours.description}")
         notes.extend(ours.notes)
         for context in contexts:
             for batch in cfg.batches:
-                cells.append(_cell(cfg, full, li, kind, batch, context, ours, say,
-                                   build_stock_kda if kind == "kda" else build_stock_mla))
+                cells.append(_cell(cfg, full, bk, kind, batch, context, ours, say, stock.build))
                 if checkpoint is not None:
                     checkpoint(result())
         ours.close()
@@ -402,14 +507,14 @@ def steps_per_cell(cfg: BenchConfig) -> int:
     return cfg.rounds * (max(cfg.warmup + cfg.iters, 6)) + 1 + 8
 
 
-def _cell(cfg: BenchConfig, full: ModelSpec, li: int, kind: str, batch: int, context: int | None, ours: Any,
+def _cell(cfg: BenchConfig, full: ModelSpec, bk: Any, kind: str, batch: int, context: int | None, ours: Any,
           say: Callable[[str], None], build_stock: Callable[..., Any]) -> dict[str, Any]:
     """Measure one (kind, batch, context) cell: ours K and 1 layers, stock K layers, roofline."""
     t1 = time.perf_counter()
     device = torch.device("cuda")
+    li = bk.layer
     torch.manual_seed(cfg.seed + batch)
-    ctx_args = (context,) if context is not None else ()
-    stock_layers = build_stock(full, li, cfg.tp, batch, *ctx_args, cfg.layers, device,
+    stock_layers = build_stock(full, bk, cfg.tp, batch, context, cfg.layers, device,
                                experts=ours.expert_weights(cfg.layers))
     stock = GraphedStep("stock", cfg.layers, stock_layers.step, stock_layers.routed_ids)
     ours_k, ours_1 = ours.variants(batch, context)
@@ -420,14 +525,18 @@ def _cell(cfg: BenchConfig, full: ModelSpec, li: int, kind: str, batch: int, con
     d_ours = _distinct(ids, batch)
     d_stock = _distinct(stock_layers.routed_ids(), batch)
     distinct = d_ours if d_ours is not None else d_stock
-    rb = layer_bytes(full, li, cfg.tp, batch, context, distinct)
+    kw = _bytes_kw(bk)
+    rb = layer_bytes(full, li, cfg.tp, batch, context, distinct, **kw)
     r_us = rb["total"] / HBM_BYTES_PER_S * 1e6
     cell = {"kind": kind, "batch": batch, "context": context, "layer_index": li, "ours": o, "stock": s,
             "roofline": {"bytes": rb["total"], "us": r_us, "breakdown": rb, "distinct_experts": distinct,
                          "distinct_experts_stock": d_stock},
             "fraction": (r_us / o["us"]) if o.get("us") else None,
             "speedup": (s["us"] / o["us"]) if (o.get("us") and s.get("us")) else None}
-    add_stock_roofline(cell, full, cfg.tp)
+    a = full.layers[li].attention
+    if isinstance(a, GQAAttentionSpec):
+        cell["roofline"]["kv_tokens_read"] = gqa_tokens_read(a, context)
+    add_stock_roofline(cell, full, cfg.tp, **kw)
     where = f"batch {batch:>2}" + (f", context {context}" if context is not None else "")
     say(f"[{kind}] {where}: ours {_fmt(o.get('us'))} us/layer ({_fmt(o.get('kernels'), '{:.1f}')} "
         f"kernels, {_fmt(o.get('kernels_no_comm'), '{:.1f}')} without communication) | stock {_fmt(s.get('us'))} us ({_fmt(s.get('kernels'), '{:.1f}')} kernels) | roofline "

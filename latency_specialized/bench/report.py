@@ -3,6 +3,8 @@
 A result is a plain dict (see ``layer_bench.run_bench``)::
 
     {"schema": 1, "machine": {...}, "config": {...}, "notes": [...],
+     "kinds": {name: {"layer_index", "layer_kind", "context_axis", "stock", "stock_description",
+                      "window", "kv_bytes_per_token", ...}},      # what each kind's cells measure
      "cells": [{"kind", "batch", "context",
                 "ours":  {"us", "rounds", "noise", "kernels", "graph", "error", ...},
                 "stock": {...},
@@ -61,6 +63,9 @@ def to_markdown(result: dict[str, Any]) -> str:
              f"roofline {cfg.get('hbm_tb_s')} TB/s. {cfg.get('comm')}", ""]
     for n in result.get("notes", []):
         lines.append(f"- {n}")
+    kinds = kinds_table(result)
+    if kinds:
+        lines += ["", "## Layer kinds", "", kinds.rstrip("\n")]
     lines += ["", "Kernels: graph kernel nodes per layer, all of them / without communication (ours: kernels of the "
               "all-reduce and all-gather sites, counted per site during capture, taken out; stock has no "
               "communication kernels on one GPU).", "",
@@ -85,6 +90,24 @@ def to_markdown(result: dict[str, Any]) -> str:
         lines += ["", "## Ours: kernels per layer by op site", "",
                   "Counted during capture (`runtime.census`); '(between sites)' = copies the program makes between "
                   "ops (column slices made contiguous).", "", sites.rstrip("\n")]
+    return "\n".join(lines) + "\n"
+
+
+def kinds_table(result: dict[str, Any]) -> str:
+    """Markdown: one row per benched kind - the layer it stands for, its context axis, the window and KV
+    bytes per cached token on this rank (kinds with a KV cache), the stock composition. Empty for results
+    written before the bench recorded its kinds."""
+    kinds = result.get("kinds") or {}
+    if not kinds:
+        return ""
+    lines = ["| kind | layer | context axis | window | KV bytes / token (rank) | stock composition |",
+             "|---|---|---|---|---|---|"]
+    for name, k in kinds.items():
+        window = "-" if not k.get("context_axis") else (str(k["window"]) if k.get("window") else "none (full)")
+        kv = _f(k.get("kv_bytes_per_token"), "{:.0f}")
+        lines.append(f"| {name} | {k.get('layer_index')} ({k.get('layer_kind')}) | "
+                     f"{'per --context' if k.get('context_axis') else 'none (any)'} | {window} | {kv} | "
+                     f"{k.get('stock')}: {k.get('stock_description', '')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -2,6 +2,7 @@
 
     latency-specialized bench --model kimi_k3 --tp 8 --batch 1,2,4,8,16,32,64 [--layers K]
     latency-specialized bench --kinds kda,mla --batch 1,2,4 --context 4096,32768
+    latency-specialized bench --model muse_spark --tp 8 --kinds swa,full --context 4096,32768
     latency-specialized bench --compare A.json B.json
     latency-specialized bench --kinds kda --batch 1,2 --ab base --ab rounds:pkg.module.CONST=0 [--repeat 2]
 
@@ -10,8 +11,9 @@ reported as such); writes JSON + Markdown + PNG under ``--out`` and prints progr
 ``--compare`` needs no GPU: it puts two result files side by side and flags regressions beyond the
 noise both runs measured. ``--ab`` runs variants that differ by module constants or environment on
 this machine, interleaved, each in a fresh process, and summarises them against the first
-(latency_specialized/bench/ab.py). ``--context`` sets the MLA cells only: without an mla kind it is an
-error, not ignored. Method: latency_specialized/bench/layer_bench.py.
+(latency_specialized/bench/ab.py). The kinds are the model's (its adapter's ``bench_kinds()``);
+``--context`` sets the cells of kinds with a KV cache (Kimi K3's mla, Muse Spark's swa and full) only:
+without such a kind in ``--kinds`` it is an error, not ignored. Method: latency_specialized/bench/layer_bench.py.
 """
 
 from __future__ import annotations
@@ -36,13 +38,32 @@ def _ints(s: str) -> tuple[int, ...]:
 
 
 def _kinds(args: argparse.Namespace) -> tuple[str, ...]:
-    """``--kinds`` as a tuple; UserError when ``--context`` is given but no kind has a context (MLA)."""
+    """``--kinds`` as a tuple (default: the model's first bench kind). UserError for a kind the model's
+    adapter does not bench (naming its kinds), and when ``--context`` is given but no kind in ``--kinds``
+    has a context axis (``BenchKind.context``: the layer reads a KV cache)."""
     from latency_specialized.errors import UserError
+    from latency_specialized.plugins import get_registry
 
-    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
-    if args.context is not None and "mla" not in kinds:
-        raise UserError(f"--context {args.context} sets the MLA cells' context but --kinds {args.kinds} has no mla: "
-                        f"add it (--kinds {','.join(kinds + ('mla',))}) or drop --context")
+    hook = getattr(get_registry().adapter(args.model), "bench_kinds", None)  # ModelAdapter's hook
+    known = hook() if hook is not None else {}
+    if args.kinds is None:
+        kinds = tuple(known)[:1]
+    else:
+        kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+    bad = [k for k in kinds if k not in known]
+    if bad or not kinds:
+        have = ", ".join(known) if known else "none"
+        raise UserError(f"layer kind(s) {bad} not benchable for {args.model}: use --kinds with {have}")
+    if args.context is not None and not any(known[k].context for k in kinds):
+        with_ctx = [k for k, bk in known.items() if bk.context]
+        given = ",".join(kinds)
+        if not with_ctx:
+            raise UserError(f"--context {args.context}: {args.model} has no layer kind with a context axis; "
+                            "drop --context")
+        it = "it" if len(with_ctx) == 1 else "one"
+        raise UserError(f"--context {args.context} sets the {'/'.join(k.upper() for k in with_ctx)} cells' context "
+                        f"but --kinds {given} has no {' or '.join(with_ctx)}: add {it} "
+                        f"(--kinds {given},{with_ctx[0]}) or drop --context")
     return kinds
 
 
@@ -52,10 +73,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=8, help="TP size whose rank-0 shard is benched (default 8)")
     p.add_argument("--batch", default="1,2,4,8,16,32,64", help="batch sizes, comma-separated")
     p.add_argument("--context", default=None,
-                   help=f"context lengths of the MLA cells, comma-separated (default {DEFAULT_CONTEXT}; "
-                        "needs an mla kind in --kinds)")
-    p.add_argument("--kinds", default="kda",
-                   help="layer kinds, comma-separated: kda (context-free), mla (one cell per --context)")
+                   help=f"context lengths of the cells of kinds with a KV cache, comma-separated (default "
+                        f"{DEFAULT_CONTEXT}; needs such a kind in --kinds, e.g. mla, swa, full)")
+    p.add_argument("--kinds", default=None,
+                   help="layer kinds, comma-separated, the model's (its adapter's bench_kinds): kimi_k3 kda "
+                        "(context-free), mla (one cell per --context); muse_spark swa, full (per --context). "
+                        "Default: the model's first kind")
     p.add_argument("--layers", type=int, default=3, help="layer copies per variant, K >= 2 (weights rotate beyond L2)")
     p.add_argument("--iters", type=int, default=40, help="timed graph replays per round")
     p.add_argument("--rounds", type=int, default=2, help="rounds per variant (their spread is the noise)")
@@ -80,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         return 1 if regressions else 0
     kinds = _kinds(args)
     if args.ab:
-        return _run_ab(args)
+        return _run_ab(args, kinds)
     import torch
 
     from latency_specialized.bench.layer_bench import BenchConfig, run_bench
@@ -114,14 +137,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_ab(args: argparse.Namespace) -> int:
+def _run_ab(args: argparse.Namespace, kinds: tuple[str, ...]) -> int:
     from pathlib import Path
 
     from latency_specialized.bench import ab
 
     variants = [ab.parse_variant(v) for v in args.ab]
     argv = ["bench", "--model", args.model, "--tp", str(args.tp), "--batch", args.batch,
-            "--kinds", args.kinds, "--layers", str(args.layers), "--iters", str(args.iters), "--rounds", str(args.rounds)]
+            "--kinds", ",".join(kinds), "--layers", str(args.layers), "--iters", str(args.iters), "--rounds", str(args.rounds)]
     if args.context is not None:
         argv += ["--context", args.context]
     results = ab.run_ab(variants, argv, args.out, repeat=args.repeat, say=lambda m: print(m, flush=True))

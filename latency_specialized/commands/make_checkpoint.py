@@ -3,6 +3,13 @@
 Writes ``config.json`` (official keys), ``model.safetensors`` (official tensor names) and a small
 working tokenizer (``tokenizer.json`` + ``tokenizer_config.json``) into DIR, offline. Adapters
 provide ``write_checkpoint(directory, size=, seed=, dtype=, layout=, expert_format=)``.
+
+``--quant mxfp4|nvfp4|fp8-block`` asks for a checkpoint whose quantized weights are stored as the model's
+official release stores them (``latency_specialized.quant``: the adapter picks which weights, and for
+``fp8-block`` its model's block size). It is passed as ``write_checkpoint(..., quant=...)``; an adapter whose
+``write_checkpoint`` takes no ``quant`` - or declares other formats (``checkpoint_quant_formats``, or a
+``Literal`` annotation of ``quant``) - is refused with a UserError naming what the model supports: never a
+silent bf16 checkpoint.
 """
 
 from __future__ import annotations
@@ -22,7 +29,58 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="tensor/config layout (kimi_k3: the published multimodal layout, default; "
                         "kimi_linear: the text model alone)")
     p.add_argument("--experts", default=None, choices=["bf16", "mxfp4"], help="routed-expert storage format")
+    p.add_argument("--quant", default=None, choices=QUANT_CHOICES,
+                   help="store the weights the model's official release quantizes in that format (official names, "
+                        "packing and scales; fp8-block: the model's block size)")
     return p
+
+
+QUANT_CHOICES = ("mxfp4", "nvfp4", "fp8-block")
+"""The ``--quant`` families (``latency_specialized.quant.FORMAT_FAMILIES``)."""
+
+
+def supported_quant(adapter, write) -> tuple[str, ...]:
+    """The ``--quant`` values ``adapter.write_checkpoint`` accepts: empty where it takes no ``quant``;
+    else ``adapter.checkpoint_quant_formats``, or the values of a ``Literal`` annotation of ``quant``,
+    or (neither declared) every choice."""
+    import inspect
+    import typing
+
+    try:
+        params = inspect.signature(write).parameters
+    except (TypeError, ValueError):
+        return ()
+    if "quant" not in params:
+        return ()
+    declared = getattr(adapter, "checkpoint_quant_formats", None)
+    if declared:
+        return tuple(declared)
+    try:
+        hint = typing.get_type_hints(write).get("quant")
+    except Exception:  # noqa: BLE001 - an annotation that does not evaluate: treat as undeclared
+        hint = None
+    values: list[str] = []
+    stack = [hint]
+    while stack:  # Literal[...], Optional[Literal[...]], Literal[...] | None
+        h = stack.pop()
+        if typing.get_origin(h) is typing.Literal:
+            values += [v for v in typing.get_args(h) if isinstance(v, str)]
+        else:
+            stack += list(typing.get_args(h))
+    return tuple(values) if values else QUANT_CHOICES
+
+
+def _check_quant(adapter, write, quant: str) -> None:
+    from latency_specialized.errors import UserError
+
+    formats = supported_quant(adapter, write)
+    if not formats:
+        raise UserError(f"{adapter.name} cannot write --quant {quant} checkpoints: its write_checkpoint takes no "
+                        "quant= argument (quantized formats it supports: none; it writes unquantized weights only, "
+                        "so drop --quant)")
+    if quant not in formats:
+        raise UserError(f"{adapter.name} cannot write --quant {quant} checkpoints: use --quant "
+                        f"{' or '.join(formats)} (the quantized formats it supports)")
 
 
 _USER_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EISDIR, errno.ENOTDIR}
@@ -62,6 +120,10 @@ def run(args: argparse.Namespace) -> int:
         kw["layout"] = args.layout
     if args.experts:
         kw["expert_format"] = args.experts
+    quant = getattr(args, "quant", None)
+    if quant:
+        _check_quant(adapter, write, quant)   # before the directory is created: a refusal writes nothing
+        kw["quant"] = quant
     _writable_directory(args.directory)
     try:
         files = write(args.directory, **kw)
@@ -71,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"cannot write the checkpoint into {args.directory}: {e.strerror or e}: "
                         "give make-checkpoint a writable directory") from None
     total = sum(f.stat().st_size for f in files)
-    print(f"wrote {adapter.name} ({args.size}, seed {args.seed}, {args.dtype}) to {args.directory}: "
+    what = f"{args.size}, seed {args.seed}, {args.dtype}" + (f", {quant}" if quant else "")
+    print(f"wrote {adapter.name} ({what}) to {args.directory}: "
           + ", ".join(f.name for f in files) + f" ({total / 2**20:.1f} MiB)")
     return 0

@@ -17,6 +17,11 @@ Two kernels, no host sync, fixed grids (graph capturable):
 
 Batch 1 (``max_tokens == 1``) compiles a path without the leader search: the top-k ids of one token
 are distinct, so every pair is its own leader.
+
+``per_route`` (compile-time, ``ExpertsConfig.per_route``) changes only ``down``'s epilogue: each
+pair's rounded expert output goes straight to row ``pair`` of a ``[M*top_k, N]`` output (the
+``[M, top_k, N]`` result of ``experts(..., per_route=True)``), unweighted; the shared-memory
+accumulators and the fixed-order combine are compiled out. ``gate_up`` is the same kernel.
 """
 
 import dataclasses
@@ -68,6 +73,9 @@ class ExpertsConfig:
     pdl: bool = False
     """Programmatic dependent launch: ``down`` starts while ``gate_up`` drains and, at batch 1, loads
     its first expert's weights before ``griddepcontrol.wait`` (nothing it loads then depends on gate_up)."""
+    per_route: bool = False
+    """``down`` writes every routing pair's expert output (rounded, not weighted) to its own output row
+    instead of combining the pairs of a token (``experts(..., per_route=True)``)."""
     dn_trigger: bool = False
     """``down`` lets the next kernel (the latent all-reduce / norm, launched with PDL) launch as soon as every
     ``down`` CTA has started (``griddepcontrol.launch_dependents``); that kernel still waits for ``down``
@@ -420,12 +428,15 @@ def _build_down_class():
             n0 = nb * BN
             mk = ids.shape[0]
 
-            smem = SmemAllocator()
-            acc = smem.allocate_tensor(Float32, cute.make_layout((W, MT, BN), stride=(MT * BN, BN, 1)),
-                                       byte_alignment=16)
-            for idx in range(tidx, W * MT * BN, threads):
-                acc[idx // (MT * BN), (idx // BN) % MT, idx % BN] = Float32(0.0)
-            cute.arch.barrier()
+            PR = cfg.per_route
+            acc = None
+            if cutlass.const_expr(not PR):
+                smem = SmemAllocator()
+                acc = smem.allocate_tensor(Float32, cute.make_layout((W, MT, BN), stride=(MT * BN, BN, 1)),
+                                           byte_alignment=16)
+                for idx in range(tidx, W * MT * BN, threads):
+                    acc[idx // (MT * BN), (idx // BN) % MT, idx % BN] = Float32(0.0)
+                cute.arch.barrier()
             if cutlass.const_expr(cfg.pdl and MT > 1):
                 cute.arch.griddepcontrol_wait()  # the leader table comes from gate_up
             if cutlass.const_expr(cfg.dn_trigger):
@@ -470,7 +481,9 @@ def _build_down_class():
                             if c > 0:
                                 q = members[p, c]
                         m = q // cfg.top_k
-                        wt = weights[q].to(Float32)
+                        wt = Float32(0.0)
+                        if cutlass.const_expr(not PR):
+                            wt = weights[q].to(Float32)
                         if cutlass.const_expr(cfg.pdl and MT == 1):
                             cute.arch.griddepcontrol_wait()  # h comes from gate_up; weights already in flight
                         hrow = h_ws[q, None]
@@ -502,18 +515,22 @@ def _build_down_class():
                             a = cute.arch.warp_reduction_sum(a, threads_in_group=LPR)
                             r = s * RPS + grp
                             if sub == 0 and r < BN and n0 + r < N:
-                                ye = a.to(self.dtype).to(Float32)  # the reference rounds each expert output
-                                acc[warp, m, r] = acc[warp, m, r] + wt * ye
-            cute.arch.barrier()
-            m_tokens = y.shape[0]
-            for idx in range(tidx, MT * BN, threads):
-                m = idx // BN
-                r = idx % BN
-                if m < m_tokens and n0 + r < N:
-                    tot = Float32(0.0)
-                    for w in cutlass.range_constexpr(W):
-                        tot = tot + acc[w, m, r]
-                    y[m, n0 + r] = tot.to(self.dtype)
+                                if cutlass.const_expr(PR):
+                                    y[q, n0 + r] = a.to(self.dtype)  # the pair's own row, unweighted
+                                else:
+                                    ye = a.to(self.dtype).to(Float32)  # the reference rounds each expert output
+                                    acc[warp, m, r] = acc[warp, m, r] + wt * ye
+            if cutlass.const_expr(not PR):
+                cute.arch.barrier()
+                m_tokens = y.shape[0]
+                for idx in range(tidx, MT * BN, threads):
+                    m = idx // BN
+                    r = idx % BN
+                    if m < m_tokens and n0 + r < N:
+                        tot = Float32(0.0)
+                        for w in cutlass.range_constexpr(W):
+                            tot = tot + acc[w, m, r]
+                        y[m, n0 + r] = tot.to(self.dtype)
 
     return DownKernel
 
@@ -524,7 +541,7 @@ def _fake(cute, dtype, shape, stride, align=16):
 
 def compile_gate_up(cfg: ExpertsConfig):
     # the down kernel's fields do not shape gate_up: one compile (and key) serves every down variant
-    cfg = dataclasses.replace(cfg, dn_rows=0, dn_warps=0, dn_trigger=False)
+    cfg = dataclasses.replace(cfg, dn_rows=0, dn_warps=0, dn_trigger=False, per_route=False)
 
     def build(arch: str):
         import cutlass
@@ -610,9 +627,10 @@ def default_tuning(max_tokens: int, n: int | None = None, sms: int = 132) -> dic
 
 
 def make_config(M: int, K: int, I: int, N: int, top_k: int, dtype: torch.dtype, ids_dtype: torch.dtype,
-                activation: ActivationSpec, sms: int = 132, **tuning: int) -> ExpertsConfig:
+                activation: ActivationSpec, sms: int = 132, per_route: bool = False, **tuning: int) -> ExpertsConfig:
     """Validated compile key; UserError names what to change. ``sms``: SMs of the GPU (the ``down``
-    grid is sized to one wave of them; 132, an H200's, where there is no GPU)."""
+    grid is sized to one wave of them; 132, an H200's, where there is no GPU). ``per_route``: see
+    ``ExpertsConfig.per_route``."""
     if dtype != torch.bfloat16:
         raise UserError(f"moe experts kernel: dtype {dtype} unsupported (bf16 only); use moe.experts.reference")
     if K % 256 != 0:
@@ -627,51 +645,56 @@ def make_config(M: int, K: int, I: int, N: int, top_k: int, dtype: torch.dtype, 
     bucket = token_bucket(max(M, 1))
     cfg = ExpertsConfig(K, I, N, top_k, _dtype_name(dtype), _dtype_name(ids_dtype), activation.kind,
                         float(activation.beta or 0.0), float(activation.beta_lin or 0.0), clamp,
-                        bucket, **{**default_tuning(bucket, N, sms), **tuning})
+                        bucket, **{**default_tuning(bucket, N, sms), "per_route": bool(per_route), **tuning})
     if cfg.gu_rows % cfg.gu_warps != 0:
         raise UserError("moe experts kernel: gu_rows must be a multiple of gu_warps")
-    if cfg.dn_warps * cfg.max_tokens * cfg.dn_rows * 4 > 160 * 1024:
+    if not cfg.per_route and cfg.dn_warps * cfg.max_tokens * cfg.dn_rows * 4 > 160 * 1024:
         raise UserError(f"moe experts kernel: {cfg.max_tokens} tokens x dn_rows {cfg.dn_rows} x dn_warps "
                         f"{cfg.dn_warps} exceed shared memory; use fewer dn_rows/dn_warps")
     return cfg
 
 
-def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
-            w_down: torch.Tensor, activation: ActivationSpec, *, out: torch.Tensor | None = None,
-            workspace: dict | None = None, **tuning: int) -> torch.Tensor:
+def experts(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor, w_gate_up: torch.Tensor,
+            w_down: torch.Tensor, activation: ActivationSpec, *, per_route: bool = False,
+            out: torch.Tensor | None = None, workspace: dict | None = None, **tuning: int) -> torch.Tensor:
     """Routed experts (same contract as ``ops.moe.experts_reference``), two kernels on the current stream.
 
     Parameters
     ----------
     x : [M, K] activations (bf16/fp16, unit stride, rows 16-byte aligned).
-    weights : [M, top_k] routing weights (fp32). ids : [M, top_k] expert ids (int64/int32).
+    weights : [M, top_k] routing weights (fp32; ignored, may be None, with ``per_route``).
+    ids : [M, top_k] expert ids (int64/int32).
     w_gate_up : [E, 2*I, K] (gate rows, then up rows). w_down : [E, N, I]. Both contiguous.
-    out : optional [M, N] destination. workspace : optional dict reused across calls (static buffers
+    per_route : every route's expert output, unweighted, instead of the combination.
+    out : optional [M, N] ([M, top_k, N] with ``per_route``) destination, unit stride in N.
+    workspace : optional dict reused across calls (static buffers
     for CUDA graphs; filled on first use). tuning : gu_warps, gu_rows, dn_warps, dn_rows.
 
     Returns
     -------
     [M, N] in x.dtype: sum_j weights[m, j] * expert_{ids[m, j]}(x[m]), fp32 accumulation in a fixed order.
+    ``per_route``: [M, top_k, N] in x.dtype, row (m, j) = expert_{ids[m, j]}(x[m]) rounded once.
     """
     M, K = x.shape
     top_k = ids.shape[1]
     E, two_i, K2 = w_gate_up.shape
     I = two_i // 2
     N = w_down.shape[1]
-    if K2 != K or tuple(w_down.shape) != (E, N, I) or tuple(weights.shape) != tuple(ids.shape):
+    if per_route:
+        weights = None  # never read by the per-route kernel
+    w_shape = None if weights is None else tuple(weights.shape)
+    if K2 != K or tuple(w_down.shape) != (E, N, I) or (weights is not None and w_shape != tuple(ids.shape)):
         raise UserError(f"moe experts: shapes x{tuple(x.shape)} w_gate_up{tuple(w_gate_up.shape)} "
-                        f"w_down{tuple(w_down.shape)} weights{tuple(weights.shape)} ids{tuple(ids.shape)} "
+                        f"w_down{tuple(w_down.shape)} weights{w_shape} ids{tuple(ids.shape)} "
                         "do not match the [M,K], [E,2I,K], [E,N,I], [M,top_k] contract")
     if not (w_gate_up.is_contiguous() and w_down.is_contiguous()):
         raise UserError("moe experts: expert weights must be contiguous; call .contiguous() once at load time")
     if x.stride(1) != 1 or x.stride(0) % 8 != 0 or x.data_ptr() % 16 != 0:
         x = x.contiguous()
-    cfg = make_config(M, K, I, N, top_k, x.dtype, ids.dtype, activation, sms=sm_count(x.device), **tuning)
+    cfg = make_config(M, K, I, N, top_k, x.dtype, ids.dtype, activation, sms=sm_count(x.device),
+                      per_route=per_route, **tuning)
     gate_up, down = compile_gate_up(cfg), compile_down(cfg)
     ids_flat = ids.reshape(-1)
-    w_flat = weights.reshape(-1)
-    if w_flat.dtype != torch.float32:
-        w_flat = w_flat.float()
     ws = workspace if workspace is not None else {}
     mk = M * top_k
     key = (mk, cfg.max_tokens, I, x.dtype)
@@ -679,11 +702,35 @@ def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up
         ws.update(key=key, h=torch.empty(mk, I, dtype=x.dtype, device=x.device),
                   lead=torch.empty(mk, dtype=torch.int32, device=x.device),
                   members=torch.empty(mk, cfg.max_tokens, dtype=torch.int32, device=x.device))
-    y = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
+        ws.pop("no_weights", None)
+    if weights is None:
+        # per_route: the kernel's weights operand is compiled out, but the call still checks its [mk] shape
+        if "no_weights" not in ws:
+            ws["no_weights"] = torch.zeros(mk, dtype=torch.float32, device=x.device)
+        w_flat = ws["no_weights"]
+    else:
+        w_flat = weights.reshape(-1)
+        if w_flat.dtype != torch.float32:
+            w_flat = w_flat.float()
+    if not per_route:
+        y = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
+        if M == 0:
+            return y
+        gate_up(x, ids_flat, w_gate_up, ws["h"], ws["lead"], ws["members"])
+        down(ws["h"], ids_flat, w_flat, ws["lead"], ws["members"], w_down, y)
+        return y
+    y = out if out is not None else torch.empty(M, top_k, N, dtype=x.dtype, device=x.device)
+    if tuple(y.shape) != (M, top_k, N):
+        raise UserError(f"moe experts: per_route out {tuple(y.shape)} must be [{M}, {top_k}, {N}]")
     if M == 0:
         return y
+    # pair p = m * top_k + j is row p of a [M*top_k, N] view (row stride taken), if (m, j) collapse
+    direct = y.stride(2) == 1 and (M == 1 or y.stride(0) == top_k * y.stride(1))
+    rows = y.as_strided((mk, N), (y.stride(1), 1)) if direct else torch.empty(mk, N, dtype=x.dtype, device=x.device)
     gate_up(x, ids_flat, w_gate_up, ws["h"], ws["lead"], ws["members"])
-    down(ws["h"], ids_flat, w_flat, ws["lead"], ws["members"], w_down, y)
+    down(ws["h"], ids_flat, w_flat, ws["lead"], ws["members"], w_down, rows)
+    if not direct:
+        y.copy_(rows.view(M, top_k, N))
     return y
 
 
@@ -704,7 +751,8 @@ def _supports(ctx: OpContext) -> Support:
 
 IMPLEMENTATIONS = [
     Implementation("moe.experts", "moe.experts.cutedsl", experts, _supports, priority=10,
-                   description="selected experts read once: gate/up+act kernel, down+weighted-combine kernel"),
+                   description="selected experts read once: gate/up+act kernel, down+weighted-combine kernel "
+                               "(per_route: down writes each route's row, no combine)"),
 ]
 
 __all__ = ["experts", "ExpertsConfig", "make_config", "token_bucket", "IMPLEMENTATIONS", "MAX_TOKENS"]

@@ -42,24 +42,29 @@ def _align_buffers(pairs: int, experts: int, device: torch.device):
     return buf
 
 
-def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
-                   w_down: torch.Tensor, activation: ActivationSpec, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def experts_triton(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor, w_gate_up: torch.Tensor,
+                   w_down: torch.Tensor, activation: ActivationSpec, *, per_route: bool = False,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts (contract: ``ops.moe.experts_reference``) with the Triton fused-MoE kernels.
 
     Parameters
     ----------
-    x : [M, K] bf16; weights : [M, top_k] fp32; ids : [M, top_k] int32/int64;
-    w_gate_up : [E, 2I, K] (gate rows, then up rows); w_down : [E, N, I]; out : optional [M, N].
+    x : [M, K] bf16; weights : [M, top_k] fp32 (ignored with ``per_route``); ids : [M, top_k] int32/int64;
+    w_gate_up : [E, 2I, K] (gate rows, then up rows); w_down : [E, N, I].
+    per_route : every route's expert output, unweighted, instead of the combination.
+    out : optional [M, N] ([M, top_k, N] with ``per_route``; unit stride in N).
 
     Returns
     -------
     [M, N] in x.dtype. Rounding: gate/up to bf16, activation to bf16, each pair's down output
     x routing weight to bf16, fp32 sum over the top-k (stock vLLM's fused MoE order).
+    ``per_route``: [M, top_k, N], each pair's down output rounded once to bf16 (the down GEMM writes
+    the rows in place: 4 kernels, no weighting, no sum).
     """
     from latency_specialized.kernels import triton_moe as moe_k
 
-    if activation.kind != "situ_glu":
-        raise UserError(f"{NAME} implements SiTU-GLU only (got {activation.kind}): use moe.experts.cutedsl")
+    if activation.kind not in ("situ_glu", "swiglu"):
+        raise UserError(f"{NAME} implements SiTU-GLU and SwiGLU (got {activation.kind}): use moe.experts.cutedsl")
     M, K = x.shape
     top_k = ids.shape[1]
     E, two_i, K2 = w_gate_up.shape
@@ -75,7 +80,22 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_
     gu = torch.empty(T, two_i, device=x.device, dtype=x.dtype)
     moe_k.moe_gemm(x, w_gate_up, align, top_k, out=gu, a_per_pair=False)
     act = torch.empty(T, I, device=x.device, dtype=x.dtype)
-    moe_k.situ_and_mul(gu, activation.beta, activation.beta_lin, out=act)
+    if activation.kind == "swiglu":
+        moe_k.silu_and_mul(gu, activation.clamp, out=act)
+    else:
+        moe_k.situ_and_mul(gu, activation.beta, activation.beta_lin, out=act)
+    if per_route:
+        y = out if out is not None else torch.empty(M, top_k, N, device=x.device, dtype=x.dtype)
+        if tuple(y.shape) != (M, top_k, N):
+            raise UserError(f"{NAME}: per_route out {tuple(y.shape)} must be [{M}, {top_k}, {N}]")
+        # pair p = m * top_k + j is row p of a [T, N] view: the down GEMM stores the rows in place
+        # (a row stride is taken; (m, j) must collapse into one strided dimension, else a temporary)
+        direct = y.stride(2) == 1 and (M == 1 or y.stride(0) == top_k * y.stride(1))
+        yp = y.as_strided((T, N), (y.stride(1), 1)) if direct else torch.empty(T, N, device=x.device, dtype=x.dtype)
+        moe_k.moe_gemm(act, w_down, align, top_k, out=yp, a_per_pair=True)
+        if not direct:
+            y.copy_(yp.view(M, top_k, N))
+        return y
     yp = torch.empty(T, N, device=x.device, dtype=x.dtype)
     w_flat = weights.reshape(-1)
     if w_flat.dtype != torch.float32:
@@ -106,8 +126,8 @@ def _supports(ctx: OpContext) -> Support:
         return f"needs a CUDA GPU with tensor cores (sm_80+), got {ctx.arch}"
     if ctx.dtype != "bfloat16":
         return f"dtype {ctx.dtype} (bf16 only)"
-    if ctx.attr("activation") != "situ_glu":
-        return f"activation {ctx.attr('activation')} (SiTU-GLU only)"
+    if ctx.attr("activation") not in ("situ_glu", "swiglu"):
+        return f"activation {ctx.attr('activation')} (SiTU-GLU or SwiGLU only)"
     if ctx.tokens < MIN_TOKENS:
         return f"{ctx.tokens} tokens: the CuTe DSL experts kernels are faster below {MIN_TOKENS}"
     width = ctx.dim("N")
@@ -121,5 +141,5 @@ IMPLEMENTATIONS = [
     Implementation("moe.experts", NAME, experts_triton, _supports, priority=15,
                    description="tensor-core Triton fused MoE (stock's kernels: align, gate/up, act, down, sum) "
                                f"for >= {MIN_TOKENS} tokens and experts wider than {MAX_CUTEDSL_WIDTH} per rank, where the "
-                               "CUDA-core CuTe DSL kernels are slower"),
+                               "CUDA-core CuTe DSL kernels are slower (per_route: unweighted down rows, no sum)"),
 ]

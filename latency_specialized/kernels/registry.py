@@ -20,10 +20,14 @@ KERNEL_MODULES: tuple[str, ...] = (
     "latency_specialized.kernels.moe_router",
     "latency_specialized.kernels.moe_experts",
     "latency_specialized.kernels.moe_experts_triton",
+    "latency_specialized.kernels.moe_finalize_triton",
     "latency_specialized.kernels.kda_decode",
     "latency_specialized.kernels.mla_decode_triton",
+    "latency_specialized.kernels.gqa_decode_triton",
     "latency_specialized.kernels.attnres",
     "latency_specialized.kernels.mlp_fused",
+    "latency_specialized.kernels.qk_norm_rope_triton",
+    "latency_specialized.kernels.residual_gated_triton",
 )
 
 IMPLEMENTATIONS: list = []

@@ -13,6 +13,10 @@ This is the shape of stock vLLM's Triton fused MoE at decode:
 4. ``situ_and_mul`` - Kimi K3's SiTU-GLU activation;
 5. ``moe_gemm`` again for the down projection, scaled by the routing weight per pair;
 6. ``moe_sum`` - sum over the top-k pairs of each token.
+
+Per-route results (``moe.experts`` with ``per_route=True``, for a per-expert post-norm applied by
+``moe.finalize``): step 5 without ``topk_weights`` writes each pair's unweighted row straight into the
+``[M*top_k, N]`` view of the result (``out`` row stride taken), and step 6 is skipped.
 """
 
 from __future__ import annotations
@@ -244,6 +248,30 @@ def situ_and_mul(x: torch.Tensor, beta: float, beta_lin: float, *, out: torch.Te
     I = two_i // 2
     BLOCK = min(1024, triton.next_power_of_2(I))
     _situ_kernel[(R, triton.cdiv(I, BLOCK))](x, out, I, beta, beta_lin, BLOCK=BLOCK, num_warps=4)
+    return out
+
+
+@triton.jit
+def _silu_kernel(x_ptr, out_ptr, I, clamp, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = c < I
+    g = tl.load(x_ptr + row * 2 * I + c, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * 2 * I + I + c, mask=m, other=0.0).to(tl.float32)
+    if CLAMP:  # DeepSeek-V4's SwiGLU clamp (ops.activation): g <= c, |u| <= c
+        g = tl.minimum(g, clamp)
+        u = tl.minimum(tl.maximum(u, -clamp), clamp)
+    y = g * _sigmoid(g) * u
+    tl.store(out_ptr + row * I + c, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def silu_and_mul(x: torch.Tensor, clamp: float | None = None, *, out: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: x [R, 2I] = [gate | up] -> out [R, I] = silu(g) * u (clamped where ``clamp`` is set)."""
+    R, two_i = x.shape
+    I = two_i // 2
+    BLOCK = min(1024, triton.next_power_of_2(I))
+    _silu_kernel[(R, triton.cdiv(I, BLOCK))](x, out, I, float(clamp or 0.0), CLAMP=clamp is not None, BLOCK=BLOCK,
+                                             num_warps=4)
     return out
 
 

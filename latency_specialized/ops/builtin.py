@@ -22,6 +22,7 @@ OP_MODULES = (
     "latency_specialized.ops.attention.kda",
     "latency_specialized.ops.attention.mla",
     "latency_specialized.ops.attention.gqa",
+    "latency_specialized.ops.attention.qk_norm_rope",
     "latency_specialized.ops.attention.sparse",
     "latency_specialized.ops.attention.dcp_merge",
     "latency_specialized.ops.residual_mhc",

@@ -2,7 +2,12 @@
 
 ``route`` turns router logits into top-k weights and expert ids (sigmoid, sqrtsoftplus or
 softmax scores; bias-corrected selection; renormalise; scaling). ``experts`` runs only the
-selected experts and combines them with the routing weights. ``gate_down`` (latent MoE) computes
+selected experts and combines them with the routing weights; with ``per_route=True`` it returns
+each route's expert output instead ([M, top_k, N], unweighted), for models that normalise every
+expert's output before the weighted sum (Muse Spark's per-expert post-norm): ``finalize`` then
+applies that norm per route and the weighted fp32 sum over the routes. At TP > 1 each rank's
+per-route rows are partial sums over its slice of the expert width: they are all-reduced *before*
+``finalize`` (the norm of a sum is not the sum of norms). ``gate_down`` (latent MoE) computes
 the router logits and the latent down-projection, which read the same hidden state, from one
 concatenated weight: a kernel can then stream both weights in one launch.
 """
@@ -48,34 +53,91 @@ def route_reference(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int,
     return w * router.routed_scaling, ids
 
 
-def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
-                      w_down: torch.Tensor, activation: ActivationSpec, *,
+def experts_reference(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor, w_gate_up: torch.Tensor,
+                      w_down: torch.Tensor, activation: ActivationSpec, *, per_route: bool = False,
                       out: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts over the selected experts only.
 
     Parameters
     ----------
     x : [M, K]; weights, ids : [M, top_k]; w_gate_up : [E, 2*I, K]; w_down : [E, N, I].
+    per_route : return every route's expert output instead of the combination (``weights`` is
+        then ignored and may be None). out : optional destination of the result's shape.
 
     Returns
     -------
-    [M, N] in x.dtype: sum_j weights[m, j] * expert_{ids[m, j]}(x[m]), accumulated in fp32.
+    ``per_route=False``: [M, N] in x.dtype: sum_j weights[m, j] * expert_{ids[m, j]}(x[m]),
+    accumulated in fp32. ``per_route=True``: [M, top_k, N] in x.dtype, row (m, j) =
+    expert_{ids[m, j]}(x[m]) (not multiplied by the routing weight), each rounded once to x.dtype
+    as the combined form rounds it before weighting.
     """
     M = x.shape[0]
+    top_k = ids.shape[1]
     inter = w_gate_up.shape[1] // 2
-    y = torch.zeros(M, w_down.shape[1], dtype=torch.float32, device=x.device)
+    N = w_down.shape[1]
+    if per_route:
+        y = torch.zeros(M, top_k, N, dtype=x.dtype, device=x.device)
+    else:
+        y = torch.zeros(M, N, dtype=torch.float32, device=x.device)
     for e in torch.unique(ids).tolist():
         rows, slot = (ids == e).nonzero(as_tuple=True)
         xe = x[rows].float()
         gu = (xe @ w_gate_up[e].float().t()).to(x.dtype).float()
         h = gated_activation(gu[:, :inter], gu[:, inter:], activation).to(x.dtype).float()
-        ye = (h @ w_down[e].float().t()).to(x.dtype).float()
-        y.index_add_(0, rows, ye * weights[rows, slot].unsqueeze(-1).float())
+        ye = (h @ w_down[e].float().t()).to(x.dtype)
+        if per_route:
+            y[rows, slot] = ye
+        else:
+            y.index_add_(0, rows, ye.float() * weights[rows, slot].unsqueeze(-1).float())
     y = y.to(x.dtype)
     if out is not None:
         out.copy_(y)
         return out
     return y
+
+
+def finalize_reference(y: torch.Tensor, weights: torch.Tensor, gain: torch.Tensor | None, eps: float, *,
+                       gain_before_norm: bool = True, zero_centered: bool = True,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-route RMSNorm of the routed experts' outputs, then their weighted sum (``moe.finalize``).
+
+    Parameters
+    ----------
+    y : [M, top_k, N] per-route expert outputs (``experts(..., per_route=True)``; at TP > 1 already
+        all-reduced over the ranks: each route's full row). Unit stride in N; other strides free.
+    weights : [M, top_k] routing weights (fp32; another dtype is read as fp32).
+    gain : [N] norm gain shared by every route, or None (weightless norm).
+    eps : the norm's epsilon (Muse Spark: 1e-8).
+    gain_before_norm : True: "input-scaled" norm, ``z = round(r * g)`` to y.dtype, then
+        ``z * rsqrt(mean(z^2) + eps)`` (Muse Spark, transformers ``MuseSparkTextInputScaledRMSNorm``);
+        False: ``r * rsqrt(mean(r^2) + eps) * g``. Unused without a gain.
+    zero_centered : the gain is stored zero-centred: ``g = 1 + gain`` (else ``g = gain``).
+    out : optional [M, N] destination (rows may be strided).
+
+    Returns
+    -------
+    [M, N] in y.dtype: sum_j weights[m, j] * norm(y[m, j]), everything after the (optional) input
+    scaling in fp32, one rounding at the end.
+    """
+    if y.dim() != 3 or tuple(weights.shape) != tuple(y.shape[:2]):
+        raise ValueError(f"moe.finalize: y {tuple(y.shape)} and weights {tuple(weights.shape)} must be "
+                         "[M, top_k, N] and [M, top_k]")
+    if gain is not None and tuple(gain.shape) != (y.shape[-1],):
+        raise ValueError(f"moe.finalize: gain {tuple(gain.shape)} must be [{y.shape[-1]}]")
+    r = y.float()
+    g = None
+    if gain is not None:
+        g = 1.0 + gain.float() if zero_centered else gain.float()
+        if gain_before_norm:
+            r = (r * g).to(y.dtype).float()
+    r = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + eps)
+    if g is not None and not gain_before_norm:
+        r = r * g
+    o = (r * weights.float().unsqueeze(-1)).sum(1).to(y.dtype)
+    if out is not None:
+        out.copy_(o)
+        return out
+    return o
 
 
 def gate_down_reference(x: torch.Tensor, weight: torch.Tensor, n_gate: int, *, logits_out: torch.Tensor | None = None,
@@ -110,4 +172,6 @@ IMPLEMENTATIONS = [
                    is_reference=True, description="torch scores + stable sort top-k"),
     Implementation("moe.experts", "moe.experts.reference", experts_reference, always, priority=-100,
                    is_reference=True, description="loop over the selected experts (host sync: not graphable)"),
+    Implementation("moe.finalize", "moe.finalize.reference", finalize_reference, always, priority=-100,
+                   is_reference=True, description="torch per-route RMSNorm (optional input/output gain) + fp32 weighted sum"),
 ]

@@ -3,7 +3,8 @@
 The table is replicated on every rank (vocab-parallel embedding would need an all-reduce per step
 for a gather that reads ``M * H`` values). ``normed=True`` RMS-normalises the embedding with its own
 weight (site ``embed_norm``, family ``norm``; the model's ``spec.norm`` flavour) - for models that
-norm the embedding before the first layer.
+norm the embedding before the first layer; ``norm_weight=False`` makes that norm weightless (Muse
+Spark's ``embed_norm``: no weight of its own, eps from ``spec.norm``, no zero-centred gain).
 
 Weights (model level): ``weight`` [vocab, H] (Hugging Face ``model.embed_tokens.weight``), and with
 ``normed`` ``norm`` [H].
@@ -28,14 +29,17 @@ class TokenEmbedding:
     role: ClassVar[str] = "embed"
     normed: bool = False
     """RMS-normalise the embedding (site ``embed_norm``, weight ``norm``)."""
+    norm_weight: bool = True
+    """The embedding norm has a gain ``norm`` [H]; False: weightless."""
 
     def sites(self, b: SiteBuilder, rank_spec: ModelSpec) -> None:
         if self.normed:
-            b.add("embed_norm", "norm", N=rank_spec.hidden_size, attrs={"residual": False})
+            b.add("embed_norm", "norm", N=rank_spec.hidden_size, attrs={"residual": False,
+                                                                        "weight": self.norm_weight})
 
     def weights(self, spec: ModelSpec, tp: int) -> list[WeightDecl]:
         out = [WeightDecl("weight", (spec.vocab_size, spec.hidden_size))]
-        if self.normed:
+        if self.normed and self.norm_weight:
             out.append(WeightDecl("norm", (spec.hidden_size,)))
         return out
 
@@ -50,7 +54,10 @@ class TokenEmbedding:
         x = w["weight"].index_select(0, h)
         if self.normed:
             norm = step.spec.norm
-            x = step.op("embed_norm")(x, w["norm"], norm.eps, zero_centered=norm.zero_centered)
+            if self.norm_weight:
+                x = step.op("embed_norm")(x, w["norm"], norm.eps, zero_centered=norm.zero_centered)
+            else:
+                x = step.op("embed_norm")(x, None, norm.eps)
         return x
 
 

@@ -7,6 +7,10 @@ divide is replicated instead (every rank computes all logits, no gather).
 ``tied=True``: the head reads the embedding table (``tie_word_embeddings``). The head still declares
 its ``weight`` (same shape); an adapter's name map points it at the embedding's checkpoint tensor,
 and a program given no head weight takes the embedding's (``ComposedProgram``).
+
+``softcap``: logits ``softcap * tanh(logit_scale * z / softcap)`` (Gemma / Muse Spark; Muse scales by its
+``output_multiplier`` first) as fp32 glue on the rank's slice (elementwise: it commutes with the
+gather), rounded once to the activation dtype.
 """
 
 from __future__ import annotations
@@ -33,6 +37,10 @@ class LMHead:
     role: ClassVar[str] = "head"
     tied: bool = False
     """The weight is the embedding table (see the module docstring)."""
+    softcap: float | None = None
+    """Final logit soft cap (None: raw logits)."""
+    logit_scale: float = 1.0
+    """Multiplier of the raw logits before the cap (with ``softcap`` only)."""
 
     def sites(self, b: SiteBuilder, rank_spec: ModelSpec) -> None:
         tp = rank_spec.tp
@@ -51,7 +59,10 @@ class LMHead:
 
     def forward(self, step: StepContext, w: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor],
                 h: torch.Tensor) -> torch.Tensor:
-        return step.op("lm_head")(step.contiguous_for("lm_head", h), w["weight"])
+        z = step.op("lm_head")(step.contiguous_for("lm_head", h), w["weight"])
+        if self.softcap is None:
+            return z
+        return (torch.tanh(z.float() * (self.logit_scale / self.softcap)) * self.softcap).to(z.dtype)
 
 
 __all__ = ["LMHead", "vocab_split"]

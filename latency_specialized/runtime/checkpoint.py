@@ -27,51 +27,16 @@ from typing import Any, Callable, Mapping
 import torch
 
 from latency_specialized.errors import CheckpointError
+# The MXFP4 codec and names live in the generic quantized-weights layer; re-exported under the names this
+# module has always exported (the same objects).
+from latency_specialized.quant.checkpoint_io import mxfp4_names
+from latency_specialized.quant.codecs import E2M1, mxfp4_dequantize, mxfp4_quantize
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-"""e2m1 magnitudes by the low three bits of a code; bit 3 is the sign."""
-
 DTypeKind = str
 """'act' (cast to the activation dtype), 'float32' (fp32; fp64 in fp64 runs) or 'keep' (as stored)."""
-
-
-# ---------------------------------------------------------------------------------------------- MXFP4
-def mxfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """[..., N, K/2] uint8 codes + [..., N, K/32] uint8 ue8m0 exponents -> [..., N, K] fp32."""
-    lut = torch.tensor([*E2M1, *(-v for v in E2M1)], dtype=torch.float32, device=packed.device)
-    p = packed.to(torch.int64)
-    codes = torch.stack([p & 0xF, p >> 4], dim=-1).flatten(-2)            # low nibble first
-    vals = lut[codes]
-    exp = scale.to(torch.float32) - 127.0
-    return (vals.view(*vals.shape[:-1], -1, 32) * torch.exp2(exp).unsqueeze(-1)).flatten(-2)
-
-
-def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., N, K] float -> (codes [..., N, K/2] uint8, ue8m0 scales [..., N, K/32] uint8), OCP MX rules.
-
-    Scale exponent per 32 values: floor(log2(amax)) - 2 (e2m1's largest exponent); values are
-    rounded to the nearest e2m1 magnitude (saturating at 6)."""
-    if w.shape[-1] % 32:
-        raise CheckpointError(f"MXFP4 needs the input width divisible by 32 (got {w.shape[-1]})")
-    g = w.float().reshape(*w.shape[:-1], -1, 32)
-    amax = g.abs().amax(-1, keepdim=True).clamp_min(2.0 ** -126)
-    e = (torch.floor(torch.log2(amax)) - 2).clamp(-127, 127)
-    x = g / torch.exp2(e)
-    mags = torch.tensor(E2M1, dtype=torch.float32, device=w.device)
-    idx = (x.abs().unsqueeze(-1) - mags).abs().argmin(-1)                 # nearest magnitude (ties: smaller)
-    codes = (idx | ((x < 0) & (idx > 0)).to(torch.int64) << 3).flatten(-2)
-    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
-    return packed, (e.squeeze(-1) + 127).to(torch.uint8)
-
-
-def mxfp4_names(name: str) -> tuple[str, str] | None:
-    """(packed, scale) tensor names of an MXFP4-stored ``<base>.weight``; None for other names."""
-    if not name.endswith(".weight"):
-        return None
-    return name + "_packed", name + "_scale"
 
 
 # ---------------------------------------------------------------------------------------------- write
@@ -259,7 +224,7 @@ def load_checkpoint(directory: str | Path, expected: Mapping[str, tuple[tuple[in
                 raise CheckpointError(f"{where}: MXFP4 tensors {mx[0]} / {mx[1]} have shapes {list(q.shape)} / "
                                       f"{list(s.shape)} ({q.dtype}, {s.dtype}); expected uint8 {list(want_q)} / "
                                       f"{list(want_s)} for {name} of shape {list(shape)}")
-            t = mxfp4_dequantize(q, s)
+            t = mxfp4_dequantize(q, s, name=mx[1])
         else:
             raise CheckpointError(f"{d}: missing tensor {name} (shape {list(shape)}): the checkpoint does not match "
                                   "this config (another layer count, layout or model?)")

@@ -9,8 +9,11 @@ model's widths), with random weights of that rank's real shapes drawn on the GPU
 all-reduce sites bound to the one-rank fused kernel). Its step also embeds, mixes, norms and runs a
 small-vocabulary head, so the bench subtracts a 1-layer program's step from a K-layer one's.
 
-What the adapter provides: ``composed_model(spec)`` (its pieces), ``bench_spec(full, tp, kind,
-layers)`` (which layer kinds exist, their widths) and ``op_sites`` (plans of the bench spec).
+What the adapter provides: ``composed_model(spec)`` (its pieces), ``bench_kinds()`` (the benchable
+kinds by name: whether a kind reads a KV cache - then its cache holds ``max(contexts) + 1 + steps``
+tokens per sequence in blocks of the kind's ``kv_block_size`` - and which layer it stands for),
+``bench_spec(full, tp, kind, layers)`` (that kind's layers at their widths) and ``op_sites`` (plans of
+the bench spec).
 """
 
 from __future__ import annotations
@@ -99,10 +102,13 @@ class ProgramVariant:
         return [t[: self.batch] for t in self.b.routing.record(lambda: self.b.runner.body(self.bucket))]
 
 
-def _shared_gemm_note(plan: Any, bucket: int) -> str:
-    """Which gemm kernels serve inside the fused shared-expert MLP: the plan's inner choices of that site."""
+def _shared_gemm_note(plan: Any, bucket: int) -> str | None:
+    """Which gemm kernels serve inside the fused shared-expert MLP: the plan's inner choices of that site
+    (None: the model has no shared experts)."""
     c = next((c for c in plan.choices if c.site.name.endswith("moe.shared")), None)
-    if c is None or c.impl is None or c.impl.name != "mlp.cutedsl_fused":
+    if c is None:
+        return None  # no shared experts
+    if c.impl is None or c.impl.name != "mlp.cutedsl_fused":
         return f"bucket {bucket}: moe.shared served by {c.impl.name if c and c.impl else 'nothing'}"
     inner = {role: ic.impl.name if ic.impl else "NONE" for role, ic in c.inner}
     gu, down = inner.get("gate_up", "NONE"), inner.get("down", "NONE")
@@ -121,15 +127,17 @@ class OursBench:
         from latency_specialized.ops.plan import build_plan
         from latency_specialized.plugins import get_registry
 
-        if kind not in ("kda", "mla"):
-            raise UserError(f"bench kind {kind!r}: use kda or mla")
-        if kind == "mla" and not contexts:
-            raise UserError("the MLA bench needs --context (cached tokens per sequence), e.g. 4096,32768")
-        # KDA: a fixed-size state, any context; MLA: a paged latent cache of the longest context, vLLM's
-        # MLA block size 64, blocks handed out in a shuffled order. Every replay advances the positions
+        kinds = adapter.bench_kinds()
+        if kind not in kinds:
+            raise UserError(f"bench kind {kind!r}: {adapter.name} has {', '.join(kinds) or 'no benchable kinds'}")
+        bk = kinds[kind]
+        if bk.context and not contexts:
+            raise UserError(f"the {kind} bench needs --context (cached tokens per sequence), e.g. 4096,32768")
+        # a fixed-size state (no context axis): any context; a KV cache: paged, of the longest context, the
+        # adapter's block size, blocks handed out in a shuffled order. Every replay advances the positions
         # in the graph (a cell reloads them once, then replays ``steps`` times): the cache holds that
         # many tokens more, or the last replays would index past the block table
-        max_len, block = (max(contexts) + 1 + steps, 64) if kind == "mla" else (4096, 16)
+        max_len, block = (max(contexts) + 1 + steps, bk.kv_block_size) if bk.context else (4096, 16)
         reg = get_registry()
         hw = hardware.probe()
         self.kind, self.batches = kind, tuple(batches)
@@ -148,7 +156,7 @@ class OursBench:
                 plans[plan.bucket] = plan
             weights = random_rank_weights(model, tp, device=device, seed=seed + n_layers)
             states = ModelStates.allocate(model, max(self.batches), max_len, tp=tp, block_size=block, device=device,
-                                          shuffle_seed=seed if kind == "mla" else None)
+                                          shuffle_seed=seed if bk.context else None)
             for t in states.tensors():  # a live state, not zeros
                 t.normal_(0.0, 0.05)
             trace = Trace()
@@ -176,7 +184,9 @@ class OursBench:
             p = plans[bucket]
             impls = sorted({f"{c.site.name.split('/')[-1]}={c.impl.name}" for c in p.choices if c.impl})
             self.notes.append(f"ours plan, bucket {bucket} (TP{tp} plan, rank 0): " + ", ".join(impls))
-            self.notes.append(_shared_gemm_note(p, bucket))
+            shared = _shared_gemm_note(p, bucket)
+            if shared is not None:
+                self.notes.append(shared)
         if excluded:
             self.notes.append(
                 f"Ours runs the TP{tp} program of rank 0 with communication excluded: its {excluded} all-reduce "
@@ -196,7 +206,7 @@ class OursBench:
                                  if kind == "kda" else ""))
 
     def variants(self, batch: int, context: int | None = None) -> tuple[ProgramVariant, ProgramVariant]:
-        """(K-layer, 1-layer) variants at ``batch`` (MLA: ``context`` cached tokens per sequence)."""
+        """(K-layer, 1-layer) variants at ``batch`` (context kinds: ``context`` cached tokens per sequence)."""
         out = []
         for n in (self.layers, 1):
             built = self.built[n]
@@ -222,8 +232,9 @@ class LayerBenchHarness:
     def build_ours(self, full: Any, tp: int, kind: str, layers: int, batches: Sequence[int], device: torch.device,
                    *, seed: int = 0, say: Callable[[str], None] = print, contexts: Sequence[int] = (),
                    steps: int = 256) -> OursBench:
-        """Entry point used by ``bench/layer_bench.py``; ``steps``: decode steps one cell runs after loading
-        its positions (the MLA cache holds ``max(contexts) + 1 + steps`` tokens)."""
+        """Entry point used by ``bench/layer_bench.py``; ``kind``: a name of ``adapter.bench_kinds()``;
+        ``steps``: decode steps one cell runs after loading its positions (a context kind's KV cache holds
+        ``max(contexts) + 1 + steps`` tokens)."""
         return OursBench(self.adapter, full, tp, kind, layers, batches, device, seed=seed, say=say,
                          contexts=contexts, steps=steps)
 

@@ -87,11 +87,12 @@ class RopeSpec(Frozen):
     """Rotary embedding of the 64 rope dims (YaRN-extended)."""
 
     theta: float
-    """Base of the uncompressed (window) keys (config `rope_theta`)."""
+    """Base on window-only layers (config `rope_theta`; plain RoPE there, no YaRN)."""
     compress_theta: float
-    """Base used on compressed KV positions (config `compress_rope_theta`)."""
+    """Base on every layer with compress ratio > 0, window keys included (config `compress_rope_theta`;
+    vLLM `common/rope.py`); YaRN applies on those layers only."""
     yarn_factor: float
-    """YaRN context extension factor."""
+    """YaRN context extension factor (config `rope_scaling.factor`)."""
     original_context: int
     """Context the base model was trained at, before YaRN."""
 
@@ -151,6 +152,15 @@ class DeepseekV41Spec(ModelSpec):
     """Built-in DSpark draft."""
     weights: WeightFormats
     """Weight formats of the released checkpoint."""
+    unsharded: ModelSpec | None = None
+    """The spec this one was sharded from (None: this one is unsharded)."""
+
+    def shard(self, tp: int) -> "DeepseekV41Spec":
+        return super().shard(tp).model_copy(update={"unsharded": self})  # type: ignore[return-value]
+
+    def full(self) -> "DeepseekV41Spec":
+        """The unsharded spec (this one when it is unsharded)."""
+        return self.unsharded or self  # type: ignore[return-value]
 
     @model_validator(mode="after")
     def _check_topology(self) -> "DeepseekV41Spec":
@@ -195,11 +205,13 @@ def build_spec(*, variant: str, hidden: int, vocab: int, ratios: tuple[int, ...]
                rope_dim: int, q_lora: int, o_groups: int, o_lora: int, window: int, kv_sources: tuple[int, ...],
                index_sources: tuple[int, ...], idx_heads: int, idx_dim: int, idx_topk: int, candidate_layer: int,
                candidate_blocks: int, candidate_block: int, experts: int, top_k: int, shared: int, expert_inter: int,
-               engram: EngramSpec, draft: DraftSpec, max_context: int, rope: RopeSpec,
-               norm_eps: float) -> DeepseekV41Spec:
+               engram: EngramSpec, draft: DraftSpec, max_context: int, rope: RopeSpec, norm_eps: float,
+               routed_scaling: float = 1.5, swiglu_clamp: float = 10.0, hc_mult: int = 4, hc_iters: int = 20,
+               hc_eps: float = 1e-6) -> DeepseekV41Spec:
     indexer = IndexerSpec(num_heads=idx_heads, head_dim=idx_dim, topk=idx_topk, full_layers=index_sources)
     moe = MoESpec(num_experts=experts, top_k=top_k, num_shared_experts=shared, expert_intermediate=expert_inter,
-                  activation=SWIGLU_CLAMP, router=ROUTER)
+                  activation=ActivationSpec(kind="swiglu", clamp=swiglu_clamp),
+                  router=ROUTER.model_copy(update={"routed_scaling": routed_scaling}))
     layers = tuple(
         LayerSpec(index=i, ffn=moe, attention=SparseMQAAttentionSpec(
             num_heads=heads, head_dim=head_dim, rope_dim=rope_dim, q_lora_rank=q_lora, o_groups=o_groups,
@@ -208,10 +220,10 @@ def build_spec(*, variant: str, hidden: int, vocab: int, ratios: tuple[int, ...]
         for i, r in enumerate(ratios))
     return DeepseekV41Spec(
         name=NAME, variant=variant, hidden_size=hidden, vocab_size=vocab, max_context=max_context, layers=layers,
-        norm=NormSpec(eps=norm_eps), residual=ResidualSpec(kind="mhc", streams=4, sinkhorn_iters=20),
+        norm=NormSpec(eps=norm_eps), residual=ResidualSpec(kind="mhc", streams=hc_mult, sinkhorn_iters=hc_iters),
         kv_source_layers=kv_sources, index_source_layers=index_sources, index_topk=idx_topk,
         candidate_source_layer=candidate_layer, candidate_topk_blocks=candidate_blocks,
-        candidate_block_size=candidate_block, hyper=HyperConnectionSpec(eps=1e-6, post_alpha=2.0), engram=engram,
+        candidate_block_size=candidate_block, hyper=HyperConnectionSpec(eps=hc_eps, post_alpha=2.0), engram=engram,
         rope=rope, draft=draft,
         weights=WeightFormats(dense="fp8_e4m3 blocks 32x32, ue8m0 scales",
                               routed_experts="fp4_e2m1, one ue8m0 scale per 32"))

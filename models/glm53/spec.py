@@ -78,6 +78,17 @@ class Glm53Spec(ModelSpec):
     """MTP draft."""
     weights: WeightFormats
     """Weight formats."""
+    latent_norm_eps: float = 1e-6
+    """Epsilon of the q_a / kv_a latent RMSNorms: transformers builds them with its RMSNorm default 1e-6
+    (not ``rms_norm_eps``); vLLM uses ``rms_norm_eps``."""
+    unsharded: ModelSpec | None = None
+    """The spec this one was sharded from (None: this one is unsharded); the pieces are built from it."""
+
+    def shard(self, tp: int) -> "Glm53Spec":
+        return super().shard(tp).model_copy(update={"unsharded": self.full()})
+
+    def full(self) -> "Glm53Spec":
+        return self.unsharded or self  # type: ignore[return-value]
 
     @model_validator(mode="after")
     def _check_index_share(self) -> "Glm53Spec":
@@ -108,28 +119,31 @@ class Glm53Spec(ModelSpec):
 def build_spec(*, variant: str, hidden: int, vocab: int, num_layers: int, first_dense: int, heads: int, q_lora: int,
                kv_lora: int, nope: int, rope: int, v_dim: int, idx_heads: int, idx_dim: int, idx_topk: int,
                freq: int, offset: int, experts: int, top_k: int, shared: int, expert_inter: int, dense_inter: int,
-               max_context: int) -> Glm53Spec:
+               max_context: int, rope_theta: float = 8e6, eps: float = 1e-5, mtp_layers: int = 1,
+               mtp_reuse: bool = True, renormalize: bool = True, routed_scaling: float = 2.5) -> Glm53Spec:
     full = index_share_layers(num_layers, freq, offset)
     attn = MLAAttentionSpec(
         num_heads=heads, q_lora_rank=q_lora, kv_lora_rank=kv_lora, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
-        v_head_dim=v_dim, use_rope=True, rope_theta=8e6, rope_interleaved=True, output_gate="none",
+        v_head_dim=v_dim, use_rope=True, rope_theta=rope_theta, rope_interleaved=True, output_gate="none",
         indexer=IndexerSpec(num_heads=idx_heads, head_dim=idx_dim, topk=idx_topk, full_layers=full))
     moe = MoESpec(num_experts=experts, top_k=top_k, num_shared_experts=shared, expert_intermediate=expert_inter,
-                  activation=SWIGLU, router=ROUTER)
+                  activation=SWIGLU,
+                  router=ROUTER.model_copy(update={"renormalize": renormalize, "routed_scaling": routed_scaling}))
     dense = DenseMLPSpec(intermediate=dense_inter, activation=SWIGLU)
     layers = tuple(LayerSpec(index=i, attention=attn, ffn=dense if i < first_dense else moe)
                    for i in range(num_layers))
     return Glm53Spec(
         name=NAME, variant=variant, hidden_size=hidden, vocab_size=vocab, max_context=max_context, layers=layers,
-        norm=NormSpec(eps=1e-5),  # config `rms_norm_eps` (not in MODELS.md)
+        norm=NormSpec(eps=eps),  # config `rms_norm_eps` (1e-5; not in MODELS.md)
         residual=ResidualSpec(kind="pre_norm"),
-        index_share=IndexShareSpec(freq=freq, skip_offset=offset, mtp_reuse=True),
-        mtp=MTPSpec(num_layers=1, num_speculative_tokens=5),
+        index_share=IndexShareSpec(freq=freq, skip_offset=offset, mtp_reuse=mtp_reuse),
+        mtp=MTPSpec(num_layers=mtp_layers, num_speculative_tokens=5),
         weights=WeightFormats(main="fp8_e4m3 blocks 128x128", variants=("bfloat16", "fp4")))
 
 
 def full_spec() -> Glm53Spec:
-    """GLM-5.3: 78 layers (+1 MTP), ~744B total / ~40B active (MODELS.md)."""
+    """GLM-5.3: 78 layers (+1 MTP), ~744B total / ~40B active (MODELS.md; a checkpoint's spec comes from its
+    config.json: ``config.spec_from_config``, which reads its context and RoPE base)."""
     return build_spec(
         variant="full", hidden=6144, vocab=154880, num_layers=78, first_dense=3, heads=64, q_lora=2048, kv_lora=512,
         nope=192, rope=64, v_dim=256, idx_heads=32, idx_dim=128, idx_topk=2048,
@@ -139,8 +153,10 @@ def full_spec() -> Glm53Spec:
 
 def tiny_spec() -> Glm53Spec:
     """Every feature at test size: 3 dense + 5 MoE layers, indexer on {0, 1, 2, 6} and shared on
-    the rest (same IndexShare rule), MLA with rope + DSA. Heads and widths divide by TP 1..8."""
+    the rest (same IndexShare rule), MLA with rope + DSA (top-16: sparse beyond 16 tokens; 16 indexer heads: with
+    fewer, exact ties of the relu-weighted scores are common and torch.topk breaks them by tensor shape), 1 MTP layer.
+    Heads, experts, widths and vocab divide by TP 1, 2, 4, 8."""
     return build_spec(
         variant="tiny", hidden=64, vocab=512, num_layers=8, first_dense=3, heads=8, q_lora=32, kv_lora=16, nope=16,
-        rope=8, v_dim=16, idx_heads=4, idx_dim=16, idx_topk=16, freq=4, offset=3, experts=16, top_k=4, shared=1,
+        rope=8, v_dim=16, idx_heads=16, idx_dim=16, idx_topk=16, freq=4, offset=3, experts=16, top_k=4, shared=1,
         expert_inter=16, dense_inter=64, max_context=4096)

@@ -9,10 +9,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from latency_specialized.adapter import ModelAdapter, Variant
+from latency_specialized.adapter import BenchKind, ModelAdapter, Variant
 from latency_specialized.errors import UserError
 from latency_specialized.runtime.composed import ComposedProgram
-from latency_specialized.runtime.layer_harness import LayerBenchHarness
 from latency_specialized.runtime.random_weights import torch_dtype
 from latency_specialized.spec import DecodeScope, KDAAttentionSpec, MLAAttentionSpec, ModelSpec, MoESpec
 from latency_specialized.testing import verify
@@ -114,9 +113,17 @@ class KimiK3Adapter(ModelAdapter):
         """Program vs reference for one cross-model matrix cell on this rank (``testing/verify.py``)."""
         return verify.verify_cell(self, cell, comm)
 
-    def layer_bench(self) -> Any:
-        """The layer bench's "ours": the generic harness over this adapter's pieces and :meth:`bench_spec`."""
-        return LayerBenchHarness(self)
+    def bench_kinds(self) -> dict[str, BenchKind]:
+        """The layer bench's kinds: ``kda`` (KDA + latent MoE: a fixed-size state, one cell per batch) and ``mla``
+        (MLA + latent MoE over a paged latent cache, vLLM's MLA block size 64: one cell per context), each
+        standing for the first such layer of the full model (layer 0 is dense)."""
+        full = self.spec("full")
+        first = {k: next(l.index for l in full.layers if l.attention.kind == k and isinstance(l.ffn, MoESpec))
+                 for k in ("kda", "mla")}
+        kda_note = ("KDA layers keep a fixed-size recurrent state: their work does not depend on the context length, "
+                    "so KDA cells are measured once per batch (context 'any').")
+        return {"kda": BenchKind(layer=first["kda"], context=False, stock="kda_moe", notes=(kda_note,)),
+                "mla": BenchKind(layer=first["mla"], context=True, stock="mla_moe", kv_block_size=64)}
 
     def write_checkpoint(self, directory: str | Path, *, size: Variant = "tiny", seed: int = 0,
                          dtype: str = "bfloat16", layout: str = "kimi_k3", expert_format: str | None = None) -> list[Path]:

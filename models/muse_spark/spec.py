@@ -1,152 +1,146 @@
-"""Muse Spark 1.2 (816B-A42B) architecture (MODELS.md; no vLLM class exists).
-
-MODELS.md's values come from a third-party reference implementation that checks the checkpoint's
-config (no model card). Values MODELS.md marks uncertain, and values derived here, say so in a
-comment. The smaller open sibling in vLLM, `MuseGlimmerForCausalLM`
-(`vllm/model_executor/models/muse_glimmer.py`), confirms the shared design: weightless fp32
-QK-norm, sandwich norms with a (1 + w) gain and a separate post-norm eps, RMS-normed embeddings,
-a sigmoid attention output gate read from the layer input, NoPE full-attention layers
-interleaved with RoPE sliding-window layers, logit softcap.
-
-The generic blocks carry GQA (window / NoPE / QK-norm / scale / gate), the latent MoE and the
-router; :class:`MuseSparkSpec` adds what they lack: the post-norm, the attention-output norm, the
-gated residual's constants, the embedding norm and the logit softcap.
-"""
+"""Muse Spark 1.2 (816B-A42B), as transformers 5.24 ``models/muse_spark`` (config defaults, modeling) and vLLM 0.33
+implement it. Generic blocks: GQA (window / NoPE / QK-norm / scale / gate), latent MoE, router, dense MLP;
+:class:`MuseSparkSpec` adds the q scale, post-norm kinds, attention-output norm, pre/post-expert norms, gated
+residual, embedding and final norms and the logit softcap. Guesses say so in a comment."""
 
 from __future__ import annotations
 
 import math
+from typing import Literal, Sequence
 
-from latency_specialized.spec import (
-    ActivationSpec,
-    Frozen,
-    GQAAttentionSpec,
-    LayerSpec,
-    ModelSpec,
-    MoESpec,
-    NormSpec,
-    ResidualSpec,
-    RouterSpec,
-)
+from latency_specialized.spec import (ActivationSpec, DenseMLPSpec, Frozen, GQAAttentionSpec, LayerSpec, ModelSpec,
+                                     MoESpec, NormSpec, ResidualSpec, RouterSpec)
 
 NAME = "muse_spark"
+QK_SCALE_FACTOR = 5.4730064863875        # config qk_scale_factor (MODELS.md's 5.473 is rounded)
+OUTPUT_MULTIPLIER = 0.1767766952966369   # config output_multiplier, router and final logits: 2**-2.5
+ROPE_THETA, NOPE_PERIOD = 5e5, 4   # every 4th layer counted back from the last: full attention, no RoPE
+SWIGLU = ActivationSpec(kind="swiglu")  # config hidden_act "silu": silu(gate) * up
 
-# fp32 router: sigmoid(logits * 2^-2.5); top-k on sigmoid + selection bias; weights = the unbiased
-# sigmoid renormalised with eps 1e-15; scaling 1.0 (MODELS.md).
-ROUTER = RouterSpec(score_func="sigmoid", logit_scale=2.0**-2.5, bias_corrected=True, renormalize=True,
-                    renormalize_eps=1e-15, routed_scaling=1.0, fp32=True)
-# guess: MODELS.md does not name the expert activation; Muse Glimmer's MLP is SiLU-gated.
-SWIGLU = ActivationSpec(kind="swiglu")
-# Layer pattern S F S S: l % 4 == 1 is full attention without RoPE (MODELS.md).
-FULL_ATTENTION_PERIOD, FULL_ATTENTION_PHASE = 4, 1
+PostNormKind = Literal["weightless", "input_scaled"]   # RMSNorm(x) | RMSNorm(round_to_act(x * (1 + w)))
 
 
 class ResidualGateSpec(Frozen):
-    """Norm-preserving residual gate: s = a*s + b*branch, b = sigmoid(g/temperature),
-    a = sqrt(max(sigmoid(-g/temperature) * (1 + b), floor))."""
+    """Norm-preserving gate per channel (fp32 parameter g): w = g / temperature, b = sigmoid(w),
+    a = sqrt(max(sigmoid(-w) * (1 + b), floor)), out = a * residual + b * branch."""
 
     temperature: float
-    """Divisor of the gate logit g (MODELS.md: 0.3)."""
+    """Divisor of g (config ``residual_gate_temperature``: 0.3)."""
     floor: float
-    """Lower clamp inside the square root of a (MODELS.md: 1e-3)."""
+    """Lower clamp inside the square root (transformers' fixed 1e-3)."""
 
 
 class LogitSpec(Frozen):
     """Final logits: softcap * tanh(scale * z / softcap)."""
 
     scale: float
-    """Multiplier of the raw logits before capping (MODELS.md: 2^-2.5)."""
+    """Multiplier of the raw logits (config ``output_multiplier``)."""
     softcap: float
-    """Soft cap (MODELS.md: 20)."""
+    """Soft cap (config ``final_logit_softcapping``: 20)."""
 
 
 class DraftSpec(Frozen):
-    """Speculative decoding as reported; the draft model itself is unknown."""
-
     num_speculative_tokens: int
-    """Draft tokens verified per step (MODELS.md: 7-draft-token mode reported)."""
+    """Draft tokens per step (MODELS.md: a 7-draft-token mode reported; the draft model is unknown)."""
 
 
 class WeightFormats(Frozen):
-    """Released weight formats."""
-
     releases: tuple[str, ...]
-    """Checkpoint variants (MODELS.md: BF16 and NVFP4)."""
+    """Released checkpoint variants (MODELS.md: BF16 and NVFP4)."""
 
 
 class MuseSparkSpec(ModelSpec):
-    """ModelSpec plus the Muse Spark features the generic blocks do not express.
+    """ModelSpec plus what the generic blocks do not express. ``norm``: the zero-centred (1 + w) pre-norms
+    (input_layernorm, pre_feedforward_layernorm, pre_expert_norm), whose eps (``rms_norm_eps``) the weightless QK,
+    attention-output and embedding norms share. GQA's ``softmax_scale`` is ``qk_scale_factor * head_dim**-0.5``."""
 
-    ``norm`` is the pre-norm (eps 1e-5, zero-centred); the other norms are here."""
-
+    qk_scale_factor: float = QK_SCALE_FACTOR
+    """q = qk_norm(q) * qk_scale_factor (folded into each layer's softmax_scale)."""
     post_norm: NormSpec
-    """Sandwich post-norm after each sublayer (before the gated residual)."""
+    """eps of the post-norms (``post_norm_eps``); zero_centered: the input-scaled gain is (1 + w)."""
+    post_attn_norm: PostNormKind = "weightless"
+    """post_attention_layernorm (no tensor)."""
+    post_ffn_norm: PostNormKind = "input_scaled"
+    """post_feedforward_layernorm (weight [hidden])."""
     attn_output_norm: bool
-    """RMSNorm on the attention output before the sigmoid gate and o_proj."""
+    """o_norm: weightless RMSNorm per head over head_dim, then * sigmoid(gate_proj(attention input)), o_proj."""
+    latent_pre_norm: bool = True
+    """pre_expert_norm: zero-centred RMSNorm [latent] after pre_expert_proj (hidden -> latent)."""
     latent_post_norm: bool
-    """RMSNorm on the experts' latent output before the 4096 -> hidden projection."""
+    """post_expert_norm: input-scaled (eps ``post_norm.eps``, one weight [latent] for all experts), per expert
+    output, before the routing weight."""
     embed_norm: bool
     """Token embeddings are RMS-normed (weightless) before layer 0."""
+    final_norm: NormSpec = NormSpec(eps=1e-5, zero_centered=False)
+    """model.norm: plain weighted RMSNorm (gain w, not 1 + w)."""
     residual_gate: ResidualGateSpec
-    """Constants of the gated residual (``residual.kind == 'gated'``)."""
+    """The gated residual's constants (``residual.kind == 'gated'``)."""
     logits: LogitSpec
-    """Logit scaling and softcap."""
     draft: DraftSpec
-    """Speculative decoding."""
     weights: WeightFormats
-    """Weight formats."""
+    unsharded: ModelSpec | None = None
+    """The spec this one was sharded from (None: unsharded); the pieces are built from it."""
 
-    def full_attention_layers(self) -> tuple[int, ...]:
-        """Layers without a window (the NoPE full-attention layers)."""
+    def shard(self, tp: int) -> "MuseSparkSpec":
+        return super().shard(tp).model_copy(update={"unsharded": self})
+
+    def full(self) -> "MuseSparkSpec":
+        return self.unsharded or self  # type: ignore[return-value]
+
+    def full_attention_layers(self) -> tuple[int, ...]:   # layer_types full_attention: no window
         return tuple(l.index for l in self.layers if l.attention.sliding_window is None)  # type: ignore[union-attr]
 
     def window_layers(self) -> tuple[int, ...]:
-        """Sliding-window RoPE layers."""
-        return tuple(l.index for l in self.layers if l.attention.sliding_window is not None)  # type: ignore[union-attr]
+        return tuple(l.index for l in self.layers if l.attention.sliding_window is not None)  # type: ignore
 
+    def nope_layers(self) -> tuple[int, ...]:             # layer_rope_theta 0: no RoPE
+        return tuple(l.index for l in self.layers if l.attention.rope_theta is None)  # type: ignore[union-attr]
 
-def is_full_attention(layer: int) -> bool:
-    """The S F S S pattern: every 4th layer starting at 1 is full attention."""
-    return layer % FULL_ATTENTION_PERIOD == FULL_ATTENTION_PHASE
+    def dense_layers(self) -> tuple[int, ...]:            # mlp_layer_types dense: SwiGLU MLP, not latent MoE
+        return tuple(l.index for l in self.layers if l.ffn.kind == "dense")
 
 
 def build_spec(*, variant: str, hidden: int, vocab: int, num_layers: int, heads: int, kv_heads: int, head_dim: int,
-               window: int, experts: int, top_k: int, latent: int, expert_inter: int,
-               max_context: int) -> MuseSparkSpec:
-    # softmax scale 5.473/sqrt(head_dim) after the weightless QK-norm (MODELS.md).
-    scale = 5.473 / math.sqrt(head_dim)
-    full = GQAAttentionSpec(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, sliding_window=None,
-                            rope_theta=None, qk_norm=True, softmax_scale=scale, output_gate="sigmoid")
-    swa = full.model_copy(update={"sliding_window": window, "rope_theta": 5e5})
+               window: int, experts: int, top_k: int, latent: int, expert_inter: int, max_context: int,
+               full_layers: Sequence[int] | None = None, nope_layers: Sequence[int] | None = None,
+               dense_layers: Sequence[int] = (), dense_inter: int | None = None, rope_theta: float = ROPE_THETA,
+               qk_scale_factor: float = QK_SCALE_FACTOR, output_multiplier: float = OUTPUT_MULTIPLIER,
+               softcap: float = 20.0, eps: float = 1e-5, post_eps: float = 1e-8, routed_scaling: float = 1.0,
+               gate_temperature: float = 0.3) -> MuseSparkSpec:
+    """A MuseSparkSpec from config-level numbers. ``full_layers`` / ``nope_layers`` default to transformers' rule
+    ((num_layers - 1 - i) % 4 == 0); ``dense_layers`` get a SwiGLU MLP of ``dense_inter`` (default 2 * hidden)."""
+    default = [i for i in range(num_layers) if (num_layers - 1 - i) % NOPE_PERIOD == 0]
+    full, nope = (set(default if x is None else x) for x in (full_layers, nope_layers))
+    base = GQAAttentionSpec(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, qk_norm=True,
+                            softmax_scale=qk_scale_factor / math.sqrt(head_dim), output_gate="sigmoid")
+    # fp32 router: top-k of sigmoid(x @ W^T * output_multiplier) + bias; weights: unbiased / (sum + 1e-15) * scaling
+    router = RouterSpec(score_func="sigmoid", logit_scale=output_multiplier, bias_corrected=True, renormalize=True,
+                        renormalize_eps=1e-15, routed_scaling=routed_scaling, fp32=True)
     moe = MoESpec(num_experts=experts, top_k=top_k, num_shared_experts=0, expert_intermediate=expert_inter,
-                  latent_dim=latent, activation=SWIGLU, router=ROUTER)
-    layers = tuple(LayerSpec(index=i, attention=full if is_full_attention(i) else swa, ffn=moe)
-                   for i in range(num_layers))
+                  latent_dim=latent, activation=SWIGLU, router=router)
+    dense = DenseMLPSpec(intermediate=dense_inter or 2 * hidden, activation=SWIGLU)
+    layers = tuple(LayerSpec(index=i, attention=base.model_copy(update={
+        "sliding_window": None if i in full else window, "rope_theta": None if i in nope else rope_theta}),
+        ffn=dense if i in dense_layers else moe) for i in range(num_layers))
     return MuseSparkSpec(
         name=NAME, variant=variant, hidden_size=hidden, vocab_size=vocab, max_context=max_context, layers=layers,
-        norm=NormSpec(eps=1e-5, zero_centered=True), residual=ResidualSpec(kind="gated"),
-        post_norm=NormSpec(eps=1e-8, zero_centered=True), attn_output_norm=True, latent_post_norm=True,
-        embed_norm=True, residual_gate=ResidualGateSpec(temperature=0.3, floor=1e-3),
-        logits=LogitSpec(scale=2.0**-2.5, softcap=20.0), draft=DraftSpec(num_speculative_tokens=7),
+        norm=NormSpec(eps=eps, zero_centered=True), residual=ResidualSpec(kind="gated"),
+        post_norm=NormSpec(eps=post_eps, zero_centered=True), attn_output_norm=True, latent_post_norm=True,
+        embed_norm=True, final_norm=NormSpec(eps=eps, zero_centered=False), qk_scale_factor=qk_scale_factor,
+        residual_gate=ResidualGateSpec(temperature=gate_temperature, floor=1e-3),
+        logits=LogitSpec(scale=output_multiplier, softcap=softcap), draft=DraftSpec(num_speculative_tokens=7),
         weights=WeightFormats(releases=("bfloat16", "nvfp4")))
 
 
 def full_spec() -> MuseSparkSpec:
-    """Muse Spark 1.2, 816B total / 42B active (MODELS.md)."""
-    return build_spec(
-        variant="full", hidden=8192, vocab=202048, num_layers=62, heads=128, kv_heads=16, head_dim=64, window=2048,
-        experts=256, top_k=8, latent=4096,
-        # derived: MODELS.md says "experts of width 4096"; 816B total minus attention, latent
-        # projections and embeddings (~21B) leaves ~795B = 256 experts x 62 layers x 3 x 4096 x I,
-        # so I ~ 4077 -> 4096 (consistent with ~42B active at top-8).
-        expert_inter=4096,
-        # guess: max context not found; the hosted API serves 1M.
-        max_context=1_048_576,
-    )
+    """Muse Spark 1.2, 816B total / 42B active (transformers' MuseSparkTextConfig defaults)."""
+    return build_spec(variant="full", hidden=8192, vocab=202048, num_layers=62, heads=128, kv_heads=16, head_dim=64,
+                      window=2048, experts=256, top_k=8, latent=4096, expert_inter=4096,
+                      max_context=1_048_576)   # guess: transformers' default (the hosted API serves 1M)
 
 
 def tiny_spec() -> MuseSparkSpec:
-    """Every feature at test size: S F S S pattern (2 full NoPE layers, 6 windowed), latent MoE
-    without shared experts, gated residual, sandwich norms. Heads and widths divide by TP 1..8."""
+    """Every feature at test size: full NoPE layers 3 and 7 (from the back), 6 windowed RoPE layers (window 16),
+    all-sparse latent MoE (as the full model), gated residual, sandwich norms; heads and widths divide by TP 1..8."""
     return build_spec(variant="tiny", hidden=64, vocab=512, num_layers=8, heads=16, kv_heads=8, head_dim=16,
                       window=16, experts=16, top_k=4, latent=32, expert_inter=32, max_context=4096)

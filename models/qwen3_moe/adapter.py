@@ -12,9 +12,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from latency_specialized.adapter import ModelAdapter, Variant
+from latency_specialized.adapter import ComposedAdapter, Variant
 from latency_specialized.errors import UserError
-from latency_specialized.spec import DecodeScope, ModelSpec, ParallelSpec
+from latency_specialized.spec import DecodeScope, ModelSpec
 
 from latency_specialized_models.qwen3_moe import composed
 from latency_specialized_models.qwen3_moe.spec import NAME, VARIANTS, config_from_spec, variant_spec
@@ -22,7 +22,7 @@ from latency_specialized_models.qwen3_moe.spec import NAME, VARIANTS, config_fro
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-class Qwen3MoEAdapter(ModelAdapter):
+class Qwen3MoEAdapter(ComposedAdapter):
     name: ClassVar[str] = NAME
     description: ClassVar[str] = "Qwen3-MoE (30B-A3B: 48 x GQA 32/4 + QK-norm, MoE 128 top-8), composed from the pieces"
     # not Qwen3MoeForCausalLM: vllm_moe serves it for vLLM; adapter_for_architecture would pick this one first
@@ -45,9 +45,6 @@ class Qwen3MoEAdapter(ModelAdapter):
     def tensor_names(self, spec: ModelSpec) -> Any:  # tensor_name(layer, role, local): the Hugging Face name
         return composed.tensor_name_for(spec)
 
-    def op_sites(self, spec: ModelSpec, parallel: ParallelSpec, tokens: int, arch: str, dtype: str, **kw: Any):
-        return self.composed_model(spec).op_sites(spec, parallel, tokens, arch, dtype, **kw)
-
     def reference(self, spec: ModelSpec | None = None, *, checkpoint: str | Path | None = None,
                   weights: dict[str, torch.Tensor] | None = None, seed: int = 0,
                   dtype: str | torch.dtype = "bfloat16", device: str | torch.device = "cpu", **_: Any):
@@ -67,24 +64,6 @@ class Qwen3MoEAdapter(ModelAdapter):
                                 "--checkpoint DIR or use --size tiny / medium")
             weights = composed.random_weights(spec, seed, dt, device)
         return Qwen3MoEReference(spec, weights)
-
-    def program(self, spec: ModelSpec, *, plans: Any, cache: Any, reference: Any = None,
-                weights: dict[str, torch.Tensor] | None = None, trace: Any = None, comm: Any = None, **_: Any):
-        """ComposedProgram over ``cache`` (this rank's states); full weights by name (``reference`` or ``weights``)."""
-        from latency_specialized.runtime.composed import ComposedProgram, weights_from_names
-
-        if weights is None:
-            if reference is None:
-                raise UserError(f"{NAME} program needs weights: pass reference= or weights=")
-            weights = reference.named
-        model = self.composed_model(spec)
-        return ComposedProgram(model, weights_from_names(model, weights, self.tensor_names(spec)), plans, cache,
-                               comm=comm, trace=trace)
-
-    def verify_cell(self, cell: Any, comm: Any = None) -> Any:  # program vs reference: testing/verify.py
-        from latency_specialized.testing.verify import verify_cell
-
-        return verify_cell(self, cell, comm)
 
     def write_checkpoint(self, directory: str | Path, *, size: Variant = "tiny", seed: int = 0,
                          dtype: str = "bfloat16", layout: str | None = None,

@@ -54,6 +54,9 @@ LAYER_OF: dict[str, str] = {
     "latency_specialized.errors": "foundation",
     "latency_specialized.contract": "foundation",        # Implementation, OpContext, Support, make_context
     "latency_specialized.config_keys": "foundation",     # checkpoint config-key bookkeeping (errors only)
+    # Quantized-weight formats, codecs and official tensor names (torch and errors only): the runtime's
+    # checkpoint reader, kernels and adapters all dequantise / pack with the same code.
+    "latency_specialized.quant": "foundation",
     # The hook specification (markers, hook names, entry-point group) is foundation: anything may
     # declare hook implementations. The plugin *manager* is not: it loads adapters (ModelAdapter,
     # ops layer) and op implementations into an ImplementationRegistry (ops layer), so it and the

@@ -22,6 +22,9 @@ from latency_specialized_models.glm53 import spec as glm
 from latency_specialized_models.muse_spark import spec as muse
 
 MODELS = ("deepseek_v41_flash", "muse_spark", "glm53")
+CAPABILITIES = {"deepseek_v41_flash": frozenset({"spec"}),
+                "glm53": frozenset({"spec", "reference", "program", "checkpoint"}),
+                "muse_spark": frozenset({"spec", "reference", "program", "checkpoint"})}
 SPEC_CLASSES = {"deepseek_v41_flash": dsv4.DeepseekV41Spec, "muse_spark": muse.MuseSparkSpec,
                 "glm53": glm.Glm53Spec}
 HEAD_COUNT_ERRORS = {"deepseek_v41_flash": "64 query heads", "muse_spark": "128 query heads",
@@ -47,11 +50,12 @@ def test_adapters_register_through_entry_points(registry):
     for name in MODELS:
         assert name not in failed, failed[name]
         assert name in registry.adapters and registry.providers[name] == name
-        assert registry.adapters[name].capabilities == frozenset({"spec"})
+        assert registry.adapters[name].capabilities == CAPABILITIES[name]
 
 
 @pytest.mark.parametrize("arch,name", [("DeepseekV41ForCausalLM", "deepseek_v41_flash"),
-                                       ("GlmMoeDsaForCausalLM", "glm53"), ("MuseSparkForCausalLM", "muse_spark")])
+                                       ("GlmMoeDsaForCausalLM", "glm53"), ("MuseSparkForConditionalGeneration", "muse_spark"),
+                                       ("MuseSpark1xForCausalLM", "muse_spark")])
 def test_adapter_found_by_hf_architecture(registry, arch, name):
     assert registry.adapter_for_architecture([arch]).name == name
     assert registry.adapter(arch).name == name
@@ -108,7 +112,7 @@ def test_muse_spark_full_spec_matches_models_md():
         a = layer.attention
         assert isinstance(a, GQAAttentionSpec)
         assert (a.num_heads, a.num_kv_heads, a.head_dim, a.qk_norm, a.output_gate) == (128, 16, 64, True, "sigmoid")
-        assert a.softmax_scale == pytest.approx(5.473 / math.sqrt(64))
+        assert a.softmax_scale == 5.4730064863875 / 8   # the config's qk_scale_factor, not MODELS.md's 5.473
         if layer.index in full:  # full attention without RoPE
             assert a.sliding_window is None and a.rope_theta is None
         else:
@@ -189,7 +193,7 @@ def test_tiny_deepseek_v41_has_every_feature():
 
 def test_tiny_muse_and_glm_have_every_feature():
     m = muse.tiny_spec()
-    assert m.full_attention_layers() == (1, 5) and len(m.window_layers()) == 6
+    assert m.full_attention_layers() == (3, 7) and len(m.window_layers()) == 6   # counted from the last layer
     g = glm.tiny_spec()
     assert g.dense_layers() == (0, 1, 2)
     assert g.indexer_layers() == (0, 1, 2, 6) and g.shared_indexer_layers() == (3, 4, 5, 7)
@@ -287,7 +291,9 @@ def test_plan_covers_every_op_site_in_scope(registry, name):
             for c in plan.choices:
                 assert c.site.family in FAMILIES
                 assert plan.tokens == batch * (1 + spec_tokens)  # batches are buckets here
-                if c.site.ctx.attr("per_head"):  # a per-head norm's rows: every token's heads (one KV head at TP 16)
+                # a per-head norm's rows: every token's heads (one KV head at TP 16); a per-route all-reduce's:
+                # every token's routes
+                if c.site.ctx.attr("per_head") or c.site.name.endswith("/moe.route_allreduce"):
                     assert c.site.ctx.tokens % plan.tokens == 0
                 else:
                     assert c.site.ctx.tokens == plan.tokens
@@ -354,7 +360,7 @@ def test_muse_plan_places_model_specific_work(registry):
     names = [c.site.name for c in plan.choices]
     assert names.index(f"{w}/attn.out_norm") == names.index(f"{w}/attn.gqa") + 1
     assert plan.choice(f"{w}/attn.out_norm").site.ctx.attr("gate") is True
-    assert plan.choice("embed_norm").site.layers == () and plan.choice("embed_norm").site.ctx.attr("weightless")
+    assert plan.choice("embed_norm").site.layers == () and plan.choice("embed_norm").site.ctx.attr("weight") is False
     # The sandwich-normed gated residual: every join one residual.gated site (post-norm, gate, next norm),
     # layer 0's input norm, the partial sums plain all-reduce sites; no final_norm site (the last ffn.join).
     joins = {site: plan.choice(f"{w}/{site}").site.ctx for site in ("attn.join", "ffn.join")}
@@ -371,13 +377,17 @@ def test_muse_plan_places_model_specific_work(registry):
     assert plan.choice(f"{w}/moe.latent_down").site.ctx.dim("N") == 4096 // 8
     assert plan.choice(f"{w}/moe.gate_down").site.ctx.dim("N") == 256 // 8 + 4096 // 8
     assert plan.choice(f"{w}/moe.latent_norm").site.ctx.dim("N") == 4096
-    assert plan.choice(f"{w}/moe.experts").site.ctx.attr("post_expert_norm") is True
-    assert plan.choice(f"{w}/moe.latent_allreduce").site.ctx.attr("norm") is False
+    # the per-expert post-norm: per-route expert rows, summed over ranks per route, normed + weighted + combined
+    assert plan.choice(f"{w}/moe.experts").site.ctx.attr("per_route") is True
+    assert plan.choice(f"{w}/moe.route_allreduce").site.ctx.tokens == 4 * 8
+    assert plan.choice(f"{w}/moe.finalize").site.ctx.attr("norm") == "input_scaled"
+    assert f"{w}/moe.latent_allreduce" not in names
     up = plan.choice(f"{w}/moe.latent_up").site.ctx
     assert (up.dim("N"), up.dim("K")) == (8192 // 8, 4096)
     assert not any(n.endswith("moe.latent_post_norm") for n in names)
     assert plan.choice(f"{w}/moe.router").site.ctx.attr("logit_scale") == 2.0**-2.5
-    assert plan.choice("lm_head").site.ctx.attr("softcap") == 20.0
+    head = adapter("muse_spark").composed_model(s).head   # the soft cap is the head piece's glue, not a gemm attr
+    assert (head.softcap, head.logit_scale) == (20.0, 0.1767766952966369)
 
 
 def test_glm_plan_runs_the_indexer_on_21_layers_only(registry):

@@ -21,6 +21,8 @@ CASES = {
     "qwen3": GQAAttention(QWEN, qk_norm="weighted"),
     "window-sinks-gate": GQAAttention(WINDOWED, qk_norm="weightless", rope_style="interleaved", rotary_dim=4, sinks=True),
     "nope-plain": GQAAttention(GQAAttentionSpec(num_heads=4, num_kv_heads=4, head_dim=8)),
+    # Muse Spark's attention: weightless QK norm, NeoX RoPE, window, per-head output norm before the gate
+    "muse-out-norm": GQAAttention(WINDOWED, qk_norm="weightless", out_norm=True),
 }
 
 
@@ -62,6 +64,8 @@ def expected(piece: GQAAttention, w: dict, x: torch.Tensor, hist_k: list, hist_v
         extra = [w["sinks"][h].double()] if piece.sinks else []
         p = torch.softmax(torch.cat([logits, torch.stack(extra)]) if extra else logits, 0)[: logits.shape[0]]
         o[h] = p @ V[:, kv]
+    if piece.out_norm:
+        o = rms(o, None)
     o = o.reshape(-1)
     if a.output_gate == "sigmoid":
         o = o * torch.sigmoid(x @ w["g_proj"].double().T)
@@ -156,7 +160,9 @@ def test_declarations_sites_states_and_errors():
     states = piece.states(spec, 2)
     assert [(s.name, s.kind, s.shape) for s in states] == [("k", "paged", (1, 8)), ("v", "paged", (1, 8))]
     sites = {s.name: s for s in piece_sites(piece, spec, 2, 3)}
-    assert list(sites) == ["k/attn.qkv_proj", "k/attn.q_norm", "k/attn.k_norm", "k/attn.gqa", "k/attn.o_proj"]
+    assert list(sites) == ["k/attn.qkv_proj", "k/attn.qk_prep", "k/attn.q_norm", "k/attn.k_norm", "k/attn.gqa",
+                           "k/attn.o_proj"]
+    assert sites["k/attn.qk_prep"].ctx.attr("fuses") == "attn.q_norm,attn.k_norm"   # the fused form of the three
     assert sites["k/attn.qkv_proj"].ctx.dim("N") == (2 * 2 + 2 * 1) * 8       # q | k | v | gate of 2 heads, 1 KV head
     assert sites["k/attn.q_norm"].ctx.tokens == 3 * 2 and sites["k/attn.gqa"].ctx.dim("window") == 3
     with pytest.raises(UserError, match="qk_norm='weighted'"):

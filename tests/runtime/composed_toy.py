@@ -252,6 +252,6 @@ def composed_world(rank: int, world_size: int, seed: int, lens: list[int], steps
         bufs.advance(plan.bucket, torch.randint(0, VOCAB, (plan.bucket,), generator=g))
     return {"rel_err": worst, "argmax_equal": agree, "logits_sum": float(prog.logits[:n].double().sum()),
             "calls": dict(prog.calls), "sites": [c.site.name for c in plan.choices],
-            "layers": {c.site.name: len(c.site.layers) for c in plan.choices},
+            "layers": {c.site.name: len(c.site.layers) for c in plan.called_choices()},
             "k_shape": list(states.layer(2)["k"].shape), "router_rows": list(prog.w_layers[2]["ffn"]["router"].shape),
             "kv_rank_rows": list(prog.w_layers[2]["attn"]["qkv"].shape)}

@@ -42,7 +42,7 @@ def test_graph_replay_equals_eager_and_the_reference():
     n, steps, bs = 3, 6, 4
     plan = build_plan(ToyAdapter(model), get_registry().implementations, hardware.for_arch("sm_90"), batch=n,
                       dtype="bfloat16")
-    assert plan.choice("A+dense/attn.gqa").impl.name == "attention.gqa.torch_paged"
+    assert plan.choice("A+dense/attn.gqa").impl.name == "attention.gqa.triton_splitkv"
     states = ModelStates.allocate(model, n, 16, block_size=bs, dtype=torch.bfloat16, device=dev, shuffle_seed=1)
     runs = {}
     for graphs in (True, False):

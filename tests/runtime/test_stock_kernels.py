@@ -32,7 +32,8 @@ DEVICES = [
     pytest.param("cpu", marks=pytest.mark.interpreter_case, id="interpret"),
 ]
 INTERPRETED_FILES = ("tests/runtime/test_stock_kernels.py", "tests/runtime/test_stock_layer.py")
-DRIVEN_FILES = INTERPRETED_FILES + ("tests/ops/test_mla_triton.py",)
+DRIVEN_FILES = INTERPRETED_FILES + ("tests/ops/test_mla_triton.py", "tests/ops/test_gqa_triton.py",
+                                     "tests/ops/test_qk_norm_rope_gated_join.py", "tests/ops/test_moe_finalize.py")
 """Every file with interpreter cases (each has a driver test)."""
 
 

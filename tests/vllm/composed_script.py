@@ -59,7 +59,7 @@ def facts(llm) -> dict:
                          "sites": len(plan.choices)}
     out["bound"] = bound
     first = min(program.plans)
-    out["served"] = {c.site.name: c.impl.name for c in program.plans[first].choices}
+    out["served"] = {c.site.name: c.impl.name for c in program.plans[first].called_choices()}
     out["stock"] = {c.site.name: c.stock for c in program.plans[first].choices if c.stock}
     out["stock_fn_is_vllm_attention"] = all(c.impl.fn is step.attention for c in program.plans[first].choices
                                             if c.stock)

@@ -57,7 +57,10 @@ def test_plan_has_qk_norm_sites_and_a_replicated_router():
     plan = build_plan(reg.adapter("vllm_moe"), reg.implementations, hardware.for_arch("sm_90"), tp=2, batch=4,
                       dtype="bfloat16")
     names = [c.site.name for c in plan.choices]
-    assert names.index("gqa+moe/attn.q_norm") == names.index("gqa+moe/attn.qkv_proj") + 1
+    # the fused QK-norm + RoPE site first (it serves where a kernel does: sm_90), then the two unfused norms
+    at = names.index("gqa+moe/attn.qkv_proj")
+    assert names[at + 1:at + 4] == ["gqa+moe/attn.qk_prep", "gqa+moe/attn.q_norm", "gqa+moe/attn.k_norm"]
+    assert plan.skipped_sites().keys() >= {"gqa+moe/attn.q_norm", "gqa+moe/attn.k_norm"}
     assert plan.choice("gqa+moe/moe.router_gemm").site.ctx.dim("N") == 128  # every rank scores all experts
     assert plan.counts()["unserved"] == 0 and plan.in_scope
 

@@ -26,7 +26,6 @@ decode attention (see that class).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -35,39 +34,16 @@ import torch.nn.functional as F
 from latency_specialized.bench.stock import kda as kda_k
 from latency_specialized.bench.stock import moe as moe_k
 from latency_specialized.bench.stock import norms
+from latency_specialized.bench.stock.common import fork as _fork
+from latency_specialized.bench.stock.common import join as _join
+from latency_specialized.bench.stock.common import on_stream as _on
+from latency_specialized.bench.stock.common import rand_norm_weight as _norm_w
+from latency_specialized.bench.stock.common import rand_weight as _w
 from latency_specialized.ops.attention.kda import kda_decode_reference
 from latency_specialized.ops.moe import experts_reference, route_reference
 from latency_specialized.ops.mlp import mlp_reference
 from latency_specialized.ops.norm import rmsnorm_reference
 from latency_specialized.spec import KDAAttentionSpec, MLAAttentionSpec, ModelSpec, MoESpec
-
-
-def _on(stream):
-    """Run on ``stream`` (a CUDA side stream), or inline where there is none (CPU tests)."""
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-def _fork(stream) -> None:
-    if stream is not None:
-        stream.wait_stream(torch.cuda.current_stream())
-
-
-def _join(stream, *tensors: torch.Tensor) -> None:
-    if stream is not None:
-        main = torch.cuda.current_stream()
-        main.wait_stream(stream)
-        for t in tensors:  # made on the side stream, used on main: keep the allocator from reusing it early
-            t.record_stream(main)
-
-
-def _w(shape: tuple[int, ...], device, dtype=torch.bfloat16, fan_in: int | None = None) -> torch.Tensor:
-    fan = fan_in if fan_in is not None else shape[-1]
-    t = torch.randn(shape, device=device, dtype=torch.float32 if dtype == torch.float32 else dtype)
-    return t.mul_(fan ** -0.5).to(dtype)
-
-
-def _norm_w(n: int, device, dtype=torch.bfloat16) -> torch.Tensor:
-    return (1.0 + 0.1 * torch.randn(n, device=device)).to(dtype)
 
 
 @dataclass

@@ -5,15 +5,19 @@ Per step (``M`` rows, one new token each; per rank ``Hq`` query heads, ``KV`` ke
     qkv = x @ [Wq; Wk; Wv; (Wg)]^T                attn.qkv_proj  (gemm; one weight stream)
     q, k = rmsnorm per head (optional)            attn.q_norm / attn.k_norm  (norm, rows = M * heads)
     q, k = rope(q, k, positions) (optional)       glue (fp32, one rounding; pieces/attention/rope.py)
+      (both in one call where a kernel serves     attn.qk_prep (attention.qk_norm_rope,
+       attn.qk_prep; the three above skipped)       fuses='attn.q_norm,attn.k_norm'; with a QK norm)
     o = attention(q, write(k, v) into the cache)  attn.gqa  (attention.gqa, KV-write convention)
-    o = o * sigmoid(g) (optional output gate)     glue
+    o = rmsnorm per head (optional, weightless)   attn.out_norm (norm: gated form with the output gate)
+    o = o * sigmoid(g) (optional output gate)     glue, or inside attn.out_norm
     y = o @ Wo^T                                  attn.o_proj (a TP partial sum)
 
 Order and numerics follow Hugging Face's Qwen3 attention: q/k are per-head RMS-normed (eps inside the
 rsqrt of the mean square, the norm weight multiplies the normed value) *before* RoPE, which rotates
 half (NeoX) with ``inv_freq = theta ** (-2i / D)``; the softmax scale is ``head_dim ** -0.5`` unless
 the spec sets one. Options: weightless QK norm (Muse Spark), interleaved / partial RoPE, NoPE
-(``rope_theta=None``), a sliding window (``spec.sliding_window``: the last ``window`` tokens, the new
+(``rope_theta=None``), a weightless per-head RMSNorm of the attention output before the gate
+(``out_norm``, Muse Spark's ``o_norm``), a sliding window (``spec.sliding_window``: the last ``window`` tokens, the new
 one included), attention sinks (a per-head logit added to the softmax denominator, gpt-oss), and a
 sigmoid output gate (``spec.output_gate``).
 
@@ -77,6 +81,9 @@ class GQAAttention:
     """Channels rotated per head (default: all of head_dim)."""
     sinks: bool = False
     """Per-head attention sinks (weight ``sinks``)."""
+    out_norm: bool = False
+    """Weightless RMSNorm of each head's attention output (eps as the QK norm's) before the output gate
+    (Muse Spark's ``o_norm``): site ``attn.out_norm``, the norm family's gated form when gated."""
 
     def __post_init__(self) -> None:
         if self.qk_norm is None and self.spec.qk_norm:
@@ -93,6 +100,9 @@ class GQAAttention:
     def _gated(self) -> bool:
         return self.spec.output_gate == "sigmoid"
 
+    def _eps(self, step: StepContext) -> float:
+        return self.qk_norm_eps if self.qk_norm_eps is not None else step.spec.norm.eps
+
     def _width(self, a: GQAAttentionSpec) -> int:
         return (a.num_heads * (2 if self._gated() else 1) + 2 * a.num_kv_heads) * a.head_dim
 
@@ -102,11 +112,19 @@ class GQAAttention:
         kv_replicas(self.spec, rank_spec.tp)
         b.gemm("attn.qkv_proj", self._width(a), hidden)
         if self.norm_kind != "none":
+            rot = self.rotary_dim if self.rotary_dim is not None else a.head_dim
+            b.add("attn.qk_prep", "attention.qk_norm_rope", heads=a.num_heads, kv_heads=a.num_kv_heads,
+                  head_dim=a.head_dim, attrs={"fuses": "attn.q_norm,attn.k_norm", "weight": self.norm_kind == "weighted",
+                                              "rope": a.rope_theta is not None, "rope_style": self.rope_style,
+                                              "rotary_dim": rot})
             for which, heads in (("q", a.num_heads), ("k", a.num_kv_heads)):
                 b.add(f"attn.{which}_norm", "norm", tokens=b.tokens * heads, N=a.head_dim,
                       attrs={"per_head": True, "weight": self.norm_kind == "weighted"})
         b.add("attn.gqa", "attention.gqa", heads=a.num_heads, kv_heads=a.num_kv_heads, head_dim=a.head_dim,
               window=a.sliding_window or 0, attrs={"sinks": self.sinks, "kv_write": True})
+        if self.out_norm:
+            b.add("attn.out_norm", "norm", tokens=b.tokens * a.num_heads, N=a.head_dim,
+                  attrs={"per_head": True, "weight": False, "gate": self._gated()})
         b.gemm("attn.o_proj", hidden, a.num_heads * a.head_dim)
 
     def weights(self, spec: ModelSpec, tp: int) -> list[WeightDecl]:
@@ -150,22 +168,31 @@ class GQAAttention:
         # column slices of the fused projection, viewed per head (views: unit stride within a row)
         q, k = qkv[:, :nq], qkv[:, nq:nq + nkv]
         v = qkv[:, nq + nkv:nq + 2 * nkv].view(M, KV, D)
-        if self.norm_kind != "none":
-            eps = self.qk_norm_eps if self.qk_norm_eps is not None else step.spec.norm.eps
-            q = step.op("attn.q_norm")(q.reshape(M * Hq, D), w.get("q_norm"), eps)
-            k = step.op("attn.k_norm")(k.reshape(M * KV, D), w.get("k_norm"), eps)
-        q, k = q.reshape(M, Hq, D), k.reshape(M, KV, D)
-        if "rope_inv_freq" in w:
-            pos = step.meta["positions"]
-            q = apply_rope(q, pos, w["rope_inv_freq"], self.rope_style)
-            k = apply_rope(k, pos, w["rope_inv_freq"], self.rope_style)
+        fused = self.norm_kind != "none" and not step.skipped("attn.qk_prep")
+        if fused:  # per-head norms and RoPE of q and k in one call
+            q, k = step.op("attn.qk_prep")(qkv, Hq, KV, D, self._eps(step), q_weight=w.get("q_norm"),
+                                           k_weight=w.get("k_norm"), positions=step.meta["positions"],
+                                           inv_freq=w.get("rope_inv_freq"), style=self.rope_style)
+        else:
+            if self.norm_kind != "none":
+                q = step.op("attn.q_norm")(q.reshape(M * Hq, D), w.get("q_norm"), self._eps(step))
+                k = step.op("attn.k_norm")(k.reshape(M * KV, D), w.get("k_norm"), self._eps(step))
+            q, k = q.reshape(M, Hq, D), k.reshape(M, KV, D)
+            if "rope_inv_freq" in w:
+                pos = step.meta["positions"]
+                q = apply_rope(q, pos, w["rope_inv_freq"], self.rope_style)
+                k = apply_rope(k, pos, w["rope_inv_freq"], self.rope_style)
         meta = step.meta
         o = step.op("attn.gqa")(q, state["k"], state["v"], meta["block_table"], meta["seq_lens"],
                                 scale=a.softmax_scale, window=a.sliding_window, sinks=w.get("sinks"),
                                 k=k, v=v, slot_mapping=meta["slots"])
-        o = o.reshape(M, nq)
-        if self._gated():
-            o = (o.float() * torch.sigmoid(qkv[:, nq + 2 * nkv:].float())).to(o.dtype)
+        if self.out_norm:  # per head over head_dim, with the gate (a column slice: made contiguous)
+            g = qkv[:, nq + 2 * nkv:].reshape(M * Hq, D) if self._gated() else None
+            o = step.op("attn.out_norm")(o.reshape(M * Hq, D), None, self._eps(step), gate=g).reshape(M, nq)
+        else:
+            o = o.reshape(M, nq)
+            if self._gated():
+                o = (o.float() * torch.sigmoid(qkv[:, nq + 2 * nkv:].float())).to(o.dtype)
         return step.op("attn.o_proj")(o, w["o_proj"])
 
 

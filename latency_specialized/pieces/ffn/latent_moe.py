@@ -15,6 +15,11 @@ call order (``E`` experts, latent width ``Ld``, ``tp`` ranks):
 * ``moe.latent_norm`` (norm, only with ``input_norm``): RMSNorm of the gathered latent input;
 * ``moe.experts``: the selected experts at the latent width (each rank: its slice of every
   expert's intermediate width, a partial sum);
+* with a per-expert post-norm (``post_expert_norm``, Muse Spark: each selected expert's output is
+  RMS-normed *before* its routing weight) the experts return per-route rows ``[M, k, Ld]`` instead
+  (attr ``per_route``), ``moe.route_allreduce`` (allreduce, no residual, no norm; TP > 1 only) sums
+  the per-route partials over ranks - the norm needs whole rows, as vLLM's pre-norm all-reduce - and
+  ``moe.finalize`` norms each route, weights and sums them; ``moe.latent_allreduce`` is then not needed;
 * ``moe.latent_allreduce`` (allreduce, no residual): the experts' partial latent summed over ranks,
   fused with the RMSNorm of the latent output (``output_norm``; vLLM: all-reduce, then norm);
 * ``moe.shared`` (mlp, ``side_stream``): the shared experts, forked onto a side stream on GPUs
@@ -32,7 +37,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar, Literal, Mapping, Sequence
 
 import torch
 
@@ -97,6 +102,16 @@ class LatentMoE:
     up-projection (a ``routed_expert_norm``; fused into ``moe.latent_allreduce``)."""
     input_norm: bool = False
     """RMSNorm of the latent input before the experts (``moe.latent_norm`` site; a pre-expert norm)."""
+    input_norm_zero_centered: bool = False
+    """The pre-expert norm's gain is ``1 + w`` (Muse Spark)."""
+    post_expert_norm: Literal["none", "weighted", "input_scaled"] = "none"
+    """RMSNorm of every selected expert's output before its routing weight (``moe.finalize``):
+    'input_scaled' scales by the gain before normalising (Muse Spark), 'weighted' after. Weight
+    ``post_expert_norm`` [Ld], one for all experts."""
+    post_expert_eps: float = 1e-6
+    """Epsilon of the per-expert post-norm (Muse Spark: post_norm_eps 1e-8)."""
+    post_expert_zero_centered: bool = True
+    """The per-expert post-norm's gain is ``1 + w``."""
     shared_fork_late_max_batch: int = SHARED_FORK_LATE_MAX_BATCH
     """See :data:`SHARED_FORK_LATE_MAX_BATCH`."""
     router_side_min_batch: int = ROUTER_SIDE_MIN_BATCH
@@ -107,6 +122,16 @@ class LatentMoE:
         if not self.spec.latent_dim:
             raise UserError("the latent MoE piece needs MoESpec.latent_dim (routed_expert_hidden_size); "
                             "use the plain MoE piece for a MoE without a latent width")
+        if self.post_expert_norm not in ("none", "weighted", "input_scaled"):
+            raise UserError(f"latent MoE: post_expert_norm {self.post_expert_norm!r}: use none, weighted or input_scaled")
+        if self.per_route and self.output_norm:
+            raise UserError("latent MoE: a per-expert post-norm and a norm of the combined output together are not "
+                            "supported: set output_norm=False")
+
+    @property
+    def per_route(self) -> bool:
+        """The experts return per-route rows, normed in ``moe.finalize`` (a per-expert post-norm)."""
+        return self.post_expert_norm != "none"
 
     def local(self, tp: int) -> MoESpec:
         """This rank's MoE shape at TP ``tp`` (expert intermediate width split)."""
@@ -137,8 +162,14 @@ class LatentMoE:
         if self.input_norm:
             b.add("moe.latent_norm", "norm", N=width)
         b.add("moe.experts", "moe.experts", E=f.num_experts, topk=f.top_k, N=f.expert_intermediate, K=width,
-              attrs={"activation": f.activation.kind})
-        b.add("moe.latent_allreduce", "allreduce", N=width, attrs={"residual": False, "norm": self.output_norm})
+              attrs={"activation": f.activation.kind, **({"per_route": True} if self.per_route else {})})
+        if self.per_route:
+            if tp > 1:
+                b.add("moe.route_allreduce", "allreduce", tokens=b.tokens * f.top_k, N=width,
+                      attrs={"residual": False, "norm": False})
+            b.add("moe.finalize", "moe.finalize", N=width, topk=f.top_k, attrs={"norm": self.post_expert_norm})
+        else:
+            b.add("moe.latent_allreduce", "allreduce", N=width, attrs={"residual": False, "norm": self.output_norm})
         if f.num_shared_experts:
             inter = f.num_shared_experts * f.expert_intermediate
             b.add("moe.shared", "mlp", weight_bytes=3 * hidden * inter * 2, N=inter, K=hidden,
@@ -157,6 +188,8 @@ class LatentMoE:
             out.append(WeightDecl("latent_in_norm", (Ld,)))
         if self.output_norm:
             out.append(WeightDecl("latent_norm", (Ld,)))
+        if self.per_route:
+            out.append(WeightDecl("post_expert_norm", (Ld,)))
         out += [WeightDecl("latent_up", (H, Ld), split=0),
                 WeightDecl("experts.w1", (E, inter, Ld), split=1),
                 WeightDecl("experts.w3", (E, inter, Ld), split=1),
@@ -173,7 +206,13 @@ class LatentMoE:
     def buffers(self, spec: ModelSpec, max_rows: int, dtype: torch.dtype,
                 device: torch.device) -> dict[str, torch.Tensor]:
         """The residual input of the latent all-reduce: zeros (it has no residual; x + 0 == x exactly)."""
-        return {self._zeros_name: torch.zeros(max_rows, self.width, dtype=dtype, device=device)}
+        rows = max_rows * self.spec.top_k if self.per_route else max_rows   # per-route rows
+        name = self._route_zeros_name if self.per_route else self._zeros_name
+        return {name: torch.zeros(rows, self.width, dtype=dtype, device=device)}
+
+    @property
+    def _route_zeros_name(self) -> str:
+        return f"latent_moe.route_zeros.{self.width}x{self.spec.top_k}"
 
     @property
     def _zeros_name(self) -> str:
@@ -187,7 +226,7 @@ class LatentMoE:
         out = {"gate_down": gate_down, "gate": gate_down[:n_gate], "down": gate_down[n_gate:],
                "w13": torch.cat([w["experts.w1"], w["experts.w3"]], dim=1), "w2": w["experts.w2"],
                "up": w["latent_up"]}
-        for name in ("router_bias", "latent_in_norm", "latent_norm"):
+        for name in ("router_bias", "latent_in_norm", "latent_norm", "post_expert_norm"):
             if name in w:
                 out[name] = w[name]
         if self.spec.num_shared_experts:
@@ -203,6 +242,22 @@ class LatentMoE:
         leads to the router and the experts, the critical path). Both exist on CUDA devices only; without
         them the work runs inline on the current stream."""
         return step.streams.get("side"), step.streams.get("router")
+
+    def _finalize(self, step: StepContext, w: Mapping[str, torch.Tensor], x: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor, f: MoESpec) -> torch.Tensor:
+        """Per-route expert rows, summed over ranks, normed, weighted and combined: ``[M, Ld]``."""
+        b, k = x.shape[0], f.top_k
+        routes = step.op("moe.experts")(x, weights, ids, w["w13"], w["w2"], f.activation, per_route=True)
+        if step.tp > 1:  # the norm needs each route's whole row: sum the partials first
+            flat = routes.reshape(b * k, routes.shape[-1])
+            zeros = step.scratch.get(self._route_zeros_name)
+            zeros = zeros[: b * k] if zeros is not None else flat.new_zeros(flat.shape)
+            _, flat = step.op("moe.route_allreduce")(flat, zeros, None, self.post_expert_eps,
+                                                     comm=step.comm_at(step.site("moe.route_allreduce")))
+            routes = flat.view(b, k, -1)
+        return step.op("moe.finalize")(routes, weights, w["post_expert_norm"], self.post_expert_eps,
+                                       gain_before_norm=self.post_expert_norm == "input_scaled",
+                                       zero_centered=self.post_expert_zero_centered)
 
     def forward(self, step: StepContext, w: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor],
                 h: torch.Tensor) -> torch.Tensor:
@@ -248,14 +303,17 @@ class LatentMoE:
             logits, x = step.communicate("moe.all_gather", gather_parts, step.comm, [logits, x])
         weights, ids = step.op("moe.router")(logits, w.get("router_bias"), f.top_k, f.router)
         if self.input_norm:
-            x = step.op("moe.latent_norm")(x, w["latent_in_norm"], eps)
-        y = step.op("moe.experts")(x, weights, ids, w["w13"], w["w2"], f.activation)  # partial at TP > 1
-        # all-reduce of the experts' partial latent, fused with the latent RMSNorm (no residual: zeros)
-        zeros = step.scratch.get(self._zeros_name)
-        zeros = zeros[:b] if zeros is not None else y.new_zeros(b, y.shape[-1])
-        normed, y = step.op("moe.latent_allreduce")(y, zeros, w.get("latent_norm"), eps,
-                                                    comm=step.comm_at(step.site("moe.latent_allreduce")))
-        y = y if normed is None else normed
+            x = step.op("moe.latent_norm")(x, w["latent_in_norm"], eps, zero_centered=self.input_norm_zero_centered)
+        if self.per_route:
+            y = self._finalize(step, w, x, weights, ids, f)
+        else:
+            y = step.op("moe.experts")(x, weights, ids, w["w13"], w["w2"], f.activation)  # partial at TP > 1
+            # all-reduce of the experts' partial latent, fused with the latent RMSNorm (no residual: zeros)
+            zeros = step.scratch.get(self._zeros_name)
+            zeros = zeros[:b] if zeros is not None else y.new_zeros(b, y.shape[-1])
+            normed, y = step.op("moe.latent_allreduce")(y, zeros, w.get("latent_norm"), eps,
+                                                        comm=step.comm_at(step.site("moe.latent_allreduce")))
+            y = y if normed is None else normed
         if pending is not None:
             shared = pending.join()
         else:

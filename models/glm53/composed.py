@@ -1,4 +1,4 @@
-"""Op sites of one GLM-5.3 decode step on one rank: the model as standard pieces.
+"""GLM-5.3 as pieces (the op sites of one decode step on one rank come from them).
 
 ``pieces.standard.compose_standard``: pre-norm residual, dense MLP (layers 0-2), routed MoE with its
 shared expert (3-77), embedding, LM head, and MLA + the DSA indexer as the sparse MLA piece
@@ -11,6 +11,8 @@ draft step, not in this one).
 """
 
 from __future__ import annotations
+
+import functools
 
 from latency_specialized.pieces.attention.sparse_mla import IndexerOptions, SparseMLAAttention, runs_own_indexer
 from latency_specialized.pieces.standard import compose_standard
@@ -26,12 +28,16 @@ def _indexer(layer: LayerSpec) -> tuple[MLAAttentionSpec, bool]:
     return a, runs_own_indexer(a.indexer, layer.index)
 
 
+@functools.lru_cache(maxsize=16)
 def composed_model(spec: Glm53Spec) -> ComposedModel:
-    """GLM-5.3's pieces (unsharded spec): the standard ones, the sparse MLA with GLM's indexer RoPE layout and
-    the reuse layers as kinds of their own."""
+    """GLM-5.3's pieces (unsharded spec; a rank's shard: those of the spec it was sharded from): the standard
+    ones, the sparse MLA with GLM's indexer RoPE layout and the reuse layers as kinds of their own."""
+    if spec.unsharded is not None:
+        return composed_model(spec.full())
     def attention(layer: LayerSpec) -> SparseMLAAttention:
         a, full = _indexer(layer)
-        return SparseMLAAttention(a, norm_eps=spec.norm.eps,
+        # q_a / kv_a norms: transformers builds them with eps 1e-6, not rms_norm_eps (spec.latent_norm_eps)
+        return SparseMLAAttention(a, norm_eps=spec.latent_norm_eps,
                                   indexer=IndexerOptions(full=full, rope_interleaved=a.rope_interleaved))
 
     def kind(layer: LayerSpec) -> str:

@@ -1,0 +1,35 @@
+"""Sweep the GQA split-KV kernel's launch constants on the GPU (H200): median us per call of each variant at
+the cells that matter (tests/ops/test_gqa_triton_gpu.py's timing method: CUDA graphs, inputs rotated past the
+L2, median of groups). Writes one JSON row per (variant, cell) to argv[1]."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+
+import latency_specialized.kernels.gqa_decode_triton as gk
+from tests.ops.test_gqa_triton_gpu import MUSE_TP8, _time_cell
+
+CELLS = [(8, 32768, None), (64, 32768, None), (1, 32768, None), (1, 4096, None), (8, 32768, 2048)]
+VARIANTS = {"WAVES": (2, 8), "NUM_STAGES": (2, 3, 4), "NUM_WARPS": (4, 8), "TILE_BYTES": (8192, 16384)}
+
+
+def main(out: str) -> None:
+    rows = []
+    keys = list(VARIANTS)
+    for combo in itertools.product(*VARIANTS.values()):
+        for k, v in zip(keys, combo):
+            setattr(gk, k, v)
+        for batch, ctx, window in CELLS:
+            r = _time_cell(MUSE_TP8, batch, ctx, window, groups=7)
+            row = dict(zip(keys, combo), batch=batch, context=ctx, window=window or 0, us=r["us"],
+                       roofline=r["roofline"], splits=gk.choose_num_splits(batch, 2, gk.span(ctx, window), 132))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    with open(out, "w") as f:
+        json.dump(rows, f, indent=0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,83 @@
+"""The stock compositions the layer bench builds, by the name an adapter's ``BenchKind.stock`` gives.
+
+Each has ``build(full, bench_kind, tp, batch, context, copies, device, experts=)`` -> an object with
+``step()``, ``routed_ids()`` and ``weight_bytes()`` (``copies`` layers run back to back), and
+``notes(full, kind_name, bench_kind, tp)`` -> what the results must say about it (stand-ins, which kernel
+both variants share). The builders import their Triton modules lazily: this table loads anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from latency_specialized.errors import UserError
+
+MLA_NOTE = ("MLA layers: both variants run the same MLA decode attention (attention.mla.triton_splitkv, a "
+            "Triton split-KV kernel standing in for stock's MLA backend - vLLM's TRITON_MLA; FlashMLA is not "
+            "runnable here; ours fuses the kv_a RMSNorm into its latent write, stock runs that norm as a "
+            "kernel of its own), so MLA cells compare everything around that kernel. Roofline: the latent KV "
+            "cache of 'context' tokens per sequence is read once per step (paged, block size 64).")
+
+
+@dataclass(frozen=True)
+class StockComposition:
+    """One stock composition: its builder and its notes (see the module docstring)."""
+
+    name: str
+    build: Callable[..., Any]
+    notes: Callable[..., list[str]]
+    description: str
+
+
+def _build_kda(full, bk, tp, batch, context, copies, device, *, experts=None):
+    from latency_specialized.bench.stock.layers import build_stock_kda
+
+    return build_stock_kda(full, bk.layer, tp, batch, copies, device, experts=experts)
+
+
+def _build_mla(full, bk, tp, batch, context, copies, device, *, experts=None):
+    from latency_specialized.bench.stock.layers import build_stock_mla
+
+    return build_stock_mla(full, bk.layer, tp, batch, context, copies, device, experts=experts,
+                           block_size=bk.kv_block_size)
+
+
+def _gqa_options(bk):
+    from latency_specialized.bench.stock.gqa_moe import StockGQAOptions
+
+    return StockGQAOptions.from_mapping(bk.stock_options)
+
+
+def _build_gqa(full, bk, tp, batch, context, copies, device, *, experts=None):
+    from latency_specialized.bench.stock.gqa_moe import build_stock_gqa
+
+    return build_stock_gqa(full, bk.layer, tp, batch, context, copies, device, options=_gqa_options(bk),
+                           block_size=bk.kv_block_size, router_weight_bytes=bk.router_weight_bytes, experts=experts)
+
+
+def _notes_gqa(full, name, bk, tp):
+    from latency_specialized.bench.stock.gqa_moe import describe
+
+    return describe(full, bk.layer, tp, name, _gqa_options(bk))
+
+
+COMPOSITIONS: dict[str, StockComposition] = {
+    "kda_moe": StockComposition("kda_moe", _build_kda, lambda full, name, bk, tp: [],
+                                "Kimi K3 KDA + latent MoE with AttnRes (bench/stock/layers.py)"),
+    "mla_moe": StockComposition("mla_moe", _build_mla, lambda full, name, bk, tp: [MLA_NOTE],
+                                "Kimi K3 MLA + latent MoE with AttnRes (bench/stock/layers.py)"),
+    "gqa_moe": StockComposition("gqa_moe", _build_gqa, _notes_gqa,
+                                "GQA (window / NoPE / QK norm / gate) + (latent) MoE, sandwich-normed gated "
+                                "residual as vLLM runs Muse Spark (bench/stock/gqa_moe.py)"),
+}
+
+
+def composition(name: str) -> StockComposition:
+    """The composition named ``name`` (a UserError naming the known ones otherwise)."""
+    if name not in COMPOSITIONS:
+        raise UserError(f"no stock composition {name!r}: the bench builds {', '.join(COMPOSITIONS)}")
+    return COMPOSITIONS[name]
+
+
+__all__ = ["COMPOSITIONS", "MLA_NOTE", "StockComposition", "composition"]

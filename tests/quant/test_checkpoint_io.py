@@ -1,0 +1,156 @@
+"""Quantized weights by checkpoint name: the official tensor names, shapes and dtypes of each format, a
+save -> safetensors -> load round trip, load-time rejection (NaN scales, wrong shapes / dtypes, a missing
+companion) naming the tensor, and ``make-checkpoint --quant`` refusing adapters that cannot write it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from latency_specialized.errors import CheckpointError
+from latency_specialized.quant import checkpoint_io as qio
+from latency_specialized.quant import codecs as qc
+from latency_specialized.quant.formats import FORMATS
+
+W = "model.layers.1.mlp.experts.3.down_proj.weight"
+B = "model.layers.1.mlp.experts.3.down_proj"
+
+OFFICIAL = {
+    "mxfp4": {B + ".weight_packed": ((64, 64), torch.uint8), B + ".weight_scale": ((64, 4), torch.uint8)},
+    "mxfp4-deepseek": {B + ".weight": ((64, 64), torch.float4_e2m1fn_x2),
+                       B + ".scale": ((64, 4), torch.float8_e8m0fnu)},
+    "nvfp4": {B + ".weight": ((64, 64), torch.uint8), B + ".weight_scale": ((64, 8), torch.float8_e4m3fn),
+              B + ".weight_scale_2": ((), torch.float32), B + ".input_scale": ((), torch.float32)},
+    "fp8-block-128": {B + ".weight": ((64, 128), torch.float8_e4m3fn),
+                      B + ".weight_scale_inv": ((1, 1), torch.float32)},
+    "fp8-block-32": {B + ".weight": ((64, 128), torch.float8_e4m3fn), B + ".scale": ((2, 4), torch.float8_e8m0fnu)},
+}
+"""What each official checkpoint stores for one [64, 128] weight (compressed-tensors, DeepSeek-V4.1, ModelOpt,
+DeepSeek-V3 / GLM, DeepSeek-V4.1 dense)."""
+
+
+@pytest.mark.parametrize("fmt", sorted(OFFICIAL))
+def test_official_names_shapes_dtypes(fmt):
+    assert qio.stored_tensors(W, (64, 128), fmt) == OFFICIAL[fmt]
+    assert FORMATS[fmt].nbytes((64, 128)) == sum(
+        torch.empty(s, dtype=d).numel() * torch.empty((), dtype=d).element_size() for s, d in OFFICIAL[fmt].values())
+
+
+@pytest.mark.parametrize("fmt", sorted(OFFICIAL))
+def test_save_load_round_trip_through_safetensors(tmp_path, gen, fmt):
+    f = FORMATS[fmt]
+    K = 96 if f.element == "e4m3" else 128        # fp8: a partial edge block along K
+    named = {W: torch.randn(64, K, generator=gen), B.replace("down", "up") + ".weight": torch.randn(64, 128,
+                                                                                              generator=gen),
+             "model.norm.weight": torch.rand(64, generator=gen)}
+    pick = {W, B.replace("down", "up") + ".weight"}
+    out = qio.quantize_named(named, fmt, select=pick.__contains__)
+    assert "model.norm.weight" in out and W not in out or f.suffix("weight") == "weight"
+    for n, (shape, dt) in qio.stored_tensors(W, (64, K), fmt).items():
+        assert tuple(out[n].shape) == shape and out[n].dtype == dt, n
+    save_file(out, str(tmp_path / "m.safetensors"))
+    back = load_file(str(tmp_path / "m.safetensors"))
+    assert all(back[n].dtype == t.dtype for n, t in out.items())
+    assert qio.stored_format(W, back) is f                                  # names + the weight's dtype decide
+    assert qio.stored_format(W, set(back), [fmt]) is f                      # names alone, one candidate
+    assert qio.stored_format(W, back, [fmt]) is f and qio.stored_format("model.norm.weight", back, [fmt]) is None
+    deq = qio.dequantize_named(back, fmt, {W: (64, K)})
+    assert set(deq) == set(named) and torch.equal(deq["model.norm.weight"], named["model.norm.weight"])
+    qw = qio.quantized_from_named(back, W, fmt)
+    assert qw.shape == (64, K) and qw.nbytes == f.nbytes((64, K))
+    ref = qc.dequantize(f, *[v for k, v in qio.quantize_weight(W, named[W], f).tensors().items()
+                             if not k.endswith("input_scale")])
+    assert torch.equal(deq[W], ref) and torch.equal(qw.to("cpu").dequantize(), ref)
+    assert qw.to("cpu").weight.dtype == back[qio.tensor_names(W, f)["weight"]].dtype   # kept quantized
+
+
+def test_nan_scales_rejected_at_load_naming_the_tensor(gen):
+    w = torch.randn(32, 64, generator=gen)
+    for fmt, role, poison in (("mxfp4", "scale", 0xFF), ("fp8-block-32", "scale", 0xFF), ("nvfp4", "scale", 0x7F),
+                              ("nvfp4", "global_scale", None), ("fp8-block-128", "scale", None)):
+        t = qio.quantize_weight(W, w, fmt).tensors()
+        name = qio.tensor_names(W, fmt)[role]
+        bad = t[name].clone()
+        if poison is None:
+            bad.view(-1)[0] = float("nan")
+        else:
+            bad.view(torch.uint8).view(-1)[-1] = poison
+        with pytest.raises(CheckpointError, match=f"tensor {name.replace('.', '[.]')}: .*(NaN|non-finite)"):
+            qio.quantized_from_named({**t, name: bad}, W, fmt)
+
+
+def test_load_errors_name_the_tensor(gen):
+    t = qio.quantize_weight(W, torch.randn(32, 64, generator=gen), "nvfp4").tensors()
+    with pytest.raises(CheckpointError, match=rf"missing tensor {B}.weight_scale_2: a nvfp4 weight"):
+        qio.quantized_from_named({k: v for k, v in t.items() if not k.endswith("_2")}, W, "nvfp4")
+    with pytest.raises(CheckpointError, match=rf"tensor {B}.weight_scale has shape \[32, 2\], expected \[32, 4\]"):
+        qio.quantized_from_named({**t, B + ".weight_scale": t[B + ".weight_scale"][:, :2]}, W, "nvfp4")
+    with pytest.raises(CheckpointError, match=rf"tensor {B}.weight_scale has dtype torch.float32: a nvfp4 scale"):
+        qio.quantized_from_named({**t, B + ".weight_scale": t[B + ".weight_scale"].float()}, W, "nvfp4")
+    with pytest.raises(CheckpointError, match=rf"tensor {B}.weight has shape \[32, 32\], expected \[32, 48\]"):
+        qio.quantized_from_named(t, W, "nvfp4", (32, 96))
+    # the same bytes under the dtypes other writers use are accepted: int8 packed FP4, uint8 e8m0 scales
+    d = qio.quantize_weight(W, torch.randn(32, 64, generator=gen), "mxfp4-deepseek").tensors()
+    alt = {B + ".weight": d[B + ".weight"].view(torch.int8), B + ".scale": d[B + ".scale"].view(torch.uint8)}
+    assert torch.equal(qio.quantized_from_named(alt, W, "mxfp4-deepseek").dequantize(),
+                       qio.quantized_from_named(d, W, "mxfp4-deepseek").dequantize())
+
+
+def test_runtime_load_checkpoint_rejects_a_nan_ue8m0_scale(tmp_path, gen):
+    from latency_specialized.runtime.checkpoint import load_checkpoint, save_checkpoint
+
+    save_checkpoint(tmp_path, {W: torch.randn(8, 64, generator=gen)}, quantize=lambda n: True)
+    f = tmp_path / "model.safetensors"
+    t = load_file(str(f))
+    t[B + ".weight_scale"][3, 1] = 255
+    save_file(t, str(f))
+    with pytest.raises(CheckpointError, match=rf"tensor {B}.weight_scale: ue8m0 scale 255 \(NaN\) at index \[3, 1\]"):
+        load_checkpoint(tmp_path, {W: ((8, 64), "float32")})
+
+
+# ------------------------------------------------------------------------------------------------ the CLI
+def _one_error_line(capsys, args):
+    from latency_specialized.cli import main
+
+    rc = main(args)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_make_checkpoint_quant_on_an_adapter_without_quant_support(capsys, tmp_path):
+    d = tmp_path / "out"
+    line = _one_error_line(capsys, ["make-checkpoint", "kimi_k3", str(d), "--quant", "nvfp4"])
+    assert line == ("error: kimi_k3 cannot write --quant nvfp4 checkpoints: its write_checkpoint takes no quant= "
+                    "argument (quantized formats it supports: none; it writes unquantized weights only, so drop "
+                    "--quant)")
+    assert not d.exists()                                   # refused before anything is written
+
+
+def test_make_checkpoint_quant_is_passed_or_refused_by_the_declared_formats(capsys, tmp_path, monkeypatch):
+    from latency_specialized.cli import main
+    from latency_specialized.plugins import get_registry
+
+    adapter = get_registry().adapter("kimi_k3")
+    calls = []
+
+    def write(self, directory, *, size="tiny", seed=0, dtype="bfloat16", layout=None, expert_format=None,
+              quant: Literal["mxfp4"] | None = None):
+        calls.append(quant)
+        (tmp_path / "out" / "config.json").write_text("{}")
+        return [tmp_path / "out" / "config.json"]
+
+    monkeypatch.setattr(type(adapter), "write_checkpoint", write)
+    line = _one_error_line(capsys, ["make-checkpoint", "kimi_k3", str(tmp_path / "no"), "--quant", "fp8-block"])
+    assert line == ("error: kimi_k3 cannot write --quant fp8-block checkpoints: use --quant mxfp4 (the quantized "
+                    "formats it supports)")
+    assert main(["make-checkpoint", "kimi_k3", str(tmp_path / "out"), "--quant", "mxfp4"]) == 0
+    assert calls == ["mxfp4"] and "mxfp4" in capsys.readouterr().out
+    monkeypatch.setattr(type(adapter), "checkpoint_quant_formats", ("nvfp4", "fp8-block"), raising=False)
+    line = _one_error_line(capsys, ["make-checkpoint", "kimi_k3", str(tmp_path / "no"), "--quant", "mxfp4"])
+    assert line.endswith("use --quant nvfp4 or fp8-block (the quantized formats it supports)")
