@@ -55,15 +55,14 @@ module imports on machines without Triton and ``supports()`` names what is missi
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
-import re
 
 import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
 from latency_specialized.hardware import sm_count
+from latency_specialized.kernels.triton_common import triton_gpu_refusal
 
 NAME = "attention.gqa.triton_splitkv"
 
@@ -443,21 +442,10 @@ def kv_bytes(batch: int, context: int, kv_heads: int, head_dim: int, element_siz
 
 
 # ----------------------------------------------------------------------------------- support
-def _arch_number(arch: str) -> int | None:
-    m = re.match(r"sm_(\d+)", arch)
-    return int(m.group(1)) if m else None
-
-
 def _supports(ctx: OpContext) -> Support:
-    n = _arch_number(ctx.arch)
-    if n is None:
-        return f"a GPU kernel (Triton, CUDA-graph capturable); on {ctx.arch} the reference serves GQA"
-    if n < 80:
-        return f"needs bf16 tensor cores (sm_80+), got {ctx.arch}"
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed"
-    if ctx.dtype not in ("bfloat16", "float16", "float32"):
-        return f"dtype {ctx.dtype} (bf16/fp16/fp32 only)"
+    refusal = triton_gpu_refusal(ctx, "GQA", min_sm=80)
+    if refusal:
+        return refusal
     try:
         D = ctx.dim("head_dim")
     except KeyError:  # a site without the dims: the call checks them and names the fix

@@ -56,9 +56,7 @@ setting), so this module imports on machines without Triton and ``supports()`` n
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
-import re
 from typing import NamedTuple
 
 import torch
@@ -68,6 +66,7 @@ from latency_specialized.errors import UserError
 from latency_specialized.hardware import capability, sm_count
 from latency_specialized.kernels.mla_common import (check_kv_norm, finish_output, latent_widths, normed_latent,
                                                     write_new_latents)
+from latency_specialized.kernels.triton_common import triton_gpu_refusal
 
 NAME = "attention.mla.triton_splitkv"
 
@@ -737,21 +736,10 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
     return finish_output(o, gate, dtype, out)
 
 
-def _arch_number(arch: str) -> int | None:
-    m = re.match(r"sm_(\d+)", arch)
-    return int(m.group(1)) if m else None
-
-
 def _supports(ctx: OpContext) -> Support:
-    n = _arch_number(ctx.arch)
-    if n is None:
-        return f"a GPU kernel (Triton, CUDA-graph capturable); on {ctx.arch} the reference serves MLA"
-    if n < 80:
-        return f"needs bf16 tensor cores (sm_80+), got {ctx.arch}"
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed"
-    if ctx.dtype not in ("bfloat16", "float16", "float32"):
-        return f"dtype {ctx.dtype} (bf16/fp16/fp32 only)"
+    refusal = triton_gpu_refusal(ctx, "MLA", min_sm=80)
+    if refusal:
+        return refusal
     if ctx.attr("sparse_topk"):
         return f"sparse MLA (top-{ctx.attr('sparse_topk')} indexed tokens): this kernel attends to the whole context"
     try:

@@ -22,12 +22,11 @@ squares exchanged through a cluster (or a two-pass split), not a wider program.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
+from latency_specialized.kernels.triton_common import triton_gpu_refusal
 
 NAME = "moe.finalize.triton"
 MAX_N = 16384
@@ -35,7 +34,6 @@ MAX_N = 16384
 accumulator)."""
 MAX_TOPK = 32
 """Most routes per token (the route loop is unrolled)."""
-DTYPES = ("bfloat16", "float16", "float32")
 
 _kernel = None
 
@@ -136,12 +134,9 @@ def _dim(ctx: OpContext, name: str) -> int | None:
 
 
 def _supports(ctx: OpContext) -> Support:
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed"
-    if not ctx.arch.startswith("sm_"):
-        return f"needs a CUDA GPU, got {ctx.arch}"
-    if ctx.dtype not in DTYPES:
-        return f"dtype {ctx.dtype} ({', '.join(DTYPES)} only)"
+    refusal = triton_gpu_refusal(ctx, "the per-route norm + sum")
+    if refusal:
+        return refusal
     n, k = _dim(ctx, "N"), _dim(ctx, "topk")
     if n is None or k is None:
         return "the site declares no N (route width) / topk dims"

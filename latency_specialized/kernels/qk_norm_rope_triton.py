@@ -12,13 +12,12 @@ reads: graph-capturable. Triton is imported on the first call (``supports()`` na
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
-import re
 
 import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
+from latency_specialized.kernels.triton_common import triton_gpu_refusal
 
 NAME = "attention.qk_norm_rope.triton"
 
@@ -101,13 +100,9 @@ def qk_norm_rope_triton(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: 
 
 
 def _supports(ctx: OpContext) -> Support:
-    m = re.match(r"sm_(\d+)", ctx.arch)
-    if m is None:
-        return f"a GPU kernel (Triton); on {ctx.arch} the reference serves it"
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed"
-    if ctx.dtype not in ("bfloat16", "float16", "float32"):
-        return f"dtype {ctx.dtype} (bf16/fp16/fp32 only)"
+    refusal = triton_gpu_refusal(ctx, "it")
+    if refusal:
+        return refusal
     d = ctx.dim("head_dim")
     if d < 4 or d & (d - 1):
         return f"head_dim {d}: a power of two >= 4"

@@ -12,13 +12,12 @@ Triton is imported on the first call.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
-import re
 
 import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
+from latency_specialized.kernels.triton_common import triton_gpu_refusal
 
 NAME = "residual.gated.triton"
 MAX_N = 16384
@@ -112,13 +111,9 @@ def gated_join_triton(y: torch.Tensor | None, stream: torch.Tensor, weight: torc
 
 
 def _supports(ctx: OpContext) -> Support:
-    m = re.match(r"sm_(\d+)", ctx.arch)
-    if m is None:
-        return f"a GPU kernel (Triton); on {ctx.arch} the reference serves it"
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed"
-    if ctx.dtype not in ("bfloat16", "float16", "float32"):
-        return f"dtype {ctx.dtype} (bf16/fp16/fp32 only)"
+    refusal = triton_gpu_refusal(ctx, "it")
+    if refusal:
+        return refusal
     if ctx.dim("N") > MAX_N:
         return f"N={ctx.dim('N')} > {MAX_N}: one row per program in registers"
     return True

@@ -12,9 +12,20 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from latency_specialized.plugins import get_registry
 from latency_specialized.testing.matrix import Cell, GlooPool, cells_for, plan_cells
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One torch thread for every model test: oversubscribed intra-op threads make the tiny models' 64x64
+    matmuls ~50x slower on the 2-core CI machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _adapters(capability: str | None = None):

@@ -9,7 +9,8 @@ writes them for Muse Spark on Hopper (``vllm/models/muse_spark/``), one kernel w
   Triton kernel of vLLM, or FlashInfer's ``gated_residual_next_rmsnorm``): the sublayer output's
   post-norm (none / weightless / weighted / input-scaled), the norm-preserving gated (or plain) add
   into the fp32 stream, and the next consumer's RMSNorm, one pass;
-* ``silu_and_mul`` - stand-in for vLLM's ``silu_and_mul`` CUDA op (SwiGLU, optional clamp);
+* ``silu_and_mul`` - stand-in for vLLM's ``silu_and_mul`` CUDA op (SwiGLU, optional clamp): the fused-MoE
+  path's own kernel (``kernels/triton_moe.py``), which is written the same way;
 * ``post_expert_finalize`` - stand-in for vLLM's ``fused_post_expert_finalize`` (Triton, the Hopper
   path of ``MusePostExpertFinalize``): per-route RMSNorm of the GEMM2 rows (input-scaled or weighted
   gain), times the routing weight, fp32 sum over the top-k, one rounding.
@@ -23,6 +24,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from latency_specialized.kernels.triton_moe import silu_and_mul
 
 POST_CODES = {"none": 0, "weightless": 1, "weighted": 2, "input_scaled": 3}
 """Post-sublayer norm kinds (``ops.residual_gated.POST_KINDS``) as the boundary kernel's constexpr."""
@@ -176,32 +179,6 @@ def norm_residual_norm(branch: torch.Tensor, stream: torch.Tensor, pre_weight: t
         branch.stride(0), N, post_eps, pre_eps, POST=code, POST_ZC=post_zero_centered, GATED=gated,
         PRE_W=pre_weight is not None, PRE_ZC=pre_zero_centered, BLOCK_N=BLOCK_N,
         num_warps=16 if BLOCK_N >= 8192 else (8 if BLOCK_N >= 4096 else 4))
-    return out
-
-
-# ------------------------------------------------------------------------- SwiGLU
-@triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, I, clamp, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = c < I
-    g = tl.load(x_ptr + row * 2 * I + c, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + row * 2 * I + I + c, mask=m, other=0.0).to(tl.float32)
-    if CLAMP:
-        g = tl.minimum(g, clamp)
-        u = tl.minimum(tl.maximum(u, -clamp), clamp)
-    y = g * _sigmoid(g) * u
-    tl.store(out_ptr + row * I + c, y.to(out_ptr.dtype.element_ty), mask=m)
-
-
-def silu_and_mul(x: torch.Tensor, *, clamp: float | None = None, out: torch.Tensor) -> torch.Tensor:
-    """SwiGLU ``silu(g) * u`` of x [R, 2I] = [gate | up] -> out [R, I] (stand-in for vLLM's silu_and_mul; the
-    optional clamp as ``ops.activation``: g <= c, |u| <= c)."""
-    R, two_i = x.shape
-    I = two_i // 2
-    BLOCK = min(1024, triton.next_power_of_2(I))
-    _silu_and_mul_kernel[(R, triton.cdiv(I, BLOCK))](x, out, I, clamp if clamp is not None else 0.0,
-                                                     CLAMP=clamp is not None, BLOCK=BLOCK, num_warps=4)
     return out
 
 

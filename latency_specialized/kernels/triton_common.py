@@ -1,0 +1,38 @@
+"""What every Triton kernel's ``supports()`` checks first: a CUDA arch (tensor cores where the kernel dots),
+Triton installed, an activation dtype it handles. Each kernel then checks its own shapes."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+from latency_specialized.contract import OpContext
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def arch_number(arch: str) -> int | None:
+    """``sm_90a`` -> 90; None for a non-CUDA arch (``cpu``)."""
+    m = re.match(r"sm_(\d+)", arch)
+    return int(m.group(1)) if m else None
+
+
+def triton_gpu_refusal(ctx: OpContext, serves: str, *, min_sm: int | None = None) -> str | None:
+    """The reason this Triton kernel cannot serve ``ctx`` on grounds every Triton kernel shares, or None.
+
+    ``serves``: what the reference serves instead (named in the CPU refusal); ``min_sm``: the oldest arch
+    (80 for kernels with bf16 ``tl.dot``)."""
+    n = arch_number(ctx.arch)
+    if n is None:
+        return (f"a Triton kernel for CUDA GPUs (CUDA-graph capturable); on {ctx.arch} the reference serves "
+                f"{serves}")
+    if min_sm is not None and n < min_sm:
+        return f"needs bf16 tensor cores (sm_{min_sm}+), got {ctx.arch}"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if ctx.dtype not in DTYPES:
+        return f"dtype {ctx.dtype} (bf16/fp16/fp32 only)"
+    return None
+
+
+__all__ = ["DTYPES", "arch_number", "triton_gpu_refusal"]
