@@ -36,7 +36,8 @@ class BenchKind:
     ``max(contexts) + 1 + steps`` tokens per sequence); False: a fixed-size state, one cell per batch."""
     stock: str
     """The bench's stock composition of the layer (``bench/stock/compositions.py``): ``kda_moe`` /
-    ``mla_moe`` (Kimi K3's KDA / MLA + latent MoE) or ``gqa_moe`` (GQA, windowed or not, + MoE)."""
+    ``mla_moe`` (Kimi K3's KDA / MLA + latent MoE), ``gqa_moe`` (GQA, windowed or not, + MoE) or ``dsa_moe``
+    (MLA with a DSA indexer and sparse attention + MoE)."""
     kv_block_size: int = 16
     """Paged KV-cache block size (tokens) of both variants (context kinds; vLLM's default 16, MLA 64)."""
     router_weight_bytes: int = 2

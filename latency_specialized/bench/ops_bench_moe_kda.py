@@ -66,7 +66,7 @@ class Row:
 
     @property
     def best_us(self) -> float:
-        return min(self.us)
+        return min(self.us) if self.us else 0.0
 
     @property
     def roofline_us(self) -> float:
@@ -132,7 +132,8 @@ def _stock():
         return None, f"stock kernels unavailable: {type(e).__name__}: {e}"
 
 
-def _routing(M: int, E: int, k: int, g: torch.Generator, dev: str):
+def routing(M: int, E: int, k: int, g: torch.Generator, dev: str):
+    """Random top-k routing of M tokens over E experts: (weights [M, k] fp32 summing to 1, ids [M, k])."""
     logits = torch.randn(M, E, generator=g, device=dev)
     ids = logits.topk(k, dim=-1).indices
     w = torch.rand(M, k, generator=g, device=dev) + 0.05
@@ -159,7 +160,7 @@ def bench_experts(tp: int, batches: list[int], variants: dict[str, dict[str, int
     rows: list[Row] = []
     for M in batches:
         xs = [torch.randn(M, K, generator=g, device=dev).bfloat16() for _ in range(rotations)]
-        routes = [_routing(M, E, k, g, dev) for _ in range(rotations)]
+        routes = [routing(M, E, k, g, dev) for _ in range(rotations)]
         distinct = statistics.mean(len(torch.unique(ids)) for _, ids in routes)
         nbytes = int(distinct * expert_bytes + M * K * 2 * 2)
         case = f"tp{tp} M={M} E={E} k={k} K={K} I={I} ({distinct:.0f} distinct experts)"

@@ -77,7 +77,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         f"{DEFAULT_CONTEXT}; needs such a kind in --kinds, e.g. mla, swa, full)")
     p.add_argument("--kinds", default=None,
                    help="layer kinds, comma-separated, the model's (its adapter's bench_kinds): kimi_k3 kda "
-                        "(context-free), mla (one cell per --context); muse_spark swa, full (per --context). "
+                        "(context-free), mla (one cell per --context); muse_spark swa, full; glm53 moe, moe_shared_topk "
+                        "(per --context). "
                         "Default: the model's first kind")
     p.add_argument("--layers", type=int, default=3, help="layer copies per variant, K >= 2 (weights rotate beyond L2)")
     p.add_argument("--iters", type=int, default=40, help="timed graph replays per round")

@@ -738,6 +738,8 @@ def _supports(ctx: OpContext) -> Support:
     ok = sm90_dsl_support(ctx)
     if ok is not True:
         return ok
+    if ctx.attr("weight_format"):
+        return f"weights {ctx.attr('weight_format')}: bf16 expert weights only (the 4-bit experts serve these)"
     if ctx.dtype != "bfloat16":
         return f"dtype {ctx.dtype} (bf16 only)"
     if ctx.dim("K") % 256 != 0:

@@ -31,7 +31,8 @@ BLOCK_M = 16
 _align_cache: dict[tuple, object] = {}
 
 
-def _align_buffers(pairs: int, experts: int, device: torch.device):
+def align_buffers(pairs: int, experts: int, device: torch.device):
+    """The align outputs for (pairs, experts) on ``device``, allocated on first use and reused (static for graphs)."""
     from latency_specialized.kernels import triton_moe as moe_k
 
     key = (pairs, experts, device)
@@ -40,6 +41,16 @@ def _align_buffers(pairs: int, experts: int, device: torch.device):
         buf = moe_k.AlignBuffers.allocate(moe_k.AlignSizes(pairs, experts, BLOCK_M), device)
         _align_cache[key] = buf
     return buf
+
+
+def route_rows(y: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The ``[M*top_k, N]`` rows view of a per-route result ``y [M, top_k, N]`` that a GEMM can store into in
+    place (pair p = m * top_k + j is row p; a row stride is taken), and True; or a temporary and False where
+    (m, j) do not collapse into one strided dimension (the caller copies it back)."""
+    M, top_k, N = y.shape
+    if y.stride(2) == 1 and (M == 1 or y.stride(0) == top_k * y.stride(1)):
+        return y.as_strided((M * top_k, N), (y.stride(1), 1)), True
+    return torch.empty(M * top_k, N, device=y.device, dtype=y.dtype), False
 
 
 def experts_triton(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor, w_gate_up: torch.Tensor,
@@ -75,7 +86,7 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Ten
                         f"w_down{tuple(w_down.shape)} do not match the [M,K], [E,2I,K], [E,N,I] contract")
     x = x.contiguous()
     T = M * top_k
-    align = _align_buffers(T, E, x.device)
+    align = align_buffers(T, E, x.device)
     moe_k.moe_align(ids, align)
     gu = torch.empty(T, two_i, device=x.device, dtype=x.dtype)
     moe_k.moe_gemm(x, w_gate_up, align, top_k, out=gu, a_per_pair=False)
@@ -88,10 +99,7 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Ten
         y = out if out is not None else torch.empty(M, top_k, N, device=x.device, dtype=x.dtype)
         if tuple(y.shape) != (M, top_k, N):
             raise UserError(f"{NAME}: per_route out {tuple(y.shape)} must be [{M}, {top_k}, {N}]")
-        # pair p = m * top_k + j is row p of a [T, N] view: the down GEMM stores the rows in place
-        # (a row stride is taken; (m, j) must collapse into one strided dimension, else a temporary)
-        direct = y.stride(2) == 1 and (M == 1 or y.stride(0) == top_k * y.stride(1))
-        yp = y.as_strided((T, N), (y.stride(1), 1)) if direct else torch.empty(T, N, device=x.device, dtype=x.dtype)
+        yp, direct = route_rows(y)
         moe_k.moe_gemm(act, w_down, align, top_k, out=yp, a_per_pair=True)
         if not direct:
             y.copy_(yp.view(M, top_k, N))
@@ -126,6 +134,8 @@ def _supports(ctx: OpContext) -> Support:
         return f"needs a CUDA GPU with tensor cores (sm_80+), got {ctx.arch}"
     if ctx.dtype != "bfloat16":
         return f"dtype {ctx.dtype} (bf16 only)"
+    if ctx.attr("weight_format"):
+        return f"weights {ctx.attr('weight_format')}: bf16 expert weights only (the 4-bit experts serve these)"
     if ctx.attr("activation") not in ("situ_glu", "swiglu"):
         return f"activation {ctx.attr('activation')} (SiTU-GLU or SwiGLU only)"
     if ctx.tokens < MIN_TOKENS:

@@ -20,6 +20,7 @@ KERNEL_MODULES: tuple[str, ...] = (
     "latency_specialized.kernels.moe_router",
     "latency_specialized.kernels.moe_experts",
     "latency_specialized.kernels.moe_experts_triton",
+    "latency_specialized.kernels.moe_experts_q4_triton",
     "latency_specialized.kernels.moe_finalize_triton",
     "latency_specialized.kernels.kda_decode",
     "latency_specialized.kernels.mla_decode_triton",

@@ -35,13 +35,18 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _sigmoid(x):
+def sigmoid(x):
+    """fp32 logistic function (a jit helper other Triton kernels call)."""
     return 1.0 / (1.0 + tl.exp(-x))
 
 
 @triton.jit
-def _tanh(x):
-    return 2.0 * _sigmoid(2.0 * x) - 1.0
+def tanh(x):
+    """fp32 tanh through the logistic function (a jit helper other Triton kernels call)."""
+    return 2.0 * sigmoid(2.0 * x) - 1.0
+
+
+_sigmoid, _tanh = sigmoid, tanh  # the names this module's kernels use
 
 
 # ------------------------------------------------------------------------------------- routing
@@ -102,7 +107,8 @@ def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, scratch_p
                   MAX_RUN_BLOCKS: tl.constexpr, FILL_CHUNKS: tl.constexpr):
     t = tl.arange(0, BLOCK_T)
     tm = t < T
-    ids = tl.load(ids_ptr + t, mask=tm, other=BLOCK_E - 1).to(tl.int32)  # padding lands in an unused bin
+    # padding lands in bin BLOCK_E - 1, which is never an expert: BLOCK_E = next_pow2(E + 1) > E
+    ids = tl.load(ids_ptr + t, mask=tm, other=BLOCK_E - 1).to(tl.int32)
     e = tl.arange(0, BLOCK_E)
     counts = tl.histogram(ids, BLOCK_E)
     counts = tl.where(e < E, counts, 0)
@@ -130,6 +136,12 @@ def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, scratch_p
     tl.store(sorted_ptr + t + shift, pair, mask=valid)
 
 
+def align_bins(experts: int) -> int:
+    """Histogram bins of the align kernel: one more than the experts, so that the masked lanes' bin is never a
+    real expert's (with E a power of two, bin E - 1 would count them: a wrong, overlong run past the buffers)."""
+    return triton.next_power_of_2(experts + 1)
+
+
 @dataclass
 class AlignBuffers:
     """Static outputs of :func:`moe_align` (allocated once, before capture)."""
@@ -152,7 +164,7 @@ class AlignBuffers:
                    torch.empty(fill, dtype=torch.int32, device=device),
                    torch.empty(sizes.max_blocks, dtype=torch.int32, device=device),
                    torch.empty(1, dtype=torch.int32, device=device),
-                   torch.empty(triton.next_power_of_2(sizes.experts), dtype=torch.int32, device=device))
+                   torch.empty(align_bins(sizes.experts), dtype=torch.int32, device=device))
 
 
 def moe_align(ids: torch.Tensor, buf: AlignBuffers) -> AlignBuffers:
@@ -163,7 +175,7 @@ def moe_align(ids: torch.Tensor, buf: AlignBuffers) -> AlignBuffers:
     block_t = triton.next_power_of_2(T)
     max_run = triton.cdiv(T // max(1, ids.shape[-1]) if ids.dim() > 1 else T, sz.block_m)
     _align_kernel[(1,)](ids, buf.sorted_ids, buf.expert_ids, buf.num_padded, buf.scratch, T, sz.experts,
-                        BLOCK_T=block_t, BLOCK_E=triton.next_power_of_2(sz.experts), BLOCK_M=sz.block_m,
+                        BLOCK_T=block_t, BLOCK_E=align_bins(sz.experts), BLOCK_M=sz.block_m,
                         MAX_RUN_BLOCKS=max(1, max_run), FILL_CHUNKS=buf.sorted_ids.numel() // block_t,
                         num_warps=8)
     return buf

@@ -18,6 +18,7 @@ import torch
 
 from latency_specialized.ops.activation import gated_activation
 from latency_specialized.ops.registry import Implementation, always
+from latency_specialized.quant.checkpoint_io import QuantizedWeight
 from latency_specialized.spec import ActivationSpec, RouterSpec
 
 
@@ -60,7 +61,9 @@ def experts_reference(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.
 
     Parameters
     ----------
-    x : [M, K]; weights, ids : [M, top_k]; w_gate_up : [E, 2*I, K]; w_down : [E, N, I].
+    x : [M, K]; weights, ids : [M, top_k]; w_gate_up : [E, 2*I, K]; w_down : [E, N, I]. Either weight
+        may be a ``quant.QuantizedWeight`` (4-bit experts kept as stored): it is dequantised here, exactly
+        (e2m1 x a power of two or an e4m3 x fp32 product is what the kernels multiply by).
     per_route : return every route's expert output instead of the combination (``weights`` is
         then ignored and may be None). out : optional destination of the result's shape.
 
@@ -71,6 +74,10 @@ def experts_reference(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.
     expert_{ids[m, j]}(x[m]) (not multiplied by the routing weight), each rounded once to x.dtype
     as the combined form rounds it before weighting.
     """
+    if isinstance(w_gate_up, QuantizedWeight):
+        w_gate_up = w_gate_up.dequantize()
+    if isinstance(w_down, QuantizedWeight):
+        w_down = w_down.dequantize()
     M = x.shape[0]
     top_k = ids.shape[1]
     inter = w_gate_up.shape[1] // 2

@@ -101,7 +101,9 @@ def ue8m0_decode(scale: torch.Tensor, name: str = "ue8m0 scale") -> torch.Tensor
         raise CheckpointError(f"tensor {name}: ue8m0 scale 255 (NaN) at index {where} ({int(bad.sum())} of "
                               f"{b.numel()}): the checkpoint is corrupt or was written by a broken quantiser; "
                               "write it again")
-    return torch.exp2(b.to(torch.float32) - float(UE8M0_BIAS))
+    # the fp32 bit pattern, not exp2: a GPU exp2 of -127 is not exactly the subnormal 2^-127
+    bits = (b.to(torch.int32) << 23).view(torch.float32)
+    return torch.where(b == 0, torch.tensor(2.0 ** -127, device=b.device), bits)
 
 
 def ue8m0_encode(exponent: torch.Tensor) -> torch.Tensor:

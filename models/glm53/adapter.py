@@ -1,9 +1,5 @@
-"""The GLM-5.3 adapter: transformers' / vLLM's ``GlmMoeDsaForCausalLM``, composed from the pieces.
-
-Its own: spec (``spec.py``), config parsing (``config.py``), tensor names and checkpoint I/O with FP8
-block dequantisation (``names.py``), pieces (``composed.py``), the plain-torch reference (``reference.py``).
-Generic: ``ComposedProgram`` (through ``ComposedAdapter``), ``runtime/checkpoint.py``, ``testing/verify.py``.
-"""
+"""The GLM-5.3 adapter (vLLM's ``GlmMoeDsaForCausalLM``) from the pieces. Its own: spec, config, names + FP8
+checkpoint I/O, pieces, reference (sibling modules), bench kinds (NOTES.md). Generic: program, verification, harness."""
 
 from __future__ import annotations
 
@@ -12,21 +8,20 @@ from typing import Any, ClassVar
 
 import torch
 
-from latency_specialized.adapter import ComposedAdapter, Variant
+from latency_specialized.adapter import BenchKind, ComposedAdapter, Variant
 from latency_specialized.errors import UserError
 from latency_specialized.spec import DecodeScope, ModelSpec
 
 from latency_specialized_models.glm53 import names
 from latency_specialized_models.glm53.composed import composed_model
-from latency_specialized_models.glm53.spec import NAME, full_spec, tiny_spec
+from latency_specialized_models.glm53.spec import NAME, Glm53Spec, build_spec, full_spec, tiny_spec
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class Glm53Adapter(ComposedAdapter):
     name: ClassVar[str] = NAME
-    description: ClassVar[str] = ("Z.ai GLM-5.3: 78 MLA + DSA layers (IndexShare: 21 indexers), "
-                                  "3 dense + 75 MoE 256x top-8, MTP")
+    description: ClassVar[str] = "Z.ai GLM-5.3: 78 MLA + DSA layers (21 indexers), 3 dense + 75 MoE 256x top-8, MTP"
     # GLM-5.2 has the same architecture and vLLM class; its numbers differ only where its config does.
     hf_architectures: ClassVar[tuple[str, ...]] = ("GlmMoeDsaForCausalLM",)
     capabilities: ClassVar[frozenset[str]] = frozenset({"spec", "reference", "program", "checkpoint"})
@@ -35,8 +30,7 @@ class Glm53Adapter(ComposedAdapter):
         return full_spec() if variant == "full" else tiny_spec()
 
     def scope(self) -> DecodeScope:
-        # 64 heads, expert width 2048, dense 12288: TP 1..16 divide them all. No speculation on the fast path yet
-        # (the MTP layer's verification steps: issue 25).
+        # 64 heads, expert width 2048, dense 12288: TP 1..16 divide them all. No speculation yet (MTP: issue 25).
         return DecodeScope(archs=("cpu", "sm_90"), tp_sizes=(1, 2, 4, 8, 16), max_batch=64,
                            dtypes=("bfloat16", "float32"), spec_tokens=(0,))
 
@@ -57,16 +51,12 @@ class Glm53Adapter(ComposedAdapter):
             spec, named, cfg = names.load(checkpoint, dt, device)
             return Glm53Reference(spec, named, bos_token_id=cfg.get("bos_token_id"))
         spec = spec if spec is not None else tiny_spec()
-        if weights is None:
-            if spec.variant == "full":
-                raise UserError("random weights for GLM-5.3 (744B parameters) are not offered: pass --checkpoint DIR "
-                                "or use --size tiny")
-            weights = names.random_weights(spec, seed, dt, device)
-        return Glm53Reference(spec, weights)
+        if weights is None and spec.variant == "full":
+            raise UserError("no random weights for the full GLM-5.3 (744B): pass --checkpoint DIR or use --size tiny")
+        return Glm53Reference(spec, weights if weights is not None else names.random_weights(spec, seed, dt, device))
 
-    def write_checkpoint(self, directory: str | Path, *, size: Variant = "tiny", seed: int = 0,
-                         dtype: str = "bfloat16", layout: str | None = None,
-                         expert_format: str | None = None) -> list[Path]:
+    def write_checkpoint(self, directory: str | Path, *, size: Variant = "tiny", seed: int = 0, dtype: str = "bfloat16",
+                         layout: str | None = None, expert_format: str | None = None) -> list[Path]:
         """A random-weight Hugging Face checkpoint of the tiny model (``GlmMoeDsaForCausalLM`` layout)."""
         if size != "tiny":
             raise UserError(f"{NAME}: only --size tiny checkpoints can be made (the full model has 744B parameters)")
@@ -75,6 +65,31 @@ class Glm53Adapter(ComposedAdapter):
                             "--layout/--experts")
         spec = tiny_spec()
         return names.save(directory, spec, names.random_weights(spec, seed, DTYPES[dtype]), dtype)
+
+    # ------------------------------------------------------------------ layer bench (NOTES.md: kinds, stock, caveats)
+    def bench_kinds(self) -> dict[str, BenchKind]:
+        """``moe`` (layer 6: its own DSA indexer) and ``moe_shared_topk`` (layer 3: a shared top-k); NOTES.md."""
+        moe = set(range((f := full_spec()).num_layers)) - set(f.dense_layers())
+        first = {"moe": min(moe & set(f.indexer_layers())), "moe_shared_topk": min(moe - set(f.indexer_layers()))}
+        notes = {"moe": "ours runs the plan's attn.indexer and attn.sparse_mla below (references until kernels exist)",
+                 "moe_shared_topk": "ours' programs open with an indexer layer: (t_K - t_1)/(K - 1) is a reuse layer's"}
+        return {k: BenchKind(layer=i, context=True, stock="dsa_moe", kv_block_size=64,
+                             stock_options={"indexer_rope": "interleaved"}, notes=(f"{k} (GLM-5.3): {notes[k]}.",))
+                for k, i in first.items()}
+
+    def bench_spec(self, full: ModelSpec, tp: int, kind: str, num_layers: int, *, vocab: int = 512) -> Glm53Spec:
+        """``num_layers`` MoE layers of ``kind`` at GLM-5.3's widths, a small vocabulary (NOTES.md: the pattern)."""
+        if kind not in (kinds := self.bench_kinds()):
+            raise UserError(f"{NAME} bench kind {kind!r}: use {', '.join(kinds)}")
+        a, f = full.layers[kinds[kind].layer].attention, full.layers[kinds[kind].layer].ffn
+        ix = a.indexer  # type: ignore[union-attr]
+        return build_spec(variant=f"bench-{kind}x{num_layers}", hidden=full.hidden_size, vocab=vocab * tp,
+                          num_layers=num_layers, first_dense=0, heads=a.num_heads, q_lora=a.q_lora_rank,
+                          kv_lora=a.kv_lora_rank, nope=a.qk_nope_head_dim, rope=a.qk_rope_head_dim, v_dim=a.v_head_dim,
+                          idx_heads=ix.num_heads, idx_dim=ix.head_dim, idx_topk=ix.topk, offset=1,
+                          freq=1 if kind == "moe" else num_layers + 1, experts=f.num_experts, top_k=f.top_k,
+                          shared=f.num_shared_experts, expert_inter=f.expert_intermediate, dense_inter=1,
+                          max_context=full.max_context, rope_theta=a.rope_theta, eps=full.norm.eps)
 
 
 __all__ = ["Glm53Adapter"]

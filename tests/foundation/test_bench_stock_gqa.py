@@ -392,7 +392,8 @@ CASES = {
 @pytest.mark.parametrize("case,batch,context", [("swa", 1, 5), ("swa", 3, 40), ("full", 3, 40), ("plain", 2, 9)])
 def test_stock_gqa_layer_matches_reference_composition(device, case, batch, context):
     """Stock composition (Triton stand-ins, the shared attention kernel) == the layer from op references."""
-    from latency_specialized.bench.stock.gqa_moe import GatedStream, StockGQALayers, StockGQAMoELayer, StockGQAOptions
+    from latency_specialized.bench.stock.common import StockLayers
+    from latency_specialized.bench.stock.gqa_moe import GatedStream, StockGQAMoELayer, StockGQAOptions
 
     spec_kw, opts = CASES[case]
     full = _gqa_spec(**spec_kw)
@@ -421,7 +422,7 @@ def test_stock_gqa_layer_matches_reference_composition(device, case, batch, cont
     torch.testing.assert_close(layer.k_cache.float(), ref.k_cache.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(layer.v_cache.float(), ref.v_cache.float(), rtol=2e-2, atol=2e-2)
     # the bench's K-copy wrapper runs them back to back and reports routing of every copy
-    layers = StockGQALayers([layer, layer], st)
+    layers = StockLayers([layer, layer], st)
     layers.step()
     assert len(layers.routed_ids()) == 2 and layers.weight_bytes() == 2 * layer.weight_bytes()
 

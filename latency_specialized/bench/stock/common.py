@@ -7,7 +7,29 @@ import contextlib
 
 import torch
 
-__all__ = ["on_stream", "fork", "join", "rand_weight", "rand_norm_weight"]
+class StockLayers:
+    """``copies`` stock layers of one kind run back to back (weights rotate beyond L2). Each layer has
+    ``forward(stream_state)``, ``routed_ids()`` and ``weight_bytes()``; ``stream_state`` is what they share
+    (the residual stream of the composition)."""
+
+    name = "stock"
+
+    def __init__(self, layers: list, stream_state: object):
+        self.layers, self.st = layers, stream_state
+        self.copies = len(layers)
+
+    def step(self) -> None:
+        for layer in self.layers:
+            layer.forward(self.st)
+
+    def routed_ids(self) -> list[torch.Tensor]:
+        return [layer.routed_ids() for layer in self.layers]
+
+    def weight_bytes(self) -> int:
+        return sum(layer.weight_bytes() for layer in self.layers)
+
+
+__all__ = ["on_stream", "fork", "join", "rand_weight", "rand_norm_weight", "StockLayers"]
 
 
 def on_stream(stream):

@@ -62,6 +62,15 @@ def _notes_gqa(full, name, bk, tp):
     return describe(full, bk.layer, tp, name, _gqa_options(bk))
 
 
+def _dsa(name):
+    def call(*args, **kw):  # bench/stock/dsa_moe.py's builder / notes of a BenchKind, imported at call time
+        from latency_specialized.bench.stock import dsa_moe
+
+        return getattr(dsa_moe, name)(*args, **kw)
+
+    return call
+
+
 COMPOSITIONS: dict[str, StockComposition] = {
     "kda_moe": StockComposition("kda_moe", _build_kda, lambda full, name, bk, tp: [],
                                 "Kimi K3 KDA + latent MoE with AttnRes (bench/stock/layers.py)"),
@@ -70,6 +79,9 @@ COMPOSITIONS: dict[str, StockComposition] = {
     "gqa_moe": StockComposition("gqa_moe", _build_gqa, _notes_gqa,
                                 "GQA (window / NoPE / QK norm / gate) + (latent) MoE, sandwich-normed gated "
                                 "residual as vLLM runs Muse Spark (bench/stock/gqa_moe.py)"),
+    "dsa_moe": StockComposition("dsa_moe", _dsa("build_for_kind"), _dsa("notes_for_kind"),
+                                "MLA + DSA indexer (own or shared top-k) + sparse attention + MoE with shared experts, "
+                                "pre-norm, as vLLM runs DeepSeek-V3.2 / GLM-5 on Hopper (bench/stock/dsa_moe.py)"),
 }
 
 

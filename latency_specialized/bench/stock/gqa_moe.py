@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from latency_specialized.bench.stock import gqa_kernels as gk
 from latency_specialized.bench.stock import moe as moe_k
 from latency_specialized.bench.stock import norms
-from latency_specialized.bench.stock.common import fork, join, on_stream, rand_weight
+from latency_specialized.bench.stock.common import StockLayers, fork, join, on_stream, rand_weight
 from latency_specialized.errors import UserError
 from latency_specialized.spec import GQAAttentionSpec, ModelSpec, MoESpec
 
@@ -453,30 +453,10 @@ class StockGQALatentMoE:
         self.topk_ids.copy_(ids)
 
 
-class StockGQALayers:
-    """``copies`` stock GQA layers of one kind run back to back (weights rotate beyond L2)."""
-
-    name = "stock"
-
-    def __init__(self, layers: list[StockGQAMoELayer], stream: GatedStream):
-        self.layers, self.st = layers, stream
-        self.copies = len(layers)
-
-    def step(self) -> None:
-        for layer in self.layers:
-            layer.forward(self.st)
-
-    def routed_ids(self) -> list[torch.Tensor]:
-        return [layer.routed_ids() for layer in self.layers]
-
-    def weight_bytes(self) -> int:
-        return sum(layer.weight_bytes() for layer in self.layers)
-
-
 def build_stock_gqa(full: ModelSpec, layer: int, tp: int, batch: int, context: int, copies: int, device, *,
                     options: StockGQAOptions = StockGQAOptions(), block_size: int = 16, router_weight_bytes: int = 2,
                     experts: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                    attention: Callable[..., torch.Tensor] | None = None) -> StockGQALayers:
+                    attention: Callable[..., torch.Tensor] | None = None) -> StockLayers:
     """``copies`` stock GQA+MoE layers at batch ``batch`` over ``context`` cached tokens per sequence."""
     on_gpu = torch.device(device).type == "cuda"
     streams = (torch.cuda.Stream(), torch.cuda.Stream()) if on_gpu else None
@@ -484,7 +464,7 @@ def build_stock_gqa(full: ModelSpec, layer: int, tp: int, batch: int, context: i
                                router_weight_bytes=router_weight_bytes, streams=streams, attention=attention,
                                experts=experts[i] if experts else None) for i in range(copies)]
     res = torch.float32 if options.residual_dtype == "float32" else torch.bfloat16
-    return StockGQALayers(layers, GatedStream.random(batch, full.hidden_size, res, device))
+    return StockLayers(layers, GatedStream.random(batch, full.hidden_size, res, device))
 
 
 def describe(full: ModelSpec, layer: int, tp: int, kind: str, options: StockGQAOptions) -> list[str]:
@@ -523,5 +503,5 @@ def describe(full: ModelSpec, layer: int, tp: int, kind: str, options: StockGQAO
     return out
 
 
-__all__ = ["GQA_ATTENTION", "GatedStream", "StockGQALatentMoE", "StockGQALayers", "StockGQAMoELayer",
+__all__ = ["GQA_ATTENTION", "GatedStream", "StockGQALatentMoE", "StockGQAMoELayer",
            "StockGQAOptions", "build_stock_gqa", "describe", "resolve_attention"]

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from latency_specialized.bench.stock import kda as kda_k
 from latency_specialized.bench.stock import moe as moe_k
 from latency_specialized.bench.stock import norms
+from latency_specialized.bench.stock.common import StockLayers
 from latency_specialized.bench.stock.common import fork as _fork
 from latency_specialized.bench.stock.common import join as _join
 from latency_specialized.bench.stock.common import on_stream as _on
@@ -366,26 +367,6 @@ class StockMLAMoELayer(_StockMoELayer):
         o = mla_decode_reference(q, c, y[:, ql + L:], self.cache, self.slot_mapping, self.block_table, self.seq_lens,
                                  self.w_kv_b, qk_nope_head_dim=a.qk_nope_head_dim, v_head_dim=a.v_head_dim, gate=gate)
         self._moe_sublayer_reference(st, (o.float() @ self.w_o.float().t()).to(h.dtype))
-
-
-class StockLayers:
-    """``copies`` stock layers of one kind run back to back (weights rotate beyond L2)."""
-
-    name = "stock"
-
-    def __init__(self, layers: list[StockKDAMoELayer] | list[StockMLAMoELayer], stream_state: AttnResState):
-        self.layers, self.st = layers, stream_state
-        self.copies = len(layers)
-
-    def step(self) -> None:
-        for layer in self.layers:
-            layer.forward(self.st)
-
-    def routed_ids(self) -> list[torch.Tensor]:
-        return [layer.routed_ids() for layer in self.layers]
-
-    def weight_bytes(self) -> int:
-        return sum(layer.weight_bytes() for layer in self.layers)
 
 
 def build_stock_kda(full: ModelSpec, layer: int, tp: int, batch: int, copies: int, device, *,
