@@ -169,7 +169,12 @@ def layer_bytes(full: ModelSpec, layer: int, tp: int, batch: int, context: int |
                                + a.num_heads * (a.qk_nope_head_dim + a.v_head_dim) * a.kv_lora_rank
                                + N * a.num_heads * a.v_head_dim
                                + (a.num_heads * a.v_head_dim * N if a.output_gate == "sigmoid" else 0)) * wb / tp
-        out["kv_cache"] = batch * ((context or 0) + 1) * a.latent_width * wb
+        if a.indexer is not None:  # DSA: the selected latents, plus the indexer's weights and keys where it runs
+            from latency_specialized.bench.stock.dsa_moe import sparse_attention_bytes
+
+            out.update(sparse_attention_bytes(full, layer, tp, batch, context, weight_bytes=wb))
+        else:
+            out["kv_cache"] = batch * ((context or 0) + 1) * a.latent_width * wb
     elif isinstance(a, GQAAttentionSpec):
         q, kv, D = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.head_dim
         gate = q if a.output_gate == "sigmoid" else 0

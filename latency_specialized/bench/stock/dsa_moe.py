@@ -288,8 +288,8 @@ def notes_for_kind(full: ModelSpec, name: str, bk: Any, tp: int) -> list[str]:
 # ------------------------------------------------------------------------------------------ roofline and notes
 def sparse_attention_bytes(full: ModelSpec, layer: int, tp: int, batch: int, context: int | None, *,
                            weight_bytes: float = 2.0, key_bytes: float | None = None) -> dict[str, float]:
-    """The attention terms of a DSA layer's floor on one rank that the dense-MLA terms of
-    ``layer_bench.layer_bytes`` do not count as such: ``kv_cache`` the ``min(context + 1, topk)`` selected
+    """The attention terms of a DSA layer's floor on one rank (``layer_bench.layer_bytes`` takes them for every
+    MLA layer with an indexer): ``kv_cache`` the ``min(context + 1, topk)`` selected
     latents (+ the new one written) instead of the whole context; on indexer layers ``indexer_weights``
     (wq_b, wk, weights_proj, k_norm; / TP like every weight) and ``indexer_cache`` (every cached key read + the
     new one written, ``key_bytes`` per token: default head_dim x ``weight_bytes`` - unquantised; vLLM's fp8 keys
@@ -325,7 +325,7 @@ def describe(full: ModelSpec, layer: int, tp: int, kind: str, options: StockDSAO
         b = sparse_attention_bytes(full, layer, tp, 1, c)
         return (b["kv_cache"] + b.get("indexer_cache", 0)) / mb
 
-    counted = ", ".join(f"{c}: {dense(c):.1f} MB counted vs {sparse(c):.1f} MB read" for c in (4096, 32768))
+    counted = ", ".join(f"{c}: {sparse(c):.1f} MB (the whole cache: {dense(c):.1f} MB)" for c in (4096, 32768))
     w = sparse_attention_bytes(full, layer, tp, 1, 0).get("indexer_weights", 0) / mb
     return [
         f"{kind} layers (layer {layer}): MLA {heads} of {a.num_heads} heads per rank (q_lora {a.q_lora_rank}, kv_lora "
@@ -333,12 +333,9 @@ def describe(full: ModelSpec, layer: int, tp: int, kind: str, options: StockDSAO
         f"{'interleaved' if a.rope_interleaved else 'neox'}, v {a.v_head_dim}); the layer {sel}; MoE "
         f"{f.num_experts} x top-{f.top_k}, {f.num_shared_experts} shared. Paged bf16 latent cache, "
         f"{a.latent_width * 2} B per token.",
-        f"{kind} roofline caveat: the bench's roofline bytes (layer_bench.layer_bytes) take the dense-MLA terms - the "
-        f"latent cache of all context + 1 tokens per sequence and no indexer - while this layer reads "
-        f"min(context + 1, {ix.topk}) latents" + (f" plus every cached indexer key and {w:.2f} MB of indexer weights "
-                                                  "(/TP)" if own else "") +
-        f"; per sequence at context {counted}. Its % roofline (and stock's) is overstated by that much until "
-        "layer_bytes counts bench.stock.dsa_moe.sparse_attention_bytes for layers with an indexer.",
+        f"{kind} roofline: the bytes of the selected min(context + 1, {ix.topk}) latents" +
+        (f", every cached indexer key and {w:.2f} MB of indexer weights (/TP)" if own else "") +
+        f" (sparse_attention_bytes), not the whole latent cache; per sequence at context {counted}.",
         f"DSA + MoE layers, stock: vLLM 0.33's Hopper bf16 path with stand-ins written the way stock writes them "
         f"(bench/stock/dsa_kernels.py): residual add + RMSNorm (Triton, for fused_allreduce_rms_norm with the "
         f"all-reduce excluded), fused_norm_rope and fused_q (Triton, one kernel each, as vLLM's own Triton kernels), "

@@ -97,7 +97,7 @@ def test_unknown_kind_and_the_cli_checks(capsys, monkeypatch):
 
 
 def test_kind_summaries_notes_and_roofline_terms():
-    """What the results say per kind; the DSA terms the roofline of layer_bench does not count yet, by hand."""
+    """What the results say per kind; the roofline's DSA terms (selected latents, indexer weights and keys), by hand."""
     from latency_specialized.bench.layer_bench import bench_kinds, bench_notes, kind_summary, layer_bytes
     from latency_specialized.bench.stock.dsa_moe import sparse_attention_bytes
 
@@ -113,12 +113,15 @@ def test_kind_summaries_notes_and_roofline_terms():
     for stand_in in ("fp8_paged_mqa_logits", "cooperative_topk", "FLASH_ATTN_MLA_SPARSE", "fused_norm_rope",
                      "fused_q", "attention.mla.triton_splitkv", "stand-in"):
         assert stand_in in text, stand_in
-    assert sum("roofline caveat" in n for n in notes) == 2 and sum("DSA + MoE layers, stock" in n for n in notes) == 1
+    assert sum(" roofline: the bytes of the selected" in n for n in notes) == 2
+    assert sum("DSA + MoE layers, stock" in n for n in notes) == 1
     assert "MLA 8 of 64 heads per rank" in text and "reuses the latest indexer layer's top-2048" in text
-    # the dense-MLA terms of layer_bytes vs the layer's real reads (batch 2, context 4096, TP 8)
-    dense = layer_bytes(full, 6, 8, batch=2, context=4096, distinct_experts=16)
-    assert dense["kv_cache"] == 2 * 4097 * 576 * 2
+    # the roofline takes the layer's real reads (batch 2, context 4096, TP 8), not the whole latent cache
+    counted = layer_bytes(full, 6, 8, batch=2, context=4096, distinct_experts=16)
     own = sparse_attention_bytes(full, 6, 8, 2, 4096)
+    assert {k: counted[k] for k in own} == own and counted["kv_cache"] < 2 * 4097 * 576 * 2
+    reuse = layer_bytes(full, 3, 8, batch=2, context=4096, distinct_experts=16)
+    assert reuse["kv_cache"] == 2 * 2049 * 576 * 2 and "indexer_cache" not in reuse
     assert own["kv_cache"] == 2 * 2049 * 576 * 2 and own["indexer_cache"] == 2 * 4098 * 128 * 2
     assert own["indexer_weights"] == ((32 * 128 * 2048 + 160 * 6144) * 2 + 2 * 128 * 4) / 8
     assert set(sparse_attention_bytes(full, 3, 8, 2, 4096)) == {"kv_cache"}
