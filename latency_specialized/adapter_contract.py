@@ -22,7 +22,7 @@ Variant = Literal["full", "medium", "tiny"]
 """full: the published architecture; tiny: a few narrow layers every adapter with a reference offers
 (CPU tests); medium: optional, a few layers at widths the GPU kernels serve (``variants`` says who has it)."""
 
-Capability = Literal["spec", "reference", "program", "checkpoint", "vllm"]
+Capability = Literal["spec", "reference", "program", "checkpoint", "vllm", "quantized_experts"]
 
 
 class AdapterContract:
@@ -95,3 +95,27 @@ class AdapterContract:
 
     def __repr__(self) -> str:
         return f"<adapter {self.name}>"
+
+
+class SpecBoundAdapter:
+    """An adapter whose ``spec()`` returns one given spec (a checkpoint's, or one with its experts kept
+    quantized), for ``build_plan``; everything else is the adapter's."""
+
+    def __init__(self, adapter: Any, spec: ModelSpec):
+        self._adapter, self._spec = adapter, spec
+        self.name = adapter.name
+
+    def spec(self, variant: str = "full") -> ModelSpec:
+        return self._spec
+
+    def op_sites(self, spec: ModelSpec, parallel: ParallelSpec, tokens: int, arch: str, dtype: str, *,
+                 context: int | None = None) -> list[Any]:
+        """The adapter's sites of the bound spec (``spec``: it, or its shard for ``parallel.tp``)."""
+        if spec.tp != 1:
+            if self._spec.tp != 1 or self._spec.shard(spec.tp) != spec:
+                raise UserError(f"{self.name}: op sites of a TP={spec.tp} shard that is not the bound spec's")
+            spec = self._spec
+        return self._adapter.op_sites(spec, parallel, tokens, arch, dtype, context=context)
+
+    def __getattr__(self, item: str) -> Any:
+        return getattr(self._adapter, item)

@@ -218,6 +218,11 @@ class RouterSpec(Frozen):
     GateLinear with out_dtype=float32) and fp32 scoring."""
 
 
+ExpertFormat = Literal["mxfp4", "mxfp4-deepseek", "nvfp4"]
+"""Stored 4-bit formats routed experts can stay in on the device (``quant.FORMATS`` names)."""
+EXPERT_FORMATS: tuple[str, ...] = ("mxfp4", "mxfp4-deepseek", "nvfp4")
+
+
 class MoESpec(Frozen):
     """Routed mixture of experts with optional shared experts and an optional latent width."""
 
@@ -236,6 +241,10 @@ class MoESpec(Frozen):
     """Expert activation."""
     router: RouterSpec
     """Routing function."""
+    expert_format: ExpertFormat | None = None
+    """The routed experts stay on the device in this stored 4-bit format (``quant.FORMATS``; the
+    ``moe.experts`` site's ``weight_format``); None: in the activation dtype (a quantized checkpoint is
+    dequantised at load)."""
 
     @model_validator(mode="after")
     def _check(self) -> "MoESpec":
@@ -245,6 +254,11 @@ class MoESpec(Frozen):
 
     def shard(self, tp: int, owner: str = "model") -> "MoESpec":
         inter = _split(self.expert_intermediate, tp, "expert intermediate width", owner)
+        group = 16 if self.expert_format == "nvfp4" else 32
+        if self.expert_format and inter % group:
+            raise UserError(f"TP={tp} not supported by {owner}'s {self.expert_format} experts: a rank's "
+                            f"{inter}-wide slice of the {self.expert_intermediate} intermediate width cuts their "
+                            f"{group}-value scale groups; pick a TP that leaves multiples of {group}")
         return self.model_copy(update={"expert_intermediate": inter})
 
 
@@ -353,6 +367,16 @@ class ModelSpec(Frozen):
             for layer in self.layers
         )
         return self.model_copy(update={"layers": layers, "tp": tp})
+
+    def with_expert_format(self, fmt: str | None) -> "ModelSpec":
+        """This spec with every MoE layer's routed experts kept in the stored 4-bit format ``fmt``
+        (``MoESpec.expert_format``; None: dequantised to the activation dtype)."""
+        if fmt not in (None, *EXPERT_FORMATS):
+            raise UserError(f"{self.name}: routed experts cannot be kept as {fmt!r}; use one of "
+                            f"{', '.join(EXPERT_FORMATS)} (or none: dequantised at load)")
+        layers = tuple(layer.model_copy(update={"ffn": layer.ffn.model_copy(update={"expert_format": fmt})})
+                       if isinstance(layer.ffn, MoESpec) else layer for layer in self.layers)
+        return self.model_copy(update={"layers": layers})
 
 
 class ParallelSpec(Frozen):

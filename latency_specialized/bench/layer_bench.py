@@ -39,7 +39,8 @@ import torch
 from latency_specialized.errors import UserError
 from latency_specialized.runtime.census import split_communication
 from latency_specialized.runtime.graph_runner import graph_node_counts, new_graph
-from latency_specialized.spec import GQAAttentionSpec, KDAAttentionSpec, MLAAttentionSpec, ModelSpec, MoESpec
+from latency_specialized.spec import (GQAAttentionSpec, KDAAttentionSpec, MLAAttentionSpec, ModelSpec, MoESpec,
+                                      SparseMQAAttentionSpec)
 
 HBM_BYTES_PER_S = 4.3e12
 """H200 achievable HBM read bandwidth (PERF.md): the roofline."""
@@ -151,6 +152,8 @@ def layer_bytes(full: ModelSpec, layer: int, tp: int, batch: int, context: int |
     out: dict[str, float] = {}
     if full.residual.kind == "attnres":
         out["attnres"] = 2 * 3 * N * wb / tp
+    elif full.residual.kind == "mhc":
+        pass  # a sparse MQA layer's ``mhc`` term (bench.stock.sparse_mqa_moe.sparse_mqa_bytes): seams + their norms
     else:
         gates = 2 * 2 * N * 4 if full.residual.kind == "gated" else 0
         latent_norm = f.latent_dim * wb if (isinstance(f, MoESpec) and f.latent_dim) else 0
@@ -175,6 +178,10 @@ def layer_bytes(full: ModelSpec, layer: int, tp: int, batch: int, context: int |
             out.update(sparse_attention_bytes(full, layer, tp, batch, context, weight_bytes=wb))
         else:
             out["kv_cache"] = batch * ((context or 0) + 1) * a.latent_width * wb
+    elif isinstance(a, SparseMQAAttentionSpec):  # DeepSeek-V4.1: window + selected compressed rows, indexer, mHC
+        from latency_specialized.bench.stock.sparse_mqa_moe import sparse_mqa_bytes
+
+        out.update(sparse_mqa_bytes(full, layer, tp, batch, context, weight_bytes=wb))
     elif isinstance(a, GQAAttentionSpec):
         q, kv, D = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.head_dim
         gate = q if a.output_gate == "sigmoid" else 0
@@ -398,6 +405,8 @@ def kind_summary(full: ModelSpec, tp: int, name: str, bk: Any) -> dict[str, Any]
                    kv_bytes_per_token=local.num_kv_heads * a.head_dim * 2 * 2)
     elif isinstance(a, MLAAttentionSpec):
         rec.update(window=None, kv_bytes_per_token=a.latent_width * 2)
+    elif isinstance(a, SparseMQAAttentionSpec):
+        rec.update(window=a.sliding_window, compress_ratio=a.compress_ratio, kv_bytes_per_token=a.head_dim * 2)
     if bk.router_weight_bytes != 2:
         rec["router_weight_bytes"] = bk.router_weight_bytes
     return rec
@@ -417,6 +426,9 @@ def _state_phrase(full: ModelSpec, kinds: dict[str, Any]) -> str:
         p = None
         if isinstance(a, KDAAttentionSpec):
             p = "KDA state read + written"
+        elif isinstance(a, SparseMQAAttentionSpec):
+            p = ("the sparse MQA rows read (min(context + 1, window) window rows + min(compressed rows, top-k) selected "
+                 "ones), the indexer keys where the layer runs its indexer, mHC seams (sparse_mqa_bytes)")
         elif isinstance(a, GQAAttentionSpec):
             p = ("the KV cache read (min(context + 1, window) tokens per sequence for a windowed layer, context + 1 "
                  "for full attention) + the new token's k/v written")

@@ -49,25 +49,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="replay each decode step from a CUDA graph: auto = on a GPU when every site is "
                         "capturable; on = require it; off = eager")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="activation dtype")
+    p.add_argument("--experts", choices=["native"], default=None,
+                   help="native: keep the routed experts quantized as the checkpoint (or, with random weights, the "
+                        "release) stores them, run by the 4-bit kernels; default: dequantised at load")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default 1 on the CPU: tiny ops only lose from threading)")
     p.add_argument("--show-plan", action="store_true", help="print the full dispatch plan")
     p.add_argument("--show-trace", action="store_true", help="print the trace (site bindings, fast/stock steps)")
     return p
-
-
-class _SpecBound:
-    """An adapter whose spec() returns one given spec (a checkpoint's), for build_plan."""
-
-    def __init__(self, adapter: Any, spec: Any):
-        self._adapter, self._spec = adapter, spec
-        self.name = adapter.name
-
-    def spec(self, variant: str = "full") -> Any:
-        return self._spec
-
-    def __getattr__(self, item: str) -> Any:
-        return getattr(self._adapter, item)
 
 
 def _sample(logits, temperature: float, gen) -> Any:
@@ -139,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from latency_specialized import hardware
+    from latency_specialized.adapter_contract import SpecBoundAdapter
     from latency_specialized.errors import UserError
     from latency_specialized.ops.plan import build_plan
     from latency_specialized.plugins import get_registry
@@ -162,15 +152,21 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         raise UserError(f"{adapter.name} has no {' / '.join(sorted(missing))} yet: `generate` needs both "
                         f"(capabilities: {sorted(adapter.capabilities)})")
+    quant_kw: dict = {}
+    if args.experts:
+        if "quantized_experts" not in adapter.capabilities:
+            raise UserError(f"{adapter.name} cannot keep its routed experts quantized yet (--experts {args.experts}): "
+                            "drop --experts (they are dequantised at load)")
+        quant_kw["expert_format"] = args.experts
     t0 = time.perf_counter()
     if args.checkpoint:
-        ref = adapter.reference(None, checkpoint=args.checkpoint, dtype=args.dtype, device=device)
+        ref = adapter.reference(None, checkpoint=args.checkpoint, dtype=args.dtype, device=device, **quant_kw)
         source = f"checkpoint {args.checkpoint}"
     else:
         size = args.size or ("medium" if device.type == "cuda" and "medium" in adapter.variants else "tiny")
         if size not in adapter.variants:
             raise UserError(f"{adapter.name} has no --size {size} (variants: {', '.join(adapter.variants)})")
-        ref = adapter.reference(adapter.spec(size), seed=args.seed, dtype=args.dtype, device=device)
+        ref = adapter.reference(adapter.spec(size), seed=args.seed, dtype=args.dtype, device=device, **quant_kw)
         source = f"{size}, random weights seed {args.seed}"
     spec = ref.spec
     load_s = time.perf_counter() - t0
@@ -212,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
 
     # ---- decode: the program through the runtime runner
     hw = hardware.probe() if device.type == "cuda" else hardware.for_arch("cpu")
-    plan = build_plan(_SpecBound(adapter, spec), reg.implementations, hw, tp=1, batch=B, dtype=args.dtype,
+    plan = build_plan(SpecBoundAdapter(adapter, spec), reg.implementations, hw, tp=1, batch=B, dtype=args.dtype,
                       variant=spec.variant)
     if plan.scope_problems:
         trace.note("outside the fast-path scope: " + "; ".join(plan.scope_problems))

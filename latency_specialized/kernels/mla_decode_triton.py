@@ -27,7 +27,10 @@ bytes, are the time):
    positions it gathers the cache rows through ``block_table`` (ids past the end are never read),
    ``s = scale * (q_lat c^T + q_pe k_pe^T)`` (tensor cores, fp32 accumulation), online softmax in
    fp32 (base 2), and ``acc += p c`` with **p rounded to the cache dtype** for the tensor-core dot,
-   fp32 accumulation. It writes ``(acc, m, l)`` of its split to an fp32 workspace;
+   fp32 accumulation. It writes ``(acc, m, l)`` of its split to an fp32 workspace. With ``SPARSE``
+   (``attention.sparse_mla.triton_splitkv``, ``kernels/sparse_mla_triton.py``) the chunks cut the K slots
+   of the row's ``topk_indices`` instead of its positions: a tile gathers the selected tokens' rows,
+   invalid slots (-1, >= seq_len) masked; the merge then counts the splits of K, not of ``seq_lens``;
 3. **merge kernel**: log-sum-exp weights over the splits that held positions (padding rows,
    ``seq_lens == 0``, give exact zeros), ``o_lat`` kept in fp32, ``o = W_UV[h] o_lat`` (fp32 FMAs over
    the bf16 weight), ``* sigmoid(gate)`` in fp32, **the one rounding** of ``o`` into ``out`` [merge to
@@ -163,7 +166,9 @@ _POW2_RANGES = {"kv_lora": (16, 1024), "rope": (16, 256)}
 _LOG2E = 1.4426950408889634
 
 
-def _shape_problems(L: int, R: int) -> list[str]:
+def shape_problems(L: int, R: int) -> list[str]:
+    """Why the kernels cannot take latent width ``L`` / rope width ``R`` (empty: they can); shared with the
+    sparse entry point (``kernels/sparse_mla_triton.py``)."""
     out = []
     for name, n in (("kv_lora", L), ("rope", R)):
         lo, hi = _POW2_RANGES[name]
@@ -186,11 +191,17 @@ def _kernels(interpret: bool):
 
     # the two merges' shared steps (module globals too: kernels resolve the functions they call there)
     @triton.jit
-    def _split_weights(ws_m, ws_l, seq_lens, b, h, num_splits, s_mb, s_ms,
-                       BN: tl.constexpr, MIN_CHUNK: tl.constexpr, S_PAD: tl.constexpr):
+    def _split_weights(ws_m, ws_l, seq_lens, b, h, num_splits, s_mb, s_ms, topk,
+                       BN: tl.constexpr, MIN_CHUNK: tl.constexpr, S_PAD: tl.constexpr, SPARSE: tl.constexpr):
         # -> (used, m_max, inv): the splits that held positions (the split kernel's rule), their common
-        # max and 1 / the softmax denominator (0 for a padding row: no split, every weight 0)
-        seq_len = tl.load(seq_lens + b).to(tl.int32)
+        # max and 1 / the softmax denominator (0 for a padding row: no split, every weight 0).
+        # SPARSE: the splits cut the topk selection slots (the same static count for every row), not the
+        # context; a split whose slots are all invalid left m = -inf, l = 0, acc = 0 (weight 0 here), and a
+        # row with no valid slot at all gets denom 0, so zeros, as a padding row does
+        if SPARSE:
+            seq_len = topk
+        else:
+            seq_len = tl.load(seq_lens + b).to(tl.int32)
         chunk = tl.maximum(tl.cdiv(seq_len, num_splits), MIN_CHUNK)
         chunk = tl.cdiv(chunk, BN) * BN
         used = tl.cdiv(seq_len, chunk)
@@ -280,12 +291,15 @@ def _kernels(interpret: bool):
 
     @triton.jit
     def split_kernel(q_lat, q_pe, cache, block_table, seq_lens, ws_acc, ws_m, ws_l, o_lat, count,
-                     H, num_splits, block_size, sm_scale_log2,
-                     s_qb, s_qh, s_pb, s_ph, s_row, s_bt,
+                     topk_idx, topk, H, num_splits, block_size, sm_scale_log2,
+                     s_qb, s_qh, s_pb, s_ph, s_row, s_bt, s_tk,
                      s_wb, s_ws, s_wh, s_mb, s_ms, s_ob, s_oh,
                      L: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
                      MIN_CHUNK: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
-                     ZERO_COUNT: tl.constexpr, TRIGGER_END: tl.constexpr):
+                     ZERO_COUNT: tl.constexpr, TRIGGER_END: tl.constexpr, SPARSE: tl.constexpr):
+        # SPARSE (attention.sparse_mla): the splits cut the ``topk`` slots of the row's selection
+        # ``topk_idx[b, :]`` (token positions; < 0 or >= seq_len: skipped) instead of the positions
+        # [0, seq_len); a tile then gathers the selected tokens' rows. Else topk_idx / topk / s_tk are unused.
         b = tl.program_id(0)
         hg = tl.program_id(1)
         sp = tl.program_id(2)
@@ -296,11 +310,16 @@ def _kernels(interpret: bool):
             offs_c = hg * BH + tl.arange(0, BH)
             tl.store(count + b * H + offs_c, tl.zeros([BH], dtype=tl.int32), mask=offs_c < tl.where(sp == 0, H, 0))
         seq_len = tl.load(seq_lens + b).to(tl.int32)
-        # this split's chunk, from the device-side length: no host read of seq_lens anywhere
-        chunk = tl.maximum(tl.cdiv(seq_len, num_splits), MIN_CHUNK)
+        # this split's chunk, from the device-side length: no host read of seq_lens anywhere (sparse: of
+        # the static selection width, so every row has the same live splits)
+        if SPARSE:
+            n_len = topk
+        else:
+            n_len = seq_len
+        chunk = tl.maximum(tl.cdiv(n_len, num_splits), MIN_CHUNK)
         chunk = tl.cdiv(chunk, BN) * BN
         start = sp * chunk
-        end = tl.minimum(start + chunk, seq_len)
+        end = tl.minimum(start + chunk, n_len)
 
         offs_h = hg * BH + tl.arange(0, BH)
         h_ok = offs_h < H
@@ -315,8 +334,16 @@ def _kernels(interpret: bool):
         l_i = tl.zeros([BH], dtype=tl.float32)
         acc = tl.zeros([BH, L], dtype=tl.float32)
         for n0 in range(start, end, BN):
-            pos = n0 + tl.arange(0, BN)
-            ok = pos < end
+            if SPARSE:
+                # the tile's selection slots -> token positions; invalid slots (-1, or a position the
+                # sequence does not hold: short contexts, padding rows) are masked like positions past the end
+                slot = n0 + tl.arange(0, BN)
+                pos = tl.load(topk_idx + b * s_tk + slot, mask=slot < end, other=-1).to(tl.int32)
+                ok = (slot < end) & (pos >= 0) & (pos < seq_len)
+                pos = tl.maximum(pos, 0)
+            else:
+                pos = n0 + tl.arange(0, BN)
+                ok = pos < end
             # block ids past the end may be anything (-1, garbage): never loaded (masked), and a
             # negative id inside the live range is clamped rather than read out of bounds
             blk = tl.load(block_table + b * s_bt + pos // block_size, mask=ok, other=0)
@@ -328,9 +355,16 @@ def _kernels(interpret: bool):
             s = tl.dot(q, tl.trans(c), input_precision=PREC)
             s = tl.dot(qp, tl.trans(kpe), s, input_precision=PREC)
             s = tl.where(ok[None, :], s * sm_scale_log2, float("-inf"))            # [BH, BN], log2 units
-            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds >= 1 live position
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # dense: finite, every tile holds >= 1 live position
+            if SPARSE:
+                # a tile (and all before it) may hold no valid slot: m_new = -inf, and -inf - -inf would
+                # be NaN; exponents against 0 instead give exact zeros (acc, l stay 0) while m stays -inf,
+                # so a later valid tile still takes its own max (no underflow of very negative scores)
+                m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
+            else:
+                m_ref = m_new
+            alpha = tl.exp2(m_i - m_ref)
+            p = tl.exp2(s - m_ref[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
             acc = tl.dot(p.to(cache.dtype.element_ty), c, acc, input_precision=PREC)
@@ -341,7 +375,7 @@ def _kernels(interpret: bool):
             tl.store(o_lat + b * s_ob + offs_h[:, None] * s_oh + offs_l[None, :],
                      o.to(o_lat.dtype.element_ty), mask=h_ok[:, None])
         else:  # splits with no position write nothing: the merge reads only splits < its live count
-            live = offs_h < tl.where(start < seq_len, H, 0)
+            live = offs_h < tl.where(start < n_len, H, 0)
             tl.store(ws_acc + b * s_wb + sp * s_ws + offs_h[:, None] * s_wh + offs_l[None, :], acc,
                      mask=live[:, None])
             tl.store(ws_m + b * s_mb + sp * s_ms + offs_h, m_i, mask=live)
@@ -350,11 +384,11 @@ def _kernels(interpret: bool):
             tlc.gdc_launch_dependents()
 
     @triton.jit
-    def merge_kernel(ws_acc, ws_m, ws_l, seq_lens, o_lat, w_uv, gate, out, num_splits, V,
+    def merge_kernel(ws_acc, ws_m, ws_l, seq_lens, o_lat, w_uv, gate, out, num_splits, V, topk,
                      s_wb, s_ws, s_wh, s_mb, s_ms, s_ob, s_oh, s_uh, s_uv, s_g, s_o,
                      BN: tl.constexpr, MIN_CHUNK: tl.constexpr, S_PAD: tl.constexpr, S_TILE: tl.constexpr,
                      L: tl.constexpr, ML: tl.constexpr, V_PAD: tl.constexpr, EPILOGUE: tl.constexpr,
-                     HAS_GATE: tl.constexpr, PDL: tl.constexpr):
+                     HAS_GATE: tl.constexpr, PDL: tl.constexpr, SPARSE: tl.constexpr):
         # EPILOGUE: grid (B, H, cdiv(V, V_PAD)), merge + o[v block] = W_UV[h, v block] o_lat (o_lat kept
         # fp32) + gate + the one rounding into out; every v block re-merges the whole o_lat (partials
         # from L2) so that a small batch still spreads the W_UV reads over many SMs.
@@ -364,7 +398,8 @@ def _kernels(interpret: bool):
         if PDL:  # the partials come from the split kernel
             tlc.gdc_wait()
             tlc.gdc_launch_dependents()
-        used, m_max, inv = _split_weights(ws_m, ws_l, seq_lens, b, h, num_splits, s_mb, s_ms, BN, MIN_CHUNK, S_PAD)
+        used, m_max, inv = _split_weights(ws_m, ws_l, seq_lens, b, h, num_splits, s_mb, s_ms, topk, BN, MIN_CHUNK,
+                                          S_PAD, SPARSE)
         if EPILOGUE:
             l_first = 0
             n_cols = L
@@ -392,11 +427,11 @@ def _kernels(interpret: bool):
             tl.store(out + b * s_o + h * V + offs_v, o.to(out.dtype.element_ty), mask=v_ok)
 
     @triton.jit
-    def merge_tiles_kernel(ws_acc, ws_m, ws_l, seq_lens, w_uv, gate, out, ws_o, count, num_splits, H, V,
+    def merge_tiles_kernel(ws_acc, ws_m, ws_l, seq_lens, w_uv, gate, out, ws_o, count, num_splits, H, V, topk,
                            s_wb, s_ws, s_wh, s_mb, s_ms, s_uh, s_uv, s_g, s_o,
                            BN: tl.constexpr, MIN_CHUNK: tl.constexpr, S_PAD: tl.constexpr, S_TILE: tl.constexpr,
                            LT: tl.constexpr, NLT: tl.constexpr, NLT_PAD: tl.constexpr, V_PAD: tl.constexpr,
-                           HAS_GATE: tl.constexpr, PDL: tl.constexpr):
+                           HAS_GATE: tl.constexpr, PDL: tl.constexpr, SPARSE: tl.constexpr):
         # grid (B, H, NLT): program lt merges the splits' partials of latent columns [lt*LT, (lt+1)*LT) only
         # and multiplies them by its columns of W_UV: a partial o [V] (fp32) into ws_o [B, H, NLT, V_PAD].
         # The last of a head's NLT programs to arrive (count[b, h], zeroed by the split kernel) adds the NLT
@@ -413,7 +448,8 @@ def _kernels(interpret: bool):
         if PDL:  # the partials come from the split kernel
             tlc.gdc_wait()
             tlc.gdc_launch_dependents()
-        used, m_max, inv = _split_weights(ws_m, ws_l, seq_lens, b, h, num_splits, s_mb, s_ms, BN, MIN_CHUNK, S_PAD)
+        used, m_max, inv = _split_weights(ws_m, ws_l, seq_lens, b, h, num_splits, s_mb, s_ms, topk, BN, MIN_CHUNK,
+                                          S_PAD, SPARSE)
         acc = _merged_columns(ws_acc, ws_m, b, h, used, m_max, offs_l, s_wb, s_ws, s_wh, s_mb, s_ms, S_TILE, LT)
         po = tl.sum(w.to(tl.float32) * (acc * inv)[None, :], 1)                  # [V_PAD] partial o
         row = ((b * H + h) * NLT_PAD) * V_PAD
@@ -452,6 +488,17 @@ def min_chunk(batch: int) -> int:
     """Fewest positions per split at this batch (a static choice: graph-safe): ``MIN_CHUNK``, or
     ``MIN_CHUNK_SMALL_BATCH`` up to ``SMALL_BATCH`` sequences."""
     return MIN_CHUNK_SMALL_BATCH if batch <= SMALL_BATCH else MIN_CHUNK
+
+
+def choose_sparse_splits(batch: int, heads: int, topk: int, sms: int, block_n: int = BLOCK_N) -> int:
+    """Splits per sequence of the sparse split kernel (``attention.sparse_mla``): ``choose_num_splits`` with
+    the selection width ``topk`` as the capacity (every row has exactly ``topk`` slots, valid or not), then
+    trimmed to the splits that the device-side chunk rule (``cdiv(topk, splits)``, at least
+    ``min_chunk(batch)``, a multiple of ``block_n``) leaves a slot: no program without work, and the
+    merge's live count is every split. Static shapes only (graph-safe)."""
+    want = choose_num_splits(batch, heads, topk, sms)
+    chunk = -(-max(-(-topk // want), min_chunk(batch)) // block_n) * block_n
+    return max(1, -(-topk // chunk))
 
 
 def merge_v_block(batch: int, heads: int, v: int, sms: int) -> int:
@@ -525,10 +572,18 @@ def _prologue(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapp
 
 
 def _resolve_splits(B: int, H: int, block_table: torch.Tensor, block_size: int, num_splits: int | None,
-                    device: torch.device) -> int:
+                    device: torch.device, topk: int | None = None, block_n: int = BLOCK_N) -> int:
     if num_splits is None:
-        num_splits = choose_num_splits(B, H, block_table.shape[1] * block_size, sm_count(device))
+        if topk is None:
+            num_splits = choose_num_splits(B, H, block_table.shape[1] * block_size, sm_count(device))
+        else:  # sparse: the selection's width, not the table's, is what the splits cut
+            num_splits = choose_sparse_splits(B, H, topk, sm_count(device), block_n)
     return max(1, min(int(num_splits), MAX_SPLITS))
+
+
+def _block_n(flat: torch.Tensor) -> int:
+    """Positions per split-kernel tile for this cache dtype (``BLOCK_N``; 16 for 4-byte elements)."""
+    return BLOCK_N if flat.element_size() <= 2 else min(BLOCK_N, 16)
 
 
 class _Split(NamedTuple):
@@ -544,16 +599,20 @@ class _Split(NamedTuple):
 def _split_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, block_size: int, scale: float, num_splits: int | None,
                      o_lat: torch.Tensor | None, pdl: bool = False, count: torch.Tensor | None = None,
-                     trigger_end: bool = False) -> _Split:
+                     trigger_end: bool = False, topk_indices: torch.Tensor | None = None) -> _Split:
     """Launch the split kernel. q_lat [H, B, L] (any strides, unit last), q_pe [B, H, R], flat
     [slots, L + R]; ``o_lat`` [H, B, L]: given with ``num_splits == 1``, the kernel writes it directly.
     ``count`` [B * H] int32: the L-tiled merge's arrival counters, zeroed by the split-0 programs.
     ``trigger_end``: every program lets the next kernel launch (PDL) after its last store (``late_merge_pdl``,
-    which is never true together with ``pdl``)."""
+    which is never true together with ``pdl``). ``topk_indices`` [B, K] int (unit last stride): attend over
+    those positions only (sparse MLA; the splits cut the K slots)."""
     H, B, L = q_lat.shape
     R = q_pe.shape[-1]
-    num_splits = _resolve_splits(B, H, block_table, block_size, num_splits, q_lat.device)
-    block_n = BLOCK_N if flat.element_size() <= 2 else min(BLOCK_N, 16)
+    block_n = _block_n(flat)
+    sparse = topk_indices is not None
+    topk = topk_indices.shape[1] if sparse else 0
+    num_splits = _resolve_splits(B, H, block_table, block_size, num_splits, q_lat.device,
+                                 topk if sparse else None, block_n)
     prec = "ieee" if flat.dtype == torch.float32 else "tf32"
     direct = num_splits == 1 and o_lat is not None
     if direct:
@@ -568,11 +627,13 @@ def _split_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor
         so = (0, 0)
     _kernels(_interpreting())["split"][(B, -(-H // BLOCK_H), num_splits)](
         q_lat, q_pe, flat, block_table, seq_lens, ws_acc, ws_m, ws_l, o_lat if direct else ws_acc,
-        count if count is not None else ws_m, H, num_splits, block_size, scale * _LOG2E,
+        count if count is not None else ws_m, topk_indices if sparse else seq_lens, topk,
+        H, num_splits, block_size, scale * _LOG2E,
         q_lat.stride(1), q_lat.stride(0), q_pe.stride(0), q_pe.stride(1), flat.stride(0), block_table.stride(0),
-        *sw, *so,
+        topk_indices.stride(0) if sparse else 0, *sw, *so,
         L=L, R=R, BH=BLOCK_H, BN=block_n, MIN_CHUNK=min_chunk(B), DIRECT=direct, PREC=prec,
-        ZERO_COUNT=count is not None, TRIGGER_END=trigger_end, num_stages=NUM_STAGES, **_pdl_args(pdl))
+        ZERO_COUNT=count is not None, TRIGGER_END=trigger_end, SPARSE=sparse, num_stages=NUM_STAGES,
+        **_pdl_args(pdl))
     return _Split(ws_acc, ws_m, ws_l, sw, 1 if direct else num_splits, block_n)
 
 
@@ -649,17 +710,36 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
     torch epilogue also rounds o_lat and o before the gate); a bf16 tolerance against the fp32
     reference. No host sync: CUDA-graph capturable.
     """
+    return launch_mla_decode(q, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, w_kv_b,
+                             qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim, scale=scale, gate=gate,
+                             out=out, num_splits=num_splits, fused=fused, kv_norm_weight=kv_norm_weight,
+                             kv_norm_eps=kv_norm_eps)
+
+
+def launch_mla_decode(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                      w_kv_b: torch.Tensor, *, qk_nope_head_dim: int, v_head_dim: int,
+                      scale: float | None = None, gate: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None, num_splits: int | None = None,
+                      fused: bool | None = None, kv_norm_weight: torch.Tensor | None = None,
+                      kv_norm_eps: float = 1e-6, topk_indices: torch.Tensor | None = None,
+                      name: str = NAME, fallback: str = "attention.mla.torch_paged") -> torch.Tensor:
+    """The three launches of :func:`mla_decode_triton` (same arguments and result), shared by the dense and
+    the sparse entry points. ``topk_indices`` [B, K] int (unit last stride; ``None``: dense): the split kernel
+    attends over those token positions only (< 0 or >= ``seq_lens[b]``: skipped; none left: zeros), its
+    splits cutting the K slots (``choose_sparse_splits`` by default); prologue and merge are the same
+    kernels. ``name`` / ``fallback``: the implementation named in errors and the one they point to."""
     B, H, qk = q.shape
     nope, v = qk_nope_head_dim, v_head_dim
     L, R = latent_widths(q, kv_c, kv_cache, nope)
-    problems = _shape_problems(L, R)
+    problems = shape_problems(L, R)
     if problems:
-        raise UserError(f"{NAME}: {'; '.join(problems)}: serve this MLA with attention.mla.torch_paged "
+        raise UserError(f"{name}: {'; '.join(problems)}: serve this MLA with {fallback} "
                         f"(force it in the plan) or pad the latent to a supported size")
     if kv_cache.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise UserError(f"{NAME}: kv cache dtype {kv_cache.dtype} (bf16/fp16/fp32 only): use attention.mla.torch_paged")
+        raise UserError(f"{name}: kv cache dtype {kv_cache.dtype} (bf16/fp16/fp32 only): use {fallback}")
     if not kv_cache.is_contiguous():
-        raise UserError(f"{NAME}: the kv cache must be contiguous (got strides {kv_cache.stride()})")
+        raise UserError(f"{name}: the kv cache must be contiguous (got strides {kv_cache.stride()})")
     if w_kv_b.shape != (H * (nope + v), L):
         raise ValueError(f"w_kv_b {tuple(w_kv_b.shape)} != [H * (nope + v), L] = [{H * (nope + v)}, {L}]")
     if kv_norm_weight is not None:  # before any kernel is built or launched
@@ -674,7 +754,11 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
     if w.dtype != dtype:
         w = w.to(dtype)
     bt = _last_dim_unit(block_table)
-    num_splits = _resolve_splits(B, H, bt, block, num_splits, q.device)
+    if topk_indices is not None:
+        topk_indices = _last_dim_unit(topk_indices)
+    topk = 0 if topk_indices is None else topk_indices.shape[1]
+    num_splits = _resolve_splits(B, H, bt, block, num_splits, q.device,
+                                 topk if topk_indices is not None else None, _block_n(flat))
     pdl = pdl_enabled(q.device, B * -(-H // BLOCK_H) * num_splits)
     if fused:  # 1. one launch: the (normed) new latents into the cache and the absorbed query, no host sync
         q_lat = _prologue(q, kv_c, k_pe, slot_mapping, flat, w[:, :nope], kv_norm_weight=kv_norm_weight,
@@ -692,13 +776,13 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
     count = torch.empty(B * H, device=q.device, dtype=torch.int32) if n_lt > 1 else None
     late = late_merge_pdl(q.device, pdl, n_lt > 1)
     sp = _split_attention(q_lat, q_pe, flat, bt, seq_lens, block, scale, num_splits, o_lat, pdl=pdl, count=count,
-                          trigger_end=late)
+                          trigger_end=late, topk_indices=topk_indices)
     s_pad = _next_pow2(sp.num_splits)
     # wide split tiles: at batch 1 (256 splits, 12 programs) the merge is a serial loop per program,
     # latency-bound with narrow tiles (H200: 85 us of a 109 us call at 32k tokens with 8-split tiles)
     s_tile = min(MERGE_S_TILE, 1 << (sp.num_splits.bit_length() - 1))
     merge_args = dict(BN=sp.block_n, MIN_CHUNK=min_chunk(B), S_PAD=s_pad, S_TILE=s_tile,
-                      **_pdl_args(pdl, MERGE_WARPS))
+                      SPARSE=topk_indices is not None, **_pdl_args(pdl, MERGE_WARPS))
     ml = min(MERGE_L, L)
 
     # 3. fused: merge + W_UV + gate + rounding into out
@@ -706,7 +790,7 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
     if fused:
         y = out if out is not None else torch.empty(B, H * v, device=q.device, dtype=dtype)
         if y.stride(-1) != 1:
-            raise UserError(f"{NAME}: out must have a unit last stride (got {y.stride()})")
+            raise UserError(f"{name}: out must have a unit last stride (got {y.stride()})")
         g = _last_dim_unit(gate) if gate is not None else y
         if n_lt > 1:  # small batch: each program merges a latent tile, the last of a head adds the outputs
             lt, v_pad, n_pad = L // n_lt, _next_pow2(v), _next_pow2(n_lt)
@@ -714,7 +798,8 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
             tile_args = dict(merge_args, S_TILE=max(1, min(1 << (sp.num_splits.bit_length() - 1), MERGE_TILE // lt)),
                              **(_pdl_args(True, MERGE_WARPS) if late else {}))
             kernels["merge_tiles"][(B, H, n_lt)](
-                sp.ws_acc, sp.ws_m, sp.ws_l, seq_lens, w_uv, g, y, ws_o, count, sp.num_splits, H, v, *sp.strides,
+                sp.ws_acc, sp.ws_m, sp.ws_l, seq_lens, w_uv, g, y, ws_o, count, sp.num_splits, H, v, topk,
+                *sp.strides,
                 w_uv.stride(0), w_uv.stride(1), g.stride(0), y.stride(0),
                 LT=lt, NLT=n_lt, NLT_PAD=n_pad, V_PAD=v_pad, HAS_GATE=gate is not None, **tile_args)
             return y
@@ -722,14 +807,14 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
         ml_f = min(MERGE_L_FUSED, L)
         fused_args = dict(merge_args, S_TILE=max(1, min(s_tile, MERGE_TILE // ml_f)))
         kernels["merge"][(B, H, -(-v // vb))](
-            sp.ws_acc, sp.ws_m, sp.ws_l, seq_lens, y, w_uv, g, y, sp.num_splits, v, *sp.strides, 0, 0,
+            sp.ws_acc, sp.ws_m, sp.ws_l, seq_lens, y, w_uv, g, y, sp.num_splits, v, topk, *sp.strides, 0, 0,
             w_uv.stride(0), w_uv.stride(1), g.stride(0), y.stride(0),
             L=L, ML=ml_f, V_PAD=vb, EPILOGUE=True, HAS_GATE=gate is not None, **fused_args)
         return y
     # unfused: merge to o_lat (activation dtype), torch W_UV bmm, the reference's epilogue
     if sp.num_splits > 1:
         kernels["merge"][(B, H, L // ml)](
-            sp.ws_acc, sp.ws_m, sp.ws_l, seq_lens, o_lat, o_lat, o_lat, o_lat, sp.num_splits, v, *sp.strides,
+            sp.ws_acc, sp.ws_m, sp.ws_l, seq_lens, o_lat, o_lat, o_lat, o_lat, sp.num_splits, v, topk, *sp.strides,
             o_lat.stride(1), o_lat.stride(0), 0, 0, 0, 0,
             L=L, ML=ml, V_PAD=16, EPILOGUE=False, HAS_GATE=False, **merge_args)
     o = torch.bmm(o_lat, w_uv.transpose(1, 2)).transpose(0, 1).reshape(B, H * v)  # [H,B,L] x [H,L,v]
@@ -746,7 +831,7 @@ def _supports(ctx: OpContext) -> Support:
         L, R = ctx.dim("kv_lora"), ctx.dim("rope")
     except KeyError:  # a site without the dims: the call checks them and names the fix
         return True
-    problems = _shape_problems(L, R)
+    problems = shape_problems(L, R)
     return "; ".join(problems) if problems else True
 
 

@@ -28,6 +28,7 @@ OP_MODULES = (
     "latency_specialized.ops.residual_mhc",
     "latency_specialized.ops.residual_gated",
     "latency_specialized.ops.attention.sparse_mla",
+    "latency_specialized.ops.attention.sparse_mqa",
     "latency_specialized.kernels.registry",
 )
 

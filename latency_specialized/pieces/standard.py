@@ -15,7 +15,9 @@ spec block      piece
                 that run their own indexer and layers that reuse one are different kinds)
 ``gqa``         :class:`~latency_specialized.pieces.attention.gqa.GQAAttention` (``qk_norm`` is the
                 spec's weightless QK norm)
-``sparse_mqa``  none yet
+``sparse_mqa``  :class:`~latency_specialized.pieces.attention.sparse_mqa.SparseMQAAttention` for window-only
+                layers; compressed layers need the model's KV / index sources and top-k: an adapter
+                composes them (``attention=``)
 ``dense``       :class:`~latency_specialized.pieces.ffn.dense_mlp.DenseMLP`
 ``moe``         :class:`~latency_specialized.pieces.ffn.moe.RoutedMoE`, or with ``latent_dim``
                 :class:`~latency_specialized.pieces.ffn.latent_moe.LatentMoE` (its defaults: the
@@ -46,6 +48,7 @@ from latency_specialized.pieces.attention.gqa import GQAAttention
 from latency_specialized.pieces.attention.kda import KDAAttention
 from latency_specialized.pieces.attention.mla import MLAAttention
 from latency_specialized.pieces.attention.sparse_mla import IndexerOptions, SparseMLAAttention, runs_own_indexer
+from latency_specialized.pieces.attention.sparse_mqa import SparseMQAAttention
 from latency_specialized.pieces.embedding import TokenEmbedding
 from latency_specialized.pieces.ffn.dense_mlp import DenseMLP
 from latency_specialized.pieces.ffn.latent_moe import LatentMoE
@@ -58,7 +61,7 @@ from latency_specialized.pieces.residual.prenorm import PreNormResidual
 from latency_specialized.runtime.composed import ComposedModel
 from latency_specialized.runtime.pieces_api import LayerPieces
 from latency_specialized.spec import (DenseMLPSpec, GQAAttentionSpec, KDAAttentionSpec, LayerSpec, MLAAttentionSpec,
-                                      ModelSpec, MoESpec)
+                                      ModelSpec, MoESpec, SparseMQAAttentionSpec)
 
 PieceFor = Callable[[LayerSpec], Any]
 """A layer -> its piece for one role (attention or FFN)."""
@@ -90,6 +93,13 @@ def standard_attention(spec: ModelSpec, layer: LayerSpec) -> Any:
         return MLAAttention(a, norm_eps=spec.norm.eps)
     if isinstance(a, GQAAttentionSpec):
         return GQAAttention(a, qk_norm="weightless" if a.qk_norm else None)
+    if isinstance(a, SparseMQAAttentionSpec) and a.compress_ratio == 0:
+        return SparseMQAAttention(a, norm_eps=spec.norm.eps)
+    if isinstance(a, SparseMQAAttentionSpec):
+        where = _layers_of(spec, lambda l: getattr(l.attention, "compress_ratio", 0) > 0)
+        raise MissingPiece(f"{spec.name}: sparse MQA with compressed KV ({where}) needs the model's KV sources, "
+                           "top-k and RoPE base: compose it (compose_standard(spec, attention=...) with "
+                           "SparseMQAAttention(a, topk=, kv_source=, rope_theta=))")
     raise _missing(spec, f"{a.kind} attention", _layers_of(spec, lambda l: l.attention.kind == a.kind), "attention")
 
 

@@ -216,6 +216,44 @@ def quantized_from_named(named: Mapping[str, torch.Tensor], weight_name: str, fm
     return QuantizedWeight(f, logical, w, scale, g, inp, weight_name)
 
 
+def _stored_bases(named: Mapping[str, torch.Tensor], f: QuantFormat) -> list[str]:
+    """The ``<base>.weight`` names ``named`` stores in ``f`` (those whose scale tensor is present)."""
+    scale_suffix = "." + (f.suffix("scale") or "")
+    return [n[: -len(scale_suffix)] + WEIGHT for n in named if n.endswith(scale_suffix)]
+
+
+def keep_quantized(named: Mapping[str, torch.Tensor], fmt: QuantFormat | str,
+                   shapes: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, "torch.Tensor | QuantizedWeight"]:
+    """``named`` with every ``fmt``-stored weight replaced by one :class:`QuantizedWeight` under its
+    ``<base>.weight`` name (checked, scales validated; nothing dequantised); its stored companions removed,
+    everything else passed through. The kept-quantized counterpart of :func:`dequantize_named`."""
+    f = QuantFormat.get(fmt)
+    out: dict[str, torch.Tensor | QuantizedWeight] = dict(named)
+    for wn in _stored_bases(named, f):
+        qw = quantized_from_named(named, wn, f, (shapes or {}).get(wn))
+        for n in tensor_names(wn, f).values():
+            out.pop(n, None)
+        out[wn] = qw
+    return out
+
+
+def quantized_pair(named: Mapping[str, torch.Tensor], fmt: QuantFormat | str, select: Callable[[str], bool], *,
+                   dtype: torch.dtype, device: torch.device | str = "cpu"
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, "torch.Tensor | QuantizedWeight"]]:
+    """The selected ``*.weight`` tensors of ``named`` quantized to ``fmt`` once, as two views of the same values:
+    (for a reference: every weight in ``dtype`` with the selected ones dequantised - exactly what the codes
+    hold; for a program: the same dict with the selected ones kept as :class:`QuantizedWeight`), both on
+    ``device``. Random-weight models use it so that program and reference see identical weights."""
+    f = QuantFormat.get(fmt)
+    picked = {n: t for n, t in named.items() if select(n)}
+    stored = quantize_named(picked, f, select=lambda n: True)
+    deq = dequantize_named(stored, f, dtype=torch.float32)
+    ref = {n: (deq[n].to(dtype=dtype, device=device) if n in picked else t) for n, t in named.items()}
+    kept = {n: (v.to(device) if isinstance(v, QuantizedWeight) else v)
+            for n, v in keep_quantized(stored, f).items()}
+    return ref, {**ref, **kept}
+
+
 def dequantize_named(named: Mapping[str, torch.Tensor], fmt: QuantFormat | str,
                      shapes: Mapping[str, tuple[int, ...]] | None = None,
                      dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -223,10 +261,8 @@ def dequantize_named(named: Mapping[str, torch.Tensor], fmt: QuantFormat | str,
     is present - replaced by its dequantised ``<base>.weight`` in ``dtype``; its stored companions removed,
     everything else passed through. ``shapes``: logical shapes to check against (by weight name)."""
     f = QuantFormat.get(fmt)
-    scale_suffix = "." + (f.suffix("scale") or "")
-    bases = [n[: -len(scale_suffix)] + WEIGHT for n in named if n.endswith(scale_suffix)]
     out = dict(named)
-    for wn in bases:
+    for wn in _stored_bases(named, f):
         qw = quantized_from_named(named, wn, f, (shapes or {}).get(wn))
         for n in tensor_names(wn, f).values():
             out.pop(n, None)
@@ -235,4 +271,4 @@ def dequantize_named(named: Mapping[str, torch.Tensor], fmt: QuantFormat | str,
 
 
 __all__ = ["tensor_names", "mxfp4_names", "stored_tensors", "stored_format", "QuantizedWeight", "quantize_weight",
-           "quantize_named", "quantized_from_named", "dequantize_named"]
+           "quantize_named", "quantized_from_named", "keep_quantized", "quantized_pair", "dequantize_named"]

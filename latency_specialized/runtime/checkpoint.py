@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -175,6 +175,23 @@ def _cast(name: str, t: torch.Tensor, kind: DTypeKind, dtype: torch.dtype, where
     raise ValueError(f"dtype kind {kind!r} of {name}: use 'act', 'float32' or 'keep'")
 
 
+def read_stored(directory: str | Path, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` of a checkpoint directory exactly as stored (no cast, no dequantisation: the
+    quantized weights a program keeps as they are); a missing one raises CheckpointError naming it."""
+    d = Path(directory)
+    files = tensor_files(d)
+    handles: dict[Path, Any] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        if name not in files:
+            raise CheckpointError(f"{d}: missing tensor {name}: the checkpoint does not store it (another format?)")
+        f = files[name]
+        if f not in handles:
+            handles[f] = open_safetensors(f)
+        out[name] = handles[f].get_tensor(name)
+    return out
+
+
 def load_checkpoint(directory: str | Path, expected: Mapping[str, tuple[tuple[int, ...], DTypeKind]],
                     dtype: torch.dtype = torch.bfloat16, *, device: torch.device | str = "cpu",
                     strict: bool = False,
@@ -241,5 +258,5 @@ def load_checkpoint(directory: str | Path, expected: Mapping[str, tuple[tuple[in
     return LoadedCheckpoint(config, tensors, unused)
 
 
-__all__ = ["save_checkpoint", "load_checkpoint", "LoadedCheckpoint", "read_config", "tensor_files",
+__all__ = ["save_checkpoint", "load_checkpoint", "read_stored", "LoadedCheckpoint", "read_config", "tensor_files",
            "open_safetensors", "mxfp4_dequantize", "mxfp4_quantize", "mxfp4_names", "E2M1", "INDEX"]

@@ -49,6 +49,8 @@ from latency_specialized.comm.base import LocalCommunicator
 from latency_specialized.errors import UserError
 from latency_specialized.ops.plan import Plan
 from latency_specialized.ops.sites import OpSite, SiteBuilder
+from latency_specialized.quant import layout as quant_layout
+from latency_specialized.quant.checkpoint_io import QuantizedWeight
 from latency_specialized.runtime.communicators import SiteCommunicators
 from latency_specialized.runtime.op_table import OpTable
 from latency_specialized.runtime.pieces_api import LayerPieces, Piece, ResidualPiece, StateDecl, StepContext, WeightDecl
@@ -226,6 +228,7 @@ def shard_weight(decl: WeightDecl, tensor: torch.Tensor, rank: int, tp: int, wha
     ``rank // replicas`` of every part, concatenated (a contiguous copy: the rank's weight load).
     Unsplit (or TP=1): the tensor itself."""
     what = what or decl.name
+    quantized = isinstance(tensor, QuantizedWeight)
     if tuple(tensor.shape) != tuple(decl.shape):
         raise UserError(f"{what} has shape {list(tensor.shape)}, the pieces declare {list(decl.shape)}: "
                         "the weights do not match this model's config")
@@ -233,13 +236,17 @@ def shard_weight(decl: WeightDecl, tensor: torch.Tensor, rank: int, tp: int, wha
         return tensor
     if not 0 <= rank < tp:
         raise UserError(f"rank {rank} of TP={tp}")
-    dim = decl.split % tensor.dim()
+    dim = decl.split % len(tensor.shape)
     parts, n = _slices(decl, tensor.shape[dim], tp, what)
     idx, out, at = rank // decl.replicas, [], 0
     for p in parts:
         per = p // n
-        out.append(tensor.narrow(dim, at + idx * per, per))
+        # a quantized weight is cut along the logical dim, each stored tensor at its own granularity
+        out.append(quant_layout.narrow(tensor, dim, at + idx * per, per) if quantized
+                   else tensor.narrow(dim, at + idx * per, per))
         at += p
+    if quantized:
+        return quant_layout.cat(out, dim)
     return (out[0] if len(out) == 1 else torch.cat(out, dim=dim)).contiguous()
 
 
@@ -272,7 +279,8 @@ def weights_from_names(model: ComposedModel, named: Mapping[str, torch.Tensor], 
                     continue
                 raise UserError(f"missing tensor {missing[0]} ({where}, expert {names.index(missing[0])} of "
                                 f"{d.shape[0]}): the checkpoint does not match this config")
-            t = torch.stack([named[n] for n in names])
+            parts = [named[n] for n in names]
+            t = quant_layout.stack(parts, name) if isinstance(parts[0], QuantizedWeight) else torch.stack(parts)
         elif name in named:
             t = named[name]
         elif d.optional:
@@ -438,8 +446,9 @@ class ComposedProgram:
 
     # ------------------------------------------------------------------ construction helpers
     def _cast(self, t: torch.Tensor, d: WeightDecl) -> torch.Tensor:
-        """``t`` in its declared storage dtype (the activation dtype, or fp32 - fp64 in fp64 runs)."""
-        if not t.is_floating_point():
+        """``t`` in its declared storage dtype (the activation dtype, or fp32 - fp64 in fp64 runs). A quantized
+        weight stays as stored (the kernels and references dequantise it)."""
+        if isinstance(t, QuantizedWeight) or not t.is_floating_point():
             return t
         want = self.dtype if d.dtype == "act" else (torch.float64 if self.dtype == torch.float64 else torch.float32)
         return t if t.dtype == want else t.to(want)

@@ -15,6 +15,8 @@ from typing import Any, Callable, Literal, Mapping, Protocol, Sequence, runtime_
 import torch
 
 from latency_specialized.ops.sites import SiteBuilder
+from latency_specialized.quant import layout as quant_layout
+from latency_specialized.quant.checkpoint_io import QuantizedWeight
 from latency_specialized.spec import ModelSpec
 
 BoundOp = Callable[..., Any]
@@ -137,10 +139,13 @@ def join(parts: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
     """``torch.cat(parts, dim)`` for a piece's ``arrange`` - but where the parts are adjacent slices, in
     order, of one tensor (a checkpoint's or vLLM's fused q|k|v, gate|up or w1|w3 weight handed over as
     views), the view of that tensor they cover: weights bound to a framework's own tensors stay views,
-    no copy. Otherwise a new tensor (``torch.cat``)."""
+    no copy. Otherwise a new tensor (``torch.cat``). Quantized weights (``quant.QuantizedWeight``) are joined
+    as stored (``quant.layout.cat``: codes and block scales along the logical dim)."""
     first = parts[0]
     if len(parts) == 1:
         return first
+    if isinstance(first, QuantizedWeight):
+        return quant_layout.cat(parts, dim)  # type: ignore[arg-type]
     d = dim % first.dim()
     at = first.storage_offset()
     for t in parts:

@@ -28,6 +28,9 @@ TPS: tuple[int, ...] = (1, 2, 8)
 CONTEXTS: tuple[int, ...] = (8, 40)
 """Prompt lengths of a program cell (tiny models): a short one (two KV pages of 4 tokens in the
 ``testing.verify`` cells) and one of many pages (ten)."""
+QUANTIZED_BATCHES: tuple[int, ...] = (1, 8)
+QUANTIZED_TPS: tuple[int, ...] = (1, 2)
+"""Batches and TPs of the quantized-experts cells (the gemv and grouped sides of the 4-bit kernels' split)."""
 CELL_DTYPE = "float32"
 """Activation dtype program cells are verified in (the tiny models run fp32; fp32 tolerances)."""
 
@@ -41,12 +44,15 @@ class Cell:
     """Prompt length; None in a plan cell whose plan does not take a context (see ``plan_cells``)."""
     spec_tokens: int
     device: str = "cpu"
+    experts: str | None = None
+    """Routed experts kept in this stored format (``MoESpec.expert_format``); None: the tiny spec's bf16."""
 
     @property
     def id(self) -> str:
         dev = "" if self.device == "cpu" else f"-{self.device}"
         ctx = "" if self.context is None else f"-ctx{self.context}"
-        return f"{self.adapter}-tp{self.tp}-b{self.batch}{ctx}-s{self.spec_tokens}{dev}"
+        q = "" if self.experts is None else f"-{self.experts}"
+        return f"{self.adapter}-tp{self.tp}-b{self.batch}{ctx}-s{self.spec_tokens}{q}{dev}"
 
 
 @dataclass
@@ -76,6 +82,15 @@ class CellResult:
                 and self.top1_agreement >= 0.99)
 
 
+def _splits(adapter: Any, fmt: str, tp: int) -> bool:
+    """Whether the tiny spec with its experts kept as ``fmt`` splits by ``tp`` (whole scale groups per rank)."""
+    try:
+        adapter.spec("tiny").with_expert_format(fmt).shard(tp)
+    except Exception:  # noqa: BLE001 - the UserError naming why: not a cell
+        return False
+    return True
+
+
 def cells_for(adapter: Any, *, devices: tuple[str, ...] = ("cpu", "cuda")) -> list[Cell]:
     """Every matrix cell of an adapter, limited to the TPs its tiny spec can be split by."""
     scope = adapter.scope()
@@ -95,6 +110,11 @@ def cells_for(adapter: Any, *, devices: tuple[str, ...] = ("cpu", "cuda")) -> li
                 for ctx in CONTEXTS:
                     for s in spec_options:
                         cells.append(Cell(adapter.name, batch, tp, ctx, s, device))
+                # quantized experts (adapters that keep them as stored): a sample of the axis, TP splits of the
+                # codes and scales included - the long tail of batches and contexts is the bf16 cells'
+                for fmt in getattr(adapter, "expert_formats", ()):
+                    if batch in QUANTIZED_BATCHES and tp in QUANTIZED_TPS and _splits(adapter, fmt, tp):
+                        cells.append(Cell(adapter.name, batch, tp, CONTEXTS[0], 0, device, experts=fmt))
     return cells
 
 
@@ -137,9 +157,13 @@ def cell_plan(adapter: Any, registry: Any, cell: Cell) -> Any:
     TP, batch and speculative tokens, for the deployment's default communicator (``build_plan``)."""
     from latency_specialized.ops.plan import build_plan
 
+    from latency_specialized.adapter_contract import SpecBoundAdapter
+
     kw = plan_kwargs(cell)
     if not plan_takes_context():
         kw.pop("context", None)
+    if cell.experts is not None:  # the tiny spec with its experts kept quantized
+        adapter = SpecBoundAdapter(adapter, adapter.spec("tiny").with_expert_format(cell.experts))
     return build_plan(adapter, registry, cell_hardware(cell), dtype=CELL_DTYPE, variant="tiny", **kw)
 
 

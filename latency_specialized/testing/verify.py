@@ -31,10 +31,13 @@ SEED = 1234
 
 
 @functools.lru_cache(maxsize=4)
-def prototypes(adapter: Any, context: int, device: str, seed: int = SEED) -> tuple[Any, Any, list[int]]:
-    """(reference, states, lengths): PROTOTYPES sequences of lengths context, context-1, context-3, ... prefilled."""
+def prototypes(adapter: Any, context: int, device: str, seed: int = SEED,
+               experts: str | None = None) -> tuple[Any, Any, list[int]]:
+    """(reference, states, lengths): PROTOTYPES sequences of lengths context, context-1, context-3, ... prefilled.
+    ``experts``: the routed experts kept quantized in that format (the reference computes with their values)."""
     spec = adapter.spec("tiny")
-    ref = adapter.reference(spec, seed=seed, dtype="float32", device=device, tokenizer=False)
+    quant = {"expert_format": experts} if experts is not None else {}
+    ref = adapter.reference(spec, seed=seed, dtype="float32", device=device, tokenizer=False, **quant)
     lens = [max(1, context - k * (k + 1) // 2) for k in range(PROTOTYPES)]
     states = ref.new_cache(PROTOTYPES, context, block_size=4)
     g = torch.Generator().manual_seed(seed + context)
@@ -82,7 +85,10 @@ def _verify(adapter: Any, cell: Any, comm: Any, rel_tol: float) -> Any:
         raise UserError(f"{cell.id}: needs {cell.tp} ranks, got a communicator of {world}")
     rank = comm.rank if comm is not None else 0
     device = "cuda" if cell.device == "cuda" else "cpu"
-    ref, proto, lens = prototypes(adapter, cell.context, device)
+    experts = getattr(cell, "experts", None)
+    if experts is not None and "quantized_experts" not in adapter.capabilities:
+        raise UserError(f"{cell.id}: {adapter.name} cannot keep its routed experts as {experts}")
+    ref, proto, lens = prototypes(adapter, cell.context, device, experts=experts)
     spec = ref.spec
     B = cell.batch
     states = batch_states(ref, proto, lens, B, cell.context + STEPS, seed=B)

@@ -1,38 +1,98 @@
-"""The DeepSeek-V4.1-Flash adapter."""
+"""The DeepSeek-V4.1-Flash adapter (vLLM's ``DeepseekV41ForCausalLM``) from the pieces. Its own: spec, config, names +
+FP8 / FP4 checkpoint I/O, the layer kinds and name map (``composed.py``), reference, bench kinds (NOTES.md)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar
 
-from latency_specialized.adapter import ModelAdapter, Variant
-from latency_specialized.spec import DecodeScope, ModelSpec, ParallelSpec
+import torch
 
-from latency_specialized_models.deepseek_v41_flash.sites import composed_model, dsv41_op_sites
+from latency_specialized.adapter import BenchKind, ComposedAdapter, Variant
+from latency_specialized.errors import UserError
+from latency_specialized.spec import DecodeScope, ModelSpec
+
+from latency_specialized_models.deepseek_v41_flash import names
+from latency_specialized_models.deepseek_v41_flash.composed import composed_model, layer_kind, tensor_name
+from latency_specialized_models.deepseek_v41_flash.reference import refuse_unmodelled
+from latency_specialized_models.deepseek_v41_flash.config import config_from_spec, spec_from_config
 from latency_specialized_models.deepseek_v41_flash.spec import NAME, DeepseekV41Spec, full_spec, tiny_spec
 
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+BENCH = {"c2_idx": ("c2.src.idx", "ratio-2 KV source running its own indexer"), "c1_reuse": (
+    "c1", "ratio-1 reader of a source's KV reusing its top-k"), "window": ("window", "window only")}  # (sort, what)
+_first = lambda spec, sort: next(l.index for l in spec.layers if layer_kind(spec, l) == f"sparse_mqa.{sort}+moe")  # noqa
 
-class DeepseekV41FlashAdapter(ModelAdapter):
+
+class DeepseekV41FlashAdapter(ComposedAdapter):
     name: ClassVar[str] = NAME
     description: ClassVar[str] = ("DeepSeek-V4.1-Flash: 40 sparse MQA-MLA layers (SWA + compressed KV + indexer), "
                                   "MoE 384x top-6, mHC x4, Engram")
     hf_architectures: ClassVar[tuple[str, ...]] = ("DeepseekV41ForCausalLM",)
-    capabilities: ClassVar[frozenset[str]] = frozenset({"spec"})
+    capabilities: ClassVar[frozenset[str]] = frozenset({"spec", "reference", "program", "checkpoint"})
 
     def spec(self, variant: Variant = "full") -> ModelSpec:
         return full_spec() if variant == "full" else tiny_spec()
 
     def scope(self) -> DecodeScope:
-        # TP must divide the 8 output groups (and the 64 heads): 1, 2, 4, 8. vLLM's own
-        # specialized decode for this model is GB300 + TP4 only; ours also targets Hopper.
-        # Speculation: 0 or the built-in DSpark draft's 5 tokens.
+        # TP divides the 8 output groups (vLLM's own: GB300 + TP4); no speculation until the DSpark draft (5) exists
         return DecodeScope(archs=("cpu", "sm_90", "sm_100", "sm_103"), tp_sizes=(1, 2, 4, 8), max_batch=64,
-                           dtypes=("bfloat16", "float32"), spec_tokens=(0, full_spec().draft.num_speculative_tokens))
+                           dtypes=("bfloat16", "float32"), spec_tokens=(0,))
 
     def composed_model(self, spec: ModelSpec) -> Any:
-        assert isinstance(spec, DeepseekV41Spec)
-        return composed_model(spec)
+        return composed_model(spec)  # type: ignore[arg-type]
 
-    def op_sites(self, spec: ModelSpec, parallel: ParallelSpec, tokens: int, arch: str, dtype: str, *,
-                 context: int | None = None) -> list[Any]:
-        """The composed model's sites with the experts' SwiGLU clamp (``sites.dsv41_op_sites``)."""
-        return dsv41_op_sites(spec, super().op_sites(spec, parallel, tokens, arch, dtype, context=context))
+    def tensor_names(self, spec: ModelSpec) -> Any:
+        return tensor_name
+
+    def reference(self, spec: ModelSpec | None = None, *, checkpoint: str | Path | None = None, weights: dict[str,
+                  torch.Tensor] | None = None, seed: int = 0, dtype: str | torch.dtype = "bfloat16", device="cpu", **_):
+        """The reference with weights by official name: from ``checkpoint``, ``weights`` or random (``seed``)."""
+        from latency_specialized_models.deepseek_v41_flash.reference import DeepseekV41Reference
+
+        dt = DTYPES.get(dtype, dtype)  # type: ignore[call-overload]
+        if checkpoint is not None:
+            spec, named, _ = names.load(checkpoint, dt, device)
+            return DeepseekV41Reference(spec, named)
+        spec = spec if spec is not None else tiny_spec()
+        refuse_unmodelled(spec.full(), "reference")  # type: ignore[attr-defined]
+        if weights is None and spec.variant == "full":
+            raise UserError(f"no random weights for the full {NAME} (748B): pass --checkpoint DIR or use --size tiny")
+        w = weights if weights is not None else names.random_weights(spec, seed, dt, device)  # type: ignore[arg-type]
+        return DeepseekV41Reference(spec, w)  # type: ignore[arg-type]
+
+    def program(self, spec: ModelSpec, **kw: Any) -> Any:
+        """The composed program (``ComposedAdapter.program``); refuses what the pieces do not model (Engram, YaRN)."""
+        refuse_unmodelled(spec.full(), "program")  # type: ignore[attr-defined]
+        return super().program(spec, **kw)
+
+    def write_checkpoint(self, directory: str | Path, *, size: Variant = "tiny", seed: int = 0, dtype: str = "bfloat16",
+                         layout: str | None = None, expert_format: str | None = None) -> list[Path]:
+        """A random-weight checkpoint of the tiny model in the official layout (dense FP8 32x32 blocks, FP4 experts)."""
+        if size != "tiny":
+            raise UserError(f"{NAME}: only --size tiny checkpoints can be made (the full model has 748B parameters)")
+        if layout not in (None, "official") or expert_format not in (None, "mxfp4"):
+            raise UserError(f"{NAME}: one layout (official: FP8 dense, MXFP4-style experts): drop --layout/--experts")
+        spec, kinds = tiny_spec(), names.expected_tensors(tiny_spec())
+        return names.save(directory, spec, names.random_weights(spec, seed, DTYPES[dtype]), dtype,
+                          quantize=lambda n: kinds[n][2] != "plain")
+
+    def bench_kinds(self) -> dict[str, BenchKind]:  # the first layer of each sort (NOTES.md: kinds, stock, caveats)
+        return {k: BenchKind(layer=(i := _first(full_spec(), sort)), context=True, stock="sparse_mqa_moe",
+                             kv_block_size=64, notes=(f"{k} (DeepSeek-V4.1-Flash layer {i}): {what}.",))
+                for k, (sort, what) in BENCH.items()}
+
+    def bench_spec(self, full: ModelSpec, tp: int, kind: str, num_layers: int, *, vocab: int = 512) -> DeepseekV41Spec:
+        """K = ``num_layers`` layers of ``kind``, full widths, vocabulary 512 x TP, no Engram / YaRN. ``c2_idx``: all
+        sources + indexers; ``c1_reuse``: layer 0 the source + indexer (``(t_K - t_1) / (K - 1)``: a reader)."""
+        if kind not in BENCH:
+            raise UserError(f"{NAME} bench kind {kind!r}: use {', '.join(BENCH)}")
+        K, c = num_layers, config_from_spec(full.full())  # type: ignore[attr-defined]
+        src, t = {"c2_idx": list(range(K)), "c1_reuse": [0], "window": []}[kind], c["text_config"]
+        t.update(num_hidden_layers=K, vocab_size=vocab * tp, kv_source_layer_ids=src, index_source_layer_ids=src,
+                 compress_ratios=[full.layers[_first(full, BENCH[kind][0])].attention.compress_ratio] * K,  # type:ignore
+                 candidate_source_layer_id=-1, engram_layer_ids=[], engram_num_embeddings=[],
+                 dspark_target_layer_ids=[], rope_scaling=dict(t["rope_scaling"], factor=1.0))
+        return spec_from_config(c, where=f"{NAME} bench spec", variant=f"bench-{kind}x{K}")
+
+__all__ = ["DeepseekV41FlashAdapter"]

@@ -1,12 +1,10 @@
-"""DeepSeek-V4.1-Flash ``config.json`` <-> :class:`DeepseekV41Spec`, with the official keys.
-
-Layout (vLLM 0.33 ``transformers_utils/configs/deepseek_v41.py``): ``{"model_type": "deepseek_v41",
-"architectures": [...], "text_config": {...}, "vision_config": {...}, "quantization_config": {...}}``;
-vLLM flattens ``text_config`` onto the top level, and so do we (a key at both levels must agree). Text keys
-are those the vLLM model reads (``compress_ratios`` one per layer, draft layers may follow; ``kv_source_layer_ids``,
-``index_source_layer_ids``, ``candidate_*``, ``hc_*``, ``engram_*``, ``dspark_*``). Keys vLLM reads without a
-default are required here. Unknown keys: one warning; missing / contradictory / unimplemented: CheckpointError.
-"""
+"""DeepSeek-V4.1-Flash ``config.json`` <-> :class:`DeepseekV41Spec`, with the official keys. Layout (vLLM 0.33
+``transformers_utils/configs/deepseek_v41.py``): ``{"model_type": "deepseek_v41", "architectures": [...], "text_config":
+{...}, "vision_config": {...}, "quantization_config": {...}}``; vLLM flattens ``text_config`` onto the top level, and so
+do we (a key at both levels must agree). Text keys are those the vLLM model reads (``compress_ratios`` one per layer,
+draft layers may follow; ``kv_source_layer_ids``, ``index_source_layer_ids``, ``candidate_*``, ``hc_*``, ``engram_*``,
+``dspark_*``). Keys vLLM reads without a default are required. Unknown keys: one warning; missing / contradictory /
+unimplemented: CheckpointError."""
 
 from __future__ import annotations
 
@@ -96,6 +94,7 @@ def spec_from_config(cfg: Mapping[str, Any], *, where: str = "config.json", vari
         keys.require(t, ENGRAM, why="the Engram layers (engram_layer_ids) need them")
     yarn, original = _rope(t, keys)
     g = t.get
+    gi = lambda k, d=0: int(g(k) or d)  # noqa: E731
     keys.warn(stacklevel=2)
     try:
         return build_spec(
@@ -110,13 +109,11 @@ def spec_from_config(cfg: Mapping[str, Any], *, where: str = "config.json", vari
             top_k=int(t["num_experts_per_tok"]), shared=int(t["n_shared_experts"]),
             expert_inter=int(t["moe_intermediate_size"]),
             engram=EngramSpec(layers=engram_layers, num_embeddings=tuple(g("engram_num_embeddings") or ()),
-                              max_ngram=int(g("engram_max_ngram_size") or 2), n_heads=int(g("engram_n_heads") or 0),
-                              head_dim=int(g("engram_head_dim") or 0)),
-            draft=DraftSpec(num_layers=int(g("num_nextn_predict_layers") or 0),
-                            block_size=int(g("dspark_block_size") or 0),
-                            num_speculative_tokens=int(g("dspark_block_size") or 0),  # MODELS.md: = block 5
-                            num_experts=int(g("dspark_n_routed_experts") or 0),
-                            top_k=int(g("dspark_num_experts_per_tok") or 0),
+                              max_ngram=gi("engram_max_ngram_size", 2), n_heads=gi("engram_n_heads"),
+                              head_dim=gi("engram_head_dim")),
+            draft=DraftSpec(num_layers=gi("num_nextn_predict_layers"), block_size=gi("dspark_block_size"),
+                            num_speculative_tokens=gi("dspark_block_size"),  # MODELS.md: = block 5
+                            num_experts=gi("dspark_n_routed_experts"), top_k=gi("dspark_num_experts_per_tok"),
                             target_layers=tuple(g("dspark_target_layer_ids") or ())),
             max_context=int(t["max_position_embeddings"]),
             rope=RopeSpec(theta=float(t["rope_theta"]), compress_theta=float(g("compress_rope_theta") or t["rope_theta"]),

@@ -1,14 +1,9 @@
-"""DeepSeek-V4.1-Flash checkpoint tensors: the official names (vLLM 0.33 ``load_weights`` before its mapper's
-``model.`` prefix and ``.scale`` renames; transformers' V4 ``save_pretrained`` writes the same), loading with
-dequantisation, random weights, saving in the official layout (vLLM ``quant_config.py``, ``expert_dtype="fp4"``):
-
-* dense FP8: ``<base>.weight`` float8_e4m3fn ``[N, K]`` + ``<base>.scale`` float8_e8m0fnu ``[ceil(N/32), ceil(K/32)]``
-  (ue8m0: byte b = 2^(b-127), 255 = NaN); value = fp8 * its 32x32 block's scale;
-* routed experts FP4: ``<base>.weight`` ``[N, K/2]`` bytes (uint8 / int8 / float4_e2m1fn_x2; low nibble = even column,
-  OCP MX order) + ``<base>.scale`` e8m0 ``[N, K/32]``;
-* plain (vLLM: ``quant_config=None`` / parameters): compressor, indexer ``wk`` / ``weights_proj``, norms, ``hc_*``,
-  ``attn_sink``, ``gate.bias`` (fp32 ones: ``hc_*``, sinks, bias), embed / head. Draft (``mtp.*``) / vision: not read.
-"""
+"""DeepSeek-V4.1-Flash checkpoint tensors: the official names (vLLM 0.33 ``load_weights`` before its mapper's ``model.``
+prefix and ``.scale`` renames; transformers' V4 ``save_pretrained`` writes the same), loading with dequantisation, random
+weights, saving in the official layout (vLLM ``quant_config.py``, ``expert_dtype="fp4"``): dense FP8 e4m3 ``<base>.weight
+[N, K]`` + e8m0 ``<base>.scale [ceil(N/32), ceil(K/32)]`` (byte b = 2^(b-127), 255 = NaN); routed experts FP4 ``[N, K/2]``
+bytes (uint8 / int8 / float4_e2m1fn_x2, low nibble = even column) + e8m0 ``[N, K/32]``; plain: compressor, indexer ``wk``
+/ ``weights_proj``, norms, ``hc_*``, sinks, ``gate.bias`` (fp32: the last three), embed, head. Not read: mtp.*, vision."""
 
 from __future__ import annotations
 
@@ -30,61 +25,29 @@ BLOCK = 32
 Entry = tuple[tuple[int, ...], str, str]
 """(full shape, dtype kind 'act' | 'float32', storage 'plain' | 'fp8' | 'fp4')."""
 
+FP8 = ("attn.wq_a.", "attn.wkv.", "attn.wq_b.", "attn.wo_a.", "attn.wo_b.", "attn.indexer.wq_b.", "shared_experts.",
+       "engram.embed.", "engram.wkv.")
+"""Name parts of the dense FP8 tensors (vLLM ``quant_config.py``); ``ffn.experts.*``: FP4; the rest plain."""
+
 
 def expected_tensors(spec: DeepseekV41Spec) -> dict[str, Entry]:
-    """Official name -> (shape, dtype kind, storage) of every backbone tensor of ``spec`` (unsharded)."""
+    """Official name -> (shape, dtype kind, storage) of every backbone tensor of ``spec`` (unsharded): the pieces'
+    weights (``composed.py``'s name map) plus the Engram tables and projections the program does not read."""
+    from latency_specialized.runtime.composed import expected_tensors as composed_expected
+
+    from latency_specialized_models.deepseek_v41_flash.composed import composed_model, tensor_name
     s = spec.full()
-    H, V, hc = s.hidden_size, s.vocab_size, s.residual.streams or 1
-    mix = s.hyper.mix_width(hc)
-    out: dict[str, Entry] = {"embed.weight": ((V, H), "act", "plain"), "head.weight": ((V, H), "act", "plain"),
-                             "norm.weight": ((H,), "act", "plain")}
-    for layer in s.layers:
-        i, a, f = layer.index, layer.attention, layer.ffn
-        p, D, heads = f"layers.{i}.", a.head_dim, a.num_heads  # type: ignore[union-attr]
-        t: dict[str, Entry] = {"attn_norm.weight": ((H,), "act", "plain"), "ffn_norm.weight": ((H,), "act", "plain")}
-        for sub in ("attn", "ffn"):
-            t.update({f"hc_{sub}_fn": ((mix, hc * H), "float32", "plain"), f"hc_{sub}_base": ((mix,), "float32", "plain"),
-                      f"hc_{sub}_scale": ((3,), "float32", "plain")})
-        t.update({
-            "attn.wq_a.weight": ((a.q_lora_rank, H), "act", "fp8"), "attn.q_norm.weight": ((a.q_lora_rank,), "act", "plain"),
-            "attn.wkv.weight": ((D, H), "act", "fp8"), "attn.kv_norm.weight": ((D,), "act", "plain"),
-            "attn.wq_b.weight": ((heads * D, a.q_lora_rank), "act", "fp8"),
-            # wo_a: one [o_lora, heads*D/groups] block per group, stacked (vLLM runs it as a bmm over the groups)
-            "attn.wo_a.weight": ((a.o_groups * a.o_lora_rank, heads * D // a.o_groups), "act", "fp8"),
-            "attn.wo_b.weight": ((H, a.o_groups * a.o_lora_rank), "act", "fp8"),
-            "attn.attn_sink": ((heads,), "float32", "plain")})
-        if i in s.kv_source_layers:
-            t.update({"attn.compressor.wkv.weight": ((D, H), "act", "plain"),
-                      "attn.compressor.norm.weight": ((D,), "act", "plain")})
-            if a.compress_ratio > 1:  # ratio 1 pools single tokens: the checkpoint carries no gate (vLLM)
-                t["attn.compressor.wgate.weight"] = ((D, H), "act", "plain")
-        if a.indexer is not None:
-            ih, idim = a.indexer.num_heads, a.indexer.head_dim
-            t.update({"attn.indexer.wq_b.weight": ((ih * idim, a.q_lora_rank), "act", "fp8"),
-                      "attn.indexer.weights_proj.weight": ((ih, H), "act", "plain")})
-            if i in s.kv_source_layers:  # only the K-cache owner maps the compressed latent to index keys
-                t.update({"attn.indexer.wk.weight": ((idim, D), "act", "plain"),
-                          "attn.indexer.k_norm.weight": ((idim,), "act", "plain")})
-        E, I = f.num_experts, f.expert_intermediate  # type: ignore[union-attr]
-        t.update({"ffn.gate.weight": ((E, H), "act", "plain"), "ffn.gate.bias": ((E,), "float32", "plain")})
-        for e in range(E):
-            t.update({f"ffn.experts.{e}.w1.weight": ((I, H), "act", "fp4"),
-                      f"ffn.experts.{e}.w3.weight": ((I, H), "act", "fp4"),
-                      f"ffn.experts.{e}.w2.weight": ((H, I), "act", "fp4")})
-        if f.num_shared_experts:  # type: ignore[union-attr]
-            Is = I * f.num_shared_experts  # type: ignore[union-attr]
-            t.update({"ffn.shared_experts.w1.weight": ((Is, H), "act", "fp8"),
-                      "ffn.shared_experts.w3.weight": ((Is, H), "act", "fp8"),
-                      "ffn.shared_experts.w2.weight": ((H, Is), "act", "fp8")})
-        if i in s.engram.layers:
-            g = s.engram
-            rows = g.num_embeddings[g.layers.index(i)]
-            # The table's scale layout is not visible in vLLM's text loader (ParallelEngramEmbedding keeps the
-            # raw bytes): taken here as the dense 32x32 blocks - check against the released checkpoint.
-            t.update({"engram.embed.weight": ((rows, g.head_dim), "act", "fp8"),
-                      "engram.wkv.weight": ((H * (hc + 1), g.rows_per_token * g.head_dim), "act", "fp8"),
-                      "engram.q_weight": ((hc, H), "act", "plain"), "engram.k_weight": ((hc, H), "act", "plain")})
-        out.update({p + k: v for k, v in t.items()})
+    out: dict[str, Entry] = {}
+    for n, (shape, kind) in composed_expected(composed_model(s), tensor_name).items():
+        storage = "fp4" if ".ffn.experts." in n else "fp8" if any(f in n for f in FP8) else "plain"
+        out[n] = (shape, kind, storage)
+    g, H, hc = s.engram, s.hidden_size, s.residual.streams or 1
+    for i, rows in zip(g.layers, g.num_embeddings):
+        # scale layout unseen in vLLM's text loader (raw bytes kept): taken as dense 32x32 blocks - check the release
+        out.update({f"layers.{i}.engram.embed.weight": ((rows, g.head_dim), "act", "fp8"),
+                    f"layers.{i}.engram.wkv.weight": ((H * (hc + 1), g.rows_per_token * g.head_dim), "act", "fp8"),
+                    f"layers.{i}.engram.q_weight": ((hc, H), "act", "plain"),
+                    f"layers.{i}.engram.k_weight": ((hc, H), "act", "plain")})
     return out
 
 
@@ -96,40 +59,32 @@ def scale_shape(shape: tuple[int, ...], storage: str) -> tuple[int, ...]:
     return (math.ceil(shape[0] / BLOCK), math.ceil(shape[1] / BLOCK)) if storage == "fp8" else (shape[0], shape[1] // BLOCK)
 
 
-# ------------------------------------------------------------------------------------------------ formats
-# the shared codecs of latency_specialized.quant ('fp8-block-32' and 'mxfp4-deepseek'), with this loader's names
-def _scale_of(name: str) -> str:
-    return scale_name(name) if name.endswith(".weight") else name
-
-
+# formats: latency_specialized.quant's codecs ('fp8-block-32', 'mxfp4-deepseek') under this loader's names; a bad
+# scale raises CheckpointError naming the tensor. ue8m0: float8_e8m0fnu / uint8 exponents -> fp32 2^(b-127); fp8: e4m3
+# [N, K] with [ceil(N/32), ceil(K/32)] scales; fp4: [N, K/2] codes (low nibble first) with [N, K/32] scales (OCP MX).
 def ue8m0_decode(scale: torch.Tensor, name: str = "scale") -> torch.Tensor:
-    """float8_e8m0fnu / uint8 exponents -> fp32 2^(b-127); CheckpointError naming ``name`` on a NaN scale (255)."""
     return codecs.ue8m0_decode(scale, name)
 
 
 def fp8_dequantize(w: torch.Tensor, scale: torch.Tensor, name: str = "weight") -> torch.Tensor:
-    """``w [N, K]`` float8_e4m3fn with ue8m0 ``scale [ceil(N/32), ceil(K/32)]`` -> fp32 ``[N, K]``."""
-    return codecs.fp8_block_dequantize(w, scale, (BLOCK, BLOCK), encoding="ue8m0", name=_scale_of(name)[:-6])
+    base = name[:-len(".weight")] if name.endswith(".weight") else name[:-len(".scale")]
+    return codecs.fp8_block_dequantize(w, scale, (BLOCK, BLOCK), encoding="ue8m0", name=base)
 
 
 def fp8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [N, K]`` -> (float8_e4m3fn, float8_e8m0fnu scales of the 32x32 blocks: the smallest 2^e keeping <= 448)."""
-    q, s = codecs.fp8_block_quantize(w, (BLOCK, BLOCK), encoding="ue8m0")
+    q, s = codecs.fp8_block_quantize(w, (BLOCK, BLOCK), encoding="ue8m0")   # the smallest 2^e keeping <= 448
     return q, s.view(torch.float8_e8m0fnu)
 
 
 def fp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, name: str = "weight") -> torch.Tensor:
-    """``packed [N, K/2]`` (two e2m1 codes a byte, low nibble first) + ue8m0 ``scale [N, K/32]`` -> fp32 ``[N, K]``."""
-    return codecs.mxfp4_dequantize(packed, scale, name=_scale_of(name))
+    return codecs.mxfp4_dequantize(packed, scale, name=scale_name(name) if name.endswith(".weight") else name)
 
 
 def fp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [N, K]`` -> (uint8 codes ``[N, K/2]``, float8_e8m0fnu scales ``[N, K/32]``), OCP MX rounding."""
     q, s = codecs.mxfp4_quantize(w)
     return q, s.view(torch.float8_e8m0fnu)
 
 
-# ------------------------------------------------------------------------------------------------ load / save
 def load(directory: str | Path, dtype: torch.dtype = torch.bfloat16,
          device: Any = "cpu") -> tuple[DeepseekV41Spec, dict[str, torch.Tensor], dict]:
     """(spec, tensors by official name in ``dtype`` (fp32 ones in fp32), config) of a DeepSeek-V4.1 directory;

@@ -1,19 +1,20 @@
 """Plain-torch DeepSeek-V4.1-Flash decoder (fp32 weights), from vLLM 0.33's math; the oracle of the decode program.
-Own cache object (``ReferenceCache``): ``compose_standard`` refuses sparse MQA, so no piece ``ModelStates`` exists.
+Its own history per sequence (``SeqCache``: raw rows and compressor inputs, re-pooled on every read) rides beside the
+program's ``ModelStates`` (``ReferenceStates``); ``prefill`` / ``decode`` also fill the states the sparse MQA piece
+reads (window ring, compressed rows, pending rows, indexer keys rope-leading: ``pieces/attention/sparse_mqa.py``).
 
-Layer: mHC seam (``ops.residual_mhc`` reference, vLLM's delayed pre-mix) -> sparse MQA -> seam -> MoE; the last seam
-collapses with the last FFN pre-mix (no learned head), then ``norm``, ``head``. Attention (one KV head, K = V):
-``qr = q_norm(wq_a x)``, ``q = rms(wq_b qr)`` per head (weightless, as transformers' V4), ``kv = kv_norm(wkv x)``;
-interleaved RoPE on the last ``rope_dim`` channels (``compress_rope_theta`` on layers with ratio > 0); keys = the last
-``window`` raw rows + on compressed layers the top-k compressed rows; per-head sink logit; inverse RoPE on the output;
-``wo_b(bmm_g(wo_a, o_g))``. Compressed rows (KV-source layer ``L``, from its input): ratio 1 ``norm(wkv_c x_t)``,
-ratio 2 ``norm(sum_t softmax_t(wgate x_t) * wkv_c x_t)`` over tokens ``2j, 2j+1``, visible once both are in. Indexer
-(index-source layer): ``sum_h w_h relu(q_h . k_j)``, ``w = weights_proj x / sqrt(heads D_i)``, ``k_j =
-rope(k_norm(wk c_j))`` of the latest KV source's owner; later compressed layers reuse the latest selection.
-UNCLEAR in vLLM (fused Triton kernels not in the sources), taken as said: a compressed row's rope position (its last
-token), window rows kept in the compressed set, the gate's softmax axis (the group's tokens, per channel), the
-shared expert's clamp (as V4). Not modelled: candidate blocks (they only narrow later indexers past
-``candidate_topk_blocks * candidate_block_size`` rows), Engram, YaRN (the reference refuses such specs).
+Layer: mHC seam (``ops.residual_mhc``, vLLM's delayed pre-mix) -> sparse MQA -> seam -> MoE; the last seam collapses
+with the last FFN pre-mix, then ``norm``, ``head``. Attention (one KV head, K = V): ``qr = q_norm(wq_a x)``, ``q =
+rms(wq_b qr)`` per head (weightless, as transformers' V4), ``kv = kv_norm(wkv x)``; interleaved RoPE on the last
+``rope_dim`` channels (``compress_rope_theta`` where ratio > 0); keys = the last ``window`` raw rows + the top-k
+compressed rows; per-head sink logit; inverse RoPE on the output; ``wo_b(bmm_g(wo_a, o_g))``. Compressed rows (KV
+source ``L``, from its input): ratio 1 ``norm(wkv_c x_t)``, ratio 2 ``norm(sum_t softmax_t(wgate x_t) wkv_c x_t)`` over
+tokens ``2j, 2j+1``, visible once both are in. Indexer: ``sum_h w_h relu(q_h . k_j)``, ``w = weights_proj x /
+sqrt(heads D_i)``, ``k_j = rope(k_norm(wk c_j))`` of the latest KV source; later layers reuse the latest selection.
+UNCLEAR in vLLM (fused kernels not in the sources), taken as said: a compressed row's rope position (its last token),
+window rows kept in the compressed set, the gate's softmax axis (the group's tokens, per channel), the shared expert's
+clamp (as V4). Not modelled: candidate blocks (they only narrow indexers past ``candidate_topk_blocks *
+candidate_block_size`` rows), Engram, YaRN (refused).
 """
 
 from __future__ import annotations
@@ -25,8 +26,18 @@ import torch.nn.functional as F
 
 from latency_specialized.errors import UserError
 from latency_specialized.ops.residual_mhc import mhc_seam_reference
+from latency_specialized.runtime.states import ModelStates, SeqSlot
 
 from latency_specialized_models.deepseek_v41_flash.spec import DeepseekV41Spec
+
+
+def refuse_unmodelled(spec: DeepseekV41Spec, what: str) -> None:
+    """UserError naming the fix for what neither the reference nor the program models (Engram, YaRN)."""
+    if spec.engram.layers:
+        raise UserError(f"{spec.name} {what}: Engram lookups (layers {spec.engram.layers}) are not implemented; "
+                        "use a spec without Engram layers")
+    if spec.rope.yarn_factor != 1.0:
+        raise UserError(f"{spec.name} {what}: YaRN (factor {spec.rope.yarn_factor}) is not implemented; use 1")
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -36,7 +47,7 @@ def _rms(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
 
 def _rope(x: torch.Tensor, pos: torch.Tensor, dim: int, theta: float, sign: float = 1.0) -> torch.Tensor:
     """Interleaved-pair rotation of the last ``dim`` channels of ``x [T, ..., C]`` at positions ``pos [T]``."""
-    inv = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    inv = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=pos.device) / dim)
     ang = (pos.double()[:, None] * inv).to(x.dtype)
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (dim // 2,)
     cos, sin = ang.cos().view(shape), sign * ang.sin().view(shape)
@@ -48,8 +59,7 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, dim: int, theta: float, sign: floa
 
 @dataclass
 class SeqCache:
-    """One sequence: ``kv`` layer -> [length, D] raw rows (normed, roped); ``ckv`` / ``cgate`` KV-source layer ->
-    [length, D] ``compressor.wkv x`` / ``compressor.wgate x`` (pooled on read; the indexer keys derive from them)."""
+    """One sequence: ``kv`` layer -> [length, D] raw rows (normed, roped); ``ckv`` / ``cgate`` KV source -> inputs."""
 
     length: int = 0
     kv: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -57,30 +67,35 @@ class SeqCache:
     cgate: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
-@dataclass
-class ReferenceCache:
-    """The reference's cache: one :class:`SeqCache` per slot."""
+class ReferenceStates(ModelStates):
+    """The program's states plus the reference's history of every row (``seqs``), copied along with a sequence."""
 
-    seqs: dict[int, SeqCache] = field(default_factory=dict)
+    seqs: dict[int, SeqCache]
 
-    def slot(self, s: int) -> SeqCache:
-        return self.seqs.setdefault(s, SeqCache())
+    def copy_sequence(self, dst: SeqSlot, src: "ModelStates", src_slot: SeqSlot, tokens: int) -> None:
+        super().copy_sequence(dst, src, src_slot, tokens)
+        h = src.seqs[src_slot.row]  # type: ignore[attr-defined]
+        self.seqs[dst.row] = SeqCache(tokens, *({k: v[:tokens] for k, v in d.items()} for d in (h.kv, h.ckv, h.cgate)))
 
 
 class DeepseekV41Reference:
-    """``prefill(cache, slot, start, ids) -> logits [T, V]``, ``decode(cache, slots, ids) -> logits [B, V]``."""
+    """``prefill(cache, slot, start, ids) -> logits [T, V]``, ``decode(cache, slots, positions, ids) -> [B, V]``."""
 
     def __init__(self, spec: DeepseekV41Spec, named: dict[str, torch.Tensor], tokenizer=None):
-        self.spec, self.w, self.tokenizer = spec.full(), named, tokenizer
-        s = self.spec
-        if s.engram.layers:
-            raise UserError(f"{s.name} reference: Engram lookups (layers {s.engram.layers}) are not implemented; "
-                            "use a spec without Engram layers")
-        if s.rope.yarn_factor != 1.0:
-            raise UserError(f"{s.name} reference: YaRN (factor {s.rope.yarn_factor}) is not implemented; use 1")
+        self.spec, self.w, self.named, self.tokenizer, self.bos_token_id = spec.full(), named, named, tokenizer, None
+        refuse_unmodelled(self.spec, "reference")
 
-    def new_cache(self) -> ReferenceCache:
-        return ReferenceCache()
+    def new_cache(self, num_seqs: int = 4, max_len: int | None = None, *, block_size: int = 16,
+                  shuffle_seed: int | None = None) -> ReferenceStates:
+        """States of ``num_seqs`` sequences of ``max_len`` tokens (default up to 1024); slots by index or SeqSlot."""
+        from latency_specialized_models.deepseek_v41_flash.composed import composed_model
+        emb = self.w["embed.weight"]
+        max_len = max_len or min(self.spec.max_context, 1024)
+        st = ModelStates.allocate(composed_model(self.spec), num_seqs, max_len, block_size=block_size,
+                                  dtype=emb.dtype, device=emb.device, shuffle_seed=shuffle_seed)
+        out = ReferenceStates(st.by_layer, st.decls, block_size=st.block_size, slots=st.slots, allocator=st.allocator)
+        out.seqs = {}
+        return out
 
     # ---------------------------------------------------------------------------------------------- pieces
     def _lin(self, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -98,7 +113,7 @@ class DeepseekV41Reference:
             g = seq.cgate[layer][: R * ratio].view(R, ratio, kv.shape[1])
             pooled = (torch.softmax(g, dim=1) * kv[: R * ratio].view(R, ratio, -1)).sum(1)
         lat = _rms(pooled, self.w[p + "compressor.norm.weight"].to(kv.dtype), s.norm.eps)
-        pos = torch.arange(R) * ratio + ratio - 1
+        pos = torch.arange(R, device=kv.device) * ratio + ratio - 1
         return _rope(lat, pos, a.rope_dim, s.rope.compress_theta), lat, pos
 
     def _select(self, seq: SeqCache, layer: int, qr: torch.Tensor, x: torch.Tensor, pos: torch.Tensor,
@@ -106,11 +121,9 @@ class DeepseekV41Reference:
         """[T, R] bool: the compressed rows index-source ``layer``'s top-k picks for each query."""
         s, p = self.spec, f"layers.{layer}.attn.indexer."
         idx, a = s.layers[layer].attention.indexer, s.layers[layer].attention
-        owner = f"layers.{s.kv_source_for(layer)}.attn.indexer."
         q = self._lin(p + "wq_b.weight", qr).view(len(pos), idx.num_heads, idx.head_dim)
         q = _rope(q, pos, a.rope_dim, s.rope.compress_theta)
-        k = _rms(self._lin(owner + "wk.weight", lat), self.w[owner + "k_norm.weight"].to(lat.dtype), s.norm.eps)
-        k = _rope(k, cpos, a.rope_dim, s.rope.compress_theta)
+        k = self._index_keys(s.kv_source_for(layer), lat, cpos)
         wts = self._lin(p + "weights_proj.weight", x) * (idx.num_heads * idx.head_dim) ** -0.5
         score = (torch.relu(torch.einsum("thd,rd->thr", q, k)) * wts[:, :, None]).sum(1)
         visible = cpos[None, :] <= pos[:, None]
@@ -120,6 +133,23 @@ class DeepseekV41Reference:
         if k_top:
             sel.scatter_(1, score.topk(k_top, dim=1).indices, True)
         return sel & visible
+
+    def _index_keys(self, owner: int, lat: torch.Tensor, cpos: torch.Tensor) -> torch.Tensor:
+        """[R, D_i] indexer keys of KV source ``owner``'s compressed rows (pre-rope latents ``lat``)."""
+        s, p = self.spec, f"layers.{owner}.attn.indexer."
+        k = _rms(self._lin(p + "wk.weight", lat), self.w[p + "k_norm.weight"].to(lat.dtype), s.norm.eps)
+        return _rope(k, cpos, s.layers[owner].attention.rope_dim, s.rope.compress_theta)
+
+    def _export(self, st: ReferenceStates, slot: SeqSlot, seq: SeqCache, start: int) -> None:
+        """Write what the sparse MQA pieces read after ``seq``'s tokens ``start..`` (``SparseMQAAttention.fill``)."""
+        from latency_specialized_models.deepseek_v41_flash.composed import composed_model
+        for lp in composed_model(self.spec).layers:
+            i, crow, inputs, keys = lp.index, None, None, None
+            if i in self.spec.kv_source_layers:
+                crow, lat, cpos = self._compressed(seq, i)
+                inputs = torch.cat([seq.ckv[i], seq.cgate[i]], -1) if i in seq.cgate else None
+                keys = self._index_keys(i, lat, cpos) if lp.attention.index_keys else None
+            lp.attention.fill(st.layer(i), slot.row, slot.blocks, start, seq.kv[i], crow, inputs, keys)
 
     def _attention(self, seq: SeqCache, layer: int, x: torch.Tensor, pos: torch.Tensor,
                    picks: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -137,7 +167,7 @@ class DeepseekV41Reference:
                                               self._lin(p + "compressor.wgate.weight", x)])
         rows = torch.cat([seq.kv.get(layer, x.new_zeros(0, D)), kv])
         seq.kv[layer] = rows
-        rpos = torch.arange(rows.shape[0])
+        rpos = torch.arange(rows.shape[0], device=x.device)
         keys = rows
         mask = (rpos[None, :] <= pos[:, None]) & (rpos[None, :] > pos[:, None] - a.sliding_window)
         if a.compress_ratio:
@@ -184,7 +214,8 @@ class DeepseekV41Reference:
             raise UserError(f"{s.name} reference: chunk starts at {start} but the slot holds {seq.length} tokens; "
                             "prefill chunks in order")
         dt = w["embed.weight"].dtype
-        pos = torch.arange(start, start + len(ids))
+        pos = torch.arange(start, start + len(ids), device=w["embed.weight"].device)
+        ids = ids.to(pos.device)
         n, eps = s.residual.streams, s.norm.eps
         streams = w["embed.weight"][ids].unsqueeze(1).expand(-1, n, -1).contiguous()
         kw = dict(rms_eps=eps, hc_eps=s.hyper.eps, post_mult=s.hyper.post_alpha, sinkhorn_iters=s.residual.sinkhorn_iters)
@@ -204,16 +235,19 @@ class DeepseekV41Reference:
         return x @ w["head.weight"].t()
 
     @torch.no_grad()
-    def prefill(self, cache: ReferenceCache, slot: int, start: int, ids: torch.Tensor) -> torch.Tensor:
-        """Logits ``[T, V]`` of tokens ``ids [T]`` at positions ``start..``; appends them to ``slot``'s cache."""
-        return self._forward(cache.slot(slot), start, torch.as_tensor(ids).long())
+    def prefill(self, cache: ReferenceStates, slot: int | SeqSlot, start: int, ids: torch.Tensor) -> torch.Tensor:
+        """Logits ``[T, V]`` of tokens ``ids [T]`` at positions ``start..``, appended to ``slot`` (its states too)."""
+        slot = cache.slots[slot] if isinstance(slot, int) else slot
+        seq = cache.seqs.setdefault(slot.row, SeqCache())
+        out = self._forward(seq, start, torch.as_tensor(ids).long())
+        self._export(cache, slot, seq, start)
+        return out
 
     @torch.no_grad()
-    def decode(self, cache: ReferenceCache, slots: list[int], ids: torch.Tensor) -> torch.Tensor:
-        """One token per slot (``ids [B]``), each at its slot's length: logits ``[B, V]`` (sequence by sequence)."""
-        ids = torch.as_tensor(ids).long()
-        return torch.stack([self._forward(cache.slot(sl), cache.slot(sl).length, ids[b:b + 1])[0]
-                            for b, sl in enumerate(slots)])
+    def decode(self, cache: ReferenceStates, slots: list, positions: list[int], ids: torch.Tensor) -> torch.Tensor:
+        """One token per slot (``ids [B]``) at ``positions`` (each its slot's length): logits ``[B, V]``."""
+        return torch.stack([self.prefill(cache, sl, int(p), torch.as_tensor(ids)[b:b + 1])[0]
+                            for b, (sl, p) in enumerate(zip(slots, positions))])
 
 
-__all__ = ["DeepseekV41Reference", "ReferenceCache", "SeqCache"]
+__all__ = ["DeepseekV41Reference", "ReferenceStates", "SeqCache", "refuse_unmodelled"]

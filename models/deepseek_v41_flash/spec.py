@@ -1,14 +1,7 @@
-"""DeepSeek-V4.1-Flash architecture (MODELS.md; vLLM `DeepseekV41ForCausalLM`, `model_type: deepseek_v41`).
-
-Sources, in order of trust: /work/shared/docs/MODELS.md; vLLM 0.32's `vllm/models/deepseek_v41/`
-(config keys `compress_ratios`, `kv_source_layer_ids`, `index_source_layer_ids`, `hc_mult`, ...);
-the released `text_config` as quoted by third-party ports (values MODELS.md does not list are
-marked "config" below). Values that are arithmetic on those are marked "derived".
-
-What the generic blocks already carry: sparse MQA-MLA per layer (with its compress ratio and, on
-index-source layers, the indexer), the MoE, and the mHC residual kind. What they lack lives in
-:class:`DeepseekV41Spec`: which layers own compressed KV / an indexer, Engram, mHC constants,
-RoPE/YaRN, the built-in DSpark draft and the weight formats.
+"""DeepSeek-V4.1-Flash architecture (vLLM `DeepseekV41ForCausalLM`, `model_type: deepseek_v41`). Sources, in order of
+trust: /work/shared/docs/MODELS.md; vLLM's `vllm/models/deepseek_v41/` config keys; the released `text_config` as
+quoted by third-party ports (marked "config"). :class:`DeepseekV41Spec` adds what the generic blocks lack: which
+layers own compressed KV / an indexer, Engram, mHC constants, RoPE/YaRN, the DSpark draft, the weight formats.
 """
 
 from __future__ import annotations
@@ -17,28 +10,16 @@ from typing import Literal
 
 from pydantic import model_validator
 
-from latency_specialized.spec import (
-    ActivationSpec,
-    Frozen,
-    IndexerSpec,
-    LayerSpec,
-    ModelSpec,
-    MoESpec,
-    NormSpec,
-    ResidualSpec,
-    RouterSpec,
-    SparseMQAAttentionSpec,
-)
+from latency_specialized.spec import (ActivationSpec, Frozen, IndexerSpec, LayerSpec, ModelSpec, MoESpec, NormSpec,
+                                      ResidualSpec, RouterSpec, SparseMQAAttentionSpec)
 
 NAME = "deepseek_v41_flash"
 
 ROUTER = RouterSpec(score_func="sqrtsoftplus", bias_corrected=True, renormalize=True, routed_scaling=1.5, fp32=True)
-SWIGLU_CLAMP = ActivationSpec(kind="swiglu", clamp=10.0)
 
 
 class EngramSpec(Frozen):
-    """Engram n-gram memory: hashed n-gram ids fetch rows of a large table that are gated into
-    the mHC streams before a layer's attention."""
+    """Engram n-gram memory: hashed n-gram ids fetch table rows gated into the mHC streams before attention."""
 
     layers: tuple[int, ...]
     """Layers (0-based) that inject an Engram lookup (config `engram_layer_ids`)."""
@@ -78,10 +59,6 @@ class HyperConnectionSpec(Frozen):
     post_alpha: float
     """Scale of the post-mix sigmoid (vLLM `hc_post_alpha`, hard-coded 2.0 there)."""
 
-    def mix_width(self, streams: int) -> int:
-        """Mixing coefficients per token and sublayer: streams pre + streams post + streams^2 comb."""
-        return (2 + streams) * streams
-
 
 class RopeSpec(Frozen):
     """Rotary embedding of the 64 rope dims (YaRN-extended)."""
@@ -89,8 +66,7 @@ class RopeSpec(Frozen):
     theta: float
     """Base on window-only layers (config `rope_theta`; plain RoPE there, no YaRN)."""
     compress_theta: float
-    """Base on every layer with compress ratio > 0, window keys included (config `compress_rope_theta`;
-    vLLM `common/rope.py`); YaRN applies on those layers only."""
+    """Base on layers with compress ratio > 0, window keys included (`compress_rope_theta`); YaRN there only."""
     yarn_factor: float
     """YaRN context extension factor (config `rope_scaling.factor`)."""
     original_context: int
@@ -129,11 +105,9 @@ class DeepseekV41Spec(ModelSpec):
     """ModelSpec plus the DeepSeek-V4.1 features the generic blocks do not express."""
 
     kv_source_layers: tuple[int, ...]
-    """Layers that own a compressor + compressed KV cache; a compressed layer reads the latest
-    source at or below it (config `kv_source_layer_ids`)."""
+    """Layers owning a compressor + compressed KV; others read the latest at or below (`kv_source_layer_ids`)."""
     index_source_layers: tuple[int, ...]
-    """Layers that run the indexer; a compressed layer reuses the latest one's top-k
-    (config `index_source_layer_ids`)."""
+    """Layers running the indexer; others reuse the latest one's top-k (`index_source_layer_ids`)."""
     index_topk: int
     """Compressed tokens each query attends to on compressed layers (config `index_topk`)."""
     candidate_source_layer: int
@@ -173,12 +147,10 @@ class DeepseekV41Spec(ModelSpec):
             a = layer.attention
             if not isinstance(a, SparseMQAAttentionSpec):
                 raise ValueError(f"layer {layer.index}: DeepSeek-V4.1 layers are sparse_mqa, got {a.kind}")
-            has_idx = a.indexer is not None
-            if has_idx != (layer.index in self.index_source_layers):
+            if (has_idx := a.indexer is not None) != (layer.index in self.index_source_layers):
                 raise ValueError(f"layer {layer.index}: indexer present={has_idx} but index_source_layers says "
                                  f"{layer.index in self.index_source_layers}")
-            if a.compress_ratio > 0 and (self.kv_source_for(layer.index) is None
-                                         or self.index_source_for(layer.index) is None):
+            if a.compress_ratio > 0 and None in (self.kv_source_for(layer.index), self.index_source_for(layer.index)):
                 raise ValueError(f"layer {layer.index}: compressed layer has no KV/index source at or below it")
         return self
 
@@ -187,14 +159,12 @@ class DeepseekV41Spec(ModelSpec):
         return tuple(l.attention.compress_ratio for l in self.layers)  # type: ignore[union-attr]
 
     def kv_source_for(self, layer: int) -> int | None:
-        """The KV source a layer reads (None for window-only layers and layers below every source)."""
-        below = [s for s in self.kv_source_layers if s <= layer]
-        return max(below) if below else None
+        """The KV source a layer reads: the latest at or below it (None: none)."""
+        return max((s for s in self.kv_source_layers if s <= layer), default=None)
 
     def index_source_for(self, layer: int) -> int | None:
-        """The indexer whose top-k a layer uses."""
-        below = [s for s in self.index_source_layers if s <= layer]
-        return max(below) if below else None
+        """The indexer whose top-k a layer uses: the latest at or below it (None: none)."""
+        return max((s for s in self.index_source_layers if s <= layer), default=None)
 
     def layers_with_ratio(self, ratio: int) -> tuple[int, ...]:
         """Layers whose KV compress ratio is ``ratio`` (0: sliding window only)."""
@@ -212,11 +182,9 @@ def build_spec(*, variant: str, hidden: int, vocab: int, ratios: tuple[int, ...]
     moe = MoESpec(num_experts=experts, top_k=top_k, num_shared_experts=shared, expert_intermediate=expert_inter,
                   activation=ActivationSpec(kind="swiglu", clamp=swiglu_clamp),
                   router=ROUTER.model_copy(update={"routed_scaling": routed_scaling}))
-    layers = tuple(
-        LayerSpec(index=i, ffn=moe, attention=SparseMQAAttentionSpec(
-            num_heads=heads, head_dim=head_dim, rope_dim=rope_dim, q_lora_rank=q_lora, o_groups=o_groups,
-            o_lora_rank=o_lora, sliding_window=window, compress_ratio=r,
-            indexer=indexer if i in index_sources else None))
+    layers = tuple(LayerSpec(index=i, ffn=moe, attention=SparseMQAAttentionSpec(
+        num_heads=heads, head_dim=head_dim, rope_dim=rope_dim, q_lora_rank=q_lora, o_groups=o_groups, o_lora_rank=o_lora,
+        sliding_window=window, compress_ratio=r, indexer=indexer if i in index_sources else None))
         for i, r in enumerate(ratios))
     return DeepseekV41Spec(
         name=NAME, variant=variant, hidden_size=hidden, vocab_size=vocab, max_context=max_context, layers=layers,
@@ -224,9 +192,8 @@ def build_spec(*, variant: str, hidden: int, vocab: int, ratios: tuple[int, ...]
         kv_source_layers=kv_sources, index_source_layers=index_sources, index_topk=idx_topk,
         candidate_source_layer=candidate_layer, candidate_topk_blocks=candidate_blocks,
         candidate_block_size=candidate_block, hyper=HyperConnectionSpec(eps=hc_eps, post_alpha=2.0), engram=engram,
-        rope=rope, draft=draft,
-        weights=WeightFormats(dense="fp8_e4m3 blocks 32x32, ue8m0 scales",
-                              routed_experts="fp4_e2m1, one ue8m0 scale per 32"))
+        rope=rope, draft=draft, weights=WeightFormats(dense="fp8_e4m3 blocks 32x32, ue8m0 scales",
+                                                      routed_experts="fp4_e2m1, one ue8m0 scale per 32"))
 
 
 def full_spec() -> DeepseekV41Spec:
@@ -235,12 +202,10 @@ def full_spec() -> DeepseekV41Spec:
     ratios = (0,) * 2 + (2,) * 18 + (1,) * 20
     return build_spec(
         variant="full", hidden=5120, vocab=129280, ratios=ratios, heads=64, head_dim=512, rope_dim=64, q_lora=1280,
-        o_groups=8, o_lora=1024, window=128,
+        o_groups=8, o_lora=1024, window=128, idx_heads=32, idx_dim=128, idx_topk=512,
         kv_sources=(2, 8, 14, 20),  # config `kv_source_layer_ids` (MODELS.md: 20-39 read layer 20's KV)
-        index_sources=(2, 8, 14, 20, 24, 28, 32, 36),  # MODELS.md
-        idx_heads=32, idx_dim=128, idx_topk=512,
+        index_sources=(2, 8, 14, 20, 24, 28, 32, 36), experts=384, top_k=6, shared=1, expert_inter=2304,  # MODELS.md
         candidate_layer=20, candidate_blocks=2048, candidate_block=8,  # config `candidate_*`
-        experts=384, top_k=6, shared=1, expert_inter=2304,
         engram=EngramSpec(layers=(1, 14),  # MODELS.md
                           num_embeddings=(384_006_168, 384_016_682),  # config; x256 B = 196.6e9 (MODELS.md: 196B)
                           max_ngram=4, n_heads=8, head_dim=256),  # config
@@ -249,26 +214,19 @@ def full_spec() -> DeepseekV41Spec:
         max_context=1_048_576,  # MODELS.md: 1M = YaRN x16 over 65536
         rope=RopeSpec(theta=10_000.0, compress_theta=160_000.0,  # config
                       yarn_factor=16.0, original_context=65_536),  # MODELS.md
-        # config `rms_norm_eps` as quoted verbatim by two third-party ports (1e-20, not the usual
-        # 1e-6); not in MODELS.md - check against the checkpoint before trusting numerics on it.
-        norm_eps=1e-20,
-    )
+        # config `rms_norm_eps` as quoted verbatim by two third-party ports (1e-20, not the usual 1e-6); not in
+        norm_eps=1e-20)  # MODELS.md - check against the checkpoint before trusting numerics on it
 
 
 def tiny_spec() -> DeepseekV41Spec:
-    """Every feature at test size: window-only, ratio-2 and ratio-1 layers, several KV sources
-    and indexers (with reuse), a candidate source, two Engram layers, mHC x4. Heads, output
-    groups and widths divide by TP 1..8."""
+    """Every feature the program runs, at test size (no Engram: refused); widths divide by TP 1..8; 16 indexer heads
+    (4 tied at relu 0 too often); top-k 16 < the compressed rows of a 40-token context (ratio 1 and 2)."""
     ratios = (0,) * 2 + (2,) * 4 + (1,) * 4
     return build_spec(
         variant="tiny", hidden=64, vocab=512, ratios=ratios, heads=16, head_dim=32, rope_dim=8, q_lora=32,
-        o_groups=8, o_lora=16, window=8, kv_sources=(2, 4, 6), index_sources=(2, 4, 6, 8), idx_heads=4, idx_dim=16,
+        o_groups=8, o_lora=16, window=8, kv_sources=(2, 4, 6), index_sources=(2, 4, 6, 8), idx_heads=16, idx_dim=16,
         idx_topk=16, candidate_layer=6, candidate_blocks=4, candidate_block=2, experts=16, top_k=4, shared=1,
-        expert_inter=32, engram=EngramSpec(layers=(1, 4), num_embeddings=(997, 1009), max_ngram=3, n_heads=2,
-                                           head_dim=16),
+        expert_inter=32, engram=EngramSpec(layers=(), num_embeddings=(), max_ngram=3, n_heads=2, head_dim=16),
         draft=DraftSpec(num_layers=1, block_size=5, num_speculative_tokens=5, num_experts=8, top_k=2,
-                        target_layers=(7, 8, 9)),
-        max_context=4096, rope=RopeSpec(theta=10_000.0, compress_theta=160_000.0, yarn_factor=1.0,
-                                        original_context=4096),
-        norm_eps=1e-20,  # as the full model
-    )
+                        target_layers=(7, 8, 9)), max_context=4096, norm_eps=1e-20,  # eps: as the full model
+        rope=RopeSpec(theta=10_000.0, compress_theta=160_000.0, yarn_factor=1.0, original_context=4096))

@@ -71,7 +71,7 @@ class Glm53Adapter(ComposedAdapter):
         """``moe`` (layer 6: its own DSA indexer) and ``moe_shared_topk`` (layer 3: a shared top-k); NOTES.md."""
         moe = set(range((f := full_spec()).num_layers)) - set(f.dense_layers())
         first = {"moe": min(moe & set(f.indexer_layers())), "moe_shared_topk": min(moe - set(f.indexer_layers()))}
-        notes = {"moe": "ours runs the plan's attn.indexer and attn.sparse_mla below (references until kernels exist)",
+        notes = {"moe": "ours runs the plan's attn.indexer and attn.sparse_mla (the sites table below names them)",
                  "moe_shared_topk": "ours' programs open with an indexer layer: (t_K - t_1)/(K - 1) is a reuse layer's"}
         return {k: BenchKind(layer=i, context=True, stock="dsa_moe", kv_block_size=64,
                              stock_options={"indexer_rope": "interleaved"}, notes=(f"{k} (GLM-5.3): {notes[k]}.",))

@@ -11,6 +11,7 @@ import torch
 
 from latency_specialized.adapter import BenchKind, ModelAdapter, Variant
 from latency_specialized.errors import UserError
+from latency_specialized.quant import quantized_pair
 from latency_specialized.runtime.composed import ComposedProgram
 from latency_specialized.runtime.random_weights import torch_dtype
 from latency_specialized.spec import DecodeScope, KDAAttentionSpec, MLAAttentionSpec, ModelSpec, MoESpec
@@ -29,12 +30,27 @@ def _kimi(spec: Any, what: str) -> KimiK3Spec:
     return spec
 
 
+def _expert_format(asked: str | None, native: str, where: str) -> str | None:
+    """The routed experts' kept format: None (dequantised), or ``asked`` ('native': ``native``, the format of
+    ``where``); a UserError naming the choices otherwise."""
+    if asked is None:
+        return None
+    fmt = native if asked == "native" else asked
+    if fmt != "mxfp4":
+        raise UserError(f"kimi_k3 keeps its routed experts as mxfp4 only ({where} stores them as {native}); "
+                        "use --experts native with an MXFP4 checkpoint, or drop --experts")
+    return fmt
+
+
 class KimiK3Adapter(ModelAdapter):
     name: ClassVar[str] = "kimi_k3"
     description: ClassVar[str] = "Moonshot Kimi K3: 69 KDA + 24 MLA layers, latent MoE 896x top-16, Block AttnRes"
     hf_architectures: ClassVar[tuple[str, ...]] = ("KimiK3ForConditionalGeneration", "KimiLinearForCausalLM")
-    capabilities: ClassVar[frozenset[str]] = frozenset({"spec", "reference", "program", "checkpoint"})
+    capabilities: ClassVar[frozenset[str]] = frozenset({"spec", "reference", "program", "checkpoint",
+                                                        "quantized_experts"})
     variants: ClassVar[tuple[str, ...]] = ("full", "medium", "tiny")
+    expert_formats: ClassVar[tuple[str, ...]] = ("mxfp4",)
+    """Formats the routed experts can stay in on the device (``reference(expert_format=)``; matrix cells)."""
 
     def spec(self, variant: Variant = "full") -> ModelSpec:
         if variant == "medium":
@@ -79,22 +95,41 @@ class KimiK3Adapter(ModelAdapter):
     # ------------------------------------------------------------------ reference / program
     def reference(self, spec: ModelSpec | None = None, *, checkpoint: str | Path | None = None,
                   weights: dict[str, torch.Tensor] | None = None, seed: int = 0, dtype: str | torch.dtype = "bfloat16",
-                  device: str | torch.device = "cpu", tokenizer: bool = True, **_: Any):
+                  device: str | torch.device = "cpu", tokenizer: bool = True, expert_format: str | None = None,
+                  **_: Any):
         """The torch reference with weights: from ``checkpoint``, from ``weights``, or random (``seed``: tiny
-        and medium only). ``tokenizer`` trains a byte-level tokenizer of the vocabulary for random weights."""
+        and medium only). ``tokenizer`` trains a byte-level tokenizer of the vocabulary for random weights.
+
+        ``expert_format`` ('mxfp4', or 'native': the checkpoint's / the release's format) keeps the routed
+        experts quantized for the program: the returned reference's spec says so (``MoESpec.expert_format``)
+        and its ``program_weights`` hold them as ``QuantizedWeight`` (from the checkpoint as stored, or random
+        weights quantized once), while the reference itself computes with exactly those values dequantised."""
         dt = torch_dtype(dtype)
         if checkpoint is not None:
-            ck = ckpt.load_checkpoint(checkpoint, dtype=dt, device=device)
-            return KimiK3Reference(ck.spec, ck.weights, tokenizer=ck.tokenizer, bos_token_id=ck.bos_token_id,
-                                   eos_token_id=ck.eos_token_id)
+            ck = ckpt.load_checkpoint(checkpoint, dtype=dt, device=device, keep_experts=expert_format is not None)
+            fmt = _expert_format(expert_format, ck.spec.routed_expert_format, "the checkpoint")
+            spec = ck.spec.with_expert_format(fmt) if fmt else ck.spec
+            ref = KimiK3Reference(spec, ck.weights, tokenizer=ck.tokenizer, bos_token_id=ck.bos_token_id,
+                                  eos_token_id=ck.eos_token_id)
+            if fmt:
+                ref.program_weights = {**ck.weights, **ck.kept}
+            return ref
         spec = _kimi(spec if spec is not None else tiny_spec(), "reference")
+        fmt = _expert_format(expert_format, full_spec().routed_expert_format, "the release")
+        kept = None
         if weights is None:
             if spec.variant == "full":
                 raise UserError("random weights for the full Kimi K3 (2.8T parameters) do not fit anywhere: "
                                 "pass --checkpoint DIR or use --size tiny / medium")
             weights = composed.random_weights(spec, seed=seed, dtype=dt, device=device)
+        if fmt:
+            spec = spec.with_expert_format(fmt)  # type: ignore[assignment]
+            weights, kept = quantized_pair(weights, fmt, ckpt.is_routed_expert, dtype=dt, device=device)
         tok = train_tokenizer(spec.vocab_size) if tokenizer else None
-        return KimiK3Reference(spec, weights, tokenizer=tok, bos_token_id=1, eos_token_id=2)
+        ref = KimiK3Reference(spec, weights, tokenizer=tok, bos_token_id=1, eos_token_id=2)
+        if kept is not None:
+            ref.program_weights = kept
+        return ref
 
     def program(self, spec: ModelSpec, *, plans: Any, cache: Any, reference: Any = None,
                 weights: dict[str, torch.Tensor] | None = None, trace: Any = None, comm: Any = None,
@@ -104,7 +139,8 @@ class KimiK3Adapter(ModelAdapter):
         if weights is None:
             if reference is None:
                 raise UserError("kimi_k3 program needs weights: pass reference= or weights=")
-            weights = reference.w
+            # the experts kept quantized where the reference was built so (else the reference's own)
+            weights = getattr(reference, "program_weights", None) or reference.w
         spec = _kimi(spec, "program")
         return ComposedProgram(composed.composed_model(spec), composed.piece_weights(spec, weights), plans, cache,
                                comm=comm, trace=trace, weights_sharded=weights_sharded)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from latency_specialized import quant
 from latency_specialized.errors import CheckpointError
 from latency_specialized.runtime import checkpoint as generic
 from latency_specialized.runtime.checkpoint import mxfp4_dequantize, mxfp4_quantize  # noqa: F401 - the codec Kimi uses
@@ -33,6 +34,11 @@ _EXPERT = re.compile(r"^.*\.experts\.\d+\.w[123]\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
+def is_routed_expert(name: str) -> bool:
+    """A routed expert's ``w1`` / ``w2`` / ``w3`` weight (what the release stores as MXFP4)."""
+    return bool(_EXPERT.match(name))
+
+
 def save_checkpoint(directory: str | Path, spec: KimiK3Spec, weights: dict[str, torch.Tensor], *,
                     layout: str = "kimi_k3", tokenizer: Any = None, bos_token_id: int = 1, eos_token_id: int = 2,
                     pad_token_id: int = 0) -> list[Path]:
@@ -44,7 +50,7 @@ def save_checkpoint(directory: str | Path, spec: KimiK3Spec, weights: dict[str, 
     pre = PREFIX if layout == "kimi_k3" else ""
     mxfp4 = spec.routed_expert_format == "mxfp4"
     files = generic.save_checkpoint(directory, {pre + n: weights[n] for n in expected_tensors(spec)}, cfg,
-                                    quantize=lambda name: mxfp4 and bool(_EXPERT.match(name)))
+                                    quantize=lambda name: mxfp4 and is_routed_expert(name))
     if tokenizer is not None:
         files += save_tokenizer(tokenizer, Path(directory), max_length=spec.max_context)
     return files
@@ -63,6 +69,8 @@ class LoadedCheckpoint:
     eos_token_id: int | None = None
     ignored: list[str] = field(default_factory=list)
     """Tensors present but not used (vision tower, MTP layers)."""
+    kept: dict[str, Any] = field(default_factory=dict)
+    """With ``keep_experts``: official name -> ``QuantizedWeight`` of every routed expert weight, as stored."""
 
 
 def _legacy_shapes(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -74,8 +82,10 @@ def _legacy_shapes(name: str, t: torch.Tensor) -> torch.Tensor:
 
 
 def load_checkpoint(directory: str | Path, *, dtype: torch.dtype = torch.bfloat16,
-                    device: torch.device | str = "cpu") -> LoadedCheckpoint:
-    """Validate and load a Kimi K3 checkpoint directory (either layout) in activation dtype ``dtype``."""
+                    device: torch.device | str = "cpu", keep_experts: bool = False) -> LoadedCheckpoint:
+    """Validate and load a Kimi K3 checkpoint directory (either layout) in activation dtype ``dtype``.
+    ``keep_experts``: also the MXFP4 routed experts exactly as stored (``LoadedCheckpoint.kept``; the
+    ``weights`` keep their dequantised values for the reference)."""
     d = Path(directory)
     cfg = generic.read_config(d)
     if cfg is None:
@@ -115,4 +125,18 @@ def load_checkpoint(directory: str | Path, *, dtype: torch.dtype = torch.bfloat1
     if tok is not None and tok.get_vocab_size() > spec.vocab_size:
         raise CheckpointError(f"{d}: tokenizer has {tok.get_vocab_size()} ids but config vocab_size is "
                               f"{spec.vocab_size}: they must agree")
-    return LoadedCheckpoint(spec, weights, layout, tok, extras.get("bos_token_id"), extras.get("eos_token_id"), ignored)
+    kept = _stored_experts(d, spec, names, device) if keep_experts else {}
+    return LoadedCheckpoint(spec, weights, layout, tok, extras.get("bos_token_id"), extras.get("eos_token_id"), ignored,
+                            kept)
+
+
+def _stored_experts(d: Path, spec: KimiK3Spec, names: dict[str, str], device: torch.device | str) -> dict[str, Any]:
+    """Official name -> QuantizedWeight (on ``device``) of every routed expert weight, read as stored."""
+    experts = [n for n in names if is_routed_expert(n)]
+    if spec.routed_expert_format != "mxfp4" or not experts:
+        raise CheckpointError(f"{d}: routed experts stored as {spec.routed_expert_format}, not MXFP4: there is "
+                              "nothing to keep quantized; drop --experts (they load as bf16)")
+    stored_names = {n: quant.tensor_names(names[n], "mxfp4") for n in experts}
+    raw = generic.read_stored(d, [t for roles in stored_names.values() for t in roles.values()])
+    official = {quant.tensor_names(n, "mxfp4")[r]: raw[t] for n, roles in stored_names.items() for r, t in roles.items()}
+    return {n: q.to(device) for n, q in quant.keep_quantized(official, "mxfp4").items() if n in experts}

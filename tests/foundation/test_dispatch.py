@@ -232,12 +232,19 @@ def test_a_block_without_a_piece_names_what_is_missing():
     from latency_specialized.pieces.standard import MissingPiece, compose_standard
     from latency_specialized.spec import ResidualSpec, SparseMQAAttentionSpec
 
+    from latency_specialized.pieces.attention.sparse_mqa import SparseMQAAttention
+
     full = _readme_adapter().spec()
+    # window-only sparse MQA has a standard piece; compressed KV needs the model's sources: MissingPiece
     mqa = SparseMQAAttentionSpec(num_heads=8, head_dim=64, rope_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=16,
                                  sliding_window=16, compress_ratio=0)
-    layers = tuple(l.model_copy(update={"attention": mqa}) if l.index < 2 else l for l in full.layers)
-    with pytest.raises(MissingPiece, match=r"no standard piece for sparse_mqa attention \(layers 0..1 \(2\)\)"):
-        compose_standard(full.model_copy(update={"layers": layers}))
+    window = tuple(l.model_copy(update={"attention": mqa}) if l.index < 2 else l for l in full.layers)
+    model = compose_standard(full.model_copy(update={"layers": window}))
+    assert isinstance(model.layers[0].attention, SparseMQAAttention)
+    compressed = tuple(l.model_copy(update={"attention": mqa.model_copy(update={"compress_ratio": 2})})
+                       if l.index < 2 else l for l in full.layers)
+    with pytest.raises(MissingPiece, match=r"sparse MQA with compressed KV \(layers 0..1 \(2\)\)"):
+        compose_standard(full.model_copy(update={"layers": compressed}))
     assert issubclass(MissingPiece, UserError)
     from latency_specialized.pieces.residual.gated import GatedResidual
 

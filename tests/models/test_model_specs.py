@@ -22,7 +22,7 @@ from latency_specialized_models.glm53 import spec as glm
 from latency_specialized_models.muse_spark import spec as muse
 
 MODELS = ("deepseek_v41_flash", "muse_spark", "glm53")
-CAPABILITIES = {"deepseek_v41_flash": frozenset({"spec"}),
+CAPABILITIES = {"deepseek_v41_flash": frozenset({"spec", "reference", "program", "checkpoint"}),
                 "glm53": frozenset({"spec", "reference", "program", "checkpoint"}),
                 "muse_spark": frozenset({"spec", "reference", "program", "checkpoint"})}
 SPEC_CLASSES = {"deepseek_v41_flash": dsv4.DeepseekV41Spec, "muse_spark": muse.MuseSparkSpec,
@@ -187,7 +187,7 @@ def test_tiny_deepseek_v41_has_every_feature():
     assert any(s.index_source_for(l) != l for l in compressed)
     assert any(l not in s.kv_source_layers for l in s.index_source_layers)  # indexer that borrows keys
     assert s.candidate_source_layer in s.index_source_layers
-    assert len(s.engram.layers) == 2 and s.residual.streams == 4
+    assert s.engram.layers == () and s.residual.streams == 4   # the reference and the program refuse Engram
     assert {s.layers[l].attention.compress_ratio for l in s.kv_source_layers} == {1, 2}
 
 
@@ -318,29 +318,35 @@ def test_deepseek_plan_places_model_specific_work(registry):
     assert _layers_of(plan, "/attn.sparse_mqa.window") == {0, 1}
     assert _layers_of(plan, "/attn.sparse_mqa.c2") == set(range(2, 20))
     assert _layers_of(plan, "/attn.sparse_mqa.c1") == set(range(20, 40))
+    # Layer kinds by what a layer owns (the sparse MQA piece: window-only, KV source, indexer, reuse).
+    assert _layers_of(plan, "sparse_mqa.c1.idx+moe/attn.indexer") == {24, 28, 32, 36}
+    assert _layers_of(plan, "sparse_mqa.c2+moe/attn.sparse_mqa.c2") == set(range(3, 20)) - {8, 14}
     # The mHC residual piece: a seam (residual.mhc: mixing coefficients from the 4 x 5120 streams, Sinkhorn,
     # collapse, input norm) in front of every sublayer and at the end; plain all-reduce sites at TP > 1.
-    for site in ("sparse_mqa+moe/attn.mhc", "sparse_mqa+moe/ffn.mhc"):
-        mhc = plan.choice(site)
-        assert mhc.site.family == "residual.mhc" and mhc.site.layers == tuple(range(40))
+    for site in ("/attn.mhc", "/ffn.mhc"):
+        assert _layers_of(plan, site) == set(range(40))
+        mhc = plan.choice("sparse_mqa.c1+moe" + site)
+        assert mhc.site.family == "residual.mhc"
         assert (mhc.site.ctx.dim("N"), mhc.site.ctx.dim("streams"), mhc.site.ctx.dim("iters")) == (5120, 4, 20)
         assert mhc.site.weight_bytes == 24 * 4 * 5120 * 4 + 5120 * 2  # the fp32 projection + the norm
     assert plan.choice("final.mhc").site.ctx.attr("mix") is False
-    for site in ("sparse_mqa+moe/attn.allreduce", "sparse_mqa+moe/ffn.allreduce"):
+    for site in ("sparse_mqa.c1+moe/attn.allreduce", "sparse_mqa.c1+moe/ffn.allreduce"):
         ctx = plan.choice(site).site.ctx
         assert (ctx.attr("residual"), ctx.attr("norm")) == (False, False)
     names = [c.site.name for c in plan.choices]
-    assert names.index("sparse_mqa+moe/engram.wkv") < names.index("sparse_mqa+moe/attn.mhc")
+    assert names.index("sparse_mqa.window+moe/engram.wkv") < names.index("sparse_mqa.window+moe/attn.mhc")
     assert not any(n.endswith(("mhc_gemm", "attn.norm")) or n == "final_norm" for n in names)
-    att = plan.choice("sparse_mqa+moe/attn.sparse_mqa.c1").site.ctx
+    att = plan.choice("sparse_mqa.c1+moe/attn.sparse_mqa.c1").site.ctx
     assert (att.dim("heads"), att.dim("head_dim"), att.dim("topk"), att.dim("window")) == (8, 512, 512, 128)
-    assert plan.choice("sparse_mqa+moe/moe.experts").site.ctx.attr("clamp") == 10.0
-    o_a = plan.choice("sparse_mqa+moe/attn.o_a_proj").site.ctx  # one group per rank at TP 8: 8 heads x 512
+    assert att.attr("sinks") is True and plan.choice("sparse_mqa.c1+moe/moe.experts").site.ctx.attr("clamp") == 10.0
+    ix = plan.choice("sparse_mqa.c1.src.idx+moe/attn.indexer").site.ctx
+    assert (ix.dim("heads"), ix.dim("head_dim"), ix.dim("topk"), ix.attr("k_norm")) == (32, 128, 512, "rms")
+    o_a = plan.choice("sparse_mqa.c1+moe/attn.o_a_proj").site.ctx  # one group per rank at TP 8: 8 heads x 512
     assert (o_a.attr("groups"), o_a.dim("K"), o_a.dim("N")) == (1, 4096, 1024)
     # The routed-MoE piece: the router split across ranks (E / tp rows), fp32 logits, non-default routing.
-    router = plan.choice("sparse_mqa+moe/moe.router_gemm").site.ctx
+    router = plan.choice("sparse_mqa.c1+moe/moe.router_gemm").site.ctx
     assert (router.dim("N"), router.attr("out_dtype")) == (384 // 8, "float32")
-    assert plan.choice("sparse_mqa+moe/moe.router").site.ctx.attr("routed_scaling") == 1.5
+    assert plan.choice("sparse_mqa.c1+moe/moe.router").site.ctx.attr("routed_scaling") == 1.5
 
 
 def test_muse_plan_places_model_specific_work(registry):

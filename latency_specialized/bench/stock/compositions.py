@@ -62,11 +62,11 @@ def _notes_gqa(full, name, bk, tp):
     return describe(full, bk.layer, tp, name, _gqa_options(bk))
 
 
-def _dsa(name):
-    def call(*args, **kw):  # bench/stock/dsa_moe.py's builder / notes of a BenchKind, imported at call time
-        from latency_specialized.bench.stock import dsa_moe
+def _dsa(name, module="dsa_moe"):
+    def call(*args, **kw):  # bench/stock/<module>.py's builder / notes of a BenchKind, imported at call time
+        import importlib
 
-        return getattr(dsa_moe, name)(*args, **kw)
+        return getattr(importlib.import_module(f"latency_specialized.bench.stock.{module}"), name)(*args, **kw)
 
     return call
 
@@ -82,6 +82,11 @@ COMPOSITIONS: dict[str, StockComposition] = {
     "dsa_moe": StockComposition("dsa_moe", _dsa("build_for_kind"), _dsa("notes_for_kind"),
                                 "MLA + DSA indexer (own or shared top-k) + sparse attention + MoE with shared experts, "
                                 "pre-norm, as vLLM runs DeepSeek-V3.2 / GLM-5 on Hopper (bench/stock/dsa_moe.py)"),
+    "sparse_mqa_moe": StockComposition("sparse_mqa_moe", _dsa("build_for_kind", "sparse_mqa_moe"),
+                                       _dsa("notes_for_kind", "sparse_mqa_moe"),
+                                       "sparse MQA (window + compressed KV, own or shared top-k) + MoE with a shared "
+                                       "expert, mHC residual, as vLLM runs DeepSeek-V4.1 on Hopper "
+                                       "(bench/stock/sparse_mqa_moe.py)"),
 }
 
 

@@ -35,7 +35,7 @@ import triton.language as tl
 FP8_MAX = 448.0
 """Largest e4m3 value (vLLM's ``_FP8_MAX`` on OCP fp8)."""
 
-__all__ = ["FP8_MAX", "convert_topk", "convert_topk_reference", "fp8_quantize_reference", "indexer_logits",
+__all__ = ["FP8_MAX", "convert_topk", "interpreting", "partner", "rope_reference", "rope_vec", "ue8m0_quantize", "convert_topk_reference", "fp8_quantize_reference", "indexer_logits",
            "indexer_logits_reference", "norm_rope_cache", "norm_rope_cache_reference", "rope_q_index",
            "rope_q_index_reference", "topk_rows_reference", "topk_select"]
 
@@ -367,3 +367,8 @@ def topk_rows_reference(logits, k: int, block_table, seq_lens, block_size: int) 
     masked = logits.masked_fill(pos[None, :] >= seq_lens.long()[:, None], float("-inf"))
     idx = torch.topk(masked, min(k, logits.shape[1]), dim=-1).indices
     return convert_topk_reference(idx, block_table, seq_lens, block_size)
+
+
+# the device helpers and the RoPE oracle under public names (bench/stock/sparse_mqa_kernels.py calls them)
+interpreting, partner, rope_vec, ue8m0_quantize, rope_reference = _interpreting, _partner, _rope_vec, _ue8m0_quantize, \
+    _rope_ref

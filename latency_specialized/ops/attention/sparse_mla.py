@@ -6,8 +6,10 @@ Two families, one call each per layer:
 
     topk = indexer_topk(q, k, weights, k_cache, slot_mapping, block_table, seq_lens, topk=K, ...)
 
-0. the new token's key ``k [B, D]`` (raw: a column slice of a projection) is LayerNorm-ed
-   (``k_norm_weight`` / ``k_norm_bias``, fp32, biased variance) when a norm weight is given; the first
+0. the new token's key ``k [B, D]`` (raw: a column slice of a projection) is normalised in fp32 when a
+   norm weight is given: ``k_norm_kind="layer"`` (default; GLM-5.3) a LayerNorm (``k_norm_weight`` /
+   ``k_norm_bias``, biased variance), ``"rms"`` (DeepSeek-V4.1-Flash) an RMSNorm
+   ``k * rsqrt(mean(k^2) + eps) * k_norm_weight`` (no bias); the first
    ``2 len(rope_inv_freq)`` channels of it and of every query head ``q [B, h, D]`` are rotated by
    ``positions`` (NeoX rotate-half, or interleaved pairs); the key is rounded to the cache's dtype and
    written into the paged key cache ``k_cache [blocks, block_size, D]`` at ``slot_mapping`` (< 0: no
@@ -40,6 +42,8 @@ and the query in fp8 with per-block scales; this contract is unquantised.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from latency_specialized.errors import UserError
@@ -69,6 +73,15 @@ def rotate_leading(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Ten
     return torch.cat([out, x[..., rot:]], dim=-1)
 
 
+def _check_k_norm_kind(k_norm_kind: str, k_norm_bias: torch.Tensor | None) -> None:
+    """The indexer's key-norm kind is one the contract names, and an RMSNorm comes without a bias."""
+    if k_norm_kind not in ("layer", "rms"):
+        raise UserError(f"attention.indexer: k_norm_kind={k_norm_kind!r}; use 'layer' (LayerNorm) or 'rms' (RMSNorm)")
+    if k_norm_kind == "rms" and k_norm_bias is not None:
+        raise UserError("attention.indexer: k_norm_kind='rms' is an RMSNorm (weight only); drop k_norm_bias or "
+                        "use k_norm_kind='layer'")
+
+
 def _context(flat: torch.Tensor, block_table: torch.Tensor, block: int, seq_lens: torch.Tensor):
     """(rows [B, n], valid [B, n]) of every position of every block table (no host sync)."""
     n_max = block_table.shape[1] * block
@@ -84,7 +97,8 @@ def indexer_topk_reference(q: torch.Tensor, k: torch.Tensor, weights: torch.Tens
                            rope_inv_freq: torch.Tensor | None = None, rope_interleaved: bool = False,
                            k_norm_weight: torch.Tensor | None = None, k_norm_bias: torch.Tensor | None = None,
                            k_norm_eps: float = 1e-6, scale: float | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None,
+                           k_norm_kind: Literal["layer", "rms"] = "layer") -> torch.Tensor:
     """The indexer's top-k (see the module docstring).
 
     Parameters
@@ -96,8 +110,10 @@ def indexer_topk_reference(q: torch.Tensor, k: torch.Tensor, weights: torch.Tens
     topk : K, the static width of the result.
     positions : [B] token positions (needed with ``rope_inv_freq``).
     rope_inv_freq : [R/2] fp32 inverse frequencies of the rotated leading channels (None: no RoPE).
-    k_norm_weight, k_norm_bias : [D] LayerNorm of the key (None: no norm); k_norm_eps its epsilon.
+    k_norm_weight, k_norm_bias : [D] norm of the key (None: no norm); k_norm_eps its epsilon.
     scale : logit scale (default D^-0.5 h^-0.5). out : optional [B, K] int32 destination.
+    k_norm_kind : ``"layer"`` (LayerNorm, optional bias) or ``"rms"`` (RMSNorm: weight only, a bias is an
+        error), both in fp32 (module docstring, step 0).
 
     Returns
     -------
@@ -109,8 +125,11 @@ def indexer_topk_reference(q: torch.Tensor, k: torch.Tensor, weights: torch.Tens
                         f"cache width {k_cache.shape[-1]} do not fit one another")
     if topk < 1:
         raise UserError(f"attention.indexer: topk={topk}; use a positive width")
+    _check_k_norm_kind(k_norm_kind, k_norm_bias)
     kf = k.float()
-    if k_norm_weight is not None:
+    if k_norm_weight is not None and k_norm_kind == "rms":
+        kf = kf * torch.rsqrt(kf.pow(2).mean(-1, keepdim=True) + k_norm_eps) * k_norm_weight.float()
+    elif k_norm_weight is not None:
         mean = kf.mean(-1, keepdim=True)
         var = (kf - mean).pow(2).mean(-1, keepdim=True)
         kf = (kf - mean) * torch.rsqrt(var + k_norm_eps) * k_norm_weight.float()

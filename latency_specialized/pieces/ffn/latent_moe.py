@@ -44,7 +44,7 @@ import torch
 from latency_specialized.errors import UserError
 from latency_specialized.ops.sites import SiteBuilder
 from latency_specialized.ops.tp_moe import gather_parts
-from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl
+from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl, join
 from latency_specialized.runtime.side_stream import SideStream
 from latency_specialized.spec import ModelSpec, MoESpec, RouterSpec
 
@@ -74,6 +74,12 @@ def router_attrs(r: RouterSpec) -> dict[str, Any]:
         if getattr(r, name) != getattr(_ROUTER_DEFAULTS, name):
             attrs[name] = getattr(r, name)
     return attrs
+
+
+def expert_format_attrs(f: MoESpec) -> dict[str, Any]:
+    """The ``moe.experts`` site's ``weight_format`` where the experts stay quantized (``MoESpec.expert_format``):
+    the bf16 implementations refuse such a site, the 4-bit ones take it."""
+    return {"weight_format": f.expert_format} if f.expert_format else {}
 
 
 @functools.lru_cache(maxsize=64)
@@ -162,7 +168,8 @@ class LatentMoE:
         if self.input_norm:
             b.add("moe.latent_norm", "norm", N=width)
         b.add("moe.experts", "moe.experts", E=f.num_experts, topk=f.top_k, N=f.expert_intermediate, K=width,
-              attrs={"activation": f.activation.kind, **({"per_route": True} if self.per_route else {})})
+              attrs={"activation": f.activation.kind, **({"per_route": True} if self.per_route else {}),
+                     **expert_format_attrs(f)})
         if self.per_route:
             if tp > 1:
                 b.add("moe.route_allreduce", "allreduce", tokens=b.tokens * f.top_k, N=width,
@@ -224,7 +231,7 @@ class LatentMoE:
         gate_down = torch.cat([w["router"], w["latent_down"]])
         n_gate = w["router"].shape[0]
         out = {"gate_down": gate_down, "gate": gate_down[:n_gate], "down": gate_down[n_gate:],
-               "w13": torch.cat([w["experts.w1"], w["experts.w3"]], dim=1), "w2": w["experts.w2"],
+               "w13": join([w["experts.w1"], w["experts.w3"]], dim=1), "w2": w["experts.w2"],
                "up": w["latent_up"]}
         for name in ("router_bias", "latent_in_norm", "latent_norm", "post_expert_norm"):
             if name in w:

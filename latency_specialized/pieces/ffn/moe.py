@@ -32,7 +32,7 @@ import torch
 from latency_specialized.errors import UserError
 from latency_specialized.ops.sites import SiteBuilder
 from latency_specialized.ops.tp_moe import gather_parts
-from latency_specialized.pieces.ffn.latent_moe import router_attrs
+from latency_specialized.pieces.ffn.latent_moe import expert_format_attrs, router_attrs
 from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl, join
 from latency_specialized.spec import ModelSpec, MoESpec
 
@@ -66,12 +66,14 @@ class RoutedMoE:
         rows = f.num_experts // tp if self._split(tp) else f.num_experts
         b.gemm("moe.router_gemm", rows, hidden, out_dtype="float32" if f.router.fp32 else None)
         b.add("moe.router", "moe.router", E=f.num_experts, topk=f.top_k, attrs=router_attrs(f.router))
+        # the SwiGLU clamp (DeepSeek-V4) is an attr: an implementation that cannot clamp refuses the site
+        act = {"activation": f.activation.kind, **({"clamp": f.activation.clamp} if f.activation.clamp else {})}
         b.add("moe.experts", "moe.experts", E=f.num_experts, topk=f.top_k, N=local.expert_intermediate, K=hidden,
-              attrs={"activation": f.activation.kind})
+              attrs={**act, **expert_format_attrs(f)})
         if f.num_shared_experts:
             inter = f.num_shared_experts * local.expert_intermediate
             b.add("moe.shared", "mlp", weight_bytes=3 * hidden * inter * 2, N=inter, K=hidden,
-                  attrs={"activation": f.activation.kind, "side_stream": True})
+                  attrs={**act, "side_stream": True})
 
     def weights(self, spec: ModelSpec, tp: int) -> list[WeightDecl]:
         f, H = self.spec, spec.hidden_size

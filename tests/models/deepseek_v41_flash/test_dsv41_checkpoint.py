@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from latency_specialized.errors import CheckpointError
 from latency_specialized_models.deepseek_v41_flash import names as N
-from latency_specialized_models.deepseek_v41_flash.spec import tiny_spec
+from latency_specialized_models.deepseek_v41_flash.spec import EngramSpec, tiny_spec
 
 
 def e8m0(*bytes_: int) -> torch.Tensor:
@@ -65,7 +65,9 @@ def test_fp4_quantize_round_trip_exact_on_grid():
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("dsv41")
-    spec = tiny_spec()
+    # with Engram tables (the tiny spec has none: the reference and program refuse them; the I/O reads them)
+    spec = tiny_spec().model_copy(update={"engram": EngramSpec(layers=(1, 4), num_embeddings=(997, 1009), max_ngram=3,
+                                                               n_heads=2, head_dim=16)})
     named = N.random_weights(spec, 0, torch.float32)
     N.save(d, spec, named, "float32", quantize=lambda n: True)
     return d, spec, named

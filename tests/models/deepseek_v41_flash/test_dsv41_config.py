@@ -78,7 +78,7 @@ def test_other_block_size_refused():
 
 def test_tiny_has_every_feature_and_shards():
     t = tiny_spec()
-    assert set(t.compress_ratios()) == {0, 1, 2} and t.engram.layers and t.residual.streams == 4
+    assert set(t.compress_ratios()) == {0, 1, 2} and not t.engram.layers and t.residual.streams == 4  # Engram: refused
     assert set(t.index_source_layers) - set(t.kv_source_layers)     # an indexer reusing another's K cache
     assert any(t.index_source_for(i) != i for i, r in enumerate(t.compress_ratios()) if r)   # top-k reuse
     moe = t.layers[0].ffn

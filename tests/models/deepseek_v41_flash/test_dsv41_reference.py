@@ -42,7 +42,8 @@ def test_decode_batch_of_different_lengths_equals_prefill(ref):
     seqs = [ids(n + 2, 10 + i) for i, n in enumerate(lens)]
     for slot, (n, s) in enumerate(zip(lens, seqs)):
         ref.prefill(c, slot, 0, s[:n])
-    steps = [ref.decode(c, [0, 1, 2], torch.stack([s[n + k] for n, s in zip(lens, seqs)])) for k in range(2)]
+    steps = [ref.decode(c, [0, 1, 2], [n + k for n in lens], torch.stack([s[n + k] for n, s in zip(lens, seqs)]))
+             for k in range(2)]
     for slot, (n, s) in enumerate(zip(lens, seqs)):
         want = ref.prefill(ref.new_cache(), 0, 0, s)[n:]
         torch.testing.assert_close(torch.stack([st[slot] for st in steps]), want, rtol=1e-5, atol=1e-5)   # the mHC seam reference computes in fp32
@@ -63,13 +64,9 @@ def test_each_feature_reaches_the_logits(ref, tensor):
     base = ref.prefill(ref.new_cache(), 0, 0, x)
     w = dict(ref.w)
     w[tensor] = w[tensor] + torch.randn_like(w[tensor]) * w[tensor].std().clamp_min(0.1)
-    other = DeepseekV41Reference(ref.spec, w).prefill(ReferenceCacheFree(), 0, 0, x)
+    other_ref = DeepseekV41Reference(ref.spec, w)
+    other = other_ref.prefill(other_ref.new_cache(), 0, 0, x)
     assert (other - base).abs().max() > 1e-6
-
-
-def ReferenceCacheFree():
-    from latency_specialized_models.deepseek_v41_flash.reference import ReferenceCache
-    return ReferenceCache()
 
 
 def test_tokens_beyond_the_window_reach_only_through_compressed_kv():
@@ -84,5 +81,9 @@ def test_tokens_beyond_the_window_reach_only_through_compressed_kv():
 
 
 def test_engram_and_yarn_refused():
+    from latency_specialized_models.deepseek_v41_flash.spec import full_spec
     with pytest.raises(UserError, match="Engram"):
-        DeepseekV41Reference(tiny_spec(), {})
+        DeepseekV41Reference(full_spec(), {})
+    yarn = tiny_spec().model_copy(update={"rope": tiny_spec().rope.model_copy(update={"yarn_factor": 2.0})})
+    with pytest.raises(UserError, match="YaRN"):
+        DeepseekV41Reference(yarn, {})

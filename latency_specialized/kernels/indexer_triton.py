@@ -1,0 +1,439 @@
+"""The DSA lightning indexer through Triton kernels: ``attention.indexer.triton``.
+
+The contract is ``ops.attention.sparse_mla.indexer_topk_reference`` (its module docstring): key norm +
+RoPE + key-cache write, relu-weighted scores of every cached token, the positions of the ``K`` largest.
+The reference materialises the whole context in fp32 (``[B, capacity, D]``) and sorts with
+``torch.topk``; this module reads the cache once, in its dtype, and selects with a radix select.
+
+Steps of one call (three launches; ``selection="torch"`` swaps the third for ``torch.topk``):
+
+1. **key kernel**, grid ``(B,)``: the new key's norm in fp32 (``k_norm_kind``: LayerNorm with optional
+   bias, or RMSNorm; none without a weight), the RoPE of its leading ``2 len(rope_inv_freq)`` channels
+   (NeoX rotate-half or interleaved pairs), **rounded to the cache dtype** and stored at
+   ``slot_mapping[b]`` (< 0: nothing). Its own launch, not fused into step 2: the scoring programs of
+   row ``b`` read the new token's cache row, and nothing orders a store of one program before the loads
+   of another in the same grid;
+2. **score kernel**, grid ``(B, num_splits)``: a program takes one contiguous chunk of one sequence's
+   positions. The chunk comes from ``seq_lens[b]`` read *on the device* (``cdiv(seq_len, num_splits)``,
+   at least ``MIN_CHUNK``, a multiple of ``BLOCK_T``), so a short sequence in a wide block table costs only
+   its live tiles. A live program loads the ``h x D`` query tile once, rotates it in fp32 (the partner
+   channel of each rotation pair is a second, permuted load: no register shuffles), **rounds it to the
+   cache dtype** for the tensor-core dot, then per tile of ``BLOCK_T`` positions gathers the keys through
+   ``block_table`` (ids past the end never read), ``s = q k^T`` (fp32 accumulation), and writes
+   ``scale * sum_h w[b, h] relu(s)`` (fp32) to the logits workspace ``[B, capacity]``. For the torch
+   selection (which reads the whole row) every program also writes -inf over its static
+   ``cdiv(capacity, num_splits)`` slice of the row past ``seq_len``;
+3. **select kernel**, grid ``(B,)``, one program per row: ``seq_len <= K`` (decided per row on the
+   device) writes ``0 .. seq_len - 1`` then -1. Otherwise a radix select on order-preserving int32 keys
+   of the fp32 logits: four 8-bit histogram passes over the live logits (``tl.histogram``), each keeping
+   only the keys whose higher bytes equal the prefix found so far, give the ``K``-th largest key ``T``
+   and how many keys equal to ``T`` belong in the result; a compaction pass writes the positions of the
+   keys ``> T`` and the first of the ``== T`` (position order), with in-tile prefix sums (one program
+   per row: no atomics, deterministic). Exactly ``K`` positions, so no -1.
+
+``SELECTION`` = ``"torch"`` (or the call's ``selection=``) replaces step 3 by ``torch.topk`` over the
+workspace (the -inf past ``seq_len`` map to -1), for an A/B of the two on the GPU.
+
+So against the fp32 reference the scores carry a bf16 rounding of the rotated query (and the cache's own
+dtype); near-ties may select differently, as any valid tie choice may. With fp32 tensors every step is
+fp32 (``tl.dot`` in IEEE fp32), which is how the CPU tests check the kernels under the Triton interpreter.
+
+``num_splits`` comes from static shapes only (batch, block-table capacity, SM count): nothing reads
+``seq_lens`` on the host, nothing syncs, so the call captures into a CUDA graph and replays for any
+``seq_lens`` / ``slot_mapping`` / cache contents. The logits workspace is ``torch.empty`` per call, as
+``mla_decode_triton``'s split workspaces: under capture it comes from the graph's memory pool and keeps
+its address across replays.
+
+Triton is imported lazily (the kernels are built on the first call, per ``TRITON_INTERPRET`` setting), so
+this module imports on machines without Triton and ``supports()`` names what is missing.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Literal
+
+import torch
+
+from latency_specialized.contract import Implementation, OpContext, Support
+from latency_specialized.errors import UserError
+from latency_specialized.hardware import sm_count
+from latency_specialized.kernels.triton_common import triton_gpu_refusal
+
+NAME = "attention.indexer.triton"
+
+Selection = Literal["auto", "radix", "torch"]
+SELECTION: Selection = "auto"
+"""Step 3: ``"radix"`` (the Triton select kernel), ``"torch"`` (``torch.topk`` over the logits workspace) or
+``"auto"``: radix up to ``RADIX_MAX_CAPACITY`` block-table positions, torch.topk above."""
+RADIX_MAX_CAPACITY = 8192
+"""Largest block-table capacity (positions) the radix select serves under ``"auto"``. H200, GLM-5.3 indexer
+(32 x 128, K 2048; ``benchmarks/results/h200/indexer.md``): the whole call at capacity 4096 took 31.9 us with
+radix vs 56.8 with torch.topk at batch 1 (65 vs 102 at 64); at 32768, 174.5 vs 86.3 (393 vs 324): one
+program per row makes the radix passes latency-bound on long rows. No capacity between was measured."""
+BLOCK_T = 64
+"""Positions per scoring tile (the N of the ``h x D`` by ``D x BLOCK_T`` dot)."""
+MIN_CHUNK = 128
+"""Fewest positions a scoring program takes (device side): each program first loads and rotates the whole
+``h x D`` query tile, which a chunk of a few tiles should outweigh."""
+WAVES = 2
+"""Target scoring programs per SM (batch x splits ~ WAVES x SMs) when choosing num_splits."""
+MAX_SPLITS = 512
+FILL_BLOCK = 1024
+"""Logits per store of the -inf fill past ``seq_len``."""
+SELECT_TILE = 2048
+"""Logits per step of the select kernel's passes."""
+SCORE_WARPS = 4
+SELECT_WARPS = 8
+MAX_TILE = 64 * 256
+"""Most ``h_pad x d_pad`` elements of the query tile a scoring program holds (fp32 registers)."""
+
+_NORM_NONE, _NORM_LAYER, _NORM_RMS = 0, 1, 2
+_SITE_NORMS = (None, "layer", "layer_norm", "rms", "rms_norm")
+"""Values of the site attribute ``k_norm`` this kernel serves (the pieces write ``"layer_norm"``)."""
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=2)
+def _kernels(interpret: bool) -> dict:
+    """Build the jitted kernels (``triton.jit`` decides interpreter vs compiler when it decorates, from
+    ``TRITON_INTERPRET``; hence one build per setting, on first use). Returns a dict by name."""
+    del interpret  # the cache key only
+    # defined here, not at import (no triton import on machines without it); Triton resolves the names a
+    # kernel uses through its module globals: hence tl and the helpers as globals
+    global tl, _rope_coeffs, _ordered_keys
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _rope_coeffs(offs, pos, inv_freq, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+        # -> (partner, c, s) per channel: rotated = x * c + x[partner] * s (c = 1, s = 0 past the
+        # rotated channels). Pair (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), as rotate_leading.
+        rot = offs < 2 * HALF
+        if INTERLEAVED:
+            partner = offs ^ 1
+            j = offs // 2
+            first = (offs % 2) == 0
+        else:
+            partner = tl.where(offs < HALF, offs + HALF, offs - HALF)
+            j = offs % HALF
+            first = offs < HALF
+        partner = tl.where(rot, partner, offs)
+        f = tl.load(inv_freq + j, mask=rot, other=0.0).to(tl.float32)
+        ang = pos * f
+        c = tl.where(rot, tl.cos(ang), 1.0)
+        s = tl.where(rot, tl.where(first, -tl.sin(ang), tl.sin(ang)), 0.0)
+        return partner, c, s
+
+    @triton.jit
+    def _ordered_keys(x):
+        # fp32 -> int32 with the same order (signed compare): negative floats have their magnitude bits
+        # flipped, so a more negative float gets a smaller key
+        i = x.to(tl.int32, bitcast=True)
+        return tl.where(i < 0, i ^ 0x7FFFFFFF, i)
+
+    @triton.jit
+    def key_kernel(k, k_w, k_b, inv_freq, positions, slots, cache, eps, s_k, s_row,
+                   D: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr):
+        b = tl.program_id(0)
+        slot = tl.load(slots + b).to(tl.int64)
+        if slot >= 0:  # a negative slot (padding row) writes nothing
+            offs = tl.arange(0, D_PAD)
+            ok = offs < D
+            if ROPE:
+                pos = tl.load(positions + b).to(tl.float32)
+                partner, c, s = _rope_coeffs(offs, pos, inv_freq, HALF, INTERLEAVED)
+            else:
+                partner = offs
+            x = tl.load(k + b * s_k + offs, mask=ok, other=0.0).to(tl.float32)
+            xp = tl.load(k + b * s_k + partner, mask=ok, other=0.0).to(tl.float32)
+            # the norm is per channel once its statistics are known, so the partner channels (for the
+            # rotation) are normalised with their own weight / bias
+            if NORM == 1:
+                mean = tl.sum(x, 0) / D
+                xc = tl.where(ok, x - mean, 0.0)
+                rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, 0) / D + eps)
+                x = (x - mean) * rstd * tl.load(k_w + offs, mask=ok, other=0.0).to(tl.float32)
+                xp = (xp - mean) * rstd * tl.load(k_w + partner, mask=ok, other=0.0).to(tl.float32)
+                if HAS_BIAS:
+                    x += tl.load(k_b + offs, mask=ok, other=0.0).to(tl.float32)
+                    xp += tl.load(k_b + partner, mask=ok, other=0.0).to(tl.float32)
+            elif NORM == 2:
+                rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
+                x = x * rstd * tl.load(k_w + offs, mask=ok, other=0.0).to(tl.float32)
+                xp = xp * rstd * tl.load(k_w + partner, mask=ok, other=0.0).to(tl.float32)
+            if ROPE:
+                x = x * c + xp * s
+            tl.store(cache + slot * s_row + offs, x.to(cache.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def score_kernel(q, w, inv_freq, positions, cache, block_table, seq_lens, logits,
+                     H, num_splits, block_size, cap, fill_chunk, scale,
+                     s_qb, s_qh, s_wb, s_row, s_bt, s_lb,
+                     D: tl.constexpr, D_PAD: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr,
+                     ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, BT: tl.constexpr, MIN_CHUNK: tl.constexpr,
+                     FILL: tl.constexpr, PREC: tl.constexpr):
+        b = tl.program_id(0)
+        sp = tl.program_id(1)
+        seq_len = tl.load(seq_lens + b).to(tl.int32)
+        row = logits + b.to(tl.int64) * s_lb
+        # -inf over this program's static slice of the row past seq_len (what torch.topk must not pick)
+        f0 = tl.maximum(sp * fill_chunk, seq_len)
+        f1 = tl.minimum((sp + 1) * fill_chunk, cap)
+        for t0 in range(f0, f1, FILL):
+            offs_f = t0 + tl.arange(0, FILL)
+            tl.store(row + offs_f, tl.full([FILL], float("-inf"), tl.float32), mask=offs_f < f1)
+        # this program's chunk of live positions, from the device-side length (no host read)
+        chunk = tl.maximum(tl.cdiv(seq_len, num_splits), MIN_CHUNK)
+        chunk = tl.cdiv(chunk, BT) * BT
+        start = sp * chunk
+        end = tl.minimum(start + chunk, seq_len)
+        if start < end:
+            offs_h = tl.arange(0, H_PAD)
+            offs_d = tl.arange(0, D_PAD)
+            h_ok = offs_h < H
+            d_ok = offs_d < D
+            qm = h_ok[:, None] & d_ok[None, :]
+            qrow = q + b * s_qb + offs_h[:, None] * s_qh
+            qt = tl.load(qrow + offs_d[None, :], mask=qm, other=0.0).to(tl.float32)     # [H_PAD, D_PAD]
+            if ROPE:
+                pos = tl.load(positions + b).to(tl.float32)
+                partner, c, s = _rope_coeffs(offs_d, pos, inv_freq, HALF, INTERLEAVED)
+                qp = tl.load(qrow + partner[None, :], mask=qm, other=0.0).to(tl.float32)
+                qt = qt * c[None, :] + qp * s[None, :]
+            qt = qt.to(cache.dtype.element_ty)
+            wv = tl.load(w + b * s_wb + offs_h, mask=h_ok, other=0.0).to(tl.float32) * scale   # [H_PAD]
+            for n0 in range(start, end, BT):
+                pos_t = n0 + tl.arange(0, BT)
+                ok = pos_t < end
+                # negative ids inside the live range are clamped, not read out of bounds
+                blk = tl.maximum(tl.load(block_table + b * s_bt + pos_t // block_size, mask=ok, other=0), 0)
+                crow = blk.to(tl.int64) * block_size + (pos_t % block_size)
+                kt = tl.load(cache + crow[:, None] * s_row + offs_d[None, :], mask=ok[:, None] & d_ok[None, :],
+                             other=0.0)                                                 # [BT, D_PAD]
+                sc = tl.dot(qt, tl.trans(kt), input_precision=PREC)                    # [H_PAD, BT] fp32
+                lg = tl.sum(tl.maximum(sc, 0.0) * wv[:, None], 0)                       # [BT]
+                tl.store(row + pos_t, lg, mask=ok)
+
+    @triton.jit
+    def select_kernel(logits, seq_lens, out, K, s_lb, s_ob, TILE: tl.constexpr):
+        b = tl.program_id(0)
+        seq_len = tl.load(seq_lens + b).to(tl.int32)
+        row = logits + b.to(tl.int64) * s_lb
+        orow = out + b.to(tl.int64) * s_ob
+        if seq_len <= K:  # every live position, then -1: no selection needed
+            for k0 in range(0, K, TILE):
+                offs = k0 + tl.arange(0, TILE)
+                tl.store(orow + offs, tl.where(offs < seq_len, offs, -1), mask=offs < K)
+        else:
+            prefix = seq_len * 0            # int32: the key bytes fixed so far (arithmetic-shift form)
+            remaining = seq_len * 0 + K     # how many of the keys matching the prefix still belong in
+            bins = tl.arange(0, 256)
+            for p in tl.static_range(4):
+                shift = 24 - 8 * p
+                hist = tl.zeros([256], dtype=tl.int32)
+                for t0 in range(0, seq_len, TILE):
+                    offs = t0 + tl.arange(0, TILE)
+                    ok = offs < seq_len
+                    key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0))
+                    if p == 0:  # the top byte, signed (arithmetic shift) -> 0..255 keeping the order
+                        digit = (key >> 24) + 128
+                        m = ok
+                    else:
+                        digit = (key >> shift) & 255
+                        m = ok & ((key >> (shift + 8)) == prefix)
+                    hist += tl.histogram(digit, 256, mask=m)
+                # the digit d where the count of larger digits is < remaining <= that count + hist[d]
+                gt = tl.sum(hist, 0) - tl.cumsum(hist, 0)
+                hit = (gt < remaining) & (gt + hist >= remaining)
+                d = tl.sum(tl.where(hit, bins, 0), 0)
+                remaining -= tl.sum(tl.where(hit, gt, 0), 0)
+                if p == 0:
+                    prefix = d - 128
+                else:
+                    prefix = prefix * 256 + d
+            # prefix: the K-th largest key T; K - remaining keys are > T, `remaining` of the == T are taken
+            n_gt = K - remaining
+            base_gt = seq_len * 0
+            base_eq = seq_len * 0
+            for t0 in range(0, seq_len, TILE):
+                offs = t0 + tl.arange(0, TILE)
+                ok = offs < seq_len
+                key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0))
+                is_gt = (ok & (key > prefix)).to(tl.int32)
+                is_eq = (ok & (key == prefix)).to(tl.int32)
+                at_gt = base_gt + tl.cumsum(is_gt, 0) - 1
+                at_eq = base_eq + tl.cumsum(is_eq, 0) - 1
+                tl.store(orow + at_gt, offs, mask=is_gt > 0)
+                tl.store(orow + n_gt + at_eq, offs, mask=(is_eq > 0) & (at_eq < remaining))
+                base_gt += tl.sum(is_gt, 0)
+                base_eq += tl.sum(is_eq, 0)
+
+    return dict(key=key_kernel, score=score_kernel, select=select_kernel)
+
+
+def choose_num_splits(batch: int, capacity: int, sms: int) -> int:
+    """Scoring programs per sequence from static shapes: about ``WAVES`` programs per SM over the batch,
+    no more than the capacity has ``MIN_CHUNK`` chunks (the device then shortens chunks to live lengths)."""
+    want = -(-WAVES * sms // max(batch, 1))
+    return max(1, min(want, -(-capacity // MIN_CHUNK), MAX_SPLITS))
+
+
+def _shape_problems(heads: int, head_dim: int, rope: int) -> list[str]:
+    problems = []
+    if _next_pow2(max(heads, 16)) * _next_pow2(max(head_dim, 16)) > MAX_TILE:
+        problems.append(f"heads {heads} x head_dim {head_dim} exceeds one program's query tile ({MAX_TILE} "
+                        "elements, padded to powers of two)")
+    if rope % 2 or rope > head_dim:
+        problems.append(f"rope width {rope} (even, at most head_dim {head_dim})")
+    return problems
+
+
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
+                        topk: int, positions: torch.Tensor | None = None,
+                        rope_inv_freq: torch.Tensor | None = None, rope_interleaved: bool = False,
+                        k_norm_weight: torch.Tensor | None = None, k_norm_bias: torch.Tensor | None = None,
+                        k_norm_eps: float = 1e-6, scale: float | None = None, out: torch.Tensor | None = None,
+                        k_norm_kind: Literal["layer", "rms"] = "layer",
+                        selection: Selection | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """The indexer's top-k, one new token per sequence (contract: ``indexer_topk_reference``).
+
+    Parameters
+    ----------
+    q : [B, h, D] raw indexer queries (rows may be strided; unit last stride, else copied).
+    k : [B, D] raw key of the new token (a column slice is fine). weights : [B, h] per-head weights.
+    k_cache : [num_blocks, block_size, D] paged key cache (bf16/fp16/fp32, contiguous), written in place.
+    slot_mapping : [B] int (< 0: no write); block_table : [B, max_blocks] int; seq_lens : [B] int (the new
+        token included; 0: padding row -> all -1).
+    topk : K. positions : [B] int (with ``rope_inv_freq``). rope_inv_freq : [R/2] (None: no RoPE).
+    k_norm_weight, k_norm_bias, k_norm_eps, k_norm_kind : the key norm (``"layer"`` / ``"rms"``; none
+        without a weight). scale : default D^-0.5 h^-0.5. out : optional [B, K] int32 (unit last stride).
+    selection : ``"auto"`` / ``"radix"`` / ``"torch"``; default ``SELECTION``. num_splits : scoring programs per
+        sequence; default from static shapes (``choose_num_splits``). Tests force both.
+
+    Returns
+    -------
+    [B, K] int32 positions (a set, any order; -1 past ``seq_lens[b]``). No host sync: CUDA-graph capturable.
+    """
+    B, heads, D = q.shape
+    if tuple(k.shape) != (B, D) or tuple(weights.shape) != (B, heads) or k_cache.shape[-1] != D:
+        raise UserError(f"{NAME}: q {tuple(q.shape)}, k {tuple(k.shape)}, weights {tuple(weights.shape)}, "
+                        f"cache width {k_cache.shape[-1]} do not fit one another")
+    if topk < 1:
+        raise UserError(f"{NAME}: topk={topk}; use a positive width")
+    if k_norm_kind not in ("layer", "rms"):
+        raise UserError(f"{NAME}: k_norm_kind={k_norm_kind!r}; use 'layer' (LayerNorm) or 'rms' (RMSNorm)")
+    if k_norm_kind == "rms" and k_norm_bias is not None:
+        raise UserError(f"{NAME}: k_norm_kind='rms' is an RMSNorm (weight only); drop k_norm_bias or use 'layer'")
+    half = 0 if rope_inv_freq is None else int(rope_inv_freq.shape[0])
+    problems = _shape_problems(heads, D, 2 * half)
+    if problems:
+        raise UserError(f"{NAME}: {'; '.join(problems)}: serve it with attention.indexer.reference (force it in "
+                        "the plan)")
+    if rope_inv_freq is not None and positions is None:
+        raise UserError(f"{NAME}: RoPE (rope_inv_freq) needs the tokens' positions")
+    if k_cache.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise UserError(f"{NAME}: key cache dtype {k_cache.dtype} (bf16/fp16/fp32 only): use the reference")
+    if not k_cache.is_contiguous():
+        raise UserError(f"{NAME}: the key cache must be contiguous (got strides {k_cache.stride()})")
+    selection = SELECTION if selection is None else selection
+    if selection not in ("auto", "radix", "torch"):
+        raise UserError(f"{NAME}: selection={selection!r}; use 'auto', 'radix' or 'torch'")
+    if selection == "auto":  # static: the block table's width, never seq_lens (no host sync)
+        selection = "radix" if block_table.shape[1] * k_cache.shape[1] <= RADIX_MAX_CAPACITY else "torch"
+    if out is None:
+        out = torch.empty(B, topk, device=q.device, dtype=torch.int32)
+    elif tuple(out.shape) != (B, topk) or out.dtype != torch.int32 or out.stride(-1) != 1:
+        raise UserError(f"{NAME}: out must be [B, K] = [{B}, {topk}] int32 with a unit last stride "
+                        f"(got {tuple(out.shape)} {out.dtype}, strides {out.stride()})")
+    if B == 0:
+        return out
+    kern = _kernels(_interpreting())
+    block = k_cache.shape[1]
+    flat = k_cache.view(-1, D)
+    bt = _unit_last(block_table)
+    q, k, weights = _unit_last(q), _unit_last(k), _unit_last(weights)
+    cap = bt.shape[1] * block
+    d_pad = _next_pow2(max(D, 16))
+    rope = rope_inv_freq is not None
+    inv = rope_inv_freq.float().contiguous() if rope else flat           # flat: never read (constexpr branch)
+    pos = positions if rope else seq_lens
+    norm = _NORM_NONE if k_norm_weight is None else (_NORM_RMS if k_norm_kind == "rms" else _NORM_LAYER)
+    kw = k_norm_weight.contiguous() if k_norm_weight is not None else flat
+    kb = k_norm_bias.contiguous() if (norm == _NORM_LAYER and k_norm_bias is not None) else flat
+
+    # 1. the new keys into the cache (before any program of step 2 reads them: a launch boundary)
+    kern["key"][(B,)](k, kw, kb, inv, pos, slot_mapping, flat, float(k_norm_eps), k.stride(0), flat.stride(0),
+                      D=D, D_PAD=d_pad, HALF=max(half, 1), NORM=norm, HAS_BIAS=kb is not flat, ROPE=rope,
+                      INTERLEAVED=bool(rope_interleaved), num_warps=1 if d_pad <= 256 else 4)
+
+    # 2. logits [B, capacity] fp32 (-inf past seq_len)
+    if num_splits is None:
+        num_splits = choose_num_splits(B, cap, sm_count(q.device) if q.device.type == "cuda" else 1)
+    num_splits = max(1, min(int(num_splits), MAX_SPLITS))
+    logits = torch.empty(B, max(cap, 1), device=q.device, dtype=torch.float32)
+    s = (D ** -0.5) * (heads ** -0.5) if scale is None else float(scale)
+    prec = "ieee" if k_cache.dtype == torch.float32 else "tf32"   # IEEE fp32 for fp32 caches (the CPU tests)
+    kern["score"][(B, num_splits)](
+        q, weights, inv, pos, flat, bt, seq_lens, logits, heads, num_splits, block, cap,
+        -(-cap // num_splits) if selection == "torch" else 0, s,   # the radix select never reads past seq_len
+        q.stride(0), q.stride(1), weights.stride(0), flat.stride(0), bt.stride(0), logits.stride(0),
+        D=D, D_PAD=d_pad, H_PAD=_next_pow2(max(heads, 16)), HALF=max(half, 1), ROPE=rope,
+        INTERLEAVED=bool(rope_interleaved), BT=BLOCK_T, MIN_CHUNK=MIN_CHUNK, FILL=FILL_BLOCK, PREC=prec,
+        num_warps=SCORE_WARPS)
+
+    # 3. selection
+    if selection == "radix":
+        kern["select"][(B,)](logits, seq_lens, out, topk, logits.stride(0), out.stride(0), TILE=SELECT_TILE,
+                             num_warps=SELECT_WARPS)
+        return out
+    kk = min(topk, cap)
+    vals, idx = torch.topk(logits[:, :cap], kk, dim=-1) if cap > 0 else (logits[:, :0], logits[:, :0].long())
+    idx = torch.where(vals > float("-inf"), idx, -1).to(torch.int32)
+    out[:, :kk].copy_(idx)
+    if kk < topk:  # a block table narrower than K: the rest is -1
+        out[:, kk:].fill_(-1)
+    return out
+
+
+def _supports(ctx: OpContext) -> Support:
+    refusal = triton_gpu_refusal(ctx, "the indexer", min_sm=80)
+    if refusal:
+        return refusal
+    norm = ctx.attr("k_norm")
+    if norm not in _SITE_NORMS:
+        return f"key norm {norm!r} (LayerNorm or RMSNorm only)"
+    try:
+        heads, head_dim = ctx.dim("heads"), ctx.dim("head_dim")
+    except KeyError:  # a site without the dims: the call checks them and names the fix
+        return True
+    try:
+        rope = ctx.dim("rope")
+    except KeyError:
+        rope = 0
+    problems = _shape_problems(heads, head_dim, rope)
+    return "; ".join(problems) if problems else True
+
+
+IMPLEMENTATIONS = [
+    Implementation("attention.indexer", NAME, indexer_topk_triton, _supports, priority=10,
+                   description="Triton: key norm + RoPE + cache write, split relu-weighted scoring over the paged "
+                               "key cache (fp32 logits workspace), per-row radix select (torch.topk as an A/B "
+                               "switch); no host sync; GPUs (sm_80+)"),
+]
+
+__all__ = ["IMPLEMENTATIONS", "NAME", "SELECTION", "RADIX_MAX_CAPACITY", "choose_num_splits", "indexer_topk_triton"]

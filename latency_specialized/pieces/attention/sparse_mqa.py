@@ -1,0 +1,311 @@
+"""Sparse MQA attention piece: one K = V head over a sliding window of raw rows plus an indexer's top-k of
+compressed rows, per-head attention sinks, inverse RoPE on the output, grouped low-rank output projection.
+
+Per token (``D`` = head width, the last ``rope_dim`` channels rotated in interleaved pairs at the token's
+position; every norm an RMSNorm with the model's eps)::
+
+    qr = q_norm(q_a x);  q = rms(q_b qr) per head (weightless);  kv = kv_norm(kv_proj x)
+    keys = the last ``window`` kv rows (this token's included) + the selected compressed rows
+    o = softmax([q . keys / sqrt(D) | sink_h]) @ keys   (the sink only in the denominator)
+    o = rope^-1(o);  out = o_b([o_a_g(o_g) for every output group g])        (a TP partial sum)
+
+**Compressed rows** (``compress_ratio`` r > 0): a *KV-source* layer (``kv_source=True``) projects
+``c = compressor.kv x`` (and, r > 1, ``g = compressor.gate x``); every r tokens form one row
+``norm(sum_t softmax_t(g_t) * c_t)`` (r = 1: ``norm(c)``), roped at its last token's position. Layers that
+are not sources read the latest source's rows (the source publishes its caches in ``StepContext.scratch``;
+layers run in order, so a reader always follows its source in the step).
+
+**Indexer** (layers whose spec has one: index sources): ``score_j = sum_h w_h relu(q_h . k_j)`` over the
+compressed rows ``j`` that are complete, ``q = indexer.q_proj qr``, ``w = indexer.weights_proj x``, the key
+``k_j = rope(rms(indexer.k_proj row_j))`` of the pre-rope row, top-``topk`` kept (``attention.indexer``, with
+``k_norm_kind='rms'``; compressed-row positions are its positions, so its ``seq_lens`` are ``seq_lens // r``
+and its slot is -1 unless this token completes a row). Only a layer that is both an index and a KV source
+(``index_keys``) writes keys; other index layers score against the latest owner's key cache. Layers without an
+indexer reuse the latest selection (the static buffer ``sparse_mqa.topk [max_rows, topk]``).
+
+Sites, per rank in call order: ``attn.q_a_proj``, ``attn.q_norm``, ``attn.q_b_proj`` (gemm / norm / gemm),
+``attn.q_head_norm`` (norm, weightless, per head), ``attn.kv_proj``, ``attn.kv_norm``; KV sources
+``attn.compressor.c{r}`` (gemm, ``[kv | gate]``) and ``attn.compressor_norm``; index layers
+``attn.indexer.q_proj``, ``attn.indexer.weights_proj``, (key owners) ``attn.indexer.k_proj``, ``attn.indexer``
+(``attention.indexer``); the attention ``attn.sparse_mqa.{window|c2|c1|c<r>}`` (``attention.sparse``: the
+window and selected rows gathered into one ``[M, window + topk, D]`` block, -1 where invalid, sinks);
+``attn.o_a_proj`` (gemm, called once per local output group: N = o_lora, K = the group's heads x D) and
+``attn.o_b_proj`` (gemm, row-parallel).
+
+States (all replicated: one KV head): ``window`` rows ``[window, D]`` (a ring: position p at p % window);
+KV sources ``compressed`` paged ``[D]`` (compressed row j at the slot of position j of the sequence's block
+table) and, r > 1, ``pending`` rows ``[r, 2D]`` (the ``[c | g]`` of the group's tokens, at p % r); key owners
+``index_k`` paged ``[indexer head_dim]`` (row j's key at the slot of position j, its rope channels *leading*:
+the indexer op rotates leading channels, so the indexer's q / k projections are permuted in ``arrange``).
+Everything per step (which rows are visible, whether a row completes, slots) is computed on the device from
+``positions`` / ``seq_lens`` / ``block_table``: no host sync in the piece.
+
+TP: query heads (q_b rows, sinks) and output groups (o_a rows, o_b columns) split; everything else, the caches
+included, replicated (every rank runs the compressor and the indexer).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import ClassVar, Mapping, Sequence
+
+import torch
+
+from latency_specialized.errors import UserError
+from latency_specialized.ops.attention.sparse_mqa import gather_slots, pool_softmax, slot_of, write_slots
+from latency_specialized.ops.sites import SiteBuilder
+from latency_specialized.pieces.attention.rope import apply_rope, rope_inv_freq
+from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl
+from latency_specialized.spec import ModelSpec, SparseMQAAttentionSpec
+
+TOPK = "sparse_mqa.topk"
+"""Static selection buffer ``[max_rows, topk]`` int32 (shared by every sparse MQA piece)."""
+COMPRESSED = "sparse_mqa.compressed"
+"""Scratch key under which the latest KV source publishes its compressed-row cache in a step."""
+INDEX_K = "sparse_mqa.index_k"
+"""Scratch key under which the latest key owner publishes its indexer key cache in a step."""
+
+
+def rope_leading(x: torch.Tensor, rope_dim: int, dim: int = -1) -> torch.Tensor:
+    """``x`` with its last ``rope_dim`` channels along ``dim`` moved to the front (the indexer key cache's layout)."""
+    n = x.shape[dim]
+    perm = torch.cat([torch.arange(n - rope_dim, n), torch.arange(n - rope_dim)]).to(x.device)
+    return x.index_select(dim, perm)
+
+
+def rope_tail(x: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
+    """``x [M, heads, D]`` with its last ``2 len(inv)`` channels rotated (interleaved pairs) at ``sign * pos``."""
+    r = 2 * inv.shape[0]
+    return torch.cat([x[..., :-r], apply_rope(x[..., -r:], pos * sign, inv, "interleaved")], dim=-1)
+
+
+@functools.lru_cache(maxsize=64)
+def _local(a: SparseMQAAttentionSpec, tp: int) -> SparseMQAAttentionSpec:
+    return a.shard(tp) if tp > 1 else a
+
+
+@dataclass(frozen=True)
+class SparseMQAAttention:
+    """Sparse MQA of every layer of one kind (see the module docstring)."""
+
+    role: ClassVar[str] = "attn"
+    spec: SparseMQAAttentionSpec
+    """The unsharded attention (heads, head_dim, rope_dim, q_lora, output groups, window, ratio, indexer)."""
+    topk: int = 0
+    """Compressed rows each query attends to (the model's index top-k; 0 on window-only layers)."""
+    kv_source: bool = False
+    """This layer's compressor writes the compressed rows (later layers of its ratio read them)."""
+    rope_theta: float = 10_000.0
+    """RoPE base of this layer (queries, window keys, compressed rows, indexer)."""
+    norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm of the piece."""
+
+    def __post_init__(self) -> None:
+        a = self.spec
+        if a.rope_dim <= 0 or a.rope_dim % 2 or a.rope_dim > a.head_dim:
+            raise UserError(f"sparse MQA: rope_dim {a.rope_dim} must be even and <= head_dim {a.head_dim}")
+        if a.num_heads % a.o_groups:
+            raise UserError(f"sparse MQA: {a.num_heads} heads do not split into {a.o_groups} output groups")
+        if a.compress_ratio == 0 and (self.kv_source or a.indexer is not None or self.topk):
+            raise UserError("sparse MQA: a window-only layer (compress_ratio 0) has no compressor, indexer or top-k")
+        if a.compress_ratio > 0 and self.topk < 1:
+            raise UserError("sparse MQA: a compressed layer needs topk >= 1 (the model's index top-k)")
+        if a.indexer is not None and (a.indexer.topk != self.topk or a.indexer.head_dim < a.rope_dim):
+            raise UserError(f"sparse MQA: the indexer's topk {a.indexer.topk} / head_dim {a.indexer.head_dim} must "
+                            f"be the piece's topk {self.topk} / at least rope_dim {a.rope_dim}")
+
+    @property
+    def index_keys(self) -> bool:
+        """This layer writes the indexer keys (it is an index source and a KV source)."""
+        return self.kv_source and self.spec.indexer is not None
+
+    def attention_role(self) -> str:
+        r = self.spec.compress_ratio
+        return "attn.sparse_mqa." + ("window" if r == 0 else f"c{r}")
+
+    # ------------------------------------------------------------------ declarations
+    def sites(self, b: SiteBuilder, rank_spec: ModelSpec) -> None:
+        a, H, ix = _local(self.spec, rank_spec.tp), rank_spec.hidden_size, self.spec.indexer
+        r, D = self.spec.compress_ratio, a.head_dim
+        b.gemm("attn.q_a_proj", a.q_lora_rank, H)
+        b.add("attn.q_norm", "norm", N=a.q_lora_rank)
+        b.gemm("attn.q_b_proj", a.num_heads * D, a.q_lora_rank)
+        b.add("attn.q_head_norm", "norm", tokens=b.tokens * a.num_heads, N=D, attrs={"per_head": True, "weight": False})
+        b.gemm("attn.kv_proj", D, H)
+        b.add("attn.kv_norm", "norm", N=D)
+        if self.kv_source:
+            b.gemm(f"attn.compressor.c{r}", D * (2 if r > 1 else 1), H)
+            b.add("attn.compressor_norm", "norm", N=D)
+        if ix is not None:
+            b.gemm("attn.indexer.q_proj", ix.num_heads * ix.head_dim, a.q_lora_rank)
+            b.gemm("attn.indexer.weights_proj", ix.num_heads, H)
+            if self.index_keys:
+                b.gemm("attn.indexer.k_proj", ix.head_dim, D)
+            b.add("attn.indexer", "attention.indexer", heads=ix.num_heads, head_dim=ix.head_dim, topk=ix.topk,
+                  rope=a.rope_dim, attrs={"rope_interleaved": True, "k_norm": "rms", "compressed": True,
+                                          "key_write": self.index_keys})
+        b.add(self.attention_role(), "attention.sparse", heads=a.num_heads, head_dim=D, topk=self.topk,
+              window=a.sliding_window, compress_ratio=r, attrs={"sinks": True})
+        K = a.num_heads * D // a.o_groups
+        b.add("attn.o_a_proj", "gemm", weight_bytes=a.o_groups * a.o_lora_rank * K * 2, N=a.o_lora_rank, K=K,
+              attrs={"residual": False, "groups": a.o_groups})
+        b.gemm("attn.o_b_proj", H, a.o_groups * a.o_lora_rank)
+
+    def weights(self, spec: ModelSpec, tp: int) -> Sequence[WeightDecl]:
+        a, H, ix = self.spec, spec.hidden_size, self.spec.indexer
+        _local(a, tp)  # UserError naming the fix
+        D, ql = a.head_dim, a.q_lora_rank
+        out = [WeightDecl("q_a_proj", (ql, H)), WeightDecl("q_norm", (ql,)),
+               WeightDecl("q_b_proj", (a.num_heads * D, ql), split=0), WeightDecl("kv_proj", (D, H)),
+               WeightDecl("kv_norm", (D,)), WeightDecl("sinks", (a.num_heads,), split=0, dtype="float32"),
+               WeightDecl("o_a_proj", (a.o_groups * a.o_lora_rank, a.num_heads * D // a.o_groups), split=0),
+               WeightDecl("o_b_proj", (H, a.o_groups * a.o_lora_rank), split=1)]
+        if self.kv_source:
+            out += [WeightDecl("compressor.kv", (D, H)), WeightDecl("compressor.norm", (D,))]
+            if a.compress_ratio > 1:
+                out.append(WeightDecl("compressor.gate", (D, H)))
+        if ix is not None:
+            out += [WeightDecl("indexer.q_proj", (ix.num_heads * ix.head_dim, ql)),
+                    WeightDecl("indexer.weights_proj", (ix.num_heads, H))]
+            if self.index_keys:
+                out += [WeightDecl("indexer.k_proj", (ix.head_dim, D)), WeightDecl("indexer.k_norm", (ix.head_dim,))]
+        return out
+
+    def states(self, spec: ModelSpec, tp: int) -> Sequence[StateDecl]:
+        a, r = self.spec, self.spec.compress_ratio
+        out = [StateDecl("window", "rows", (a.sliding_window, a.head_dim))]
+        if self.kv_source:
+            out.append(StateDecl("compressed", "paged", (a.head_dim,)))
+            if r > 1:
+                out.append(StateDecl("pending", "rows", (r, 2 * a.head_dim)))
+        if self.index_keys:
+            out.append(StateDecl("index_k", "paged", (a.indexer.head_dim,)))  # type: ignore[union-attr]
+        return out
+
+    def buffers(self, spec: ModelSpec, max_rows: int, dtype: torch.dtype,
+                device: torch.device) -> dict[str, torch.Tensor]:
+        if not self.topk:
+            return {}
+        return {TOPK: torch.full((max_rows, self.topk), -1, dtype=torch.int32, device=device)}
+
+    def arrange(self, w: Mapping[str, torch.Tensor], rank_spec: ModelSpec) -> dict[str, torch.Tensor]:
+        a, ix = _local(self.spec, rank_spec.tp), self.spec.indexer
+        dev = w["q_a_proj"].device
+        out = {k: v.contiguous() for k, v in w.items() if not k.startswith("indexer.")}
+        out["o_a_proj"] = w["o_a_proj"].reshape(a.o_groups, a.o_lora_rank, -1).contiguous()
+        out["rope_inv_freq"] = rope_inv_freq(self.rope_theta, a.rope_dim, device=dev)
+        if self.kv_source and a.compress_ratio > 1:
+            out["compressor"] = torch.cat([w["compressor.kv"], w["compressor.gate"]])
+        elif self.kv_source:
+            out["compressor"] = w["compressor.kv"].contiguous()
+        if ix is not None:   # the indexer op rotates leading channels: its heads' rope channels go first
+            q = w["indexer.q_proj"].view(ix.num_heads, ix.head_dim, -1)
+            out["indexer.q_proj"] = rope_leading(q, a.rope_dim, dim=1).reshape(-1, q.shape[-1]).contiguous()
+            out["indexer.weights_proj"] = w["indexer.weights_proj"].contiguous()
+            if self.index_keys:
+                out["indexer.k_proj"] = rope_leading(w["indexer.k_proj"], a.rope_dim, dim=0).contiguous()
+                out["indexer.k_norm"] = rope_leading(w["indexer.k_norm"], a.rope_dim, dim=0)
+        return out
+
+    def fill(self, state: Mapping[str, torch.Tensor], row: int, blocks: Sequence[int], start: int, rows: torch.Tensor,
+             compressed: torch.Tensor | None = None, inputs: torch.Tensor | None = None,
+             keys: torch.Tensor | None = None) -> None:
+        """One sequence's states after its tokens ``start..n`` from whole-sequence tensors (a reference's prefill;
+        host-side indices): ``rows [n, D]`` roped kv rows; KV sources ``compressed [n // r, D]`` roped rows and
+        (r > 1) ``inputs [n, 2D]`` the compressor's ``[kv | gate]``; key owners ``keys [n // r, D_i]`` roped, rope
+        channels last (the model's layout: stored rope-leading)."""
+        a, r, n, dev = self.spec, self.spec.compress_ratio, rows.shape[0], rows.device
+        ps = torch.arange(max(start, n - a.sliding_window), n, device=dev)
+        state["window"][row, ps % a.sliding_window] = rows[ps].to(state["window"].dtype)
+        if not self.kv_source:
+            return
+        assert compressed is not None
+        bs, j = state["compressed"].shape[1], torch.arange(compressed.shape[0], device=dev)
+        flat = torch.tensor(list(blocks), dtype=torch.long, device=dev)[j // bs] * bs + j % bs
+        state["compressed"].view(-1, a.head_dim)[flat] = compressed.to(state["compressed"].dtype)
+        if r > 1 and inputs is not None:       # the tokens of the group not complete yet, at p % r
+            ps = torch.arange(compressed.shape[0] * r, n, device=dev)
+            state["pending"][row, ps % r] = inputs[ps].to(state["pending"].dtype)
+        if self.index_keys and keys is not None:
+            k = rope_leading(keys, a.rope_dim)
+            state["index_k"].view(-1, k.shape[-1])[flat] = k.to(state["index_k"].dtype)
+
+    # ------------------------------------------------------------------ computation
+    def _published(self, step: StepContext, name: str) -> torch.Tensor:
+        t = step.scratch.get(name)
+        if t is None:
+            raise UserError(f"sparse MQA: layer {step.layer} reads {name!r} but no source layer ran before it in "
+                            "this step: the first compressed layer must be a KV / index source")
+        return t
+
+    def forward(self, step: StepContext, w: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor],
+                h: torch.Tensor) -> torch.Tensor:
+        a, eps, r, ix = _local(self.spec, step.tp), self.norm_eps, self.spec.compress_ratio, self.spec.indexer
+        M, Hl, D, W = h.shape[0], a.num_heads, a.head_dim, a.sliding_window
+        meta, inv = step.meta, w["rope_inv_freq"]
+        pos, seq, bt, rows = meta["positions"], meta["seq_lens"].long(), meta["block_table"], meta["rows"].long()
+        qr = step.op("attn.q_norm")(step.op("attn.q_a_proj")(h, w["q_a_proj"]), w["q_norm"], eps)
+        q = step.op("attn.q_b_proj")(qr, w["q_b_proj"])
+        q = rope_tail(step.op("attn.q_head_norm")(q.view(M * Hl, D), None, eps).view(M, Hl, D), pos, inv)
+        kv = step.op("attn.kv_norm")(step.op("attn.kv_proj")(h, w["kv_proj"]), w["kv_norm"], eps)
+        window = state["window"]
+        window.index_put_((rows, pos % W), rope_tail(kv.unsqueeze(1), pos, inv).squeeze(1).to(window.dtype))
+        keys = window.index_select(0, rows)                                             # [M, W, D]
+        valid = torch.arange(W, device=h.device).unsqueeze(0) < seq.unsqueeze(1)         # ring slot i holds p % W == i
+        if r:
+            seq_c = seq // r                                                            # complete compressed rows
+            done = (seq % r == 0) & (seq > 0)                                           # this token completes one
+            cache = state["compressed"] if self.kv_source else self._published(step, COMPRESSED)
+            slot_c = slot_of(bt, seq_c - 1, cache.shape[1], done)
+            if self.kv_source:
+                lat = self._compress(step, w, state, h, pos, rows, slot_c)
+            if ix is not None:
+                self._index(step, w, state, h, qr, pos, seq_c, slot_c, lat if self.index_keys else None)
+            sel = step.scratch[TOPK][:M]
+            comp = gather_slots(cache, bt, sel)                                         # [M, topk, D]
+            keys = torch.cat([keys, comp.to(keys.dtype)], dim=1)
+            valid = torch.cat([valid, (sel >= 0) & (sel.long() < seq_c.unsqueeze(1))], dim=1)
+        idx = torch.where(valid, torch.arange(keys.shape[1], device=h.device).unsqueeze(0), -1)
+        o = step.op(self.attention_role())(q, keys, idx, scale=D ** -0.5, v_dim=D, sinks=w["sinks"])
+        o = rope_tail(o, pos, inv, sign=-1.0).reshape(M, a.o_groups, Hl * D // a.o_groups)
+        og = torch.cat([step.op("attn.o_a_proj")(o[:, g].contiguous(), w["o_a_proj"][g])
+                        for g in range(a.o_groups)], dim=-1)
+        return step.op("attn.o_b_proj")(og, w["o_b_proj"])
+
+    def _compress(self, step: StepContext, w: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor],
+                  h: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, slot_c: torch.Tensor) -> torch.Tensor:
+        """Pool the group this token closes (if any) into the compressed cache; returns the pre-rope rows [M, D]."""
+        r, D, inv = self.spec.compress_ratio, self.spec.head_dim, w["rope_inv_freq"]
+        c = step.op(f"attn.compressor.c{r}")(h, w["compressor"])
+        if r > 1:
+            pending = state["pending"]
+            pending.index_put_((rows, pos % r), c.to(pending.dtype))
+            group = pending.index_select(0, rows)                                       # [M, r, 2D]
+            c = pool_softmax(group[..., :D], group[..., D:]).to(h.dtype)
+        lat = step.op("attn.compressor_norm")(c, w["compressor.norm"], self.norm_eps)
+        write_slots(state["compressed"], rope_tail(lat.unsqueeze(1), pos, inv).squeeze(1), slot_c)
+        step.scratch[COMPRESSED] = state["compressed"]
+        return lat
+
+    def _index(self, step: StepContext, w: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor],
+               h: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, seq_c: torch.Tensor, slot_c: torch.Tensor,
+               lat: torch.Tensor | None) -> None:
+        """This layer's top-k of the compressed rows into the shared selection buffer."""
+        ix, M = self.spec.indexer, h.shape[0]
+        assert ix is not None
+        iq = step.op("attn.indexer.q_proj")(qr, w["indexer.q_proj"]).view(M, ix.num_heads, ix.head_dim)
+        iw = step.op("attn.indexer.weights_proj")(h, w["indexer.weights_proj"])
+        if lat is not None:   # the key owner: this token's key (if it completes a row) goes into its cache
+            k, cache, norm = step.op("attn.indexer.k_proj")(lat, w["indexer.k_proj"]), state["index_k"], \
+                w["indexer.k_norm"]
+            step.scratch[INDEX_K] = cache
+        else:                 # scores against the owner's keys; writes none
+            k, cache, norm, slot_c = iq[:, 0], self._published(step, INDEX_K), None, torch.full_like(slot_c, -1)
+        step.op("attn.indexer")(iq, k, iw, cache, slot_c, step.meta["block_table"], seq_c.to(torch.int32),
+                                topk=ix.topk, positions=pos, rope_inv_freq=w["rope_inv_freq"], rope_interleaved=True,
+                                k_norm_weight=norm, k_norm_eps=self.norm_eps, k_norm_kind="rms",
+                                out=step.scratch[TOPK][:M])
+
+
+__all__ = ["COMPRESSED", "INDEX_K", "SparseMQAAttention", "TOPK", "rope_leading", "rope_tail"]

@@ -1,0 +1,114 @@
+"""Logical-shape operations on a :class:`~latency_specialized.quant.checkpoint_io.QuantizedWeight` that keep it
+quantized: TP slices (``narrow``), fused projections (``cat``), expert stacks (``stack``).
+
+A quantized weight ``[..., N, K]`` is stored as codes (``[..., N, K/2]`` packed e2m1, ``[..., N, K]`` e4m3), block
+scales ``[..., ceil(N/rows), ceil(K/cols)]`` and, for NVFP4, a per-tensor fp32 global scale ``[...]``. A cut along
+a logical dimension is a cut of every stored tensor along the same dimension, scaled to its granularity: a
+leading (expert) dimension cuts codes, scales and global scales alike; ``N`` cuts codes row for row and scales by
+``block rows``; ``K`` cuts codes by 2 values per byte (packed) and scales by ``block cols``. A cut that is not on a
+block boundary would need re-quantization and is refused (a UserError naming the sizes). Nothing is dequantised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+import torch
+
+from latency_specialized.errors import UserError
+from latency_specialized.quant.checkpoint_io import QuantizedWeight
+
+
+def _units(q: QuantizedWeight, dim: int) -> tuple[int, int]:
+    """(logical values per code element, logical values per scale element) along logical ``dim`` (>= 0)."""
+    nd = len(q.shape)
+    rows, cols = q.fmt.block
+    if dim == nd - 1:
+        return (2 if q.fmt.packed else 1), cols
+    if dim == nd - 2:
+        return 1, rows
+    return 1, 1
+
+
+def _dim(q: QuantizedWeight, dim: int) -> int:
+    nd = len(q.shape)
+    if not -nd <= dim < nd:
+        raise UserError(f"{q.name}: dimension {dim} of a {nd}-d quantized weight")
+    return dim % nd
+
+
+def narrow(q: QuantizedWeight, dim: int, start: int, length: int) -> QuantizedWeight:
+    """``q[..., start:start + length, ...]`` along logical ``dim`` (a contiguous copy of each stored tensor).
+    ``start`` and ``length`` must fall on the format's block boundaries along that dimension."""
+    d = _dim(q, dim)
+    per_code, per_scale = _units(q, d)
+    if start % per_scale or length % per_scale:
+        raise UserError(f"{q.name}: a {q.fmt.name} weight {list(q.shape)} cannot be cut at {start}..{start + length} "
+                        f"along dimension {d}: its scales cover {per_scale} values there; pick a TP whose slices are "
+                        f"multiples of {per_scale}")
+    shape = list(q.shape)
+    shape[d] = length
+    lead = d < len(q.shape) - 2
+    cut = {"weight": q.weight.narrow(d, start // per_code, length // per_code).contiguous(),
+           "scale": q.scale.narrow(d, start // per_scale, length // per_scale).contiguous()}
+    for k in ("global_scale", "input_scale"):
+        t = getattr(q, k)
+        if t is not None:
+            cut[k] = t.narrow(d, start, length).contiguous() if lead and t.dim() > d else t
+    return replace(q, shape=tuple(shape), **cut)
+
+
+def cat(parts: Sequence[QuantizedWeight], dim: int) -> QuantizedWeight:
+    """The parts joined along logical ``dim`` (e.g. gate | up rows of every expert: ``dim=1`` of ``[E, I, K]``).
+    Parts share the format, the other dimensions and - when joined along ``N`` or ``K`` - their global scales
+    (one multiplier per tensor; NVFP4 gate and up projections with different ``weight_scale_2`` are refused)."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    d = _dim(first, dim)
+    for p in parts[1:]:
+        if p.fmt != first.fmt or len(p.shape) != len(first.shape) or \
+                any(p.shape[i] != first.shape[i] for i in range(len(first.shape)) if i != d):
+            raise UserError(f"cannot join {p.name} {p.fmt.name} {list(p.shape)} to {first.name} {first.fmt.name} "
+                            f"{list(first.shape)} along dimension {d}")
+    per_code, per_scale = _units(first, d)
+    for p in parts[:-1]:
+        if p.shape[d] % per_scale:
+            raise UserError(f"{p.name}: {p.shape[d]} values along dimension {d} end inside a {per_scale}-value scale "
+                            "block: the join would need re-quantization")
+    lead = d < len(first.shape) - 2
+    out = {"weight": torch.cat([p.weight for p in parts], dim=d), "scale": torch.cat([p.scale for p in parts], dim=d)}
+    for k in ("global_scale", "input_scale"):
+        ts = [getattr(p, k) for p in parts]
+        if ts[0] is None:
+            continue
+        if lead:
+            out[k] = torch.cat(ts, dim=d)
+        elif k == "global_scale" and any(not torch.equal(t, ts[0]) for t in ts[1:]):
+            raise UserError(f"{first.name}: joining {first.fmt.name} weights with different global scales "
+                            f"({k}) along dimension {d} needs one multiplier per part; the kernels take one per "
+                            "tensor (vLLM uses the first part's and warns): re-export with a shared global scale")
+        else:
+            out[k] = ts[0]
+    shape = list(first.shape)
+    shape[d] = sum(p.shape[d] for p in parts)
+    return replace(first, shape=tuple(shape), **out)
+
+
+def stack(parts: Sequence[QuantizedWeight], name: str | None = None) -> QuantizedWeight:
+    """``[len(parts), ...]`` of same-shaped, same-format weights (the experts of one layer)."""
+    first = parts[0]
+    for p in parts[1:]:
+        if p.fmt != first.fmt or p.shape != first.shape:
+            raise UserError(f"cannot stack {p.name} {p.fmt.name} {list(p.shape)} with {first.name} "
+                            f"{first.fmt.name} {list(first.shape)}: experts of one layer share format and shape")
+    out = {"weight": torch.stack([p.weight for p in parts]), "scale": torch.stack([p.scale for p in parts])}
+    for k in ("global_scale", "input_scale"):
+        ts = [getattr(p, k) for p in parts]
+        if ts[0] is not None:
+            out[k] = torch.stack([t.reshape(()) if t.numel() == 1 and t.dim() <= 1 else t for t in ts])
+    return replace(first, shape=(len(parts), *first.shape), name=name or first.name, **out)
+
+
+__all__ = ["narrow", "cat", "stack"]

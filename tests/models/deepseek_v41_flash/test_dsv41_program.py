@@ -1,0 +1,84 @@
+"""DeepSeek-V4.1-Flash's composed program outside the matrix (program == reference is the matrix's
+``deepseek_v41_flash-*`` cells): `explain` and `generate` smokes, a tiny checkpoint made and read back, the
+program's refusals (Engram, YaRN, unsupported KV-source wiring) and the layer kinds of the full model."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from latency_specialized.cli import main
+from latency_specialized.errors import UserError
+from latency_specialized.plugins import get_registry
+
+from latency_specialized_models.deepseek_v41_flash import names as N
+from latency_specialized_models.deepseek_v41_flash.composed import composed_model
+from latency_specialized_models.deepseek_v41_flash.spec import full_spec, tiny_spec
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _ids(out: str) -> list[str]:
+    return re.findall(r"^\[\d+\] ids: (.*)$", out, flags=re.M)
+
+
+def test_explain_full_model_at_tp8(capsys):
+    rc, out, _ = _run(capsys, "explain", "--model", "deepseek_v41_flash", "--tp", "8", "--batch", "4",
+                      "--arch", "sm_90")
+    assert rc == 0 and out.startswith("plan: deepseek_v41_flash (full) on sm_90")
+    assert "sparse_mqa.c1.idx+moe/attn.indexer" in out and "unserved: 0" in out
+
+
+def test_generate_tiny_batch_with_padding(capsys):
+    rc, out, err = _run(capsys, "generate", "--model", "deepseek_v41_flash", "--size", "tiny", "--batch", "3",
+                        "--max-tokens", "4", "--prompt-ids", "5,17,300,42,9,11,250,3,77,1,2", "--dtype", "float32")
+    assert rc == 0, err
+    assert "bucket 4" in out and "program: 3 steps" in out
+    ids = _ids(out)
+    assert len(ids) == 3 and ids[0] == ids[1] == ids[2]      # one prompt, greedy: every sequence alike
+
+
+def test_checkpoint_made_and_read_back(tmp_path, capsys):
+    d = tmp_path / "tiny"
+    rc, out, err = _run(capsys, "make-checkpoint", "deepseek_v41_flash", str(d), "--seed", "0")
+    assert rc == 0, err
+    spec, named, _ = N.load(d, torch.float32)
+    assert spec.model_copy(update={"variant": "tiny"}) == tiny_spec()
+    want = N.random_weights(spec, 0, torch.float32)
+    assert set(named) == set(want)
+    for n in ("layers.2.attn.wq_b.weight", "layers.3.ffn.experts.5.w2.weight", "layers.0.attn.attn_sink"):
+        err_max = (named[n] - want[n]).abs().max() / want[n].abs().max()
+        assert err_max < (0.3 if "experts" in n else 0.07 if "wq_b" in n else 1e-6), n   # FP4 / FP8 / plain
+    rc, out, err = _run(capsys, "generate", "--model", "deepseek_v41_flash", "--checkpoint", str(d), "--prompt-ids",
+                        "1,2,3,4,5", "--max-tokens", "3", "--dtype", "float32")
+    assert rc == 0, err
+    assert len(_ids(out)) == 1
+
+
+def test_program_refuses_what_the_pieces_do_not_model():
+    a = get_registry().adapter("deepseek_v41_flash")
+    with pytest.raises(UserError, match="Engram lookups .* use a spec without Engram layers"):
+        a.program(full_spec(), plans=None, cache=None)
+    yarn = tiny_spec().model_copy(update={"rope": tiny_spec().rope.model_copy(update={"yarn_factor": 4.0})})
+    with pytest.raises(UserError, match="YaRN .* use 1"):
+        a.program(yarn, plans=None, cache=None)
+    with pytest.raises(UserError, match="YaRN"):
+        a.reference(yarn)
+    # layer 7 a KV source without an indexer: layer 7 would read its rows with layer 6's selection
+    bad = tiny_spec().model_copy(update={"kv_source_layers": (2, 4, 6, 7)})
+    with pytest.raises(UserError, match="layer 7 .* fix kv_source_layers"):
+        composed_model(bad)
+
+
+def test_full_model_layer_kinds():
+    kinds = {k: tuple(lp.index for lp in v) for k, v in composed_model(full_spec()).kinds.items()}
+    assert kinds["sparse_mqa.window+moe"] == (0, 1)
+    assert kinds["sparse_mqa.c2.src.idx+moe"] == (2, 8, 14) and kinds["sparse_mqa.c1.src.idx+moe"] == (20,)
+    assert kinds["sparse_mqa.c1.idx+moe"] == (24, 28, 32, 36)
+    assert len(kinds["sparse_mqa.c2+moe"]) == 15 and len(kinds["sparse_mqa.c1+moe"]) == 15

@@ -1,0 +1,367 @@
+"""attention.indexer.triton on the CPU: the Triton interpreter in fp32, the sm_90 compile, dispatch, and the
+reference's ``k_norm_kind="rms"``.
+
+The kernel cases (marker ``interpreter_case``) run in a child process started with ``TRITON_INTERPRET=1``
+(``tests/interpret.py``; ``test_kernel_cases_under_the_interpreter`` drives them), as in
+``test_mla_triton.py``. Every tensor is fp32 (the interpreter's bf16 is unreliable here).
+
+Every case: fresh random inputs; ``out`` poisoned with garbage; every cache row that no live position
+reads poisoned with NaN (the new tokens' slots before the write too); -1 or poisoned spare block ids past
+each sequence's end; seq_lens 0 / 1 / < K / = K / > K in one batch; padding rows (slot -1). The selection is
+a set: each row must hold ``min(K, seq_len)`` distinct live positions and -1 elsewhere, and the
+reference logits of the selected positions must equal (as a multiset, to fp32 rounding) the reference's
+top-K logits - so any valid choice among ties passes. The cache must change at exactly the live slots,
+to the reference's values.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from latency_specialized.errors import UserError
+from latency_specialized.ops.attention.sparse_mla import indexer_topk_reference, rotate_leading
+from latency_specialized.ops.registry import make_context
+
+from tests.interpret import run_interpreted
+
+_HAVE_TRITON = importlib.util.find_spec("triton") is not None
+pytestmark = pytest.mark.skipif(not _HAVE_TRITON, reason="needs triton (its interpreter runs the kernels on the CPU)")
+interpreted = pytest.mark.interpreter_case
+"""Needs TRITON_INTERPRET=1 from the process start: collected only there (the driver below runs these)."""
+
+SELECTIONS = pytest.mark.parametrize("selection", ["radix", "torch"])
+
+
+@pytest.mark.interpreter_driver
+def test_kernel_cases_under_the_interpreter():
+    run_interpreted(__file__, min_passed=17)
+
+
+@pytest.fixture
+def ix():
+    from latency_specialized.kernels import indexer_triton
+
+    return indexer_triton
+
+
+def _inv_freq(rope: int) -> torch.Tensor:
+    return 1.0 / (10000.0 ** (torch.arange(0, rope, 2).float() / rope))
+
+
+def _case(seed, lens, *, H=4, D=32, K=8, bs=4, rope=8, interleaved=True, norm="layer", bias=True, spare=3,
+          strided=False, per=None, near_ties=False, dead_slots=()):
+    """Inputs as the sparse MLA piece passes them (q a view of a projection, k / weights column slices)."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(lens)
+    per = per or max(-(-max(max(lens), 1) // bs), 1) + 1
+    nb = B * per + spare
+    cache = torch.randn(nb, bs, D, generator=g)
+    if near_ties:  # keys equal up to their last bits: the radix passes past the first byte decide
+        cache = cache[:1, :1] + 1e-3 * cache
+    perm = torch.randperm(nb, generator=g)
+    blocks, spare_id = perm[:B * per].view(B, per).to(torch.int32), int(perm[B * per])
+    slots = torch.full((B,), -1, dtype=torch.int64)
+    read = torch.zeros(nb * bs, dtype=torch.bool)
+    for b, n in enumerate(lens):
+        if n > 0 and b not in dead_slots:
+            p = n - 1
+            slots[b] = int(blocks[b, p // bs]) * bs + p % bs
+        pos = torch.arange(n if b in dead_slots else max(n - 1, 0))
+        read[blocks[b, pos // bs].long() * bs + pos % bs] = True
+        # past the end: -1, or a spare (NaN-poisoned) block - never read (the reference needs ids in range)
+        blocks[b, -(-n // bs):] = -1 if b % 2 else spare_id
+    cache.view(-1, D)[~read] = float("nan")
+    proj = torch.randn(B, H * D + D + H + 3, generator=g)    # [q | k | weights | other columns]
+    proj[:, H * D:H * D + D] = 2.0 * proj[:, H * D:H * D + D] + 0.3   # the raw key off zero mean / unit variance
+    if strided:
+        q, k, w = proj[:, :H * D].view(B, H, D), proj[:, H * D:H * D + D], proj[:, H * D + D:H * D + D + H]
+    else:
+        q, k, w = (proj[:, :H * D].reshape(B, H, D).clone(), proj[:, H * D:H * D + D].clone(),
+                   proj[:, H * D + D:H * D + D + H].clone())
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    kw = dict(topk=K, positions=(lens_t.long() - 1).clamp(min=0) * 37)
+    if rope:
+        kw.update(rope_inv_freq=_inv_freq(rope), rope_interleaved=interleaved)
+    if norm:
+        kw.update(k_norm_weight=1.0 + 0.2 * torch.randn(D, generator=g), k_norm_eps=1e-5, k_norm_kind=norm)
+        if norm == "layer" and bias:
+            kw["k_norm_bias"] = 0.1 * torch.randn(D, generator=g)
+    return (q, k, w, cache, slots, blocks, lens_t), kw
+
+
+def _ref_logits(q, w, cache, blocks, seq_lens, kw) -> torch.Tensor:
+    """[B, capacity] fp32 logits of the contract over a written cache (-inf past seq_len)."""
+    B, H, D = q.shape
+    qf = q.float()
+    if kw.get("rope_inv_freq") is not None:
+        qf = rotate_leading(qf, kw["positions"], kw["rope_inv_freq"], kw.get("rope_interleaved", False))
+    bs = cache.shape[1]
+    pos = torch.arange(blocks.shape[1] * bs)
+    rows = blocks[:, pos // bs].long().clamp(min=0, max=cache.shape[0] - 1) * bs + pos % bs
+    valid = pos[None, :] < seq_lens.long()[:, None]
+    ctx = torch.where(valid[..., None], cache.view(-1, D)[rows].float(), 0.0)
+    s = torch.einsum("bhd,btd->bht", qf, ctx).clamp(min=0)
+    lg = torch.einsum("bht,bh->bt", s, w.float()) * (D ** -0.5 * H ** -0.5)
+    return lg.masked_fill(~valid, float("-inf"))
+
+
+def check_selection(got: torch.Tensor, logits: torch.Tensor, seq_lens: torch.Tensor, K: int, *, atol: float,
+                    rtol: float) -> None:
+    """``got`` [B, K] is a valid top-K set of ``logits`` (reference, -inf past seq_len): counts, ranges,
+    distinct positions, and the selected logits equal the K largest as multisets (ties: any choice)."""
+    for b in range(got.shape[0]):
+        n = int(seq_lens[b])
+        row = got[b].long().cpu()
+        live = row[row >= 0]
+        want = min(K, n)
+        assert len(live) == want and int((row == -1).sum()) == K - want, f"row {b}: {row.tolist()} (seq_len {n})"
+        assert len(set(live.tolist())) == want and bool((live < n).all()), f"row {b}: {row.tolist()} (seq_len {n})"
+        if want:
+            lg = logits[b, :max(n, 1)].float().cpu()
+            top = torch.topk(lg, want).values.sort().values
+            sel = lg[live].sort().values
+            torch.testing.assert_close(sel, top, atol=atol * max(1.0, float(lg.abs().max())), rtol=rtol,
+                                       msg=lambda m: f"row {b}: selected logits are not the top {want}: {m}")
+
+
+def _check(ix, args, kw, **call):
+    q, k, w, cache, slots, blocks, seq_lens = args
+    K = kw["topk"]
+    before, c_ref, c_tri = cache.clone(), cache.clone(), cache.clone()
+    want = indexer_topk_reference(q, k, w, c_ref, slots, blocks, seq_lens, **kw)
+    out = torch.randint(-(2 ** 20), 2 ** 20, (q.shape[0], K), dtype=torch.int32)   # poisoned
+    got = ix.indexer_topk_triton(q, k, w, c_tri, slots, blocks, seq_lens, out=out, **kw, **call)
+    assert got is out
+    logits = _ref_logits(q, w, c_ref, blocks, seq_lens, kw)
+    check_selection(want, logits, seq_lens, K, atol=0, rtol=0)      # the checker accepts the reference
+    check_selection(got, logits, seq_lens, K, atol=1e-5, rtol=1e-5)
+    D = cache.shape[-1]
+    changed = torch.zeros(cache.shape[0] * cache.shape[1], dtype=torch.bool)
+    changed[slots[slots >= 0]] = True
+    flat, flat0, flat_ref = c_tri.view(-1, D), before.view(-1, D), c_ref.view(-1, D)
+    torch.testing.assert_close(flat[~changed], flat0[~changed], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(flat[changed], flat_ref[changed], rtol=1e-5, atol=1e-5)
+    return got
+
+
+# ---------------------------------------------------------------------------------------------- interpreter
+@interpreted
+@SELECTIONS
+def test_mixed_lengths_interleaved_layer_norm(ix, selection):
+    """seq_len 0 / 1 / K-1 / K / K+1 / >> K in one batch (K = 8), interleaved RoPE, LayerNorm with bias."""
+    args, kw = _case(1, [0, 1, 7, 8, 9, 45, 0, 30], K=8)
+    _check(ix, args, kw, selection=selection, num_splits=2)
+
+
+@interpreted
+@SELECTIONS
+def test_odd_shapes_neox_rms(ix, selection):
+    """5 heads (padded to 16), D = 24 (padded to 32), NeoX RoPE of 8 channels, RMS key norm, K = 7, blocks of 3."""
+    args, kw = _case(2, [13, 0, 7, 40, 6, 8], H=5, D=24, K=7, bs=3, rope=8, interleaved=False, norm="rms")
+    _check(ix, args, kw, selection=selection, num_splits=3)
+
+
+@interpreted
+@SELECTIONS
+def test_no_rope_no_norm_and_dead_slots(ix, selection):
+    """No RoPE, no norm; rows with live seq_lens but slot -1 write nothing and score the cache as it is."""
+    args, kw = _case(3, [20, 9, 33, 2], rope=0, norm=None, dead_slots=(0, 2))
+    _check(ix, args, kw, selection=selection, num_splits=1)
+
+
+@interpreted
+@SELECTIONS
+def test_strided_inputs_as_the_piece_passes_them(ix, selection):
+    """q a view of a projection, k and weights column slices (strided rows)."""
+    args, kw = _case(4, [17, 3, 26], strided=True)
+    assert args[0].stride(0) != args[0].shape[1] * args[0].shape[2] and not args[1].is_contiguous()
+    _check(ix, args, kw, selection=selection, num_splits=2)
+
+
+@interpreted
+@pytest.mark.parametrize("splits", [1, 3, 7])
+def test_many_splits_and_select_tiles(ix, monkeypatch, splits):
+    """Short chunks (several scoring programs per row, some dead) and narrow select tiles (several steps per
+    radix pass and per compaction), contexts well past K."""
+    monkeypatch.setattr(ix, "MIN_CHUNK", 16)
+    monkeypatch.setattr(ix, "SELECT_TILE", 64)
+    monkeypatch.setattr(ix, "FILL_BLOCK", 16)
+    args, kw = _case(10 + splits, [250, 0, 97, 16, 131], K=16, bs=8)
+    for selection in ("radix", "torch"):
+        _check(ix, args, kw, selection=selection, num_splits=splits)
+
+
+@interpreted
+def test_near_ties_decided_by_low_bytes(ix, monkeypatch):
+    """Keys equal up to 1e-3: logits share their leading bytes, so the later radix passes pick the K-th."""
+    monkeypatch.setattr(ix, "SELECT_TILE", 64)
+    args, kw = _case(20, [150, 90, 41], K=12, bs=4, near_ties=True)
+    _check(ix, args, kw, selection="radix", num_splits=2)
+
+
+@interpreted
+@SELECTIONS
+def test_exact_ties(ix, monkeypatch, selection):
+    """Zero weights (every logit 0, +-0), duplicated keys (equal logits) and negative weights (negative logits):
+    any choice among the ties is valid; the compaction must take exactly enough of the tied keys."""
+    monkeypatch.setattr(ix, "SELECT_TILE", 32)
+    args, kw = _case(21, [70, 70, 70, 12], K=10, bs=4, norm=None, rope=0)
+    q, k, w, cache, slots, blocks, lens = args
+    w[0] = 0.0
+    w[2] = -w[2].abs()
+    flat = cache.view(-1, cache.shape[-1])
+    dup = blocks[1, :6].long() * 4          # the first slot of each of row 1's first blocks: one key, repeated
+    flat[dup] = flat[dup[0]].clone()
+    _check(ix, args, kw, selection=selection, num_splits=2)
+
+
+@interpreted
+@SELECTIONS
+def test_topk_wider_than_the_table(ix, selection):
+    """K = 64 over a 40-token block table: every live position, then -1."""
+    args, kw = _case(22, [37, 0, 12], K=64, bs=4, per=10)
+    _check(ix, args, kw, selection=selection)
+
+
+@interpreted
+def test_fresh_inputs_repeatedly(ix):
+    """Several seeds at the default (host-chosen) split count, both selections, random lengths around K."""
+    for seed in range(30, 34):
+        g = torch.Generator().manual_seed(seed)
+        lens = torch.randint(0, 60, (5,), generator=g).tolist()
+        args, kw = _case(seed, lens, K=int(torch.randint(1, 24, (1,), generator=g)), interleaved=seed % 2 == 0,
+                         norm=("layer", "rms", None)[seed % 3])
+        for selection in ("radix", "torch"):
+            _check(ix, args, kw, selection=selection)
+
+
+# ---------------------------------------------------------------------------------------------- host side
+def test_reference_rms_kind_is_the_hand_formula():
+    """k_norm_kind='rms': the cache row is k * rsqrt(mean(k^2) + eps) * weight (fp32), rotated; the default
+    stays the LayerNorm (bias included)."""
+    args, kw = _case(40, [5, 9], norm=None, rope=0)
+    q, k, w, cache, slots, blocks, lens = args
+    D = k.shape[-1]
+    wt = 1.0 + 0.2 * torch.randn(D)
+    c = cache.clone()
+    indexer_topk_reference(q, k, w, c, slots, blocks, lens, topk=4, k_norm_weight=wt, k_norm_eps=1e-5,
+                           k_norm_kind="rms")
+    want = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + 1e-5) * wt
+    torch.testing.assert_close(c.view(-1, D)[slots], want, rtol=1e-6, atol=1e-6)
+    # with RoPE: the normed key, then the rotation
+    c = cache.clone()
+    pos, inv = torch.tensor([4, 8]), _inv_freq(8)
+    indexer_topk_reference(q, k, w, c, slots, blocks, lens, topk=4, k_norm_weight=wt, k_norm_eps=1e-5,
+                           k_norm_kind="rms", positions=pos, rope_inv_freq=inv, rope_interleaved=True)
+    torch.testing.assert_close(c.view(-1, D)[slots], rotate_leading(want[:, None], pos, inv, True)[:, 0],
+                               rtol=1e-6, atol=1e-6)
+    # the default is the LayerNorm, unchanged
+    b = 0.1 * torch.randn(D)
+    c1, c2 = cache.clone(), cache.clone()
+    r1 = indexer_topk_reference(q, k, w, c1, slots, blocks, lens, topk=4, k_norm_weight=wt, k_norm_bias=b)
+    r2 = indexer_topk_reference(q, k, w, c2, slots, blocks, lens, topk=4, k_norm_weight=wt, k_norm_bias=b,
+                                k_norm_kind="layer")
+    mean, var = k.mean(-1, keepdim=True), k.var(-1, unbiased=False, keepdim=True)
+    torch.testing.assert_close(c1.view(-1, D)[slots], (k - mean) * torch.rsqrt(var + 1e-6) * wt + b,
+                               rtol=1e-5, atol=1e-5)
+    assert torch.equal(r1, r2)
+    torch.testing.assert_close(c1, c2, rtol=0, atol=0, equal_nan=True)
+
+
+def test_reference_rejects_bad_norm_kinds():
+    args, kw = _case(41, [5], norm=None, rope=0)
+    D = args[1].shape[-1]
+    with pytest.raises(UserError, match="RMSNorm"):
+        indexer_topk_reference(*args, topk=4, k_norm_weight=torch.ones(D), k_norm_bias=torch.zeros(D),
+                               k_norm_kind="rms")
+    with pytest.raises(UserError, match="k_norm_kind"):
+        indexer_topk_reference(*args, topk=4, k_norm_kind="batch")
+
+
+def test_host_checks_raise_user_errors(ix):
+    args, kw = _case(42, [5, 3], norm=None, rope=0)
+    q = args[0]
+    with pytest.raises(UserError, match="int32"):
+        ix.indexer_topk_triton(*args, topk=4, out=torch.empty(2, 4, dtype=torch.int64))
+    with pytest.raises(UserError, match="RMSNorm"):
+        ix.indexer_topk_triton(*args, topk=4, k_norm_weight=torch.ones(32), k_norm_bias=torch.ones(32),
+                               k_norm_kind="rms")
+    with pytest.raises(UserError, match="selection"):
+        ix.indexer_topk_triton(*args, topk=4, selection="heap")
+    with pytest.raises(UserError, match="positions"):
+        ix.indexer_topk_triton(*args, topk=4, rope_inv_freq=_inv_freq(8))
+    with pytest.raises(UserError, match="fit"):
+        ix.indexer_topk_triton(q[:, :2], *args[1:], topk=4)
+
+
+def _ctx(arch="sm_90", dtype="bfloat16", heads=32, head_dim=128, topk=2048, rope=64, **attrs):
+    attrs = {"rope_interleaved": True, "k_norm": "layer_norm", **attrs}
+    return make_context("attention.indexer", arch=arch, dtype=dtype, tokens=8,
+                        dims=dict(heads=heads, head_dim=head_dim, topk=topk, rope=rope), attrs=attrs)
+
+
+def test_supports_names_the_reason(ix):
+    sup = ix.IMPLEMENTATIONS[0].supports
+    assert sup(_ctx()) is True and sup(_ctx("sm_100a")) is True
+    assert sup(_ctx(topk=512, k_norm="rms_norm")) is True                       # DeepSeek-V4.1-Flash
+    assert "GPU" in sup(_ctx("cpu")) and "sm_80" in sup(_ctx("sm_75"))
+    assert "norm" in sup(_ctx(k_norm="group_norm"))
+    assert "query tile" in sup(_ctx(heads=256, head_dim=512))
+    assert "rope" in sup(_ctx(rope=7))
+
+
+def test_dispatch_triton_on_hopper_reference_on_cpu():
+    from latency_specialized.plugins import get_registry
+
+    reg = get_registry().implementations
+    names = [i.name for i in reg.family("attention.indexer")]
+    assert names.index("attention.indexer.triton") < names.index("attention.indexer.reference")
+    assert reg.select(_ctx("sm_90"))[0].name == "attention.indexer.triton"
+    assert reg.select(_ctx("sm_90", topk=512, k_norm="rms_norm"))[0].name == "attention.indexer.triton"
+    chosen, refusals = reg.select(_ctx("cpu"))
+    assert chosen.name == "attention.indexer.reference"
+    assert [n for n, _ in refusals] == ["attention.indexer.triton"]
+
+
+def test_kernels_compile_for_hopper_without_a_gpu(ix):
+    """The three kernels build for sm_90 on the CPU (ptxas bundled with Triton): GLM-5.3 / DeepSeek-V4.1-Flash
+    shapes, every norm kind, both RoPE layouts; the scoring dot on tensor cores, no register spills."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kern = ix._kernels(False)
+
+    def ptx(fn, sig, const, warps):
+        src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in const}}, constexprs=const)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["ptx"]
+
+    sig = dict(k="*bf16", k_w="*fp32", k_b="*fp32", inv_freq="*fp32", positions="*i64", slots="*i64",
+               cache="*bf16", eps="fp32", s_k="i32", s_row="i32")
+    for norm, inter in ((0, False), (1, True), (2, False)):
+        ptx(kern["key"], sig, dict(D=128, D_PAD=128, HALF=32, NORM=norm, HAS_BIAS=norm == 1, ROPE=True,
+                                   INTERLEAVED=inter), 1)
+    sig = dict(q="*bf16", w="*bf16", inv_freq="*fp32", positions="*i64", cache="*bf16", block_table="*i32",
+               seq_lens="*i32", logits="*fp32", H="i32", num_splits="i32", block_size="i32", cap="i32",
+               fill_chunk="i32", scale="fp32", s_qb="i32", s_qh="i32", s_wb="i32", s_row="i32", s_bt="i32",
+               s_lb="i32")
+    for rope in (False, True):
+        p = ptx(kern["score"], sig, dict(D=128, D_PAD=128, H_PAD=32, HALF=32, ROPE=rope, INTERLEAVED=True,
+                                         BT=ix.BLOCK_T, MIN_CHUNK=ix.MIN_CHUNK, FILL=ix.FILL_BLOCK, PREC="tf32"),
+                ix.SCORE_WARPS)
+        assert "mma.sync" in p or "wgmma" in p
+        if not rope:  # with RoPE, libdevice's sin/cos keep a small local array for huge arguments
+            assert "ld.local" not in p and "st.local" not in p
+    sig = dict(logits="*fp32", seq_lens="*i32", out="*i32", K="i32", s_lb="i32", s_ob="i32")
+    p = ptx(kern["select"], sig, dict(TILE=ix.SELECT_TILE), ix.SELECT_WARPS)
+    assert "ld.local" not in p and "st.local" not in p
+
+
+def test_num_splits_from_static_shapes(ix):
+    assert ix.choose_num_splits(1, 32768, 132) == 256              # capped by the capacity's MIN_CHUNK chunks
+    assert ix.choose_num_splits(1, 4096, 132) == 32
+    assert ix.choose_num_splits(64, 32768, 132) == 5
+    assert ix.choose_num_splits(64, 64, 132) == 1

@@ -1,0 +1,87 @@
+"""Triton kernels compiled for the H200 (sm_90) on a machine without a GPU: the launches a CPU run makes are
+recorded instead of run, then each is compiled with the argument types and constexprs it was launched with.
+
+    with recorded_launches() as launches:
+        stock.step()                     # kernel[grid](...) calls record, outputs stay as allocated
+    problems = compile_for_hopper(launches)   # {kernel name + constexprs: "CompilationError: ..."}
+
+What it catches before any GPU run: type errors the interpreter lets through (a name bound to tiles of two
+shapes in the branches of an ``if``), non-power-of-two ``tl.arange`` widths, constexpr misuse. What it cannot:
+resource limits at run time and numerics (the interpreter cases and the GPU tests check those). Outputs of
+recorded launches are never written, so only code whose later steps accept arbitrary values may run under it."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
+           torch.int64: "i64", torch.int16: "i16", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1",
+           torch.float8_e4m3fn: "fp8e4nv"}
+_OPTIONS = ("num_warps", "num_stages")
+
+
+@contextlib.contextmanager
+def recorded_launches() -> Iterator[list[tuple[Any, tuple, dict]]]:
+    """``kernel[grid](*args, **kw)`` records ``(kernel, args, kw)`` instead of launching, inside the block."""
+    from triton.runtime.jit import JITFunction
+
+    launches: list[tuple[Any, tuple, dict]] = []
+    original = JITFunction.__getitem__
+
+    def getitem(self, grid):
+        return lambda *args, **kw: launches.append((self, args, kw))
+
+    JITFunction.__getitem__ = getitem
+    try:
+        yield launches
+    finally:
+        JITFunction.__getitem__ = original
+
+
+def _signature(fn: Any, args: tuple, kw: dict) -> tuple[dict[str, str], dict[str, Any]]:
+    values = dict(zip((p.name for p in fn.params), args))
+    values.update({k: v for k, v in kw.items() if k not in _OPTIONS})
+    sig: dict[str, str] = {}
+    const: dict[str, Any] = {}
+    for p in fn.params:
+        v = values[p.name] if p.name in values else (p.default if p.has_default else None)
+        if p.is_constexpr or v is None or not isinstance(v, (torch.Tensor, bool, int, float)):
+            sig[p.name], const[p.name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            sig[p.name] = "*" + _DTYPES[v.dtype]
+        elif isinstance(v, bool):
+            sig[p.name] = "i1"
+        elif isinstance(v, int):
+            sig[p.name] = "i64" if abs(v) >= 2 ** 31 else "i32"
+        else:
+            sig[p.name] = "fp32"
+    return sig, const
+
+
+def compile_for_hopper(launches: list[tuple[Any, tuple, dict]]) -> dict[str, str]:
+    """Each distinct (kernel, constexprs) of ``launches`` compiled for sm_90; returns the failures by
+    ``"kernel {constexprs}"`` (empty: every one compiled)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    done: set[str] = set()
+    problems: dict[str, str] = {}
+    for fn, args, kw in launches:
+        sig, const = _signature(fn, args, kw)
+        key = f"{fn.fn.__name__} {const}"
+        if key in done:
+            continue
+        done.add(key)
+        try:
+            triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                           options={k: kw[k] for k in _OPTIONS if k in kw})
+        except Exception as e:  # noqa: BLE001 - reported per kernel
+            problems[key] = f"{type(e).__name__}: {e}"
+    return problems
+
+
+__all__ = ["recorded_launches", "compile_for_hopper"]
