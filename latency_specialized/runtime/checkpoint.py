@@ -29,7 +29,7 @@ import torch
 from latency_specialized.errors import CheckpointError
 # The MXFP4 codec and names live in the generic quantized-weights layer; re-exported under the names this
 # module has always exported (the same objects).
-from latency_specialized.quant.checkpoint_io import mxfp4_names
+from latency_specialized.quant.checkpoint_io import keep_quantized, mxfp4_names, tensor_names
 from latency_specialized.quant.codecs import E2M1, mxfp4_dequantize, mxfp4_quantize
 
 INDEX = "model.safetensors.index.json"
@@ -192,6 +192,17 @@ def read_stored(directory: str | Path, names: Iterable[str]) -> dict[str, torch.
     return out
 
 
+def read_quantized(directory: str | Path, names: Mapping[str, str], fmt: str,
+                   device: torch.device | str = "cpu") -> dict[str, Any]:
+    """``names`` (official ``<base>.weight`` -> its ``<base>.weight`` in the checkpoint, e.g. with a layout prefix)
+    read as stored in format ``fmt`` and kept quantized: official name -> ``quant.QuantizedWeight`` on ``device``
+    (checked and scales validated by ``quant.keep_quantized``; nothing dequantised)."""
+    roles = {n: tensor_names(ck, fmt) for n, ck in names.items()}
+    raw = read_stored(directory, [t for by in roles.values() for t in by.values()])
+    official = {tensor_names(n, fmt)[r]: raw[t] for n, by in roles.items() for r, t in by.items()}
+    return {n: q.to(device) for n, q in keep_quantized(official, fmt).items() if n in names}
+
+
 def load_checkpoint(directory: str | Path, expected: Mapping[str, tuple[tuple[int, ...], DTypeKind]],
                     dtype: torch.dtype = torch.bfloat16, *, device: torch.device | str = "cpu",
                     strict: bool = False,
@@ -258,5 +269,5 @@ def load_checkpoint(directory: str | Path, expected: Mapping[str, tuple[tuple[in
     return LoadedCheckpoint(config, tensors, unused)
 
 
-__all__ = ["save_checkpoint", "load_checkpoint", "read_stored", "LoadedCheckpoint", "read_config", "tensor_files",
+__all__ = ["save_checkpoint", "load_checkpoint", "read_stored", "read_quantized", "LoadedCheckpoint", "read_config", "tensor_files",
            "open_safetensors", "mxfp4_dequantize", "mxfp4_quantize", "mxfp4_names", "E2M1", "INDEX"]

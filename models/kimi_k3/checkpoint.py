@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from latency_specialized import quant
 from latency_specialized.errors import CheckpointError
 from latency_specialized.runtime import checkpoint as generic
 from latency_specialized.runtime.checkpoint import mxfp4_dequantize, mxfp4_quantize  # noqa: F401 - the codec Kimi uses
@@ -136,7 +135,4 @@ def _stored_experts(d: Path, spec: KimiK3Spec, names: dict[str, str], device: to
     if spec.routed_expert_format != "mxfp4" or not experts:
         raise CheckpointError(f"{d}: routed experts stored as {spec.routed_expert_format}, not MXFP4: there is "
                               "nothing to keep quantized; drop --experts (they load as bf16)")
-    stored_names = {n: quant.tensor_names(names[n], "mxfp4") for n in experts}
-    raw = generic.read_stored(d, [t for roles in stored_names.values() for t in roles.values()])
-    official = {quant.tensor_names(n, "mxfp4")[r]: raw[t] for n, roles in stored_names.items() for r, t in roles.items()}
-    return {n: q.to(device) for n, q in quant.keep_quantized(official, "mxfp4").items() if n in experts}
+    return generic.read_quantized(d, {n: names[n] for n in experts}, "mxfp4", device)

@@ -99,6 +99,14 @@ def test_checkpoint_experts_are_kept_as_stored_and_generate_the_same_tokens(tmp_
     assert torch.equal(kept[name].weight, stored["language_model." + name + "_packed"])
     assert torch.equal(kept[name].dequantize(), ref.w[name])   # the reference computes with the same values
     assert ref.spec.layers[1].ffn.expert_format == "mxfp4"
+    # the program binds the stored experts, not the reference's dequantised copy (same values: the tokens below
+    # alone could not tell)
+    plan = build_plan(SpecBoundAdapter(adapter, ref.spec), get_registry().implementations, hardware.for_arch("cpu"),
+                      tp=1, batch=1, dtype="float32", variant="tiny")
+    program = adapter.program(ref.spec, plans=plan, cache=ref.new_cache(1, 16), reference=ref)
+    moe = [w["ffn"] for w in program.w_layers if "w13" in w.get("ffn", {})]
+    assert moe and all(isinstance(f["w13"], quant.QuantizedWeight) and isinstance(f["w2"], quant.QuantizedWeight)
+                       for f in moe)
     args = ["--prompt-ids", "5,9,11", "--max-tokens", "6", "--device", "cpu"]
     assert main(["generate", "--model", "kimi_k3", "--checkpoint", str(d), *args]) == 0
     plain = _ids(capsys.readouterr().out)
