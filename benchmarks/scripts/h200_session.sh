@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # H200 session runs: GPU tests, the gemm dispatch table, the MoE/KDA and MLA op benches,
-# the Kimi K3 layer bench (KINDS=kda,mla; CONTEXT for MLA cells) and the long teacher-forced check.
+# the Kimi K3 layer bench (KINDS=kda,mla; CONTEXT for MLA cells) and the long teacher-forced check
+# (long_check.py of LONG_MODEL, default kimi_k3, at RUNS batch:steps:router_scale,...; JSON $OUT/res/LONG_NAME.json).
 #   on the device, after `bash .device/cute-a/stash.sh` on the same machine:
 #   source scripts/device_env.sh && bash benchmarks/scripts/h200_session.sh
 # Put the local commit into the command, e.g. `LS_GIT_COMMIT=<git rev-parse HEAD here> LS_GIT_DIRTY=0 ...`:
@@ -56,9 +57,11 @@ if [[ ",$STEPS," == *",bench,"* ]]; then
   echo "bench rc=$? at $(( $(date +%s) - t0 )) s"; grep "batch" "$OUT/bench.log" | tail -16
 fi
 if [[ ",$STEPS," == *",long,"* ]]; then
-  timeout "${LONG_S:-500}" python3 benchmarks/scripts/kimi_long_check.py --runs "${RUNS:-64:256:0}" \
-    --out "$OUT/res/kimi_long_check.json" > "$OUT/long_check.log" 2>&1
-  echo "long check rc=$? at $(( $(date +%s) - t0 )) s"; grep "^batch" "$OUT/long_check.log"
+  LONG_MODEL=${LONG_MODEL:-kimi_k3}
+  LONG_NAME=${LONG_NAME:-$([[ $LONG_MODEL == kimi_k3 ]] && echo kimi || echo "$LONG_MODEL")_long_check}
+  timeout "${LONG_S:-500}" python3 benchmarks/scripts/long_check.py --model "$LONG_MODEL" --runs "${RUNS:-64:256:0}" \
+    --out "$OUT/res/$LONG_NAME.json" > "$OUT/long_check.log" 2>&1
+  echo "long check ($LONG_MODEL) rc=$? at $(( $(date +%s) - t0 )) s"; grep "^batch" "$OUT/long_check.log"
 fi
 # one archive: the device returns a limited number of files
 tar czf "$OUT/results.tgz" -C "$OUT" res && rm -rf "$OUT/res"

@@ -24,6 +24,12 @@ One call, one new token per sequence (``M`` rows, ``Hq`` query heads, ``KV`` key
    splits, the sink in the denominator, **the one rounding** into ``out``. Rows without a position
    (``seq_lens == 0``) give exact zeros.
 
+**The log-sum-exp (optional, ``lse=``).** Both kernels already hold each row's running max and
+denominator; with an ``lse`` destination the program that normalises (the split kernel with one split,
+else the merge kernel) also stores ``ln(sum exp(scale q k) + exp(sink))`` per (row, head), -inf for a row
+with neither position nor sink: what a cross-rank merge of partial outputs needs (``attention.dcp``).
+Without it the stores are compiled out (constexpr).
+
 **The KV write (fused, default).** The split-0 program of ``(b, kv head)`` stores the new ``k[b]``,
 ``v[b]`` of its head at ``slot_mapping[b]`` (negative: nothing) in the cache dtype. The other programs
 run concurrently and may read that slot before the store lands, so no program takes the new token
@@ -106,14 +112,14 @@ def _kernels(interpret: bool):
     import triton.language as tl
 
     @triton.jit
-    def split_kernel(q, k_cache, v_cache, k_new, v_new, slots, block_table, seq_lens, sinks, out,
+    def split_kernel(q, k_cache, v_cache, k_new, v_new, slots, block_table, seq_lens, sinks, out, lse_out,
                      ws_acc, ws_m, ws_l, num_splits, window, block_size, qk_scale_log2,
-                     s_qb, s_qh, s_cb, s_cs, s_ch, s_knb, s_knh, s_vnb, s_vnh, s_bt, s_ob, s_oh,
+                     s_qb, s_qh, s_cb, s_cs, s_ch, s_knb, s_knh, s_vnb, s_vnh, s_bt, s_ob, s_oh, s_lb,
                      s_wb, s_wh, s_ws,
                      G: tl.constexpr, D: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr,
                      MIN_CHUNK: tl.constexpr, FUSED_WRITE: tl.constexpr, DIRECT: tl.constexpr,
                      HAS_SINKS: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
-                     STORE_NEW: tl.constexpr):
+                     STORE_NEW: tl.constexpr, HAS_LSE: tl.constexpr):
         # grid (M, KV, num_splits). DOT_F32 (the interpreter only, whose bf16 tl.dot is wrong): the dots'
         # operands, rounded to the cache dtype as on the GPU, are widened to fp32 for an IEEE dot.
         # Masks from comparisons only (the interpreter mishandles & of a vector and a scalar mask): a
@@ -192,11 +198,15 @@ def _kernels(interpret: bool):
                 m_t = tl.maximum(m_f, snk)
                 denom = l_i * tl.exp2(m_f - m_t) + tl.exp2(snk - m_t)
                 w = tl.exp2(m_f - m_t) / denom
+                lse2 = m_t + tl.log2(denom)   # the sink alone keeps it finite
             else:
                 w = 1.0 / tl.where(live, l_i, 1.0)
+                lse2 = tl.where(live, m_f + tl.log2(tl.where(live, l_i, 1.0)), float("-inf"))
             o = tl.where(live[:, None], acc * w[:, None], 0.0)
             tl.store(out + b * s_ob + heads[:, None] * s_oh + offs_d[None, :], o.to(out.dtype.element_ty),
                      mask=g_ok[:, None])
+            if HAS_LSE:  # natural log: the scores ran in log2 units
+                tl.store(lse_out + b * s_lb + heads, lse2 * 0.6931471805599453, mask=g_ok)
         else:  # every split stores m and l (an empty one: -inf, 0); acc only where it held positions
             base = b * s_wb + kh * s_wh + sp * s_ws
             tl.store(ws_m + base + offs_g, m_i)
@@ -205,9 +215,9 @@ def _kernels(interpret: bool):
             tl.store(ws_acc + (base + offs_g[:, None]) * D + offs_d[None, :], acc, mask=a_ok[:, None])
 
     @triton.jit
-    def merge_kernel(ws_acc, ws_m, ws_l, sinks, out, num_splits, s_wb, s_wh, s_ws, s_ob, s_oh,
+    def merge_kernel(ws_acc, ws_m, ws_l, sinks, out, lse_out, num_splits, s_wb, s_wh, s_ws, s_ob, s_oh, s_lb,
                      G: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr, S_TILE: tl.constexpr,
-                     HAS_SINKS: tl.constexpr):
+                     HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr):
         # grid (M, Hq): head h of row b from the splits of its KV head's programs
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -242,6 +252,9 @@ def _kernels(interpret: bool):
                            mask=t_used[:, None], other=0.0)                               # [S_TILE, D]
             acc += tl.sum(w_t[:, None] * part, 0)
         tl.store(out + b * s_ob + h * s_oh + offs_d, (acc * inv).to(out.dtype.element_ty))
+        if HAS_LSE:  # natural log of the denominator (sink included); no position and no sink: -inf
+            lse2 = tl.where(denom > 0, m_max + tl.log2(tl.where(denom > 0, denom, 1.0)), float("-inf"))
+            tl.store(lse_out + b * s_lb + h, lse2 * 0.6931471805599453)
 
     @triton.jit
     def write_kernel(k_cache, v_cache, k_new, v_new, slots, block_size, s_cb, s_cs, s_ch,
@@ -349,7 +362,7 @@ def gqa_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       sinks: torch.Tensor | None = None, k: torch.Tensor | None = None,
                       v: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None,
                       out: torch.Tensor | None = None, num_splits: int | None = None,
-                      fused_write: bool = True) -> torch.Tensor:
+                      fused_write: bool = True, lse: torch.Tensor | None = None) -> torch.Tensor:
     """GQA decode over a paged KV cache, one token per sequence (contract: ``gqa_decode_reference``).
 
     Parameters
@@ -368,6 +381,9 @@ def gqa_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     fused_write : True (default): the split-0 programs store the new k/v and every program takes the
         written slot's values from registers (module docstring: exact whenever no row reads a slot that
         another row writes this call - every decode step); False: a write kernel runs first.
+    lse : optional [M, Hq] fp32 destination of each row's natural log-sum-exp of the scaled scores (the
+        sink included; -inf for a row with neither position nor sink), which the kernel forms anyway for
+        its own split merge: what a cross-rank merge (``attention.dcp_merge``) needs. No extra launch.
 
     Returns
     -------
@@ -383,6 +399,9 @@ def gqa_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if tuple(y.shape) != (M, Hq, D) or y.stride(-1) != 1:
         raise UserError(f"{NAME}: out must be [M, Hq, D] = [{M}, {Hq}, {D}] with a unit last stride "
                         f"(got {tuple(y.shape)}, strides {y.stride()})")
+    if lse is not None and (tuple(lse.shape) != (M, Hq) or lse.dtype != torch.float32 or lse.stride(-1) != 1):
+        raise UserError(f"{NAME}: lse must be [M, Hq] = [{M}, {Hq}] fp32 with a unit last stride (got "
+                        f"{tuple(lse.shape)} {lse.dtype}, strides {lse.stride()})")
     if M == 0:
         return y
     kernels = _kernels(_interpreting())
@@ -411,6 +430,7 @@ def gqa_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     prec = "ieee" if k_cache.dtype == torch.float32 or dot_f32 else "tf32"
     direct = num_splits == 1
     bg = block_g(G)
+    lse_t, s_lb = (lse, lse.stride(0)) if lse is not None else (y, 0)   # unused pointer without lse (constexpr)
     if direct:
         ws_acc = ws_m = ws_l = y   # unused (constexpr branch)
         sw = (0, 0, 0)
@@ -420,19 +440,19 @@ def gqa_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         ws_acc = torch.empty(M, KV, num_splits, bg, D, device=q.device, dtype=torch.float32)
         sw = (ws_m.stride(0), ws_m.stride(1), ws_m.stride(2))
     kernels["split"][(M, KV, num_splits)](
-        q, k_cache, v_cache, kn, vn, slots, bt, seq_lens, sk, y, ws_acc, ws_m, ws_l,
+        q, k_cache, v_cache, kn, vn, slots, bt, seq_lens, sk, y, lse_t, ws_acc, ws_m, ws_l,
         num_splits, win, bs, scale * _LOG2E,
         q.stride(0), q.stride(1), s_cb, s_cs, s_ch, kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
-        bt.stride(0), y.stride(0), y.stride(1), *sw,
+        bt.stride(0), y.stride(0), y.stride(1), s_lb, *sw,
         G=G, D=D, BG=bg, BN=block_n(D, k_cache.element_size()), MIN_CHUNK=MIN_CHUNK, FUSED_WRITE=fused,
         DIRECT=direct, HAS_SINKS=sinks is not None, PREC=prec, DOT_F32=dot_f32, STORE_NEW=_STORE_NEW,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        HAS_LSE=lse is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if not direct:
         s_pad = _next_pow2(num_splits)
         kernels["merge"][(M, Hq)](
-            ws_acc, ws_m, ws_l, sk, y, num_splits, *sw, y.stride(0), y.stride(1),
+            ws_acc, ws_m, ws_l, sk, y, lse_t, num_splits, *sw, y.stride(0), y.stride(1), s_lb,
             G=G, D=D, S_PAD=s_pad, S_TILE=min(MERGE_S_TILE, s_pad), HAS_SINKS=sinks is not None,
-            num_warps=MERGE_WARPS)
+            HAS_LSE=lse is not None, num_warps=MERGE_WARPS)
     return y
 
 

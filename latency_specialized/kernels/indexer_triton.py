@@ -3,9 +3,10 @@
 The contract is ``ops.attention.sparse_mla.indexer_topk_reference`` (its module docstring): key norm +
 RoPE + key-cache write, relu-weighted scores of every cached token, the positions of the ``K`` largest.
 The reference materialises the whole context in fp32 (``[B, capacity, D]``) and sorts with
-``torch.topk``; this module reads the cache once, in its dtype, and selects with a radix select.
+``torch.topk``; this module reads the cache once, in its dtype, and selects on the device.
 
-Steps of one call (three launches; ``selection="torch"`` swaps the third for ``torch.topk``):
+Steps of one call (three launches for ``selection="radix"``; ``"split"`` swaps the third for the two of
+``topk_triton.topk_select``, ``"torch"`` for ``torch.topk``):
 
 1. **key kernel**, grid ``(B,)``: the new key's norm in fp32 (``k_norm_kind``: LayerNorm with optional
    bias, or RMSNorm; none without a weight), the RoPE of its leading ``2 len(rope_inv_freq)`` channels
@@ -31,8 +32,11 @@ Steps of one call (three launches; ``selection="torch"`` swaps the third for ``t
    keys ``> T`` and the first of the ``== T`` (position order), with in-tile prefix sums (one program
    per row: no atomics, deterministic). Exactly ``K`` positions, so no -1.
 
-``SELECTION`` = ``"torch"`` (or the call's ``selection=``) replaces step 3 by ``torch.topk`` over the
-workspace (the -inf past ``seq_len`` map to -1), for an A/B of the two on the GPU.
+``SELECTION`` = ``"split"`` (or the call's ``selection=``) replaces step 3 by ``topk_triton.topk_select``
+over the live logits (``valid_lens = seq_lens``): each row cut over many programs, a split histogram and a
+collect launch (that module's docstring); the same set as radix where values tie (the lowest positions).
+``"torch"`` replaces it by ``torch.topk`` over the workspace (the -inf past ``seq_len`` map to -1).
+``"auto"`` resolves by ``auto_selection`` from the block table's width.
 
 So against the fp32 reference the scores carry a bf16 rounding of the rotated query (and the cache's own
 dtype); near-ties may select differently, as any valid tie choice may. With fp32 tensors every step is
@@ -59,19 +63,37 @@ import torch
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
 from latency_specialized.hardware import sm_count
+from latency_specialized.kernels.topk_triton import topk_select
 from latency_specialized.kernels.triton_common import triton_gpu_refusal
 
 NAME = "attention.indexer.triton"
 
-Selection = Literal["auto", "radix", "torch"]
+Selection = Literal["auto", "radix", "split", "torch"]
 SELECTION: Selection = "auto"
-"""Step 3: ``"radix"`` (the Triton select kernel), ``"torch"`` (``torch.topk`` over the logits workspace) or
-``"auto"``: radix up to ``RADIX_MAX_CAPACITY`` block-table positions, torch.topk above."""
+"""Step 3: ``"radix"`` (the one-program-per-row select kernel), ``"split"`` (``topk_triton.topk_select``: two
+launches, each row split over many programs), ``"torch"`` (``torch.topk`` over the logits workspace) or
+``"auto"`` (``auto_selection``)."""
 RADIX_MAX_CAPACITY = 8192
-"""Largest block-table capacity (positions) the radix select serves under ``"auto"``. H200, GLM-5.3 indexer
-(32 x 128, K 2048; ``benchmarks/results/h200/indexer.md``): the whole call at capacity 4096 took 31.9 us with
-radix vs 56.8 with torch.topk at batch 1 (65 vs 102 at 64); at 32768, 174.5 vs 86.3 (393 vs 324): one
-program per row makes the radix passes latency-bound on long rows. No capacity between was measured."""
+"""Largest block-table capacity (positions) the radix select serves under ``"auto"``: one program per row
+is fastest while rows are short and latency-bound on long ones (``NOTES_indexer.md``)."""
+SPLIT_ROWS = 8
+"""Rows (tokens) up to which ``"auto"`` takes the split select above ``RADIX_MAX_CAPACITY`` and up to
+``SPLIT_MAX_CAPACITY``; one row takes it at every capacity above radix's."""
+SPLIT_MAX_CAPACITY = 16384
+"""Largest capacity the split select serves under ``"auto"`` for 2..``SPLIT_ROWS`` rows; above it, and
+for more rows, torch.topk (its row-parallel sort wins once rows x chunks fill the GPU)."""
+
+
+def auto_selection(capacity: int, rows: int = 1) -> Selection:
+    """What ``"auto"`` resolves to, from the block table's width in positions and the call's rows (both
+    static: never seq_lens). The H200 crossovers behind the constants: ``NOTES_indexer.md``."""
+    if capacity <= RADIX_MAX_CAPACITY:
+        return "radix"
+    if rows <= 1 or (rows <= SPLIT_ROWS and capacity <= SPLIT_MAX_CAPACITY):
+        return "split"
+    return "torch"
+
+
 BLOCK_T = 64
 """Positions per scoring tile (the N of the ``h x D`` by ``D x BLOCK_T`` dot)."""
 MIN_CHUNK = 128
@@ -322,8 +344,8 @@ def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
     topk : K. positions : [B] int (with ``rope_inv_freq``). rope_inv_freq : [R/2] (None: no RoPE).
     k_norm_weight, k_norm_bias, k_norm_eps, k_norm_kind : the key norm (``"layer"`` / ``"rms"``; none
         without a weight). scale : default D^-0.5 h^-0.5. out : optional [B, K] int32 (unit last stride).
-    selection : ``"auto"`` / ``"radix"`` / ``"torch"``; default ``SELECTION``. num_splits : scoring programs per
-        sequence; default from static shapes (``choose_num_splits``). Tests force both.
+    selection : ``"auto"`` / ``"radix"`` / ``"split"`` / ``"torch"``; default ``SELECTION``. num_splits :
+        scoring programs per sequence; default from static shapes (``choose_num_splits``). Tests force both.
 
     Returns
     -------
@@ -351,10 +373,10 @@ def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
     if not k_cache.is_contiguous():
         raise UserError(f"{NAME}: the key cache must be contiguous (got strides {k_cache.stride()})")
     selection = SELECTION if selection is None else selection
-    if selection not in ("auto", "radix", "torch"):
-        raise UserError(f"{NAME}: selection={selection!r}; use 'auto', 'radix' or 'torch'")
+    if selection not in ("auto", "radix", "split", "torch"):
+        raise UserError(f"{NAME}: selection={selection!r}; use 'auto', 'radix', 'split' or 'torch'")
     if selection == "auto":  # static: the block table's width, never seq_lens (no host sync)
-        selection = "radix" if block_table.shape[1] * k_cache.shape[1] <= RADIX_MAX_CAPACITY else "torch"
+        selection = auto_selection(block_table.shape[1] * k_cache.shape[1], B)
     if out is None:
         out = torch.empty(B, topk, device=q.device, dtype=torch.int32)
     elif tuple(out.shape) != (B, topk) or out.dtype != torch.int32 or out.stride(-1) != 1:
@@ -390,7 +412,7 @@ def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
     prec = "ieee" if k_cache.dtype == torch.float32 else "tf32"   # IEEE fp32 for fp32 caches (the CPU tests)
     kern["score"][(B, num_splits)](
         q, weights, inv, pos, flat, bt, seq_lens, logits, heads, num_splits, block, cap,
-        -(-cap // num_splits) if selection == "torch" else 0, s,   # the radix select never reads past seq_len
+        -(-cap // num_splits) if selection == "torch" else 0, s,   # radix / split never read past seq_len
         q.stride(0), q.stride(1), weights.stride(0), flat.stride(0), bt.stride(0), logits.stride(0),
         D=D, D_PAD=d_pad, H_PAD=_next_pow2(max(heads, 16)), HALF=max(half, 1), ROPE=rope,
         INTERLEAVED=bool(rope_interleaved), BT=BLOCK_T, MIN_CHUNK=MIN_CHUNK, FILL=FILL_BLOCK, PREC=prec,
@@ -401,6 +423,8 @@ def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
         kern["select"][(B,)](logits, seq_lens, out, topk, logits.stride(0), out.stride(0), TILE=SELECT_TILE,
                              num_warps=SELECT_WARPS)
         return out
+    if selection == "split":
+        return topk_select(logits[:, :cap], seq_lens, topk, out)
     kk = min(topk, cap)
     vals, idx = torch.topk(logits[:, :cap], kk, dim=-1) if cap > 0 else (logits[:, :0], logits[:, :0].long())
     idx = torch.where(vals > float("-inf"), idx, -1).to(torch.int32)
@@ -432,8 +456,9 @@ def _supports(ctx: OpContext) -> Support:
 IMPLEMENTATIONS = [
     Implementation("attention.indexer", NAME, indexer_topk_triton, _supports, priority=10,
                    description="Triton: key norm + RoPE + cache write, split relu-weighted scoring over the paged "
-                               "key cache (fp32 logits workspace), per-row radix select (torch.topk as an A/B "
-                               "switch); no host sync; GPUs (sm_80+)"),
+                               "key cache (fp32 logits workspace), a split top-k select over many programs per row "
+                               "(per-row radix select, torch.topk as A/B switches); no host sync; GPUs (sm_80+)"),
 ]
 
-__all__ = ["IMPLEMENTATIONS", "NAME", "SELECTION", "RADIX_MAX_CAPACITY", "choose_num_splits", "indexer_topk_triton"]
+__all__ = ["IMPLEMENTATIONS", "NAME", "SELECTION", "RADIX_MAX_CAPACITY", "SPLIT_MAX_CAPACITY", "SPLIT_ROWS", "auto_selection",
+           "choose_num_splits", "indexer_topk_triton"]

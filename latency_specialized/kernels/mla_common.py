@@ -3,8 +3,9 @@
 The torch implementations of the ``attention.mla`` family (``ops/attention/mla.py``) and the Triton
 kernel (``kernels/mla_decode_triton.py``, its unfused path and epilogue) check shapes, normalise the
 raw latent, write the new latents and finish the output through these functions, so that every
-implementation applies the contract's steps 0, 1 and 4 the same way. They sit at the kernel layer
-so that a kernel can use them without importing the ops layer.
+implementation applies the contract's steps 0, 1 and 4 the same way (and checks the optional RoPE
+arguments alike). They sit at the kernel layer so that a kernel can use them without importing the ops
+layer.
 """
 
 from __future__ import annotations
@@ -51,6 +52,49 @@ def normed_latent(q: torch.Tensor, kv_c: torch.Tensor, kv_norm_weight: torch.Ten
         return kv_c
     check_kv_norm(q, kv_c, kv_norm_weight)
     return rmsnorm_reference(kv_c, kv_norm_weight, kv_norm_eps)
+
+
+def check_rope(q: torch.Tensor, k_pe: torch.Tensor, nope: int, positions: torch.Tensor | None,
+               rope_inv_freq: torch.Tensor | None) -> bool:
+    """Whether a call rotates (``positions`` given), after the shape/dtype checks of the RoPE arguments
+    (every MLA implementation; host metadata only, no sync). The rotation covers the whole rope part: q's
+    last ``R`` channels per head and ``k_pe``, so ``rope_inv_freq`` has ``R / 2`` entries."""
+    if positions is None and rope_inv_freq is None:
+        return False
+    if positions is None or rope_inv_freq is None:
+        raise UserError("attention.mla: RoPE needs both positions [B] and rope_inv_freq [rope / 2] "
+                        "(or neither, for NoPE MLA)")
+    B, R = q.shape[0], q.shape[-1] - nope
+    if positions.shape != (B,) or positions.is_floating_point() or positions.is_complex():
+        raise UserError(f"attention.mla: positions {tuple(positions.shape)} {positions.dtype}; needs [{B}] int "
+                        "(one token position per row, as the step's positions)")
+    if rope_inv_freq.shape != (R // 2,) or 2 * rope_inv_freq.shape[0] != R or rope_inv_freq.dtype != torch.float32:
+        raise UserError(f"attention.mla: rope_inv_freq {tuple(rope_inv_freq.shape)} {rope_inv_freq.dtype}; needs "
+                        f"[{R // 2}] float32 (rope {R} / 2: the whole rope part rotates), e.g. ops.rope.rope_inv_freq")
+    if k_pe.shape[-1] != R:
+        raise ValueError(f"k_pe width {k_pe.shape[-1]} != rope {R}")
+    for name, t in (("positions", positions), ("rope_inv_freq", rope_inv_freq)):
+        if t.device != q.device:
+            raise UserError(f"attention.mla: {name} is on {t.device}, q on {q.device}: pass the step's tensors")
+    return True
+
+
+def rotate_pairs(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """``x [B, heads, 2 len(inv_freq)]`` rotated at ``positions [B]``: the torch paths below the op layer
+    (the Triton MLA's unfused path). The same operations in the same order as ``ops.rope.apply_rope`` over
+    a whole-width rope part (fp32 math, one rounding to x's dtype; a CPU test checks the two bit for bit),
+    which the ops layer's implementations call directly."""
+    half = inv_freq.shape[0]
+    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq.float().unsqueeze(0)   # [B, half]
+    cos, sin = freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1)
+    xf = x.float()
+    if interleaved:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+    else:
+        x1, x2 = xf[..., :half], xf[..., half:]
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out.to(x.dtype)
 
 
 def finish_output(o: torch.Tensor, gate: torch.Tensor | None, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:

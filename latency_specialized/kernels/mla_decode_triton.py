@@ -18,7 +18,12 @@ bytes, are the time):
    its rows' whole raw latent in fp32 and writes ``kv_c * rstd * w`` rounded to the activation dtype,
    then to the cache dtype: the roundings of a norm kernel followed by the write
    [``kernels.mla_common.write_new_latents`` (after ``rmsnorm_reference``), then one torch ``bmm``
-   over the heads in the activation dtype: the same roundings; no host sync either way];
+   over the heads in the activation dtype: the same roundings; no host sync either way]; with
+   ``positions`` (the model's RoPE fused) the latent writers rotate ``k_pe`` in fp32 and round it to
+   its dtype before the write, and the column-tile-0 program of each (row tile, head) writes the
+   rotated query rope part into a ``q_pe`` [B, H, R] buffer (one rounding to the activation dtype)
+   that the split kernel reads instead of q's own rope columns: ``apply_rope``'s math and roundings,
+   no launch of its own [``kernels.mla_common.rotate_pairs`` on q's rope part and k_pe first];
 2. **split kernel**, grid ``(B, head groups, num_splits)``: a program takes up to ``BLOCK_H`` (16,
    the smallest ``tl.dot`` tile) heads of one sequence and one contiguous chunk of its positions.
    The chunk length comes from ``seq_lens[b]`` read *on the device* (``cdiv(seq_len, num_splits)``,
@@ -67,8 +72,8 @@ import torch
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
 from latency_specialized.hardware import capability, sm_count
-from latency_specialized.kernels.mla_common import (check_kv_norm, finish_output, latent_widths, normed_latent,
-                                                    write_new_latents)
+from latency_specialized.kernels.mla_common import (check_kv_norm, check_rope, finish_output, latent_widths,
+                                                    normed_latent, rotate_pairs, write_new_latents)
 from latency_specialized.kernels.triton_common import triton_gpu_refusal
 
 NAME = "attention.mla.triton_splitkv"
@@ -184,10 +189,32 @@ def _kernels(interpret: bool):
     del interpret  # the cache key only
     # the kernels are defined here, not at import (no triton import for machines without it), but
     # Triton resolves the names a kernel uses through its module globals: hence tl as a global
-    global tl, tlc, _split_weights, _merged_columns
+    global tl, tlc, _split_weights, _merged_columns, _rope_rows
     import triton
     import triton.language as tl
     import triton.language.extra.cuda as tlc
+
+    @triton.jit
+    def _rope_rows(rows, offs_r, mask, pos, inv_freq, RH: tl.constexpr, INTERLEAVED: tl.constexpr):
+        # -> [rows, 2 RH] fp32: the rope part at row pointers ``rows`` [BB, 1] rotated by ``pos`` [BB] (fp32)
+        # * inv_freq, as ops.rope.apply_rope: pair (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), NeoX pairs
+        # (i, i + RH) or interleaved (2i, 2i + 1). Each channel loads itself and its partner (a second gather
+        # of the same 2 RH values, from L1) rather than split the tile into halves: one tile shape for both
+        # styles, stored with one contiguous store.
+        if INTERLEAVED:
+            partner = offs_r ^ 1
+            j = offs_r // 2
+            first = (offs_r % 2) == 0
+        else:
+            partner = tl.where(offs_r < RH, offs_r + RH, offs_r - RH)
+            j = offs_r % RH
+            first = offs_r < RH
+        x = tl.load(rows + offs_r[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(rows + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+        ang = pos[:, None] * tl.load(inv_freq + j)[None, :]     # the fp32 product apply_rope takes cos/sin of
+        c = tl.cos(ang)
+        sn = tl.sin(ang)
+        return tl.where(first[None, :], x * c - y * sn, x * c + y * sn)
 
     # the two merges' shared steps (module globals too: kernels resolve the functions they call there)
     @triton.jit
@@ -233,13 +260,18 @@ def _kernels(interpret: bool):
     @triton.jit
     def prologue_kernel(q, w_uk, kv_c, k_pe, slots, cache, q_lat, kv_w, eps, B, H, NOPE,
                         s_qb, s_qh, s_wh, s_wk, s_lh, s_lb, s_c, s_p, s_row,
+                        q_rope, q_pe, positions, inv_freq, s_rb, s_rh, s_eb, s_eh,
                         L: tl.constexpr, R: tl.constexpr, BB: tl.constexpr, BL: tl.constexpr,
-                        BK: tl.constexpr, PREC: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+                        BK: tl.constexpr, PREC: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
+                        ROPE: tl.constexpr, INTERLEAVED: tl.constexpr):
         # grid (cdiv(B, BB), H + 1, L / BL): rows bt*BB.., latent columns lt*BL..; heads h < H compute
         # q_lat[h, rows, cols] = q_nope[rows, h] @ W_UK[h][:, cols], the extra head h == H writes the new
         # latents of its rows (its kv_c columns; column tile 0 also k_pe). HAS_NORM: kv_c is the raw
-        # latent and kv_w [L] its RMSNorm weight (eps). Masks from comparisons only (the interpreter
-        # mishandles & of a vector and a scalar mask).
+        # latent and kv_w [L] its RMSNorm weight (eps). ROPE: column tile 0 of head h also writes its
+        # rows' rotated q rope part (q_rope [B, H, R] in, q_pe [B, H, R] out, rounded to q's dtype once),
+        # and the latent writers rotate k_pe before the write, by positions [B] * inv_freq [R / 2]: the
+        # model's RoPE rides on this launch. Masks from comparisons only (the interpreter mishandles & of
+        # a vector and a scalar mask).
         bt = tl.program_id(0)
         h = tl.program_id(1)
         lt = tl.program_id(2)
@@ -263,6 +295,15 @@ def _kernels(interpret: bool):
                 acc = tl.dot(a, wt, acc, input_precision=PREC)
             tl.store(q_lat + h * s_lh + offs_b[:, None] * s_lb + offs_l[None, :],
                      acc.to(q_lat.dtype.element_ty), mask=b_ok[:, None])
+            if ROPE:
+                if lt == 0:  # one program per (row tile, head) rotates that head's rope part
+                    offs_r = tl.arange(0, R)
+                    r_ok = b_ok[:, None] & (offs_r < R)[None, :]
+                    pos = tl.load(positions + offs_b, mask=b_ok, other=0).to(tl.float32)
+                    qr = _rope_rows(q_rope + offs_b[:, None] * s_rb + h * s_rh, offs_r, r_ok, pos, inv_freq,
+                                    R // 2, INTERLEAVED)
+                    tl.store(q_pe + offs_b[:, None] * s_eb + h * s_eh + offs_r[None, :],
+                             qr.to(q_pe.dtype.element_ty), mask=r_ok)
         else:  # a negative slot (or a row past B) writes nothing
             if PDL:
                 tlc.gdc_wait()
@@ -286,7 +327,12 @@ def _kernels(interpret: bool):
             tl.store(row + offs_l[None, :], c.to(cache.dtype.element_ty), mask=ok[:, None])
             offs_r = tl.arange(0, R)
             r_ok = ok[:, None] & (offs_r < tl.where(lt == 0, R, 0))[None, :]
-            p = tl.load(k_pe + offs_b[:, None] * s_p + offs_r[None, :], mask=r_ok, other=0.0)
+            if ROPE:  # rotated in fp32, rounded to k_pe's dtype (as apply_rope), then to the cache's
+                pos = tl.load(positions + offs_b, mask=ok, other=0).to(tl.float32)
+                p = _rope_rows(k_pe + offs_b[:, None] * s_p, offs_r, r_ok, pos, inv_freq, R // 2,
+                               INTERLEAVED).to(k_pe.dtype.element_ty)
+            else:
+                p = tl.load(k_pe + offs_b[:, None] * s_p + offs_r[None, :], mask=r_ok, other=0.0)
             tl.store(row + L + offs_r[None, :], p.to(cache.dtype.element_ty), mask=r_ok)
 
     @triton.jit
@@ -536,21 +582,36 @@ def _last_dim_unit(t: torch.Tensor) -> torch.Tensor:
 
 def _prologue(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor,
               flat: torch.Tensor, w_uk: torch.Tensor, q_lat: torch.Tensor | None = None,
-              kv_norm_weight: torch.Tensor | None = None, kv_norm_eps: float = 1e-6, pdl: bool = False) -> torch.Tensor:
+              kv_norm_weight: torch.Tensor | None = None, kv_norm_eps: float = 1e-6, pdl: bool = False,
+              positions: torch.Tensor | None = None, rope_inv_freq: torch.Tensor | None = None,
+              rope_interleaved: bool = False, q_pe: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the prologue kernel (one launch): ``flat[slot_mapping[b]] = [kv_c[b] | k_pe[b]]`` in the
     cache dtype for slots >= 0, and return ``q_lat`` [H, B, L] (contiguous, q.dtype) ``= q_nope[:, h] @
     w_uk[h]`` with fp32 accumulation and one rounding (as the torch ``bmm`` of the unfused path).
     q [B, H, nope + R]; w_uk [H, nope, L] in q.dtype; ``q_lat``: optional destination (tests poison it).
     ``kv_norm_weight`` [L] (q.dtype): kv_c is the raw latent, RMS-normalised (``kv_norm_eps``) before the
     write (fp32 math, rounded to q.dtype, then to the cache dtype). kv_c's rows may be strided (unit
-    last stride): its row stride is passed, nothing is copied. Static grid from shapes only (graph-safe)."""
+    last stride): its row stride is passed, nothing is copied. ``positions`` [B] int with
+    ``rope_inv_freq`` [R / 2] fp32: k_pe is rotated before the write and q's rope part into ``q_pe``
+    [B, H, R] (q.dtype, unit last stride; required then), both as ``ops.rope.apply_rope`` (fp32 math, one
+    rounding to the input's dtype). Static grid from shapes only (graph-safe)."""
     B, H, _ = q.shape
     _, nope, L = w_uk.shape
     R = k_pe.shape[-1]
     if w_uk.dtype != q.dtype:
         raise ValueError(f"w_uk dtype {w_uk.dtype} != q dtype {q.dtype}")
+    rope = check_rope(q, k_pe, nope, positions, rope_inv_freq)
+    if rope and (q_pe is None or q_pe.shape != (B, H, R) or q_pe.stride(-1) != 1 or q_pe.dtype != q.dtype):
+        raise ValueError(f"RoPE in the prologue needs q_pe [B, H, R] = [{B}, {H}, {R}] in {q.dtype} "
+                         f"(unit last stride) for the rotated query")
     if q_lat is None:
         q_lat = torch.empty(H, B, L, device=q.device, dtype=q.dtype)   # the layout bmm gave: [H, B, L]
+    if rope:
+        assert positions is not None and rope_inv_freq is not None and q_pe is not None
+        qr, pos, inv = _last_dim_unit(q[..., nope:]), _last_dim_unit(positions), rope_inv_freq.contiguous()
+        rope_args = (qr, q_pe, pos, inv, qr.stride(0), qr.stride(1), q_pe.stride(0), q_pe.stride(1))
+    else:   # never read (constexpr branch)
+        rope_args = (q_lat, q_lat, slot_mapping, q_lat, 0, 0, 0, 0)
     qn = _last_dim_unit(q[..., :nope])
     w_uk = _last_dim_unit(w_uk)
     kv_c, k_pe = _last_dim_unit(kv_c), _last_dim_unit(k_pe)
@@ -566,8 +627,9 @@ def _prologue(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapp
     _kernels(_interpreting())["prologue"][(-(-B // PROLOGUE_B), H + 1, L // bl)](
         qn, w_uk, kv_c, k_pe, slot_mapping, flat, q_lat, kv_w, float(kv_norm_eps), B, H, nope,
         qn.stride(0), qn.stride(1), w_uk.stride(0), w_uk.stride(1), q_lat.stride(0), q_lat.stride(1),
-        kv_c.stride(0), k_pe.stride(0), flat.stride(0),
-        L=L, R=R, BB=PROLOGUE_B, BL=bl, BK=bk, PREC=prec, HAS_NORM=has_norm, **_pdl_args(pdl))
+        kv_c.stride(0), k_pe.stride(0), flat.stride(0), *rope_args,
+        L=L, R=R, BB=PROLOGUE_B, BL=bl, BK=bk, PREC=prec, HAS_NORM=has_norm, ROPE=rope,
+        INTERLEAVED=bool(rope_interleaved), **_pdl_args(pdl))
     return q_lat
 
 
@@ -683,7 +745,8 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
                       scale: float | None = None, gate: torch.Tensor | None = None,
                       out: torch.Tensor | None = None, num_splits: int | None = None,
                       fused: bool | None = None, kv_norm_weight: torch.Tensor | None = None,
-                      kv_norm_eps: float = 1e-6) -> torch.Tensor:
+                      kv_norm_eps: float = 1e-6, positions: torch.Tensor | None = None,
+                      rope_inv_freq: torch.Tensor | None = None, rope_interleaved: bool = False) -> torch.Tensor:
     """Absorbed MLA decode, one token per sequence (contract: ``ops.attention.mla.mla_decode_reference``).
 
     Parameters
@@ -702,6 +765,10 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
     kv_norm_weight : optional [L] in q.dtype: kv_c is the raw latent, RMS-normalised first (``kv_norm_eps``;
         the contract's). Fused: inside the prologue's latent-writer programs (no extra launch);
         unfused: ``rmsnorm_reference`` before the torch write.
+    positions : optional [B] int, with ``rope_inv_freq`` [R / 2] fp32 and ``rope_interleaved``: the contract's
+        RoPE of q's rope part and k_pe. Fused: inside the prologue (its column-0 query programs write the
+        rotated q_pe the split kernel reads, its latent writers rotate k_pe: no extra launch); unfused: a
+        torch rotation (``mla_common.rotate_pairs``, apply_rope's operations) first.
 
     Returns
     -------
@@ -713,7 +780,8 @@ def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
     return launch_mla_decode(q, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, w_kv_b,
                              qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim, scale=scale, gate=gate,
                              out=out, num_splits=num_splits, fused=fused, kv_norm_weight=kv_norm_weight,
-                             kv_norm_eps=kv_norm_eps)
+                             kv_norm_eps=kv_norm_eps, positions=positions, rope_inv_freq=rope_inv_freq,
+                             rope_interleaved=rope_interleaved)
 
 
 def launch_mla_decode(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -723,7 +791,9 @@ def launch_mla_decode(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
                       out: torch.Tensor | None = None, num_splits: int | None = None,
                       fused: bool | None = None, kv_norm_weight: torch.Tensor | None = None,
                       kv_norm_eps: float = 1e-6, topk_indices: torch.Tensor | None = None,
-                      name: str = NAME, fallback: str = "attention.mla.torch_paged") -> torch.Tensor:
+                      name: str = NAME, fallback: str = "attention.mla.torch_paged",
+                      positions: torch.Tensor | None = None, rope_inv_freq: torch.Tensor | None = None,
+                      rope_interleaved: bool = False) -> torch.Tensor:
     """The three launches of :func:`mla_decode_triton` (same arguments and result), shared by the dense and
     the sparse entry points. ``topk_indices`` [B, K] int (unit last stride; ``None``: dense): the split kernel
     attends over those token positions only (< 0 or >= ``seq_lens[b]``: skipped; none left: zeros), its
@@ -744,6 +814,7 @@ def launch_mla_decode(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
         raise ValueError(f"w_kv_b {tuple(w_kv_b.shape)} != [H * (nope + v), L] = [{H * (nope + v)}, {L}]")
     if kv_norm_weight is not None:  # before any kernel is built or launched
         check_kv_norm(q, kv_c, kv_norm_weight)
+    rope = check_rope(q, k_pe, nope, positions, rope_inv_freq)
     fused = FUSED if fused is None else fused
     dtype = q.dtype
     block = kv_cache.shape[1]
@@ -761,13 +832,21 @@ def launch_mla_decode(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
                                  topk if topk_indices is not None else None, _block_n(flat))
     pdl = pdl_enabled(q.device, B * -(-H // BLOCK_H) * num_splits)
     if fused:  # 1. one launch: the (normed) new latents into the cache and the absorbed query, no host sync
+        # with RoPE the prologue also writes the rotated query rope part the split kernel reads
+        q_pe = torch.empty(B, H, R, device=q.device, dtype=dtype) if rope else _last_dim_unit(q[..., nope:])
         q_lat = _prologue(q, kv_c, k_pe, slot_mapping, flat, w[:, :nope], kv_norm_weight=kv_norm_weight,
-                          kv_norm_eps=kv_norm_eps, pdl=pdl)                    # [H, B, L]
-    else:      # torch norm (rmsnorm_reference) and write, then one bmm over the heads in the activation dtype:
+                          kv_norm_eps=kv_norm_eps, pdl=pdl, positions=positions, rope_inv_freq=rope_inv_freq,
+                          rope_interleaved=rope_interleaved, q_pe=q_pe if rope else None)   # [H, B, L]
+    else:      # torch rope, norm (rmsnorm_reference) and write, then one bmm over the heads in the activation dtype:
+        if rope:
+            assert positions is not None and rope_inv_freq is not None
+            q_pe = rotate_pairs(q[..., nope:], positions, rope_inv_freq, rope_interleaved)      # [B, H, R]
+            k_pe = rotate_pairs(k_pe.unsqueeze(1), positions, rope_inv_freq, rope_interleaved).squeeze(1)
+        else:
+            q_pe = _last_dim_unit(q[..., nope:])                                 # [B, H, R]
         kv_c = normed_latent(q, kv_c, kv_norm_weight, kv_norm_eps)            # [H, B, nope] x [H, nope, L]
         write_new_latents(flat, torch.cat([kv_c, k_pe], dim=-1).to(kv_cache.dtype), slot_mapping)
         q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope])         # [H, B, L]
-    q_pe = _last_dim_unit(q[..., nope:])                                     # [B, H, R]
     scale = qk ** -0.5 if scale is None else scale
 
     # 2. split kernel (it also zeroes the L-tiled merge's arrival counters)

@@ -26,6 +26,7 @@ KERNEL_MODULES: tuple[str, ...] = (
     "latency_specialized.kernels.mla_decode_triton",
     "latency_specialized.kernels.indexer_triton",
     "latency_specialized.kernels.sparse_mla_triton",
+    "latency_specialized.kernels.sparse_mqa_triton",
     "latency_specialized.kernels.gqa_decode_triton",
     "latency_specialized.kernels.attnres",
     "latency_specialized.kernels.mlp_fused",

@@ -6,10 +6,10 @@ none left: zeros). ``attention.sparse_mla.torch_masked`` is the sync-free torch 
 (it gathers the K rows in fp32 and runs about 20 launches).
 
 The three launches are ``kernels/mla_decode_triton.py``'s (``launch_mla_decode``), unchanged but for
-the split kernel's ``SPARSE`` flag: the prologue (kv_a RMSNorm + latent write + absorbed query) and the
-merge (log-sum-exp over the splits + ``W_UV`` + gate + one rounding) are the dense ones. In the split
-kernel a program takes a contiguous chunk of the K *selection slots* of its row instead of a chunk of
-positions; per tile it loads ``BLOCK_N`` slots of ``topk_indices[b]``, masks the invalid ones, gathers
+the split kernel's ``SPARSE`` flag: the prologue (RoPE of q_pe and k_pe + kv_a RMSNorm + latent write +
+absorbed query) and the merge (log-sum-exp over the splits + ``W_UV`` + gate + one rounding) are the
+dense ones. In the split kernel a program takes a contiguous chunk of the K *selection slots* of its row
+instead of a chunk of positions; per tile it loads ``BLOCK_N`` slots of ``topk_indices[b]``, masks the invalid ones, gathers
 the rows ``block_table[b, idx // block_size] * block_size + idx % block_size`` and runs the same online
 softmax. Every row has K slots whatever its length, so the split count is static and sized to K
 (``choose_sparse_splits``), not to the block-table capacity, and the merge's live split count is K's,
@@ -43,7 +43,8 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Te
                              v_head_dim: int, scale: float | None = None, gate: torch.Tensor | None = None,
                              out: torch.Tensor | None = None, kv_norm_weight: torch.Tensor | None = None,
                              kv_norm_eps: float = 1e-6, num_splits: int | None = None,
-                             fused: bool | None = None) -> torch.Tensor:
+                             fused: bool | None = None, positions: torch.Tensor | None = None,
+                             rope_inv_freq: torch.Tensor | None = None, rope_interleaved: bool = False) -> torch.Tensor:
     """Absorbed MLA decode over the indexer's selection (contract:
     ``ops.attention.sparse_mla.sparse_mla_decode_reference``), one token per sequence.
 
@@ -61,6 +62,8 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Te
     kv_norm_weight : optional [L] in q.dtype (kv_c raw, RMS-normalised inside the prologue); kv_norm_eps;
     num_splits : splits of the K slots per sequence; default ``choose_sparse_splits`` (static). Tests force it.
     fused : as ``mla_decode_triton`` (False: the torch latent write and epilogue around the split kernel).
+    positions, rope_inv_freq, rope_interleaved : the contract's optional RoPE of q's rope part and k_pe
+        (``[B]`` int, ``[R / 2]`` fp32); fused, inside the shared prologue kernel (no extra launch).
 
     Returns
     -------
@@ -80,7 +83,8 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Te
     return launch_mla_decode(q, kv_c, k_pe, kv_cache, slot_mapping, block_table, seq_lens, w_kv_b,
                              qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim, scale=scale, gate=gate,
                              out=out, num_splits=num_splits, fused=fused, kv_norm_weight=kv_norm_weight,
-                             kv_norm_eps=kv_norm_eps, topk_indices=topk_indices, name=NAME, fallback=FALLBACK)
+                             kv_norm_eps=kv_norm_eps, topk_indices=topk_indices, name=NAME, fallback=FALLBACK,
+                             positions=positions, rope_inv_freq=rope_inv_freq, rope_interleaved=rope_interleaved)
 
 
 def _supports(ctx: OpContext) -> Support:

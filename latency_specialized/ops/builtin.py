@@ -20,6 +20,7 @@ OP_MODULES = (
     "latency_specialized.ops.prefetch",
     "latency_specialized.ops.attnres",
     "latency_specialized.ops.attention.kda",
+    "latency_specialized.ops.attention.kda_verify",
     "latency_specialized.ops.attention.mla",
     "latency_specialized.ops.attention.gqa",
     "latency_specialized.ops.attention.qk_norm_rope",

@@ -29,6 +29,8 @@ FAMILIES: dict[str, str] = {
     "mlp": "dense gated MLP (gate/up + activation + down): dense layers and shared experts",
     "prefetch": "warm the L2 with upcoming weights from a side stream",
     "attention.kda": "KDA decode: conv, gated delta-rule state update, read-out, gated norm",
+    "attention.kda_verify": "KDA over 1 + k tokens per request in order (spec-decode verify), per-token rollback tape",
+    "attention.kda_accept": "KDA rollback: live states moved on to the accepted prefix from the verify tape",
     "attention.mla": "MLA decode, absorbed form over a paged latent KV cache",
     "attention.gqa": "GQA decode over a paged KV cache, optional sliding window",
     "attention.qk_norm_rope": "per-head RMSNorm of q and k (weighted or weightless) + RoPE from a fused qkv projection",
@@ -39,6 +41,8 @@ FAMILIES: dict[str, str] = {
     "residual.gated": "residual join: post-sublayer RMSNorm (weightless/weighted/input-scaled), plain or norm-preserving gated add, next RMSNorm",
     "attention.indexer": "DSA indexer: key LayerNorm + RoPE + key-cache write, relu-weighted scores, static-width top-k",
     "attention.sparse_mla": "absorbed MLA decode over an indexer's top-k of a paged latent cache",
+    "attention.sparse_mqa": "sparse MQA decode over a sliding-window ring + selected compressed rows, sinks, output inverse RoPE",
+    "attention.sparse_mqa_compress": "sparse MQA compressor: pending-row write, softmax-gated pool, RMSNorm, RoPE, compressed-cache write",
 }
 
 

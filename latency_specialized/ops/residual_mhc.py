@@ -30,7 +30,8 @@ run and the three coefficients are None.
 This is the "delayed" form vLLM 0.33 serves for its mHC model (``kernels/mhc/torch.py``:
 ``mhc_pre_delayed_torch`` and ``mhc_post_torch``): a sublayer's input is collapsed with the pre-mix
 of the seam before it, and the final hidden state with the last FFN seam's pre-mix (no learned head).
-The reference is a torch composition without host syncs (graph-capturable).
+The reference is a torch composition without host syncs (graph-capturable). On CUDA GPUs
+``residual.mhc.triton`` (``kernels/mhc_triton.py``) runs the whole seam in one launch.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from __future__ import annotations
 import torch
 
 from latency_specialized.errors import UserError
+from latency_specialized.kernels.mhc_triton import IMPLEMENTATIONS as _TRITON
 from latency_specialized.ops.norm import rmsnorm_reference
 from latency_specialized.ops.registry import Implementation, always
 
@@ -136,4 +138,5 @@ IMPLEMENTATIONS = [
     Implementation("residual.mhc", "residual.mhc.reference", mhc_seam_reference, always, priority=-100,
                    is_reference=True, description="torch mHC seam: post, Sinkhorn coefficients, carried-pre collapse, "
                                                   "RMSNorm (fp32, no host sync)"),
+    *_TRITON,   # residual.mhc.triton (kernels/mhc_triton.py): the seam in one launch on CUDA GPUs
 ]

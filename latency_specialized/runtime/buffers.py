@@ -10,6 +10,13 @@ is :meth:`DecodeBuffers.metadata` and :meth:`DecodeBuffers.advance`: plain torch
 tensors with no host reads, meant to be captured inside the step's graph. The host writes these
 buffers only when the batch composition changes (:meth:`DecodeBuffers.load`) or when the KV
 manager appends a block (:meth:`DecodeBuffers.set_block`).
+
+Speculative decoding (``BufferSpec.spec_tokens = k > 0``): a verification step feeds each request
+``1 + k`` tokens - ``tokens[b]`` (the last accepted one, at ``positions[b]``) then ``drafts[b]`` - and
+``accepted[b]``, what the request's previous verification step accepted, which the step applies first
+(``-1``: nothing pending). The program expands these per-request inputs to per-row metadata itself
+(``runtime/step_meta.py``); the host writes the positions of every step (``load``), since only it knows
+how many tokens were accepted.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ class BufferSpec:
     """Tokens per KV-cache block."""
     pad_state: int = 0
     """Recurrent-state row that padded rows read and write (reserve it: no live sequence may use it)."""
+    spec_tokens: int = 0
+    """Draft tokens per request of a verification step (speculative decoding); 0: plain decode steps."""
 
 
 class DecodeBuffers:
@@ -48,6 +57,9 @@ class DecodeBuffers:
     block_tables : int32 ``[max_batch, max_blocks_per_seq]``, KV blocks of each sequence.
     state_indices : int32, recurrent-state row of each sequence (``pad_state`` on padding).
     active : bool, True for live rows.
+    drafts : int64 ``[max_batch, spec_tokens]``, the draft tokens a verification step checks after ``tokens``.
+    accepted : int32, draft tokens the request's previous verification step accepted (vLLM's
+        ``num_accepted_tokens - 1``); -1 where nothing is pending (fresh from prefill, padding).
     """
 
     def __init__(self, spec: BufferSpec, device: torch.device | str = "cpu"):
@@ -64,6 +76,8 @@ class DecodeBuffers:
         self.block_tables = torch.zeros(B, nb, dtype=torch.int32, **kw)
         self.state_indices = torch.full((B,), spec.pad_state, dtype=torch.int32, **kw)
         self.active = torch.zeros(B, dtype=torch.bool, **kw)
+        self.drafts = torch.zeros(B, spec.spec_tokens, dtype=torch.int64, **kw)
+        self.accepted = torch.full((B,), -1, dtype=torch.int32, **kw)
         self.num_active = 0
         """Live rows (host-side; set by :meth:`load`)."""
         self.host_max_position = -1
@@ -76,13 +90,15 @@ class DecodeBuffers:
         return self.spec.max_blocks_per_seq * self.spec.block_size
 
     def capacity_problem(self) -> str | None:
-        """Why the next step cannot run (a live position reaches the block-table capacity), or None.
+        """Why the next step cannot run (a live position - the last draft's, in a verification step - reaches
+        the block-table capacity), or None.
 
         In-graph steps advance the positions themselves; past the capacity ``metadata`` would clamp the
         slot into the last block and the attention would read block-table columns that do not exist,
         so the runner refuses such a step instead (the host must finish or move those sequences)."""
-        if self.host_max_position >= self.capacity:
-            return (f"a sequence reached position {self.host_max_position}, the block-table capacity is "
+        last = self.host_max_position + self.spec.spec_tokens
+        if self.host_max_position >= 0 and last >= self.capacity:
+            return (f"a sequence reached position {last}, the block-table capacity is "
                     f"{self.capacity} tokens ({self.spec.max_blocks_per_seq} blocks of {self.spec.block_size}): "
                     "finish it or load() the batch into larger buffers (raise max_blocks_per_seq)")
         return None
@@ -97,11 +113,13 @@ class DecodeBuffers:
         """Every static buffer by name (for snapshots around graph warm-up)."""
         return {"tokens": self.tokens, "positions": self.positions, "seq_lens": self.seq_lens,
                 "slot_mapping": self.slot_mapping, "block_tables": self.block_tables,
-                "state_indices": self.state_indices, "active": self.active}
+                "state_indices": self.state_indices, "active": self.active, "drafts": self.drafts,
+                "accepted": self.accepted}
 
     def load(self, tokens: Sequence[int] | torch.Tensor, positions: Sequence[int] | torch.Tensor,
              state_indices: Sequence[int] | torch.Tensor, block_tables: torch.Tensor | None = None) -> None:
-        """Host write when the batch composition changes: rows ``[:n]`` live, the rest padding.
+        """Host write when the batch composition changes: rows ``[:n]`` live, the rest padding. Nothing is
+        pending afterwards (``accepted`` -1 everywhere): :meth:`set_accepted` for requests that carry on.
 
         Parameters
         ----------
@@ -124,8 +142,8 @@ class DecodeBuffers:
         if n and int(p.min()) < 0:
             raise UserError("load: positions must be >= 0")
         cap = self.spec.max_blocks_per_seq * self.spec.block_size
-        if n and int(p.max()) >= cap:
-            raise UserError(f"load: position {int(p.max())} beyond the block-table capacity {cap}; "
+        if n and int(p.max()) + self.spec.spec_tokens >= cap:  # a verification step's last draft included
+            raise UserError(f"load: position {int(p.max()) + self.spec.spec_tokens} beyond the block-table capacity {cap}; "
                             "raise max_blocks_per_seq")
         B = self.spec.max_batch
         pad = B - n
@@ -133,6 +151,7 @@ class DecodeBuffers:
         self.positions.copy_(torch.cat([p, p.new_zeros(pad)]))
         self.state_indices.copy_(torch.cat([s, s.new_full((pad,), self.spec.pad_state)]))
         self.active.copy_(torch.arange(B) < n)
+        self.accepted.fill_(-1)
         bt = torch.zeros(B, self.spec.max_blocks_per_seq, dtype=torch.int32)
         if block_tables is not None:
             bt_in = torch.as_tensor(block_tables, dtype=torch.int32)
@@ -158,6 +177,21 @@ class DecodeBuffers:
         if n != self.num_active:
             raise UserError(f"set_tokens: got {n} tokens for {self.num_active} live sequences")
         self.tokens[:n].copy_(tokens.reshape(-1), non_blocking=True)
+
+    def set_drafts(self, drafts: torch.Tensor) -> None:
+        """Copy the draft tokens of the next verification step (``[num_active, spec_tokens]``; no sync)."""
+        if tuple(drafts.shape) != (self.num_active, self.spec.spec_tokens):
+            raise UserError(f"set_drafts: got {list(drafts.shape)}, the buffers take [{self.num_active}, "
+                            f"{self.spec.spec_tokens}] (live sequences, BufferSpec.spec_tokens)")
+        self.drafts[:self.num_active].copy_(drafts, non_blocking=True)
+
+    def set_accepted(self, accepted: torch.Tensor | Sequence[int]) -> None:
+        """Copy what each live request's previous verification step accepted (``[num_active]``, -1 ..
+        spec_tokens; no sync for a device tensor). Padding rows keep -1."""
+        a = torch.as_tensor(accepted, dtype=torch.int32).reshape(-1)
+        if a.numel() != self.num_active:
+            raise UserError(f"set_accepted: got {a.numel()} values for {self.num_active} live sequences")
+        self.accepted[:self.num_active].copy_(a, non_blocking=True)
 
     # ------------------------------------------------------------------ device side (inside the graph)
     def metadata(self, rows: int) -> None:

@@ -22,6 +22,14 @@ write no KV slot and use state row 0)::
     TP > 1: all-gather of the vocabulary slices (communication site 'lm_head.all_gather')
     -> static ``logits`` (fp32, NaN before the first step) and ``next_tokens`` (greedy argmax)
 
+A verification step (speculative decoding: plans with ``tokens = bucket * (1 + k)``, ``k > 0``) runs
+the same body over ``M = bucket * (1 + k)`` request-major rows, ``StepContext.spec_tokens = k``, with the
+per-row meta of ``runtime/step_meta.py`` (each row a request of its own for paged attention; state rows
+and ``accepted`` per request); the outputs are then request-major views ``[max_batch, 1 + k, ...]``. One
+program serves one ``k`` (all its plans). A piece that keeps per-sequence recurrent states ('rows'
+states) must verify itself (``spec_tokens >= k``: its own verification sites, e.g. KDA's tapes);
+otherwise the program refuses naming it (:func:`verification_problems`).
+
 A model without a head (``head=None``: the LM head is the host framework's, e.g. vLLM's
 ``compute_logits`` after its forward) stops after ``residual.finish``: its only output is the static
 ``hidden`` ``[max_batch, H]`` (activation dtype), the final hidden state - what vLLM's forward returns.
@@ -55,6 +63,7 @@ from latency_specialized.runtime.communicators import SiteCommunicators
 from latency_specialized.runtime.op_table import OpTable
 from latency_specialized.runtime.pieces_api import LayerPieces, Piece, ResidualPiece, StateDecl, StepContext, WeightDecl
 from latency_specialized.runtime.states import ModelStates, check_states
+from latency_specialized.runtime.step_meta import VerifyRows
 from latency_specialized.spec import ModelSpec, ParallelSpec
 from latency_specialized.trace import Trace
 
@@ -360,9 +369,10 @@ class ComposedProgram:
             if plan.model != spec.name or plan.parallel.tp != tp or plan.bucket != bucket:
                 raise UserError(f"plan {plan.model} TP={plan.parallel.tp} bucket {plan.bucket} does not fit "
                                 f"{spec.name} at TP={tp}, bucket {bucket}: build one plan per bucket for this model")
-            if plan.tokens != bucket:
-                raise UserError(f"plan of bucket {bucket} has {plan.tokens} tokens per step: speculative tokens are "
-                                "not supported by the composed program yet (use spec_tokens=0)")
+            k = spec_tokens_of(plan)
+            if k != spec_tokens_of(next(iter(plans.values()))):
+                raise UserError(f"plans for {sorted({spec_tokens_of(p) for p in plans.values()})} speculative tokens "
+                                "per step: one program serves one k (build one program per k)")
             want = [s.name for s in model.op_sites(spec, ParallelSpec(tp=tp), plan.tokens, plan.hardware.arch,
                                                    plan.dtype)]
             have = {c.site.name for c in plan.choices}
@@ -370,6 +380,11 @@ class ComposedProgram:
             if missing:
                 raise UserError(f"the plan of bucket {bucket} lacks the sites {missing[:6]} the pieces call: build it "
                                 "with an adapter whose op_sites is this model's (ComposedModel.op_sites)")
+        self.spec_tokens = k = spec_tokens_of(next(iter(plans.values())))
+        """k: draft tokens per request of this program's steps (0: plain decode steps)."""
+        problems = verification_problems(model, k, tp)
+        if problems:
+            raise UserError(f"{spec.name}: no verification steps with {k} speculative tokens: " + "; ".join(problems))
         self.model, self.spec = model, spec
         self.tp, self.rank = tp, (comm.rank if comm is not None else 0)
         self.rank_spec = spec.shard(tp) if tp > 1 else spec
@@ -419,18 +434,23 @@ class ComposedProgram:
         self.census: Any = None
         """Set by ``KernelCensus.instrument`` (it counts through ``op_table.wrap``)."""
         self.max_batch = max(self.plans)
+        self.max_rows = max(p.tokens for p in self.plans.values())
+        """Rows of the largest step (``max_batch * (1 + spec_tokens)``): what scratch and outputs hold."""
 
         self.scratch = self._buffers()
         self.logits: torch.Tensor | None = None
         self.next_tokens: torch.Tensor | None = None
         self.hidden: torch.Tensor | None = None
-        """The final hidden state ``[max_batch, H]`` of a model without a head (else None)."""
+        """The final hidden state ``[max_rows, H]`` of a model without a head (else None)."""
         if model.head is not None:
-            self.logits = torch.full((self.max_batch, spec.vocab_size), float("nan"), dtype=torch.float32,
+            self.logits = torch.full((self.max_rows, spec.vocab_size), float("nan"), dtype=torch.float32,
                                      device=self.device)
-            self.next_tokens = torch.zeros(self.max_batch, dtype=torch.int64, device=self.device)
+            self.next_tokens = torch.zeros(self.max_rows, dtype=torch.int64, device=self.device)
         else:
-            self.hidden = torch.zeros(self.max_batch, spec.hidden_size, dtype=self.dtype, device=self.device)
+            self.hidden = torch.zeros(self.max_rows, spec.hidden_size, dtype=self.dtype, device=self.device)
+        self._verify_rows: VerifyRows | None = None
+        """The per-row meta buffers of verification steps (made on the first step: they need the buffers'
+        block-table width)."""
         self.streams: dict[str, Any] = {}
         """Side streams for the pieces (``StepContext.streams``), created before any capture."""
         if self.device.type == "cuda":
@@ -489,7 +509,7 @@ class ComposedProgram:
             make = getattr(piece, "buffers", None)
             if make is None:
                 continue
-            for name, t in make(self.spec, self.max_batch, self.dtype, self.device).items():
+            for name, t in make(self.spec, self.max_rows, self.dtype, self.device).items():
                 old = out.get(name)
                 if old is not None and (old.shape != t.shape or old.dtype != t.dtype):
                     raise UserError(f"two pieces ask for the scratch buffer {name!r} with different shapes "
@@ -506,9 +526,14 @@ class ComposedProgram:
         return self.states.tensors()
 
     def outputs(self) -> Mapping[str, torch.Tensor]:
-        if self.hidden is not None:
-            return {"hidden": self.hidden}
-        return {"logits": self.logits, "next_tokens": self.next_tokens}
+        """'logits' ``[rows, vocab]`` and 'next_tokens' ``[rows]`` (or 'hidden' ``[rows, H]``); in a
+        verification program request-major views ``[max_batch, 1 + k, ...]``, so ``[:n]`` are n requests."""
+        out = {"hidden": self.hidden} if self.hidden is not None else {"logits": self.logits,
+                                                                        "next_tokens": self.next_tokens}
+        if self.spec_tokens:
+            T = 1 + self.spec_tokens
+            out = {n: t.view(self.max_batch, T, *t.shape[1:]) for n, t in out.items()}
+        return out
 
     def close(self) -> None:
         """Release the communication workspaces this program built (collective: every rank calls it)."""
@@ -516,15 +541,20 @@ class ComposedProgram:
 
     @torch.no_grad()
     def step(self, buffers: Any, bucket: int) -> None:
-        """One decode step over rows ``[:bucket]`` of ``buffers`` (a DecodeBuffers)."""
+        """One decode step over rows ``[:bucket]`` of ``buffers`` (a DecodeBuffers); a verification step
+        (``spec_tokens > 0``) over the ``bucket * (1 + k)`` rows of requests ``[:bucket]``."""
         ops = self.op_table[bucket]
-        b, model = bucket, self.model
-        meta = {"tokens": buffers.tokens[:b], "positions": buffers.positions[:b], "slots": buffers.slot_mapping[:b],
-                "seq_lens": buffers.seq_lens[:b], "block_table": buffers.block_tables[:b],
-                "rows": buffers.state_indices[:b]}
+        model, k = self.model, self.spec_tokens
+        if k:
+            meta = self._verify_meta(buffers, bucket)
+        else:
+            meta = {"tokens": buffers.tokens[:bucket], "positions": buffers.positions[:bucket],
+                    "slots": buffers.slot_mapping[:bucket], "seq_lens": buffers.seq_lens[:bucket],
+                    "block_table": buffers.block_tables[:bucket], "rows": buffers.state_indices[:bucket]}
+        b = bucket * (1 + k)
         step = StepContext(ops=ops, meta=meta, rows=b, comm=self._step_comm, tp=self.tp, rank=self.rank,
                            spec=self.spec, rank_spec=self.rank_spec, scratch=self.scratch,
-                           site_comm=self._site_comm[b], streams=self.streams)
+                           site_comm=self._site_comm[bucket], streams=self.streams, spec_tokens=k)
         residual = model.residual
         x = model.embedding.forward(step, self.w_embed, {}, meta["tokens"])
         rs = residual.start(step, x)
@@ -547,6 +577,45 @@ class ComposedProgram:
         self.next_tokens[:b].copy_(logits.argmax(-1))
         self.steps_run += 1
 
+    def _verify_meta(self, buffers: Any, bucket: int) -> dict[str, torch.Tensor]:
+        if self._verify_rows is None:
+            self._verify_rows = VerifyRows(self.max_batch, self.spec_tokens, buffers.block_tables.shape[1],
+                                           self.device)
+        return self._verify_rows.fill(buffers, bucket)
+
+
+def spec_tokens_of(plan: Plan) -> int:
+    """k of a plan: its ``tokens`` are ``bucket * (1 + k)`` (UserError for anything else)."""
+    if plan.tokens < plan.bucket or plan.tokens % plan.bucket:
+        raise UserError(f"plan of bucket {plan.bucket} has {plan.tokens} tokens per step, not bucket x (1 + k): "
+                        "build it with build_plan(spec_tokens=k)")
+    return plan.tokens // plan.bucket - 1
+
+
+def verification_problems(model: ComposedModel, k: int, tp: int = 1) -> list[str]:
+    """Why ``model`` cannot run verification steps of ``k`` draft tokens (empty: it can; k = 0: always).
+
+    The program treats every row of a verification step as a request of its own (``runtime/step_meta.py``),
+    which is exact for pieces without per-sequence states (projections, FFNs, residuals) and for paged
+    attention (the ops write all rows' KV before any row attends). A piece with 'rows' states (a
+    recurrence per sequence) must run its request's 1 + k tokens in order and roll back the rejected
+    ones itself: it says so with ``spec_tokens >= k`` (KDA's verification sites and tapes)."""
+    if k <= 0:
+        return []
+    out = []
+    for kind, layers in model.kinds.items():
+        for piece in (layers[0].attention, layers[0].ffn):
+            rows = [d.name for d in piece.states(model.spec, tp) if d.kind == "rows"]
+            have = getattr(piece, "spec_tokens", None)
+            if not rows or (have or 0) >= k:
+                continue
+            name = type(piece).__name__
+            fix = (f"build it with spec_tokens >= {k} (the adapter's spec for {k} speculative tokens)"
+                   if have is not None else "it has no verification path yet (speculative steps run stock)")
+            out.append(f"layers of kind {kind!r}: the {name} piece keeps per-sequence states {rows} and verifies "
+                       f"{have or 0} speculative tokens: {fix}")
+    return out
+
 
 def _where(key: WeightKey) -> str:
     layer, role, local = key
@@ -554,4 +623,5 @@ def _where(key: WeightKey) -> str:
 
 
 __all__ = ["ComposedModel", "ComposedProgram", "LayerPieces", "MODEL", "shard_weight", "rank_shape",
+           "spec_tokens_of", "verification_problems",
            "weights_from_names", "named_weights", "expected_tensors", "is_expert_stacked"]

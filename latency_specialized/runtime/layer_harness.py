@@ -29,7 +29,8 @@ from latency_specialized.runtime.buffers import BufferSpec, DecodeBuffers
 from latency_specialized.runtime.census import KernelCensus
 from latency_specialized.runtime.composed import ComposedProgram
 from latency_specialized.runtime.graph_runner import CUDAGraphRunner
-from latency_specialized.runtime.harness import OutputRecorder, SpecBoundAdapter, exclude_communication, make_runner
+from latency_specialized.runtime.harness import (LOCAL_ALLREDUCE, OutputRecorder, SpecBoundAdapter,
+                                                exclude_communication, make_runner)
 from latency_specialized.runtime.random_weights import random_rank_weights
 from latency_specialized.runtime.states import ModelStates
 from latency_specialized.trace import Trace
@@ -187,21 +188,27 @@ class OursBench:
             shared = _shared_gemm_note(p, bucket)
             if shared is not None:
                 self.notes.append(shared)
+        sites = {c.site.name.split("/")[-1] for p in plans.values() for c in p.choices}
+        latent = any("latent" in s for s in sites)       # the latent MoE's split down-projection (Kimi K3, Muse)
+        gathers = sorted(s for s in sites if "all_gather" in s)
         if excluded:
             self.notes.append(
                 f"Ours runs the TP{tp} program of rank 0 with communication excluded: its {excluded} all-reduce "
-                "sites run the one-rank fused residual(+RMSNorm) kernel (allreduce.cutedsl_local) and its "
-                "all-gathers (router logits + latent input, LM head) copy the rank's slice into a static "
-                "buffer whose other slices hold random stand-ins. Router and latent down-projection are "
-                "split across ranks in ours (1/TP of the weights per rank, + one all-gather), replicated in "
-                "stock (no gather).")
+                f"sites run the one-rank implementation ({LOCAL_ALLREDUCE}: the fused residual(+RMSNorm) kernel "
+                "where the site has them)"
+                + (f", and its all-gathers ({', '.join(gathers)}) copy the rank's slice into a static buffer whose "
+                   "other slices hold random stand-ins" if gathers else "") + "."
+                + (" Router and latent down-projection are split across ranks in ours (1/TP of the weights per "
+                   "rank, + one all-gather), replicated in stock (no gather)." if latent else ""))
+        overlap = "router, latent down-projection and routed experts" if latent else "router and routed experts"
         if "side" in program.streams:
-            self.notes.append("Shared experts run on a side stream (a parallel branch of the graph), "
-                              "overlapping router, latent down-projection and routed experts.")
+            self.notes.append(f"Shared experts run on a side stream (a parallel branch of the graph), overlapping "
+                              f"{overlap}.")
         if "router" in program.streams:
             self.notes.append("From batch 2 the router GEMM runs on a second side stream beside the "
-                              "latent down-projection (both read only the normed hidden state); joined "
-                              "before the all-gather and the router."
+                              + ("latent down-projection (both read only the normed hidden state); joined "
+                                 "before the all-gather and the router." if latent else
+                                 "rest of the FFN's input work; joined before the router.")
                               + (" KDA layers: the f_b_proj gemm (decay input) runs inside the KDA kernel."
                                  if kind == "kda" else ""))
 

@@ -76,6 +76,11 @@ class StepContext:
     ``ops`` maps site names to bound ops; a piece calls ``step.op(role)`` which adds the layer kind
     prefix. ``meta`` holds the step's static inputs sliced to ``[:M]``: 'tokens', 'positions',
     'slots', 'seq_lens', 'block_table', 'rows' (state rows).
+
+    A verification step (``spec_tokens = k > 0``, speculative decoding) has ``M = B * (1 + k)`` rows,
+    request-major; its per-row meta makes every row a request of its own for paged attention
+    (``runtime/step_meta.py``), while 'rows' (state rows) and 'accepted' (int32: draft tokens the
+    request's previous verification step accepted, -1 where nothing is pending) are per request, ``[B]``.
     """
 
     ops: "BoundOps"
@@ -99,6 +104,8 @@ class StepContext:
     site_comm: Callable[[str], Any] | None = None
     """Communicator of a communication site by full site name (the program's ``SiteCommunicators`` at
     this bucket: a symmetric-memory workspace where the plan picked a fused kernel); None: ``comm``."""
+    spec_tokens: int = 0
+    """k: draft tokens per request of this step (0: a plain decode step, one row per request)."""
     streams: dict[str, Any] = field(default_factory=dict)
     """Side streams the program created before capture (``runtime.side_stream.SideStream``), by name:
     'side' on CUDA devices where a plan site asks for one (attr ``side_stream``); empty on the CPU."""

@@ -223,6 +223,26 @@ class ModelStates:
         return ModelStates({i: {n: t.clone() for n, t in by.items()} for i, by in self.by_layer.items()}, self.decls,
                            block_size=self.block_size, slots=self.slots, allocator=None, tp=self.tp)
 
+    def extended(self, model: "ModelWithStates", dtype: torch.dtype) -> "ModelStates":
+        """These states plus zero tensors for the 'rows' states ``model`` declares and they lack (the rollback
+        tapes of a model built for verification steps, over states its plain model prefilled); the tensors
+        they have are shared, not copied. ``dtype``: the activation dtype. A missing paged state: UserError."""
+        decls = flat_state_decls(model, self.tp)
+        per_row = [self.by_layer[i][n] for i, by in self.decls.items() for n, d in by.items() if d.kind == "rows"]
+        num_rows = per_row[0].shape[0] if per_row else None
+        out = {i: dict(by) for i, by in self.by_layer.items()}
+        for layer, by_name in decls.items():
+            for name, d in by_name.items():
+                if name in out.get(layer, {}):
+                    continue
+                if d.kind != "rows" or num_rows is None:
+                    raise UserError(f"layer {layer}: the states lack {name!r} ({d.kind}): only per-row states can be "
+                                    "added; allocate the states from the model (ModelStates.allocate)")
+                out.setdefault(layer, {})[name] = torch.zeros(num_rows, *d.shape, dtype=state_dtype(d, dtype),
+                                                              device=self.device)
+        return ModelStates(out, decls, block_size=self.block_size, slots=self.slots, allocator=self.allocator,
+                           tp=self.tp)
+
     def copy_sequence(self, dst: SeqSlot, src: "ModelStates", src_slot: SeqSlot, tokens: int) -> None:
         """Copy one sequence's state from ``src`` (same model and TP): its 'rows' states row by row and the
         paged blocks holding its first ``tokens`` tokens (a batch of many sequences from a few prefilled ones)."""

@@ -64,14 +64,17 @@ def router_names(adapter: Any, spec: Any) -> list[str]:
 
 
 def setup(adapter: Any, batch: int, steps: int, *, variant: str = "medium", device: str, seed: int, prompt: int,
-          router_scale: float, fp32: bool = False):
+          router_scale: float, fp32: bool = False, weights: dict[str, torch.Tensor] | None = None):
     """(spec, weights, reference, prefilled states, lengths, token stream) of one check (same draws for bf16
-    and fp32)."""
+    and fp32). ``weights``: the bf16 weights an earlier ``setup`` of the same seed and ``router_scale`` returned
+    (the same tensors again, without drawing them: random weights of a medium model take seconds to draw)."""
     spec = adapter.spec(variant)
-    w = adapter.reference(spec, seed=seed, dtype="bfloat16", device=device, tokenizer=False).w
-    if router_scale != 1.0:
-        for name in router_names(adapter, spec):
-            w[name] = w[name] * router_scale
+    w = weights
+    if w is None:
+        w = adapter.reference(spec, seed=seed, dtype="bfloat16", device=device, tokenizer=False).w
+        if router_scale != 1.0:
+            for name in router_names(adapter, spec):
+                w[name] = w[name] * router_scale
     ref = adapter.reference(spec, weights={k: v.float() for k, v in w.items()} if fp32 else w, tokenizer=False)
     g = torch.Generator().manual_seed(seed + batch)
     lens = [prompt - (b % 4) for b in range(batch)]
@@ -109,7 +112,7 @@ def teacher_forced(adapter: Any, batch: int, steps: int, *, variant: str = "medi
     spec, w, ref, states, lens, stream = setup(adapter, batch, steps, **kw)
     ref32 = states32 = None
     if fp32_floor:
-        _, _, ref32, states32, _, _ = setup(adapter, batch, steps, **kw, fp32=True)
+        _, _, ref32, states32, _, _ = setup(adapter, batch, steps, **kw, fp32=True, weights=w)
     reg = get_registry()
     hw = hardware.probe() if device == "cuda" else hardware.for_arch("cpu")
     plan = build_plan(SpecBoundAdapter(adapter, spec), reg.implementations, hw, tp=1, batch=batch, dtype="bfloat16")

@@ -31,6 +31,10 @@ CONTEXTS: tuple[int, ...] = (8, 40)
 QUANTIZED_BATCHES: tuple[int, ...] = (1, 8)
 QUANTIZED_TPS: tuple[int, ...] = (1, 2)
 """Batches and TPs of the quantized-experts cells (the gemv and grouped sides of the 4-bit kernels' split)."""
+SPEC_SAMPLE: tuple[tuple[int, int], ...] = ((1, 1), (1, 4), (2, 2))
+"""(TP, batch) of the speculative cells (each k > 0 of the adapter's scope, both contexts, every device): a
+sample - a verification cell runs 1 + k reference steps per step, and the plain cells cover the batches and
+TPs of the same program."""
 CELL_DTYPE = "float32"
 """Activation dtype program cells are verified in (the tiny models run fp32; fp32 tolerances)."""
 
@@ -94,7 +98,7 @@ def _splits(adapter: Any, fmt: str, tp: int) -> bool:
 def cells_for(adapter: Any, *, devices: tuple[str, ...] = ("cpu", "cuda")) -> list[Cell]:
     """Every matrix cell of an adapter, limited to the TPs its tiny spec can be split by."""
     scope = adapter.scope()
-    spec_options = sorted({0, max(scope.spec_tokens)})
+    spec_options = sorted(k for k in scope.spec_tokens if k > 0)
     cells = []
     for device in devices:
         for tp in TPS:
@@ -108,8 +112,9 @@ def cells_for(adapter: Any, *, devices: tuple[str, ...] = ("cpu", "cuda")) -> li
                 if batch > scope.max_batch:
                     continue
                 for ctx in CONTEXTS:
-                    for s in spec_options:
-                        cells.append(Cell(adapter.name, batch, tp, ctx, s, device))
+                    cells.append(Cell(adapter.name, batch, tp, ctx, 0, device))
+                    if (tp, batch) in SPEC_SAMPLE:
+                        cells.extend(Cell(adapter.name, batch, tp, ctx, k, device) for k in spec_options)
                 # quantized experts (adapters that keep them as stored): a sample of the axis, TP splits of the
                 # codes and scales included - the long tail of batches and contexts is the bf16 cells'
                 for fmt in getattr(adapter, "expert_formats", ()):
@@ -152,9 +157,27 @@ def cell_hardware(cell: Cell) -> Any:
     return hardware.probe() if cell.device == "cuda" else hardware.for_arch("cpu")
 
 
+def cell_spec(adapter: Any, cell: Cell) -> Any:
+    """The tiny spec a program cell runs: its experts kept in the cell's format, and built for the cell's
+    speculative tokens (``spec.with_spec_tokens(k)``: e.g. KDA's rollback tapes; UserError where the
+    adapter's spec has no such form)."""
+    from latency_specialized.errors import UserError
+
+    spec = adapter.spec("tiny")
+    if cell.experts is not None:
+        spec = spec.with_expert_format(cell.experts)
+    if cell.spec_tokens:
+        if not callable(getattr(spec, "with_spec_tokens", None)):
+            raise UserError(f"{cell.id}: {adapter.name}'s scope lists {cell.spec_tokens} speculative tokens but its "
+                            "spec has no with_spec_tokens(k) to build the model for them")
+        spec = spec.with_spec_tokens(cell.spec_tokens)
+    return spec
+
+
 def cell_plan(adapter: Any, registry: Any, cell: Cell) -> Any:
-    """The plan a program cell verifies: the tiny variant in ``CELL_DTYPE`` on the cell's hardware, at its
-    TP, batch and speculative tokens, for the deployment's default communicator (``build_plan``)."""
+    """The plan a program cell verifies: the tiny variant (:func:`cell_spec`) in ``CELL_DTYPE`` on the cell's
+    hardware, at its TP, batch and speculative tokens, for the deployment's default communicator
+    (``build_plan``)."""
     from latency_specialized.ops.plan import build_plan
 
     from latency_specialized.adapter_contract import SpecBoundAdapter
@@ -162,8 +185,8 @@ def cell_plan(adapter: Any, registry: Any, cell: Cell) -> Any:
     kw = plan_kwargs(cell)
     if not plan_takes_context():
         kw.pop("context", None)
-    if cell.experts is not None:  # the tiny spec with its experts kept quantized
-        adapter = SpecBoundAdapter(adapter, adapter.spec("tiny").with_expert_format(cell.experts))
+    if cell.experts is not None or cell.spec_tokens:  # a spec the adapter does not list as a variant
+        adapter = SpecBoundAdapter(adapter, cell_spec(adapter, cell))
     return build_plan(adapter, registry, cell_hardware(cell), dtype=CELL_DTYPE, variant="tiny", **kw)
 
 

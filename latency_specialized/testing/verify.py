@@ -8,6 +8,13 @@ program (``adapter.program`` over this rank's shard of those states, ``runtime.s
 through the runtime runner; TP ranks all-reduce over ``comm``) and the reference (whole model; each
 rank checks every TP-th sequence), both fed the program's greedy tokens.
 
+A cell with ``k > 0`` speculative tokens runs ``STEPS`` verification steps instead: every request feeds
+its token and ``k`` random drafts, the reference decodes them one by one; request ``b`` then accepts
+``j = (b + step) % (k + 1)`` drafts (0 and k among them), the reference rolls back to its state after that
+prefix (a copy of the snapshot after token ``j``), and the next step starts from the program's greedy
+token after the prefix at position ``p + j + 1``, applying the accept first. The program runs on a spec
+built for ``k`` (``testing.matrix.cell_spec``) over the prefilled states plus zero tapes.
+
 What the adapter provides: ``spec('tiny')``, ``reference(spec, seed=, dtype=, device=, tokenizer=)``
 (``new_cache(num_seqs, max_len, block_size=, shuffle_seed=)`` -> ``ModelStates``, ``prefill``,
 ``decode``), ``composed_model(spec)`` and ``program(spec, plans=, cache=, reference=, trace=, comm=)``.
@@ -75,11 +82,9 @@ def _verify(adapter: Any, cell: Any, comm: Any, rel_tol: float) -> Any:
     from latency_specialized.runtime.gate import DecodeGate, StepState
     from latency_specialized.runtime.graph_runner import CUDAGraphRunner
     from latency_specialized.runtime.states import shard_states
-    from latency_specialized.testing.matrix import CellResult, cell_plan
+    from latency_specialized.testing.matrix import CellResult, cell_plan, cell_spec
     from latency_specialized.trace import Trace
 
-    if cell.spec_tokens:
-        raise UserError(f"{cell.id}: the {adapter.name} program does not verify speculative tokens yet (spec_tokens=0)")
     world = comm.world_size if comm is not None else 1
     if world != cell.tp:
         raise UserError(f"{cell.id}: needs {cell.tp} ranks, got a communicator of {world}")
@@ -90,19 +95,26 @@ def _verify(adapter: Any, cell: Any, comm: Any, rel_tol: float) -> Any:
         raise UserError(f"{cell.id}: {adapter.name} cannot keep its routed experts as {experts}")
     ref, proto, lens = prototypes(adapter, cell.context, device, experts=experts)
     spec = ref.spec
-    B = cell.batch
-    states = batch_states(ref, proto, lens, B, cell.context + STEPS, seed=B)
+    B, k = cell.batch, cell.spec_tokens
+    states = batch_states(ref, proto, lens, B, cell.context + STEPS * (1 + k), seed=B)
     positions = [lens[b % PROTOTYPES] for b in range(B)]
     plan = cell_plan(adapter, get_registry().implementations, cell)
     trace = Trace()
     rank_states = shard_states(adapter.composed_model(spec), states, rank, cell.tp)
-    program = adapter.program(spec, plans=plan, cache=rank_states, reference=ref, trace=trace, comm=comm)
+    if k:  # the spec built for k: its extra per-row states (rollback tapes) start at zero
+        spec_k = cell_spec(adapter, cell)
+        rank_states = rank_states.extended(adapter.composed_model(spec_k), torch.float32)
+    program = adapter.program(spec_k if k else spec, plans=plan, cache=rank_states, reference=ref, trace=trace,
+                              comm=comm)
     buffers = DecodeBuffers(BufferSpec(max_batch=plan.bucket, max_blocks_per_seq=len(states.slots[0].blocks),
-                                       block_size=states.block_size, pad_state=0), device)
+                                       block_size=states.block_size, pad_state=0, spec_tokens=k), device)
     toks = torch.randint(3, spec.vocab_size, (B,), generator=torch.Generator().manual_seed(B)).to(device)
     buffers.load(toks, positions, [s.row for s in states.slots], states.block_table(device="cpu"))
     runner = CUDAGraphRunner(program, buffers, trace=trace, use_graphs=False, feed_back_tokens=False,
-                             gate=DecodeGate(max_batch=plan.bucket, buckets=(plan.bucket,)))
+                             gate=DecodeGate(max_batch=plan.bucket, buckets=(plan.bucket,), spec_tokens=(k,)))
+    if k:
+        return _verify_spec(cell, ref, states, positions, toks, buffers, runner, program, plan, trace, comm,
+                            rel_tol)
     # The reference work is split over the ranks (rank r checks sequences r, r + TP, ...); the
     # statistics are then combined, so every rank reports the whole batch.
     mine = [b for b in range(B) if b % world == rank]
@@ -124,6 +136,59 @@ def _verify(adapter: Any, cell: Any, comm: Any, rel_tol: float) -> Any:
     program.close()  # the symmetric-memory workspaces it built (collective; the pool's ranks serve many cells)
     s = trace.summary()
     return CellResult(max_abs_err=err, tolerance=rel_tol * scale, top1_agreement=agree / (STEPS * B),
+                      fast_steps=s["fast_steps"], stock_steps=s["stock_steps"], steps=STEPS,
+                      impls={c.site.name: c.impl.name for c in plan.choices if c.impl is not None},
+                      logits_digest=digest)
+
+
+def _verify_spec(cell: Any, ref: Any, states: Any, positions: list[int], toks: torch.Tensor, buffers: Any,
+                 runner: Any, program: Any, plan: Any, trace: Any, comm: Any, rel_tol: float) -> Any:
+    """``STEPS`` verification steps of ``cell.spec_tokens`` drafts (the module docstring)."""
+    from latency_specialized.runtime.gate import StepState
+    from latency_specialized.testing.matrix import CellResult
+
+    B, k = cell.batch, cell.spec_tokens
+    T = 1 + k
+    world = comm.world_size if comm is not None else 1
+    rank = comm.rank if comm is not None else 0
+    mine = [b for b in range(B) if b % world == rank]
+    rows = [s.row for s in states.slots]
+    g = torch.Generator().manual_seed(B + 7 * k)
+    err, scale, agree, digest = 0.0, 0.0, 0, 0.0
+    accepted: list[int] | None = None
+    for step in range(STEPS):
+        drafts = torch.randint(3, ref.spec.vocab_size, (B, k), generator=g).to(toks.device)
+        buffers.load(toks, positions, rows, states.block_table(device="cpu"))
+        buffers.set_drafts(drafts)
+        if accepted is not None:
+            buffers.set_accepted(accepted)
+        got = runner.run(StepState(num_seqs=B, spec_tokens=k)).outputs["logits"]     # [B, T, vocab]
+        accepted = [(b + step) % T for b in range(B)]
+        if mine:
+            seq = torch.cat([toks.view(B, 1), drafts], 1)
+            slots = [states.slots[b] for b in mine]
+            snaps, want = [], []
+            for t in range(T):
+                want.append(ref.decode(states, slots, [positions[b] + t for b in mine], seq[mine, t]))
+                snaps.append(states.clone())
+            want_t = torch.stack(want, 1)
+            err = max(err, (got[mine].double() - want_t.double()).abs().max().item())
+            scale = max(scale, want_t.abs().max().item())
+            agree += int((got[mine].argmax(-1) == want_t.argmax(-1)).sum())
+            for b in mine:  # the reference back at the accepted prefix (later KV slots are not read again)
+                states.copy_sequence(states.slots[b], snaps[accepted[b]], states.slots[b],
+                                     positions[b] + accepted[b] + 1)
+        digest += float(got.double().sum())
+        # the program's greedy token after each accepted prefix (identical on every rank) feeds the next step
+        toks = got[torch.arange(B), torch.tensor(accepted)].argmax(-1)
+        positions = [p + j + 1 for p, j in zip(positions, accepted)]
+    if world > 1:
+        stats = comm.all_gather(torch.tensor([[err, scale]], dtype=torch.float64), dim=0)
+        err, scale = stats[:, 0].max().item(), stats[:, 1].max().item()
+        agree = int(comm.all_reduce(torch.tensor([float(agree)], dtype=torch.float64)).item())
+    program.close()
+    s = trace.summary()
+    return CellResult(max_abs_err=err, tolerance=rel_tol * scale, top1_agreement=agree / (STEPS * B * T),
                       fast_steps=s["fast_steps"], stock_steps=s["stock_steps"], steps=STEPS,
                       impls={c.site.name: c.impl.name for c in plan.choices if c.impl is not None},
                       logits_digest=digest)

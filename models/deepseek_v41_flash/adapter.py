@@ -16,7 +16,7 @@ from latency_specialized_models.deepseek_v41_flash import names
 from latency_specialized_models.deepseek_v41_flash.composed import composed_model, layer_kind, tensor_name
 from latency_specialized_models.deepseek_v41_flash.reference import refuse_unmodelled
 from latency_specialized_models.deepseek_v41_flash.config import config_from_spec, spec_from_config
-from latency_specialized_models.deepseek_v41_flash.spec import NAME, DeepseekV41Spec, full_spec, tiny_spec
+from latency_specialized_models.deepseek_v41_flash.spec import NAME, DeepseekV41Spec, full_spec, medium_spec, tiny_spec
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 BENCH = {"c2_idx": ("c2.src.idx", "ratio-2 KV source running its own indexer"), "c1_reuse": (
@@ -30,9 +30,10 @@ class DeepseekV41FlashAdapter(ComposedAdapter):
                                   "MoE 384x top-6, mHC x4, Engram")
     hf_architectures: ClassVar[tuple[str, ...]] = ("DeepseekV41ForCausalLM",)
     capabilities: ClassVar[frozenset[str]] = frozenset({"spec", "reference", "program", "checkpoint"})
+    variants: ClassVar[tuple[str, ...]] = ("full", "medium", "tiny")
 
     def spec(self, variant: Variant = "full") -> ModelSpec:
-        return full_spec() if variant == "full" else tiny_spec()
+        return {"full": full_spec, "medium": medium_spec}.get(variant, tiny_spec)()
 
     def scope(self) -> DecodeScope:
         # TP divides the 8 output groups (vLLM's own: GB300 + TP4); no speculation until the DSpark draft (5) exists
@@ -52,8 +53,7 @@ class DeepseekV41FlashAdapter(ComposedAdapter):
 
         dt = DTYPES.get(dtype, dtype)  # type: ignore[call-overload]
         if checkpoint is not None:
-            spec, named, _ = names.load(checkpoint, dt, device)
-            return DeepseekV41Reference(spec, named)
+            return DeepseekV41Reference(*names.load(checkpoint, dt, device)[:2])
         spec = spec if spec is not None else tiny_spec()
         refuse_unmodelled(spec.full(), "reference")  # type: ignore[attr-defined]
         if weights is None and spec.variant == "full":

@@ -82,8 +82,7 @@ def spec_from_config(cfg: Mapping[str, Any], *, where: str = "config.json", vari
         raise CheckpointError(f"{where}: config key quantization_config.weight_block_size = "
                               f"{q['weight_block_size']!r}: only 32x32 FP8 blocks (ue8m0 scales) are implemented")
     keys.require(t, REQUIRED)
-    n = int(t["num_hidden_layers"])
-    ratios = tuple(int(r) for r in t["compress_ratios"])
+    n, ratios = int(t["num_hidden_layers"]), tuple(int(r) for r in t["compress_ratios"])
     if len(ratios) < n or any(r not in (0, 1, 2) for r in ratios):
         raise CheckpointError(f"{where}: config key compress_ratios = {list(ratios)}: give one of 0 / 1 / 2 per "
                               f"layer ({n} layers; draft layers may follow)")

@@ -89,8 +89,7 @@ def load(directory: str | Path, dtype: torch.dtype = torch.bfloat16,
          device: Any = "cpu") -> tuple[DeepseekV41Spec, dict[str, torch.Tensor], dict]:
     """(spec, tensors by official name in ``dtype`` (fp32 ones in fp32), config) of a DeepSeek-V4.1 directory;
     FP8 / FP4 tensors (those stored with a ``.scale``) come dequantised. CheckpointError names file and fix."""
-    d = Path(directory)
-    cfg = read_config(d)
+    cfg = read_config(d := Path(directory))
     if cfg is None:
         raise CheckpointError(f"{d}: no config.json: point at a DeepSeek-V4.1 model directory")
     spec = spec_from_config(cfg, where=str(d / "config.json"))

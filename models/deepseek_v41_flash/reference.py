@@ -103,8 +103,7 @@ class DeepseekV41Reference:
 
     def _compressed(self, seq: SeqCache, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(rows [R, D] normed + roped, pre-rope latents [R, D], last-token positions [R]) of KV source ``layer``."""
-        s, p = self.spec, f"layers.{layer}.attn."
-        a = s.layers[layer].attention
+        s, p, a = self.spec, f"layers.{layer}.attn.", self.spec.layers[layer].attention
         ratio, kv = a.compress_ratio, seq.ckv[layer]
         R = kv.shape[0] // ratio
         if ratio == 1 or R == 0:
@@ -126,10 +125,8 @@ class DeepseekV41Reference:
         k = self._index_keys(s.kv_source_for(layer), lat, cpos)
         wts = self._lin(p + "weights_proj.weight", x) * (idx.num_heads * idx.head_dim) ** -0.5
         score = (torch.relu(torch.einsum("thd,rd->thr", q, k)) * wts[:, :, None]).sum(1)
-        visible = cpos[None, :] <= pos[:, None]
-        score = score.masked_fill(~visible, float("-inf"))
-        k_top = min(s.index_topk, lat.shape[0])
-        sel = torch.zeros_like(visible)
+        score = score.masked_fill(~(visible := cpos[None, :] <= pos[:, None]), float("-inf"))
+        k_top, sel = min(s.index_topk, lat.shape[0]), torch.zeros_like(visible)
         if k_top:
             sel.scatter_(1, score.topk(k_top, dim=1).indices, True)
         return sel & visible
@@ -165,20 +162,16 @@ class DeepseekV41Reference:
             if a.compress_ratio > 1:
                 seq.cgate[layer] = torch.cat([seq.cgate.get(layer, x.new_zeros(0, D)),
                                               self._lin(p + "compressor.wgate.weight", x)])
-        rows = torch.cat([seq.kv.get(layer, x.new_zeros(0, D)), kv])
-        seq.kv[layer] = rows
+        rows = keys = seq.kv[layer] = torch.cat([seq.kv.get(layer, x.new_zeros(0, D)), kv])
         rpos = torch.arange(rows.shape[0], device=x.device)
-        keys = rows
         mask = (rpos[None, :] <= pos[:, None]) & (rpos[None, :] > pos[:, None] - a.sliding_window)
         if a.compress_ratio:
-            src = s.kv_source_for(layer)
-            crow, lat, cpos = self._compressed(seq, src)
+            crow, lat, cpos = self._compressed(seq, s.kv_source_for(layer))
             if layer in s.index_source_layers:
                 picks[layer] = self._select(seq, layer, qr, x, pos, lat, cpos)
             keys = torch.cat([rows, crow])
             mask = torch.cat([mask, picks[s.index_source_for(layer)]], dim=1)
-        logits = torch.einsum("thd,kd->thk", q, keys) * D ** -0.5
-        logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
+        logits = (torch.einsum("thd,kd->thk", q, keys) * D ** -0.5).masked_fill(~mask[:, None, :], float("-inf"))
         sink = self.w[p + "attn_sink"].to(x.dtype)[None, :, None].expand(T, Hq, 1)
         probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
         o = _rope(torch.einsum("thk,kd->thd", probs, keys), pos, a.rope_dim, theta, sign=-1.0)
@@ -203,8 +196,7 @@ class DeepseekV41Reference:
         out = mlp(p + "shared_experts.", x) if f.num_shared_experts else torch.zeros_like(x)
         for t in range(x.shape[0]):
             for k in range(f.top_k):
-                e = int(top[t, k])
-                out[t] += wts[t, k].to(x.dtype) * mlp(f"{p}experts.{e}.", x[t:t + 1])[0]
+                out[t] += wts[t, k].to(x.dtype) * mlp(f"{p}experts.{int(top[t, k])}.", x[t:t + 1])[0]
         return out
 
     # ---------------------------------------------------------------------------------------------- model
@@ -224,10 +216,9 @@ class DeepseekV41Reference:
         for layer in range(s.num_layers):
             p = f"layers.{layer}."
             for sub in ("attn", "ffn"):
-                x, pre, post_new, comb_new = mhc_seam_reference(
+                x, pre, post, comb = mhc_seam_reference(  # (the arguments are read before the names are rebound)
                     streams, w[f"{p}hc_{sub}_fn"], w[f"{p}hc_{sub}_scale"], w[f"{p}hc_{sub}_base"],
                     w[f"{p}{sub}_norm.weight"].to(dt), eps, pre=pre, y=y, post=post, comb=comb, **kw)
-                post, comb = post_new, comb_new
                 y = self._attention(seq, layer, x, pos, picks) if sub == "attn" else self._moe(layer, x)
         x, *_ = mhc_seam_reference(streams, None, None, None, w["norm.weight"].to(dt), eps, pre=pre, y=y, post=post,
                                    comb=comb, **kw)

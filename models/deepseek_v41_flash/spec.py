@@ -47,8 +47,7 @@ class EngramSpec(Frozen):
 
     def table_bytes(self) -> int:
         """Bytes of all tables (1 byte per value for FP8)."""
-        per = 1 if self.table_dtype == "fp8_e4m3" else 2
-        return sum(self.num_embeddings) * self.head_dim * per
+        return sum(self.num_embeddings) * self.head_dim * (1 if self.table_dtype == "fp8_e4m3" else 2)
 
 
 class HyperConnectionSpec(Frozen):
@@ -144,8 +143,7 @@ class DeepseekV41Spec(ModelSpec):
             if any(not 0 <= i < n for i in ids):
                 raise ValueError(f"{what} {ids} must be layer indices 0..{n - 1}")
         for layer in self.layers:
-            a = layer.attention
-            if not isinstance(a, SparseMQAAttentionSpec):
+            if not isinstance(a := layer.attention, SparseMQAAttentionSpec):
                 raise ValueError(f"layer {layer.index}: DeepSeek-V4.1 layers are sparse_mqa, got {a.kind}")
             if (has_idx := a.indexer is not None) != (layer.index in self.index_source_layers):
                 raise ValueError(f"layer {layer.index}: indexer present={has_idx} but index_source_layers says "
@@ -229,4 +227,17 @@ def tiny_spec() -> DeepseekV41Spec:
         expert_inter=32, engram=EngramSpec(layers=(), num_embeddings=(), max_ngram=3, n_heads=2, head_dim=16),
         draft=DraftSpec(num_layers=1, block_size=5, num_speculative_tokens=5, num_experts=8, top_k=2,
                         target_layers=(7, 8, 9)), max_context=4096, norm_eps=1e-20,  # eps: as the full model
+        rope=RopeSpec(theta=10_000.0, compress_theta=160_000.0, yarn_factor=1.0, original_context=4096))
+
+
+def medium_spec() -> DeepseekV41Spec:
+    """Each layer kind at widths GPU kernels serve (long check): window (0), ratio-2 KV source + indexer (1), ratio-1
+    source + indexer (2), its reader reusing 2's top-k (3); top-k 64 < the compressed rows past 128 / 64 tokens."""
+    return build_spec(
+        variant="medium", hidden=1024, vocab=2048, ratios=(0, 2, 1, 1), heads=16, head_dim=256, rope_dim=64, q_lora=256,
+        o_groups=4, o_lora=256, window=128, kv_sources=(1, 2), index_sources=(1, 2), idx_heads=16, idx_dim=128,
+        idx_topk=64, candidate_layer=-1, candidate_blocks=0, candidate_block=0, experts=128, top_k=6, shared=1,
+        expert_inter=256, engram=EngramSpec(layers=(), num_embeddings=(), max_ngram=3, n_heads=2, head_dim=16),
+        draft=DraftSpec(num_layers=1, block_size=5, num_speculative_tokens=5, num_experts=8, top_k=2,
+                        target_layers=(1, 2, 3)), max_context=4096, norm_eps=1e-20,
         rope=RopeSpec(theta=10_000.0, compress_theta=160_000.0, yarn_factor=1.0, original_context=4096))

@@ -58,8 +58,10 @@ class KimiK3Adapter(ModelAdapter):
         return full_spec() if variant == "full" else tiny_spec()
 
     def scope(self) -> DecodeScope:
+        """Verification steps of 3 or 7 draft tokens run on the fast path with a spec built for them
+        (``spec.with_spec_tokens(k)``: its plans and states carry the KDA verification sites and tapes)."""
         return DecodeScope(archs=("cpu", "sm_90", "sm_100", "sm_103"), tp_sizes=(1, 2, 4, 8, 16), max_batch=64,
-                           dtypes=("bfloat16", "float32"), spec_tokens=(0,))
+                           dtypes=("bfloat16", "float32"), spec_tokens=(0, 3, 7))
 
     # ------------------------------------------------------------------ pieces
     def composed_model(self, spec: ModelSpec) -> Any:

@@ -6,7 +6,8 @@ Block AttnRes residuals; token embedding and LM head. What is Kimi's lives here:
 take from the spec (KDA's output-norm eps ``kda_norm_eps``, the latent MoE's norm after the experts,
 the AttnRes blocks); the checkpoint names of every piece weight (``KimiLinearForCausalLM`` text model as
 vLLM's ``kimi_k3`` loader reads it; routed experts ``w1`` gate, ``w3`` up, ``w2`` down): :func:`tensor_name_for`;
-the checkpoint's tensor order, in which random weights are drawn (:func:`draw_order`). What the checkpoint
+the checkpoint's tensor order, in which random weights are drawn (:func:`draw_order`). A spec for
+speculative tokens (``KimiK3Spec.spec_tokens``) builds its KDA pieces with verification sites and tapes. What the checkpoint
 stores in fp32 (A_log, dt_bias, conv taps, the KDA output-norm gain, the router bias) the pieces declare so.
 """
 
@@ -43,8 +44,9 @@ def composed_model(spec: KimiK3Spec) -> ComposedModel:
     for layer in spec.layers:
         if layer.kind not in by_kind:
             a, f = layer.attention, layer.ffn   # the spec builder makes KDA and MLA layers only
-            attn: Any = KDAAttention(a, norm_eps=spec.kda_norm_eps) if isinstance(a, KDAAttentionSpec) \
-                else MLAAttention(a, norm_eps=spec.norm.eps)
+            # the MLA layers verify as they decode (paged: every row its own request); KDA keeps tapes
+            attn: Any = KDAAttention(a, norm_eps=spec.kda_norm_eps, spec_tokens=spec.spec_tokens) \
+                if isinstance(a, KDAAttentionSpec) else MLAAttention(a, norm_eps=spec.norm.eps)
             if isinstance(f, DenseMLPSpec):
                 ffn: Any = DenseMLP(f)
             elif f.latent_dim:

@@ -177,7 +177,7 @@ _SCOPE = "error: kimi_k3: outside the latency_specialized scope: "
 @pytest.mark.parametrize("extra,reason,plan_printed", [
     (["--arch", "sm_80"], "arch sm_80 not supported (use one of cpu, sm_90, sm_100, sm_103)", True),
     (["--dtype", "float16"], "dtype float16 not supported (use bfloat16, float32)", True),
-    (["--spec-tokens", "2"], "2 speculative tokens not supported (use one of [0])", True),
+    (["--spec-tokens", "2"], "2 speculative tokens not supported (use one of [0, 3, 7])", True),
     (["--batch", "65"], "batch 65 beyond the scope (use 1..64; larger batches run stock)", False),
 ])
 def test_explain_out_of_scope_exits_2_for_every_cause(capsys, extra, reason, plan_printed):
@@ -197,7 +197,7 @@ def test_explain_out_of_scope_lists_every_reason(capsys):
                                 "--dtype", "float16", "--spec-tokens", "1"])
     assert line == (_SCOPE + "batch 65 beyond the scope (use 1..64; larger batches run stock); "
                     "dtype float16 not supported (use bfloat16, float32); "
-                    "1 speculative tokens not supported (use one of [0])")
+                    "1 speculative tokens not supported (use one of [0, 3, 7])")
 
 
 def test_explain_out_of_scope_json_still_prints_the_plan(capsys):

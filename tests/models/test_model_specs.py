@@ -311,9 +311,9 @@ def test_deepseek_plan_places_model_specific_work(registry):
     s = dsv4.full_spec()
     plan = _plan(registry, "deepseek_v41_flash", tp=8, batch=4)
     assert _layers_of(plan, "/attn.indexer") == set(s.index_source_layers)
-    assert _layers_of(plan, "/attn.indexer.q_proj") == set(s.index_source_layers)
+    assert _layers_of(plan, "/attn.in_proj") == set(range(s.num_layers))  # q_a | kv | compressor | weights_proj
     assert _layers_of(plan, "/attn.indexer.k_proj") == {2, 8, 14, 20}
-    assert _layers_of(plan, "/attn.compressor.c2") == {2, 8, 14} and _layers_of(plan, "/attn.compressor.c1") == {20}
+    assert _layers_of(plan, "/attn.compressor") == {2, 8, 14, 20}
     assert _layers_of(plan, "/engram.prefetch") == _layers_of(plan, "/engram.wkv") == {1, 14}
     assert _layers_of(plan, "/attn.sparse_mqa.window") == {0, 1}
     assert _layers_of(plan, "/attn.sparse_mqa.c2") == set(range(2, 20))

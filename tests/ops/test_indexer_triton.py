@@ -32,12 +32,12 @@ pytestmark = pytest.mark.skipif(not _HAVE_TRITON, reason="needs triton (its inte
 interpreted = pytest.mark.interpreter_case
 """Needs TRITON_INTERPRET=1 from the process start: collected only there (the driver below runs these)."""
 
-SELECTIONS = pytest.mark.parametrize("selection", ["radix", "torch"])
+SELECTIONS = pytest.mark.parametrize("selection", ["radix", "split", "torch"])
 
 
 @pytest.mark.interpreter_driver
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=17)
+    run_interpreted(__file__, min_passed=24)
 
 
 @pytest.fixture
@@ -45,6 +45,13 @@ def ix():
     from latency_specialized.kernels import indexer_triton
 
     return indexer_triton
+
+
+@pytest.fixture
+def tk():
+    from latency_specialized.kernels import topk_triton
+
+    return topk_triton
 
 
 def _inv_freq(rope: int) -> torch.Tensor:
@@ -183,23 +190,27 @@ def test_strided_inputs_as_the_piece_passes_them(ix, selection):
 
 @interpreted
 @pytest.mark.parametrize("splits", [1, 3, 7])
-def test_many_splits_and_select_tiles(ix, monkeypatch, splits):
+def test_many_splits_and_select_tiles(ix, tk, monkeypatch, splits):
     """Short chunks (several scoring programs per row, some dead) and narrow select tiles (several steps per
-    radix pass and per compaction), contexts well past K."""
+    radix pass and per compaction; several programs per row of the split select), contexts well past K."""
     monkeypatch.setattr(ix, "MIN_CHUNK", 16)
     monkeypatch.setattr(ix, "SELECT_TILE", 64)
     monkeypatch.setattr(ix, "FILL_BLOCK", 16)
+    monkeypatch.setattr(tk, "MIN_CHUNK", 32)
+    monkeypatch.setattr(tk, "TILE", 32)
+    monkeypatch.setattr(tk, "WAVES", 16)          # the CPU counts one SM: several select programs per row
     args, kw = _case(10 + splits, [250, 0, 97, 16, 131], K=16, bs=8)
-    for selection in ("radix", "torch"):
+    for selection in ("radix", "split", "torch"):
         _check(ix, args, kw, selection=selection, num_splits=splits)
 
 
 @interpreted
-def test_near_ties_decided_by_low_bytes(ix, monkeypatch):
+@pytest.mark.parametrize("selection", ["radix", "split"])
+def test_near_ties_decided_by_low_bytes(ix, monkeypatch, selection):
     """Keys equal up to 1e-3: logits share their leading bytes, so the later radix passes pick the K-th."""
     monkeypatch.setattr(ix, "SELECT_TILE", 64)
     args, kw = _case(20, [150, 90, 41], K=12, bs=4, near_ties=True)
-    _check(ix, args, kw, selection="radix", num_splits=2)
+    _check(ix, args, kw, selection=selection, num_splits=2)
 
 
 @interpreted
@@ -234,7 +245,7 @@ def test_fresh_inputs_repeatedly(ix):
         lens = torch.randint(0, 60, (5,), generator=g).tolist()
         args, kw = _case(seed, lens, K=int(torch.randint(1, 24, (1,), generator=g)), interleaved=seed % 2 == 0,
                          norm=("layer", "rms", None)[seed % 3])
-        for selection in ("radix", "torch"):
+        for selection in ("radix", "split", "torch"):
             _check(ix, args, kw, selection=selection)
 
 
@@ -358,6 +369,16 @@ def test_kernels_compile_for_hopper_without_a_gpu(ix):
     sig = dict(logits="*fp32", seq_lens="*i32", out="*i32", K="i32", s_lb="i32", s_ob="i32")
     p = ptx(kern["select"], sig, dict(TILE=ix.SELECT_TILE), ix.SELECT_WARPS)
     assert "ld.local" not in p and "st.local" not in p
+
+
+def test_auto_selection_rule(ix):
+    """``"auto"`` from the block table's width and the rows only: radix on short rows, the split select for
+    one row (any capacity) and a few rows (up to SPLIT_MAX_CAPACITY), torch.topk beyond."""
+    R, S = ix.RADIX_MAX_CAPACITY, ix.SPLIT_MAX_CAPACITY
+    assert [ix.auto_selection(c, 64) for c in (64, R)] == ["radix", "radix"]
+    assert [ix.auto_selection(c, 1) for c in (R + 1, S, 1 << 20)] == ["split"] * 3
+    assert [ix.auto_selection(c, ix.SPLIT_ROWS) for c in (S, S + 1)] == ["split", "torch"]
+    assert ix.auto_selection(R + 1, ix.SPLIT_ROWS + 1) == "torch"
 
 
 def test_num_splits_from_static_shapes(ix):

@@ -6,9 +6,9 @@ seq_lens around and far beyond K. The kernel rounds the rotated query to bf16 fo
 so it may pick differently from the fp32 reference where logits nearly tie: the check is that each row
 is a valid set (``min(K, seq_len)`` distinct live positions, -1 elsewhere) whose reference logits equal
 the reference's top-K logits as sorted multisets within a bf16-sized tolerance. The new keys land in
-the cache at the live slots (one bf16 rounding of the fp32 norm + RoPE); nothing else changes. Both
-selection variants (radix select, torch.topk); a captured call replays for new seq_lens / slots / cache
-/ queries exactly as the eager call computes them.
+the cache at the live slots (one bf16 rounding of the fp32 norm + RoPE); nothing else changes. Every
+selection variant (radix select, the split select of ``topk_triton``, torch.topk); a captured call replays
+for new seq_lens / slots / cache / queries exactly as the eager call computes them.
 Run on the H200: ``pytest -m gpu tests/ops/test_indexer_triton_gpu.py``.
 """
 
@@ -115,7 +115,7 @@ def _check(args, kw, **call):
     return got
 
 
-@pytest.mark.parametrize("selection", ["radix", "torch"])
+@pytest.mark.parametrize("selection", ["radix", "split", "torch"])
 @pytest.mark.parametrize("shape", [GLM53, DSV41], ids=["glm53", "dsv41"])
 @pytest.mark.parametrize("B", [1, 2, 8, 64])
 def test_matches_reference(shape, B, selection):
@@ -127,7 +127,7 @@ def test_matches_reference(shape, B, selection):
     _check(args, kw, selection=selection)
 
 
-@pytest.mark.parametrize("selection", ["radix", "torch"])
+@pytest.mark.parametrize("selection", ["radix", "split", "torch"])
 @pytest.mark.parametrize("shape", [GLM53, DSV41], ids=["glm53", "dsv41"])
 def test_long_contexts(shape, selection):
     """32k-token contexts (and one short row) in a 40k-token block table."""
@@ -135,7 +135,7 @@ def test_long_contexts(shape, selection):
     _check(args, kw, selection=selection)
 
 
-@pytest.mark.parametrize("selection", ["radix", "torch"])
+@pytest.mark.parametrize("selection", ["radix", "split", "torch"])
 def test_graph_replay_equals_eager(selection):
     """Capture once at GLM-5.3 shapes; new seq_lens / slots / cache / queries in the static buffers;
     the replay equals the eager call on the same inputs, and both are valid selections."""
@@ -162,11 +162,12 @@ def test_graph_replay_equals_eager(selection):
 
 
 def test_selections_agree():
-    """The radix select and torch.topk pick the same sets where no two logits tie (random bf16 inputs)."""
+    """The radix and split selects pick the same sets (one tie rule: the lowest positions), and torch.topk
+    too where no two logits tie (random bf16 inputs)."""
     args, kw = _case("agree", [9000, 2048, 30000, 4097], per=480, **GLM53)
     cache = args[3]
     got = []
-    for selection in ("radix", "torch"):
+    for selection in ("radix", "split", "torch"):
         c = cache.clone()
         got.append(ix.indexer_topk_triton(*args[:3], c, *args[4:], selection=selection, **kw).sort(-1).values)
-    assert torch.equal(got[0], got[1])
+    assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])

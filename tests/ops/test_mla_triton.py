@@ -22,7 +22,11 @@ reads poisoned with NaN (tails of the last blocks, unused blocks, the new tokens
 write), -1 and garbage block ids past each sequence's end, padding rows (seq_lens 0, slot -1) before
 live rows; the cache must change at exactly the live slots and the result equal the reference.
 The kv_norm cases (the model's kv_a RMSNorm fused into the op) pass the *raw* latent as a strided
-column slice of a wider projection output, and the cache rows must hold the normed latent.
+column slice of a wider projection output, and the cache rows must hold the normed latent. The RoPE
+cases (``positions`` + ``rope_inv_freq``: the model's RoPE fused into the op) pass unrotated q and k_pe,
+positions that differ per row (0, 100000, 2^20 among them) in int32 and int64, NeoX and interleaved
+pairs; the cache rows must hold the rotated rope key (``ops.rope.apply_rope``'s, up to the fp32 ulps
+of the interpreter's cos/sin against torch's).
 """
 
 from __future__ import annotations
@@ -33,9 +37,10 @@ import pytest
 import torch
 
 from latency_specialized.errors import UserError
-from latency_specialized.ops.attention.mla import mla_decode_paged, mla_decode_reference
+from latency_specialized.ops.attention.mla import mla_decode_paged, mla_decode_reference, roped
 from latency_specialized.ops.norm import rmsnorm_reference
 from latency_specialized.ops.registry import make_context
+from latency_specialized.ops.rope import apply_rope, rope_inv_freq
 
 from tests.interpret import run_interpreted
 
@@ -49,7 +54,7 @@ FP32 = dict(rtol=1e-5, atol=1e-5)
 
 @pytest.mark.interpreter_driver
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=55)
+    run_interpreted(__file__, min_passed=73)
 
 
 @pytest.fixture
@@ -101,11 +106,26 @@ def _norm_case(seed, lens, **case):
     return (args[0], kv_c, *args[2:]), dict(kw, kv_norm_weight=weight, kv_norm_eps=1e-5)
 
 
+POSITIONS = (0, 100000, 7, 2 ** 20, 1, 65535, 4095, 31)
+"""Token positions the RoPE cases give their rows (cycled from a seed-dependent start): large ones too,
+where an fp32 angle of ~1e5 rad needs the full range reduction of cos/sin."""
+
+
+def _rope(B, R, seed, style, *, dtype=torch.int64, theta=10000.0):
+    """The RoPE keywords of a call: per-row positions (``POSITIONS``), inverse frequencies, pair layout."""
+    pos = torch.tensor([POSITIONS[(seed + b) % len(POSITIONS)] for b in range(B)], dtype=dtype)
+    return dict(positions=pos, rope_inv_freq=rope_inv_freq(theta, R), rope_interleaved=style == "interleaved")
+
+
 def _check(mla, args, kw, **call):
     q, kv_c, k_pe, cache, slots, blocks, seq_lens, w = args
     norm_w = kw.get("kv_norm_weight")
+    rope = kw.get("positions") is not None
     # what the cache must hold at the new slots: the latent itself, or its RMSNorm (the norm reference)
     latent = kv_c if norm_w is None else rmsnorm_reference(kv_c, norm_w, kw["kv_norm_eps"])
+    k_new = k_pe
+    if rope:   # and the rotated rope key (apply_rope's)
+        k_new = roped(q, k_pe, kw["qk_nope_head_dim"], kw["positions"], kw["rope_inv_freq"], kw["rope_interleaved"])[1]
     before = cache.clone()
     c_ref, c_tri = cache.clone(), cache.clone()
     want = mla_decode_reference(q, kv_c, k_pe, c_ref, slots, blocks, seq_lens, w, **kw)
@@ -123,8 +143,13 @@ def _check(mla, args, kw, **call):
     changed = torch.zeros(flat.shape[0], dtype=torch.bool)
     changed[live] = True
     torch.testing.assert_close(flat[~changed], flat0[~changed], rtol=0, atol=0, equal_nan=True)
-    new = torch.cat([latent, k_pe], -1)[slots >= 0]
-    if norm_w is not None and call.get("fused", True):
+    new = torch.cat([latent, k_new], -1)[slots >= 0]
+    if rope and call.get("fused", True):
+        # the kernel's cos/sin (the interpreter's numpy) against torch's, and its own sum-of-squares order
+        # with the norm: equal up to fp32 ulps
+        torch.testing.assert_close(flat[live], new, rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(c_tri, c_ref, rtol=2e-6, atol=2e-6, equal_nan=True)
+    elif norm_w is not None and call.get("fused", True):
         # the kernel's fp32 sum of squares runs in its own order (not torch's): equal to an fp32 rounding
         L = kv_c.shape[-1]
         torch.testing.assert_close(flat[live][:, :L], new[:, :L], rtol=1e-6, atol=1e-6)
@@ -520,3 +545,215 @@ def test_no_pdl_wait_inside_a_loop():
 
     visit(tree, [])
     assert waits >= 4 and not in_loops, f"gdc_wait inside a loop at line(s) {in_loops}"
+
+
+# ---------------------------------------------------------------------------------------------- RoPE fused
+@interpreted
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch_epilogue"])
+@pytest.mark.parametrize("bs,lens,splits,gate", [(2, [0, 1, 7, 33, 0, 20], 3, True), (16, [33, 0, 64, 5], 1, False)])
+def test_rope_matches_reference(mla, monkeypatch, style, fused, bs, lens, splits, gate):
+    """positions + rope_inv_freq: the op rotates q's rope part (every head) and k_pe - in the prologue launch
+    (fused) or by the torch rotation (unfused) - against the reference given the same positions; the cache
+    holds the rotated k_pe at exactly the live slots; padding rows write nothing and give zeros."""
+    _short_chunks(mla, monkeypatch)
+    args, kw = _case(bs * 100 + splits * 10 + gate + 51, lens, bs=bs, gate=gate)
+    rope = _rope(len(lens), 16, bs + splits, style, dtype=torch.int32 if gate else torch.int64)
+    _check(mla, args, dict(kw, **rope), num_splits=splits, fused=fused)
+
+
+@interpreted
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+def test_rope_with_kv_norm_odd_widths(mla, monkeypatch, style):
+    """RoPE and the kv_a norm together at odd widths: H = 20 (two head groups), nope 24 (a masked K step),
+    v 24, R = 32, L = 64 in prologue column tiles of 16 (only tile 0 rotates; every tile normalises),
+    padding rows among live ones: fused == unfused == reference (row tiles: the prologue case below)."""
+    _short_chunks(mla, monkeypatch)
+    monkeypatch.setattr(mla, "PROLOGUE_L", 16)
+    lens = [0 if i % 4 == 1 else 1 + (7 * i) % 23 for i in range(6)]
+    args, kw = _norm_case(61, lens, H=20, L=64, R=32, nope=24, v=24, bs=4, gate=True)
+    kw = dict(kw, **_rope(len(lens), 32, 3, style))
+    fused = _check(mla, args, kw, num_splits=2)
+    unfused = _check(mla, args, kw, num_splits=2, fused=False)
+    scale = unfused.abs().max().item() + 1e-6
+    torch.testing.assert_close(fused, unfused, rtol=FP32["rtol"], atol=FP32["atol"] * scale)
+
+
+@interpreted
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+def test_rope_glm_shapes(mla, monkeypatch, style):
+    """GLM-5.3 per-rank widths (TP8: 8 heads, kv_lora 512, rope 64, nope 192, v 256, no gate) with the
+    kv_a norm and RoPE fused, padding rows among live ones, two splits."""
+    _short_chunks(mla, monkeypatch)
+    args, kw = _norm_case(67, [0, 3, 40, 17], H=8, L=512, R=64, nope=192, v=256, bs=16)
+    _check(mla, args, dict(kw, **_rope(4, 64, 1, style, theta=1e6)), num_splits=2)
+
+
+@interpreted
+@pytest.mark.parametrize("B", [1, 17, 33])
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+def test_prologue_rotates_q_pe_and_k_pe(mla, monkeypatch, B, style):
+    """The prologue kernel alone with RoPE: the NaN-poisoned q_pe [B, H, R] == apply_rope of q's rope part
+    for every row (row tiles crossed at 17 and 33) and head, written by column tile 0 only (L = 32 in two
+    tiles); q_lat as without RoPE; cache rows at the live slots == [kv_c | apply_rope(k_pe)], nothing else
+    written. q is a strided view (rows of a wider projection), k_pe a column slice."""
+    monkeypatch.setattr(mla, "PROLOGUE_L", 16)
+    g = torch.Generator().manual_seed(B * 31 + len(style))
+    H, L, R, nope = 5, 32, 16, 24
+    q = torch.randn(B, H * (nope + R) + 8, generator=g)[:, 8:].view(B, H, nope + R)
+    w = torch.randn(H, nope, L, generator=g)
+    kv = torch.randn(B, 3 + L + R, generator=g)[:, 3:]
+    nslots = 2 * B + 5
+    slots = torch.randperm(nslots, generator=g)[:B]
+    slots[1::3] = -1
+    rope = _rope(B, R, B, style)
+    flat = torch.full((nslots, L + R), float("nan"))
+    q_lat = torch.full((H, B, L), float("nan"))
+    q_pe = torch.full((B, H, R), float("nan"))
+    mla._prologue(q, kv[:, :L], kv[:, L:], slots, flat, w, q_lat, q_pe=q_pe, **rope)
+    assert not torch.isnan(q_pe).any(), "q_pe rows left unwritten"
+    sty = "interleaved" if rope["rope_interleaved"] else "neox"
+    want_q = apply_rope(q[..., nope:], rope["positions"], rope["rope_inv_freq"], sty)
+    torch.testing.assert_close(q_pe, want_q, rtol=2e-6, atol=2e-6)
+    assert not torch.allclose(q_pe, q[..., nope:]), "nothing rotated"
+    want = torch.bmm(q[..., :nope].transpose(0, 1), w)
+    torch.testing.assert_close(q_lat, want, rtol=FP32["rtol"], atol=FP32["atol"] * want.abs().max().item())
+    live = slots >= 0
+    k_rot = apply_rope(kv[:, L:].unsqueeze(1), rope["positions"], rope["rope_inv_freq"], sty).squeeze(1)
+    assert torch.equal(flat[slots[live]][:, :L], kv[live][:, :L])
+    torch.testing.assert_close(flat[slots[live]][:, L:], k_rot[live], rtol=2e-6, atol=2e-6)
+    untouched = torch.ones(nslots, dtype=torch.bool)
+    untouched[slots[live]] = False
+    assert torch.isnan(flat[untouched]).all(), "a negative slot or a masked row wrote the cache"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+def test_rotate_pairs_is_apply_rope(dtype, style):
+    """The kernels' torch rotation (``mla_common.rotate_pairs``: the unfused path) is ``ops.rope.apply_rope``
+    over a whole-width rope part bit for bit, int32 and int64 positions, a strided input."""
+    from latency_specialized.kernels.mla_common import rotate_pairs
+
+    g = torch.Generator().manual_seed(5)
+    x = (3 * torch.randn(6, 4, 64 + 16, generator=g)).to(dtype)[..., 16:]
+    inv = rope_inv_freq(1e6, 64)
+    for pdt in (torch.int32, torch.int64):
+        pos = torch.tensor(POSITIONS[:6], dtype=pdt)
+        assert torch.equal(rotate_pairs(x, pos, inv, style == "interleaved"), apply_rope(x, pos, inv, style))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("paged", [False, True], ids=["reference", "torch_paged"])
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+def test_rope_contract_is_rotate_then_attention(dtype, paged, style):
+    """The contract: with positions the torch implementations equal themselves called on apply_rope-rotated
+    q (rope part) and k_pe exactly - results and caches - with the kv norm too: the rotation the MLA piece
+    did before the call, now inside the op."""
+    fn = mla_decode_paged if paged else mla_decode_reference
+    args, kw = _norm_case(71, [0, 5, 12, 1], bs=2, gate=True)
+    args = tuple(t.to(dtype) if t.is_floating_point() else t for t in args)
+    kw = {k: (t.to(dtype) if isinstance(t, torch.Tensor) else t) for k, t in kw.items()}
+    q, kv_c, k_pe, cache, *rest = args
+    if paged:  # torch_paged reads every block id of the table (clamping negatives): no garbage ids
+        rest[1] = torch.where(rest[1] >= cache.shape[0], -1, rest[1])
+    rope = _rope(4, 16, 2, style)
+    sty = "interleaved" if rope["rope_interleaved"] else "neox"
+    nope = kw["qk_nope_head_dim"]
+    q_rot = torch.cat([q[..., :nope], apply_rope(q[..., nope:], rope["positions"], rope["rope_inv_freq"], sty)], -1)
+    k_rot = apply_rope(k_pe.unsqueeze(1), rope["positions"], rope["rope_inv_freq"], sty).squeeze(1)
+    c_fused, c_plain = cache.clone(), cache.clone()
+    got = fn(q, kv_c, k_pe, c_fused, *rest, **kw, **rope)
+    want = fn(q_rot, kv_c, k_rot, c_plain, *rest, **kw)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(c_fused, c_plain, rtol=0, atol=0, equal_nan=True)
+    unrotated = fn(q, kv_c, k_pe, cache.clone(), *rest, **kw)
+    assert not torch.equal(got, unrotated), "positions changed nothing"
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda r: dict(r, rope_inv_freq=None), "both positions"),
+    (lambda r: dict(r, positions=None), "both positions"),
+    (lambda r: dict(r, rope_inv_freq=r["rope_inv_freq"][:-1]), "needs \\[8\\] float32"),
+    (lambda r: dict(r, rope_inv_freq=r["rope_inv_freq"].double()), "float32"),
+    (lambda r: dict(r, positions=r["positions"].float()), "int"),
+    (lambda r: dict(r, positions=r["positions"][:1]), "needs \\[2\\] int"),
+])
+def test_rope_bad_arguments_raise_a_user_error(mla, bad, match):
+    """A wrong RoPE argument is refused before any work by every implementation, naming the fix."""
+    args, kw = _case(73, [3, 4], bs=2)
+    kw = dict(kw, **bad(_rope(2, 16, 0, "neox")))
+    for fn in (mla_decode_reference, mla_decode_paged, mla.mla_decode_triton):
+        with pytest.raises(UserError, match=match):
+            fn(*args, **kw)
+
+
+def test_supports_rope_sites(mla):
+    """Every implementation of the family rotates: a RoPE site (GLM-5.3's attrs) is served as a NoPE one."""
+    from latency_specialized.plugins import get_registry
+
+    for style in (False, True):
+        ctx = _ctx(rope=True, rope_interleaved=style)
+        assert mla.IMPLEMENTATIONS[0].supports(ctx) is True
+        for impl in get_registry().implementations.family("attention.mla"):
+            assert impl.supports(_ctx("sm_90", rope=True, rope_interleaved=style)) is True, impl.name
+
+
+def _arg_signature(fn, types: dict[str, str]) -> dict[str, str]:
+    """A kernel's whole signature in its argument order: the given types, "constexpr" for the rest."""
+    return {name: types.get(name, "constexpr") for name in fn.arg_names}
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
+def test_rope_prologue_compiles_for_hopper_with_accurate_cos_sin(mla, interleaved):
+    """The prologue with RoPE builds for sm_90 on the CPU at GLM-5.3 widths (bf16, nope 192, L 512, R 64), and
+    its cos/sin are libdevice's (``__nv_cosf`` / ``__nv_sinf``: full range reduction), not the ``.approx``
+    instructions, whose error grows with the angle (positions of 1e5 give angles of 1e5 rad). Needs a process
+    that is not interpreting (``_kernels(False)``)."""
+    import os
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("compiles only where triton was imported without the interpreter")
+    fn = mla._kernels(False)["prologue"]
+    ptr = dict(q="*bf16", w_uk="*bf16", kv_c="*bf16", k_pe="*bf16", slots="*i64", cache="*bf16", q_lat="*bf16",
+               kv_w="*bf16", q_rope="*bf16", q_pe="*bf16", positions="*i64", inv_freq="*fp32")
+    ints = ("B", "H", "NOPE", "s_qb", "s_qh", "s_wh", "s_wk", "s_lh", "s_lb", "s_c", "s_p", "s_row", "s_rb", "s_rh",
+            "s_eb", "s_eh")
+    sig = {**ptr, **{n: "i32" for n in ints}, "eps": "fp32"}
+    const = dict(L=512, R=64, BB=16, BL=64, BK=128, PREC="tf32", HAS_NORM=True, PDL=False, ROPE=True,
+                 INTERLEAVED=interleaved)
+    src = ASTSource(fn=fn, signature=_arg_signature(fn, sig), constexprs=const)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+    assert "__nv_cosf" in ptx and "__nv_sinf" in ptx
+    assert "sin.approx" not in ptx and "cos.approx" not in ptx
+
+
+def test_rope_calls_compile_for_hopper(mla, monkeypatch):
+    """Every launch of a dense and a sparse call with RoPE (both layouts, kv norm, GLM-5.3 TP8 widths, bf16)
+    builds for sm_90 on the CPU (``tests/triton_offline.py``: recorded, not run)."""
+    import os
+
+    from latency_specialized.kernels.sparse_mla_triton import sparse_mla_decode_triton
+
+    from tests.triton_offline import compile_for_hopper, recorded_launches
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("compiles only where triton was imported without the interpreter")
+    monkeypatch.setattr(mla, "sm_count", lambda device: 132)
+    B, H, L, R, nope, v, bs, d = 2, 8, 512, 64, 192, 256, 64, torch.bfloat16
+    cache = torch.zeros(4, bs, L + R, dtype=d)
+    blocks = torch.arange(4, dtype=torch.int32).view(2, 2)
+    q, kv = torch.randn(B, H, nope + R).to(d), torch.randn(B, L + R).to(d)
+    w = torch.randn(H * (nope + v), L).to(d)
+    args = (q, kv[:, :L], kv[:, L:], cache, torch.tensor([1, 70]), blocks, torch.tensor([2, 7], dtype=torch.int32), w)
+    kw = dict(qk_nope_head_dim=nope, v_head_dim=v, kv_norm_weight=torch.ones(L, dtype=d))
+    with recorded_launches() as launches:
+        for style in ("neox", "interleaved"):
+            rope = _rope(B, R, 1, style)
+            mla.mla_decode_triton(*args, **kw, **rope)
+            sparse_mla_decode_triton(*args, torch.zeros(B, 2048, dtype=torch.int32), **kw, **rope)
+    assert {fn.fn.__name__ for fn, _, _ in launches} >= {"prologue_kernel", "split_kernel"}
+    assert compile_for_hopper(launches) == {}

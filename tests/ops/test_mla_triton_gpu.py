@@ -6,7 +6,9 @@ poisoned with NaN, -1 / garbage block ids past each sequence's end, padding rows
 one rounding), the cache written at exactly the live slots. A captured call replays for new
 seq_lens / slot_mapping / cache contents bit-identically to the eager call. The kv_norm cases fuse
 the kv_a RMSNorm: the raw latent is a strided column slice, the cache rows hold its norm up to one
-bf16 rounding of the norm reference's.
+bf16 rounding of the norm reference's. The RoPE cases (GLM-5.3 TP8 widths) pass unrotated q / k_pe with
+per-row positions up to 2^20; the op rotates them (in the prologue, fused) and the cache rows hold the
+rotated rope key up to one bf16 rounding of apply_rope's (fp32 FMA contraction may move it by one ulp).
 Run on the H200: ``pytest -m gpu tests/ops/test_mla_triton_gpu.py``.
 """
 
@@ -16,8 +18,9 @@ import pytest
 import torch
 
 from latency_specialized.kernels.mla_decode_triton import _prologue, mla_decode_triton
-from latency_specialized.ops.attention.mla import mla_decode_reference
+from latency_specialized.ops.attention.mla import mla_decode_reference, roped
 from latency_specialized.ops.norm import rmsnorm_reference
+from latency_specialized.ops.rope import apply_rope, rope_inv_freq
 
 from gpu_helpers import graph_replay, seeded_generator as _gen
 
@@ -26,6 +29,14 @@ pytestmark = pytest.mark.gpu
 DEV = "cuda"
 KIMI_TP8 = dict(H=12, L=512, R=64, nope=128, v=128)
 MEDIUM = dict(H=8, L=128, R=32, nope=64, v=64)
+GLM_TP8 = dict(H=8, L=512, R=64, nope=192, v=256)
+POSITIONS = (0, 100000, 7, 2 ** 20, 1, 65535, 4095, 31)
+
+
+def _rope(B, R, seed, style, theta=1e6):
+    """RoPE keywords: per-row positions (cycled ``POSITIONS``), inverse frequencies, pair layout."""
+    pos = torch.tensor([POSITIONS[(seed + b) % len(POSITIONS)] for b in range(B)], dtype=torch.int64, device=DEV)
+    return dict(positions=pos, rope_inv_freq=rope_inv_freq(theta, R, DEV), rope_interleaved=style == "interleaved")
 
 
 def _case(seed, lens, *, H, L, R, nope, v, bs, per=None, gate=True, dtype=torch.bfloat16, kv_norm=False):
@@ -79,12 +90,22 @@ def _check(args, kw, **call):
     flat, flat0 = c_tri.view(-1, cache.shape[-1]), before.view(-1, cache.shape[-1])
     torch.testing.assert_close(flat[~changed], flat0[~changed], rtol=0, atol=0, equal_nan=True)
     norm_w = kw.get("kv_norm_weight")
+    L = kv_c.shape[-1]
+    if kw.get("positions") is not None:
+        # the rotated rope key: apply_rope's up to one bf16 ulp (the kernel's fp32 may contract into FMAs)
+        k_rot = roped(q, k_pe, kw["qk_nope_head_dim"], kw["positions"], kw["rope_inv_freq"], kw["rope_interleaved"])[1]
+        torch.testing.assert_close(flat[live][:, L:].float(), k_rot[slots >= 0].float(), rtol=2 ** -7, atol=1e-3)
+        if norm_w is None:
+            assert torch.equal(flat[live][:, :L], kv_c[slots >= 0])
+        else:
+            normed = rmsnorm_reference(kv_c, norm_w, kw["kv_norm_eps"])[slots >= 0]
+            torch.testing.assert_close(flat[live][:, :L].float(), normed.float(), rtol=2 ** -7, atol=0)
+        return got
     if norm_w is None:
         assert torch.equal(flat[live], torch.cat([kv_c, k_pe], -1)[slots >= 0])
     else:
         # the normed latent: the kernel's fp32 sum of squares (its own order, its sqrt/divide) may round
         # to the neighbouring bf16 value of the norm reference's: one bf16 ulp (2^-7 relative at most)
-        L = kv_c.shape[-1]
         normed = rmsnorm_reference(kv_c, norm_w, kw["kv_norm_eps"])[slots >= 0]
         torch.testing.assert_close(flat[live][:, :L].float(), normed.float(), rtol=2 ** -7, atol=0)
         assert torch.equal(flat[live][:, L:], k_pe[slots >= 0])
@@ -295,3 +316,94 @@ def test_pdl_reads_q_after_a_producer_that_triggers_early(monkeypatch):
         scale = want.float().abs().max().item()
         torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2 * scale,
                                    msg=lambda m: f"replay {i}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------- RoPE fused
+@pytest.mark.parametrize("shape,bs", [(GLM_TP8, 64), (MEDIUM, 2)], ids=["glm53tp8_b64", "medium_b2"])
+@pytest.mark.parametrize("lens", [[1], [0, 3000, 7, 1, 0], [(37 * i) % 4099 for i in range(64)]],
+                         ids=["B1", "B5", "B64"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch_epilogue"])
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+def test_rope_matches_reference_bf16(shape, bs, lens, fused, style):
+    """positions + rope_inv_freq (GLM-5.3 TP8 widths, kv_a norm fused, no gate): the op rotates q's rope part
+    and k_pe - inside the prologue (fused) or by the torch rotation (unfused) - against the fp32 reference
+    with the same positions (up to 2^20); the cache holds the rotated k_pe."""
+    args, kw = _case(f"rope-{bs}-{len(lens)}-{style}", lens, bs=bs, gate=False, kv_norm=True, **shape)
+    _check(args, dict(kw, **_rope(len(lens), shape["R"], len(lens), style)), fused=fused)
+
+
+@pytest.mark.parametrize("B", [1, 17, 64])
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+def test_prologue_rotates_bf16(B, style):
+    """The prologue alone at GLM-5.3 TP8 widths: the NaN-poisoned q_pe == apply_rope of q's rope part (bf16,
+    one rounding) up to one bf16 ulp, every row (two row tiles at 17) and head; the live cache rows' rope
+    columns == apply_rope(k_pe) up to one ulp, latent columns exact; nothing else written."""
+    H, L, R, nope = (GLM_TP8[k] for k in ("H", "L", "R", "nope"))
+    g = _gen(f"rope-prologue{B}{style}")
+    nslots = 3 * B + 5
+    q = torch.randn(B, H * (nope + R), generator=g, device=DEV).to(torch.bfloat16).view(B, H, nope + R)
+    w_uk = (torch.randn(H, nope, L, generator=g, device=DEV) * nope ** -0.5).to(torch.bfloat16)
+    kv = torch.randn(B, L + R, generator=g, device=DEV).to(torch.bfloat16)
+    slots = torch.randperm(nslots, generator=g, device=DEV)[:B]
+    slots[1::3] = -1
+    rope = _rope(B, R, B, style)
+    flat = torch.full((nslots, L + R), float("nan"), device=DEV, dtype=torch.bfloat16)
+    q_lat = torch.full((H, B, L), float("nan"), device=DEV, dtype=torch.bfloat16)
+    q_pe = torch.full((B, H, R), float("nan"), device=DEV, dtype=torch.bfloat16)
+    _prologue(q, kv[:, :L], kv[:, L:], slots, flat, w_uk, q_lat, q_pe=q_pe, **rope)
+    torch.cuda.synchronize()
+    assert not torch.isnan(q_pe).any() and not torch.isnan(q_lat).any(), "rows left unwritten"
+    sty = "interleaved" if rope["rope_interleaved"] else "neox"
+    want = apply_rope(q[..., nope:], rope["positions"], rope["rope_inv_freq"], sty)
+    torch.testing.assert_close(q_pe.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+    live = slots >= 0
+    k_rot = apply_rope(kv[:, L:].unsqueeze(1), rope["positions"], rope["rope_inv_freq"], sty).squeeze(1)
+    assert torch.equal(flat[slots[live]][:, :L], kv[live][:, :L])
+    torch.testing.assert_close(flat[slots[live]][:, L:].float(), k_rot[live].float(), rtol=2 ** -7, atol=1e-3)
+    untouched = torch.ones(nslots, dtype=torch.bool, device=DEV)
+    untouched[slots[live]] = False
+    assert torch.isnan(flat[untouched]).all(), "a negative slot or a masked row wrote the cache"
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch_epilogue"])
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+def test_rope_graph_replay_equals_eager(fused, style):
+    """Capture once with RoPE (GLM-5.3 TP8 widths, kv norm, positions a static buffer); new positions,
+    seq_lens, slots, cache contents and q in the static buffers: replay == eager bit for bit, both right."""
+    shape, bs, per = GLM_TP8, 64, 80
+    a0, kw = _case(f"rope-graph0{style}", [0, 2500, 7, 4000, 1], bs=bs, per=per, gate=False, kv_norm=True, **shape)
+    static = [t.clone() for t in a0]
+    wide = torch.cat([a0[1], a0[2]], -1)              # keep the strided latent the program passes
+    static[1], static[2] = wide[:, :shape["L"]], wide[:, shape["L"]:]
+    rope = _rope(5, shape["R"], 0, style)
+    norm = dict(kv_norm_weight=kw["kv_norm_weight"].clone(), kv_norm_eps=kw["kv_norm_eps"])
+    out = torch.empty(5, shape["H"] * shape["v"], device=DEV, dtype=torch.bfloat16)
+
+    def call():
+        mla_decode_triton(*static, qk_nope_head_dim=kw["qk_nope_head_dim"], v_head_dim=kw["v_head_dim"], out=out,
+                          fused=fused, **norm, **rope)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()                                           # compile + warm up outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for i, (seed, lens) in enumerate(((f"rope-graph1{style}", [3000, 0, 1, 5000, 64]),
+                                      (f"rope-graph2{style}", [1, 1, 0, 0, 5119]))):
+        a, kw2 = _case(seed, lens, bs=bs, per=per, gate=False, kv_norm=True, **shape)
+        for dst, src in zip(static, a):
+            dst.copy_(src)
+        norm["kv_norm_weight"].copy_(kw2["kv_norm_weight"])
+        new_rope = _rope(5, shape["R"], 3 + 2 * i, style)
+        rope["positions"].copy_(new_rope["positions"])
+        eager_cache = a[3].clone()
+        eager = mla_decode_triton(*a[:3], eager_cache, *a[4:], **kw2, **new_rope, fused=fused)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), f"{seed}: replay != eager"
+        torch.testing.assert_close(static[3], eager_cache, rtol=0, atol=0, equal_nan=True)
+        _check(a, dict(kw2, **new_rope), fused=fused)

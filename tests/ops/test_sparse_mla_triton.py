@@ -10,7 +10,9 @@ reads poisoned with NaN (unselected positions, tails of blocks, unused blocks, t
 the write); a duplicate-free random selection per row at random slots of the K, the rest -1 or positions
 at or past ``seq_lens[b]`` (skipped); -1 / garbage block ids past each sequence's end; padding rows
 (seq_lens 0, slot -1). The result must equal ``sparse_mla_decode_reference`` and the cache must change at
-exactly the live slots. Several splits of the K slots are forced with 16-slot chunks.
+exactly the live slots. Several splits of the K slots are forced with 16-slot chunks. The RoPE cases pass
+unrotated q / k_pe with per-row positions (large ones too) in NeoX and interleaved layouts; the cache must
+hold the rotated rope key.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ import pytest
 import torch
 
 from latency_specialized.errors import UserError
+from latency_specialized.ops.attention.mla import roped
 from latency_specialized.ops.attention.sparse_mla import sparse_mla_decode_masked, sparse_mla_decode_reference
 from latency_specialized.ops.norm import rmsnorm_reference
 from latency_specialized.ops.registry import make_context
+from latency_specialized.ops.rope import apply_rope, rope_inv_freq
 
 from tests.interpret import run_interpreted
 
@@ -37,7 +41,7 @@ FP32 = dict(rtol=1e-5, atol=1e-5)
 
 @pytest.mark.interpreter_driver
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=33)
+    run_interpreted(__file__, min_passed=39)
 
 
 @pytest.fixture
@@ -122,7 +126,10 @@ def _norm_case(seed, lens, K, **case):
 def _check(sparse, args, kw, **call):
     q, kv_c, k_pe, cache, slots, blocks, seq_lens, w, sel = args
     norm_w = kw.get("kv_norm_weight")
+    rope = kw.get("positions") is not None
     latent = kv_c if norm_w is None else rmsnorm_reference(kv_c, norm_w, kw["kv_norm_eps"])
+    k_new = k_pe if not rope else roped(q, k_pe, kw["qk_nope_head_dim"], kw["positions"], kw["rope_inv_freq"],
+                                        kw["rope_interleaved"])[1]
     before, c_ref, c_tri = cache.clone(), cache.clone(), cache.clone()
     want = sparse_mla_decode_reference(q, kv_c, k_pe, c_ref, slots, blocks, seq_lens, w, sel, **kw)
     B, H = q.shape[:2]
@@ -139,8 +146,10 @@ def _check(sparse, args, kw, **call):
     changed = torch.zeros(flat.shape[0], dtype=torch.bool)
     changed[live] = True
     torch.testing.assert_close(flat[~changed], flat0[~changed], rtol=0, atol=0, equal_nan=True)
-    new = torch.cat([latent, k_pe], -1)[slots >= 0]
-    if norm_w is not None:   # the kernel's fp32 sum of squares runs in its own order: an fp32 rounding
+    new = torch.cat([latent, k_new], -1)[slots >= 0]
+    if rope and call.get("fused", True):   # the kernel's cos/sin (numpy's under the interpreter): fp32 ulps
+        torch.testing.assert_close(flat[live], new, rtol=2e-6, atol=2e-6)
+    elif norm_w is not None:   # the kernel's fp32 sum of squares runs in its own order: an fp32 rounding
         torch.testing.assert_close(flat[live], new, rtol=1e-6, atol=1e-6)
     else:
         assert torch.equal(flat[live], new)
@@ -300,6 +309,63 @@ def test_batches_across_prologue_row_tiles(mk, sparse, monkeypatch, B):
 
 
 # --------------------------------------------------------------------------------------------- host side
+def _rope(B, R, seed, style, theta=10000.0):
+    """RoPE keywords: per-row positions (0, 100000 and 2^20 among them), inverse frequencies, pair layout."""
+    positions = (0, 100000, 7, 2 ** 20, 1, 65535, 4095, 31)
+    pos = torch.tensor([positions[(seed + b) % len(positions)] for b in range(B)], dtype=torch.int64)
+    return dict(positions=pos, rope_inv_freq=rope_inv_freq(theta, R), rope_interleaved=style == "interleaved")
+
+
+@interpreted
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch_epilogue"])
+def test_rope_matches_reference(mk, sparse, monkeypatch, style, fused):
+    """positions + rope_inv_freq: the shared prologue rotates q's rope part and k_pe (fused; unfused: the torch
+    rotation) against the reference with the same positions; the cache holds the rotated k_pe."""
+    _short_chunks(mk, monkeypatch)
+    args, kw = _case(83 + fused, LENS, 40, gate=True)
+    _check(sparse, args, dict(kw, **_rope(len(LENS), 16, 2, style)), num_splits=2, fused=fused)
+
+
+@interpreted
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+def test_rope_glm_shapes_with_kv_norm(mk, sparse, monkeypatch, style):
+    """GLM-5.3 TP8 widths (8 heads, kv_lora 512, rope 64, nope 192, v 256, no gate), the kv_a norm and RoPE
+    fused, a 32-wide selection in two splits, padding rows."""
+    _short_chunks(mk, monkeypatch)
+    args, kw = _norm_case(89, [0, 3, 50, 20], 32, H=8, L=512, R=64, nope=192, v=256, bs=16)
+    _check(sparse, args, dict(kw, **_rope(4, 64, 5, style, theta=1e6)), num_splits=2)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["reference", "torch_masked"])
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+def test_rope_contract_is_rotate_then_attention(masked, style):
+    """With positions the torch implementations equal themselves on apply_rope-rotated q (rope part) and k_pe,
+    results and caches, bit for bit (the rotation the sparse MLA piece did before the call)."""
+    fn = sparse_mla_decode_masked if masked else sparse_mla_decode_reference
+    args, kw = _norm_case(97, [0, 5, 12, 1], 8, gate=True, beyond=False)
+    q, kv_c, k_pe, cache, *rest = args
+    rope = _rope(4, 16, 3, style)
+    sty = "interleaved" if rope["rope_interleaved"] else "neox"
+    nope = kw["qk_nope_head_dim"]
+    q_rot = torch.cat([q[..., :nope], apply_rope(q[..., nope:], rope["positions"], rope["rope_inv_freq"], sty)], -1)
+    k_rot = apply_rope(k_pe.unsqueeze(1), rope["positions"], rope["rope_inv_freq"], sty).squeeze(1)
+    c_fused, c_plain = cache.clone(), cache.clone()
+    got = fn(q, kv_c, k_pe, c_fused, *rest, **kw, **rope)
+    want = fn(q_rot, kv_c, k_rot, c_plain, *rest, **kw)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(c_fused, c_plain, rtol=0, atol=0, equal_nan=True)
+    assert not torch.equal(got, fn(q, kv_c, k_pe, cache.clone(), *rest, **kw)), "positions changed nothing"
+
+
+def test_rope_without_inv_freq_raises_a_user_error(sparse):
+    args, kw = _case(101, [3, 4], 8)
+    rope = dict(_rope(2, 16, 0, "neox"), rope_inv_freq=None)
+    for fn in (sparse_mla_decode_reference, sparse_mla_decode_masked, sparse.sparse_mla_decode_triton):
+        with pytest.raises(UserError, match="both positions"):
+            fn(*args, **kw, **rope)
+
+
 def test_sparse_splits_are_sized_to_k_and_all_live():
     """``choose_sparse_splits``: ``choose_num_splits`` with K as the capacity, trimmed so that every split owns
     slots under the device's chunk rule (none idles, the merge's live count is every split)."""
@@ -385,6 +451,9 @@ def test_the_piece_call_is_the_kernel_signature(sparse):
     src = inspect.getsource(piece.SparseMLAAttention.attend)
     for kwarg in ("qk_nope_head_dim", "v_head_dim", "gate", "kv_norm_weight", "kv_norm_eps", "scale"):
         assert f"{kwarg}" in src and kwarg in sig.parameters, kwarg
+    assert "rope_args" in src   # positions / rope_inv_freq / rope_interleaved (the dense piece's rope_args)
+    for kwarg in ("positions", "rope_inv_freq", "rope_interleaved"):
+        assert kwarg in inspect.getsource(piece.MLAAttention.rope_args) and kwarg in sig.parameters, kwarg
     for name, p in ref.parameters.items():   # every keyword of the contract
         assert name in sig.parameters and sig.parameters[name].kind == p.kind, name
 

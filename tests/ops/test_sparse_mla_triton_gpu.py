@@ -7,7 +7,9 @@ shorter than K) and, in odd rows, some positions >= seq_len (skipped); -1 / garb
 sequence's end; padding rows (seq_lens 0, slot -1) among live ones. bf16 tolerance against the fp32
 reference (``sparse_mla_decode_reference``: fp32 math, one rounding); the cache written at exactly the live
 slots. A captured call replays for new selections / seq_lens / slots / cache contents bit-identically to the
-eager call. Run on the H200: ``pytest -m gpu tests/ops/test_sparse_mla_triton_gpu.py``.
+eager call. The RoPE cases pass unrotated q / k_pe with per-row positions up to 2^20 (the op rotates them;
+the cache holds apply_rope's rope key up to one bf16 ulp). Run on the H200:
+``pytest -m gpu tests/ops/test_sparse_mla_triton_gpu.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import torch
 
 from latency_specialized.kernels.sparse_mla_triton import sparse_mla_decode_triton
 from latency_specialized.ops.attention.sparse_mla import sparse_mla_decode_masked, sparse_mla_decode_reference
+from latency_specialized.ops.attention.mla import roped
 from latency_specialized.ops.norm import rmsnorm_reference
+from latency_specialized.ops.rope import rope_inv_freq
 
 from gpu_helpers import graph_replay, seeded_generator as _gen
 
@@ -28,6 +32,13 @@ GLM_TP8 = dict(H=8, L=512, R=64, nope=192, v=256)     # GLM-5.3: 64 heads / TP8
 GLM_TP4 = dict(H=16, L=512, R=64, nope=192, v=256)
 KIMI_TP8 = dict(H=12, L=512, R=64, nope=128, v=128)   # Kimi-like MLA widths, 96 heads / TP8
 K = 2048
+POSITIONS = (0, 100000, 7, 2 ** 20, 1, 65535, 4095, 31)
+
+
+def _rope(B, R, seed, style, theta=1e6):
+    """RoPE keywords: per-row positions (cycled ``POSITIONS``), inverse frequencies, pair layout."""
+    pos = torch.tensor([POSITIONS[(seed + b) % len(POSITIONS)] for b in range(B)], dtype=torch.int64, device=DEV)
+    return dict(positions=pos, rope_inv_freq=rope_inv_freq(theta, R, DEV), rope_interleaved=style == "interleaved")
 
 
 def _selection(g, lens_t: torch.Tensor, K: int, cap: int) -> torch.Tensor:
@@ -104,12 +115,17 @@ def _check(args, kw, **call):
     flat, flat0 = c_tri.view(-1, cache.shape[-1]), before.view(-1, cache.shape[-1])
     torch.testing.assert_close(flat[~changed], flat0[~changed], rtol=0, atol=0, equal_nan=True)
     norm_w = kw.get("kv_norm_weight")
+    L = kv_c.shape[-1]
+    rope = kw.get("positions") is not None
+    if rope:  # the rotated rope key: apply_rope's up to one bf16 ulp (the kernel's fp32 may contract into FMAs)
+        k_rot = roped(q, k_pe, kw["qk_nope_head_dim"], kw["positions"], kw["rope_inv_freq"], kw["rope_interleaved"])[1]
+        torch.testing.assert_close(flat[live][:, L:].float(), k_rot[slots >= 0].float(), rtol=2 ** -7, atol=1e-3)
     if norm_w is None:
-        assert torch.equal(flat[live], torch.cat([kv_c, k_pe], -1)[slots >= 0])
+        assert torch.equal(flat[live][:, :L], kv_c[slots >= 0])
     else:  # one bf16 ulp of the norm reference's rounding (the kernel's own fp32 order)
-        L = kv_c.shape[-1]
         normed = rmsnorm_reference(kv_c, norm_w, kw["kv_norm_eps"])[slots >= 0]
         torch.testing.assert_close(flat[live][:, :L].float(), normed.float(), rtol=2 ** -7, atol=0)
+    if not rope:
         assert torch.equal(flat[live][:, L:], k_pe[slots >= 0])
     return got
 
@@ -270,3 +286,53 @@ def test_work_follows_k_not_the_table():
     fn = census.wrap("sparse_mla", 8, lambda: sparse_mla_decode_triton(*args[:3], cache, *args[4:], out=out, **kw))
     graph_replay(fn)
     assert census.kernels(8)["sparse_mla"] == 3
+
+
+@pytest.mark.parametrize("lens", [[1], [0, 3000, 7, 1, 0], [(613 * i) % 40000 for i in range(64)]],
+                         ids=["B1", "B5", "B64"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch_epilogue"])
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+def test_rope_matches_reference_bf16(lens, fused, style):
+    """GLM-5.3 TP8 as its program calls the op: unrotated q / k_pe, positions, inverse frequencies, the kv_a
+    norm fused, no gate; against the fp32 reference given the same positions (up to 2^20)."""
+    args, kw = _case(f"rope-{len(lens)}-{style}", lens, gate=False, kv_norm=True, **GLM_TP8)
+    _check(args, dict(kw, **_rope(len(lens), GLM_TP8["R"], len(lens), style)), fused=fused)
+
+
+@pytest.mark.parametrize("B,style", [(1, "interleaved"), (8, "neox"), (64, "interleaved")])
+def test_rope_graph_replay_equals_eager(B, style):
+    """Capture once with RoPE (positions a static buffer, GLM TP8, kv norm); new positions, selections,
+    seq_lens, slots, cache contents and q: replay == eager bit for bit, and both right."""
+    shape, per = GLM_TP8, 80
+
+    def lens_for(seed):
+        return [0 if (i + seed) % 7 == 3 else 1 + (1237 * i + 811 * seed) % 5119 for i in range(B)]
+
+    a0, kw = _case(f"rope-graph0-{B}", lens_for(0), per=per, gate=False, kv_norm=True, **shape)
+    static = [t.clone() for t in a0]
+    wide = torch.cat([a0[1], a0[2]], -1)              # keep the strided latent the program passes
+    static[1], static[2] = wide[:, :shape["L"]], wide[:, shape["L"]:]
+    norm = dict(kv_norm_weight=kw["kv_norm_weight"].clone(), kv_norm_eps=kw["kv_norm_eps"])
+    rope = _rope(B, shape["R"], 0, style)
+    out = torch.empty(B, shape["H"] * shape["v"], device=DEV, dtype=torch.bfloat16)
+
+    def call():
+        sparse_mla_decode_triton(*static, qk_nope_head_dim=kw["qk_nope_head_dim"], v_head_dim=kw["v_head_dim"],
+                                 out=out, **norm, **rope)
+
+    graph = graph_replay(call)
+    for seed in (1, 2):
+        a, kw2 = _case(f"rope-graph{seed}-{B}", lens_for(seed), per=per, gate=False, kv_norm=True, **shape)
+        for dst, src in zip(static, a):
+            dst.copy_(src)
+        norm["kv_norm_weight"].copy_(kw2["kv_norm_weight"])
+        new_rope = _rope(B, shape["R"], 3 * seed, style)
+        rope["positions"].copy_(new_rope["positions"])
+        eager_cache = a[3].clone()
+        eager = sparse_mla_decode_triton(*a[:3], eager_cache, *a[4:], **kw2, **new_rope)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), f"replay {seed} != eager"
+        torch.testing.assert_close(static[3], eager_cache, rtol=0, atol=0, equal_nan=True)
+        _check(a, dict(kw2, **new_rope))

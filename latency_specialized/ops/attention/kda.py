@@ -16,6 +16,8 @@ The output is ready for o_proj. ``state`` and ``conv_state`` are updated in plac
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from latency_specialized.ops.gemm import gemm_reference
@@ -49,18 +51,56 @@ def kda_decode_reference(mixed_qkv: torch.Tensor, conv_state: torch.Tensor, conv
     """
     if f_b_weight is not None:
         f = gemm_reference(f, f_b_weight)
+    idx = state_idx.long()
+    tok = kda_token_reference(mixed_qkv, conv_state[idx], conv_weight, f, A_log, dt_bias, beta_logit, g_out,
+                              norm_weight, state[idx], num_heads=num_heads, eps=eps,
+                              gate_lower_bound=gate_lower_bound, scale=scale)
+    conv_state[idx] = tok.conv
+    state[idx] = tok.state
+    return tok.out
+
+
+class KDAToken(NamedTuple):
+    """One token of KDA per sequence (:func:`kda_token_reference`): its output, the states after it and
+    the three vectors its state update was made of (what a verification step keeps to roll back)."""
+
+    out: torch.Tensor
+    """[B, H*D] gated-norm output, activation dtype."""
+    conv: torch.Tensor
+    """[B, C, W-1] conv inputs after this token, conv-state dtype."""
+    state: torch.Tensor
+    """[B, H, Dv, Dk] fp32 state after this token."""
+    k: torch.Tensor
+    """[B, H, Dk] fp32 normalised key."""
+    decay: torch.Tensor
+    """[B, H, Dk] fp32 ``exp(g)``, the multiplier applied along keys."""
+    v_new: torch.Tensor
+    """[B, H, Dv] fp32 ``beta * (v - S k)``: the state gains ``v_new k^T``."""
+
+
+def kda_token_reference(mixed_qkv: torch.Tensor, conv_prev: torch.Tensor, conv_weight: torch.Tensor,
+                        f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, beta_logit: torch.Tensor,
+                        g_out: torch.Tensor, norm_weight: torch.Tensor, S_prev: torch.Tensor, *, num_heads: int,
+                        eps: float = 1e-5, gate_lower_bound: float = -5.0,
+                        scale: float | None = None) -> KDAToken:
+    """One KDA token per sequence on gathered states (no in-place writes): the math of
+    :func:`kda_decode_reference`, shared with the verification op so that both round identically.
+
+    ``conv_prev`` [B, C, W-1] and ``S_prev`` [B, H, Dv, Dk] fp32 are the sequences' states before the
+    token; ``f`` is the full-width decay input [B, H*D] (f_b_proj already applied). Other shapes as in
+    :func:`kda_decode_reference`.
+    """
     B = mixed_qkv.shape[0]
     H = num_heads
     HD = mixed_qkv.shape[1] // 3
     D = HD // H
     scale = D ** -0.5 if scale is None else scale
-    idx = state_idx.long()
     dtype = mixed_qkv.dtype
 
     # 1. causal conv over [previous W-1 inputs, current], then SiLU (fp32 math, rounded like a kernel would).
-    window = torch.cat([conv_state[idx].float(), mixed_qkv.float().unsqueeze(-1)], dim=-1)  # [B, C, W]
+    window = torch.cat([conv_prev.float(), mixed_qkv.float().unsqueeze(-1)], dim=-1)  # [B, C, W]
     conv = torch.nn.functional.silu((window * conv_weight.float().unsqueeze(0)).sum(-1))
-    conv_state[idx] = window[..., 1:].to(conv_state.dtype)
+    conv_next = window[..., 1:].to(conv_prev.dtype)
     q, k, v = conv.to(dtype).float().view(B, 3, H, D).unbind(1)
 
     # 2. L2-normalise q, k per head.
@@ -73,16 +113,16 @@ def kda_decode_reference(mixed_qkv: torch.Tensor, conv_state: torch.Tensor, conv
     beta = torch.sigmoid(beta_logit.float())  # [B, H]
 
     # 4. gated delta rule.
-    S = state[idx] * torch.exp(g).unsqueeze(-2)  # [B, H, Dv, Dk], decay along keys
+    decay = torch.exp(g)
+    S = S_prev * decay.unsqueeze(-2)  # [B, H, Dv, Dk], decay along keys
     v_new = beta.unsqueeze(-1) * (v - torch.einsum("bhvk,bhk->bhv", S, k))
     S = S + v_new.unsqueeze(-1) * k.unsqueeze(-2)
-    state[idx] = S
     o = torch.einsum("bhvk,bhk->bhv", S, q)
 
     # 5. gated RMSNorm per head.
     o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
     o = o * torch.sigmoid(g_out.float().view(B, H, D))
-    return o.reshape(B, H * D).to(dtype)
+    return KDAToken(o.reshape(B, H * D).to(dtype), conv_next, S, k, decay, v_new)
 
 
 IMPLEMENTATIONS = [

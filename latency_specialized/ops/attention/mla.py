@@ -15,9 +15,16 @@ first RMS-normalises it exactly as the norm family's reference does (``ops.norm.
 fp32 math, one rounding to the activation dtype), so a model's ``kv_a_layernorm`` needs no launch of
 its own: its only consumer is this op (the normed latent goes into the cache and is attended).
 
+With ``positions`` [B] (int) and ``rope_inv_freq`` [R/2] (fp32) the op applies the model's RoPE first:
+the query's rope part ``q[..., nope:]`` of every head and the new ``k_pe`` are rotated by
+``positions[b] * rope_inv_freq`` exactly as ``ops.rope.apply_rope`` does (fp32 math, one rounding to
+their dtype; ``rope_interleaved``: GPT-J / GLM pairs ``2i, 2i + 1``, else NeoX rotate-half), so the
+cache holds the rotated rope key and step 3 uses the rotated ``q_pe`` - a model's RoPE needs no glue
+launches between its projections and this op. Without them nothing rotates (NoPE MLA: Kimi K3; or a
+caller that rotated already).
+
 This equals the expanded form (``k_t = [W_UK c_t | k_pe_t]``, ``v_t = W_UV c_t``) exactly in real
-arithmetic; the absorbed form reads only the ``L + R`` cached values per token. There is no
-RoPE here: a model with RoPE rotates ``q_pe`` and ``k_pe`` before the call (Kimi K3 is NoPE).
+arithmetic; the absorbed form reads only the ``L + R`` cached values per token.
 Rows with ``seq_lens == 0`` are batch padding: they write nothing and return zeros.
 """
 
@@ -28,12 +35,26 @@ from typing import NamedTuple
 import torch
 
 # helpers every MLA implementation shares (these torch ones and the Triton kernel): kernel layer, re-exported
-from latency_specialized.kernels.mla_common import (check_kv_norm, finish_output, latent_widths, normed_latent,
-                                                    write_new_latents)
+from latency_specialized.kernels.mla_common import (check_kv_norm, check_rope, finish_output, latent_widths,
+                                                    normed_latent, write_new_latents)
 from latency_specialized.ops.registry import Implementation, always
+from latency_specialized.ops.rope import apply_rope
 
-__all__ = ["IMPLEMENTATIONS", "check_kv_norm", "latent_widths", "mla_decode_paged", "mla_decode_reference",
-           "normed_latent"]
+__all__ = ["IMPLEMENTATIONS", "check_kv_norm", "check_rope", "latent_widths", "mla_decode_paged",
+           "mla_decode_reference", "normed_latent", "roped"]
+
+
+def roped(q: torch.Tensor, k_pe: torch.Tensor, nope: int, positions: torch.Tensor | None,
+          rope_inv_freq: torch.Tensor | None, rope_interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, k_pe)`` with q's rope part and k_pe rotated by ``ops.rope.apply_rope`` (the contract's RoPE step,
+    a torch composition shared by the torch implementations of ``attention.mla`` and ``attention.sparse_mla``);
+    unchanged without ``positions``."""
+    if not check_rope(q, k_pe, nope, positions, rope_inv_freq):
+        return q, k_pe
+    assert positions is not None and rope_inv_freq is not None
+    style = "interleaved" if rope_interleaved else "neox"
+    q = torch.cat([q[..., :nope], apply_rope(q[..., nope:], positions, rope_inv_freq, style)], dim=-1)
+    return q, apply_rope(k_pe.unsqueeze(1), positions, rope_inv_freq, style).squeeze(1)
 
 
 class _Absorbed(NamedTuple):
@@ -64,7 +85,8 @@ def mla_decode_reference(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
                          w_kv_b: torch.Tensor, *, qk_nope_head_dim: int, v_head_dim: int,
                          scale: float | None = None, gate: torch.Tensor | None = None,
                          out: torch.Tensor | None = None, kv_norm_weight: torch.Tensor | None = None,
-                         kv_norm_eps: float = 1e-6) -> torch.Tensor:
+                         kv_norm_eps: float = 1e-6, positions: torch.Tensor | None = None,
+                         rope_inv_freq: torch.Tensor | None = None, rope_interleaved: bool = False) -> torch.Tensor:
     """Absorbed MLA decode for one token per sequence over a paged latent cache.
 
     Parameters
@@ -84,6 +106,9 @@ def mla_decode_reference(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
         latent and is normalised first, ``rmsnorm_reference(kv_c, kv_norm_weight, kv_norm_eps)`` (fp32
         math, one rounding to q's dtype), before it is cached and attended. kv_c must be in q's dtype.
     kv_norm_eps : that norm's epsilon (the model's rms_norm_eps).
+    positions : optional [B] int token positions (the new token's): with ``rope_inv_freq`` [R / 2] fp32 the
+        rope parts of q and k_pe are rotated first (module docstring; ``rope_interleaved`` picks GLM's
+        interleaved pairs over NeoX rotate-half). None: no rotation.
 
     Returns
     -------
@@ -91,6 +116,7 @@ def mla_decode_reference(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
     sequences and reads ``seq_lens`` on the host (a sync); GPU kernels must not.
     """
     B, H, _ = q.shape
+    q, k_pe = roped(q, k_pe, qk_nope_head_dim, positions, rope_inv_freq, rope_interleaved)
     kv_c = normed_latent(q, kv_c, kv_norm_weight, kv_norm_eps)
     a = _absorb(q, kv_c, k_pe, kv_cache, w_kv_b, qk_nope_head_dim, v_head_dim, scale)
     L, v, flat, new, q_lat, q_pe, w_uv, scale = a.L, a.v, a.flat, a.new, a.q_lat, a.q_pe, a.w_uv, a.scale
@@ -118,16 +144,19 @@ def mla_decode_paged(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv
                      w_kv_b: torch.Tensor, *, qk_nope_head_dim: int, v_head_dim: int,
                      scale: float | None = None, gate: torch.Tensor | None = None,
                      out: torch.Tensor | None = None, kv_norm_weight: torch.Tensor | None = None,
-                     kv_norm_eps: float = 1e-6) -> torch.Tensor:
+                     kv_norm_eps: float = 1e-6, positions: torch.Tensor | None = None,
+                     rope_inv_freq: torch.Tensor | None = None, rope_interleaved: bool = False) -> torch.Tensor:
     """The reference's contract (same arguments and result) with no host sync: CUDA-graph capturable.
 
     Every sequence attends over all ``block_table.shape[1] * block_size`` positions of its block
     table with positions >= ``seq_lens[b]`` masked out (padding rows, ``seq_lens == 0``, give 0), so
     the work is O(max context) per step whatever the live lengths - a composition for capturing a
     whole decode step into one graph (Kimi K3's MLA layers), not a fast kernel. fp32 math, one
-    rounding, like the reference; ``kv_norm_weight`` normalises the raw latent first, as there.
+    rounding, like the reference; ``kv_norm_weight`` normalises the raw latent first and ``positions``
+    rotate the rope parts (``apply_rope``), as there.
     """
     B, H, _ = q.shape
+    q, k_pe = roped(q, k_pe, qk_nope_head_dim, positions, rope_inv_freq, rope_interleaved)
     kv_c = normed_latent(q, kv_c, kv_norm_weight, kv_norm_eps)   # no host sync: a torch composition
     a = _absorb(q, kv_c, k_pe, kv_cache, w_kv_b, qk_nope_head_dim, v_head_dim, scale)
     L, v, flat, q_lat, q_pe, w_uv, scale = a.L, a.v, a.flat, a.q_lat, a.q_pe, a.w_uv, a.scale

@@ -22,9 +22,9 @@ Two families, one call each per layer:
    ties broken arbitrarily); slots past ``seq_lens[b]`` hold -1 (short contexts, padding rows).
 
 ``attention.sparse_mla`` - absorbed MLA over the selected tokens: the ``attention.mla`` contract
-(``ops/attention/mla.py``: kv_a norm, latent write, absorbed query, ``W_UV`` up-projection, sigmoid
-gate) with one more argument, ``topk_indices [B, K]``: step 3 attends over the cached tokens at
-those positions only (entries < 0 or >= ``seq_lens[b]`` are skipped; none left: zeros). The softmax
+(``ops/attention/mla.py``: optional RoPE of q's rope part and k_pe, kv_a norm, latent write, absorbed
+query, ``W_UV`` up-projection, sigmoid gate) with one more argument, ``topk_indices [B, K]``: step 3
+attends over the cached tokens at those positions only (entries < 0 or >= ``seq_lens[b]`` are skipped; none left: zeros). The softmax
 over the gathered entries is the ``attention.sparse`` family's reference (``sparse_decode_reference``:
 one shared KV head, the absorbed query ``[q_lat | q_pe]`` against the cached ``[c | k_pe]``, values the
 first ``kv_lora`` columns), so the two families agree by construction.
@@ -48,7 +48,7 @@ import torch
 
 from latency_specialized.errors import UserError
 from latency_specialized.kernels.mla_common import finish_output, write_new_latents
-from latency_specialized.ops.attention.mla import latent_widths, normed_latent
+from latency_specialized.ops.attention.mla import latent_widths, normed_latent, roped
 from latency_specialized.ops.attention.sparse import sparse_decode_reference
 from latency_specialized.ops.registry import Implementation, OpContext, always
 
@@ -162,9 +162,11 @@ def indexer_topk_reference(q: torch.Tensor, k: torch.Tensor, weights: torch.Tens
 
 # ---------------------------------------------------------------------------------------------- sparse MLA
 def _absorbed(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-              slot_mapping: torch.Tensor, w_kv_b: torch.Tensor, nope: int, v: int, kv_norm_weight, kv_norm_eps):
-    """Steps 0-2 of the MLA contract: (flat cache, absorbed query [B, H, L + R] fp32, w_uv [H, v, L], L)."""
+              slot_mapping: torch.Tensor, w_kv_b: torch.Tensor, nope: int, v: int, kv_norm_weight, kv_norm_eps,
+              positions, rope_inv_freq, rope_interleaved):
+    """RoPE and steps 0-2 of the MLA contract: (flat cache, absorbed query [B, H, L + R] fp32, w_uv [H, v, L], L)."""
     H, qk = q.shape[1], q.shape[2]
+    q, k_pe = roped(q, k_pe, nope, positions, rope_inv_freq, rope_interleaved)
     kv_c = normed_latent(q, kv_c, kv_norm_weight, kv_norm_eps)
     L, R = latent_widths(q, kv_c, kv_cache, nope)
     flat = kv_cache.view(-1, L + R)
@@ -190,13 +192,16 @@ def sparse_mla_decode_reference(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch
                                 w_kv_b: torch.Tensor, topk_indices: torch.Tensor, *, qk_nope_head_dim: int,
                                 v_head_dim: int, scale: float | None = None, gate: torch.Tensor | None = None,
                                 out: torch.Tensor | None = None, kv_norm_weight: torch.Tensor | None = None,
-                                kv_norm_eps: float = 1e-6) -> torch.Tensor:
-    """Absorbed MLA over the indexer's selection (the ``attention.mla`` arguments plus ``topk_indices
-    [B, K]`` int positions, -1 none). Returns [B, H * v] in q.dtype (fp32 math, one rounding). The
+                                kv_norm_eps: float = 1e-6, positions: torch.Tensor | None = None,
+                                rope_inv_freq: torch.Tensor | None = None,
+                                rope_interleaved: bool = False) -> torch.Tensor:
+    """Absorbed MLA over the indexer's selection (the ``attention.mla`` arguments, RoPE ones included,
+    plus ``topk_indices [B, K]`` int positions, -1 none). Returns [B, H * v] in q.dtype (fp32 math, one rounding). The
     softmax over the gathered entries is ``attention.sparse``'s reference (a host sync per call)."""
     B, H, _ = q.shape
     flat, q_abs, w_uv, L, qk = _absorbed(q, kv_c, k_pe, kv_cache, slot_mapping, w_kv_b, qk_nope_head_dim,
-                                         v_head_dim, kv_norm_weight, kv_norm_eps)
+                                         v_head_dim, kv_norm_weight, kv_norm_eps, positions, rope_inv_freq,
+                                         rope_interleaved)
     ctx, valid = _selected(flat, block_table, kv_cache.shape[1], seq_lens, topk_indices)
     local = torch.where(valid, torch.arange(ctx.shape[1], device=q.device).unsqueeze(0), -1)
     o_lat = sparse_decode_reference(q_abs, ctx, local, scale=qk ** -0.5 if scale is None else scale, v_dim=L)
@@ -209,12 +214,14 @@ def sparse_mla_decode_masked(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Te
                              w_kv_b: torch.Tensor, topk_indices: torch.Tensor, *, qk_nope_head_dim: int,
                              v_head_dim: int, scale: float | None = None, gate: torch.Tensor | None = None,
                              out: torch.Tensor | None = None, kv_norm_weight: torch.Tensor | None = None,
-                             kv_norm_eps: float = 1e-6) -> torch.Tensor:
+                             kv_norm_eps: float = 1e-6, positions: torch.Tensor | None = None,
+                             rope_inv_freq: torch.Tensor | None = None, rope_interleaved: bool = False) -> torch.Tensor:
     """The reference's contract with masks instead of host-side selection: no host sync (graph-capturable),
     O(K) per sequence. Rows with no valid selection (padding) give 0."""
     B, H, _ = q.shape
     flat, q_abs, w_uv, L, qk = _absorbed(q, kv_c, k_pe, kv_cache, slot_mapping, w_kv_b, qk_nope_head_dim,
-                                         v_head_dim, kv_norm_weight, kv_norm_eps)
+                                         v_head_dim, kv_norm_weight, kv_norm_eps, positions, rope_inv_freq,
+                                         rope_interleaved)
     ctx, valid = _selected(flat, block_table, kv_cache.shape[1], seq_lens, topk_indices)
     s = torch.einsum("bhd,bkd->bhk", q_abs, ctx) * (qk ** -0.5 if scale is None else scale)
     s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))

@@ -1,6 +1,40 @@
-"""Sparse MQA decode helpers: a sync-free ``attention.sparse`` implementation and the glue ops of the sparse MQA
-piece (``pieces/attention/sparse_mqa.py``) - cache writes by slot and softmax-gated pooling - all without a host
-sync, so a step that uses them stays CUDA-graph capturable.
+"""Sparse MQA decode: the ``attention.sparse_mqa`` family (the whole attention of a DeepSeek-V4.1-style layer
+between its projections) and the sync-free glue ops of the sparse MQA piece (``pieces/attention/sparse_mqa.py``):
+cache writes by slot, paged gathers, softmax-gated pooling, tail RoPE. Nothing here syncs with the host, so a step
+that uses them stays CUDA-graph capturable.
+
+``attention.sparse_mqa`` (``sparse_mqa_decode_reference``; one token per sequence, ``M`` rows, ``H`` local query
+heads, one shared K = V head of width ``D`` whose last ``R = 2 len(rope_inv_freq)`` channels are rotated in
+interleaved pairs)::
+
+    q  = rms(q) per head (weightless, only with q_norm_eps);  q = rope(q, pos)
+    kv = RMSNorm(kv) * kv_norm_weight                                  (only with kv_norm_weight)
+    window[rows[m], pos % W] = rope(kv, pos)                           (the ring write, before any read)
+    keys = window[rows[m], i] for ring slots i < seq_lens[m]
+         + cache[block_table[m, j // bs] * bs + j % bs] for the selection's j with 0 <= j < seq_lens[m] // ratio
+    o  = softmax([scale q . keys | sinks[h]]) @ keys                  (the sink logit in the denominator only)
+    o  = rope^-1(o, pos)                                               -> [M, H, D] in q.dtype
+
+``q`` is the raw per-head query (``q_b`` output viewed ``[M, H, D]``) when ``q_norm_eps`` is given (the
+piece's weightless per-head RMSNorm fused here), else already normed; ``kv`` the new token's pre-RoPE row:
+raw when ``kv_norm_weight`` is given (the piece's kv_norm fused here, ``kv_norm_eps``), else already normed.
+``kv`` may have strided rows (a column slice of the fused input projection).
+``selection [M, topk]`` int32 positions of compressed rows (``-1``: none; entries ``>= seq_lens // ratio`` are not
+complete rows yet and are skipped), None on window-only layers. Rows with nothing visible (padding: seq_lens 0)
+give zeros. Roundings of the reference: the normed q, the normed kv (``rmsnorm_reference``), the roped q and
+the ring row each rounded to their dtype (as the unfused ops round them), fp32 attention, the attention output
+rounded to q.dtype, its inverse RoPE rounded again - exactly what the piece computed before this family existed.
+
+``attention.sparse_mqa_compress`` (``sparse_mqa_compress_reference``): a KV source's compressor after its
+projection ``c [M, 2D]`` (ratio r > 1: ``[kv | gate]``) or ``[M, D]`` (r = 1; strided rows ok)::
+
+    pending[rows[m], pos % r] = c                                      (r > 1; the group's tokens so far)
+    x = sum_t softmax_t(gate_t) * kv_t over the r pending rows, per channel   (r > 1; r = 1: x = kv)
+    lat = RMSNorm(x) * norm_weight                                     -> returned [M, D], the indexer key's input
+    cache[slots[m]] = rope(lat, pos)                                   (slots < 0: the token completes no row)
+
+Roundings as the unfused ops: the pending rows in their dtype, the pool rounded to it and to c's dtype, the norm
+rounded, the roped row rounded.
 
 ``attention.sparse`` (contract: ``ops/attention/sparse.py``, ``sparse_decode_reference``): ``q [B, H, D]`` attends
 to the rows ``kv[b, topk_idx[b, i]]`` (``-1``: unused) of one shared K = V head, with an optional per-head sink
@@ -13,10 +47,20 @@ from __future__ import annotations
 
 import torch
 
+from latency_specialized.errors import UserError
 from latency_specialized.kernels.mla_common import write_new_latents
-from latency_specialized.ops.registry import Implementation, OpContext
+from latency_specialized.kernels.norm_reference import rmsnorm_reference
+from latency_specialized.ops.registry import Implementation, OpContext, always
+from latency_specialized.ops.rope import apply_rope
 
-__all__ = ["IMPLEMENTATIONS", "gather_slots", "pool_softmax", "slot_of", "sparse_decode_masked", "write_slots"]
+__all__ = ["IMPLEMENTATIONS", "gather_slots", "pool_softmax", "rope_tail", "slot_of", "sparse_decode_masked",
+           "sparse_mqa_compress_reference", "sparse_mqa_decode_reference", "write_slots"]
+
+
+def rope_tail(x: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
+    """``x [M, heads, D]`` with its last ``2 len(inv)`` channels rotated (interleaved pairs) at ``sign * pos``."""
+    r = 2 * inv.shape[0]
+    return torch.cat([x[..., :-r], apply_rope(x[..., -r:], pos * sign, inv, "interleaved")], dim=-1)
 
 
 def sparse_decode_masked(q: torch.Tensor, kv: torch.Tensor, topk_idx: torch.Tensor, *, scale: float,
@@ -66,13 +110,155 @@ def pool_softmax(values: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
     return (torch.softmax(gates.float(), dim=1) * values.float()).sum(1).to(values.dtype)
 
 
+def check_sparse_mqa_args(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                          seq_lens: torch.Tensor, window: torch.Tensor, cache: torch.Tensor | None,
+                          block_table: torch.Tensor | None, selection: torch.Tensor | None,
+                          sinks: torch.Tensor | None, rope_inv_freq: torch.Tensor, name: str) -> None:
+    """UserError naming the fix where the arguments of an ``attention.sparse_mqa`` call do not fit together."""
+    if q.dim() != 3:
+        raise UserError(f"{name}: q has shape {tuple(q.shape)}; pass [M, H, D] (the q_b output viewed per head)")
+    M, H, D = q.shape
+    R = 2 * rope_inv_freq.shape[0]
+    if tuple(kv.shape) != (M, D):
+        raise UserError(f"{name}: kv has shape {tuple(kv.shape)}, needs [M={M}, D={D}] (the new token's row)")
+    if any(t.shape != (M,) for t in (positions, rows, seq_lens)):
+        raise UserError(f"{name}: positions / rows / seq_lens need shape [M={M}], got "
+                        f"{tuple(positions.shape)} / {tuple(rows.shape)} / {tuple(seq_lens.shape)}")
+    if window.dim() != 3 or window.shape[2] != D:
+        raise UserError(f"{name}: window has shape {tuple(window.shape)}, needs [rows, W, D={D}]")
+    if R <= 0 or R > D:
+        raise UserError(f"{name}: {R} rope channels (2 len(rope_inv_freq)) must be in [2, D={D}]")
+    if sinks is not None and tuple(sinks.shape) != (H,):
+        raise UserError(f"{name}: sinks has shape {tuple(sinks.shape)}, needs [H={H}] (one logit per local head)")
+    if (selection is None) != (cache is None) or (selection is not None and block_table is None):
+        raise UserError(f"{name}: pass cache, block_table and selection together (compressed layers) or no "
+                        "cache and no selection (window-only layers)")
+    if selection is not None:
+        if selection.dim() != 2 or selection.shape[0] != M or selection.shape[1] < 1:
+            raise UserError(f"{name}: selection has shape {tuple(selection.shape)}, needs [M={M}, topk >= 1]")
+        if cache.dim() != 3 or cache.shape[2] != D:
+            raise UserError(f"{name}: cache has shape {tuple(cache.shape)}, needs paged [blocks, block_size, D={D}]")
+
+
+def sparse_mqa_decode_reference(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                                seq_lens: torch.Tensor, window: torch.Tensor, cache: torch.Tensor | None,
+                                block_table: torch.Tensor | None, selection: torch.Tensor | None,
+                                sinks: torch.Tensor | None, rope_inv_freq: torch.Tensor, *, scale: float,
+                                compress_ratio: int = 1, q_norm_eps: float | None = None,
+                                kv_norm_weight: torch.Tensor | None = None, kv_norm_eps: float = 1e-6,
+                                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Sparse MQA decode over the window ring and the selected compressed rows (module docstring).
+
+    Parameters
+    ----------
+    q : [M, H, D] raw (``q_norm_eps`` given: normed here, weightless per head) or normed query, pre-RoPE.
+    kv : [M, D] the new token's row, pre-RoPE: raw (``kv_norm_weight`` given) or normed; strided rows ok.
+    positions, rows, seq_lens : [M] ints (rows: ring rows).
+    window : [rows_max, W, D] the ring (position p at p % W), written in place (the new row, roped).
+    cache : [blocks, block_size, D] paged compressed rows (roped) or None; block_table : [M, max_blocks] ints;
+    selection : [M, topk] ints (-1 none; entries >= seq_lens // compress_ratio skipped) or None.
+    sinks : [H] fp32 logits or None. rope_inv_freq : [R/2] fp32. scale : softmax scale.
+    kv_norm_weight : optional [D] RMSNorm gain of kv (eps ``kv_norm_eps``). out : optional [M, H, D] destination.
+
+    Returns
+    -------
+    [M, H, D] in q.dtype, the inverse RoPE applied. No host sync.
+    """
+    check_sparse_mqa_args(q, kv, positions, rows, seq_lens, window, cache, block_table, selection, sinks,
+                          rope_inv_freq, "attention.sparse_mqa")
+    if kv_norm_weight is not None and tuple(kv_norm_weight.shape) != (kv.shape[1],):
+        raise UserError(f"attention.sparse_mqa: kv_norm_weight has shape {tuple(kv_norm_weight.shape)}, needs "
+                        f"[D={kv.shape[1]}]")
+    M, H, D = q.shape
+    W, pos, inv = window.shape[1], positions, rope_inv_freq
+    seq, rws = seq_lens.long(), rows.long()
+    if q_norm_eps is not None:
+        q = rmsnorm_reference(q.reshape(M * H, D), None, q_norm_eps).view(M, H, D)
+    if kv_norm_weight is not None:
+        kv = rmsnorm_reference(kv, kv_norm_weight, kv_norm_eps)
+    q = rope_tail(q, pos, inv)
+    window.index_put_((rws, pos % W), rope_tail(kv.unsqueeze(1), pos, inv).squeeze(1).to(window.dtype))
+    keys = window.index_select(0, rws)                                                 # [M, W, D]
+    valid = torch.arange(W, device=q.device).unsqueeze(0) < seq.unsqueeze(1)            # ring slot i holds p % W == i
+    if selection is not None:
+        comp = gather_slots(cache, block_table, selection)                              # [M, topk, D]
+        keys = torch.cat([keys, comp.to(keys.dtype)], dim=1)
+        seq_c = seq // compress_ratio                                                   # complete compressed rows
+        valid = torch.cat([valid, (selection >= 0) & (selection.long() < seq_c.unsqueeze(1))], dim=1)
+    idx = torch.where(valid, torch.arange(keys.shape[1], device=q.device).unsqueeze(0), -1)
+    o = sparse_decode_masked(q, keys, idx, scale=scale, v_dim=D, sinks=sinks)
+    o = rope_tail(o, pos, inv, sign=-1.0)
+    if out is not None:
+        out.copy_(o)
+        return out
+    return o
+
+
+def sparse_mqa_compress_reference(c: torch.Tensor, pending: torch.Tensor | None, rows: torch.Tensor,
+                                  positions: torch.Tensor, norm_weight: torch.Tensor, rope_inv_freq: torch.Tensor,
+                                  cache: torch.Tensor, slots: torch.Tensor, *, eps: float, ratio: int,
+                                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """A KV source's compressor (module docstring, ``attention.sparse_mqa_compress``).
+
+    Parameters
+    ----------
+    c : [M, 2D] ``[kv | gate]`` (ratio > 1) or [M, D] (ratio 1), the compressor projection of the token.
+    pending : [rows_max, ratio, 2D] the groups' rows so far, written in place (None where ratio is 1).
+    rows, positions : [M] ints (state rows, token positions). norm_weight : [D]; rope_inv_freq : [R/2] fp32.
+    cache : [blocks, block_size, D] paged compressed rows, written at ``slots [M]`` (< 0: nothing).
+    eps : the norm's epsilon; ratio : tokens per compressed row. out : optional [M, D] for ``lat``.
+
+    Returns
+    -------
+    lat [M, D] in c.dtype: the normed pooled row before RoPE. No host sync.
+    """
+    D = cache.shape[-1]
+    if c.dim() != 2 or c.shape[1] != (2 * D if ratio > 1 else D) or (ratio > 1) != (pending is not None):
+        raise UserError(f"attention.sparse_mqa_compress: c {tuple(c.shape)} / pending "
+                        f"{None if pending is None else tuple(pending.shape)} do not fit ratio {ratio} and D {D}: "
+                        "pass [M, 2D] with the pending rows for ratio > 1, [M, D] and no pending rows for ratio 1")
+    x = c
+    if ratio > 1:
+        rws = rows.long()
+        pending.index_put_((rws, positions % ratio), c.to(pending.dtype))
+        group = pending.index_select(0, rws)                                           # [M, r, 2D]
+        x = pool_softmax(group[..., :D], group[..., D:]).to(c.dtype)
+    lat = rmsnorm_reference(x, norm_weight, eps)
+    write_slots(cache, rope_tail(lat.unsqueeze(1), positions, rope_inv_freq).squeeze(1), slots)
+    if out is not None:
+        out.copy_(lat)
+        return out
+    return lat
+
+
 def _masked_supports(ctx: OpContext) -> bool | str:
     if not ctx.arch.startswith("sm_"):
         return "for CUDA-graph capture on GPUs; on the CPU the reference serves sparse attention"
     return True
 
 
+def _torch_supports(ctx: OpContext) -> bool | str:
+    if not ctx.arch.startswith("sm_"):
+        return "the reference's math as a GPU fallback; on the CPU the reference serves sparse MQA"
+    return True
+
+
 IMPLEMENTATIONS = [
     Implementation("attention.sparse", "attention.sparse.torch_masked", sparse_decode_masked, _masked_supports,
                    priority=-50, description="gathered top-k rows, masked softmax with sinks: no host sync; GPUs only"),
+    Implementation("attention.sparse_mqa", "attention.sparse_mqa.reference", sparse_mqa_decode_reference, always,
+                   priority=-100, is_reference=True, strided_rows=True,
+                   description="torch: head norm, kv norm, RoPE, ring write, gathered window + selected rows, "
+                               "masked softmax with sinks, inverse RoPE (no host sync)"),
+    Implementation("attention.sparse_mqa", "attention.sparse_mqa.torch", sparse_mqa_decode_reference, _torch_supports,
+                   priority=-50, strided_rows=True,
+                   description="the reference's torch composition (~20 kernels, no host sync) where no fused kernel "
+                               "serves; GPUs only"),
+    Implementation("attention.sparse_mqa_compress", "attention.sparse_mqa_compress.reference",
+                   sparse_mqa_compress_reference, always, priority=-100, is_reference=True, strided_rows=True,
+                   description="torch: pending write, softmax-gated pool, RMSNorm, RoPE, compressed-cache write"),
+    Implementation("attention.sparse_mqa_compress", "attention.sparse_mqa_compress.torch",
+                   sparse_mqa_compress_reference, _torch_supports, priority=-50, strided_rows=True,
+                   description="the reference's torch composition (no host sync) where no fused kernel serves; "
+                               "GPUs only"),
 ]

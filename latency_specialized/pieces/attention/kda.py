@@ -11,9 +11,20 @@ Sites (per rank, in call order; ``hd`` = the rank's heads x head_dim):
   fuses the small gemm per head, so f_b has no site of its own);
 * ``attn.o_proj`` (gemm, row-parallel: a TP partial sum).
 
+With ``spec_tokens > 0`` (speculative decoding, ``ops/attention/NOTES_verify.md``) two more sites, used by a
+step that carries ``spec_tokens`` (1 + k request-major rows per request, ``meta['rows']`` per request):
+
+* ``attn.kda_accept`` (``attention.kda_accept``), first (before ``attn.in_proj``): moves each request's
+  live states on to the prefix its previous verification step had accepted (``meta['accepted']``, -1
+  where nothing is pending);
+* ``attn.kda_verify`` (``attention.kda_verify``) in place of ``attn.kda``: the 1 + k tokens of each
+  request in order, every token's output, a per-token rollback tape per state row; the live states
+  stay as they were.
+
 States per layer (rows: one per sequence, row 0 = padding scratch): ``conv`` ``[3*hd, W-1]`` (the
 last W-1 inputs of q|k|v, oldest first, activation dtype) and ``state`` ``[H, D, D]`` fp32
-(``[value, key]``).
+(``[value, key]``). With ``spec_tokens > 0`` also the rollback tapes ``tape_state`` ``[1 + k, H, 3, D]``
+fp32 and ``tape_conv`` ``[1 + k, 3*hd]`` (``ops.attention.kda_verify``).
 
 TP: column-parallel q/k/v/g/beta/f_b projections, conv taps, A_log and dt_bias of the rank's heads
 (f_a replicated: every head reads all of it), row-parallel o_proj.
@@ -27,6 +38,8 @@ from typing import ClassVar, Mapping, Sequence
 
 import torch
 
+from latency_specialized.errors import UserError
+from latency_specialized.ops.attention.kda_verify import tape_shapes
 from latency_specialized.ops.sites import SiteBuilder
 from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl
 from latency_specialized.spec import KDAAttentionSpec, ModelSpec
@@ -62,6 +75,9 @@ class KDAAttention:
     """The unsharded attention shape."""
     norm_eps: float = 1e-5
     """Epsilon of the gated output RMSNorm (vLLM's FusedRMSNormGated default; a model's config eps may differ)."""
+    spec_tokens: int = 0
+    """The most draft tokens per step this piece verifies; 0: no verification sites and no tapes (the tapes
+    are states of 1 + k tokens per sequence row and layer: allocate them only where speculation runs)."""
 
     role: ClassVar[str] = "attn"
 
@@ -77,6 +93,12 @@ class KDAAttention:
         b.add("attn.kda", "attention.kda", weight_bytes=hd * a.decay_rank * 2, heads=a.num_heads,
               head_dim=a.head_dim, conv=a.conv_kernel, decay_rank=a.decay_rank)
         b.gemm("attn.o_proj", hidden, hd)
+        if self.spec_tokens:
+            dims = dict(heads=a.num_heads, head_dim=a.head_dim, conv=a.conv_kernel)
+            attrs = {"spec_tokens": self.spec_tokens}
+            b.add("attn.kda_accept", "attention.kda_accept", attrs=attrs, **dims)
+            b.add("attn.kda_verify", "attention.kda_verify", weight_bytes=hd * a.decay_rank * 2, attrs=attrs,
+                  decay_rank=a.decay_rank, **dims)
 
     def weights(self, spec: ModelSpec, tp: int) -> Sequence[WeightDecl]:
         a, H = self.spec, spec.hidden_size
@@ -97,7 +119,16 @@ class KDAAttention:
         a = self.local(tp)
         hd = a.num_heads * a.head_dim
         return [StateDecl("conv", "rows", (3 * hd, a.conv_kernel - 1), split=0, parts=(hd, hd, hd)),
-                StateDecl("state", "rows", (a.num_heads, a.head_dim, a.head_dim), dtype="float32", split=0)]
+                StateDecl("state", "rows", (a.num_heads, a.head_dim, a.head_dim), dtype="float32", split=0),
+                *self._tapes(a)]
+
+    def _tapes(self, a: KDAAttentionSpec) -> Sequence[StateDecl]:
+        if not self.spec_tokens:
+            return []
+        hd = a.num_heads * a.head_dim
+        ts, tc = tape_shapes(a.num_heads, a.head_dim, self.spec_tokens)
+        return [StateDecl("tape_state", "rows", ts, dtype="float32", split=1),
+                StateDecl("tape_conv", "rows", tc, split=1, parts=(hd, hd, hd))]
 
     def arrange(self, w: Mapping[str, torch.Tensor], rank_spec: ModelSpec) -> dict[str, torch.Tensor]:
         a = self.local(rank_spec.tp)
@@ -115,11 +146,41 @@ class KDAAttention:
                 h: torch.Tensor) -> torch.Tensor:
         a = self.local(step.tp)
         hd, R = a.num_heads * a.head_dim, a.decay_rank
+        k = step.spec_tokens  # draft tokens per request of this step (0: a plain decode step)
+        if k:
+            self._accept(step, k, state, h.shape[0])
         y = step.op("attn.in_proj")(h, w["in_proj"])
         mixed, g_out = y[:, :3 * hd], y[:, 3 * hd:4 * hd]
         f_a, beta = y[:, 4 * hd:4 * hd + R], y[:, 4 * hd + R:4 * hd + R + a.num_heads]
+        if k:
+            return step.op("attn.o_proj")(self._verify(step, state, w, mixed, f_a, beta, g_out), w["o_proj"])
         # the decay input f_b_proj(f_a) is computed inside the KDA op (its kernel fuses the small gemm)
         o = step.op("attn.kda")(mixed, state["conv"], w["conv"], f_a, w["A_log"], w["dt_bias"], beta, g_out,
                                 w["o_norm"], state["state"], step.meta["rows"], num_heads=a.num_heads,
                                 eps=self.norm_eps, gate_lower_bound=a.gate_lower_bound, f_b_weight=w["f_b_proj"])
         return step.op("attn.o_proj")(o, w["o_proj"])
+
+    def _accept(self, step: StepContext, k: int, state: Mapping[str, torch.Tensor], rows_of_step: int) -> None:
+        """Move the live states on to the prefix the previous verification step accepted
+        (``meta['accepted']``, -1 where nothing is pending). Called before the input projection, not next
+        to the verification op: a KDA kernel requests its state before its programmatic-dependent-launch
+        wait, so two kernels on the same state rows must not be adjacent in the stream."""
+        rows = step.meta["rows"]
+        if k > self.spec_tokens:
+            raise UserError(f"a step with {k} speculative tokens, but this KDA piece keeps tapes for "
+                            f"{self.spec_tokens}: build it with spec_tokens >= {k}")
+        if rows.shape[0] * (1 + k) != rows_of_step:
+            raise UserError(f"a verification step of {rows_of_step} rows with {rows.shape[0]} state rows: pass "
+                            f"meta['rows'] per request ({rows_of_step // (1 + k)} for 1 + {k} tokens each)")
+        step.op("attn.kda_accept")(state["conv"], state["state"], rows, step.meta["accepted"], state["tape_state"],
+                                   state["tape_conv"])
+
+    def _verify(self, step: StepContext, state: Mapping[str, torch.Tensor], w: Mapping[str, torch.Tensor],
+                mixed: torch.Tensor, f_a: torch.Tensor, beta: torch.Tensor, g_out: torch.Tensor) -> torch.Tensor:
+        """A verification step: 1 + k rows per request (request-major), ``meta['rows']`` one state row per
+        request; every token's output, the tapes written, the live states left as they are."""
+        a = self.local(step.tp)
+        return step.op("attn.kda_verify")(mixed, state["conv"], w["conv"], f_a, w["A_log"], w["dt_bias"], beta, g_out,
+                                          w["o_norm"], state["state"], step.meta["rows"], state["tape_state"],
+                                          state["tape_conv"], num_heads=a.num_heads, eps=self.norm_eps,
+                                          gate_lower_bound=a.gate_lower_bound, f_b_weight=w["f_b_proj"])

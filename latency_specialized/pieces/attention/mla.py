@@ -14,11 +14,12 @@ Sites (per rank, in call order):
   is part of the op too (``gate``, strided rows of the fused projection);
 * ``attn.o_proj`` (gemm, row-parallel: a TP partial sum).
 
-RoPE: the ``attention.mla`` family rotates nothing (its contract: "a model with RoPE rotates q_pe
-and k_pe before the call"). With ``use_rope`` this piece rotates the query's rope part and the new
-token's rope key by the token's position before the call (``pieces/attention/rope.py``: static-shaped
-glue, fp32 math, one rounding to the activation dtype; NeoX rotate-half, or interleaved pairs with
-``rope_interleaved``), so the cache holds rotated rope keys. NoPE MLA runs no glue at all.
+RoPE: part of the op too. With ``use_rope`` this piece passes the tokens' positions, the rope inverse
+frequencies and the pair layout (NeoX rotate-half, or interleaved pairs with ``rope_interleaved``) to
+``attn.mla``, which rotates the query's rope part and the new token's rope key before it uses them
+(``ops.rope.apply_rope``'s math: fp32, one rounding to the activation dtype; the Triton kernel inside
+its prologue launch), so the cache holds rotated rope keys and no rope glue runs between the
+projections and the attention. NoPE MLA passes none.
 
 State per layer: ``kv`` paged, ``[kv_lora + rope]`` per token (RMS-normed latent, then the rope key).
 TP: the rank's heads in q_b / q / kv_b / gate rows, row-parallel o_proj; the latent projections
@@ -36,7 +37,7 @@ import torch
 
 from latency_specialized.errors import UserError
 from latency_specialized.ops.sites import SiteBuilder
-from latency_specialized.pieces.attention.rope import apply_rope, rope_inv_freq
+from latency_specialized.pieces.attention.rope import rope_inv_freq
 from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl
 from latency_specialized.spec import MLAAttentionSpec, ModelSpec
 
@@ -166,24 +167,27 @@ class MLAAttention:
             q = step.op("attn.q_proj")(h, w["q"])
             gate = step.op("attn.gate_proj")(h, w["g"]) if "g" in w else None
         q = q.view(h.shape[0], a.num_heads, nope + R)
-        k_pe = kv[:, L:]
-        if a.use_rope:
-            pos, inv = step.meta["positions"], w["rope_inv_freq"]
-            style = "interleaved" if a.rope_interleaved else "neox"
-            q = torch.cat([q[..., :nope], apply_rope(q[..., nope:], pos, inv, style)], dim=-1)
-            k_pe = apply_rope(k_pe.unsqueeze(1), pos, inv, style).squeeze(1)
-        o = self.attend(step, w, state, h, q, kv[:, :L], k_pe, gate)
+        # the rope part of q and the rope key go in unrotated: the op rotates them (rope_args)
+        o = self.attend(step, w, state, h, q, kv[:, :L], kv[:, L:], gate)
         return step.op("attn.o_proj")(o, w["o"])
+
+    def rope_args(self, step: StepContext, w: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """The MLA op's RoPE keywords (positions, inverse frequencies, pair layout); none for NoPE MLA."""
+        if not self.spec.use_rope:
+            return {}
+        return {"positions": step.meta["positions"], "rope_inv_freq": w["rope_inv_freq"],
+                "rope_interleaved": self.spec.rope_interleaved}
 
     def attend(self, step: StepContext, w: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor],
                h: torch.Tensor, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                gate: torch.Tensor | None) -> torch.Tensor:
-        """The ``attn.mla`` call: ``q [M, H, nope + rope]`` (rope part rotated), the raw latent ``kv_c``
-        (strided rows), the rope key, the gate logits -> ``[M, H * v]`` (the sparse variant's hook)."""
+        """The ``attn.mla`` call: ``q [M, H, nope + rope]`` and the rope key ``k_pe`` (both unrotated: the op
+        applies the RoPE, :meth:`rope_args`), the raw latent ``kv_c`` (strided rows), the gate logits ->
+        ``[M, H * v]`` (the sparse variant's hook)."""
         a = self.local(step.tp)
         # kv_a_layernorm is part of the MLA op: the raw latent slice goes in as is (strided rows)
         return step.op("attn.mla")(q, kv_c, k_pe, state["kv"], step.meta["slots"], step.meta["block_table"],
                                    step.meta["seq_lens"], w["kv_b"], qk_nope_head_dim=a.qk_nope_head_dim,
                                    v_head_dim=a.v_head_dim, gate=gate, kv_norm_weight=w["kv_a_norm"],
-                                   kv_norm_eps=self.norm_eps,
+                                   kv_norm_eps=self.norm_eps, **self.rope_args(step, w),
                                    **({"scale": self.softmax_scale} if self.softmax_scale is not None else {}))

@@ -24,8 +24,9 @@ Sites of a full layer (per rank, in call order; a reuse layer has the dense piec
 * ``attn.indexer`` (``attention.indexer``, ``ops/attention/sparse_mla.py``): key LayerNorm, RoPE of
   the leading ``qk_rope_head_dim`` channels of key and queries, key-cache write, relu-weighted scores,
   top-k;
-* ``attn.sparse_mla`` (``attention.sparse_mla``): latent write (kv_a norm fused, as in ``attn.mla``)
-  and absorbed attention over the selection; ``attn.o_proj`` (gemm, row-parallel).
+* ``attn.sparse_mla`` (``attention.sparse_mla``): RoPE of the query's rope part and the rope key, latent
+  write (kv_a norm fused, as in ``attn.mla``) and absorbed attention over the selection; ``attn.o_proj``
+  (gemm, row-parallel).
 
 Static shapes: the selection is always ``[M, K]`` (-1 for slots a short context does not fill); no
 host syncs in the piece (the ops' references: see their module).
@@ -50,7 +51,6 @@ import torch
 from latency_specialized.errors import UserError
 from latency_specialized.ops.sites import SiteBuilder
 from latency_specialized.pieces.attention.mla import MLAAttention
-from latency_specialized.pieces.attention.rope import apply_rope
 from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl
 from latency_specialized.spec import IndexerSpec, ModelSpec
 
@@ -206,19 +206,15 @@ class SparseMLAAttention(MLAAttention):
         nq = a.num_heads * (nope + R)
         q = qq[:, :nq].view(M, a.num_heads, nope + R)
         iq = qq[:, nq:].view(M, ix.num_heads, ix.head_dim)
-        k_pe = kv[:, L:]
         pos = step.meta["positions"]
-        if a.use_rope:
-            inv, style = w["rope_inv_freq"], "interleaved" if a.rope_interleaved else "neox"
-            q = torch.cat([q[..., :nope], apply_rope(q[..., nope:], pos, inv, style)], dim=-1)
-            k_pe = apply_rope(k_pe.unsqueeze(1), pos, inv, style).squeeze(1)
         step.op("attn.indexer")(iq, ik, iw, state["indexer_k"], step.meta["slots"], step.meta["block_table"],
                                 step.meta["seq_lens"], topk=ix.topk, positions=pos,
                                 rope_inv_freq=w.get("rope_inv_freq") if a.use_rope else None,
                                 rope_interleaved=self.options.rope_interleaved, k_norm_weight=w["indexer.k_norm"],
                                 k_norm_bias=w["indexer.k_norm_bias"], k_norm_eps=self.options.k_norm_eps,
                                 out=self._topk_buffer(step, M))
-        o = self.attend(step, w, state, h, q, kv[:, :L], k_pe, gate)
+        # q's rope part and the rope key unrotated: attn.sparse_mla rotates them (rope_args)
+        o = self.attend(step, w, state, h, q, kv[:, :L], kv[:, L:], gate)
         return step.op("attn.o_proj")(o, w["o"])
 
     def attend(self, step: StepContext, w: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor],
@@ -231,6 +227,7 @@ class SparseMLAAttention(MLAAttention):
                                           step.meta["seq_lens"], w["kv_b"], self._topk_buffer(step, q.shape[0]),
                                           qk_nope_head_dim=a.qk_nope_head_dim, v_head_dim=a.v_head_dim, gate=gate,
                                           kv_norm_weight=w["kv_a_norm"], kv_norm_eps=self.norm_eps,
+                                          **self.rope_args(step, w),
                                           **({"scale": self.softmax_scale} if self.softmax_scale is not None else {}))
 
 

@@ -20,17 +20,23 @@ compressed rows ``j`` that are complete, ``q = indexer.q_proj qr``, ``w = indexe
 ``k_j = rope(rms(indexer.k_proj row_j))`` of the pre-rope row, top-``topk`` kept (``attention.indexer``, with
 ``k_norm_kind='rms'``; compressed-row positions are its positions, so its ``seq_lens`` are ``seq_lens // r``
 and its slot is -1 unless this token completes a row). Only a layer that is both an index and a KV source
-(``index_keys``) writes keys; other index layers score against the latest owner's key cache. Layers without an
-indexer reuse the latest selection (the static buffer ``sparse_mqa.topk [max_rows, topk]``).
+(``index_keys``) writes keys; other index layers score against the latest owner's key cache and reuse its row
+counts (``sparse_mqa.seq_c``: the slot maths runs once per source per step). Layers without an indexer reuse
+the latest selection (the static buffer ``sparse_mqa.topk [max_rows, topk]``).
 
-Sites, per rank in call order: ``attn.q_a_proj``, ``attn.q_norm``, ``attn.q_b_proj`` (gemm / norm / gemm),
-``attn.q_head_norm`` (norm, weightless, per head), ``attn.kv_proj``, ``attn.kv_norm``; KV sources
-``attn.compressor.c{r}`` (gemm, ``[kv | gate]``) and ``attn.compressor_norm``; index layers
-``attn.indexer.q_proj``, ``attn.indexer.weights_proj``, (key owners) ``attn.indexer.k_proj``, ``attn.indexer``
-(``attention.indexer``); the attention ``attn.sparse_mqa.{window|c2|c1|c<r>}`` (``attention.sparse``: the
-window and selected rows gathered into one ``[M, window + topk, D]`` block, -1 where invalid, sinks);
-``attn.o_a_proj`` (gemm, called once per local output group: N = o_lora, K = the group's heads x D) and
-``attn.o_b_proj`` (gemm, row-parallel).
+Sites, per rank in call order: ``attn.in_proj`` (gemm: every projection of ``x`` in one, ``[q_a | kv |
+compressor kv (| gate) | indexer weights]``, the last two only on KV sources / index layers; the checkpoint's
+weights concatenated in ``arrange``, the outputs column slices), ``attn.q_norm`` (norm) and ``attn.q_b_proj``
+(gemm, ``norm_site="attn.q_norm"``: where its implementation has ``norm_prologue`` it normalises the raw q_a
+slice and the plan skips the norm site; on index layers its rows are ``[q_b | indexer.q_proj]``, both read qr);
+KV sources ``attn.compressor`` (``attention.sparse_mqa_compress``: pending write, softmax-gated pool, norm, RoPE,
+cache write); (key owners) ``attn.indexer.k_proj``, index layers ``attn.indexer`` (``attention.indexer``); the
+attention ``attn.sparse_mqa.{window|c2|c1|c<r>}`` (``attention.sparse_mqa``: kv_norm of the raw kv slice, the raw
+q's per-head weightless RMSNorm, q and kv RoPE, the window-ring write, attention over the ring and the selected
+compressed rows read in place, sinks, the output's inverse RoPE - one op, so a fused kernel sees the whole of
+it); ``attn.o_a_proj`` (gemm, called once per local output group: N = o_lora, K = the group's heads x D) and
+``attn.o_b_proj`` (gemm, row-parallel). Column slices go to the ops as strided rows; ``step.contiguous_for``
+copies only for an implementation that needs contiguous rows.
 
 States (all replicated: one KV head): ``window`` rows ``[window, D]`` (a ring: position p at p % window);
 KV sources ``compressed`` paged ``[D]`` (compressed row j at the slot of position j of the sequence's block
@@ -47,16 +53,17 @@ included, replicated (every rank runs the compressor and the indexer).
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import ClassVar, Mapping, Sequence
 
 import torch
 
 from latency_specialized.errors import UserError
-from latency_specialized.ops.attention.sparse_mqa import gather_slots, pool_softmax, slot_of, write_slots
+from latency_specialized.ops.attention.sparse_mqa import rope_tail, slot_of
 from latency_specialized.ops.sites import SiteBuilder
-from latency_specialized.pieces.attention.rope import apply_rope, rope_inv_freq
-from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl
+from latency_specialized.pieces.attention.rope import rope_inv_freq
+from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl, join
 from latency_specialized.spec import ModelSpec, SparseMQAAttentionSpec
 
 TOPK = "sparse_mqa.topk"
@@ -65,6 +72,10 @@ COMPRESSED = "sparse_mqa.compressed"
 """Scratch key under which the latest KV source publishes its compressed-row cache in a step."""
 INDEX_K = "sparse_mqa.index_k"
 """Scratch key under which the latest key owner publishes its indexer key cache in a step."""
+SEQ_C = "sparse_mqa.seq_c"
+"""Scratch key: the latest key owner's complete compressed rows per sequence ``[M]`` int32, this step's."""
+NO_SLOT = "sparse_mqa.no_slot"
+"""Scratch key: ``[M]`` slots of -1 (the key slot of index layers that write no keys), this step's."""
 
 
 def rope_leading(x: torch.Tensor, rope_dim: int, dim: int = -1) -> torch.Tensor:
@@ -72,12 +83,6 @@ def rope_leading(x: torch.Tensor, rope_dim: int, dim: int = -1) -> torch.Tensor:
     n = x.shape[dim]
     perm = torch.cat([torch.arange(n - rope_dim, n), torch.arange(n - rope_dim)]).to(x.device)
     return x.index_select(dim, perm)
-
-
-def rope_tail(x: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
-    """``x [M, heads, D]`` with its last ``2 len(inv)`` channels rotated (interleaved pairs) at ``sign * pos``."""
-    r = 2 * inv.shape[0]
-    return torch.cat([x[..., :-r], apply_rope(x[..., -r:], pos * sign, inv, "interleaved")], dim=-1)
 
 
 @functools.lru_cache(maxsize=64)
@@ -124,29 +129,34 @@ class SparseMQAAttention:
         r = self.spec.compress_ratio
         return "attn.sparse_mqa." + ("window" if r == 0 else f"c{r}")
 
+    def _in_widths(self, a: SparseMQAAttentionSpec) -> tuple[int, int, int, int]:
+        """Column widths of the fused input projection ``attn.in_proj``: ``[q_a | kv | compressor | indexer
+        weights]`` (every projection that reads h; 0 where the layer has none)."""
+        r, D, ix = self.spec.compress_ratio, a.head_dim, self.spec.indexer
+        return (a.q_lora_rank, D, (2 * D if r > 1 else D) if self.kv_source else 0,
+                ix.num_heads if ix is not None else 0)
+
     # ------------------------------------------------------------------ declarations
     def sites(self, b: SiteBuilder, rank_spec: ModelSpec) -> None:
         a, H, ix = _local(self.spec, rank_spec.tp), rank_spec.hidden_size, self.spec.indexer
         r, D = self.spec.compress_ratio, a.head_dim
-        b.gemm("attn.q_a_proj", a.q_lora_rank, H)
+        b.gemm("attn.in_proj", sum(self._in_widths(a)), H)
         b.add("attn.q_norm", "norm", N=a.q_lora_rank)
-        b.gemm("attn.q_b_proj", a.num_heads * D, a.q_lora_rank)
-        b.add("attn.q_head_norm", "norm", tokens=b.tokens * a.num_heads, N=D, attrs={"per_head": True, "weight": False})
-        b.gemm("attn.kv_proj", D, H)
-        b.add("attn.kv_norm", "norm", N=D)
+        # the indexer's q_proj reads qr too: its rows join q_b's (one gemm, one norm prologue for both)
+        iq_n = ix.num_heads * ix.head_dim if ix is not None else 0
+        b.gemm("attn.q_b_proj", a.num_heads * D + iq_n, a.q_lora_rank, norm_site="attn.q_norm")
         if self.kv_source:
-            b.gemm(f"attn.compressor.c{r}", D * (2 if r > 1 else 1), H)
-            b.add("attn.compressor_norm", "norm", N=D)
+            b.add("attn.compressor", "attention.sparse_mqa_compress", head_dim=D, compress_ratio=r, rope=a.rope_dim,
+                  attrs={"rope_interleaved": True})
         if ix is not None:
-            b.gemm("attn.indexer.q_proj", ix.num_heads * ix.head_dim, a.q_lora_rank)
-            b.gemm("attn.indexer.weights_proj", ix.num_heads, H)
             if self.index_keys:
                 b.gemm("attn.indexer.k_proj", ix.head_dim, D)
             b.add("attn.indexer", "attention.indexer", heads=ix.num_heads, head_dim=ix.head_dim, topk=ix.topk,
                   rope=a.rope_dim, attrs={"rope_interleaved": True, "k_norm": "rms", "compressed": True,
                                           "key_write": self.index_keys})
-        b.add(self.attention_role(), "attention.sparse", heads=a.num_heads, head_dim=D, topk=self.topk,
-              window=a.sliding_window, compress_ratio=r, attrs={"sinks": True})
+        b.add(self.attention_role(), "attention.sparse_mqa", heads=a.num_heads, head_dim=D, topk=self.topk,
+              window=a.sliding_window, compress_ratio=r, rope=a.rope_dim,
+              attrs={"sinks": True, "q_norm": True, "kv_norm": True, "rope_interleaved": True})
         K = a.num_heads * D // a.o_groups
         b.add("attn.o_a_proj", "gemm", weight_bytes=a.o_groups * a.o_lora_rank * K * 2, N=a.o_lora_rank, K=K,
               attrs={"residual": False, "groups": a.o_groups})
@@ -192,17 +202,17 @@ class SparseMQAAttention:
     def arrange(self, w: Mapping[str, torch.Tensor], rank_spec: ModelSpec) -> dict[str, torch.Tensor]:
         a, ix = _local(self.spec, rank_spec.tp), self.spec.indexer
         dev = w["q_a_proj"].device
-        out = {k: v.contiguous() for k, v in w.items() if not k.startswith("indexer.")}
+        # one gemm for every projection of h: [q_a | kv | compressor kv (| gate) | indexer weights] (_in_widths)
+        fused = ["q_a_proj", "kv_proj"] + (["compressor.kv"] if self.kv_source else []) \
+            + (["compressor.gate"] if self.kv_source and a.compress_ratio > 1 else []) \
+            + (["indexer.weights_proj"] if ix is not None else [])
+        out = {k: v.contiguous() for k, v in w.items() if not k.startswith("indexer.") and k not in fused}
+        out["in_proj"] = join([w[k] for k in fused]).contiguous()
         out["o_a_proj"] = w["o_a_proj"].reshape(a.o_groups, a.o_lora_rank, -1).contiguous()
         out["rope_inv_freq"] = rope_inv_freq(self.rope_theta, a.rope_dim, device=dev)
-        if self.kv_source and a.compress_ratio > 1:
-            out["compressor"] = torch.cat([w["compressor.kv"], w["compressor.gate"]])
-        elif self.kv_source:
-            out["compressor"] = w["compressor.kv"].contiguous()
         if ix is not None:   # the indexer op rotates leading channels: its heads' rope channels go first
             q = w["indexer.q_proj"].view(ix.num_heads, ix.head_dim, -1)
-            out["indexer.q_proj"] = rope_leading(q, a.rope_dim, dim=1).reshape(-1, q.shape[-1]).contiguous()
-            out["indexer.weights_proj"] = w["indexer.weights_proj"].contiguous()
+            out["q_b_proj"] = torch.cat([w["q_b_proj"], rope_leading(q, a.rope_dim, dim=1).reshape(-1, q.shape[-1])])
             if self.index_keys:
                 out["indexer.k_proj"] = rope_leading(w["indexer.k_proj"], a.rope_dim, dim=0).contiguous()
                 out["indexer.k_norm"] = rope_leading(w["indexer.k_norm"], a.rope_dim, dim=0)
@@ -242,70 +252,82 @@ class SparseMQAAttention:
     def forward(self, step: StepContext, w: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor],
                 h: torch.Tensor) -> torch.Tensor:
         a, eps, r, ix = _local(self.spec, step.tp), self.norm_eps, self.spec.compress_ratio, self.spec.indexer
-        M, Hl, D, W = h.shape[0], a.num_heads, a.head_dim, a.sliding_window
+        M, Hl, D = h.shape[0], a.num_heads, a.head_dim
         meta, inv = step.meta, w["rope_inv_freq"]
-        pos, seq, bt, rows = meta["positions"], meta["seq_lens"].long(), meta["block_table"], meta["rows"].long()
-        qr = step.op("attn.q_norm")(step.op("attn.q_a_proj")(h, w["q_a_proj"]), w["q_norm"], eps)
-        q = step.op("attn.q_b_proj")(qr, w["q_b_proj"])
-        q = rope_tail(step.op("attn.q_head_norm")(q.view(M * Hl, D), None, eps).view(M, Hl, D), pos, inv)
-        kv = step.op("attn.kv_norm")(step.op("attn.kv_proj")(h, w["kv_proj"]), w["kv_norm"], eps)
-        window = state["window"]
-        window.index_put_((rows, pos % W), rope_tail(kv.unsqueeze(1), pos, inv).squeeze(1).to(window.dtype))
-        keys = window.index_select(0, rows)                                             # [M, W, D]
-        valid = torch.arange(W, device=h.device).unsqueeze(0) < seq.unsqueeze(1)         # ring slot i holds p % W == i
+        pos, bt = meta["positions"], meta["block_table"]
+        y = step.op("attn.in_proj")(h, w["in_proj"])
+        # column slices of the fused projection (strided rows; a copy only where a site needs one)
+        ends = list(itertools.accumulate(self._in_widths(a)))
+        q_a, kv = y[:, :ends[0]], y[:, ends[0]:ends[1]]
+        c, iw = y[:, ends[1]:ends[2]], y[:, ends[2]:ends[3]]
+        if step.skipped("attn.q_norm"):   # the q_b gemm normalises q_a itself
+            qb = step.op("attn.q_b_proj")(q_a, w["q_b_proj"], norm_weight=w["q_norm"], norm_eps=eps)
+        else:
+            qr = step.op("attn.q_norm")(step.contiguous_for("attn.q_norm", q_a), w["q_norm"], eps)
+            qb = step.op("attn.q_b_proj")(qr, w["q_b_proj"])
+        q = qb[:, :Hl * D].view(M, Hl, D)                    # raw: the op norms it; [q | indexer q] on index layers
+        cache = sel = None
         if r:
-            seq_c = seq // r                                                            # complete compressed rows
-            done = (seq % r == 0) & (seq > 0)                                           # this token completes one
             cache = state["compressed"] if self.kv_source else self._published(step, COMPRESSED)
-            slot_c = slot_of(bt, seq_c - 1, cache.shape[1], done)
-            if self.kv_source:
-                lat = self._compress(step, w, state, h, pos, rows, slot_c)
+            if self.kv_source:   # a reader of both runs no glue at all: the op masks by length
+                seq = meta["seq_lens"].long()
+                seq_c = seq // r                                                        # complete compressed rows
+                done = (seq % r == 0) & (seq > 0)                                       # this token completes one
+                slot_c = slot_of(bt, seq_c - 1, cache.shape[1], done)
+                lat = self._compress(step, w, state, c, pos, meta["rows"], slot_c)
+                if self.index_keys:   # computed once per step: the index layers reading these keys share them
+                    seq_c = step.scratch[SEQ_C] = seq_c.to(torch.int32)
+                    step.scratch[NO_SLOT] = torch.full_like(slot_c, -1)
+            elif ix is not None:      # the key owner's row counts (same lengths, same ratio); this layer writes none
+                seq_c, slot_c = self._published(step, SEQ_C), self._published(step, NO_SLOT)
             if ix is not None:
-                self._index(step, w, state, h, qr, pos, seq_c, slot_c, lat if self.index_keys else None)
+                self._index(step, w, state, iw, qb[:, Hl * D:], pos, seq_c, slot_c, lat if self.index_keys else None)
             sel = step.scratch[TOPK][:M]
-            comp = gather_slots(cache, bt, sel)                                         # [M, topk, D]
-            keys = torch.cat([keys, comp.to(keys.dtype)], dim=1)
-            valid = torch.cat([valid, (sel >= 0) & (sel.long() < seq_c.unsqueeze(1))], dim=1)
-        idx = torch.where(valid, torch.arange(keys.shape[1], device=h.device).unsqueeze(0), -1)
-        o = step.op(self.attention_role())(q, keys, idx, scale=D ** -0.5, v_dim=D, sinks=w["sinks"])
-        o = rope_tail(o, pos, inv, sign=-1.0).reshape(M, a.o_groups, Hl * D // a.o_groups)
-        og = torch.cat([step.op("attn.o_a_proj")(o[:, g].contiguous(), w["o_a_proj"][g])
-                        for g in range(a.o_groups)], dim=-1)
+        # the ring write happens inside the op: nothing before it (compressor, indexer) reads the window
+        # kv_norm is part of the op: the raw kv slice goes in (the kernel norms the row it loads anyway)
+        role = self.attention_role()
+        o = step.op(role)(q, step.contiguous_for(role, kv), pos, meta["rows"], meta["seq_lens"], state["window"], cache,
+                          bt, sel, w["sinks"], inv, scale=D ** -0.5, compress_ratio=max(r, 1), q_norm_eps=eps,
+                          kv_norm_weight=w["kv_norm"], kv_norm_eps=eps)
+        o = o.reshape(M, a.o_groups, Hl * D // a.o_groups)
+        if a.o_groups == 1:   # one group per rank (TP8): its slice is contiguous, and a cat of one would copy
+            og = step.op("attn.o_a_proj")(o[:, 0], w["o_a_proj"][0])
+        else:
+            og = torch.cat([step.op("attn.o_a_proj")(o[:, g].contiguous(), w["o_a_proj"][g])
+                            for g in range(a.o_groups)], dim=-1)
         return step.op("attn.o_b_proj")(og, w["o_b_proj"])
 
     def _compress(self, step: StepContext, w: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor],
-                  h: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, slot_c: torch.Tensor) -> torch.Tensor:
-        """Pool the group this token closes (if any) into the compressed cache; returns the pre-rope rows [M, D]."""
-        r, D, inv = self.spec.compress_ratio, self.spec.head_dim, w["rope_inv_freq"]
-        c = step.op(f"attn.compressor.c{r}")(h, w["compressor"])
-        if r > 1:
-            pending = state["pending"]
-            pending.index_put_((rows, pos % r), c.to(pending.dtype))
-            group = pending.index_select(0, rows)                                       # [M, r, 2D]
-            c = pool_softmax(group[..., :D], group[..., D:]).to(h.dtype)
-        lat = step.op("attn.compressor_norm")(c, w["compressor.norm"], self.norm_eps)
-        write_slots(state["compressed"], rope_tail(lat.unsqueeze(1), pos, inv).squeeze(1), slot_c)
+                  c: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, slot_c: torch.Tensor) -> torch.Tensor:
+        """Pool the group this token closes (if any) into the compressed cache; returns the pre-rope rows [M, D].
+        ``c``: the compressor's ``[kv | gate]`` columns of the fused input projection."""
+        r = self.spec.compress_ratio
+        lat = step.op("attn.compressor")(step.contiguous_for("attn.compressor", c), state["pending"] if r > 1 else None,
+                                         rows, pos, w["compressor.norm"], w["rope_inv_freq"], state["compressed"],
+                                         slot_c, eps=self.norm_eps, ratio=r)
         step.scratch[COMPRESSED] = state["compressed"]
         return lat
 
     def _index(self, step: StepContext, w: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor],
-               h: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, seq_c: torch.Tensor, slot_c: torch.Tensor,
+               iw: torch.Tensor, iq: torch.Tensor, pos: torch.Tensor, seq_c: torch.Tensor, slot_c: torch.Tensor,
                lat: torch.Tensor | None) -> None:
-        """This layer's top-k of the compressed rows into the shared selection buffer."""
-        ix, M = self.spec.indexer, h.shape[0]
+        """This layer's top-k of the compressed rows into the shared selection buffer. ``iw [M, heads]`` and ``iq
+        [M, heads * head_dim]``: column slices of the input projection and of the q_b gemm; ``seq_c [M]`` int32
+        complete rows, ``slot_c [M]`` the key's slot (-1: none; every row -1 on layers that own no keys)."""
+        ix, M = self.spec.indexer, iw.shape[0]
         assert ix is not None
-        iq = step.op("attn.indexer.q_proj")(qr, w["indexer.q_proj"]).view(M, ix.num_heads, ix.head_dim)
-        iw = step.op("attn.indexer.weights_proj")(h, w["indexer.weights_proj"])
+        iw = step.contiguous_for("attn.indexer", iw)
+        iq = step.contiguous_for("attn.indexer", iq).view(M, ix.num_heads, ix.head_dim)
         if lat is not None:   # the key owner: this token's key (if it completes a row) goes into its cache
             k, cache, norm = step.op("attn.indexer.k_proj")(lat, w["indexer.k_proj"]), state["index_k"], \
                 w["indexer.k_norm"]
             step.scratch[INDEX_K] = cache
         else:                 # scores against the owner's keys; writes none
-            k, cache, norm, slot_c = iq[:, 0], self._published(step, INDEX_K), None, torch.full_like(slot_c, -1)
-        step.op("attn.indexer")(iq, k, iw, cache, slot_c, step.meta["block_table"], seq_c.to(torch.int32),
+            k, cache, norm = iq[:, 0], self._published(step, INDEX_K), None
+        step.op("attn.indexer")(iq, k, iw, cache, slot_c, step.meta["block_table"], seq_c,
                                 topk=ix.topk, positions=pos, rope_inv_freq=w["rope_inv_freq"], rope_interleaved=True,
                                 k_norm_weight=norm, k_norm_eps=self.norm_eps, k_norm_kind="rms",
                                 out=step.scratch[TOPK][:M])
 
 
-__all__ = ["COMPRESSED", "INDEX_K", "SparseMQAAttention", "TOPK", "rope_leading", "rope_tail"]
+__all__ = ["COMPRESSED", "INDEX_K", "NO_SLOT", "SEQ_C", "SparseMQAAttention", "TOPK", "rope_leading", "rope_tail"]

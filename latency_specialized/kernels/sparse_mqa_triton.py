@@ -1,0 +1,521 @@
+"""Sparse MQA decode in two Triton launches: ``attention.sparse_mqa.triton``.
+
+The contract is ``ops.attention.sparse_mqa.sparse_mqa_decode_reference`` (DeepSeek-V4.1-Flash's attention
+between its projections: per-head weightless q RMSNorm, q / kv RoPE of the interleaved tail, the window-ring
+write, one K = V head over the window ring plus the indexer's selected compressed rows, per-head sinks, the
+output's inverse RoPE). One token per sequence: ``M`` rows, ``H`` local query heads, head width ``D``.
+
+1. **split kernel**, grid ``(M, splits, head groups)``: a program takes every query head of its row (up to
+   ``MAX_BLOCK_H`` of them, padded to 16 rows, the smallest ``tl.dot`` M: each KV row is read once for all
+   heads) and one contiguous chunk of the row's ``T = W + topk`` key slots - ring slots first, then the
+   selection's slots. Its prologue is the old ``qnorm_rope_kv_insert`` kernel, redone per program (a few
+   KB of q, far less than the chunk's rows): q normed (fp32, rounded as the norm op rounds), roped, rounded;
+   the new kv row normed with its gain (``kv_norm_weight``: the layer's kv_norm, rounded as the norm op
+   rounds), roped and rounded to the ring's dtype. The program whose chunk holds the ring slot
+   ``pos % W`` stores that row into the ring; every program substitutes it from registers where it reads
+   that slot, and never loads the slot from memory, so no program can see the store half done (one launch
+   fewer than a prologue kernel, and no ordering between launches to get right). Selected rows are gathered
+   in place from the paged cache through ``block_table`` (no gather copy, no top-k -> rows conversion
+   kernel); invalid slots (ring slots >= seq_len, selection -1 or >= seq_len // ratio) are masked, never
+   read. Per tile of ``BLOCK_N`` slots: ``s = scale q k^T`` (tensor cores, fp32 accumulation), online
+   softmax in base 2, ``acc += p v`` with p rounded to the cache dtype. Partials ``(acc, m, l)`` go to an
+   fp32 workspace (an empty split stores ``m = -inf, l = 0, acc = 0``).
+2. **combine kernel**, grid ``(M, H, D / BLOCK_D)``: log-sum-exp weights over the splits, the sink logit
+   joins the denominator only, the attention output rounded to q's dtype (the reference's rounding), then
+   the inverse RoPE of the tail channels (the interleaved partner of a channel lies in the same chunk) and
+   the final rounding into ``out [M, H, D]``.
+
+Splits are sized to the rows, not to a context: ``T <= W + topk`` slots, cut into chunks of whole tiles
+(``choose_splits``: about ``WAVES`` programs per SM, at least one tile each), chosen on the host from static
+shapes only - nothing reads ``seq_lens`` or the selection on the host, so the call captures into a CUDA
+graph and replays for any positions, lengths, selections and cache contents. Workspaces are ``torch.empty``
+per call (the graph's pool under capture).
+
+Roundings against the fp32-math reference: the same roundings of q (norm, RoPE) and the ring row, p to the
+cache dtype for the second dot, fp32 elsewhere, the output rounded twice as the reference rounds it: a bf16
+tolerance. With fp32 tensors every step is fp32 (``tl.dot`` in IEEE fp32): how the CPU tests check the
+kernels under the Triton interpreter, whose bf16 ``tl.dot`` is wrong (``DOT_F32`` widens the operands there,
+after rounding them as the GPU would). Design notes: ``NOTES_sparse_mqa.md``.
+
+The compressor of a KV-source layer, ``attention.sparse_mqa_compress.triton`` (contract:
+``ops.attention.sparse_mqa.sparse_mqa_compress_reference``), is one more launch, grid ``(M,)``: the token's
+``[kv | gate]`` stored into its pending slot, the group's other rows loaded (this token's from registers, so the
+store and the pool need no ordering), the per-channel softmax-gated pool, the weighted RMSNorm (``lat``, the
+indexer key's input, stored), the RoPE of ``lat`` (the partner channel read back from the stored row after a CTA
+barrier) into the compressed cache at the row's slot (< 0: the token completes none).
+
+Triton is imported lazily (kernels built on first use, per ``TRITON_INTERPRET`` setting), so this module
+imports on machines without Triton and ``supports()`` names what is missing.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from latency_specialized.contract import Implementation, OpContext, Support
+from latency_specialized.errors import UserError
+from latency_specialized.hardware import sm_count
+from latency_specialized.kernels.triton_common import triton_gpu_refusal
+
+NAME = "attention.sparse_mqa.triton"
+FALLBACK = "attention.sparse_mqa.torch"
+"""What the errors point to: the sync-free torch composition of the same family."""
+COMPRESS_NAME = "attention.sparse_mqa_compress.triton"
+COMPRESS_FALLBACK = "attention.sparse_mqa_compress.torch"
+
+MIN_BLOCK_H = 16
+"""Fewest query-head rows of a program's tiles: the smallest M of a tensor-core ``tl.dot`` (8 heads at TP8 pad
+to 16 with masked rows: the kernel is bound by its row reads and latency, not by the MMAs)."""
+MAX_BLOCK_H = 32
+"""Most heads one program takes (its fp32 accumulator is ``heads x D``: 64 KB at 32 x 512); more heads split
+into head groups that each read the rows again (TP1 / TP2 only)."""
+TILE_BYTES = 32768
+"""Bytes of one key tile: ``BLOCK_N = TILE_BYTES / (D x element size)`` slots, clamped to [16, 64] - 32 slots
+of a 512-wide bf16 row (the stock stand-in's tile)."""
+WAVES = 2
+"""Target programs per SM when choosing the splits (M x splits x head groups ~ WAVES x SMs, >= 1 tile each)."""
+MAX_SPLITS = 64
+"""Most splits of one row (the combine holds every split's m and l in one vector)."""
+COMBINE_TILE = 4096
+"""fp32 partial elements one combine program loads per operand (``splits x BLOCK_D``)."""
+NUM_STAGES = 2
+_STORE_NEW = True
+"""Tests only: False leaves out the ring store, which shows that no program reads the new row from memory
+(the interpreter runs programs one after another, so it cannot show a race)."""
+_LOG2E = 1.4426950408889634
+_HEAD_DIMS = (16, 1024)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def _kernels(interpret: bool):
+    """Build the jitted kernels (``triton.jit`` decides interpreter vs compiler when it decorates, from
+    ``TRITON_INTERPRET``: one build per setting, on first use). Returns a dict by name."""
+    del interpret  # the cache key only
+    # defined here, not at import (no triton import on machines without it); Triton resolves the names a
+    # kernel uses through its module globals: hence tl as a global
+    global tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def split_kernel(q, kv, positions, rows, seq_lens, window, cache, block_table, selection, inv_freq, kv_w,
+                     ws_acc, ws_m, ws_l, num_splits, chunk, T, W, ratio, block_size, H, q_eps, kv_eps,
+                     qk_scale_log2,
+                     s_qm, s_qh, s_kv, s_wr, s_ws, s_bt, s_sel,
+                     D: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+                     NORM_Q: tl.constexpr, NORM_KV: tl.constexpr, HAS_SEL: tl.constexpr, PREC: tl.constexpr,
+                     DOT_F32: tl.constexpr,
+                     STORE_NEW: tl.constexpr):
+        # grid (M, num_splits, head groups). Masks from comparisons only (the interpreter mishandles & of a
+        # vector and a scalar mask): a scalar condition becomes a bound (offs < where(cond, D, 0)).
+        m = tl.program_id(0).to(tl.int64)
+        sp = tl.program_id(1)
+        hg = tl.program_id(2)
+        offs_h = hg * BH + tl.arange(0, BH)
+        h_ok = offs_h < H
+        d = tl.arange(0, D)
+        t_rot = d - (D - R)
+        rot = t_rot >= 0
+        dp = tl.where(rot, d ^ 1, d)                    # interleaved partner (itself outside the tail)
+        pos = tl.load(positions + m)
+        seq = tl.load(seq_lens + m).to(tl.int32)
+        srow = tl.load(rows + m).to(tl.int64)
+        # RoPE as x * c + x[partner] * s: outside the tail inv = 0 gives c = 1, s = 0 exactly
+        inv = tl.load(inv_freq + tl.maximum(t_rot, 0) // 2, mask=rot, other=0.0)
+        ang = pos.to(tl.float32) * inv
+        c = tl.cos(ang)
+        s_ = tl.sin(ang) * tl.where(t_rot % 2 == 0, -1.0, 1.0)
+        qdt = q.dtype.element_ty
+        cdt = window.dtype.element_ty
+
+        # the query: weightless RMSNorm and RoPE, each rounded to q's dtype as the unfused ops round them
+        q_ptr = q + m * s_qm + offs_h[:, None] * s_qh
+        qx = tl.load(q_ptr + d[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
+        qp = tl.load(q_ptr + dp[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
+        if NORM_Q:
+            r = tl.rsqrt(tl.sum(qx * qx, 1) / D + q_eps)
+            qx = (qx * r[:, None]).to(qdt).to(tl.float32)
+            qp = (qp * r[:, None]).to(qdt).to(tl.float32)
+        qt = (qx * c[None, :] + qp * s_[None, :]).to(qdt).to(cdt)                     # [BH, D]
+        if DOT_F32:
+            qt = qt.to(tl.float32)
+
+        # the new row (normed with its gain, rounded as the norm op rounds: the whole row is here already),
+        # roped and rounded as the ring stores it; the program holding its slot stores it
+        kx = tl.load(kv + m * s_kv + d).to(tl.float32)
+        kp = tl.load(kv + m * s_kv + dp).to(tl.float32)
+        if NORM_KV:
+            kdt = kv.dtype.element_ty
+            rk = tl.rsqrt(tl.sum(kx * kx, 0) / D + kv_eps)
+            kx = (kx * rk * tl.load(kv_w + d).to(tl.float32)).to(kdt).to(tl.float32)
+            kp = (kp * rk * tl.load(kv_w + dp).to(tl.float32)).to(kdt).to(tl.float32)
+        kn = (kx * c + kp * s_).to(kv.dtype.element_ty).to(cdt)                        # [D]
+        slot = (pos % W).to(tl.int32)
+        if STORE_NEW:
+            own = (slot // chunk == sp) & (hg == 0)
+            tl.store(window + srow * s_wr + slot * s_ws + d, kn, mask=d < tl.where(own, D, 0))
+
+        seq_c = seq // ratio
+        start = sp * chunk
+        end = tl.minimum(start + chunk, T)
+        m_i = tl.full([BH], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BH], dtype=tl.float32)
+        acc = tl.zeros([BH, D], dtype=tl.float32)
+        w_base = window + srow * s_wr
+        for t0 in range(start, end, BN):
+            t = t0 + tl.arange(0, BN)
+            ok = (t < W) & (t < seq)                                                   # live ring slots
+            is_new = t == slot
+            kt = tl.load(w_base + t[:, None] * s_ws + d[None, :], mask=(ok & (t != slot))[:, None], other=0.0)
+            kt = tl.where((ok & is_new)[:, None], kn[None, :], kt)                     # never from memory
+            if HAS_SEL:
+                j = t - W
+                in_c = (t >= W) & (t < T)
+                idx = tl.load(selection + m * s_sel + j, mask=in_c, other=-1).to(tl.int32)
+                ok_c = in_c & (idx >= 0) & (idx < seq_c)
+                ic = tl.maximum(idx, 0)
+                blk = tl.load(block_table + m * s_bt + ic // block_size, mask=ok_c, other=0).to(tl.int64)
+                crow = blk * block_size + (ic % block_size)
+                kc = tl.load(cache + crow[:, None] * D + d[None, :], mask=ok_c[:, None], other=0.0)
+                kt = tl.where(ok_c[:, None], kc.to(cdt), kt)
+                ok = ok | ok_c
+            if DOT_F32:
+                kt = kt.to(tl.float32)
+            sc = tl.dot(qt, tl.trans(kt), input_precision=PREC)                        # [BH, BN]
+            sc = tl.where(ok[None, :], sc * qk_scale_log2, float("-inf"))             # log2 units
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                      # a tile with no live slot
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(sc - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            pc = p.to(cdt)
+            if DOT_F32:
+                pc = pc.to(tl.float32)
+            acc = tl.dot(pc, kt, acc * alpha[:, None], input_precision=PREC)
+            m_i = m_new
+
+        base = (m * num_splits + sp) * H + offs_h
+        tl.store(ws_m + base, m_i, mask=h_ok)
+        tl.store(ws_l + base, l_i, mask=h_ok)
+        tl.store(ws_acc + base[:, None] * D + d[None, :], acc, mask=h_ok[:, None])
+
+    @triton.jit
+    def combine_kernel(ws_acc, ws_m, ws_l, sinks, positions, inv_freq, out, num_splits, H, s_om, s_oh,
+                       D: tl.constexpr, R: tl.constexpr, S_PAD: tl.constexpr, BD: tl.constexpr,
+                       HAS_SINKS: tl.constexpr):
+        # grid (M, H, D / BD): channels [c BD, (c + 1) BD) of head h of row m
+        m = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        cb = tl.program_id(2)
+        offs_s = tl.arange(0, S_PAD)
+        s_ok = offs_s < num_splits
+        base = (m * num_splits + offs_s) * H + h
+        m_s = tl.load(ws_m + base, mask=s_ok, other=float("-inf"))
+        l_s = tl.load(ws_l + base, mask=s_ok, other=0.0)
+        g = tl.max(m_s, 0)
+        if HAS_SINKS:
+            snk = tl.load(sinks + h).to(tl.float32) * 1.4426950408889634
+            g = tl.maximum(g, snk)
+        g = tl.where(g == float("-inf"), 0.0, g)
+        w = tl.exp2(m_s - g)                                   # 0 for empty and padded splits
+        denom = tl.sum(w * l_s, 0)
+        if HAS_SINKS:
+            denom += tl.exp2(snk - g)                          # the sink: the denominator only
+        rcp = tl.where(denom > 0, 1.0 / tl.where(denom > 0, denom, 1.0), 0.0)
+        d = cb * BD + tl.arange(0, BD)
+        t_rot = d - (D - R)
+        rot = t_rot >= 0
+        dp = tl.where(rot, d ^ 1, d)
+        part = tl.load(ws_acc + base[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
+        partp = tl.load(ws_acc + base[:, None] * D + dp[None, :], mask=s_ok[:, None], other=0.0)
+        odt = out.dtype.element_ty
+        o = (tl.sum(w[:, None] * part, 0) * rcp).to(odt).to(tl.float32)       # the attention's rounding
+        op = (tl.sum(w[:, None] * partp, 0) * rcp).to(odt).to(tl.float32)
+        inv = tl.load(inv_freq + tl.maximum(t_rot, 0) // 2, mask=rot, other=0.0)
+        ang = -(tl.load(positions + m).to(tl.float32)) * inv                    # the inverse rotation
+        y = o * tl.cos(ang) + op * tl.sin(ang) * tl.where(t_rot % 2 == 0, -1.0, 1.0)
+        tl.store(out + m * s_om + h * s_oh + d, y.to(odt))
+
+    @triton.jit
+    def compress_kernel(c, pending, rows, positions, norm_w, inv_freq, cache, slots, lat, eps, s_c, s_pr, s_pk,
+                        D: tl.constexpr, R: tl.constexpr, RATIO: tl.constexpr, BR: tl.constexpr):
+        # grid (M,): one token's compressor, pending write -> pool -> norm -> lat -> RoPE -> cache write
+        m = tl.program_id(0).to(tl.int64)
+        pos = tl.load(positions + m)
+        d = tl.arange(0, D)
+        cdt = c.dtype.element_ty
+        if RATIO > 1:
+            pdt = pending.dtype.element_ty
+            k = tl.arange(0, BR)
+            cur = (pos % RATIO).to(tl.int32)
+            srow = tl.load(rows + m).to(tl.int64)
+            cv = tl.load(c + m * s_c + d).to(pdt)                                       # the pending rounding
+            cg = tl.load(c + m * s_c + D + d).to(pdt)
+            prow = pending + srow * s_pr + k[:, None] * s_pk + d[None, :]
+            old = (k < RATIO) & (k != cur)                                             # the group's earlier tokens
+            pv = tl.load(prow, mask=old[:, None], other=0.0).to(tl.float32)
+            pg = tl.load(prow + D, mask=old[:, None], other=0.0).to(tl.float32)
+            now = (k == cur)[:, None]
+            pv = tl.where(now, cv.to(tl.float32)[None, :], pv)
+            pg = tl.where(now, cg.to(tl.float32)[None, :], pg)
+            pg = tl.where((k < RATIO)[:, None], pg, float("-inf"))
+            tl.store(pending + srow * s_pr + cur * s_pk + d, cv)
+            tl.store(pending + srow * s_pr + cur * s_pk + D + d, cg)
+            e = tl.exp(pg - tl.max(pg, 0)[None, :])
+            x = tl.sum(e / tl.sum(e, 0)[None, :] * pv, 0).to(pdt).to(cdt).to(tl.float32)
+        else:
+            x = tl.load(c + m * s_c + d).to(tl.float32)
+        r = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+        y = (x * r * tl.load(norm_w + d).to(tl.float32)).to(lat.dtype.element_ty)
+        tl.store(lat + m * D + d, y)
+        # the RoPE partner lives in another thread's registers: read it back from the row just stored
+        tl.debug_barrier()
+        t_rot = d - (D - R)
+        rot = t_rot >= 0
+        yp = tl.load(lat + m * D + tl.where(rot, d ^ 1, d)).to(tl.float32)
+        inv = tl.load(inv_freq + tl.maximum(t_rot, 0) // 2, mask=rot, other=0.0)
+        ang = pos.to(tl.float32) * inv
+        z = y.to(tl.float32) * tl.cos(ang) + yp * tl.sin(ang) * tl.where(t_rot % 2 == 0, -1.0, 1.0)
+        slot = tl.load(slots + m).to(tl.int64)
+        tl.store(cache + tl.maximum(slot, 0) * D + d, z.to(lat.dtype.element_ty).to(cache.dtype.element_ty),
+                 mask=d < tl.where(slot >= 0, D, 0))
+
+    return {"split": split_kernel, "combine": combine_kernel, "compress": compress_kernel}
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def block_h(heads: int) -> int:
+    """Head rows of one program's tiles (a power of two in [MIN_BLOCK_H, MAX_BLOCK_H])."""
+    return min(max(MIN_BLOCK_H, _next_pow2(heads)), MAX_BLOCK_H)
+
+
+def block_n(head_dim: int, element_size: int) -> int:
+    """Key slots per tile (``TILE_BYTES``, clamped to [16, 64])."""
+    return min(max(16, _next_pow2(TILE_BYTES // (head_dim * element_size))), 64)
+
+
+def choose_splits(rows: int, slots: int, head_groups: int, sms: int, block: int) -> int:
+    """Splits of a row's ``slots`` key slots: about ``WAVES x sms`` programs over the ``rows x head_groups``
+    (row, head group) pairs, at least one tile (``block`` slots) per split, at most ``MAX_SPLITS``."""
+    tiles = -(-slots // block)
+    want = max(1, (WAVES * sms) // max(rows * head_groups, 1))
+    return max(1, min(tiles, want, MAX_SPLITS))
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def sparse_mqa_decode_triton(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                             seq_lens: torch.Tensor, window: torch.Tensor, cache: torch.Tensor | None,
+                             block_table: torch.Tensor | None, selection: torch.Tensor | None,
+                             sinks: torch.Tensor | None, rope_inv_freq: torch.Tensor, *, scale: float,
+                             compress_ratio: int = 1, q_norm_eps: float | None = None,
+                             kv_norm_weight: torch.Tensor | None = None, kv_norm_eps: float = 1e-6,
+                             out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """Sparse MQA decode (contract: ``ops.attention.sparse_mqa.sparse_mqa_decode_reference``), two launches.
+
+    Parameters
+    ----------
+    q : [M, H, D] raw (``q_norm_eps`` given) or normed query, pre-RoPE (unit last stride; rows / heads strided ok).
+    kv : [M, D] the new token's row, pre-RoPE (unit last stride; strided rows ok): raw where ``kv_norm_weight``
+        ([D], the RMSNorm gain, eps ``kv_norm_eps``) is given - normed in the split kernel's prologue - else
+        normed. positions, rows, seq_lens : [M] ints.
+    window : [rows_max, W, D] ring (unit last stride), written in place at (rows, positions % W).
+    cache : [blocks, block_size, D] contiguous paged compressed rows, or None (window-only);
+    block_table : [M, max_blocks] ints; selection : [M, topk] ints (-1: none; >= seq_lens // compress_ratio:
+        skipped), or None. sinks : [H] fp32 or None. rope_inv_freq : [R/2] fp32.
+    out : optional [M, H, D] in q.dtype (unit last stride). num_splits : splits of the ``W + topk`` slots per
+        row; default ``choose_splits`` (static shapes only). Tests force it.
+
+    Returns
+    -------
+    [M, H, D] in q.dtype, the inverse RoPE applied (``out`` when given). No host sync: CUDA-graph capturable.
+    """
+    _check(q, kv, positions, rows, seq_lens, window, cache, block_table, selection, sinks, rope_inv_freq)
+    M, H, D = q.shape
+    if kv_norm_weight is not None and (tuple(kv_norm_weight.shape) != (D,) or not kv_norm_weight.is_contiguous()):
+        raise UserError(f"{NAME}: kv_norm_weight must be contiguous [D={D}], got {tuple(kv_norm_weight.shape)}")
+    W = window.shape[1]
+    K = 0 if selection is None else selection.shape[1]
+    T = W + K
+    R = 2 * rope_inv_freq.shape[0]
+    if out is None:
+        out = torch.empty(M, H, D, device=q.device, dtype=q.dtype)
+    elif tuple(out.shape) != (M, H, D) or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise UserError(f"{NAME}: out must be [M, H, D] = [{M}, {H}, {D}] in {q.dtype} with unit last stride, "
+                        f"got {tuple(out.shape)} {out.dtype}")
+    if M == 0:
+        return out
+    q, kv, window = _unit_last(q), _unit_last(kv), window
+    bh = block_h(H)
+    groups = -(-H // bh)
+    bn = block_n(D, window.element_size())
+    if num_splits is None:
+        num_splits = choose_splits(M, T, groups, sm_count(q.device), bn)
+    if num_splits < 1:
+        raise UserError(f"{NAME}: num_splits={num_splits}; use a positive split count (or None)")
+    tiles = -(-T // bn)
+    chunk = -(-tiles // min(num_splits, tiles)) * bn        # whole tiles per split
+    ns = -(-T // chunk)
+    if ns > MAX_SPLITS:
+        raise UserError(f"{NAME}: {ns} splits of {T} slots exceed MAX_SPLITS={MAX_SPLITS}; ask for fewer")
+    ws_acc = torch.empty(M, ns, H, D, device=q.device, dtype=torch.float32)
+    ws_m = torch.empty(M, ns, H, device=q.device, dtype=torch.float32)
+    ws_l = torch.empty_like(ws_m)
+    has_sel = selection is not None
+    if has_sel:
+        sel, bt, cc, bs = _unit_last(selection), _unit_last(block_table), cache, cache.shape[1]
+    else:  # unused pointers (constexpr branch)
+        sel, bt, cc, bs = seq_lens, seq_lens, window, 1
+    interp = _interpreting()
+    dot_f32 = interp and window.dtype != torch.float32   # the interpreter's bf16/fp16 tl.dot is wrong
+    prec = "ieee" if window.dtype == torch.float32 or dot_f32 else "tf32"
+    kernels = _kernels(interp)
+    kernels["split"][(M, ns, groups)](
+        q, kv, positions, rows, seq_lens, window, cc, bt, sel, rope_inv_freq,
+        kv_norm_weight if kv_norm_weight is not None else rope_inv_freq, ws_acc, ws_m, ws_l,
+        ns, chunk, T, W, max(int(compress_ratio), 1), bs, H, float(q_norm_eps or 0.0), float(kv_norm_eps),
+        float(scale) * _LOG2E,
+        q.stride(0), q.stride(1), kv.stride(0), window.stride(0), window.stride(1),
+        bt.stride(0) if has_sel else 0, sel.stride(0) if has_sel else 0,
+        D=D, R=R, BH=bh, BN=bn, NORM_Q=q_norm_eps is not None, NORM_KV=kv_norm_weight is not None,
+        HAS_SEL=has_sel, PREC=prec, DOT_F32=dot_f32,
+        STORE_NEW=_STORE_NEW, num_warps=8 if D >= 256 else 4, num_stages=NUM_STAGES)
+    s_pad = max(2, _next_pow2(ns))
+    bd = max(16, min(D, COMBINE_TILE // s_pad))
+    kernels["combine"][(M, H, D // bd)](
+        ws_acc, ws_m, ws_l, sinks if sinks is not None else ws_m, positions, rope_inv_freq, out, ns, H,
+        out.stride(0), out.stride(1), D=D, R=R, S_PAD=s_pad, BD=bd, HAS_SINKS=sinks is not None, num_warps=4)
+    return out
+
+
+def _check(q, kv, positions, rows, seq_lens, window, cache, block_table, selection, sinks, rope_inv_freq) -> None:
+    """UserError naming the fix for arguments that do not fit together or that the kernels cannot take."""
+    if q.dim() != 3:
+        raise UserError(f"{NAME}: q has shape {tuple(q.shape)}; pass [M, H, D] (the q_b output viewed per head)")
+    M, H, D = q.shape
+    R = 2 * rope_inv_freq.shape[0]
+    if tuple(kv.shape) != (M, D):
+        raise UserError(f"{NAME}: kv has shape {tuple(kv.shape)}, needs [M={M}, D={D}] (the new token's row)")
+    if any(tuple(t.shape) != (M,) for t in (positions, rows, seq_lens)):
+        raise UserError(f"{NAME}: positions / rows / seq_lens need shape [M={M}]")
+    if window.dim() != 3 or window.shape[2] != D or window.stride(-1) != 1:
+        raise UserError(f"{NAME}: window has shape {tuple(window.shape)}, needs [rows, W, D={D}] with a unit last "
+                        "stride (it is written in place)")
+    lo, hi = _HEAD_DIMS
+    if D < lo or D > hi or D & (D - 1):
+        raise UserError(f"{NAME}: head_dim {D} is not a power of two in [{lo}, {hi}]; {FALLBACK} serves it")
+    if R <= 0 or R > D or rope_inv_freq.dtype != torch.float32:
+        raise UserError(f"{NAME}: rope_inv_freq must be fp32 with 2 len(rope_inv_freq) = {R} in [2, D={D}]")
+    if sinks is not None and (tuple(sinks.shape) != (H,) or sinks.dtype != torch.float32 or not sinks.is_contiguous()):
+        raise UserError(f"{NAME}: sinks must be contiguous fp32 [H={H}], got {tuple(sinks.shape)} {sinks.dtype}")
+    if (selection is None) != (cache is None) or (selection is not None and block_table is None):
+        raise UserError(f"{NAME}: pass cache, block_table and selection together (compressed layers) or none of "
+                        "them (window-only layers)")
+    if selection is not None:
+        if selection.dim() != 2 or selection.shape[0] != M or selection.shape[1] < 1:
+            raise UserError(f"{NAME}: selection has shape {tuple(selection.shape)}, needs [M={M}, topk >= 1]")
+        if cache.dim() != 3 or cache.shape[2] != D or not cache.is_contiguous() or cache.dtype != window.dtype:
+            raise UserError(f"{NAME}: cache must be contiguous paged [blocks, block_size, D={D}] in the ring's dtype "
+                            f"{window.dtype}, got {tuple(cache.shape)} {cache.dtype}; {FALLBACK} serves others")
+    for name, t in (("positions", positions), ("rows", rows), ("seq_lens", seq_lens), ("selection", selection),
+                    ("block_table", block_table)):
+        if t is not None and t.dtype not in (torch.int32, torch.int64):
+            raise UserError(f"{NAME}: {name} is {t.dtype}; pass int32 or int64")
+
+
+def sparse_mqa_compress_triton(c: torch.Tensor, pending: torch.Tensor | None, rows: torch.Tensor,
+                               positions: torch.Tensor, norm_weight: torch.Tensor, rope_inv_freq: torch.Tensor,
+                               cache: torch.Tensor, slots: torch.Tensor, *, eps: float, ratio: int,
+                               out: torch.Tensor | None = None) -> torch.Tensor:
+    """A KV source's compressor in one launch (contract: ``ops.attention.sparse_mqa.sparse_mqa_compress_reference``):
+    the token's ``[kv | gate]`` into ``pending`` at ``positions % ratio``, the softmax-gated pool of the group,
+    the RMSNorm (``lat [M, D]``, returned), its RoPE into the paged ``cache`` at ``slots`` (< 0: nothing). One
+    program per token; the pool reads the group's other rows from memory and this token's from registers."""
+    M = c.shape[0]
+    D = cache.shape[-1]
+    if c.dim() != 2 or c.shape[1] != (2 * D if ratio > 1 else D) or (ratio > 1) != (pending is not None):
+        raise UserError(f"{COMPRESS_NAME}: c {tuple(c.shape)} / pending "
+                        f"{None if pending is None else tuple(pending.shape)} do not fit ratio {ratio} and D {D}")
+    lo, hi = _HEAD_DIMS
+    if D < lo or D > hi or D & (D - 1) or not cache.is_contiguous():
+        raise UserError(f"{COMPRESS_NAME}: needs a contiguous cache of power-of-two width in [{lo}, {hi}], got "
+                        f"{tuple(cache.shape)}; {COMPRESS_FALLBACK} serves it")
+    if pending is not None and (pending.dim() != 3 or pending.shape[1] != ratio or pending.stride(-1) != 1):
+        raise UserError(f"{COMPRESS_NAME}: pending has shape {tuple(pending.shape)}, needs [rows, {ratio}, {2 * D}]")
+    if out is None:
+        out = torch.empty(M, D, device=c.device, dtype=c.dtype)
+    if M == 0:
+        return out
+    c = _unit_last(c)
+    pend = pending if pending is not None else c
+    _kernels(_interpreting())["compress"][(M,)](
+        c, pend, rows, positions, norm_weight, rope_inv_freq, cache, slots, out, float(eps), c.stride(0),
+        pend.stride(0) if pending is not None else 0, pend.stride(1) if pending is not None else 0,
+        D=D, R=2 * rope_inv_freq.shape[0], RATIO=int(ratio), BR=max(2, _next_pow2(int(ratio))),
+        num_warps=4 if D >= 256 else 1)
+    return out
+
+
+# ----------------------------------------------------------------------------------- support
+def _supports(ctx: OpContext) -> Support:
+    refusal = triton_gpu_refusal(ctx, "sparse MQA", min_sm=80)
+    if refusal:
+        return refusal
+    try:
+        D = ctx.dim("head_dim")
+    except KeyError:  # a site without the dims: the call checks them and names the fix
+        return True
+    lo, hi = _HEAD_DIMS
+    if D < lo or D > hi or D & (D - 1):
+        return f"head_dim {D} is not a power of two in [{lo}, {hi}]: {FALLBACK} serves it"
+    try:
+        rope = ctx.dim("rope")
+    except KeyError:
+        return True
+    if rope <= 0 or rope % 2 or rope > D:
+        return f"rope {rope} must be even and in [2, head_dim {D}]"
+    if ctx.attr("rope_interleaved", True) is False:
+        return "rotate-half RoPE: the kernels rotate interleaved pairs"
+    return True
+
+
+def _compress_supports(ctx: OpContext) -> Support:
+    refusal = triton_gpu_refusal(ctx, "the sparse MQA compressor")
+    if refusal:
+        return refusal
+    try:
+        D = ctx.dim("head_dim")
+    except KeyError:
+        return True
+    lo, hi = _HEAD_DIMS
+    if D < lo or D > hi or D & (D - 1):
+        return f"head_dim {D} is not a power of two in [{lo}, {hi}]: {COMPRESS_FALLBACK} serves it"
+    return True
+
+
+IMPLEMENTATIONS = [
+    Implementation("attention.sparse_mqa", NAME, sparse_mqa_decode_triton, _supports, priority=10,
+                   strided_rows=True,
+                   description="Triton split + combine: q head norm, kv norm / RoPE, the ring write in the split "
+                               "kernel (all heads per program), selected rows read in place through the block "
+                               "table, sinks and inverse RoPE in the combine: no host sync; GPUs sm_80+, pow2 D"),
+    Implementation("attention.sparse_mqa_compress", COMPRESS_NAME, sparse_mqa_compress_triton, _compress_supports,
+                   priority=10, strided_rows=True,
+                   description="Triton, one program per token: pending write, softmax-gated pool, RMSNorm, RoPE, "
+                               "compressed-cache write in one launch; pow2 D"),
+]
+
+__all__ = ["COMPRESS_NAME", "FALLBACK", "IMPLEMENTATIONS", "NAME", "block_h", "block_n", "choose_splits",
+           "sparse_mqa_compress_triton", "sparse_mqa_decode_triton"]
