@@ -173,8 +173,49 @@ def teacher_forced(adapter: Any, batch: int, steps: int, *, variant: str = "medi
                      graph_steps=graph_steps)
 
 
+def graph_replay_equals_eager(adapter: Any, batch: int, steps: int = 6, *, device: str = "cuda",
+                              graphs: tuple[bool, ...] = (True, False)) -> Any:
+    """The medium model's whole decode step from one captured CUDA graph equals the eager run, ``steps``
+    teacher-forced steps at ``batch`` (logits within bf16 noise, next tokens equal, no NaN through a poisoned
+    logits buffer, every step fast and replayed). Returns the plan (callers check what serves it).
+    ``graphs=(False,)`` runs the eager side alone (a CPU smoke run of this check's plumbing)."""
+    from latency_specialized import hardware
+    from latency_specialized.ops.plan import build_plan
+    from latency_specialized.plugins import get_registry
+    from latency_specialized.runtime.buffers import BufferSpec, DecodeBuffers
+    from latency_specialized.runtime.gate import StepState
+    from latency_specialized.runtime.harness import SpecBoundAdapter, make_runner
+    from latency_specialized.trace import Trace
+
+    spec, w, _, cache, lens, stream = setup(adapter, batch, steps, device=device, seed=0, prompt=12,
+                                            router_scale=0.0)
+    plan = build_plan(SpecBoundAdapter(adapter, spec), get_registry().implementations, hardware.probe(), tp=1,
+                      batch=batch, dtype="bfloat16")
+    runs = []
+    for use_graphs in graphs:
+        trace = Trace()
+        prog = adapter.program(spec, weights=w, plans=plan, cache=cache.clone(), trace=trace)
+        buf = DecodeBuffers(BufferSpec(max_batch=plan.bucket, max_blocks_per_seq=len(cache.slots[0].blocks),
+                                       block_size=cache.block_size, pad_state=0), device)
+        buf.load(stream[0], lens, [s.row for s in cache.slots], cache.block_table(device="cpu"))
+        runner = make_runner(prog, buf, use_graphs=use_graphs, preserve_state=True)
+        if use_graphs:
+            assert runner.capture()
+        runs.append((prog, runner, trace))
+    (pg, rg, tg), (_, re_, _) = runs[0], runs[-1]
+    for t in range(steps):
+        pg.logits.fill_(float("nan"))
+        r = rg.run(StepState(num_seqs=batch), tokens=stream[t])
+        e = re_.run(StepState(num_seqs=batch), tokens=stream[t]) if len(runs) > 1 else r
+        assert r.graph == graphs[0] and r.fast and not torch.isnan(r.outputs["logits"][:batch]).any()
+        torch.testing.assert_close(r.outputs["logits"][:batch], e.outputs["logits"][:batch], rtol=1e-3, atol=1e-3)
+        assert torch.equal(r.outputs["next_tokens"][:batch], e.outputs["next_tokens"][:batch]), t
+    assert tg.summary()["fast_steps"] == steps and (tg.summary()["captures"] >= 1 or not graphs[0])
+    return plan
+
+
 def as_dict(r: LongCheck) -> dict:
     return asdict(r)
 
 
-__all__ = ["LongCheck", "teacher_forced", "setup", "router_names", "as_dict"]
+__all__ = ["LongCheck", "teacher_forced", "setup", "router_names", "as_dict", "graph_replay_equals_eager"]

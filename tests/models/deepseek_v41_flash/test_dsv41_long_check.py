@@ -10,7 +10,6 @@ long_check.py --model deepseek_v41_flash`` (results in benchmarks/results/h200/d
 import math
 
 import pytest
-import torch
 
 from latency_specialized.plugins import get_registry
 from latency_specialized.testing.long_check import teacher_forced as _teacher_forced
@@ -108,35 +107,6 @@ def test_medium_model_teacher_forced_on_gpu_kernels():
 def test_medium_model_whole_step_replays_from_one_cuda_graph(batch):
     """Every layer kind (window, ratio-2 source + indexer, ratio-1 source + indexer, ratio-1 reader) in one
     captured graph, replay == eager."""
-    from latency_specialized import hardware
-    from latency_specialized.ops.plan import build_plan
-    from latency_specialized.runtime.buffers import BufferSpec, DecodeBuffers
-    from latency_specialized.runtime.gate import StepState
-    from latency_specialized.runtime.harness import SpecBoundAdapter, make_runner
-    from latency_specialized.testing.long_check import setup
-    from latency_specialized.trace import Trace
+    from latency_specialized.testing.long_check import graph_replay_equals_eager
 
-    reg, a = get_registry(), adapter()
-    spec, w, ref, cache, lens, stream = setup(a, batch, 6, device="cuda", seed=0, prompt=12, router_scale=0.0)
-    plan = build_plan(SpecBoundAdapter(a, spec), reg.implementations, hardware.probe(), tp=1, batch=batch,
-                      dtype="bfloat16")
-    runs = []
-    for graphs in (True, False):
-        trace = Trace()
-        prog = a.program(spec, weights=w, plans=plan, cache=cache.clone(), trace=trace)
-        buf = DecodeBuffers(BufferSpec(max_batch=plan.bucket, max_blocks_per_seq=len(cache.slots[0].blocks),
-                                       block_size=cache.block_size, pad_state=0), "cuda")
-        buf.load(stream[0], lens, [s.row for s in cache.slots], cache.block_table(device="cpu"))
-        runner = make_runner(prog, buf, use_graphs=graphs, preserve_state=True)
-        if graphs:
-            assert runner.capture()
-        runs.append((prog, runner, trace))
-    (pg, rg, tg), (_, re_, _) = runs
-    for t in range(6):
-        pg.logits.fill_(float("nan"))
-        r = rg.run(StepState(num_seqs=batch), tokens=stream[t])
-        e = re_.run(StepState(num_seqs=batch), tokens=stream[t])
-        assert r.graph and r.fast and not torch.isnan(r.outputs["logits"][:batch]).any()
-        torch.testing.assert_close(r.outputs["logits"][:batch], e.outputs["logits"][:batch], rtol=1e-3, atol=1e-3)
-        assert torch.equal(r.outputs["next_tokens"][:batch], e.outputs["next_tokens"][:batch]), t
-    assert tg.summary()["fast_steps"] == 6 and tg.summary()["captures"] >= 1
+    graph_replay_equals_eager(adapter(), batch)

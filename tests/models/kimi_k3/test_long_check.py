@@ -6,7 +6,6 @@ CPU: a few steps of the medium model (references serve every site) agree closely
 """
 
 import pytest
-import torch
 
 from latency_specialized.plugins import get_registry
 from latency_specialized.testing.long_check import teacher_forced as _teacher_forced
@@ -50,39 +49,8 @@ def test_medium_model_whole_step_replays_from_one_cuda_graph(batch):
     """Every layer kind (KDA, MLA, dense, latent MoE) in one captured graph, replay == eager.
 
     First passed on the H200 on 2026-11-29 (MLA on ``attention.mla.torch_paged``)."""
-    from latency_specialized import hardware
-    from latency_specialized.ops.plan import build_plan
-    from latency_specialized.runtime.buffers import BufferSpec, DecodeBuffers
-    from latency_specialized.runtime.gate import StepState
-    from latency_specialized.trace import Trace
+    from latency_specialized.testing.long_check import graph_replay_equals_eager
 
-    from latency_specialized.runtime.harness import SpecBoundAdapter, make_runner
-    from latency_specialized.testing.long_check import setup
-
-    reg = get_registry()
-    adapter = reg.adapter("kimi_k3")
-    spec, w, ref, cache, lens, stream = setup(adapter, batch, 6, device="cuda", seed=0, prompt=12, router_scale=0.0)
-    plan = build_plan(SpecBoundAdapter(adapter, spec), reg.implementations, hardware.probe(), tp=1,
-                      batch=batch, dtype="bfloat16")
+    plan = graph_replay_equals_eager(get_registry().adapter("kimi_k3"), batch)
     mla = {c.impl.name for c in plan.choices if c.site.family == "attention.mla"}
     assert mla and "attention.mla.reference" not in mla, mla  # the reference syncs: not capturable
-    runs = []
-    for graphs in (True, False):
-        trace = Trace()
-        prog = adapter.program(spec, weights=w, plans=plan, cache=cache.clone(), trace=trace)
-        buf = DecodeBuffers(BufferSpec(max_batch=plan.bucket, max_blocks_per_seq=len(cache.slots[0].blocks),
-                                       block_size=cache.block_size, pad_state=0), "cuda")
-        buf.load(stream[0], lens, [s.row for s in cache.slots], cache.block_table(device="cpu"))
-        runner = make_runner(prog, buf, use_graphs=graphs, preserve_state=True)
-        if graphs:
-            assert runner.capture()
-        runs.append((prog, runner, trace))
-    (pg, rg, tg), (pe, re_, _) = runs
-    for t in range(6):
-        pg.logits.fill_(float("nan"))
-        r = rg.run(StepState(num_seqs=batch), tokens=stream[t])
-        e = re_.run(StepState(num_seqs=batch), tokens=stream[t])
-        assert r.graph and r.fast and not torch.isnan(r.outputs["logits"][:batch]).any()
-        torch.testing.assert_close(r.outputs["logits"][:batch], e.outputs["logits"][:batch], rtol=1e-3, atol=1e-3)
-        assert torch.equal(r.outputs["next_tokens"][:batch], e.outputs["next_tokens"][:batch]), t
-    assert tg.summary()["fast_steps"] == 6 and tg.summary()["captures"] >= 1
