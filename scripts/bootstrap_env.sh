@@ -32,6 +32,15 @@ else
   step "removing torchvision/torchaudio/torchcodec (incompatible with the CPU torch build)"
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 fi
+# pytest-xdist runs `make test` on both cores (Makefile). Optional: from the configured index, or the
+# git-ignored .whl/ store where a checkout has it; without it `make test` runs serially (and says so loudly).
+XDIST=(pytest-xdist==3.8.0 execnet==2.1.2)
+step "installing ${XDIST[*]} (parallel make test)"
+XPIP=("${PIP[@]}")
+[ -d .whl ] && XPIP+=(--find-links .whl)
+if ! "${XPIP[@]}" "${XDIST[@]}"; then
+  echo "!!!!! WARNING: could not install ${XDIST[*]}: make test will run SERIALLY (about 25 min on 2 cores) !!!!!" >&2
+fi
 rm -f "$VENV"/.installed-*
 touch "$stamp"
 step "environment ready: $VENV"

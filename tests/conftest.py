@@ -4,16 +4,35 @@
 * Triton-interpreter cases (marker ``interpreter_case``) are collected only in a process started with
   ``TRITON_INTERPRET=1``, and their drivers (``interpreter_driver``) only in one without: elsewhere they
   are deselected, not skipped - the driver runs the cases in a child process (``tests/interpret.py``).
+* Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``): each worker uses one torch thread
+  (``OMP_NUM_THREADS=1`` for its children too), so two workers do not oversubscribe two cores; tests that
+  share a module-scoped fixture stay on one worker (``xdist_group`` = their file), the matrix's TP>1 cells
+  share one gloo pool per TP (group ``gloo-tpN``), and the interpreter drivers (long child runs) are
+  scheduled first.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
 from tests.interpret import CASE, DRIVER, INTERPRETING
 
 
+_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _XDIST_WORKER:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported; children inherit it
+
+
 def pytest_configure(config):
+    if _XDIST_WORKER:
+        try:
+            import torch
+
+            torch.set_num_threads(1)
+        except Exception:  # noqa: BLE001 - torch missing: nothing to pin
+            pass
     config.addinivalue_line("markers", f"{CASE}: runs only under TRITON_INTERPRET=1 from the process start "
                                        "(collected there only; its driver test runs it in a child process)")
     config.addinivalue_line("markers", f"{DRIVER}: runs {CASE} tests in a TRITON_INTERPRET=1 child process "
@@ -39,8 +58,32 @@ def _route_interpreter_tests(config, items) -> None:
         items[:] = [item for item in items if item.get_closest_marker(absent) is None]
 
 
+def _xdist_layout(config, items) -> None:
+    """Interpreter drivers first (the longest single tests); ``xdist_group`` marks (used by
+    ``--dist loadgroup``) for the tests that share a module-scoped fixture (by file) and for the matrix's
+    TP>1 program cells (one gloo pool per TP and group). Order and marks are the same in every worker."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    items.sort(key=lambda item: item.get_closest_marker(DRIVER) is None)  # stable: the rest keep their order
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        cell = getattr(getattr(item, "callspec", None), "params", {}).get("program_cell")
+        group = None
+        if cell is not None and getattr(cell, "tp", 1) > 1:
+            group = f"gloo-tp{cell.tp}"
+        else:
+            info = getattr(item, "_fixtureinfo", None)
+            defs = info.name2fixturedefs.values() if info is not None else ()
+            if any(getattr(d, "scope", "function") == "module" for ds in defs for d in ds):
+                group = item.nodeid.split("::")[0]
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
 def pytest_collection_modifyitems(config, items):
     _route_interpreter_tests(config, items)
+    _xdist_layout(config, items)
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU: run `make test-gpu` (pytest -m gpu) on the H200")

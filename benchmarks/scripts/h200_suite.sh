@@ -1,29 +1,39 @@
 #!/usr/bin/env bash
-# The whole `pytest -m gpu` suite on one H200 in one device call, as two concurrent pytest-xdist runs whose
-# workers share the GPU: the cross-model matrix file with its cells spread over MATRIX_WORKERS (--dist load:
-# it is the longest file by far), every other file whole per worker (--dist loadfile) over WORKERS.
-# Together they are every test `pytest -m gpu` collects. Logs + junit files under $OUT, counts at the end.
+# The whole `pytest -m gpu` suite on one H200, as pytest-xdist runs whose workers share the GPU: the
+# cross-model matrix file with its cells spread over MATRIX_WORKERS (--dist load: it is the longest file by
+# far), every other file whole per worker (--dist loadfile) over WORKERS. Together they are every test
+# `pytest -m gpu` collects. Logs + junit files under $OUT, counts at the end.
 #   on the device, after `bash .device/cute-a/stash.sh` on the same machine (carry .device/cute-b and .whl:
 #   the .whl folder must hold pytest-xdist and execnet):
 #   source scripts/device_env.sh && bash benchmarks/scripts/h200_suite.sh
-# SUITE_S (default 560 s, under the device's 600 s per call) bounds both runs.
+# PART: both (default: the two runs concurrently, one call), matrix or rest (one run per call: once the matrix
+# holds the long-context cells the two no longer fit one 600 s call together). SUITE_S (default 560 s,
+# under the device's 600 s per call) bounds each run.
 set -o pipefail
 OUT=${OUT:-/tmp/ls_out}
+PART=${PART:-both}
 mkdir -p "$OUT"
 export LS_KERNEL_CACHE_DIR=${LS_KERNEL_CACHE_DIR:-/tmp/ls_kcache} CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
 export LS_ALLREDUCE_KERNEL_DIR=${LS_ALLREDUCE_KERNEL_DIR:-/tmp/ls_ar} HUMMING_CACHE_DIR=${HUMMING_CACHE_DIR:-/tmp/hcache}
 export PYTHONPATH=$PWD:$PWD/tests/ops${PYTHONPATH:+:$PYTHONPATH}
 MATRIX=tests/models/test_matrix.py
 t0=$(date +%s)
-timeout "${SUITE_S:-560}" python3 -m pytest -m gpu "$MATRIX" -n "${MATRIX_WORKERS:-4}" --dist load -q -rfE \
-  -p no:cacheprovider --junitxml="$OUT/junit_matrix.xml" > "$OUT/gpu_suite_matrix.log" 2>&1 &
-m=$!
-timeout "${SUITE_S:-560}" python3 -m pytest -m gpu --ignore="$MATRIX" -n "${WORKERS:-8}" --dist loadfile -q -rfE \
-  -p no:cacheprovider --junitxml="$OUT/junit.xml" > "$OUT/gpu_suite.log" 2>&1 &
-o=$!
-wait $m; rm=$?
-wait $o; ro=$?
-echo "suite: matrix rc=$rm, the rest rc=$ro, after $(( $(date +%s) - t0 )) s"
-grep -hE "^(FAILED|ERROR)" "$OUT/gpu_suite_matrix.log" "$OUT/gpu_suite.log" | cut -c1-200 | head -30
-echo "matrix: $(tail -1 "$OUT/gpu_suite_matrix.log")"
-echo "rest:   $(tail -1 "$OUT/gpu_suite.log")"
+rm=skipped; ro=skipped
+if [ "$PART" != rest ]; then
+  timeout "${SUITE_S:-560}" python3 -m pytest -m gpu "$MATRIX" -n "${MATRIX_WORKERS:-4}" --dist load -q -rfE \
+    -p no:cacheprovider --junitxml="$OUT/junit_matrix.xml" > "$OUT/gpu_suite_matrix.log" 2>&1 &
+  m=$!
+fi
+if [ "$PART" != matrix ]; then
+  timeout "${SUITE_S:-560}" python3 -m pytest -m gpu --ignore="$MATRIX" -n "${WORKERS:-8}" --dist loadfile -q -rfE \
+    -p no:cacheprovider --junitxml="$OUT/junit.xml" > "$OUT/gpu_suite.log" 2>&1 &
+  o=$!
+fi
+if [ "$PART" != rest ]; then wait $m; rm=$?; fi
+if [ "$PART" != matrix ]; then wait $o; ro=$?; fi
+echo "suite ($PART): matrix rc=$rm, the rest rc=$ro, after $(( $(date +%s) - t0 )) s"
+for f in "$OUT/gpu_suite_matrix.log" "$OUT/gpu_suite.log"; do
+  [ -f "$f" ] || continue
+  grep -hE "^(FAILED|ERROR)" "$f" | cut -c1-200 | head -30
+  echo "$(basename "$f"): $(tail -1 "$f")"
+done

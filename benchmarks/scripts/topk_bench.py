@@ -60,11 +60,18 @@ def _variants(tk, ix):
         vals, idx = torch.topk(x, k, dim=-1)
         out.copy_(torch.where(vals > float("-inf"), idx, -1))
 
-    def radix_select(x, lens, k, out):
-        radix[(x.shape[0],)](x, lens, out, k, x.stride(0), out.stride(0), TILE=ix.SELECT_TILE,
-                             num_warps=ix.SELECT_WARPS)
+    def radix_with(bits=None, resident=None, warps=None):
+        # resident: rows of up to this many logits stay in registers across the passes (0: never)
+        def radix_select(x, lens, k, out):
+            ix.launch_select(radix, x, lens, out, k, x.shape[1], bits=bits, resident_max=resident, warps=warps)
 
-    return dict(split=split, torch_topk=torch_topk, radix=radix_select)
+        return radix_select
+
+    big = 1 << 20
+    return dict(split=split, torch_topk=torch_topk, radix=radix_with(),
+                radix8_loop=radix_with(8, 0), radix8_res=radix_with(8, big), radix4_loop=radix_with(4, 0),
+                radix4_res=radix_with(4, big), radix8_res_w16=radix_with(8, big, 16),
+                radix4_res_w16=radix_with(4, big, 16), radix4_res_w4=radix_with(4, big, 4))
 
 
 def _kernel_nodes(fn) -> dict | None:

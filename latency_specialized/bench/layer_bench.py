@@ -25,6 +25,12 @@ and ``mla``; Muse Spark ``swa`` (sliding-window GQA + latent MoE) and ``full`` (
 harness ``runtime/layer_harness.py`` over the adapter's pieces and its ``bench_spec``); its step also runs
 the embedding, final norm and head, so the bench measures a 1-layer program too and reports
 ``(t_K - t_1) / (K - 1)`` per layer (kernels likewise).
+
+**Verification steps** (``BenchConfig.spec_tokens``, ``bench --spec-tokens 3,7``): for every k > 0 each cell
+is timed again with the program built for k draft tokens as the runtime builds it (:func:`build_spec_ours`:
+``rows = batch x (1 + k)``; each step accepts the previous step's drafts, then verifies), stock on the same
+rows (:func:`spec_notes` says how), and :func:`add_verify_ratios` divides by the k = 0 cell of the same run
+(``cell['verify']['ratio']``: verification / single step) and splits what the extra rows cost.
 """
 
 from __future__ import annotations
@@ -62,6 +68,14 @@ class BenchConfig:
     warmup: int = 5
     dtype: str = "bfloat16"
     seed: int = 0
+    spec_tokens: tuple[int, ...] = (0,)
+    """Draft tokens per request of the steps timed: 0 = single-token decode steps; k > 0 = verification steps
+    (speculative decoding) of ``batch x (1 + k)`` rows, timed beside the k = 0 step of the same batch, which
+    the bench then always runs too (``verification / single step`` is a ratio of one run)."""
+
+    def spec_ks(self) -> tuple[int, ...]:
+        """The k values timed, ascending: 0 first (the single-step baseline of every verification cell)."""
+        return tuple(sorted(set(self.spec_tokens) | {0}))
 
 
 class Variant(Protocol):
@@ -230,10 +244,23 @@ def add_stock_roofline(cell: dict[str, Any], full: ModelSpec, tp: int, **bytes_k
 
 
 # ------------------------------------------------------------------------------------------ timing
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _time(fn: Callable[[], None], iters: int, warmup: int) -> float:
-    """Median microseconds of ``fn`` over ``iters`` CUDA-event-timed calls."""
+    """Median microseconds of ``fn`` over ``iters`` CUDA-event-timed calls (host-timed calls where torch sees
+    no GPU: the CPU smoke test of the bench's wiring, whose figures mean nothing)."""
     for _ in range(warmup):
         fn()
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(times)
     torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
@@ -283,7 +310,7 @@ def measure(variants: Sequence[Variant], cfg: BenchConfig, say: Callable[[str], 
         except Exception as e:  # noqa: BLE001 - e.g. a reference op that syncs: report it, time eagerly
             m.graph, m.error = False, f"not capturable: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
             say(f"    {v.name}: {m.error}; timing it eagerly")
-            torch.cuda.synchronize()
+            _sync()
         out.append(m)
     failed: set[int] = set()
     for _ in range(cfg.rounds):
@@ -298,7 +325,7 @@ def measure(variants: Sequence[Variant], cfg: BenchConfig, say: Callable[[str], 
                 m.rounds = []
                 failed.add(i)
                 say(f"    {v.name}: {m.error}")
-                torch.cuda.synchronize()
+                _sync()
     return out
 
 
@@ -359,6 +386,275 @@ def add_kernel_split(rec: dict[str, Any], *, no_comm_sites: bool = False) -> dic
     elif no_comm_sites:
         rec["comm_kernels"], rec["kernels_no_comm"] = 0, rec["kernels"]
     return rec
+
+
+# ------------------------------------------------------------------------------------------ verification steps
+TARGET_VERIFY_RATIO = 1.3
+"""Issue 25: a k = 7 verification step at batch 1 costs <= 1.3x a single-token step of the same model."""
+
+
+def _spec_variant_class():
+    """ProgramVariant of a verification program (imported lazily: the runtime harness needs torch.cuda only
+    when it runs)."""
+    from latency_specialized.runtime.layer_harness import ProgramVariant
+
+    class SpecProgramVariant(ProgramVariant):
+        """A verification-step Variant: ``batch`` requests of ``1 + k`` rows each (request-major). Every load
+        writes random drafts and a pending accept of all ``k`` drafts per request (the most rank-1 updates the
+        accept replays from the previous step's tape: the steady state of a fully accepted stream)."""
+
+        def __init__(self, name, built, batch, bucket, all_buckets, context=None, *, spec_tokens: int):
+            self.k = spec_tokens  # before ProgramVariant.__init__: it loads
+            super().__init__(name, built, batch, bucket, all_buckets, context)
+
+        def _load(self) -> None:
+            super()._load()
+            b, k = self.batch, self.k
+            g = torch.Generator().manual_seed(2000 + b * 8 + k)
+            drafts = torch.randint(0, self.b.spec.vocab_size, (b, k), generator=g)
+            bufs = self.b.buffers
+            bufs.set_drafts(drafts.to(bufs.device))
+            bufs.set_accepted([k] * b)
+
+        @property
+        def rows(self) -> int:
+            return self.batch * (1 + self.k)
+
+        def routing(self) -> list[torch.Tensor]:
+            """Expert ids of every MoE layer of one eager verification step: all ``batch x (1 + k)`` rows."""
+            return [t[: self.rows] for t in self.b.routing.record(lambda: self.b.runner.body(self.bucket))]
+
+    return SpecProgramVariant
+
+
+def build_spec_ours(adapter: Any, full: ModelSpec, tp: int, kind: str, layers: int, batches: Sequence[int],
+                    device: torch.device, spec_tokens: int, *, seed: int = 0, say: Callable[[str], None] = print,
+                    contexts: Sequence[int] = (), steps: int = 256) -> Any:
+    """"Ours" for verification steps of ``spec_tokens`` = k draft tokens: the K-layer and 1-layer programs of
+    ``runtime/layer_harness.OursBench`` built the way the runtime builds a verification program - the adapter's
+    bench spec ``with_spec_tokens(k)`` (Kimi K3: the KDA pieces get their verify/accept sites and rollback
+    tapes), plans ``build_plan(spec_tokens=k)`` (``tokens = bucket x (1 + k)``), ``BufferSpec(spec_tokens=k)``,
+    a gate for ``spec_tokens=(k,)`` and a graph runner that does not feed next tokens back (a verification
+    step's outputs are ``[batch, 1 + k]``; the host writes positions, drafts and accepts) - then captured and
+    timed like the plain programs. Same weights (same seeds) as the k = 0 programs.
+
+    UserError naming what is missing when the adapter cannot build one (no ``with_spec_tokens`` on its bench
+    spec, or a piece that cannot verify: ``runtime.composed.verification_problems``)."""
+    from latency_specialized import hardware
+    from latency_specialized.comm.base import ExcludedCommunicator
+    from latency_specialized.ops.plan import build_plan
+    from latency_specialized.plugins import get_registry
+    from latency_specialized.runtime.buffers import BufferSpec, DecodeBuffers
+    from latency_specialized.runtime.composed import ComposedProgram, verification_problems
+    from latency_specialized.runtime.gate import DecodeGate
+    from latency_specialized.runtime.graph_runner import CUDAGraphRunner
+    from latency_specialized.runtime.harness import OutputRecorder, SpecBoundAdapter, exclude_communication
+    from latency_specialized.runtime.layer_harness import BuiltProgram, OursBench
+    from latency_specialized.runtime.random_weights import random_rank_weights
+    from latency_specialized.runtime.states import ModelStates
+    from latency_specialized.trace import Trace
+
+    if spec_tokens < 1:
+        raise UserError(f"build_spec_ours: {spec_tokens} draft tokens; k = 0 is the plain program (build_ours)")
+    kinds = adapter.bench_kinds()
+    if kind not in kinds:
+        raise UserError(f"bench kind {kind!r}: {adapter.name} has {', '.join(kinds) or 'no benchable kinds'}")
+    bk = kinds[kind]
+    if bk.context and not contexts:
+        raise UserError(f"the {kind} bench needs --context (cached tokens per sequence), e.g. 4096,32768")
+    k = spec_tokens
+    # the last draft of the last replay sits k positions past the plain step's: the cache holds k more tokens
+    max_len, block = (max(contexts) + 1 + steps + k, bk.kv_block_size) if bk.context else (4096, 16)
+    reg = get_registry()
+    hw = hardware.probe()
+    Variant_ = _spec_variant_class()
+
+    class SpecOursBench(OursBench):
+        def __init__(self) -> None:  # OursBench.__init__ builds k = 0 programs; this mirrors it for k
+            self.kind, self.batches, self.spec_tokens = kind, tuple(batches), k
+            self.notes: list[str] = []
+            self.built: dict[int, BuiltProgram] = {}
+            self.served_by_reference: list[str] = []
+            for n_layers in (layers, 1):
+                base = adapter.bench_spec(full, tp, kind, n_layers)
+                with_k = getattr(base, "with_spec_tokens", None)
+                if not callable(with_k):
+                    raise UserError(f"{adapter.name}: its bench spec ({type(base).__name__}) has no "
+                                    f"with_spec_tokens(k), so the bench cannot build the verification program for "
+                                    f"k = {k} (the runtime builds one from spec.with_spec_tokens(k))")
+                spec = with_k(k)
+                model = adapter.composed_model(spec)
+                problems = verification_problems(model, k, tp)
+                if problems:
+                    raise UserError(f"{adapter.name} {kind}: the runtime cannot build a verification program for "
+                                    f"k = {k}: " + "; ".join(problems))
+                comm = ExcludedCommunicator(tp) if tp > 1 else None
+                plans = {}
+                for b in self.batches:
+                    plan = build_plan(SpecBoundAdapter(adapter, spec), reg.implementations, hw, tp=tp, batch=b,
+                                      dtype="bfloat16", comm=comm, spec_tokens=k)
+                    plans[plan.bucket] = plan
+                weights = random_rank_weights(model, tp, device=device, seed=seed + n_layers)
+                states = ModelStates.allocate(model, max(self.batches), max_len, tp=tp, block_size=block,
+                                              device=device, shuffle_seed=seed if bk.context else None)
+                for t in states.tensors():  # a live state (and tape), not zeros
+                    t.normal_(0.0, 0.05)
+                trace = Trace()
+                program = ComposedProgram(model, weights, plans, states, comm=comm, trace=trace, weights_sharded=True)
+                del weights
+                excluded = exclude_communication(program) if tp > 1 else 0
+                buffers = DecodeBuffers(BufferSpec(max_batch=program.max_batch,
+                                                   max_blocks_per_seq=len(states.slots[0].blocks), block_size=block,
+                                                   pad_state=0, spec_tokens=k), device=device)
+                gate = DecodeGate(max_batch=program.max_batch, buckets=tuple(sorted(plans)), spec_tokens=(k,))
+                runner = CUDAGraphRunner(program, buffers, gate=gate, trace=trace, feed_back_tokens=False,
+                                         preserve_state=False)
+                built = BuiltProgram(spec, program, buffers, runner,
+                                     OutputRecorder(program, "/moe.router", lambda o: o[1]))
+                built.census.instrument(program)
+                self.built[n_layers] = built
+                if n_layers == layers:
+                    self._notes(plans, tp, excluded, program, kind)
+                    self.notes = [f"[k={k}] {n}" for n in self.notes]
+                    self.served_by_reference = reference_sites(plans)
+                    if self.served_by_reference:
+                        self.notes.append(
+                            f"[k={k}] ours {kind}: sites served by their torch reference (no GPU kernel registered "
+                            f"for them yet), timed as they run: {', '.join(self.served_by_reference)}.")
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                    say(f"  built {n_layers}-layer verification program, k = {k} "
+                        f"({torch.cuda.memory_allocated() / 2**30:.1f} GiB on the GPU)")
+            self.layers = layers
+            self.description = (f"ComposedProgram x {layers} (+1) {kind}+moe layers, verification steps of k = {k} "
+                                f"draft tokens (rows = batch x {1 + k}), TP{tp} rank shapes, "
+                                f"buckets {sorted(self.built[layers].program.plans)}")
+
+        def variants(self, batch: int, context: int | None = None) -> tuple[Any, Any]:
+            out = []
+            for n in (self.layers, 1):
+                built = self.built[n]
+                bucket = next(b for b in sorted(built.program.plans) if b >= batch)
+                out.append(Variant_(f"ours[{n}] k={k}", built, batch, bucket, sorted(built.program.plans), context,
+                                    spec_tokens=k))
+            return out[0], out[1]
+
+    return SpecOursBench()
+
+
+def reference_sites(plans: dict[int, Any]) -> list[str]:
+    """Called sites of ``plans`` whose implementation is a family's torch reference (``*.reference``), as
+    'site=impl' (site names without their kind prefix), sorted."""
+    out = set()
+    for p in plans.values():
+        choices = p.called_choices() if hasattr(p, "called_choices") else p.choices
+        for c in choices:
+            if c.impl is not None and c.impl.name.endswith(".reference"):
+                out.add(f"{c.site.name.split('/')[-1]}={c.impl.name}")
+    return sorted(out)
+
+
+def verify_bytes(full: ModelSpec, layer: int, tp: int, batch: int, spec_tokens: int) -> dict[str, float]:
+    """Bytes a verification step moves beyond :func:`layer_bytes` at ``batch`` requests: a KDA layer's rollback
+    tape (``ops.attention.kda_verify.tape_shapes``: per request and token k | exp(g) | v' fp32 per head and the
+    conv input), written by the verify op and read back by the next step's accept. Empty for other layers and
+    k = 0 (weights, states and KV cache count once per request whatever k: ``layer_bytes`` at ``batch``)."""
+    a = full.layers[layer].attention
+    if spec_tokens <= 0 or not isinstance(a, KDAAttentionSpec):
+        return {}
+    h_rank, D = a.num_heads // tp, a.head_dim
+    per_token = h_rank * 3 * D * 4 + 3 * h_rank * D * 2
+    return {"kda_tape": batch * (1 + spec_tokens) * per_token * 2}
+
+
+def add_verify_ratios(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Give every verification cell (``spec_tokens`` k > 0) its ``verify`` record against the k = 0 cell of the
+    same kind, batch and context of the same run: ``ratio`` = ours us/layer at k / ours us/layer at k = 0 (the
+    'verification / single step' of issue 25), the same for stock, and what the extra ``batch x k`` rows cost:
+    ``extra_us`` (and per extra row), the extra distinct experts and the part of the extra time the roofline
+    gives to their bytes (``extra_expert_us``), extra kernels. ``None`` fields where a side was not measured."""
+    base = {(c["kind"], c["batch"], c.get("context")): c for c in cells if not c.get("spec_tokens")}
+    for c in cells:
+        k = c.get("spec_tokens") or 0
+        if not k:
+            continue
+        b = base.get((c["kind"], c["batch"], c.get("context")))
+        o, s = c.get("ours") or {}, c.get("stock") or {}
+        rec: dict[str, Any] = {"k": k, "rows": c.get("rows"), "single_rows": c["batch"],
+                               "target_ratio": TARGET_VERIFY_RATIO}
+        if b is None:
+            rec["error"] = "no k = 0 cell of this kind, batch and context in the run"
+            c["verify"] = rec
+            continue
+        bo, bs = b.get("ours") or {}, b.get("stock") or {}
+        t, t0 = o.get("us"), bo.get("us")
+        extra_rows = (c.get("rows") or c["batch"] * (1 + k)) - c["batch"]
+        rec.update(single_us=t0, us=t,
+                   ratio=(t / t0) if (t and t0) else None,
+                   extra_us=(t - t0) if (t is not None and t0 is not None) else None,
+                   stock_single_us=bs.get("us"), stock_us=s.get("us"),
+                   stock_ratio=(s["us"] / bs["us"]) if (s.get("us") and bs.get("us")) else None,
+                   kernels=o.get("kernels"), single_kernels=bo.get("kernels"),
+                   extra_kernels=(o["kernels"] - bo["kernels"]) if (o.get("kernels") is not None
+                                                                   and bo.get("kernels") is not None) else None)
+        rec["extra_us_per_row"] = rec["extra_us"] / extra_rows if (rec["extra_us"] is not None and extra_rows) else None
+        r, r0 = c.get("roofline") or {}, b.get("roofline") or {}
+        d, d0 = r.get("distinct_experts"), r0.get("distinct_experts")
+        rec.update(distinct_experts=d, single_distinct_experts=d0,
+                   extra_experts=(d - d0) if (d is not None and d0 is not None) else None,
+                   roofline_us=r.get("us"), single_roofline_us=r0.get("us"),
+                   roofline_ratio=(r["us"] / r0["us"]) if (r.get("us") and r0.get("us")) else None)
+        br, br0 = r.get("breakdown") or {}, r0.get("breakdown") or {}
+        if "routed_experts" in br and "routed_experts" in br0:
+            rec["extra_expert_us"] = (br["routed_experts"] - br0["routed_experts"]) / HBM_BYTES_PER_S * 1e6
+        noise = [x for x in (o.get("noise"), bo.get("noise")) if x is not None]
+        rec["noise"] = max(noise) if noise else None
+        rec["meets_target"] = (rec["ratio"] <= TARGET_VERIFY_RATIO) if rec["ratio"] is not None else None
+        c["verify"] = rec
+    return cells
+
+
+def spec_notes(kinds: dict[str, Any], ks: Sequence[int], scope_ks: Sequence[int] | None) -> list[str]:
+    """What the verification cells measure (method, stock's rows, out-of-scope k)."""
+    ks = [k for k in ks if k > 0]
+    if not ks:
+        return []
+    notes = [
+        f"Verification steps (speculative decoding), k = {', '.join(map(str, ks))} draft tokens: ours runs the program "
+        "built for k as the runtime builds it (spec.with_spec_tokens(k), build_plan(spec_tokens=k), BufferSpec("
+        "spec_tokens=k); rows = batch x (1 + k), request-major; each step first accepts all k drafts of the previous "
+        "step from the tape, then verifies 1 + k new rows), captured and timed like the single step; 'verification / "
+        "single step' divides by the k = 0 cell of the same kind, batch and context measured in this run. Roofline of "
+        "a verification cell: weights, states and KV cache once per request (not per row), the distinct experts of "
+        "all its rows, plus KDA's rollback tape (written, read back by the accept).",
+    ]
+    for name, bk in kinds.items():
+        if bk.stock == "kda_moe":
+            notes.append(
+                f"Stock {name} at k > 0: the stock KDA kernels (bench/stock/kda.py: causal_conv1d_update + "
+                "fused_recurrent_kda, one token per sequence) have no multi-token path, so stock's verification "
+                "cells time them on batch x (1 + k) rows as that many independent sequences (each row its own "
+                "conv/recurrent state, read and written; projections, router and experts over all rows). That is "
+                "the cost of stock's single-token kernels at those rows, not exactly vLLM's multi-token recurrent "
+                "verify (which runs a request's tokens in order over one state); compare it as such.")
+        elif bk.stock == "mla_moe":
+            notes.append(
+                f"Stock {name} at k > 0: batch x (1 + k) rows as that many decode sequences of 'context' cached "
+                "tokens each through the same stock kernels (the per-token form of a verification step: each row "
+                "reads its sequence's latent cache, so stock reads it 1 + k times per request where ours' paged "
+                "rows share the request's blocks).")
+        else:
+            notes.append(f"Stock {name} at k > 0: batch x (1 + k) rows as independent decode sequences through "
+                         "the same stock kernels.")
+    if scope_ks is not None:
+        out = [k for k in ks if k not in scope_ks]
+        if out:
+            notes.append(f"k = {', '.join(map(str, out))} is outside the adapter's scope (spec_tokens "
+                         f"{list(scope_ks)}): the runtime's gate does not route such steps to the fast path; timed "
+                         "for the curve only.")
+    notes.append(f"Issue 25 target: a k = 7 verification step at batch 1 costs <= {TARGET_VERIFY_RATIO}x a "
+                 "single-token step (column 'verification / single step').")
+    return notes
 
 
 # ------------------------------------------------------------------------------------------ the sweep
@@ -483,6 +779,9 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None] = print,
     full.shard(cfg.tp)  # UserError naming the fix for an unsupported TP
     harness = adapter.layer_bench()  # the adapter's hook (UserError when it has no graphed bench program)
     device = torch.device("cuda")
+    ks = cfg.spec_ks() if any(cfg.spec_tokens) else (0,)
+    if min(ks) < 0:
+        raise UserError(f"--spec-tokens {list(cfg.spec_tokens)}: give draft-token counts >= 0")
     t_start = time.perf_counter()
     machine = machine_info()
     summary = {name: kind_summary(full, cfg.tp, name, bk) for name, bk in kinds.items()}
@@ -491,30 +790,38 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None] = print,
         return {"schema": 1, "machine": machine,
                 "config": {"model": cfg.model, "tp": cfg.tp, "batches": list(cfg.batches),
                            "contexts": list(cfg.contexts), "kinds": list(cfg.kinds), "layers": cfg.layers,
+                           "spec_tokens": list(ks),
                            "iters": cfg.iters, "rounds": cfg.rounds, "dtype": cfg.dtype,
                            "hbm_tb_s": HBM_BYTES_PER_S / 1e12, "comm": "Communication excluded (one GPU).",
                            "seconds": round(time.perf_counter() - t_start, 1)},
-                "kinds": summary, "notes": notes, "cells": cells}
+                "kinds": summary, "notes": notes, "cells": add_verify_ratios(cells)}
 
     cells: list[dict[str, Any]] = []
     notes = bench_notes(full, kinds, cfg.tp)
+    scope = getattr(adapter, "scope", None)
+    notes.extend(spec_notes(kinds, ks, scope().spec_tokens if scope is not None else None))
     for kind, bk in kinds.items():
         stock = composition(bk.stock)
         contexts: tuple[int | None, ...] = tuple(cfg.contexts) if bk.context else (None,)
-        say(f"[{kind}] building ours: {cfg.layers} + 1 layers of real TP{cfg.tp} rank shapes ...")
-        t0 = time.perf_counter()
-        ours = harness.build_ours(full, cfg.tp, kind, cfg.layers, cfg.batches, device, seed=cfg.seed, say=say,
-                                  contexts=cfg.contexts if bk.context else (), steps=steps_per_cell(cfg))
-        say(f"[{kind}] ours ready in {time.perf_counter() - t0:.0f} s: {ours.description}")
-        notes.extend(ours.notes)
-        for context in contexts:
-            for batch in cfg.batches:
-                cells.append(_cell(cfg, full, bk, kind, batch, context, ours, say, stock.build))
-                if checkpoint is not None:
-                    checkpoint(result())
-        ours.close()
-        del ours
-        torch.cuda.empty_cache()
+        for k in ks:  # one program per k at a time (each holds its layers' weights), k = 0 first
+            what = "" if not k else f" (verification steps, k = {k})"
+            say(f"[{kind}] building ours{what}: {cfg.layers} + 1 layers of real TP{cfg.tp} rank shapes ...")
+            t0 = time.perf_counter()
+            kw = dict(seed=cfg.seed, say=say, contexts=cfg.contexts if bk.context else (), steps=steps_per_cell(cfg))
+            if k:
+                ours = build_spec_ours(adapter, full, cfg.tp, kind, cfg.layers, cfg.batches, device, k, **kw)
+            else:
+                ours = harness.build_ours(full, cfg.tp, kind, cfg.layers, cfg.batches, device, **kw)
+            say(f"[{kind}] ours ready in {time.perf_counter() - t0:.0f} s: {ours.description}")
+            notes.extend(ours.notes)
+            for context in contexts:
+                for batch in cfg.batches:
+                    cells.append(_cell(cfg, full, bk, kind, batch, context, ours, say, stock.build, spec_tokens=k))
+                    if checkpoint is not None:
+                        checkpoint(result())
+            ours.close()
+            del ours
+            torch.cuda.empty_cache()
     return result()
 
 
@@ -525,27 +832,39 @@ def steps_per_cell(cfg: BenchConfig) -> int:
 
 
 def _cell(cfg: BenchConfig, full: ModelSpec, bk: Any, kind: str, batch: int, context: int | None, ours: Any,
-          say: Callable[[str], None], build_stock: Callable[..., Any]) -> dict[str, Any]:
-    """Measure one (kind, batch, context) cell: ours K and 1 layers, stock K layers, roofline."""
+          say: Callable[[str], None], build_stock: Callable[..., Any], *, spec_tokens: int = 0,
+          device: torch.device | None = None) -> dict[str, Any]:
+    """Measure one (kind, batch, context[, k]) cell: ours K and 1 layers, stock K layers, roofline.
+
+    ``spec_tokens`` k > 0: ``ours`` is a verification "ours" (:func:`build_spec_ours`) and every side runs
+    ``rows = batch x (1 + k)`` rows - stock as that many decode sequences (:func:`spec_notes`); the roofline
+    counts weights, states and KV once per request, the distinct experts of all rows (+ KDA's tape)."""
     t1 = time.perf_counter()
-    device = torch.device("cuda")
+    device = torch.device("cuda") if device is None else device
     li = bk.layer
-    torch.manual_seed(cfg.seed + batch)
-    stock_layers = build_stock(full, bk, cfg.tp, batch, context, cfg.layers, device,
+    k = spec_tokens
+    rows = batch * (1 + k)
+    torch.manual_seed(cfg.seed + batch + 1000 * k)
+    stock_layers = build_stock(full, bk, cfg.tp, rows, context, cfg.layers, device,
                                experts=ours.expert_weights(cfg.layers))
-    stock = GraphedStep("stock", cfg.layers, stock_layers.step, stock_layers.routed_ids)
+    stock = GraphedStep("stock" if not k else f"stock k={k}", cfg.layers, stock_layers.step, stock_layers.routed_ids)
     ours_k, ours_1 = ours.variants(batch, context)
     m_k, m_1, m_s = measure([ours_k, ours_1, stock], cfg, say)
     o = per_layer(m_k, m_1)
     s = per_layer(m_s, None, no_comm_sites=True)  # stock: no communication on one GPU
     ids = ours_k.routing() if o["us"] is not None else []
-    d_ours = _distinct(ids, batch)
-    d_stock = _distinct(stock_layers.routed_ids(), batch)
+    d_ours = _distinct(ids, rows)
+    d_stock = _distinct(stock_layers.routed_ids(), rows)
     distinct = d_ours if d_ours is not None else d_stock
     kw = _bytes_kw(bk)
     rb = layer_bytes(full, li, cfg.tp, batch, context, distinct, **kw)
+    extra = verify_bytes(full, li, cfg.tp, batch, k)
+    if extra:
+        rb = {**{n: v for n, v in rb.items() if n != "total"}, **extra}
+        rb["total"] = sum(rb.values())
     r_us = rb["total"] / HBM_BYTES_PER_S * 1e6
-    cell = {"kind": kind, "batch": batch, "context": context, "layer_index": li, "ours": o, "stock": s,
+    cell = {"kind": kind, "batch": batch, "context": context, "spec_tokens": k, "rows": rows,
+            "layer_index": li, "ours": o, "stock": s,
             "roofline": {"bytes": rb["total"], "us": r_us, "breakdown": rb, "distinct_experts": distinct,
                          "distinct_experts_stock": d_stock},
             "fraction": (r_us / o["us"]) if o.get("us") else None,
@@ -554,7 +873,15 @@ def _cell(cfg: BenchConfig, full: ModelSpec, bk: Any, kind: str, batch: int, con
     if isinstance(a, GQAAttentionSpec):
         cell["roofline"]["kv_tokens_read"] = gqa_tokens_read(a, context)
     add_stock_roofline(cell, full, cfg.tp, **kw)
-    where = f"batch {batch:>2}" + (f", context {context}" if context is not None else "")
+    if extra:  # stock's floor is the same task's: its tape-free layer_bytes + the tape ours must move
+        rs = cell["roofline_stock"]
+        rs["bytes"] += sum(extra.values())
+        rs["us"] = rs["bytes"] / HBM_BYTES_PER_S * 1e6
+        cell["stock_fraction"] = (rs["us"] / s["us"]) if s.get("us") else None
+        f, sf = cell.get("fraction"), cell["stock_fraction"]
+        cell["speedup_per_byte"] = (f / sf) if (f and sf) else None
+    where = f"batch {batch:>2}" + (f", context {context}" if context is not None else "") + \
+        (f", k {k} ({rows} rows)" if k else "")
     say(f"[{kind}] {where}: ours {_fmt(o.get('us'))} us/layer ({_fmt(o.get('kernels'), '{:.1f}')} "
         f"kernels, {_fmt(o.get('kernels_no_comm'), '{:.1f}')} without communication) | stock {_fmt(s.get('us'))} us ({_fmt(s.get('kernels'), '{:.1f}')} kernels) | roofline "
         f"{r_us:.1f} us ({distinct or 0:.0f} experts) | {_fmt(cell['fraction'] and 100 * cell['fraction'], '{:.0f}%')} "

@@ -3,6 +3,7 @@
     latency-specialized bench --model kimi_k3 --tp 8 --batch 1,2,4,8,16,32,64 [--layers K]
     latency-specialized bench --kinds kda,mla --batch 1,2,4 --context 4096,32768
     latency-specialized bench --model muse_spark --tp 8 --kinds swa,full --context 4096,32768
+    latency-specialized bench --model kimi_k3 --tp 8 --kinds kda,mla --batch 1,8 --context 4096 --spec-tokens 3,7
     latency-specialized bench --compare A.json B.json
     latency-specialized bench --kinds kda --batch 1,2 --ab base --ab rounds:pkg.module.CONST=0 [--repeat 2]
 
@@ -13,7 +14,10 @@ noise both runs measured. ``--ab`` runs variants that differ by module constants
 this machine, interleaved, each in a fresh process, and summarises them against the first
 (latency_specialized/bench/ab.py). The kinds are the model's (its adapter's ``bench_kinds()``);
 ``--context`` sets the cells of kinds with a KV cache (Kimi K3's mla, Muse Spark's swa and full) only:
-without such a kind in ``--kinds`` it is an error, not ignored. Method: latency_specialized/bench/layer_bench.py.
+without such a kind in ``--kinds`` it is an error, not ignored. ``--spec-tokens 3,7`` also times verification
+steps (speculative decoding) of k draft tokens per request, rows = batch x (1 + k), with the program built for
+k as the runtime builds it, beside the k = 0 step of the same batch (always run then): the report gives
+'verification / single step' per cell. Method: latency_specialized/bench/layer_bench.py.
 """
 
 from __future__ import annotations
@@ -35,6 +39,19 @@ def _ints(s: str) -> tuple[int, ...]:
     if not vals or min(vals) < 1:
         raise UserError(f"'{s}': give positive integers, e.g. 1,2,4,8")
     return vals
+
+
+def _spec_tokens(s: str) -> tuple[int, ...]:
+    """``--spec-tokens`` as a tuple of k >= 0 (0 = single-token steps only)."""
+    from latency_specialized.errors import UserError
+
+    try:
+        vals = tuple(int(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise UserError(f"--spec-tokens '{s}' is not a comma-separated list of integers (e.g. 3,7)") from None
+    if not vals or min(vals) < 0:
+        raise UserError(f"--spec-tokens '{s}': give draft-token counts >= 0, e.g. 0,3,7")
+    return tuple(sorted(set(vals)))
 
 
 def _kinds(args: argparse.Namespace) -> tuple[str, ...]:
@@ -81,6 +98,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "(per --context). "
                         "Default: the model's first kind")
     p.add_argument("--layers", type=int, default=3, help="layer copies per variant, K >= 2 (weights rotate beyond L2)")
+    p.add_argument("--spec-tokens", default="0",
+                   help="draft tokens per request of verification steps to time, comma-separated (default 0: "
+                        "single-token steps only); k > 0 adds cells of batch x (1 + k) rows with the program built "
+                        "for k, and the k = 0 cells they are divided by (kimi_k3's scope: 0, 3, 7)")
     p.add_argument("--iters", type=int, default=40, help="timed graph replays per round")
     p.add_argument("--rounds", type=int, default=2, help="rounds per variant (their spread is the noise)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"results directory (default {DEFAULT_OUT})")
@@ -103,7 +124,14 @@ def run(args: argparse.Namespace) -> int:
         print(text)
         return 1 if regressions else 0
     kinds = _kinds(args)
+    spec_tokens = _spec_tokens(getattr(args, "spec_tokens", "0") or "0")
     if args.ab:
+        if any(spec_tokens):
+            from latency_specialized.errors import UserError
+
+            raise UserError("--ab with --spec-tokens: the A/B summary (bench/ab.py) matches cells by kind, batch and "
+                            "context only, so verification cells would collide with single steps; run the "
+                            "verification bench without --ab")
         return _run_ab(args, kinds)
     import torch
 
@@ -115,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
                         "(bench --compare A.json B.json needs no GPU)")
     cfg = BenchConfig(model=args.model, tp=args.tp, batches=_ints(args.batch),
                       contexts=_ints(args.context or DEFAULT_CONTEXT), kinds=kinds, layers=args.layers,
-                      iters=args.iters, rounds=args.rounds)
+                      iters=args.iters, rounds=args.rounds, spec_tokens=spec_tokens)
 
     def say(msg: str) -> None:
         print(msg, flush=True)

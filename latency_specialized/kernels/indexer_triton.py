@@ -26,8 +26,10 @@ Steps of one call (three launches for ``selection="radix"``; ``"split"`` swaps t
    ``cdiv(capacity, num_splits)`` slice of the row past ``seq_len``;
 3. **select kernel**, grid ``(B,)``, one program per row: ``seq_len <= K`` (decided per row on the
    device) writes ``0 .. seq_len - 1`` then -1. Otherwise a radix select on order-preserving int32 keys
-   of the fp32 logits: four 8-bit histogram passes over the live logits (``tl.histogram``), each keeping
-   only the keys whose higher bytes equal the prefix found so far, give the ``K``-th largest key ``T``
+   of the fp32 logits: ``32 // SELECT_BITS`` histogram passes (4-bit digits: 8 passes of 16 bins) over the
+   live logits (``tl.histogram``; rows of up to ``SELECT_RESIDENT_MAX`` positions loaded once and kept in
+   registers), each keeping only the keys whose higher digits equal the prefix found so far, give the
+   ``K``-th largest key ``T``
    and how many keys equal to ``T`` belong in the result; a compaction pass writes the positions of the
    keys ``> T`` and the first of the ``== T`` (position order), with in-tile prefix sums (one program
    per row: no atomics, deterministic). Exactly ``K`` positions, so no -1.
@@ -108,6 +110,18 @@ SELECT_TILE = 2048
 """Logits per step of the select kernel's passes."""
 SCORE_WARPS = 4
 SELECT_WARPS = 8
+SELECT_WARPS_WIDE = 16
+"""Warps of the select kernel when its resident row is wider than 4096 logits."""
+SELECT_BITS = 4
+"""Radix digit width of the select kernel: 32 // SELECT_BITS histogram passes of 2**SELECT_BITS bins.
+H200, one row, relu-skewed logits (``benchmarks/results/h200/topk_radix_variants.md``): 4-bit digits in 8
+passes beat 8-bit digits in 4 (a histogram pass costs ~bins/32 ballot + popcount steps per key in Triton's
+lowering): 4096 logits looped over tiles 22.5 -> 19.3 us, resident 15.5 -> 12.9."""
+SELECT_RESIDENT_MAX = 8192
+"""Largest block-table capacity whose rows the select kernel loads once and keeps in registers across its
+passes (one tile of the next power of two >= capacity; no spills at 8192 with 16 warps); wider tables loop
+over SELECT_TILE tiles per pass. H200 (same file): 4096 logits 19.3 (looped) -> 12.9 us (resident, 8 warps),
+8192 logits 36.0 -> 22.2 (resident, 16 warps; 8 warps 28.3); the select of the session-21 kernel 22.5 / 42.2."""
 MAX_TILE = 64 * 256
 """Most ``h_pad x d_pad`` elements of the query tile a scoring program holds (fp32 registers)."""
 
@@ -131,7 +145,7 @@ def _kernels(interpret: bool) -> dict:
     del interpret  # the cache key only
     # defined here, not at import (no triton import on machines without it); Triton resolves the names a
     # kernel uses through its module globals: hence tl and the helpers as globals
-    global tl, _rope_coeffs, _ordered_keys
+    global tl, _rope_coeffs, _ordered_keys, _digit_hist
     import triton
     import triton.language as tl
 
@@ -247,7 +261,24 @@ def _kernels(interpret: bool) -> dict:
                 tl.store(row + pos_t, lg, mask=ok)
 
     @triton.jit
-    def select_kernel(logits, seq_lens, out, K, s_lb, s_ob, TILE: tl.constexpr):
+    def _digit_hist(key, ok, prefix, FIRST: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr,
+                    NB: tl.constexpr):
+        # the histogram of one radix digit over the keys that match the digits fixed so far
+        if FIRST:  # the top digit, signed (arithmetic shift) -> 0..NB-1 keeping the order
+            digit = (key >> SHIFT) + NB // 2
+            m = ok
+        else:
+            digit = (key >> SHIFT) & (NB - 1)
+            m = ok & ((key >> (SHIFT + BITS)) == prefix)
+        return tl.histogram(digit, NB, mask=m)
+
+    @triton.jit
+    def select_kernel(logits, seq_lens, out, K, s_lb, s_ob, TILE: tl.constexpr, BITS: tl.constexpr,
+                      RESIDENT: tl.constexpr):
+        # BITS: radix digit width (32 // BITS histogram passes of 2**BITS bins); RESIDENT: the row fits one
+        # TILE (the caller's capacity <= TILE), loaded once and kept in registers across the passes
+        NB: tl.constexpr = 1 << BITS
+        PASSES: tl.constexpr = 32 // BITS
         b = tl.program_id(0)
         seq_len = tl.load(seq_lens + b).to(tl.int32)
         row = logits + b.to(tl.int64) * s_lb
@@ -257,50 +288,74 @@ def _kernels(interpret: bool) -> dict:
                 offs = k0 + tl.arange(0, TILE)
                 tl.store(orow + offs, tl.where(offs < seq_len, offs, -1), mask=offs < K)
         else:
-            prefix = seq_len * 0            # int32: the key bytes fixed so far (arithmetic-shift form)
+            prefix = seq_len * 0            # int32: the key digits fixed so far (arithmetic-shift form)
             remaining = seq_len * 0 + K     # how many of the keys matching the prefix still belong in
-            bins = tl.arange(0, 256)
-            for p in tl.static_range(4):
-                shift = 24 - 8 * p
-                hist = tl.zeros([256], dtype=tl.int32)
-                for t0 in range(0, seq_len, TILE):
-                    offs = t0 + tl.arange(0, TILE)
-                    ok = offs < seq_len
-                    key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0))
-                    if p == 0:  # the top byte, signed (arithmetic shift) -> 0..255 keeping the order
-                        digit = (key >> 24) + 128
-                        m = ok
-                    else:
-                        digit = (key >> shift) & 255
-                        m = ok & ((key >> (shift + 8)) == prefix)
-                    hist += tl.histogram(digit, 256, mask=m)
+            bins = tl.arange(0, NB)
+            roffs = tl.arange(0, TILE)
+            rok = roffs < seq_len
+            rkey = roffs * 0
+            if RESIDENT:
+                rkey = _ordered_keys(tl.load(row + roffs, mask=rok, other=0.0))
+            for p in tl.static_range(PASSES):
+                hist = tl.zeros([NB], dtype=tl.int32)
+                if RESIDENT:
+                    hist += _digit_hist(rkey, rok, prefix, p == 0, 32 - BITS * (p + 1), BITS, NB)
+                else:
+                    for t0 in range(0, seq_len, TILE):
+                        offs = t0 + tl.arange(0, TILE)
+                        ok = offs < seq_len
+                        key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0))
+                        hist += _digit_hist(key, ok, prefix, p == 0, 32 - BITS * (p + 1), BITS, NB)
                 # the digit d where the count of larger digits is < remaining <= that count + hist[d]
                 gt = tl.sum(hist, 0) - tl.cumsum(hist, 0)
                 hit = (gt < remaining) & (gt + hist >= remaining)
                 d = tl.sum(tl.where(hit, bins, 0), 0)
                 remaining -= tl.sum(tl.where(hit, gt, 0), 0)
                 if p == 0:
-                    prefix = d - 128
+                    prefix = d - NB // 2
                 else:
-                    prefix = prefix * 256 + d
+                    prefix = prefix * NB + d
             # prefix: the K-th largest key T; K - remaining keys are > T, `remaining` of the == T are taken
             n_gt = K - remaining
-            base_gt = seq_len * 0
-            base_eq = seq_len * 0
-            for t0 in range(0, seq_len, TILE):
-                offs = t0 + tl.arange(0, TILE)
-                ok = offs < seq_len
-                key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0))
-                is_gt = (ok & (key > prefix)).to(tl.int32)
-                is_eq = (ok & (key == prefix)).to(tl.int32)
-                at_gt = base_gt + tl.cumsum(is_gt, 0) - 1
-                at_eq = base_eq + tl.cumsum(is_eq, 0) - 1
-                tl.store(orow + at_gt, offs, mask=is_gt > 0)
-                tl.store(orow + n_gt + at_eq, offs, mask=(is_eq > 0) & (at_eq < remaining))
-                base_gt += tl.sum(is_gt, 0)
-                base_eq += tl.sum(is_eq, 0)
+            if RESIDENT:
+                is_gt = (rok & (rkey > prefix)).to(tl.int32)
+                is_eq = (rok & (rkey == prefix)).to(tl.int32)
+                at_gt = tl.cumsum(is_gt, 0) - 1
+                at_eq = tl.cumsum(is_eq, 0) - 1
+                tl.store(orow + at_gt, roffs, mask=is_gt > 0)
+                tl.store(orow + n_gt + at_eq, roffs, mask=(is_eq > 0) & (at_eq < remaining))
+            else:
+                base_gt = seq_len * 0
+                base_eq = seq_len * 0
+                for t0 in range(0, seq_len, TILE):
+                    offs = t0 + tl.arange(0, TILE)
+                    ok = offs < seq_len
+                    key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0))
+                    is_gt = (ok & (key > prefix)).to(tl.int32)
+                    is_eq = (ok & (key == prefix)).to(tl.int32)
+                    at_gt = base_gt + tl.cumsum(is_gt, 0) - 1
+                    at_eq = base_eq + tl.cumsum(is_eq, 0) - 1
+                    tl.store(orow + at_gt, offs, mask=is_gt > 0)
+                    tl.store(orow + n_gt + at_eq, offs, mask=(is_eq > 0) & (at_eq < remaining))
+                    base_gt += tl.sum(is_gt, 0)
+                    base_eq += tl.sum(is_eq, 0)
 
     return dict(key=key_kernel, score=score_kernel, select=select_kernel)
+
+
+def launch_select(kernel, logits: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, topk: int, capacity: int,
+                  *, bits: int | None = None, resident_max: int | None = None, warps: int | None = None) -> None:
+    """The radix select over logits [B, >= capacity] fp32 into out [B, topk] int32 (one program per row);
+    ``bits`` / ``resident_max`` / ``warps`` default to SELECT_BITS / SELECT_RESIDENT_MAX / SELECT_WARPS."""
+    bits = SELECT_BITS if bits is None else int(bits)
+    if bits not in (4, 8):
+        raise UserError(f"indexer select: digit width {bits} bits unsupported (4 or 8)")
+    resident = capacity <= (SELECT_RESIDENT_MAX if resident_max is None else resident_max)
+    tile = max(_next_pow2(capacity), 16) if resident else SELECT_TILE
+    if warps is None:
+        warps = SELECT_WARPS_WIDE if resident and tile > 4096 else SELECT_WARPS
+    kernel[(logits.shape[0],)](logits, seq_lens, out, topk, logits.stride(0), out.stride(0), TILE=tile, BITS=bits,
+                               RESIDENT=resident, num_warps=int(warps))
 
 
 def choose_num_splits(batch: int, capacity: int, sms: int) -> int:
@@ -420,8 +475,7 @@ def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
 
     # 3. selection
     if selection == "radix":
-        kern["select"][(B,)](logits, seq_lens, out, topk, logits.stride(0), out.stride(0), TILE=SELECT_TILE,
-                             num_warps=SELECT_WARPS)
+        launch_select(kern["select"], logits, seq_lens, out, topk, cap)
         return out
     if selection == "split":
         return topk_select(logits[:, :cap], seq_lens, topk, out)

@@ -65,6 +65,11 @@ class ExpertsConfig:
     gu_warps: int = 4
     gu_rows: int = 8
     """Intermediate rows (gate+up pairs) per gate_up CTA."""
+    gu_kvec: int = 0
+    """16-byte weight vectors per lane per row that gate_up holds in registers at once (0: all K / 256).
+    Below K / 256 a row's K runs in ``gu_passes`` passes, each loading its slice of the gate and up rows
+    and adding its partial dots (fp32), so wide rows keep under the 3-CTA register budget instead of
+    spilling (ptxas at K 6144: 492 bytes of spill stores with every vector held)."""
     dn_warps: int = 4
     dn_rows: int = 16
     """Output rows per down CTA."""
@@ -80,6 +85,11 @@ class ExpertsConfig:
     """``down`` lets the next kernel (the latent all-reduce / norm, launched with PDL) launch as soon as every
     ``down`` CTA has started (``griddepcontrol.launch_dependents``); that kernel still waits for ``down``
     to complete before it reads the output."""
+
+    @property
+    def gu_passes(self) -> int:
+        kv = self.K // 256
+        return 1 if self.gu_kvec <= 0 else -(-kv // self.gu_kvec)
 
     @property
     def token_chunk(self) -> int:
@@ -155,6 +165,8 @@ def _build_gate_up_class():
         def __init__(self, cfg: ExpertsConfig):
             self.cfg = cfg
             self.kv = cfg.K // 256  # 16-byte vectors per lane per row
+            per = -(-self.kv // cfg.gu_passes)
+            self.passes = [(j0, min(j0 + per, self.kv)) for j0 in range(0, self.kv, per)]  # [j0, j1) per pass
             self.rpw = cfg.gu_rows // cfg.gu_warps
             self.maxmk = cfg.max_tokens * cfg.top_k
             self.nwords = (self.maxmk + 31) // 32
@@ -190,15 +202,16 @@ def _build_gate_up_class():
                 h = gg / (Float32(1.0) + cute.math.exp(-gg)) * uu
             return h
 
-        def _load_rows(self, load_w, wrow, i, lane):
-            """The gate and up rows of intermediate index i: 2 x K/256 16-byte loads per lane.
+        def _load_rows(self, load_w, wrow, i, lane, j0, j1):
+            """The gate and up rows of intermediate index i, vectors [j0, j1) of K/256: 2 x (j1 - j0)
+            16-byte loads per lane (``wg[j - j0]``).
 
             Plain Python (no staged control flow): the loop unrolls at trace time."""
             K, I = self.cfg.K, self.cfg.I
             ic = cutlass.min(i, Int32(I - 1))
             wg = []
             wu = []
-            for j in range(self.kv):
+            for j in range(j0, j1):
                 col = (j * 32 + lane) * 8
                 rg = cute.make_rmem_tensor(8, self.dtype)
                 load_w(_vec8(cute, wrow, ic * K + col), rg)
@@ -224,67 +237,105 @@ def _build_gate_up_class():
             cute.arch.barrier()
 
         @cute.jit
-        def _chunk(self, x: cute.Tensor, sx: cute.Tensor, s_mem: cute.Tensor, h_ws: cute.Tensor, load_w, wrow,
-                   p: Int32, i0: Int32, c0: Int32, nt: Int32, tidx: Int32, lane: Int32):
+        def _chunk(self, x: cute.Tensor, sx: cute.Tensor, s_mem: cute.Tensor, h_ws: cute.Tensor, s_part: cute.Tensor,
+                   load_w, wrow, p: Int32, i0: Int32, c0: Int32, nt: Int32, tidx: Int32, lane: Int32, warp: Int32):
             """This warp's rows of h for one chunk of (at most token_chunk) tokens."""
             if cutlass.const_expr(self.rpw <= 2):
                 # unrolled rows; the first row's loads are in flight while the tokens are staged
                 for rr in cutlass.range_constexpr(self.rpw):
-                    wg, wu = self._load_rows(load_w, wrow, i0 + rr, lane)
-                    if cutlass.const_expr(rr == 0):
-                        self._stage(x, sx, s_mem, p, c0, nt, tidx)
-                    self._compute(sx, s_mem, h_ws, wg, wu, p, i0 + rr, c0, nt, lane)
+                    self._row(x, sx, s_mem, h_ws, s_part, load_w, wrow, p, i0 + rr, c0, nt, tidx, lane, warp,
+                              rr == 0)
             else:
                 # many rows per CTA (amortises the leader search at large batch): rolled loop
                 self._stage(x, sx, s_mem, p, c0, nt, tidx)
                 for rr in cutlass.range(self.rpw, unroll=1):
-                    wg, wu = self._load_rows(load_w, wrow, i0 + rr, lane)
-                    self._compute(sx, s_mem, h_ws, wg, wu, p, i0 + rr, c0, nt, lane)
+                    self._row(x, sx, s_mem, h_ws, s_part, load_w, wrow, p, i0 + rr, c0, nt, tidx, lane, warp,
+                              False)
 
         @cute.jit
-        def _compute(self, sx: cute.Tensor, s_mem: cute.Tensor, h_ws: cute.Tensor, wg, wu, p: Int32, i: Int32,
-                     c0: Int32, nt: Int32, lane: Int32):
-            """h[pair, i] = act(gate_i . x, up_i . x) for the chunk's tokens (lane 0 stores)."""
-            if cutlass.const_expr(self.cfg.max_tokens == 1):
-                self._compute_token(sx, s_mem, h_ws, wg, wu, p, i, c0, Int32(0), lane)
-            else:
-                for t in cutlass.range(nt, unroll=1):
-                    self._compute_token(sx, s_mem, h_ws, wg, wu, p, i, c0, t, lane)
+        def _row(self, x: cute.Tensor, sx: cute.Tensor, s_mem: cute.Tensor, h_ws: cute.Tensor, s_part: cute.Tensor,
+                 load_w, wrow, p: Int32, i: Int32, c0: Int32, nt: Int32, tidx: Int32, lane: Int32, warp: Int32,
+                 stage: cutlass.Constexpr):
+            """One intermediate row: its K in ``passes`` (each: load the slice, add its partial dots)."""
+            accg = cute.make_rmem_tensor(8, Float32)
+            accu = cute.make_rmem_tensor(8, Float32)
+            accg.fill(0.0)
+            accu.fill(0.0)
+            npass = len(self.passes)
+            for pi in cutlass.range_constexpr(npass):
+                j0, j1 = self.passes[pi]
+                wg, wu = self._load_rows(load_w, wrow, i, lane, j0, j1)
+                if cutlass.const_expr(stage and pi == 0):
+                    self._stage(x, sx, s_mem, p, c0, nt, tidx)
+                if cutlass.const_expr(self.cfg.max_tokens == 1):
+                    self._dot_one(sx, wg, wu, accg, accu, j0, j1, lane)
+                    if cutlass.const_expr(pi == npass - 1):
+                        g = accg.load().reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+                        u = accu.load().reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+                        self._finish(s_mem, h_ws, p, i, c0, Int32(0), lane, g, u)
+                else:
+                    for t in cutlass.range(nt, unroll=1):
+                        self._dot_token(sx, s_mem, h_ws, s_part, wg, wu, p, i, c0, t, lane, warp, j0, j1,
+                                        pi == 0, pi == npass - 1)
 
         @cute.jit
-        def _compute_token(self, sx: cute.Tensor, s_mem: cute.Tensor, h_ws: cute.Tensor, wg, wu, p: Int32, i: Int32,
-                           c0: Int32, t: Int32, lane: Int32):
-            cfg = self.cfg
-            K, I = cfg.K, cfg.I
+        def _dot_one(self, sx: cute.Tensor, wg, wu, accg, accu, j0: cutlass.Constexpr, j1: cutlass.Constexpr,
+                     lane: Int32):
+            """Batch 1: the lane's partial gate / up dots over vectors [j0, j1), added to accg / accu."""
+            for j in cutlass.range_constexpr(j1 - j0):
+                xv = _vec8(cute, sx.iterator, (( j0 + j) * 32 + lane) * 8).load().to(Float32)
+                accg.store(accg.load() + wg[j].load().to(Float32) * xv)
+                accu.store(accu.load() + wu[j].load().to(Float32) * xv)
+
+        @cute.jit
+        def _dot_token(self, sx: cute.Tensor, s_mem: cute.Tensor, h_ws: cute.Tensor, s_part: cute.Tensor, wg, wu,
+                       p: Int32, i: Int32, c0: Int32, t: Int32, lane: Int32, warp: Int32, j0: cutlass.Constexpr,
+                       j1: cutlass.Constexpr, first: cutlass.Constexpr, last: cutlass.Constexpr):
+            """Token t of the chunk, vectors [j0, j1): convert the weights per token (see _opaque_i32); the
+            pass's warp-reduced dots add to the earlier passes' (``s_part``, lane 0's own slots)."""
+            K = self.cfg.K
             g = Float32(0.0)
             u = Float32(0.0)
-            if cutlass.const_expr(cfg.max_tokens == 1):
-                accg = cute.make_rmem_tensor(8, Float32)
-                accu = cute.make_rmem_tensor(8, Float32)
-                accg.fill(0.0)
-                accu.fill(0.0)
-                for j in cutlass.range_constexpr(self.kv):
-                    xv = _vec8(cute, sx.iterator, t * K + (j * 32 + lane) * 8).load().to(Float32)
-                    accg.store(accg.load() + wg[j].load().to(Float32) * xv)
-                    accu.store(accu.load() + wu[j].load().to(Float32) * xv)
-                g = accg.load().reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-                u = accu.load().reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-            else:  # token loop: convert the weights per token (see _opaque_i32)
-                ag = [Float32(0.0)] * 8
-                au = [Float32(0.0)] * 8
-                for j in cutlass.range_constexpr(self.kv):
-                    xf = _smem_bf16x8_f32(cute, _vec8(cute, sx.iterator, t * K + (j * 32 + lane) * 8))
-                    gf = _bf16x8_f32(cute, wg[j], True)
-                    uf = _bf16x8_f32(cute, wu[j], True)
-                    for v in cutlass.range_constexpr(8):
-                        ag[v] = ag[v] + gf[v] * xf[v]
-                        au[v] = au[v] + uf[v] * xf[v]
+            ag = [Float32(0.0)] * 8
+            au = [Float32(0.0)] * 8
+            for j in cutlass.range_constexpr(j1 - j0):
+                xf = _smem_bf16x8_f32(cute, _vec8(cute, sx.iterator, t * K + ((j0 + j) * 32 + lane) * 8))
+                gf = _bf16x8_f32(cute, wg[j], True)
+                uf = _bf16x8_f32(cute, wu[j], True)
                 for v in cutlass.range_constexpr(8):
-                    g = g + ag[v]
-                    u = u + au[v]
+                    ag[v] = ag[v] + gf[v] * xf[v]
+                    au[v] = au[v] + uf[v] * xf[v]
+            for v in cutlass.range_constexpr(8):
+                g = g + ag[v]
+                u = u + au[v]
+            if cutlass.const_expr(first and last):
+                self._finish(s_mem, h_ws, p, i, c0, t, lane, g, u)
+            else:
+                g = cute.arch.warp_reduction_sum(g)
+                u = cute.arch.warp_reduction_sum(u)
+                if cutlass.const_expr(not first):
+                    g = g + s_part[warp, t, 0]
+                    u = u + s_part[warp, t, 1]
+                if cutlass.const_expr(last):
+                    self._store(s_mem, h_ws, p, i, c0, t, lane, g, u)
+                else:
+                    if lane == 0:
+                        s_part[warp, t, 0] = g
+                        s_part[warp, t, 1] = u
+
+        @cute.jit
+        def _finish(self, s_mem: cute.Tensor, h_ws: cute.Tensor, p: Int32, i: Int32, c0: Int32, t: Int32,
+                    lane: Int32, g: Float32, u: Float32):
+            """The lane partials of one (row, token) summed over the warp, then stored."""
             g = cute.arch.warp_reduction_sum(g)
             u = cute.arch.warp_reduction_sum(u)
-            if lane == 0 and i < I:
+            self._store(s_mem, h_ws, p, i, c0, t, lane, g, u)
+
+        @cute.jit
+        def _store(self, s_mem: cute.Tensor, h_ws: cute.Tensor, p: Int32, i: Int32, c0: Int32, t: Int32,
+                   lane: Int32, g: Float32, u: Float32):
+            cfg = self.cfg
+            if lane == 0 and i < cfg.I:
                 qo = Int32(p)
                 if cutlass.const_expr(cfg.max_tokens > 1):
                     qo = s_mem[c0 + t]
@@ -310,6 +361,9 @@ def _build_gate_up_class():
             s_mem = smem.allocate_tensor(Int32, cute.make_layout(cfg.max_tokens), byte_alignment=16)
             s_words = smem.allocate_tensor(Int32, cute.make_layout(self.nwords), byte_alignment=16)
             s_info = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
+            # the partial dots of a multi-pass row (lane 0 of each warp, its own slots): [warp, token, g/u]
+            s_part = smem.allocate_tensor(Float32, cute.make_layout((cfg.gu_warps, TC, 2), stride=(TC * 2, 2, 1)),
+                                          byte_alignment=16)
 
             if cutlass.const_expr(cfg.pdl):
                 cute.arch.griddepcontrol_launch_dependents()  # let ``down`` be scheduled as SMs free up
@@ -374,11 +428,12 @@ def _build_gate_up_class():
 
                 i0 = ib * cfg.gu_rows + warp * self.rpw
                 if cutlass.const_expr(cfg.max_tokens == 1):
-                    self._chunk(x, sx, s_mem, h_ws, load_w, wrow, p, i0, Int32(0), Int32(1), tidx, lane)
+                    self._chunk(x, sx, s_mem, h_ws, s_part, load_w, wrow, p, i0, Int32(0), Int32(1), tidx, lane,
+                                warp)
                 else:
                     for c0 in cutlass.range(0, count, TC, unroll=1):
                         nt = cutlass.min(count - c0, Int32(TC))
-                        self._chunk(x, sx, s_mem, h_ws, load_w, wrow, p, i0, c0, nt, tidx, lane)
+                        self._chunk(x, sx, s_mem, h_ws, s_part, load_w, wrow, p, i0, c0, nt, tidx, lane, warp)
                         cute.arch.barrier()  # sx is restaged by the next chunk
 
     return GateUpKernel
@@ -612,7 +667,7 @@ def one_wave_down_rows(n: int, sms: int, ctas_per_sm: int = DOWN_CTAS_PER_SM) ->
     return max(1, -(-n // (sms * ctas_per_sm)))
 
 
-def default_tuning(max_tokens: int, n: int | None = None, sms: int = 132) -> dict[str, int | bool]:
+def default_tuning(max_tokens: int, n: int | None = None, sms: int = 132, k: int | None = None) -> dict[str, int | bool]:
     """Tuning per token bucket, from the H200 measurements in NOTES_moe_kda.md.
 
     Batch 1: PDL (``down`` starts while ``gate_up`` drains), 4-row gate_up CTAs and 8-row down CTAs
@@ -620,10 +675,44 @@ def default_tuning(max_tokens: int, n: int | None = None, sms: int = 132) -> dic
     selected experts' roofline (v1 default 40.4 us). Several tokens: 32 intermediate rows per
     gate_up CTA (rolled loop) amortise the per-CTA leader search and keep 3 CTAs/SM without spills;
     ``down`` rows from ``one_wave_down_rows`` (``n``, the output width, given; else 8, the old default:
-    8 rows keep the member loop under 170 registers); PDL measured no gain."""
+    8 rows keep the member loop under 170 registers); PDL measured no gain.
+    ``k`` (the input width) given: its gate_up passes (``default_kvec``), and for rows wider than one pass
+    at several tokens ``WIDE_DOWN_ROWS`` down rows instead of the one-wave count."""
+    kvec = {} if k is None else {"gu_kvec": default_kvec(k, max_tokens)}
     if max_tokens == 1:
-        return dict(pdl=True, gu_rows=4, dn_rows=8, stream_hint=False, dn_trigger=DOWN_TRIGGER)
-    return dict(gu_rows=32, dn_rows=8 if n is None else max(8, one_wave_down_rows(n, sms)), dn_trigger=DOWN_TRIGGER)
+        return dict(pdl=True, gu_rows=4, dn_rows=8, stream_hint=False, dn_trigger=DOWN_TRIGGER, **kvec)
+    wide = k is not None and k // 256 > GU_MAX_KVEC
+    rows = 8 if n is None else (WIDE_DOWN_ROWS if wide else max(8, one_wave_down_rows(n, sms)))
+    return dict(gu_rows=32, dn_rows=rows, dn_trigger=DOWN_TRIGGER, **kvec)
+
+
+GU_MAX_KVEC = 14
+"""Most 16-byte weight vectors per lane per row gate_up holds at once: K 3584 (Kimi K3's latent, 14 vectors)
+compiles without spills at 160-164 registers; K 5120 / 6144 (DeepSeek-V4.1-Flash / GLM-5.3 hidden) spilled
+84-492 bytes at batch 1 (ptxas -v, sm_90a) and run in passes instead (``ExpertsConfig.gu_kvec``). H200, TP8
+rank shapes, batch 1 (``benchmarks/results/h200/experts_shape_sweep.json``): GLM-5.3 45.5 -> 26.0 us,
+DeepSeek-V4.1-Flash 25.5 -> 22.1; Muse Spark (K 4096, no spill either way) 32.7 -> 31.4."""
+GU_MAX_KVEC_MULTI = 6
+"""The same bound at several tokens (the token loop converts the weights per token and needs more
+registers): GLM-5.3 / DeepSeek-V4.1-Flash gate_up at 8 tokens with 12 vectors per pass still spilled (308 /
+172 bytes), with 6 not; GLM-5.3 TP8 at 8 tokens 193.8 -> 162.5 us (the same sweep)."""
+WIDE_DOWN_ROWS = 8
+"""``down`` rows per CTA at several tokens when the input width takes more than one gate_up pass. H200, 8
+tokens, TP8 rank shapes (the same sweep), 8 rows against the one-wave count: GLM-5.3 (N 6144: 16 rows,
+ptxas spilled 160 bytes) 156.6 vs 162.5 us, DeepSeek-V4.1-Flash (N 5120: 13 rows, 292 bytes) 132.5 vs
+172.3, Muse Spark (N 4096: 11 rows, 420 bytes; K 4096 = 16 vectors, in passes) 233.2 vs 270.8; Kimi K3
+(K 3584, one pass) stays on its one-wave 10 rows (266.4 vs 271.8 with 8)."""
+
+
+def default_kvec(K: int, max_tokens: int = 1) -> int:
+    """``gu_kvec`` for width K: 0 (one pass) up to ``GU_MAX_KVEC`` vectors, else the even split into the
+    fewest passes of at most that many (``GU_MAX_KVEC_MULTI`` at several tokens)."""
+    kv = K // 256
+    if kv <= GU_MAX_KVEC:
+        return 0
+    most = GU_MAX_KVEC if max_tokens == 1 else GU_MAX_KVEC_MULTI
+    passes = -(-kv // most)
+    return -(-kv // passes)
 
 
 def make_config(M: int, K: int, I: int, N: int, top_k: int, dtype: torch.dtype, ids_dtype: torch.dtype,
@@ -645,7 +734,8 @@ def make_config(M: int, K: int, I: int, N: int, top_k: int, dtype: torch.dtype, 
     bucket = token_bucket(max(M, 1))
     cfg = ExpertsConfig(K, I, N, top_k, _dtype_name(dtype), _dtype_name(ids_dtype), activation.kind,
                         float(activation.beta or 0.0), float(activation.beta_lin or 0.0), clamp,
-                        bucket, **{**default_tuning(bucket, N, sms), "per_route": bool(per_route), **tuning})
+                        bucket, **{**default_tuning(bucket, N, sms, K), "per_route": bool(per_route),
+                                   **tuning})
     if cfg.gu_rows % cfg.gu_warps != 0:
         raise UserError("moe experts kernel: gu_rows must be a multiple of gu_warps")
     if not cfg.per_route and cfg.dn_warps * cfg.max_tokens * cfg.dn_rows * 4 > 160 * 1024:

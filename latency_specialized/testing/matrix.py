@@ -12,10 +12,20 @@ context, speculative tokens) - the context is one of them because ``build_plan``
 attention sites carry it), so no two plan cells build the same plan (``qwen3_moe-tp2-b4-ctx40-s0``).
 :func:`cell_plan` is the plan a program cell is verified with, and
 :func:`kernel_sites` what the plan's rules say must run a kernel (not a reference) in it.
+
+Contexts: the short ones (``SHORT_CONTEXTS``, prompts the reference prefills) and the long ones
+(``LONG_CONTEXTS``: 32K and 128K tokens, ``kimi_k3-tp1-b1-ctx131072-s0``) where the adapter's full architecture
+serves them (``contexts_for``). A long cell prefills nothing: its sequences get a synthetic history
+(``testing.history.seed_history``) in states with page tables sized to the context, and the
+tiny spec's ``max_context`` is raised to hold it (``context_spec``). Plan cells take every context for every
+(TP, batch, speculative tokens); program cells take the long contexts as a sample on the CPU
+(``LONG_CPU_SAMPLE``: one TP x batch per adapter and long context) and on a GPU every TP x ``LONG_GPU_BATCHES``
+plus the spec sample, within ``LONG_GPU_BYTES`` of estimated memory (``long_cell_bytes``).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import socket
@@ -25,9 +35,28 @@ from typing import Any
 
 BATCHES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 TPS: tuple[int, ...] = (1, 2, 8)
-CONTEXTS: tuple[int, ...] = (8, 40)
-"""Prompt lengths of a program cell (tiny models): a short one (two KV pages of 4 tokens in the
-``testing.verify`` cells) and one of many pages (ten)."""
+SHORT_CONTEXTS: tuple[int, ...] = (8, 40)
+"""Prompt lengths of the short cells (tiny models, prefilled by the reference): a short one (two KV pages of 4
+tokens in the ``testing.verify`` cells) and one of many pages (ten)."""
+LONG_CONTEXTS: tuple[int, ...] = (32768, 131072)
+"""History lengths of the long-context cells (``qwen3_moe-tp2-b2-ctx32768-s0``): a synthetic history
+(``testing.history``: every cache and recurrent state of positions 0..ctx-1 drawn at random, the same for
+reference and program) instead of a prefill, page tables of ~ctx / 4 entries, then the usual decode steps. An
+adapter has the long contexts its full architecture serves (``contexts_for``: Qwen3-MoE's 40960 tokens stop
+it at 32K)."""
+CONTEXTS: tuple[int, ...] = SHORT_CONTEXTS + LONG_CONTEXTS
+"""Every context of the matrix (a plan cell group has each that its adapter serves)."""
+LONG_HEADROOM = 64
+"""Tokens past the longest history a long-context spec holds (decode steps, drafts)."""
+LONG_CPU_SAMPLE: dict[int, tuple[int, int]] = {32768: (2, 2), 131072: (1, 1)}
+"""(TP, batch) of the CPU long-context cells, spec 0, one per adapter and long context: a sample (a 128K
+history of the widest tiny model is ~1 GiB per sequence; the GPU cells take the batch and TP axes)."""
+LONG_GPU_BATCHES: tuple[int, ...] = (1, 8, 64)
+"""Batches of the GPU long-context cells (every TP; plus the spec cells of ``SPEC_SAMPLE``)."""
+LONG_GPU_BYTES = 24 << 30
+"""Largest estimated memory of a GPU long-context cell (``long_cell_bytes``: every TP rank holds the whole
+reference states and its program copy; the H200 suite runs four matrix workers on one GPU): a cell beyond it
+(e.g. Muse Spark at 128K, batch 64) is left out, as a TP its tiny spec cannot be split by is."""
 QUANTIZED_BATCHES: tuple[int, ...] = (1, 8)
 QUANTIZED_TPS: tuple[int, ...] = (1, 2)
 """Batches and TPs of the quantized-experts cells (the gemv and grouped sides of the 4-bit kernels' split)."""
@@ -45,7 +74,8 @@ class Cell:
     batch: int
     tp: int
     context: int | None
-    """Prompt length; None in a plan cell whose plan does not take a context (see ``plan_cells``)."""
+    """Prompt length (``LONG_CONTEXTS``: synthetic history length); None in a plan cell whose plan does not take a
+    context (see ``plan_cells``)."""
     spec_tokens: int
     device: str = "cpu"
     experts: str | None = None
@@ -95,12 +125,90 @@ def _splits(adapter: Any, fmt: str, tp: int) -> bool:
     return True
 
 
+def long_contexts(adapter: Any) -> tuple[int, ...]:
+    """The long contexts of ``adapter``'s cells: those its full architecture serves (with ``LONG_HEADROOM``)."""
+    top = adapter.spec("full").max_context
+    return tuple(c for c in LONG_CONTEXTS if c + LONG_HEADROOM <= top)
+
+
+def contexts_for(adapter: Any) -> tuple[int, ...]:
+    """Every context of ``adapter``'s cells: the short ones and ``long_contexts``."""
+    return SHORT_CONTEXTS + long_contexts(adapter)
+
+
+def context_spec(spec: Any, context: int | None) -> Any:
+    """``spec`` able to hold ``context`` (+ ``LONG_HEADROOM``) tokens: the tiny specs' ``max_context`` (4096,
+    Qwen3-MoE's 256) raised to the longest long context for the long-context cells; else ``spec`` itself."""
+    if context is None or context + LONG_HEADROOM <= spec.max_context:
+        return spec
+    return spec.model_copy(update={"max_context": max(LONG_CONTEXTS) + LONG_HEADROOM})
+
+
+def context_adapter(adapter: Any, variant: str, context: int | None) -> Any:
+    """``adapter`` for planning ``variant`` at ``context``: bound to ``context_spec`` of that variant where the
+    variant's spec is too short for it (the tiny specs at the long contexts), else ``adapter`` itself."""
+    from latency_specialized.adapter_contract import SpecBoundAdapter
+
+    spec = adapter.spec(variant)
+    longer = context_spec(spec, context)
+    return adapter if longer is spec else SpecBoundAdapter(adapter, longer)
+
+
+@functools.lru_cache(maxsize=None)
+def _bytes_per_token(adapter: Any) -> float:
+    """Measured bytes per history token of one sequence of the tiny reference's states (fp32, CPU)."""
+    import torch
+
+    from latency_specialized.testing.history import long_states, states_bytes
+
+    n = 1024
+    ref = adapter.reference(context_spec(adapter.spec("tiny"), max(LONG_CONTEXTS)), seed=0, dtype=CELL_DTYPE,
+                            device="cpu", tokenizer=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        states, _ = long_states(ref, n, 1, n, seed=0)
+    finally:
+        torch.set_num_threads(threads)
+    return states_bytes(states) / n
+
+
+def long_cell_bytes(adapter: Any, cell: Cell) -> int:
+    """Estimated memory of a long-context cell: each of its TP ranks holds the whole reference states (history
+    of every sequence, measured per token: ``_bytes_per_token``) and its program copy (at most as large)."""
+    return int(2 * cell.tp * cell.batch * (cell.context or 0) * _bytes_per_token(adapter))
+
+
+def _long_cells(adapter: Any, device: str, tps: list[int], spec_options: list[int]) -> list[Cell]:
+    """The long-context cells of one device (``LONG_CPU_SAMPLE`` on the CPU; on a GPU every TP x
+    ``LONG_GPU_BATCHES`` and the ``SPEC_SAMPLE`` spec cells, within ``LONG_GPU_BYTES``)."""
+    scope, out = adapter.scope(), []
+    for ctx in long_contexts(adapter):
+        if device == "cpu":
+            tp, batch = LONG_CPU_SAMPLE[ctx]
+            if tp in tps and batch <= scope.max_batch:
+                out.append(Cell(adapter.name, batch, tp, ctx, 0, device))
+            continue
+        for tp in tps:
+            for batch in BATCHES:
+                if batch > scope.max_batch:
+                    continue
+                ks = ([0] if batch in LONG_GPU_BATCHES else []) + (spec_options if (tp, batch) in SPEC_SAMPLE else [])
+                for k in ks:
+                    cell = Cell(adapter.name, batch, tp, ctx, k, device)
+                    if long_cell_bytes(adapter, cell) <= LONG_GPU_BYTES:
+                        out.append(cell)
+    return out
+
+
 def cells_for(adapter: Any, *, devices: tuple[str, ...] = ("cpu", "cuda")) -> list[Cell]:
-    """Every matrix cell of an adapter, limited to the TPs its tiny spec can be split by."""
+    """Every matrix cell of an adapter, limited to the TPs its tiny spec can be split by: the short contexts
+    over every TP x batch (spec cells: ``SPEC_SAMPLE``), the long ones as ``_long_cells`` samples them."""
     scope = adapter.scope()
     spec_options = sorted(k for k in scope.spec_tokens if k > 0)
     cells = []
     for device in devices:
+        tps = []
         for tp in TPS:
             if tp not in scope.tp_sizes:
                 continue
@@ -108,10 +216,11 @@ def cells_for(adapter: Any, *, devices: tuple[str, ...] = ("cpu", "cuda")) -> li
                 adapter.spec("tiny").shard(tp)
             except Exception:  # noqa: BLE001 - tiny spec cannot be split: not a cell
                 continue
+            tps.append(tp)
             for batch in BATCHES:
                 if batch > scope.max_batch:
                     continue
-                for ctx in CONTEXTS:
+                for ctx in SHORT_CONTEXTS:
                     cells.append(Cell(adapter.name, batch, tp, ctx, 0, device))
                     if (tp, batch) in SPEC_SAMPLE:
                         cells.extend(Cell(adapter.name, batch, tp, ctx, k, device) for k in spec_options)
@@ -120,6 +229,7 @@ def cells_for(adapter: Any, *, devices: tuple[str, ...] = ("cpu", "cuda")) -> li
                 for fmt in getattr(adapter, "expert_formats", ()):
                     if batch in QUANTIZED_BATCHES and tp in QUANTIZED_TPS and _splits(adapter, fmt, tp):
                         cells.append(Cell(adapter.name, batch, tp, CONTEXTS[0], 0, device, experts=fmt))
+        cells.extend(_long_cells(adapter, device, tps, spec_options))
     return cells
 
 
@@ -137,6 +247,12 @@ def plan_cells(adapter: Any) -> list[Cell]:
     sites' attr ``context``); a ``build_plan`` without one would make the cells of one (TP, batch, spec
     tokens) that differ only in context build the same plan, so they would be one plan cell (context None)."""
     cells = cells_for(adapter, devices=("cpu",))
+    # plans are cheap: every bf16 (TP, batch, spec tokens) group is planned at every long context (the CPU
+    # program cells sample them)
+    have = set(cells)
+    groups = dict.fromkeys((c.tp, c.batch, c.spec_tokens) for c in cells if c.experts is None)
+    cells += [c for tp, batch, k in groups for ctx in long_contexts(adapter)
+              if (c := Cell(adapter.name, batch, tp, ctx, k)) not in have]
     if plan_takes_context():
         return cells
     return list(dict.fromkeys(replace(c, context=None) for c in cells))
@@ -158,12 +274,12 @@ def cell_hardware(cell: Cell) -> Any:
 
 
 def cell_spec(adapter: Any, cell: Cell) -> Any:
-    """The tiny spec a program cell runs: its experts kept in the cell's format, and built for the cell's
-    speculative tokens (``spec.with_spec_tokens(k)``: e.g. KDA's rollback tapes; UserError where the
-    adapter's spec has no such form)."""
+    """The tiny spec a program cell runs: able to hold the cell's context (``context_spec``), its experts kept in
+    the cell's format, and built for the cell's speculative tokens (``spec.with_spec_tokens(k)``: e.g. KDA's
+    rollback tapes; UserError where the adapter's spec has no such form)."""
     from latency_specialized.errors import UserError
 
-    spec = adapter.spec("tiny")
+    spec = context_spec(adapter.spec("tiny"), cell.context)
     if cell.experts is not None:
         spec = spec.with_expert_format(cell.experts)
     if cell.spec_tokens:
@@ -185,7 +301,7 @@ def cell_plan(adapter: Any, registry: Any, cell: Cell) -> Any:
     kw = plan_kwargs(cell)
     if not plan_takes_context():
         kw.pop("context", None)
-    if cell.experts is not None or cell.spec_tokens:  # a spec the adapter does not list as a variant
+    if cell.experts is not None or cell.spec_tokens or cell.context in LONG_CONTEXTS:  # not a listed variant
         adapter = SpecBoundAdapter(adapter, cell_spec(adapter, cell))
     return build_plan(adapter, registry, cell_hardware(cell), dtype=CELL_DTYPE, variant="tiny", **kw)
 

@@ -15,6 +15,10 @@ prefix (a copy of the snapshot after token ``j``), and the next step starts from
 token after the prefix at position ``p + j + 1``, applying the accept first. The program runs on a spec
 built for ``k`` (``testing.matrix.cell_spec``) over the prefilled states plus zero tapes.
 
+A long-context cell (``testing.matrix.LONG_CONTEXTS``) prefills nothing: its B sequences get synthetic
+histories of ``context - k (k + 1) / 2`` tokens (``k = b % 4``; ``testing.history.long_states``) in states allocated for the context (pages of 4 tokens: ~ctx / 4 page-table
+entries per sequence), and the decode / verification steps above run from there.
+
 What the adapter provides: ``spec('tiny')``, ``reference(spec, seed=, dtype=, device=, tokenizer=)``
 (``new_cache(num_seqs, max_len, block_size=, shuffle_seed=)`` -> ``ModelStates``, ``prefill``,
 ``decode``), ``composed_model(spec)`` and ``program(spec, plans=, cache=, reference=, trace=, comm=)``.
@@ -53,6 +57,17 @@ def prototypes(adapter: Any, context: int, device: str, seed: int = SEED,
     return ref, states, lens
 
 
+@functools.lru_cache(maxsize=2)
+def long_reference(adapter: Any, device: str, experts: str | None = None, seed: int = SEED) -> Any:
+    """The reference of the long-context cells: the tiny model (same weights as ``prototypes``') whose spec holds
+    the longest long context (``testing.matrix.context_spec``)."""
+    from latency_specialized.testing.matrix import LONG_CONTEXTS, context_spec
+
+    quant = {"expert_format": experts} if experts is not None else {}
+    return adapter.reference(context_spec(adapter.spec("tiny"), max(LONG_CONTEXTS)), seed=seed, dtype="float32",
+                             device=device, tokenizer=False, **quant)
+
+
 def batch_states(ref: Any, proto: Any, lens: list[int], batch: int, max_len: int, seed: int) -> Any:
     """States of ``batch`` sequences (shuffled pages), sequence b a copy of prototype b % PROTOTYPES."""
     states = ref.new_cache(batch, max_len, block_size=proto.block_size, shuffle_seed=seed)
@@ -82,7 +97,8 @@ def _verify(adapter: Any, cell: Any, comm: Any, rel_tol: float) -> Any:
     from latency_specialized.runtime.gate import DecodeGate, StepState
     from latency_specialized.runtime.graph_runner import CUDAGraphRunner
     from latency_specialized.runtime.states import shard_states
-    from latency_specialized.testing.matrix import CellResult, cell_plan, cell_spec
+    from latency_specialized.testing.history import long_states
+    from latency_specialized.testing.matrix import LONG_CONTEXTS, CellResult, cell_plan, cell_spec
     from latency_specialized.trace import Trace
 
     world = comm.world_size if comm is not None else 1
@@ -93,11 +109,15 @@ def _verify(adapter: Any, cell: Any, comm: Any, rel_tol: float) -> Any:
     experts = getattr(cell, "experts", None)
     if experts is not None and "quantized_experts" not in adapter.capabilities:
         raise UserError(f"{cell.id}: {adapter.name} cannot keep its routed experts as {experts}")
-    ref, proto, lens = prototypes(adapter, cell.context, device, experts=experts)
-    spec = ref.spec
     B, k = cell.batch, cell.spec_tokens
-    states = batch_states(ref, proto, lens, B, cell.context + STEPS * (1 + k), seed=B)
-    positions = [lens[b % PROTOTYPES] for b in range(B)]
+    if cell.context in LONG_CONTEXTS:   # a synthetic history (testing.history), not a prefill
+        ref = long_reference(adapter, device, experts)
+        states, positions = long_states(ref, cell.context, B, cell.context + STEPS * (1 + k), seed=B)
+    else:
+        ref, proto, lens = prototypes(adapter, cell.context, device, experts=experts)
+        states = batch_states(ref, proto, lens, B, cell.context + STEPS * (1 + k), seed=B)
+        positions = [lens[b % PROTOTYPES] for b in range(B)]
+    spec = ref.spec
     plan = cell_plan(adapter, get_registry().implementations, cell)
     trace = Trace()
     rank_states = shard_states(adapter.composed_model(spec), states, rank, cell.tp)
@@ -194,4 +214,4 @@ def _verify_spec(cell: Any, ref: Any, states: Any, positions: list[int], toks: t
                       logits_digest=digest)
 
 
-__all__ = ["verify_cell", "prototypes", "batch_states", "STEPS", "PROTOTYPES", "REL_TOL"]
+__all__ = ["verify_cell", "prototypes", "long_reference", "batch_states", "STEPS", "PROTOTYPES", "REL_TOL"]

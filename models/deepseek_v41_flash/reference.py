@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from latency_specialized.errors import UserError
 from latency_specialized.ops.residual_mhc import mhc_seam_reference
+from latency_specialized.ops.rope import rope_inv_freq
 from latency_specialized.runtime.states import ModelStates, SeqSlot
 
 from latency_specialized_models.deepseek_v41_flash.spec import DeepseekV41Spec
@@ -46,9 +47,10 @@ def _rms(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
 
 
 def _rope(x: torch.Tensor, pos: torch.Tensor, dim: int, theta: float, sign: float = 1.0) -> torch.Tensor:
-    """Interleaved-pair rotation of the last ``dim`` channels of ``x [T, ..., C]`` at positions ``pos [T]``."""
-    inv = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=pos.device) / dim)
-    ang = (pos.double()[:, None] * inv).to(x.dtype)
+    """Interleaved-pair rotation of the last ``dim`` channels of ``x [T, ..., C]`` at positions ``pos [T]`` (fp32
+    angles, as vLLM: fp64 ones differ by ~1e-2 rad near position 131072)."""
+    inv = rope_inv_freq(theta, dim, pos.device)
+    ang = (pos.to(torch.float32)[:, None] * inv).to(x.dtype)
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (dim // 2,)
     cos, sin = ang.cos().view(shape), sign * ang.sin().view(shape)
     r = x[..., -dim:]
@@ -233,6 +235,18 @@ class DeepseekV41Reference:
         out = self._forward(seq, start, torch.as_tensor(ids).long())
         self._export(cache, slot, seq, start)
         return out
+
+    @torch.no_grad()
+    def seed_history(self, cache: ReferenceStates, slot: SeqSlot, length: int, generator: torch.Generator) -> None:
+        """A synthetic history of ``length`` tokens in ``slot`` (long-context matrix cells, ``testing/history.py``):
+        random unit-scale raw rows and compressor inputs, the sparse MQA states exported from them."""
+        e = self.w["embed.weight"]
+        seq = cache.seqs[slot.row] = SeqCache(length)
+        for layer, L in enumerate(self.spec.layers):
+            keep = [seq.kv] + ([seq.ckv] if layer in self.spec.kv_source_layers else [])
+            for d in keep + ([seq.cgate] if len(keep) > 1 and L.attention.compress_ratio > 1 else []):
+                d[layer] = torch.randn(length, L.attention.head_dim, generator=generator, device=e.device).to(e.dtype)
+        self._export(cache, slot, seq, 0)
 
     @torch.no_grad()
     def decode(self, cache: ReferenceStates, slots: list, positions: list[int], ids: torch.Tensor) -> torch.Tensor:

@@ -27,8 +27,9 @@ class MuseSparkAdapter(ComposedAdapter):
     hf_architectures: ClassVar[tuple[str, ...]] = ("MuseSparkForConditionalGeneration", "MuseSpark1xForCausalLM")
     capabilities: ClassVar[frozenset[str]] = frozenset({"spec", "reference", "program", "checkpoint"})
     # the released q scale (5.47 on unit-RMS q, k) makes the tiny model's attention sharp enough to amplify fp32
-    # summation-order differences ~40x over 8 layers (NOTES.md: worst cell 2.07e-4; 2.5e-6 at scale 1)
-    verify_rel_tol: ClassVar[float] = 4e-4
+    # summation-order differences ~40x over 8 layers (NOTES.md: worst short cell 2.07e-4; 2.5e-6 at scale 1); the
+    # 32k-token synthetic-history cells sum 8000x more keys: worst 4.03e-4 (tp2-b2-ctx32768), top-1 agreement 1.0
+    verify_rel_tol: ClassVar[float] = 6e-4
 
     def spec(self, variant: Variant = "full") -> ModelSpec:
         return full_spec() if variant == "full" else tiny_spec()

@@ -2,7 +2,8 @@
 
 * ``plan_cell``  - every adapter x batch x TP x context x spec tokens (``testing.matrix.plan_cells``: the
   context is a plan input, ``build_plan(context=)``), each a distinct plan: the plan resolves every op site.
-* ``program_cell`` - adapters with a decode program: every batch x TP x context x spec tokens x device;
+* ``program_cell`` - adapters with a decode program: every batch x TP x context x spec tokens x device (the
+  long contexts, 32K / 128K synthetic histories, sampled on the CPU: ``testing.matrix.LONG_CPU_SAMPLE``);
   program vs reference on that cell, the fast path proven by the trace, each site served by the
   implementation the cell's plan gives it (kernels where the plan's rules give one). TP>1 cells run
   on gloo process pools (one pool per TP, started once per session). Cells on 'cuda' carry the gpu

@@ -13,8 +13,9 @@ from latency_specialized import hardware
 from latency_specialized.ops import plan as plan_module
 from latency_specialized.plugins import get_registry
 from latency_specialized.testing import matrix
-from latency_specialized.testing.matrix import (CONTEXTS, Cell, cell_plan, cells_for, kernel_sites, plan_cells,
-                                                plan_kwargs, plan_takes_context)
+from latency_specialized.testing.matrix import (CONTEXTS, LONG_CONTEXTS, Cell, cell_plan, cells_for, context_adapter,
+                                                contexts_for, kernel_sites, plan_cells, plan_kwargs,
+                                                plan_takes_context)
 
 PLAN_TARGETS = (("sm_90", "full"), ("cpu", "tiny"))
 """(arch, variant) every plan cell is planned for."""
@@ -26,11 +27,12 @@ def _adapters(capability: str | None = None):
 
 
 def _plans(cell: Cell):
-    """The plans of a plan cell, one per PLAN_TARGETS entry (its context passed where the plan takes one)."""
+    """The plans of a plan cell, one per PLAN_TARGETS entry (its context passed where the plan takes one; the
+    tiny spec able to hold a long context: ``matrix.context_adapter``)."""
     reg = get_registry()
     adapter = reg.adapter(cell.adapter)
-    return [plan_module.build_plan(adapter, reg.implementations, hardware.for_arch(arch), variant=variant,
-                                   dtype="bfloat16", **plan_kwargs(cell))
+    return [plan_module.build_plan(context_adapter(adapter, variant, cell.context), reg.implementations,
+                                   hardware.for_arch(arch), variant=variant, dtype="bfloat16", **plan_kwargs(cell))
             for arch, variant in PLAN_TARGETS]
 
 
@@ -69,7 +71,10 @@ def test_context_is_a_plan_cell_axis_exactly_where_it_reaches_the_plan():
     # context axis is the bf16 cells'
     cells = [c for a in _adapters() for c in plan_cells(a) if c.experts is None]
     if plan_takes_context():
-        assert all(ctxs == set(CONTEXTS) for ctxs in _context_groups(cells).values())
+        served = {a.name: set(contexts_for(a)) for a in _adapters()}
+        # every context each adapter's architecture serves (testing.matrix.contexts_for: Qwen3-MoE stops at 32K)
+        assert all(ctxs == served[name] for (name, *_), ctxs in _context_groups(cells).items())
+        assert set().union(*served.values()) == set(CONTEXTS)
         for a in _adapters():
             one = [c for c in cells if (c.adapter, c.tp, c.batch, c.spec_tokens) == (a.name, 1, 1, 0)]
             plans = [_plans(c) for c in one]
@@ -97,7 +102,7 @@ def test_plan_cells_pass_the_context_once_the_plan_takes_one(monkeypatch):
     monkeypatch.setattr(plan_module, "build_plan", build_plan)
     adapter = get_registry().adapter("kimi_k3")
     cells = plan_cells(adapter)
-    assert len(cells) == len(cells_for(adapter, devices=("cpu",)))
+    assert len(cells) == len(set(cells)) and set(cells_for(adapter, devices=("cpu",))) <= set(cells)
     assert all(ctxs == set(CONTEXTS) for ctxs in _context_groups(cells).values())
     for c in [c for c in cells if (c.tp, c.batch) == (1, 1)]:
         seen.clear()
@@ -132,6 +137,43 @@ def test_program_cells_have_distinct_ids_and_the_matrix_contexts():
     ids = [c.id for c in cells]
     assert cells and len(ids) == len(set(ids))
     assert {c.context for c in cells} == set(CONTEXTS)
+
+
+def test_long_context_cells_sample_the_cpu_and_cover_the_gpu():
+    """Long contexts: on the CPU one (TP, batch) per adapter and long context it serves (spec 0, readable ids);
+    on the GPU every TP x LONG_GPU_BATCHES (and the spec sample) within the memory bound, every long context."""
+    for a in _adapters("program"):
+        cells = [c for c in cells_for(a) if c.context in LONG_CONTEXTS]
+        cpu = [c for c in cells if c.device == "cpu"]
+        assert sorted(c.context for c in cpu) == sorted(matrix.long_contexts(a))
+        assert all(c.spec_tokens == 0 and (c.tp, c.batch) == matrix.LONG_CPU_SAMPLE[c.context] for c in cpu)
+        assert all(f"-ctx{c.context}-" in c.id for c in cells)
+        gpu = {(c.tp, c.batch, c.context, c.spec_tokens) for c in cells if c.device == "cuda"}
+        tps = {c.tp for c in cells_for(a) if c.device == "cuda"}
+        for ctx in matrix.long_contexts(a):
+            for tp in tps:
+                for batch in matrix.LONG_GPU_BATCHES:
+                    cell = Cell(a.name, batch, tp, ctx, 0, "cuda")
+                    fits = matrix.long_cell_bytes(a, cell) <= matrix.LONG_GPU_BYTES
+                    assert ((tp, batch, ctx, 0) in gpu) == fits, cell.id
+            assert (1, 1, ctx, 0) in gpu, f"{a.name}: no GPU cell at {ctx}"
+
+
+def test_synthetic_history_refuses_states_it_cannot_fill():
+    """The generic fill refuses a reference's ModelStates subclass (its own history would disagree with the
+    states), naming the method; DeepSeek's reference has one, which testing.history.seed_history takes."""
+    import torch
+
+    from latency_specialized.errors import UserError
+    from latency_specialized.testing.history import seed_history, seed_states
+
+    a = get_registry().adapter("deepseek_v41_flash")
+    ref = a.reference(a.spec("tiny"), seed=0, dtype="float32", tokenizer=False)
+    states = ref.new_cache(1, 64, block_size=4)
+    with pytest.raises(UserError, match="seed_history"):
+        seed_states(ref, states, states.slots[0], 40, torch.Generator())
+    seed_history(ref, states, states.slots[0], 40, torch.Generator().manual_seed(0))
+    assert states.seqs[states.slots[0].row].length == 40
 
 
 def test_kernel_sites_follow_the_plans_rules():

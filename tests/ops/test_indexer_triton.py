@@ -205,6 +205,32 @@ def test_many_splits_and_select_tiles(ix, tk, monkeypatch, splits):
 
 
 @interpreted
+@pytest.mark.parametrize("bits,resident", [(4, False), (4, True), (8, True)])
+def test_radix_select_digit_widths_and_resident_rows(ix, monkeypatch, bits, resident):
+    """The radix select with 4-bit digits (8 passes of 16 bins) and/or the row kept in registers across the
+    passes (one tile as wide as the table): the same sets as the reference on long rows, near ties decided
+    by the low digits, exact ties, and rows at or below K."""
+    monkeypatch.setattr(ix, "SELECT_BITS", bits)
+    monkeypatch.setattr(ix, "SELECT_RESIDENT_MAX", 1 << 20 if resident else 0)
+    monkeypatch.setattr(ix, "SELECT_TILE", 64)
+    args, kw = _case(30 + bits, [250, 0, 97, 16, 131], K=16, bs=8)
+    _check(ix, args, kw, selection="radix", num_splits=3)
+    args, kw = _case(40 + bits, [150, 90, 41], K=12, bs=4, near_ties=True)
+    _check(ix, args, kw, selection="radix", num_splits=2)
+    args, kw = _case(50 + bits, [70, 70, 70, 12], K=10, bs=4, norm=None, rope=0)
+    q, k, w, cache, slots, blocks, lens = args
+    w[0] = 0.0
+    w[2] = -w[2].abs()
+    _check(ix, args, kw, selection="radix", num_splits=2)
+
+
+def test_radix_select_refuses_other_digit_widths(ix):
+    with pytest.raises(UserError, match="digit width 5"):
+        ix.launch_select(None, torch.zeros(1, 8), torch.ones(1, dtype=torch.int32),
+                         torch.zeros(1, 4, dtype=torch.int32), 4, 8, bits=5)
+
+
+@interpreted
 @pytest.mark.parametrize("selection", ["radix", "split"])
 def test_near_ties_decided_by_low_bytes(ix, monkeypatch, selection):
     """Keys equal up to 1e-3: logits share their leading bytes, so the later radix passes pick the K-th."""
@@ -367,7 +393,13 @@ def test_kernels_compile_for_hopper_without_a_gpu(ix):
         if not rope:  # with RoPE, libdevice's sin/cos keep a small local array for huge arguments
             assert "ld.local" not in p and "st.local" not in p
     sig = dict(logits="*fp32", seq_lens="*i32", out="*i32", K="i32", s_lb="i32", s_ob="i32")
-    p = ptx(kern["select"], sig, dict(TILE=ix.SELECT_TILE), ix.SELECT_WARPS)
+    for bits in (4, 8):   # 16- and 256-bin histograms; rows looped over tiles or kept in registers (4096 wide)
+        for resident, tile in ((False, ix.SELECT_TILE), (True, 4096)):
+            p = ptx(kern["select"], sig, dict(TILE=tile, BITS=bits, RESIDENT=resident), ix.SELECT_WARPS)
+            assert "ld.local" not in p and "st.local" not in p, (bits, resident)
+    # the widest resident row (SELECT_RESIDENT_MAX) on the wide warp count
+    p = ptx(kern["select"], sig, dict(TILE=ix.SELECT_RESIDENT_MAX, BITS=ix.SELECT_BITS, RESIDENT=True),
+            ix.SELECT_WARPS_WIDE)
     assert "ld.local" not in p and "st.local" not in p
 
 

@@ -7,6 +7,7 @@ correctness is checked on the H200 by tests/ops/test_moe_kda_gpu.py.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -106,6 +107,44 @@ def test_experts_batch1_compiles_with_vector_loads():
     assert "griddepcontrol.launch_dependents" in gu and "griddepcontrol.wait" in dn
     # down lets the next kernel (PDL) launch once all its CTAs started (before its own wait for gate_up)
     assert cfg.dn_trigger and dn.index("griddepcontrol.launch_dependents") < dn.index("griddepcontrol.wait")
+
+
+def test_experts_wide_rows_default_to_passes():
+    """Rows wider than GU_MAX_KVEC vectors run in even passes (fewer vectors per pass at several tokens),
+    and their down kernel takes WIDE_DOWN_ROWS rows at several tokens; Kimi K3's latent stays one pass."""
+    from latency_specialized.kernels import moe_experts as me
+
+    sw = ActivationSpec(kind="swiglu")
+    for (K, M), (kvec, passes) in {(3584, 1): (0, 1), (3584, 8): (0, 1), (6144, 1): (12, 2), (6144, 8): (6, 4),
+                                   (5120, 1): (10, 2), (5120, 64): (5, 4), (4096, 2): (6, 3)}.items():
+        cfg = me.make_config(M, K, 256, 1024, 8, torch.bfloat16, torch.int64, sw)
+        assert (cfg.gu_kvec, cfg.gu_passes) == (kvec, passes), (K, M)
+        if M > 1:
+            assert cfg.dn_rows == (me.WIDE_DOWN_ROWS if passes > 1 else max(8, me.one_wave_down_rows(1024, 132)))
+    # an explicit value wins; one vector per pass is the finest split
+    assert me.make_config(1, 3584, 384, 3584, 16, torch.bfloat16, torch.int64, SITU, gu_kvec=1).gu_passes == 14
+
+
+@needs_cute
+def test_experts_wide_rows_compile_in_passes():
+    """K 6144 at batch 1 in two passes of 12 vectors: every gate and up vector is still one 16-byte load
+    (2 x 24 per row), the token row staged once, and the partial dots of a pass add in registers; at
+    several tokens the passes keep their running dots in shared memory (32-bit shared stores)."""
+    from latency_specialized.kernels import moe_experts as me
+
+    sw = ActivationSpec(kind="swiglu")
+    cfg = me.make_config(1, 6144, 256, 6144, 8, torch.bfloat16, torch.int64, sw)
+    assert cfg.gu_passes == 2
+    gu = me.ptx_of(me.compile_gate_up(cfg))
+    assert _count(gu, r"ld\.global[\w.:]*\.v4") >= 2 * (6144 // 256) * (cfg.gu_rows // cfg.gu_warps)
+    assert _count(gu, r"ld\.shared\.v4") >= 6144 // 256
+    assert ".local" not in gu
+    multi = me.make_config(8, 6144, 256, 6144, 8, torch.bfloat16, torch.int64, sw)
+    gm = me.ptx_of(me.compile_gate_up(multi))
+    one = me.ptx_of(me.compile_gate_up(dataclasses.replace(multi, gu_kvec=0)))
+    assert multi.gu_passes == 4 and "vote.sync.ballot" in gm and ".local" not in gm
+    # the running dots (g, u) of passes 1-3: one more (paired) shared store each, beyond the one-pass build's
+    assert _count(gm, r"st\.shared[\w.]*") >= _count(one, r"st\.shared[\w.]*") + 3
 
 
 @needs_cute

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.gpu
 DEV = "cuda"
 SITU = ActivationSpec(kind="situ_glu", beta=4, beta_lin=25)
 SWIGLU_CLAMP = ActivationSpec(kind="swiglu", clamp=10.0)
+SWIGLU = ActivationSpec(kind="swiglu")
 
 
 
@@ -136,6 +137,12 @@ EXPERT_CASES = [
     ("odd_swiglu_b5", 37, 512, 136, 200, 3, 5, SWIGLU_CLAMP, torch.bfloat16, False),
     ("odd_all_same_b5", 37, 512, 136, 200, 3, 5, SWIGLU_CLAMP, torch.bfloat16, True),
     ("odd_situ_b1", 37, 512, 136, 200, 3, 1, SITU, torch.bfloat16, False),
+    # rows wider than one gate_up pass (moe_experts.GU_MAX_KVEC): GLM-5.3 / DeepSeek-V4.1-Flash / Muse Spark TP8
+    ("glm_tp8_b1", 256, 6144, 256, 6144, 8, 1, SWIGLU, torch.bfloat16, False),
+    ("glm_tp8_b8", 256, 6144, 256, 6144, 8, 8, SWIGLU, torch.bfloat16, False),
+    ("dsv41_tp8_b1", 384, 5120, 288, 5120, 6, 1, SWIGLU_CLAMP, torch.bfloat16, False),
+    ("dsv41_tp8_b13", 384, 5120, 288, 5120, 6, 13, SWIGLU_CLAMP, torch.bfloat16, False),
+    ("muse_tp8_b5_same", 256, 4096, 512, 4096, 8, 5, SWIGLU, torch.bfloat16, True),
 ]
 
 
@@ -194,6 +201,30 @@ def test_experts_tuning_variants_match_reference(variant, M):
     replay = torch.full_like(out, float("nan"))
     ws: dict = {}
     _graph_replay(lambda: experts(x, w, ids, w13, w2, SITU, out=replay, workspace=ws, **tuning))
+    assert torch.equal(replay, out)
+
+
+@pytest.mark.parametrize("M,kvec", [(1, 5), (1, 1), (3, 5), (8, 13)])
+def test_experts_in_uneven_passes_match_reference(M, kvec):
+    """Rows in passes of ``gu_kvec`` vectors (Kimi K3's 14 vectors as 5 + 5 + 4, one per pass, 13 + 1):
+    the partial dots add up to the one-pass result within bf16 rounding, in eager and graph replay."""
+    from latency_specialized.kernels.moe_experts import experts
+
+    g = _gen(f"passes-{M}-{kvec}")
+    E, K, I, N, k = 64, 3584, 384, 1024, 8
+    w13, w2 = _expert_weights(E, I, K, N, torch.bfloat16, g)
+    x = torch.randn(M, K, generator=g, device=DEV).bfloat16()
+    w, ids = _random_routing(M, E, k, g)
+    ref = experts_reference(x, w, ids, w13, w2, SITU)
+    scale = ref.float().abs().max().item()
+    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEV)
+    experts(x, w, ids, w13, w2, SITU, out=out, gu_kvec=kvec)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * scale)
+    replay = torch.full_like(out, float("nan"))
+    ws: dict = {}
+    _graph_replay(lambda: experts(x, w, ids, w13, w2, SITU, out=replay, workspace=ws, gu_kvec=kvec))
     assert torch.equal(replay, out)
 
 
