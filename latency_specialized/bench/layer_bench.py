@@ -449,19 +449,14 @@ def build_spec_ours(adapter: Any, full: ModelSpec, tp: int, kind: str, layers: i
     from latency_specialized.runtime.gate import DecodeGate
     from latency_specialized.runtime.graph_runner import CUDAGraphRunner
     from latency_specialized.runtime.harness import OutputRecorder, SpecBoundAdapter, exclude_communication
-    from latency_specialized.runtime.layer_harness import BuiltProgram, OursBench
+    from latency_specialized.runtime.layer_harness import BuiltProgram, OursBench, bench_kind
     from latency_specialized.runtime.random_weights import random_rank_weights
     from latency_specialized.runtime.states import ModelStates
     from latency_specialized.trace import Trace
 
     if spec_tokens < 1:
         raise UserError(f"build_spec_ours: {spec_tokens} draft tokens; k = 0 is the plain program (build_ours)")
-    kinds = adapter.bench_kinds()
-    if kind not in kinds:
-        raise UserError(f"bench kind {kind!r}: {adapter.name} has {', '.join(kinds) or 'no benchable kinds'}")
-    bk = kinds[kind]
-    if bk.context and not contexts:
-        raise UserError(f"the {kind} bench needs --context (cached tokens per sequence), e.g. 4096,32768")
+    bk = bench_kind(adapter, kind, contexts)
     k = spec_tokens
     # the last draft of the last replay sits k positions past the plain step's: the cache holds k more tokens
     max_len, block = (max(contexts) + 1 + steps + k, bk.kv_block_size) if bk.context else (4096, 16)

@@ -118,6 +118,18 @@ def _shared_gemm_note(plan: Any, bucket: int) -> str | None:
     return f"bucket {bucket}: moe.shared = mlp.cutedsl_fused with gate/up {gu}, {act}, down {down}"
 
 
+def bench_kind(adapter: Any, kind: str, contexts: Sequence[int]) -> Any:
+    """The adapter's bench kind ``kind`` (``adapter.bench_kinds()``); UserError naming the kinds it has, or the
+    missing ``--context`` of a kind with a KV cache."""
+    kinds = adapter.bench_kinds()
+    if kind not in kinds:
+        raise UserError(f"bench kind {kind!r}: {adapter.name} has {', '.join(kinds) or 'no benchable kinds'}")
+    bk = kinds[kind]
+    if bk.context and not contexts:
+        raise UserError(f"the {kind} bench needs --context (cached tokens per sequence), e.g. 4096,32768")
+    return bk
+
+
 class OursBench:
     """K-layer and 1-layer rank-shaped programs with a graph runner each (see the module docstring)."""
 
@@ -128,12 +140,7 @@ class OursBench:
         from latency_specialized.ops.plan import build_plan
         from latency_specialized.plugins import get_registry
 
-        kinds = adapter.bench_kinds()
-        if kind not in kinds:
-            raise UserError(f"bench kind {kind!r}: {adapter.name} has {', '.join(kinds) or 'no benchable kinds'}")
-        bk = kinds[kind]
-        if bk.context and not contexts:
-            raise UserError(f"the {kind} bench needs --context (cached tokens per sequence), e.g. 4096,32768")
+        bk = bench_kind(adapter, kind, contexts)
         # a fixed-size state (no context axis): any context; a KV cache: paged, of the longest context, the
         # adapter's block size, blocks handed out in a shuffled order. Every replay advances the positions
         # in the graph (a cell reloads them once, then replays ``steps`` times): the cache holds that

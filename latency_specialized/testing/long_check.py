@@ -255,6 +255,23 @@ def _stats(got: torch.Tensor, want: torch.Tensor) -> list[torch.Tensor]:
             (~torch.isfinite(got)).sum().double(), (~torch.isfinite(want)).sum().double()]
 
 
+def _runner(adapter: Any, spec: Any, weights: Any, plan: Any, states: Any, first_ids: Any, lens: Any, device: Any,
+            trace: Any, use_graphs: bool) -> Any:
+    """The program over ``states`` (updated in place) behind decode buffers loaded with the sequences' lengths,
+    rows and block tables, in a runner (captured when it graphs)."""
+    from latency_specialized.runtime.buffers import BufferSpec, DecodeBuffers
+    from latency_specialized.runtime.harness import make_runner
+
+    program = adapter.program(spec, weights=weights, plans=plan, cache=states, trace=trace)
+    buffers = DecodeBuffers(BufferSpec(max_batch=plan.bucket, max_blocks_per_seq=len(states.slots[0].blocks),
+                                       block_size=states.block_size, pad_state=0), device)
+    buffers.load(first_ids, lens, [s.row for s in states.slots], states.block_table(device="cpu"))
+    runner = make_runner(program, buffers, trace=trace, use_graphs=use_graphs, preserve_state=True)
+    if runner.use_graphs:
+        runner.capture()
+    return runner
+
+
 def teacher_forced(adapter: Any, batch: int, steps: int, *, variant: str = "medium", device: str = "cuda",
                    seed: int = 0, prompt: int = 12, say: Callable[[str], None] = print, fp32_floor: bool = False,
                    router_scale: float = 1.0, dtype: str = "bfloat16", floor_steps: int | None = None,
@@ -279,9 +296,8 @@ def teacher_forced(adapter: Any, batch: int, steps: int, *, variant: str = "medi
     from latency_specialized import hardware
     from latency_specialized.ops.plan import build_plan
     from latency_specialized.plugins import get_registry
-    from latency_specialized.runtime.buffers import BufferSpec, DecodeBuffers
     from latency_specialized.runtime.gate import StepState
-    from latency_specialized.runtime.harness import SpecBoundAdapter, make_runner
+    from latency_specialized.runtime.harness import SpecBoundAdapter
     from latency_specialized.trace import Trace
 
     dtype = mode(dtype)
@@ -302,13 +318,7 @@ def teacher_forced(adapter: Any, batch: int, steps: int, *, variant: str = "medi
     use_graphs, eager_reason = decide_graphs(graphs, device, plan)
     trace = Trace()
     pstates = states.clone()  # the program updates these in place; the reference its own ``states``
-    program = adapter.program(spec, weights=ref.w if fp32 else w, plans=plan, cache=pstates, trace=trace)
-    buffers = DecodeBuffers(BufferSpec(max_batch=plan.bucket, max_blocks_per_seq=len(states.slots[0].blocks),
-                                       block_size=states.block_size, pad_state=0), device)
-    buffers.load(stream[0], lens, [s.row for s in states.slots], states.block_table(device="cpu"))
-    runner = make_runner(program, buffers, trace=trace, use_graphs=use_graphs, preserve_state=True)
-    if runner.use_graphs:
-        runner.capture()
+    runner = _runner(adapter, spec, ref.w if fp32 else w, plan, pstates, stream[0], lens, device, trace, use_graphs)
     say(f"  batch {batch} {dtype}: set up in {time.perf_counter() - t0:.1f} s ({'graphed' if use_graphs else 'eager'}"
         f"{': ' + eager_reason if eager_reason else ''}; fp32 floor for {n_floor} steps)")
     positions = list(lens)
@@ -450,9 +460,8 @@ def free_running(adapter: Any, batch: int, steps: int, *, variant: str = "medium
     from latency_specialized import hardware
     from latency_specialized.ops.plan import build_plan
     from latency_specialized.plugins import get_registry
-    from latency_specialized.runtime.buffers import BufferSpec, DecodeBuffers
     from latency_specialized.runtime.gate import StepState
-    from latency_specialized.runtime.harness import SpecBoundAdapter, make_runner
+    from latency_specialized.runtime.harness import SpecBoundAdapter
     from latency_specialized.trace import Trace
 
     dtype = mode(dtype)
@@ -469,13 +478,7 @@ def free_running(adapter: Any, batch: int, steps: int, *, variant: str = "medium
     bad = graph_steps = 0
     for r in range(runs):
         trace = Trace()
-        program = adapter.program(spec, weights=weights, plans=plan, cache=states.clone(), trace=trace)
-        buffers = DecodeBuffers(BufferSpec(max_batch=plan.bucket, max_blocks_per_seq=len(states.slots[0].blocks),
-                                           block_size=states.block_size, pad_state=0), device)
-        buffers.load(stream[0], lens, [s.row for s in states.slots], states.block_table(device="cpu"))
-        runner = make_runner(program, buffers, trace=trace, use_graphs=use_graphs, preserve_state=True)
-        if runner.use_graphs:
-            runner.capture()
+        runner = _runner(adapter, spec, weights, plan, states.clone(), stream[0], lens, device, trace, use_graphs)
         toks = torch.empty(steps, batch, dtype=torch.int64, device=device)
         chk = torch.empty(steps, dtype=torch.int64, device=device)
         nonfin = torch.zeros((), dtype=torch.int64, device=device)
@@ -492,7 +495,7 @@ def free_running(adapter: Any, batch: int, steps: int, *, variant: str = "medium
         bad += int(nonfin)
         streams.append(toks.cpu())
         sums.append(chk.cpu())
-        del runner, program, buffers
+        del runner
         if device == "cuda":
             torch.cuda.empty_cache()
     tok_same = all(torch.equal(streams[0], s_) for s_ in streams[1:])

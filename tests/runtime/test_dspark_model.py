@@ -136,8 +136,7 @@ def test_cli_writes_labelled_md_json_png(dm, tmp_path, capsys):
 def test_the_stored_2_gpu_figures_load(dm):
     """The tree's 2-GPU all-reduce files (ours fused, NCCL + norm) load as tables, ours faster at 1 token."""
     root = SCRIPT.parents[2] / "benchmarks" / "results" / "h200x2"
-    if not (root / "allreduce_x2.json").is_file():
-        pytest.skip("no 2-GPU all-reduce results in this tree")
+    assert (root / "allreduce_x2.json").is_file(), "the committed 2-GPU all-reduce results are missing"
     ours = dm.allreduce_table(root / "allreduce_x2.json")
     nccl = dm.allreduce_table(root / "nccl_allreduce_norm.json")
     assert ours["world"] == nccl["world"] == 2 and nccl["algo"] == "nccl+norm"
