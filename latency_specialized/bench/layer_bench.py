@@ -35,6 +35,7 @@ rows (:func:`spec_notes` says how), and :func:`add_verify_ratios` divides by the
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -816,6 +817,9 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None] = print,
                         checkpoint(result())
             ours.close()
             del ours
+            # the program, its graph runner and trace refer to each other: only the cycle collector frees
+            # them (session 24's batch-8 run kept every earlier k's program and ran out of memory)
+            gc.collect()
             torch.cuda.empty_cache()
     return result()
 
@@ -882,6 +886,7 @@ def _cell(cfg: BenchConfig, full: ModelSpec, bk: Any, kind: str, batch: int, con
         f"{r_us:.1f} us ({distinct or 0:.0f} experts) | {_fmt(cell['fraction'] and 100 * cell['fraction'], '{:.0f}%')} "
         f"| speed-up {_fmt(cell['speedup'], '{:.2f}x')} [{time.perf_counter() - t1:.0f} s]")
     del stock_layers, stock
+    gc.collect()
     torch.cuda.empty_cache()
     return cell
 

@@ -33,6 +33,8 @@ import traceback
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from latency_specialized.testing.gpu_share import admitted, release_cached_memory
+
 BATCHES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 TPS: tuple[int, ...] = (1, 2, 8)
 SHORT_CONTEXTS: tuple[int, ...] = (8, 40)
@@ -340,12 +342,13 @@ def _worker(rank: int, world: int, port: int, jobs, results) -> None:  # pragma:
         job = jobs.get()
         if job is None:
             break
+        cell = Cell(**job)
         try:
-            cell = Cell(**job)
             res = reg.adapter(cell.adapter).verify_cell(cell, comm=comm)
-            results.put((rank, "ok", asdict(res)))
+            results.put((rank, cell.id, "ok", asdict(res)))
         except BaseException as e:  # noqa: BLE001 - reported to the test process
-            results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            results.put((rank, cell.id, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        release_cached_memory()  # the pool lives all session beside other workers' pools on the same GPU
     dist.destroy_process_group()
 
 
@@ -357,6 +360,7 @@ class GlooPool:
 
         ctx = mp.get_context("spawn")
         self.world, self.timeout_s = world, timeout_s
+        self.broken = False
         self.jobs = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
         port = free_port()
@@ -369,16 +373,22 @@ class GlooPool:
         """Run ``cell`` on every rank; returns the per-rank results in rank order (raises on any error)."""
         import queue
 
+        if self.broken:
+            raise RuntimeError(f"{cell.id}: this pool's ranks stopped answering earlier; start a new GlooPool")
         for q in self.jobs:
             q.put(asdict(cell))
         got: dict[int, Any] = {}
         errors = []
         while len(got) + len(errors) < self.world:
             try:
-                rank, status, payload = self.results.get(timeout=self.timeout_s)
+                rank, cell_id, status, payload = self.results.get(timeout=self.timeout_s)
             except queue.Empty:
                 dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                self.broken = True  # ranks may still answer this cell later: never read them for the next one
+                self.close()
                 raise TimeoutError(f"{cell.id}: no answer from ranks within {self.timeout_s}s (dead ranks: {dead})")
+            if cell_id != cell.id:
+                raise RuntimeError(f"{cell.id}: rank {rank} answered for {cell_id} (a pool runs one cell at a time)")
             if status == "ok":
                 got[rank] = CellResult(**payload)
             else:
@@ -391,6 +401,28 @@ class GlooPool:
         for q in self.jobs:
             q.put(None)
         for p in self.procs:
-            p.join(timeout=10)
+            p.join(timeout=0 if self.broken else 10)
             if p.is_alive():
                 p.kill()
+
+
+def run_program_cell(cell: Cell, pools: Any) -> list[CellResult]:
+    """Run a program cell: in this process at TP1, else on ``pools(tp)`` (a ``GlooPool`` per TP); per-rank
+    results in rank order. A GPU cell starts once its estimated memory (``long_cell_bytes``) fits beside the
+    cells other processes run on the same GPU (``gpu_share.admitted``), and this process hands its cached
+    blocks back after it."""
+    import contextlib
+
+    from latency_specialized.plugins import get_registry
+
+    adapter = get_registry().adapter(cell.adapter)
+    gate = (admitted(long_cell_bytes(adapter, cell), label=cell.id) if cell.device == "cuda"
+            else contextlib.nullcontext())
+    with gate:
+        try:
+            if cell.tp == 1:
+                return [adapter.verify_cell(cell, comm=None)]
+            return pools(cell.tp).run(cell)
+        finally:
+            if cell.device == "cuda":
+                release_cached_memory()

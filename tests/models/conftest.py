@@ -53,7 +53,7 @@ def gloo_pools():
     pools: dict[int, GlooPool] = {}
 
     def get(world: int) -> GlooPool:
-        if world not in pools:
+        if world not in pools or pools[world].broken:  # a pool whose ranks timed out is closed: start anew
             pools[world] = GlooPool(world)
         return pools[world]
 

@@ -15,7 +15,7 @@ from latency_specialized.plugins import get_registry
 from latency_specialized.testing import matrix
 from latency_specialized.testing.matrix import (CONTEXTS, LONG_CONTEXTS, Cell, cell_plan, cells_for, context_adapter,
                                                 contexts_for, kernel_sites, plan_cells, plan_kwargs,
-                                                plan_takes_context)
+                                                plan_takes_context, run_program_cell)
 
 PLAN_TARGETS = (("sm_90", "full"), ("cpu", "tiny"))
 """(arch, variant) every plan cell is planned for."""
@@ -202,10 +202,7 @@ def test_kernel_sites_follow_the_plans_rules():
 def test_program_matches_reference(program_cell: Cell, gloo_pools):
     reg = get_registry()
     adapter = reg.adapter(program_cell.adapter)
-    if program_cell.tp == 1:
-        results = [adapter.verify_cell(program_cell, comm=None)]
-    else:
-        results = gloo_pools(program_cell.tp).run(program_cell)
+    results = run_program_cell(program_cell, gloo_pools)
     r0 = results[0]
     assert r0.steps > 0
     assert r0.fast_steps == r0.steps and r0.stock_steps == 0, "the fast path did not run every decode step"
