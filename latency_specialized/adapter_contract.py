@@ -87,7 +87,7 @@ class AdapterContract:
 
     def layer_bench(self) -> Any:
         """The "ours" side of ``latency-specialized bench`` (``bench/layer_bench.py``): an object with
-        ``build_ours(full_spec, tp, kind, layers, batches, device, *, seed, say, contexts, steps)`` returning
+        ``build_ours(full_spec, tp, kind, layers, batches, device, *, seed, say, contexts, steps[, routing])`` returning
         the K-layer / 1-layer graphed programs the bench times (``runtime.layer_harness.LayerBenchHarness``
         over the adapter's pieces and ``bench_spec``).
         The bench reaches an adapter's harness only through this hook, so a third-party adapter can be benched."""

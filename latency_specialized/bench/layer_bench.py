@@ -69,6 +69,10 @@ class BenchConfig:
     warmup: int = 5
     dtype: str = "bfloat16"
     seed: int = 0
+    routing: str = "random"
+    """How ours' MoE layers route (``runtime.layer_harness.ROUTINGS``): ``shared`` zeroes ours' router weights,
+    so every row reads the same experts (stock still routes on random weights: its columns are then no
+    comparison)."""
     spec_tokens: tuple[int, ...] = (0,)
     """Draft tokens per request of the steps timed: 0 = single-token decode steps; k > 0 = verification steps
     (speculative decoding) of ``batch x (1 + k)`` rows, timed beside the k = 0 step of the same batch, which
@@ -430,7 +434,7 @@ def _spec_variant_class():
 
 def build_spec_ours(adapter: Any, full: ModelSpec, tp: int, kind: str, layers: int, batches: Sequence[int],
                     device: torch.device, spec_tokens: int, *, seed: int = 0, say: Callable[[str], None] = print,
-                    contexts: Sequence[int] = (), steps: int = 256) -> Any:
+                    contexts: Sequence[int] = (), steps: int = 256, routing: str = "random") -> Any:
     """"Ours" for verification steps of ``spec_tokens`` = k draft tokens: the K-layer and 1-layer programs of
     ``runtime/layer_harness.OursBench`` built the way the runtime builds a verification program - the adapter's
     bench spec ``with_spec_tokens(k)`` (Kimi K3: the KDA pieces get their verify/accept sites and rollback
@@ -450,13 +454,14 @@ def build_spec_ours(adapter: Any, full: ModelSpec, tp: int, kind: str, layers: i
     from latency_specialized.runtime.gate import DecodeGate
     from latency_specialized.runtime.graph_runner import CUDAGraphRunner
     from latency_specialized.runtime.harness import OutputRecorder, SpecBoundAdapter, exclude_communication
-    from latency_specialized.runtime.layer_harness import BuiltProgram, OursBench, bench_kind
+    from latency_specialized.runtime.layer_harness import BuiltProgram, OursBench, bench_kind, check_routing, share_routing
     from latency_specialized.runtime.random_weights import random_rank_weights
     from latency_specialized.runtime.states import ModelStates
     from latency_specialized.trace import Trace
 
     if spec_tokens < 1:
         raise UserError(f"build_spec_ours: {spec_tokens} draft tokens; k = 0 is the plain program (build_ours)")
+    check_routing(routing)
     bk = bench_kind(adapter, kind, contexts)
     k = spec_tokens
     # the last draft of the last replay sits k positions past the plain step's: the cache holds k more tokens
@@ -491,6 +496,8 @@ def build_spec_ours(adapter: Any, full: ModelSpec, tp: int, kind: str, layers: i
                                       dtype="bfloat16", comm=comm, spec_tokens=k)
                     plans[plan.bucket] = plan
                 weights = random_rank_weights(model, tp, device=device, seed=seed + n_layers)
+                if routing == "shared":
+                    share_routing(weights)
                 states = ModelStates.allocate(model, max(self.batches), max_len, tp=tp, block_size=block,
                                               device=device, shuffle_seed=seed if bk.context else None)
                 for t in states.tensors():  # a live state (and tape), not zeros
@@ -729,6 +736,26 @@ def _state_phrase(full: ModelSpec, kinds: dict[str, Any]) -> str:
     return "".join(f", {p}" for p in phrases)
 
 
+def routing_note(harness: Any, routing: str) -> list[str]:
+    """The notes of ``routing`` (``runtime.layer_harness.ROUTINGS``); UserError for an unknown one or a
+    harness whose ``build_ours`` takes no ``routing``."""
+    import inspect
+
+    from latency_specialized.runtime.layer_harness import check_routing
+
+    check_routing(routing)
+    if routing == "random":
+        return []
+    if "routing" not in inspect.signature(harness.build_ours).parameters:
+        raise UserError(f"--routing {routing}: this adapter's layer-bench harness ({type(harness).__name__}) takes "
+                        "no routing= keyword; bench it with --routing random")
+    return [f"Routing '{routing}': ours' router weights are zeroed, so every row of every step takes the experts "
+            "its layer's selection bias ranks first - a verification step's draft rows read exactly the experts "
+            "of their request's first row (the best case for speculative decoding: the weights read do not grow "
+            "with the rows). Stock still routes on random weights: its columns and the speed-ups of this run are "
+            "no comparison; read 'verification / single step' of ours."]
+
+
 def bench_notes(full: ModelSpec, kinds: dict[str, Any], tp: int) -> list[str]:
     """The result's notes before "ours" adds its own: the method, then per benched kind the adapter's notes
     (``BenchKind.notes``), the roofline's terms, and what each stock composition ran (stand-ins, shared kernels)."""
@@ -778,6 +805,7 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None] = print,
     ks = cfg.spec_ks() if any(cfg.spec_tokens) else (0,)
     if min(ks) < 0:
         raise UserError(f"--spec-tokens {list(cfg.spec_tokens)}: give draft-token counts >= 0")
+    routing_notes = routing_note(harness, cfg.routing)
     t_start = time.perf_counter()
     machine = machine_info()
     summary = {name: kind_summary(full, cfg.tp, name, bk) for name, bk in kinds.items()}
@@ -786,7 +814,7 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None] = print,
         return {"schema": 1, "machine": machine,
                 "config": {"model": cfg.model, "tp": cfg.tp, "batches": list(cfg.batches),
                            "contexts": list(cfg.contexts), "kinds": list(cfg.kinds), "layers": cfg.layers,
-                           "spec_tokens": list(ks),
+                           "spec_tokens": list(ks), "routing": cfg.routing,
                            "iters": cfg.iters, "rounds": cfg.rounds, "dtype": cfg.dtype,
                            "hbm_tb_s": HBM_BYTES_PER_S / 1e12, "comm": "Communication excluded (one GPU).",
                            "seconds": round(time.perf_counter() - t_start, 1)},
@@ -796,6 +824,7 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None] = print,
     notes = bench_notes(full, kinds, cfg.tp)
     scope = getattr(adapter, "scope", None)
     notes.extend(spec_notes(kinds, ks, scope().spec_tokens if scope is not None else None))
+    notes.extend(routing_notes)
     for kind, bk in kinds.items():
         stock = composition(bk.stock)
         contexts: tuple[int | None, ...] = tuple(cfg.contexts) if bk.context else (None,)
@@ -804,6 +833,8 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None] = print,
             say(f"[{kind}] building ours{what}: {cfg.layers} + 1 layers of real TP{cfg.tp} rank shapes ...")
             t0 = time.perf_counter()
             kw = dict(seed=cfg.seed, say=say, contexts=cfg.contexts if bk.context else (), steps=steps_per_cell(cfg))
+            if cfg.routing != "random":  # only then: a third-party harness need not know the keyword
+                kw["routing"] = cfg.routing
             if k:
                 ours = build_spec_ours(adapter, full, cfg.tp, kind, cfg.layers, cfg.batches, device, k, **kw)
             else:

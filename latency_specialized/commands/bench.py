@@ -102,6 +102,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="draft tokens per request of verification steps to time, comma-separated (default 0: "
                         "single-token steps only); k > 0 adds cells of batch x (1 + k) rows with the program built "
                         "for k, and the k = 0 cells they are divided by (kimi_k3's scope: 0, 3, 7)")
+    p.add_argument("--routing", default="random", choices=("random", "shared"),
+                   help="how ours' MoE layers route: random (default: random router weights) or shared (router "
+                        "weights zeroed: every row reads the same experts, e.g. a verification step's draft rows "
+                        "those of their request's first row; stock's columns are then no comparison)")
     p.add_argument("--iters", type=int, default=40, help="timed graph replays per round")
     p.add_argument("--rounds", type=int, default=2, help="rounds per variant (their spread is the noise)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"results directory (default {DEFAULT_OUT})")
@@ -132,6 +136,11 @@ def run(args: argparse.Namespace) -> int:
             raise UserError("--ab with --spec-tokens: the A/B summary (bench/ab.py) matches cells by kind, batch and "
                             "context only, so verification cells would collide with single steps; run the "
                             "verification bench without --ab")
+        if getattr(args, "routing", "random") != "random":
+            from latency_specialized.errors import UserError
+
+            raise UserError("--ab with --routing: the A/B variants run the default routing; run the routing bench "
+                            "without --ab")
         return _run_ab(args, kinds)
     import torch
 
@@ -143,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
                         "(bench --compare A.json B.json needs no GPU)")
     cfg = BenchConfig(model=args.model, tp=args.tp, batches=_ints(args.batch),
                       contexts=_ints(args.context or DEFAULT_CONTEXT), kinds=kinds, layers=args.layers,
-                      iters=args.iters, rounds=args.rounds, spec_tokens=spec_tokens)
+                      iters=args.iters, rounds=args.rounds, spec_tokens=spec_tokens,
+                      routing=getattr(args, "routing", "random"))
 
     def say(msg: str) -> None:
         print(msg, flush=True)

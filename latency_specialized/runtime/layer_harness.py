@@ -36,6 +36,33 @@ from latency_specialized.runtime.states import ModelStates
 from latency_specialized.trace import Trace
 
 
+ROUTINGS: tuple[str, ...] = ("random", "shared")
+"""How ours' MoE layers route in the bench: ``random`` (random router weights: every row routes on its own
+hidden state) or ``shared`` (router weights zeroed: every row of every step takes the experts its layer's
+selection bias ranks first, so a verification step's draft rows read the very experts of the request's first
+row - the best case for speculative decoding, where the weights read do not grow with the rows)."""
+
+
+def share_routing(weights: dict[Any, dict[str, dict[str, torch.Tensor]]]) -> int:
+    """Zero every FFN router weight of ``weights`` ({layer: {role: {local name: tensor}}}) in place (see
+    ``ROUTINGS``); returns how many. A model without a router is refused: there is no routing to share."""
+    n = 0
+    for roles in weights.values():
+        router = roles.get("ffn", {}).get("router") if isinstance(roles, dict) else None
+        if router is not None:
+            router.zero_()
+            n += 1
+    if not n:
+        raise UserError("routing 'shared': these weights have no FFN router ('ffn' / 'router'); bench this model "
+                        "with routing 'random'")
+    return n
+
+
+def check_routing(routing: str) -> None:
+    if routing not in ROUTINGS:
+        raise UserError(f"routing '{routing}': choose one of {', '.join(ROUTINGS)}")
+
+
 @dataclass
 class BuiltProgram:
     """One benched program with its buffers, runner, routing recorder and census."""
@@ -135,11 +162,12 @@ class OursBench:
 
     def __init__(self, adapter: Any, full: Any, tp: int, kind: str, layers: int, batches: Sequence[int],
                  device: torch.device, *, seed: int = 0, say: Callable[[str], None] = print,
-                 contexts: Sequence[int] = (), steps: int = 256):
+                 contexts: Sequence[int] = (), steps: int = 256, routing: str = "random"):
         from latency_specialized import hardware
         from latency_specialized.ops.plan import build_plan
         from latency_specialized.plugins import get_registry
 
+        check_routing(routing)
         bk = bench_kind(adapter, kind, contexts)
         # a fixed-size state (no context axis): any context; a KV cache: paged, of the longest context, the
         # adapter's block size, blocks handed out in a shuffled order. Every replay advances the positions
@@ -163,6 +191,8 @@ class OursBench:
                                   dtype="bfloat16", comm=comm)
                 plans[plan.bucket] = plan
             weights = random_rank_weights(model, tp, device=device, seed=seed + n_layers)
+            if routing == "shared":
+                share_routing(weights)
             states = ModelStates.allocate(model, max(self.batches), max_len, tp=tp, block_size=block, device=device,
                                           shuffle_seed=seed if bk.context else None)
             for t in states.tensors():  # a live state, not zeros
@@ -245,12 +275,12 @@ class LayerBenchHarness:
 
     def build_ours(self, full: Any, tp: int, kind: str, layers: int, batches: Sequence[int], device: torch.device,
                    *, seed: int = 0, say: Callable[[str], None] = print, contexts: Sequence[int] = (),
-                   steps: int = 256) -> OursBench:
+                   steps: int = 256, routing: str = "random") -> OursBench:
         """Entry point used by ``bench/layer_bench.py``; ``kind``: a name of ``adapter.bench_kinds()``;
         ``steps``: decode steps one cell runs after loading its positions (a context kind's KV cache holds
-        ``max(contexts) + 1 + steps`` tokens)."""
+        ``max(contexts) + 1 + steps`` tokens); ``routing``: one of ``ROUTINGS``."""
         return OursBench(self.adapter, full, tp, kind, layers, batches, device, seed=seed, say=say,
-                         contexts=contexts, steps=steps)
+                         contexts=contexts, steps=steps, routing=routing)
 
 
-__all__ = ["LayerBenchHarness", "OursBench", "ProgramVariant", "BuiltProgram"]
+__all__ = ["LayerBenchHarness", "OursBench", "ProgramVariant", "BuiltProgram", "ROUTINGS", "share_routing"]

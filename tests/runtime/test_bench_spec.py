@@ -179,3 +179,50 @@ def test_spec_tokens_flag_checks(capsys):
     if not torch.cuda.is_available():  # the flag parses; the bench itself then asks for a GPU
         assert main(["bench", "--model", "kimi_k3", "--kinds", "kda", "--spec-tokens", "0,3,7"]) == 2
         assert "CUDA GPU" in capsys.readouterr().err
+
+
+def test_shared_routing_reads_the_single_steps_experts_in_every_row(cpu_bench):
+    """``--routing shared`` (``layer_harness.share_routing``): ours' routers zeroed, so every row of a
+    verification step takes the experts its layer's selection bias ranks first - the distinct experts of a
+    k = 3 step at batch 2 (8 rows) are the single step's top-k, where random routing spreads them."""
+    full = ADAPTER.spec("full")
+    small = _Small()
+    bk = small.bench_kinds()["mla"]
+    cfg = BenchConfig(model="kimi_k3", tp=1, batches=(2,), contexts=(8,), kinds=("mla",), layers=2, iters=2,
+                      rounds=2, warmup=0, spec_tokens=(3,), routing="shared")
+    cpu = torch.device("cpu")
+    say = lambda s: None  # noqa: E731
+    distinct = {}
+    for routing in ("random", "shared"):
+        plain = small.layer_bench().build_ours(full, 1, "mla", 2, cfg.batches, cpu, say=say, contexts=(8,),
+                                               steps=40, routing=routing)
+        spec = build_spec_ours(small, full, 1, "mla", 2, cfg.batches, cpu, 3, say=say, contexts=(8,), steps=40,
+                               routing=routing)
+        for k, ours in ((0, plain), (3, spec)):
+            cell = _cell(cfg, full, bk, "mla", 2, 8, ours, say, _build_fake_stock, spec_tokens=k, device=cpu)
+            distinct[routing, k] = cell["roofline"]["distinct_experts"]
+    assert distinct["shared", 0] == distinct["shared", 3] == TOP_K
+    assert distinct["random", 3] > TOP_K  # 8 rows on random routers spread over more of the 16 experts
+
+
+def test_routing_choices_are_checked(capsys):
+    from latency_specialized.bench.layer_bench import routing_note
+    from latency_specialized.errors import UserError
+    from latency_specialized.runtime.layer_harness import share_routing
+
+    harness = ADAPTER.layer_bench()
+    assert routing_note(harness, "random") == []
+    assert "zeroed" in routing_note(harness, "shared")[0]
+    with pytest.raises(UserError, match="choose one of random, shared"):
+        routing_note(harness, "hashed")
+
+    class _Old:
+        def build_ours(self, full, tp, kind, layers, batches, device, *, seed=0, say=print, contexts=(), steps=256):
+            raise AssertionError("not called")
+
+    with pytest.raises(UserError, match="takes no routing= keyword"):
+        routing_note(_Old(), "shared")
+    with pytest.raises(UserError, match="no FFN router"):
+        share_routing({0: {"attn": {"q_proj": torch.zeros(2)}}})
+    assert main(["bench", "--model", "kimi_k3", "--ab", "a", "--routing", "shared"]) != 0
+    assert "--ab with --routing" in capsys.readouterr().err
