@@ -101,6 +101,9 @@ class StepContext:
     """Index of the current layer (-1 for model-level pieces)."""
     scratch: dict[str, torch.Tensor] = field(default_factory=dict)
     """Static buffers the program allocated for the pieces (``Piece.buffers``), by name."""
+    memo: dict[Any, Any] = field(default_factory=dict)
+    """Values derived from this step's meta, made once per step and shared by every layer that needs them
+    (``once``); a new step starts with an empty memo."""
     site_comm: Callable[[str], Any] | None = None
     """Communicator of a communication site by full site name (the program's ``SiteCommunicators`` at
     this bucket: a symmetric-memory workspace where the plan picked a fused kernel); None: ``comm``."""
@@ -115,6 +118,15 @@ class StepContext:
 
     def op(self, role: str) -> BoundOp:
         return self.ops[self.site(role)]
+
+    def once(self, key: Any, make: Callable[[], Any]) -> Any:
+        """``make()`` the first time ``key`` is asked for in this step, the same value after: per-step metadata
+        (e.g. the compressed-cache slots of one compression ratio) computed by the first layer that needs
+        it instead of by every such layer - fewer kernels per step. ``key`` must name everything the value
+        depends on besides the step's meta."""
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
 
     def skipped(self, role: str) -> bool:
         """True where the plan skips this site at this bucket (fused into another, or absorbed)."""

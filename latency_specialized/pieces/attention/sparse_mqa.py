@@ -76,6 +76,20 @@ SEQ_C = "sparse_mqa.seq_c"
 """Scratch key: the latest key owner's complete compressed rows per sequence ``[M]`` int32, this step's."""
 NO_SLOT = "sparse_mqa.no_slot"
 """Scratch key: ``[M]`` slots of -1 (the key slot of index layers that write no keys), this step's."""
+COMPRESSED_SLOTS = "sparse_mqa.compressed_slots"
+"""``StepContext.once`` key (with the ratio and the cache's block size) of ``compressed_slots``."""
+
+
+def compressed_slots(meta: Mapping[str, torch.Tensor], ratio: int,
+                     block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of the step, from its sequence length: complete compressed rows ``seq_c`` [M] int64 (and as
+    int32), the flat slot of the compressed cache this token's group completes (``-1``: it completes none)
+    and ``[M]`` slots of -1 (the key slot of layers that write no keys)."""
+    seq = meta["seq_lens"].long()
+    seq_c = seq // ratio                                                    # complete compressed rows
+    done = (seq % ratio == 0) & (seq > 0)                                   # this token completes one
+    slot_c = slot_of(meta["block_table"], seq_c - 1, block_size, done)
+    return seq_c, seq_c.to(torch.int32), slot_c, torch.full_like(slot_c, -1)
 
 
 def rope_leading(x: torch.Tensor, rope_dim: int, dim: int = -1) -> torch.Tensor:
@@ -270,14 +284,13 @@ class SparseMQAAttention:
         if r:
             cache = state["compressed"] if self.kv_source else self._published(step, COMPRESSED)
             if self.kv_source:   # a reader of both runs no glue at all: the op masks by length
-                seq = meta["seq_lens"].long()
-                seq_c = seq // r                                                        # complete compressed rows
-                done = (seq % r == 0) & (seq > 0)                                       # this token completes one
-                slot_c = slot_of(bt, seq_c - 1, cache.shape[1], done)
+                # the same for every source layer of this ratio and cache block: made by the first one per step
+                seq_c, seq_c32, slot_c, no_slot = step.once((COMPRESSED_SLOTS, r, cache.shape[1]),
+                                                            lambda: compressed_slots(meta, r, cache.shape[1]))
                 lat = self._compress(step, w, state, c, pos, meta["rows"], slot_c)
-                if self.index_keys:   # computed once per step: the index layers reading these keys share them
-                    seq_c = step.scratch[SEQ_C] = seq_c.to(torch.int32)
-                    step.scratch[NO_SLOT] = torch.full_like(slot_c, -1)
+                if self.index_keys:   # the index layers reading these keys share them
+                    seq_c = step.scratch[SEQ_C] = seq_c32
+                    step.scratch[NO_SLOT] = no_slot
             elif ix is not None:      # the key owner's row counts (same lengths, same ratio); this layer writes none
                 seq_c, slot_c = self._published(step, SEQ_C), self._published(step, NO_SLOT)
             if ix is not None:

@@ -82,3 +82,37 @@ def test_full_model_layer_kinds():
     assert kinds["sparse_mqa.c2.src.idx+moe"] == (2, 8, 14) and kinds["sparse_mqa.c1.src.idx+moe"] == (20,)
     assert kinds["sparse_mqa.c1.idx+moe"] == (24, 28, 32, 36)
     assert len(kinds["sparse_mqa.c2+moe"]) == 15 and len(kinds["sparse_mqa.c1+moe"]) == 15
+
+
+def test_compressed_slots_are_made_once_per_step_and_ratio(monkeypatch):
+    """The compressed-cache slots of a step (``pieces.attention.sparse_mqa.compressed_slots``, ~20 small
+    kernels) depend only on the step's lengths, the ratio and the cache's block size: the first KV-source layer
+    of a ratio makes them (``StepContext.once``), the others reuse them - the program still equals the
+    reference (the matrix cell's own check)."""
+    from latency_specialized.pieces.attention import sparse_mqa
+    from latency_specialized.testing.matrix import Cell
+
+    made: list[tuple[int, int]] = []
+    real = sparse_mqa.compressed_slots
+
+    def counted(meta, ratio, block_size):
+        made.append((ratio, block_size))
+        return real(meta, ratio, block_size)
+
+    monkeypatch.setattr(sparse_mqa, "compressed_slots", counted)
+    adapter = get_registry().adapter("deepseek_v41_flash")
+    model = composed_model(tiny_spec())
+    sources = [lp.attention.spec.compress_ratio for lp in model.layers
+               if getattr(lp.attention, "kv_source", False) and lp.attention.spec.compress_ratio]
+    ratios = set(sources)
+    assert len(sources) > len(ratios), "the tiny model needs two source layers of one ratio to show the reuse"
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        res = adapter.verify_cell(Cell("deepseek_v41_flash", 2, 1, 40, 0, "cpu"), comm=None)
+    finally:
+        torch.set_num_threads(before)
+    assert res.max_abs_err <= res.tolerance and res.fast_steps == res.steps > 0
+    assert sorted(set(r for r, _ in made)) == sorted(ratios)
+    # once per step and key, never once per source layer
+    assert len(made) == res.steps * len(set(made)) < res.steps * len(sources)
