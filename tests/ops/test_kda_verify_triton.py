@@ -1,0 +1,353 @@
+"""kernels.kda_verify_triton on the CPU: the Triton interpreter against the torch references, errors, the
+sm_90 build (no spill, no FMA contraction).
+
+The kernel cases (marker ``interpreter_case``) run in a child process started with ``TRITON_INTERPRET=1``
+(``test_kernel_cases_under_the_interpreter``; why: ``tests/interpret.py``). Every case: fresh random inputs,
+requests in scattered (non-identity) state rows, every ``torch.empty`` of the run filled with NaN (``out``
+and the norm workspace must be written before they are read) and the tapes NaN before the step:
+
+* verify: every output and every tape entry ``[state_idx[b], :T]`` written, finite and equal to the
+  reference's to a per-dtype tolerance (the kernel's sums run in its own order; bf16: one rounding of a
+  conv output may flip an ulp); ``tape_conv`` (a cast of the inputs) exactly; nothing else written (the
+  live states, other rows and tokens past T unchanged / NaN). fp32 and bf16, H = 1 / 2, D = 16 / 32,
+  B = 1 / 3, k = 0 / 3 / 7, with and without ``f_b_weight``, conv widths 2..4, the fused-norm and the
+  split (second launch) paths, inputs that are column slices of a wider projection, tapes longer than T;
+* accept: ``accepted`` -1, 0, middle, k; on the kernel's own tape and on the reference's, the state
+  equals the reference accept on the same tape bit for bit, and the conv state exactly; tape entries
+  past each ``j`` are NaN (never read);
+* a verification step then an accept equals ``j + 1`` single ``attention.kda`` reference steps (fp32,
+  a tolerance: the kernel sums in another order).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+
+import pytest
+import torch
+
+from latency_specialized.errors import UserError
+from latency_specialized.ops.attention.kda import kda_decode_reference
+from latency_specialized.ops.attention.kda_verify import kda_accept_reference, kda_verify_reference, tape_shapes
+
+from tests.interpret import run_interpreted
+
+_HAVE_TRITON = importlib.util.find_spec("triton") is not None
+pytestmark = pytest.mark.skipif(not _HAVE_TRITON, reason="needs triton (its interpreter runs the kernels on the CPU)")
+interpreted = pytest.mark.interpreter_case
+"""Needs TRITON_INTERPRET=1 from the process start: collected only there (the driver below runs these)."""
+
+NUM_ROWS = 9  # state rows
+TOL = {torch.float32: dict(out=(1e-4, 1e-5), tape=(1e-4, 1e-6)),
+       torch.bfloat16: dict(out=(2e-2, 2e-2), tape=(2e-2, 1e-2))}
+"""(rtol, atol) per activation dtype: outputs (after the gated RMSNorm, O(1)) and the fp32 tape vectors."""
+
+
+@pytest.mark.interpreter_driver
+def test_kernel_cases_under_the_interpreter():
+    run_interpreted(__file__, min_passed=25)
+
+
+@pytest.fixture
+def kt():
+    from latency_specialized.kernels import kda_verify_triton
+
+    return kda_verify_triton
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every float ``torch.empty`` filled with NaN while the test runs (the kernel's output and workspace)."""
+    real = torch.empty
+
+    def empty(*args, **kw):
+        t = real(*args, **kw)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def _case(seed, B, T, dtype, *, H=2, D=16, W=4, rank=8, fb=True, tmax=None, wide=False, idx64=False):
+    """Inputs of one verification step of B requests x T tokens; NaN tapes for ``tmax`` tokens."""
+    g = torch.Generator().manual_seed(seed)
+    hd = H * D
+    rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    rows = torch.randperm(NUM_ROWS, generator=g)[:B]
+    R = B * T
+    fcols = rank if fb else hd
+    if wide:  # q|k|v | g_out | f | beta column slices of one projection, as the KDA piece passes them
+        y = rnd(R, 3 * hd + hd + fcols + H + 5).to(dtype)
+        mixed, g_out = y[:, :3 * hd], y[:, 3 * hd:4 * hd]
+        f, beta = y[:, 4 * hd:4 * hd + fcols], y[:, 4 * hd + fcols:4 * hd + fcols + H]
+    else:
+        mixed, g_out, f, beta = rnd(R, 3 * hd).to(dtype), rnd(R, hd).to(dtype), rnd(R, fcols).to(dtype), \
+            rnd(R, H).to(dtype)
+    inp = dict(mixed_qkv=mixed, conv_weight=rnd(3 * hd, W) / W ** 0.5, f=f,
+               A_log=torch.log(0.5 + 1.5 * torch.rand(H, generator=g)), dt_bias=-2.0 + 0.5 * rnd(hd),
+               beta_logit=beta, g_out=g_out, norm_weight=1.0 + 0.1 * rnd(D))
+    kw = dict(num_heads=H, eps=1e-5, gate_lower_bound=-5.0,
+              f_b_weight=(rnd(hd, rank) / rank ** 0.5).to(dtype) if fb else None)
+    conv = rnd(NUM_ROWS, 3 * hd, W - 1).to(dtype)
+    state = 0.3 * rnd(NUM_ROWS, H, D, D)
+    ts, tc = tape_shapes(H, D, (tmax or T) - 1)
+    tape_state = torch.full((NUM_ROWS, *ts), float("nan"))
+    tape_conv = torch.full((NUM_ROWS, *tc), float("nan"), dtype=dtype)
+    return inp, kw, conv, state, rows.to(torch.int64 if idx64 else torch.int32), tape_state, tape_conv
+
+
+def _args(inp, conv, state, rows, tape_state, tape_conv):
+    return (inp["mixed_qkv"], conv, inp["conv_weight"], inp["f"], inp["A_log"], inp["dt_bias"], inp["beta_logit"],
+            inp["g_out"], inp["norm_weight"], state, rows, tape_state, tape_conv)
+
+
+def _close(got, want, tol, what):
+    assert torch.isfinite(got).all(), f"{what}: an entry left unwritten (NaN) or not finite"
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol[0], atol=tol[1], msg=lambda m: f"{what}: {m}")
+
+
+def _verify_both(kt, case):
+    """Reference and kernel on the same inputs (separate NaN tapes); checks; returns both tapes."""
+    inp, kw, conv, state, rows, tape_state, tape_conv = case
+    dtype, B, T = inp["mixed_qkv"].dtype, rows.shape[0], inp["mixed_qkv"].shape[0] // rows.shape[0]
+    conv0, state0 = conv.clone(), state.clone()
+    ref_ts, ref_tc = tape_state.clone(), tape_conv.clone()
+    want = kda_verify_reference(*_args(inp, conv, state, rows, ref_ts, ref_tc), **kw)
+    got = kt.kda_verify_triton(*_args(inp, conv, state, rows, tape_state, tape_conv), **kw)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    tol = TOL[dtype]
+    _close(got, want, tol["out"], "out")
+    idx = rows.long()
+    for p, name in enumerate(("k", "exp(g)", "v'")):
+        _close(tape_state[idx, :T, :, p], ref_ts[idx, :T, :, p], tol["tape"], f"tape_state {name}")
+    assert torch.equal(tape_conv[idx, :T], ref_tc[idx, :T]), "tape_conv: the conv inputs, as they are"
+    others = [r for r in range(NUM_ROWS) if r not in idx.tolist()]
+    assert tape_state[others].isnan().all() and tape_conv[others].isnan().all(), "a row of another sequence written"
+    assert tape_state[idx, T:].isnan().all() and tape_conv[idx, T:].isnan().all(), "a token past T written"
+    assert torch.equal(conv, conv0) and torch.equal(state, state0), "the live states must stay as they were"
+    return (tape_state, tape_conv), (ref_ts, ref_tc)
+
+
+VERIFY = [  # (B, k, H, D, fb)
+    (1, 0, 2, 16, True), (3, 3, 2, 32, True), (3, 7, 2, 16, False), (1, 7, 1, 32, True), (3, 0, 1, 32, False),
+]
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("B,k,H,D,fb", VERIFY)
+def test_verify_matches_reference(kt, poisoned, dtype, B, k, H, D, fb):
+    _verify_both(kt, _case(1000 * B + 100 * k + D + fb, B, 1 + k, dtype, H=H, D=D, fb=fb))
+
+
+@interpreted
+@pytest.mark.parametrize("bv", [32, 8], ids=["fused_norm", "split_rows"])
+def test_verify_fused_norm_and_split_paths(kt, poisoned, monkeypatch, bv):
+    """D = 32 as one program per head (the norm in the kernel) and as 4 value-row slices of 8 (o to the
+    fp32 workspace, the second launch normalises)."""
+    monkeypatch.setattr(kt, "choose_blocks", lambda B, H, D: (bv, 1))
+    _verify_both(kt, _case(77 + bv, 3, 4, torch.float32, D=32))
+    _verify_both(kt, _case(78 + bv, 1, 8, torch.bfloat16, D=32, fb=False))
+
+
+@interpreted
+@pytest.mark.parametrize("W", [2, 3])
+def test_verify_narrow_convs(kt, poisoned, W):
+    _verify_both(kt, _case(300 + W, 3, 4, torch.float32, W=W))
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_verify_strided_inputs_int64_rows_long_tape(kt, poisoned, dtype):
+    """Column slices of one projection (row stride > width), int64 state rows, tapes for k = 7 serving k = 3."""
+    _verify_both(kt, _case(41, 3, 4, dtype, D=32, wide=True, idx64=True, tmax=8))
+
+
+def _accept_both(kt, conv, state, rows, acc, tapes):
+    """Reference and kernel accept on copies of the live states and the same tape: equal bit for bit."""
+    c_ref, s_ref, c_got, s_got = conv.clone(), state.clone(), conv.clone(), state.clone()
+    kda_accept_reference(c_ref, s_ref, rows, acc, *tapes)
+    kt.kda_accept_triton(c_got, s_got, rows, acc, *tapes)
+    assert not s_got.isnan().any() and not c_got.isnan().any(), "the accept read a tape entry past j"
+    assert torch.equal(s_got, s_ref), (s_got - s_ref).abs().max()
+    assert torch.equal(c_got, c_ref)
+    for b, j in enumerate(acc.tolist()):
+        if j < 0:
+            r = int(rows[b])
+            assert torch.equal(s_got[r], state[r]) and torch.equal(c_got[r], conv[r]), "accepted -1 changed the row"
+    return c_got, s_got
+
+
+def _poison_unread(tapes, rows, acc):
+    for r, j in zip(rows.tolist(), acc.tolist()):
+        for t in tapes:
+            t[r, j + 1:] = float("nan")
+
+
+ACCEPT = [(7, [-1, 0, 3, 7]), (3, [3, -1, 1]), (0, [0, -1])]
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("k,accepted", ACCEPT)
+def test_accept_is_the_reference_replay_bit_for_bit(kt, poisoned, dtype, k, accepted):
+    B, T = len(accepted), 1 + k
+    inp, kw, conv, state, rows, tape_state, tape_conv = case = _case(500 + 10 * k + B, B, T, dtype, D=32)
+    mine, ref = _verify_both(kt, case)
+    acc = torch.tensor(accepted, dtype=torch.int32)
+    for tapes in (mine, ref):
+        _poison_unread(tapes, rows, acc)
+        _accept_both(kt, conv, state, rows, acc, tapes)
+
+
+@interpreted
+def test_accept_split_rows_int64(kt, poisoned, monkeypatch):
+    monkeypatch.setattr(kt, "choose_blocks", lambda B, H, D: (8, 1))
+    inp, kw, conv, state, rows, tape_state, tape_conv = _case(61, 3, 8, torch.float32, D=32, idx64=True)
+    tapes = (tape_state, tape_conv)
+    kda_verify_reference(*_args(inp, conv, state, rows, *tapes), **kw)
+    acc = torch.tensor([5, -1, 7], dtype=torch.int64)
+    _poison_unread(tapes, rows, acc)
+    _accept_both(kt, conv, state, rows, acc, tapes)
+
+
+@interpreted
+@pytest.mark.parametrize("k,accepted", [(3, [3, 0, 2]), (7, [5, 7])])
+def test_verify_then_accept_equals_single_steps(kt, poisoned, k, accepted):
+    """fp32: the kernels' verify + accept leave the states ``j + 1`` single reference steps leave, and each
+    accepted token's output is that step's (to fp32 rounding: the kernel sums in another order)."""
+    B, T = len(accepted), 1 + k
+    inp, kw, conv, state, rows, tape_state, tape_conv = _case(800 + k, B, T, torch.float32, D=32)
+    ref_conv, ref_state = conv.clone(), state.clone()
+    got = kt.kda_verify_triton(*_args(inp, conv, state, rows, tape_state, tape_conv), **kw).view(B, T, -1)
+    acc = torch.tensor(accepted, dtype=torch.int32)
+    kt.kda_accept_triton(conv, state, rows, acc, tape_state, tape_conv)
+    per = lambda name, t: inp[name][t::T].contiguous()  # noqa: E731 - token t of every request
+    for t in range(T):
+        live = torch.tensor([b for b in range(B) if accepted[b] >= t])
+        if not live.numel():
+            break
+        rr = lambda name: per(name, t)[live]  # noqa: E731
+        o = kda_decode_reference(rr("mixed_qkv"), ref_conv, inp["conv_weight"], rr("f"), inp["A_log"],
+                                 inp["dt_bias"], rr("beta_logit"), rr("g_out"), inp["norm_weight"], ref_state,
+                                 rows[live], **kw)
+        torch.testing.assert_close(got[live, t], o, rtol=1e-4, atol=1e-5)
+    idx = rows.long()
+    torch.testing.assert_close(state[idx], ref_state[idx], rtol=1e-5, atol=1e-5)
+    assert torch.equal(conv[idx], ref_conv[idx])
+
+
+# ------------------------------------------------------------------ not interpreted
+def test_same_signatures_as_the_references(kt):
+    for mine, ref in ((kt.kda_verify_triton, kda_verify_reference), (kt.kda_accept_triton, kda_accept_reference)):
+        assert inspect.signature(mine) == inspect.signature(ref), mine.__name__
+
+
+def test_not_registered_yet(kt):
+    """Registered after GPU validation: no IMPLEMENTATIONS here (the registry's module list would need it)."""
+    assert not hasattr(kt, "IMPLEMENTATIONS")
+
+
+def test_block_choice_is_static_and_pow2(kt):
+    for B in (1, 2, 3, 8, 16, 64):
+        for H, D in ((4, 128), (2, 16), (2, 32), (8, 64)):
+            bv, nw = kt.choose_blocks(B, H, D)
+            assert bv & (bv - 1) == 0 and D % bv == 0 and kt.MIN_BLOCK_V <= bv <= kt.MAX_BLOCK_V or bv == D < 16
+            assert nw in (1, 2, 4, 8)
+    assert kt.choose_blocks(1, 4, 128) == (16, 2)      # B = 1 at Kimi TP8: 32 programs, not 4
+    assert kt.choose_blocks(64, 4, 128) == (64, 8)
+
+
+def test_errors_name_the_fix(kt):
+    inp, kw, conv, state, rows, tape_state, tape_conv = _case(3, 2, 3, torch.float32)
+    ok = _args(inp, conv, state, rows, tape_state, tape_conv)
+
+    def call(i, v, **over):
+        a = list(ok)
+        a[i] = v
+        kt.kda_verify_triton(*a, **{**kw, **over})
+
+    with pytest.raises(UserError, match="1 \\+ k rows per request"):
+        call(0, inp["mixed_qkv"][:5])
+    with pytest.raises(UserError, match="fp32"):
+        call(11, tape_state.double())
+    with pytest.raises(UserError, match="like the conv state"):
+        call(12, tape_conv.bfloat16())
+    with pytest.raises(UserError, match="tapes hold 3"):
+        call(0, torch.cat([inp["mixed_qkv"], inp["mixed_qkv"]]))
+    with pytest.raises(UserError, match="num_heads"):
+        call(0, inp["mixed_qkv"], num_heads=4)
+    with pytest.raises(UserError, match="unit column stride"):
+        call(6, inp["g_out"].t().contiguous().t())
+    with pytest.raises(UserError, match="f_b_proj"):
+        call(0, inp["mixed_qkv"], f_b_weight=kw["f_b_weight"][:5])
+    with pytest.raises(UserError, match="conv width"):
+        call(1, torch.zeros(NUM_ROWS, conv.shape[1], 4))
+    with pytest.raises(UserError, match="power of two"):
+        kt.kda_accept_triton(conv[:, :, :], torch.zeros(NUM_ROWS, 2, 12, 12), rows, rows, tape_state, tape_conv)
+    with pytest.raises(UserError, match="one per request"):
+        kt.kda_accept_triton(conv, state, rows, rows[:1], tape_state, tape_conv)
+    with pytest.raises(UserError, match="int32"):
+        kt.kda_accept_triton(conv, state, rows, rows.float(), tape_state, tape_conv)
+
+
+def _kimi_launches(kt, B, *, fb=True, dtype=torch.bfloat16):
+    """The launches both wrappers make at a Kimi K3 TP8 rank (H = 4, D = 128, W = 4, Rk = 128, k = 7)."""
+    from tests.triton_offline import recorded_launches
+
+    H, D, W, rk, T = 4, 128, 4, 128, 8
+    hd, R, NR = H * D, B * T, B + 1
+    z = torch.zeros
+    with recorded_launches() as launches:
+        kt.kda_verify_triton(z(R, 3 * hd, dtype=dtype), z(NR, 3 * hd, W - 1, dtype=dtype), z(3 * hd, W),
+                             z(R, rk if fb else hd, dtype=dtype), z(H), z(hd), z(R, H, dtype=dtype),
+                             z(R, hd, dtype=dtype), z(D), z(NR, H, D, D), torch.arange(B, dtype=torch.int32),
+                             z(NR, T, H, 3, D), z(NR, T, 3 * hd, dtype=dtype), num_heads=H,
+                             f_b_weight=z(hd, rk, dtype=dtype) if fb else None)
+        kt.kda_accept_triton(z(NR, 3 * hd, W - 1, dtype=dtype), z(NR, H, D, D), torch.arange(B, dtype=torch.int32),
+                             z(B, dtype=torch.int32), z(NR, T, H, 3, D), z(NR, T, 3 * hd, dtype=dtype))
+    return launches
+
+
+def test_hopper_build_spills_nothing_and_contracts_no_fma(kt):
+    """The sm_90 build at Kimi K3 TP8 shapes (B = 1, 8, 64: value-row splits 8, 4, 2) through ptxas: no spill,
+    and no ``fma`` in the PTX (the launches pass ``enable_fp_fusion=False``: the accept's replay must round
+    like the reference's two operations). Needs a process that is not interpreting."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    from tests.triton_offline import _signature
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("compiles only where triton was imported without the interpreter")
+    done = set()
+    for B in (1, 8, 64):
+        launches = _kimi_launches(kt, B)
+        assert [fn.fn.__name__ for fn, _, _ in launches] == ["kda_verify_kernel", "kda_out_norm_kernel",
+                                                            "kda_accept_kernel"]
+        for fn, args, kw in launches:
+            assert kw["enable_fp_fusion"] is False
+            sig, const = _signature(fn, args, {k: v for k, v in kw.items() if k != "enable_fp_fusion"})
+            key = (fn.fn.__name__, tuple(sorted(const.items())))
+            if key in done:
+                continue
+            done.add(key)
+            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": kw["num_warps"], "enable_fp_fusion": False})
+            ptx = k.asm["ptx"]
+            assert "fma." not in ptx, (B, fn.fn.__name__)
+            with tempfile.TemporaryDirectory() as tmp:
+                src = os.path.join(tmp, "k.ptx")
+                with open(src, "w") as f:
+                    f.write(ptx)
+                log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", src, "-o", src + ".o"],
+                                     capture_output=True, text=True, check=True).stderr
+            assert "0 bytes spill stores, 0 bytes spill loads" in log, (B, fn.fn.__name__, log)
