@@ -344,6 +344,16 @@ class ModelSpec(Frozen):
     """Residual-stream kind."""
     tp: int = 1
     """Tensor-parallel size these shapes are for (1: unsharded)."""
+    spec_tokens: int = 0
+    """Most draft tokens per request of the verification steps (speculative decoding) the program is built
+    for (0: plain decode steps only). A deployment choice: pieces with per-sequence recurrent states keep
+    rollback tapes for that many tokens (e.g. KDA), paged attention needs nothing more."""
+
+    def with_spec_tokens(self, k: int) -> "ModelSpec":
+        """This spec for verification steps of up to ``k`` draft tokens (``spec_tokens``)."""
+        if k < 0:
+            raise UserError(f"{k} speculative tokens: use 0 or more")
+        return self.model_copy(update={"spec_tokens": k})
 
     @property
     def num_layers(self) -> int:

@@ -362,7 +362,8 @@ def gqa_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       sinks: torch.Tensor | None = None, k: torch.Tensor | None = None,
                       v: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None,
                       out: torch.Tensor | None = None, num_splits: int | None = None,
-                      fused_write: bool = True, lse: torch.Tensor | None = None) -> torch.Tensor:
+                      fused_write: bool = True, lse: torch.Tensor | None = None,
+                      cross_row_reads: bool = False) -> torch.Tensor:
     """GQA decode over a paged KV cache, one token per sequence (contract: ``gqa_decode_reference``).
 
     Parameters
@@ -381,6 +382,8 @@ def gqa_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     fused_write : True (default): the split-0 programs store the new k/v and every program takes the
         written slot's values from registers (module docstring: exact whenever no row reads a slot that
         another row writes this call - every decode step); False: a write kernel runs first.
+    cross_row_reads : True where a row may read a slot another row of this call writes (a verification step,
+        the contract's flag): the write kernel then runs first, whatever ``fused_write`` says.
     lse : optional [M, Hq] fp32 destination of each row's natural log-sum-exp of the scaled scores (the
         sink included; -inf for a row with neither position nor sink), which the kernel forms anyway for
         its own split merge: what a cross-rank merge (``attention.dcp_merge``) needs. No extra launch.
@@ -392,6 +395,7 @@ def gqa_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     (split + merge), +1 with ``fused_write=False``.
     """
     write = _check(q, k_cache, v_cache, block_table, seq_lens, k, v, slot_mapping)
+    fused_write = fused_write and not cross_row_reads   # another program may read a slot before its store lands
     M, Hq, D = q.shape
     _, bs, KV, _ = k_cache.shape
     G = Hq // KV

@@ -30,9 +30,10 @@ class Glm53Adapter(ComposedAdapter):
         return full_spec() if variant == "full" else tiny_spec()
 
     def scope(self) -> DecodeScope:
-        # 64 heads, expert width 2048, dense 12288: TP 1..16 divide them all. No speculation yet (MTP: issue 25).
+        # 64 heads, expert width 2048, dense 12288: TP 1..16 divide them all. Verification steps of 3 / 7 drafts (MTP):
+        # paged MLA, indexer and sparse attention write every row before any row reads (no rollback state).
         return DecodeScope(archs=("cpu", "sm_90"), tp_sizes=(1, 2, 4, 8, 16), max_batch=64,
-                           dtypes=("bfloat16", "float32"), spec_tokens=(0,))
+                           dtypes=("bfloat16", "float32"), spec_tokens=(0, 3, 7))
 
     def composed_model(self, spec: ModelSpec) -> Any:
         return composed_model(spec)  # type: ignore[arg-type]

@@ -7,7 +7,7 @@ take from the spec (KDA's output-norm eps ``kda_norm_eps``, the latent MoE's nor
 the AttnRes blocks); the checkpoint names of every piece weight (``KimiLinearForCausalLM`` text model as
 vLLM's ``kimi_k3`` loader reads it; routed experts ``w1`` gate, ``w3`` up, ``w2`` down): :func:`tensor_name_for`;
 the checkpoint's tensor order, in which random weights are drawn (:func:`draw_order`). A spec for
-speculative tokens (``KimiK3Spec.spec_tokens``) builds its KDA pieces with verification sites and tapes. What the checkpoint
+speculative tokens (``ModelSpec.spec_tokens``) builds its KDA pieces (rollback tapes for that many tokens) with verification sites and tapes. What the checkpoint
 stores in fp32 (A_log, dt_bias, conv taps, the KDA output-norm gain, the router bias) the pieces declare so.
 """
 

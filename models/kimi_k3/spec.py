@@ -54,17 +54,6 @@ class KimiK3Spec(ModelSpec):
     The reference and program compute with dequantised weights in the activation dtype."""
     tie_word_embeddings: bool = False
     """lm_head shares the embedding matrix (False for Kimi K3)."""
-    spec_tokens: int = 0
-    """Most draft tokens per request of the verification steps the program serves (speculative decoding;
-    0: plain decode steps only). A deployment choice, like the expert format: the KDA pieces keep rollback
-    tapes for that many tokens (states per sequence row and layer) and declare their verification sites."""
-
-    def with_spec_tokens(self, k: int) -> "KimiK3Spec":
-        """This spec for verification steps of up to ``k`` draft tokens (``spec_tokens``)."""
-        if k < 0:
-            raise UserError(f"{k} speculative tokens: use 0 or more")
-        return self.model_copy(update={"spec_tokens": k})
-
     @property
     def mla_layers(self) -> tuple[int, ...]:
         """0-based MLA layers (the rest are KDA)."""

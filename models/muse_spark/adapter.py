@@ -37,7 +37,7 @@ class MuseSparkAdapter(ComposedAdapter):
     def scope(self) -> DecodeScope:
         # 128 query heads / 16 KV heads: TP 1..16 keeps whole KV heads per rank (TP 16: one each).
         return DecodeScope(archs=("cpu", "sm_90"), tp_sizes=(1, 2, 4, 8, 16), max_batch=64,
-                           dtypes=("bfloat16", "float32"), spec_tokens=(0,))
+                           dtypes=("bfloat16", "float32"), spec_tokens=(0, 3, 7))
 
     def composed_model(self, spec: ModelSpec) -> Any:
         return composed.composed_model(spec)  # type: ignore[arg-type]

@@ -41,7 +41,7 @@ GARBAGE = 2 ** 30
 
 @pytest.mark.interpreter_driver
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=35)
+    run_interpreted(__file__, min_passed=37)
 
 
 @pytest.fixture
@@ -217,6 +217,39 @@ def test_separate_write_kernel(gk, monkeypatch, splits):
     _small_tiles(gk, monkeypatch)
     args, kw = _case(700 + splits, LENS, window=20, sinks=True)
     _check(gk, args, kw, num_splits=splits, fused_write=False)
+
+
+@interpreted
+@pytest.mark.parametrize("splits", [1, 3])
+def test_verification_rows_read_each_others_new_slots(gk, monkeypatch, splits):
+    """A verification step: the 1 + k rows of one request share its block table, row t attends to the new
+    slots of rows 0..t. ``cross_row_reads=True`` writes every row first (the reference's order): equal to the
+    reference. The fused write takes only a row's *own* new slot from registers, so with its stores left out
+    (``_STORE_NEW``) the later rows read the earlier rows' slots from memory - the poison there spoils them:
+    a fused call would race there, which is why the GQA piece passes the flag in verification steps."""
+    _small_tiles(gk, monkeypatch)
+    g = torch.Generator().manual_seed(900 + splits)
+    T, n0, Hq, KV, D, bs = 4, 37, 4, 2, 16, 4
+    per = -(-(n0 + T) // bs) + 1
+    kc, vc = torch.randn(2 * per, bs, KV, D, generator=g), torch.randn(2 * per, bs, KV, D, generator=g)
+    table = torch.randperm(2 * per, generator=g)[:per].to(torch.int32)
+    blocks = table.expand(T, per).contiguous()
+    pos = torch.arange(n0 - 1, n0 - 1 + T)                               # each row's new position
+    slots = table[pos // bs].long() * bs + pos % bs
+    for c in (kc, vc):
+        c.view(-1, KV, D)[slots] = float("nan")                           # written by this call
+    lens = torch.arange(n0, n0 + T, dtype=torch.int32)
+    q, k, v = (torch.randn(T, h, D, generator=g) for h in (Hq, KV, KV))
+    kw = dict(k=k, v=v, slot_mapping=slots, sinks=torch.randn(Hq, generator=g))
+    want = gqa_decode_reference(q, kc.clone(), vc.clone(), blocks, lens, **kw)
+    got = gk.gqa_decode_triton(q, kc.clone(), vc.clone(), blocks, lens, num_splits=splits, cross_row_reads=True,
+                               **kw)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    monkeypatch.setattr(gk, "_STORE_NEW", False)
+    raced = gk.gqa_decode_triton(q, kc.clone(), vc.clone(), blocks, lens, num_splits=splits, **kw)
+    torch.testing.assert_close(raced[0], want[0], rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    for t in range(1, T):   # each later row met the poison of an earlier row's slot: not the reference
+        assert not torch.allclose(raced[t], want[t], rtol=1e-3, atol=1e-3), t
 
 
 @interpreted

@@ -67,7 +67,7 @@ def gqa_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          seq_lens: torch.Tensor, *, scale: float | None = None, window: int | None = None,
                          sinks: torch.Tensor | None = None, k: torch.Tensor | None = None,
                          v: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, cross_row_reads: bool = False) -> torch.Tensor:
     """One decode token per sequence.
 
     Parameters
@@ -81,6 +81,9 @@ def gqa_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     k, v : optional [B, KV, D] the new token's key and value (may be strided views), written at
     slot_mapping : [B] int flat slots (< 0: no write) before attending.
     out : optional [B, H, D] destination.
+    cross_row_reads : True where a row may read a slot another row of the same call writes (a
+        verification step: the 1 + k rows of a request share its blocks). Every row is written before any
+        row reads here anyway; an implementation that fuses the write into the reads must not then.
 
     Returns
     -------
@@ -123,7 +126,7 @@ def gqa_decode_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      seq_lens: torch.Tensor, *, scale: float | None = None, window: int | None = None,
                      sinks: torch.Tensor | None = None, k: torch.Tensor | None = None,
                      v: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, cross_row_reads: bool = False) -> torch.Tensor:
     """The reference's contract (same arguments and result) with no host sync: CUDA-graph capturable.
 
     Every sequence attends over all ``block_table.shape[1] * block_size`` positions of its block

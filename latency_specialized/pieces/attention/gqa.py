@@ -185,7 +185,7 @@ class GQAAttention:
         meta = step.meta
         o = step.op("attn.gqa")(q, state["k"], state["v"], meta["block_table"], meta["seq_lens"],
                                 scale=a.softmax_scale, window=a.sliding_window, sinks=w.get("sinks"),
-                                k=k, v=v, slot_mapping=meta["slots"])
+                                k=k, v=v, slot_mapping=meta["slots"], cross_row_reads=step.spec_tokens > 0)
         if self.out_norm:  # per head over head_dim, with the gate (a column slice: made contiguous)
             g = qkv[:, nq + 2 * nkv:].reshape(M * Hq, D) if self._gated() else None
             o = step.op("attn.out_norm")(o.reshape(M * Hq, D), None, self._eps(step), gate=g).reshape(M, nq)
