@@ -208,7 +208,10 @@ class VllmAttention:
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, *, scale: float | None = None, window: int | None = None,
                  sinks: torch.Tensor | None = None, k: torch.Tensor | None = None, v: torch.Tensor | None = None,
-                 slot_mapping: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                 slot_mapping: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 cross_row_reads: bool = False) -> torch.Tensor:
+        # cross_row_reads (the contract's verification-step flag) needs nothing here: vLLM's layer caches the
+        # call's new k / v before its attention reads them
         layer = self._by_state.get(k_cache.data_ptr())
         if layer is None:
             raise UserError("attention.gqa (stock): the KV state is not a bound vLLM cache view: build the "
