@@ -29,28 +29,26 @@ DEFAULT_OUT = "benchmarks/results/h200"
 DEFAULT_CONTEXT = "4096,32768"
 
 
-def _ints(s: str) -> tuple[int, ...]:
+def _int_list(s: str, *, prefix: str, example: str, minimum: int, bound: str) -> tuple[int, ...]:
+    """``s`` (comma-separated) as integers >= ``minimum``; UserError naming the flag (``prefix``) otherwise."""
     from latency_specialized.errors import UserError
 
     try:
         vals = tuple(int(x) for x in s.split(",") if x.strip())
     except ValueError:
-        raise UserError(f"'{s}' is not a comma-separated list of integers (e.g. 1,2,4,8)") from None
-    if not vals or min(vals) < 1:
-        raise UserError(f"'{s}': give positive integers, e.g. 1,2,4,8")
+        raise UserError(f"{prefix}'{s}' is not a comma-separated list of integers (e.g. {example})") from None
+    if not vals or min(vals) < minimum:
+        raise UserError(f"{prefix}'{s}': give {bound}")
     return vals
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    return _int_list(s, prefix="", example="1,2,4,8", minimum=1, bound="positive integers, e.g. 1,2,4,8")
 
 
 def _spec_tokens(s: str) -> tuple[int, ...]:
     """``--spec-tokens`` as a tuple of k >= 0 (0 = single-token steps only)."""
-    from latency_specialized.errors import UserError
-
-    try:
-        vals = tuple(int(x) for x in s.split(",") if x.strip())
-    except ValueError:
-        raise UserError(f"--spec-tokens '{s}' is not a comma-separated list of integers (e.g. 3,7)") from None
-    if not vals or min(vals) < 0:
-        raise UserError(f"--spec-tokens '{s}': give draft-token counts >= 0, e.g. 0,3,7")
+    vals = _int_list(s, prefix="--spec-tokens ", example="3,7", minimum=0, bound="draft-token counts >= 0, e.g. 0,3,7")
     return tuple(sorted(set(vals)))
 
 
@@ -130,17 +128,7 @@ def run(args: argparse.Namespace) -> int:
     kinds = _kinds(args)
     spec_tokens = _spec_tokens(getattr(args, "spec_tokens", "0") or "0")
     if args.ab:
-        if any(spec_tokens):
-            from latency_specialized.errors import UserError
-
-            raise UserError("--ab with --spec-tokens: the A/B summary (bench/ab.py) matches cells by kind, batch and "
-                            "context only, so verification cells would collide with single steps; run the "
-                            "verification bench without --ab")
-        if getattr(args, "routing", "random") != "random":
-            from latency_specialized.errors import UserError
-
-            raise UserError("--ab with --routing: the A/B variants run the default routing; run the routing bench "
-                            "without --ab")
+        _refuse_with_ab(args, spec_tokens)
         return _run_ab(args, kinds)
     import torch
 
@@ -174,6 +162,20 @@ def run(args: argparse.Namespace) -> int:
     print(report.to_markdown(result))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def _refuse_with_ab(args: argparse.Namespace, spec_tokens: tuple[int, ...]) -> None:
+    """The flags an A/B (``bench/ab.py``: variants matched by kind, batch and context, default routing) cannot
+    take: a UserError naming the first one given."""
+    from latency_specialized.errors import UserError
+
+    if any(spec_tokens):
+        raise UserError("--ab with --spec-tokens: the A/B summary (bench/ab.py) matches cells by kind, batch and "
+                        "context only, so verification cells would collide with single steps; run the "
+                        "verification bench without --ab")
+    if getattr(args, "routing", "random") != "random":
+        raise UserError("--ab with --routing: the A/B variants run the default routing; run the routing bench "
+                        "without --ab")
 
 
 def _run_ab(args: argparse.Namespace, kinds: tuple[str, ...]) -> int:

@@ -32,6 +32,7 @@ from latency_specialized.ops.attention.kda import kda_decode_reference
 from latency_specialized.ops.attention.kda_verify import kda_accept_reference, kda_verify_reference, tape_shapes
 
 from tests.interpret import run_interpreted
+from tests.ops.kda_verify_cases import TOL, assert_written_close, verify_args
 
 _HAVE_TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.skipif(not _HAVE_TRITON, reason="needs triton (its interpreter runs the kernels on the CPU)")
@@ -39,9 +40,6 @@ interpreted = pytest.mark.interpreter_case
 """Needs TRITON_INTERPRET=1 from the process start: collected only there (the driver below runs these)."""
 
 NUM_ROWS = 9  # state rows
-TOL = {torch.float32: dict(out=(1e-4, 1e-5), tape=(1e-4, 1e-6)),
-       torch.bfloat16: dict(out=(2e-2, 2e-2), tape=(2e-2, 1e-2))}
-"""(rtol, atol) per activation dtype: outputs (after the gated RMSNorm, O(1)) and the fp32 tape vectors."""
 
 
 @pytest.mark.interpreter_driver
@@ -54,20 +52,6 @@ def kt():
     from latency_specialized.kernels import kda_verify_triton
 
     return kda_verify_triton
-
-
-@pytest.fixture
-def poisoned(monkeypatch):
-    """Every float ``torch.empty`` filled with NaN while the test runs (the kernel's output and workspace)."""
-    real = torch.empty
-
-    def empty(*args, **kw):
-        t = real(*args, **kw)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
 
 
 def _case(seed, B, T, dtype, *, H=2, D=16, W=4, rank=8, fb=True, tmax=None, wide=False, idx64=False):
@@ -98,30 +82,20 @@ def _case(seed, B, T, dtype, *, H=2, D=16, W=4, rank=8, fb=True, tmax=None, wide
     return inp, kw, conv, state, rows.to(torch.int64 if idx64 else torch.int32), tape_state, tape_conv
 
 
-def _args(inp, conv, state, rows, tape_state, tape_conv):
-    return (inp["mixed_qkv"], conv, inp["conv_weight"], inp["f"], inp["A_log"], inp["dt_bias"], inp["beta_logit"],
-            inp["g_out"], inp["norm_weight"], state, rows, tape_state, tape_conv)
-
-
-def _close(got, want, tol, what):
-    assert torch.isfinite(got).all(), f"{what}: an entry left unwritten (NaN) or not finite"
-    torch.testing.assert_close(got.float(), want.float(), rtol=tol[0], atol=tol[1], msg=lambda m: f"{what}: {m}")
-
-
 def _verify_both(kt, case):
     """Reference and kernel on the same inputs (separate NaN tapes); checks; returns both tapes."""
     inp, kw, conv, state, rows, tape_state, tape_conv = case
     dtype, B, T = inp["mixed_qkv"].dtype, rows.shape[0], inp["mixed_qkv"].shape[0] // rows.shape[0]
     conv0, state0 = conv.clone(), state.clone()
     ref_ts, ref_tc = tape_state.clone(), tape_conv.clone()
-    want = kda_verify_reference(*_args(inp, conv, state, rows, ref_ts, ref_tc), **kw)
-    got = kt.kda_verify_triton(*_args(inp, conv, state, rows, tape_state, tape_conv), **kw)
+    want = kda_verify_reference(*verify_args(inp, conv, state, rows, ref_ts, ref_tc), **kw)
+    got = kt.kda_verify_triton(*verify_args(inp, conv, state, rows, tape_state, tape_conv), **kw)
     assert got.dtype == want.dtype and got.shape == want.shape
     tol = TOL[dtype]
-    _close(got, want, tol["out"], "out")
+    assert_written_close(got, want, tol["out"], "out")
     idx = rows.long()
     for p, name in enumerate(("k", "exp(g)", "v'")):
-        _close(tape_state[idx, :T, :, p], ref_ts[idx, :T, :, p], tol["tape"], f"tape_state {name}")
+        assert_written_close(tape_state[idx, :T, :, p], ref_ts[idx, :T, :, p], tol["tape"], f"tape_state {name}")
     assert torch.equal(tape_conv[idx, :T], ref_tc[idx, :T]), "tape_conv: the conv inputs, as they are"
     others = [r for r in range(NUM_ROWS) if r not in idx.tolist()]
     assert tape_state[others].isnan().all() and tape_conv[others].isnan().all(), "a row of another sequence written"
@@ -207,7 +181,7 @@ def test_accept_split_rows_int64(kt, poisoned, monkeypatch):
     monkeypatch.setattr(kt, "choose_blocks", lambda B, H, D: (8, 1))
     inp, kw, conv, state, rows, tape_state, tape_conv = _case(61, 3, 8, torch.float32, D=32, idx64=True)
     tapes = (tape_state, tape_conv)
-    kda_verify_reference(*_args(inp, conv, state, rows, *tapes), **kw)
+    kda_verify_reference(*verify_args(inp, conv, state, rows, *tapes), **kw)
     acc = torch.tensor([5, -1, 7], dtype=torch.int64)
     _poison_unread(tapes, rows, acc)
     _accept_both(kt, conv, state, rows, acc, tapes)
@@ -221,7 +195,7 @@ def test_verify_then_accept_equals_single_steps(kt, poisoned, k, accepted):
     B, T = len(accepted), 1 + k
     inp, kw, conv, state, rows, tape_state, tape_conv = _case(800 + k, B, T, torch.float32, D=32)
     ref_conv, ref_state = conv.clone(), state.clone()
-    got = kt.kda_verify_triton(*_args(inp, conv, state, rows, tape_state, tape_conv), **kw).view(B, T, -1)
+    got = kt.kda_verify_triton(*verify_args(inp, conv, state, rows, tape_state, tape_conv), **kw).view(B, T, -1)
     acc = torch.tensor(accepted, dtype=torch.int32)
     kt.kda_accept_triton(conv, state, rows, acc, tape_state, tape_conv)
     per = lambda name, t: inp[name][t::T].contiguous()  # noqa: E731 - token t of every request
@@ -262,7 +236,7 @@ def test_block_choice_is_static_and_pow2(kt):
 
 def test_errors_name_the_fix(kt):
     inp, kw, conv, state, rows, tape_state, tape_conv = _case(3, 2, 3, torch.float32)
-    ok = _args(inp, conv, state, rows, tape_state, tape_conv)
+    ok = verify_args(inp, conv, state, rows, tape_state, tape_conv)
 
     def call(i, v, **over):
         a = list(ok)

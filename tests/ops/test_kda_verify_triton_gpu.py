@@ -12,11 +12,11 @@ import torch
 
 from latency_specialized.ops.attention.kda_verify import kda_accept_reference, kda_verify_reference, tape_shapes
 
+from tests.ops.kda_verify_cases import TOL, assert_written_close, verify_args
+
 pytestmark = pytest.mark.gpu
 
 H, D, W, RANK = 12, 128, 4, 128
-TOL = {torch.float32: dict(out=(1e-4, 1e-5), tape=(1e-4, 1e-6)),
-       torch.bfloat16: dict(out=(2e-2, 2e-2), tape=(2e-2, 1e-2))}
 
 
 def _case(seed: int, B: int, T: int, dtype: torch.dtype, *, tmax: int = 8):
@@ -38,16 +38,6 @@ def _case(seed: int, B: int, T: int, dtype: torch.dtype, *, tmax: int = 8):
     return inp, kw, conv, state, rows, tape_state, tape_conv
 
 
-def _args(inp, conv, state, rows, tape_state, tape_conv):
-    return (inp["mixed_qkv"], conv, inp["conv_weight"], inp["f"], inp["A_log"], inp["dt_bias"], inp["beta_logit"],
-            inp["g_out"], inp["norm_weight"], state, rows, tape_state, tape_conv)
-
-
-def _close(got, want, tol, what):
-    assert torch.isfinite(got).all(), f"{what}: an entry left unwritten (NaN) or not finite"
-    torch.testing.assert_close(got.float(), want.float(), rtol=tol[0], atol=tol[1], msg=lambda m: f"{what}: {m}")
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("B,k", [(1, 3), (1, 7), (8, 7), (64, 3), (64, 7)])
 def test_verify_and_accept_match_the_references(B, k, dtype):
@@ -57,12 +47,12 @@ def test_verify_and_accept_match_the_references(B, k, dtype):
     inp, kw, conv, state, rows, tape_state, tape_conv = _case(100 * B + k, B, T, dtype)
     conv0, state0 = conv.clone(), state.clone()
     ref_ts, ref_tc = tape_state.clone(), tape_conv.clone()
-    want = kda_verify_reference(*_args(inp, conv, state, rows, ref_ts, ref_tc), **kw)
-    got = kda_verify_triton(*_args(inp, conv, state, rows, tape_state, tape_conv), **kw)
+    want = kda_verify_reference(*verify_args(inp, conv, state, rows, ref_ts, ref_tc), **kw)
+    got = kda_verify_triton(*verify_args(inp, conv, state, rows, tape_state, tape_conv), **kw)
     tol = TOL[dtype]
-    _close(got, want, tol["out"], "outputs")
+    assert_written_close(got, want, tol["out"], "outputs")
     idx = rows.long()
-    _close(tape_state[idx, :T], ref_ts[idx, :T], tol["tape"], "tape_state")
+    assert_written_close(tape_state[idx, :T], ref_ts[idx, :T], tol["tape"], "tape_state")
     assert torch.equal(tape_conv[idx, :T], ref_tc[idx, :T]), "tape_conv is a cast of the inputs: exact"
     assert torch.equal(state, state0) and torch.equal(conv, conv0), "verify must leave the live states alone"
     # accept: on the kernel's own tape, equal to the reference replay of that tape bit for bit
@@ -84,7 +74,7 @@ def test_verify_then_accept_capture_in_one_graph_and_replay_equals_eager():
     c0, s0 = conv.clone(), state.clone()
 
     def step():
-        out = kda_verify_triton(*_args(inp, conv, state, rows, tape_state, tape_conv), **kw)
+        out = kda_verify_triton(*verify_args(inp, conv, state, rows, tape_state, tape_conv), **kw)
         kda_accept_triton(conv, state, rows, accepted, tape_state, tape_conv)
         return out
 
