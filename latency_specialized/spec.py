@@ -323,6 +323,12 @@ class LayerSpec(Frozen):
         return f"{self.attention.kind}+{self.ffn.kind}"
 
 
+MAX_SPEC_TOKENS = 7
+"""Most draft tokens per request of a verification step (DSpark's 7: rows up to 64 x 8). Pieces whose
+per-sequence rings a verification step writes ahead of its readers (a sliding window, a compressor's pending
+group) keep this many rows more in every program, so their states do not depend on the deployment's k."""
+
+
 class ModelSpec(Frozen):
     """A decoder-only model as the backend sees it (full or per-rank shapes)."""
 
@@ -351,8 +357,9 @@ class ModelSpec(Frozen):
 
     def with_spec_tokens(self, k: int) -> "ModelSpec":
         """This spec for verification steps of up to ``k`` draft tokens (``spec_tokens``)."""
-        if k < 0:
-            raise UserError(f"{k} speculative tokens: use 0 or more")
+        if not 0 <= k <= MAX_SPEC_TOKENS:
+            raise UserError(f"{k} speculative tokens: use 0 to {MAX_SPEC_TOKENS} (MAX_SPEC_TOKENS: the draft rows "
+                            "a verification step's ops and windowed rings are built for)")
         return self.model_copy(update={"spec_tokens": k})
 
     @property

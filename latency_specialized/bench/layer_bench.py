@@ -446,7 +446,6 @@ def build_spec_ours(adapter: Any, full: ModelSpec, tp: int, kind: str, layers: i
     UserError naming what is missing when the adapter cannot build one (no ``with_spec_tokens`` on its bench
     spec, or a piece that cannot verify: ``runtime.composed.verification_problems``)."""
     from latency_specialized import hardware
-    from latency_specialized.comm.base import ExcludedCommunicator
     from latency_specialized.ops.plan import build_plan
     from latency_specialized.plugins import get_registry
     from latency_specialized.runtime.buffers import BufferSpec, DecodeBuffers
@@ -454,7 +453,8 @@ def build_spec_ours(adapter: Any, full: ModelSpec, tp: int, kind: str, layers: i
     from latency_specialized.runtime.gate import DecodeGate
     from latency_specialized.runtime.graph_runner import CUDAGraphRunner
     from latency_specialized.runtime.harness import OutputRecorder, SpecBoundAdapter, exclude_communication
-    from latency_specialized.runtime.layer_harness import BuiltProgram, OursBench, bench_kind, check_routing, share_routing
+    from latency_specialized.runtime.layer_harness import (BuiltProgram, OursBench, bench_communicator, bench_kind,
+                                                         check_routing, share_routing)
     from latency_specialized.runtime.random_weights import random_rank_weights
     from latency_specialized.runtime.states import ModelStates
     from latency_specialized.trace import Trace
@@ -489,7 +489,7 @@ def build_spec_ours(adapter: Any, full: ModelSpec, tp: int, kind: str, layers: i
                 if problems:
                     raise UserError(f"{adapter.name} {kind}: the runtime cannot build a verification program for "
                                     f"k = {k}: " + "; ".join(problems))
-                comm = ExcludedCommunicator(tp) if tp > 1 else None
+                comm = bench_communicator(tp, routing)
                 plans = {}
                 for b in self.batches:
                     plan = build_plan(SpecBoundAdapter(adapter, spec), reg.implementations, hw, tp=tp, batch=b,

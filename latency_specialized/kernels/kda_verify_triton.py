@@ -3,9 +3,10 @@
 Contracts: ``ops.attention.kda_verify.kda_verify_reference`` and ``kda_accept_reference`` (the same
 arguments, keyword-only arguments and returns; the tape layout is that module's docstring).
 
-**Not registered yet**: there is no ``IMPLEMENTATIONS`` list here and no entry in any registry. The
-kernels have run only under the Triton interpreter (``tests/ops/test_kda_verify_triton.py``); they
-are registered once they have been validated (and their blocks tuned) on a GPU.
+Registered as ``attention.kda_verify.triton`` / ``attention.kda_accept.triton`` (CUDA GPUs, head_dim a
+power of two in 16..128, conv width 2..4); tested under the Triton interpreter
+(``tests/ops/test_kda_verify_triton.py``) and on the H200 (``tests/ops/test_kda_verify_triton_gpu.py``);
+timings in ``NOTES_verify.md``.
 
 Verify, grid ``(B, H, NV)``: program ``(b, h, s)`` owns value rows ``[s BV, (s + 1) BV)`` of head
 ``h``'s fp32 state ``S[state_idx[b], h]`` ([Dv, Dk], ``NV = D / BV``). It loads its ``[BV, D]`` slice
@@ -43,30 +44,62 @@ as the reference's indexed stores do; the accept of such a row is a read-modify-
 only: padding requests pass ``accepted = -1`` or do not care). An accept ``j`` past the tape (outside
 the contract: the reference's gather fails there) replays the whole tape.
 
-Each split program recomputes the head's f_b gemv per token (``D x Rk`` from L2: 32 KiB at D = Rk = 128,
-bf16), and q, k whole: with NV = 8 that is 8 x the reads of one program per head; hoisting the gemv out
-of the token loop (all T tokens at once) is the next thing to measure.
+Variants (``VerifyConfig``; ``kda_verify_triton_with`` / ``kda_accept_triton_with`` take one, the public
+functions launch ``default_config``: the prologue form, measured fastest; ``candidate_configs`` lists
+what ``benchmarks/scripts/kda_verify_bench.py`` sweeps per B, its timings and the pick go to NOTES_verify.md):
 
-Registers (D = 128, sm_90 build of ``choose_blocks``' picks, ptxas ``-v``; the whole [128, 128] fp32
-state is 64 KiB, 128 floats a thread at 4 warps): B = 1 / 3 take BV = 16 at 2 warps (verify 247
-registers with the fused f_b gemv, 161 without), B = 8 BV = 32 at 4 warps (254 / 163), B >= 16 BV = 64 at
-8 warps (234 / 192); none spills; the accept 48 .. 128. BV = 128 (one program per head, the norm in the
-kernel) spills at 8 warps (64 state floats a thread plus the token loop's vectors) and at 16, so D = 128
-always splits. Triton lays the [BV, 128] slice out with the 32 lanes *and* the warps along keys, so
-``S k`` and ``S q`` reduce across warps (through shared memory) once per token: a layout with warps along
-value rows is the first thing to try on the GPU.
+* **fused** (above): every program runs the whole token, so the serial chain per token holds the x loads, the
+  conv, three cross-lane reductions for the norms, the f_b gemv (``D x Rk`` from L2 per token per program: 32 KiB
+  at D = Rk = 128, bf16, read NV times per head) and the delta rule; at large B its ~240 registers a thread allow
+  one 8-warp program per SM.
+* **hoist_fb**: the gemm of all R rows first (``kda_fb_gemm_kernel``, grid ``(R / 16, H)``, one ``tl.dot`` of
+  ``[16, Rk] x [Rk, D]`` per program into ``[R, H D]`` of f_a's dtype: the same fp32 accumulation and one
+  rounding), then the fused kernel reads it as ``f``: no gemv in the token loop, one launch more.
+* **prologue**: nothing of a token but the delta rule reads the state, so ``kda_verify_prep_kernel`` (grid
+  ``(R / 16, H)``: 16 token rows of one head per program, all in parallel) does conv (the history of a row is the
+  rows before it in its request, then the conv-state columns), SiLU, rounding, q / k norms, the gemm, the decay
+  and beta, writes them to an fp32 workspace ``[R, H, 4, D]`` (+ beta ``[R, H]``) and writes the tape's k, exp(g)
+  and conv inputs; ``kda_verify_rec_kernel`` (grid ``(B, H, NV)``) then runs only ``S *= exp(g)``,
+  ``v' = beta (v - S k)``, ``S += v' k^T``, ``o = S q`` per token, loading token t+1's vectors before token t's
+  math (they do not depend on the state: their L2 latency hides behind it), and stores v' and o. With 16-32 state
+  floats a thread it needs ~100-200 registers (``PROLOGUE_BLOCKS``), so several programs share an SM.
+  The same two state operations as the fused kernel and the accept (the accept's bit-exactness holds for every
+  variant: it replays the tape that the variant wrote). The prologue's and the gemm's ``tl.dot`` runs on bf16 /
+  fp16 operands as they are on the GPU; under the interpreter (whose bf16 ``tl.dot`` is wrong in Triton 3.9) and
+  for fp32 operands both are upcast (``input_precision="ieee"``, never tf32).
+* the accept's blocks (``accept_block_v`` / ``accept_warps``) are chosen apart from the verify's: it streams the
+  state once and replays, nothing serial but the rank-1 updates.
+
+Layout: Triton lays a ``[BV, 128]`` slice out with the 32 lanes along keys and up to 4 warps along keys too
+(TTGIR of the sm_90 build: ``threadsPerWarp [1, 32], warpsPerCTA [2, 4]`` at BV = 64, 8 warps), so ``S k`` and
+``S q`` cross warps through shared memory once each per token; a program of one or two warps (the BV = 16
+configs) keeps them within warps. Forcing warps along value rows needs an explicit layout (Gluon), not tried.
+
+Registers (D = 128, sm_90 build, ptxas ``-v``; bench shapes H = 12, Rk = 128, bf16; none spills): fused BV 16 at
+2 warps 247 (128 with hoist_fb), BV 64 at 8 warps 239 (199 with hoist_fb); prologue recurrence BV 16 / 2 warps
+127, 16 / 4 96, 32 / 4 168, 32 / 8 110, 64 / 8 194; the prologue itself 214 at 8 warps (at 4 it spills), the
+hoisted gemm 43; the accept 48 .. 128. Spills (not listed as candidates): the fused kernel at BV = 128 (8 or 16
+warps), the recurrence at 64 state floats a thread and more (BV 64 / 4 warps, BV 128 / 8 or 16 warps).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 
+from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
+from latency_specialized.kernels.triton_common import triton_gpu_refusal
 
 NAME = "attention.kda_verify.triton"
+ACCEPT_NAME = "attention.kda_accept.triton"
+HEAD_DIMS = (16, 128)
+"""Head dims served (powers of two): wider ones hold q and k of the whole head beside a state slice of at
+least 16 rows, not built or measured."""
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_CONV = 4
 """Widest conv served: the history is three loop-carried vectors per channel group (Kimi: W = 4)."""
@@ -79,7 +112,47 @@ TARGET_PROGRAMS = 128
 below it (and a slice keeps at least ``MIN_BLOCK_V`` rows)."""
 MIN_BLOCK_V = 16
 MAX_BLOCK_V = 64
-"""Most value rows per program: a [128, 128] slice (8 warps) spills registers in the sm_90 build."""
+"""Most value rows per program of ``choose_blocks``: a [128, 128] slice (8 or 16 warps) spills registers in the
+sm_90 build, of the fused kernel and of the prologue's recurrence alike."""
+PREP_ROWS = 16
+"""Token rows per program of the prologue and the hoisted f_b gemm: ``tl.dot``'s smallest M."""
+PREP_WARPS = 8
+WARPS = (1, 2, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    """How ``kda_verify_triton_with`` / ``kda_accept_triton_with`` launch (static: graph-safe).
+
+    ``block_v`` value rows of a head's state per verify program (a power of two dividing D; D: one program
+    per head, the gated norm in the kernel, no second launch), ``num_warps`` of those programs.
+    ``hoist_fb``: the f_b gemm of all R rows runs first as its own launch (``kda_fb_gemm_kernel``, fp32
+    ``tl.dot`` into an [R, H D] tensor of f_a's dtype) instead of once per token inside every program.
+    ``prologue``: everything that does not read the recurrent state (conv, SiLU, norms, decay with the gemm,
+    beta) runs for all R rows in one parallel launch; the verify programs then run only the delta rule.
+    ``accept_block_v`` / ``accept_warps``: the accept's blocks (None: ``choose_blocks``)."""
+
+    block_v: int
+    num_warps: int
+    hoist_fb: bool = False
+    prologue: bool = False
+    accept_block_v: int | None = None
+    accept_warps: int | None = None
+
+    @property
+    def name(self) -> str:
+        kind = "prologue" if self.prologue else "hoist_fb" if self.hoist_fb else "fused"
+        acc = "" if self.accept_block_v is None else f" accept bv{self.accept_block_v} w{self.accept_warps}"
+        return f"{kind} bv{self.block_v} w{self.num_warps}{acc}"
+
+
+class _Kernels(NamedTuple):
+    verify: Any
+    out_norm: Any
+    accept: Any
+    fb_gemm: Any
+    prep: Any
+    rec: Any
 
 
 @functools.lru_cache(maxsize=2)
@@ -87,7 +160,7 @@ def _kernels(interpret: bool):
     del interpret  # one build per TRITON_INTERPRET setting
     # the jit functions resolve names through this module's globals (not the closure): the helpers and
     # ``tl`` are bound there on the first build
-    global tl, _conv3, _hist, _silu_round
+    global tl, _conv3, _hist, _silu_round, _fb_rows, _conv_rows, _ws_token
     import triton
     import triton.language as tl
 
@@ -262,7 +335,156 @@ def _kernels(interpret: bool):
                 S = S + vn[:, None] * kt[None, :]
             tl.store(sp, S)
 
-    return kda_verify_kernel, kda_out_norm_kernel, kda_accept_kernel
+    @triton.jit
+    def _fb_rows(f, s_f, fb, r64, rm, h, RK, D: tl.constexpr, RKP: tl.constexpr, DOT_F32: tl.constexpr):
+        """``round(f_a[r] . f_b[h D + d, :])`` for a block of rows ``r`` ([RB, D] fp32, the gemm contract:
+        fp32 accumulation, one rounding to f_a's dtype); ``tl.dot`` over the whole (padded) rank at once."""
+        dk = tl.arange(0, D)
+        kr = tl.arange(0, RKP)
+        km = kr < RK
+        fa = tl.load(f + r64[:, None] * s_f + kr[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+        fbw = tl.load(fb + (h * D + dk)[None, :] * RK + kr[:, None], mask=km[:, None], other=0.0)   # [RKP, D]
+        if DOT_F32:  # fp32 (or mixed) operands: full fp32 products, never tf32
+            acc = tl.dot(fa.to(tl.float32), fbw.to(tl.float32), input_precision="ieee")
+        else:
+            acc = tl.dot(fa, fbw)
+        return acc.to(f.dtype.element_ty).to(tl.float32)
+
+    @triton.jit
+    def kda_fb_gemm_kernel(f, s_f, fb, f_full, R, RK, H: tl.constexpr, D: tl.constexpr, RB: tl.constexpr,
+                           RKP: tl.constexpr, DOT_F32: tl.constexpr):
+        """``hoist_fb``: the decay input ``f_a f_b^T`` of RB rows x one head, rounded to f_a's dtype."""
+        r = tl.program_id(0) * RB + tl.arange(0, RB)
+        h = tl.program_id(1)
+        rm = r < R
+        r64 = r.to(tl.int64)
+        fv = _fb_rows(f, s_f, fb, r64, rm, h, RK, D, RKP, DOT_F32)
+        dk = tl.arange(0, D)
+        tl.store(f_full + r64[:, None] * (H * D) + h * D + dk[None, :], fv.to(f_full.dtype.element_ty),
+                 mask=rm[:, None])
+
+    @triton.jit
+    def _conv_rows(x, s_x, conv_state, conv_w, r64, t, srow, c, rm, W: tl.constexpr, C: tl.constexpr):
+        """The causal conv of a block of token rows over channels ``c`` ([RB, D] fp32) and the rows' own
+        inputs (fp32): the input ``j`` tokens back is row ``r - j`` of ``x`` (rounded to the conv state's
+        dtype, as the reference keeps it) while ``t >= j``, else column ``W-1-(j-t)`` of the conv-state row;
+        summed oldest first like ``_conv3``."""
+        m2 = rm[:, None]
+        x0 = tl.load(x + r64[:, None] * s_x + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        cdt = conv_state.dtype.element_ty
+        acc = tl.zeros(x0.shape, tl.float32)
+        for i in tl.static_range(W - 1):
+            j = W - 1 - i                                                 # oldest first
+            from_x = (t >= j)[:, None]
+            hx = tl.load(x + (r64 - j)[:, None] * s_x + c[None, :], mask=m2 & from_x, other=0.0)
+            hc = tl.load(conv_state + srow[:, None] * (C * (W - 1)) + c[None, :] * (W - 1) + (W - 1 - j + t)[:, None],
+                         mask=m2 & (t < j)[:, None], other=0.0)
+            hv = tl.where(from_x, hx.to(cdt).to(tl.float32), hc.to(tl.float32))
+            wj = tl.load(conv_w + c * W + (W - 1 - j)).to(tl.float32)
+            acc = acc + wj[None, :] * hv
+        return acc + tl.load(conv_w + c * W + (W - 1)).to(tl.float32)[None, :] * x0, x0
+
+    @triton.jit
+    def kda_verify_prep_kernel(x, s_x, conv_state, conv_w, f, s_f, fb, A_log, dt_bias, beta_logit, s_beta,
+                               state_idx, tape_state, tape_conv, ws, ws_beta, R, T, TMAX, RK, lower_bound, scale,
+                               H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, RB: tl.constexpr,
+                               HAS_FB: tl.constexpr, RKP: tl.constexpr, DOT_F32: tl.constexpr):
+        """``prologue``, grid (cdiv(R, RB), H): everything of a token that does not read the recurrent state,
+        for RB rows x one head at once: conv + SiLU + rounding, q / k L2 norms, the decay (gemm fused),
+        beta. Writes ``ws[r, h]`` = (q, k, exp(g), v) fp32, ``ws_beta[r, h]``, and the tape's k, exp(g) and
+        conv inputs (the recurrence adds v')."""
+        r = tl.program_id(0) * RB + tl.arange(0, RB)
+        h = tl.program_id(1)
+        HD: tl.constexpr = H * D
+        C: tl.constexpr = 3 * HD
+        rm = r < R
+        r64 = r.to(tl.int64)
+        t = r % T
+        srow = tl.load(state_idx + r // T, mask=rm, other=0).to(tl.int64)
+        dk = tl.arange(0, D)
+        cq = h * D + dk
+        ck = HD + h * D + dk
+        cv = 2 * HD + h * D + dk
+        act = x.dtype.element_ty
+        zq, xq = _conv_rows(x, s_x, conv_state, conv_w, r64, t, srow, cq, rm, W, C)
+        zk, xk = _conv_rows(x, s_x, conv_state, conv_w, r64, t, srow, ck, rm, W, C)
+        zv, xv = _conv_rows(x, s_x, conv_state, conv_w, r64, t, srow, cv, rm, W, C)
+        q = _silu_round(zq, act)
+        k = _silu_round(zk, act)
+        v = _silu_round(zv, act)
+        q = q * tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None] * scale
+        k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+        if HAS_FB:
+            fv = _fb_rows(f, s_f, fb, r64, rm, h, RK, D, RKP, DOT_F32)
+        else:
+            fv = tl.load(f + r64[:, None] * s_f + cq[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+        a = tl.exp(tl.load(A_log + h).to(tl.float32))
+        dtb = tl.load(dt_bias + h * D + dk).to(tl.float32)
+        decay = tl.exp(lower_bound * tl.sigmoid(a * (fv + dtb[None, :])))
+        beta = tl.sigmoid(tl.load(beta_logit + r64 * s_beta + h, mask=rm, other=0.0).to(tl.float32))
+        m2 = rm[:, None]
+        wb = (r64 * H + h)[:, None] * (4 * D) + dk[None, :]
+        tl.store(ws + wb, q, mask=m2)
+        tl.store(ws + wb + D, k, mask=m2)
+        tl.store(ws + wb + 2 * D, decay, mask=m2)
+        tl.store(ws + wb + 3 * D, v, mask=m2)
+        tl.store(ws_beta + r64 * H + h, beta, mask=rm)
+        ts = ((srow * TMAX + t) * (H * 3 * D) + h * (3 * D))[:, None] + dk[None, :]
+        tl.store(tape_state + ts, k, mask=m2)
+        tl.store(tape_state + ts + D, decay, mask=m2)
+        tc = ((srow * TMAX + t) * C)[:, None]
+        tdt = tape_conv.dtype.element_ty
+        tl.store(tape_conv + tc + cq[None, :], xq.to(tdt), mask=m2)
+        tl.store(tape_conv + tc + ck[None, :], xk.to(tdt), mask=m2)
+        tl.store(tape_conv + tc + cv[None, :], xv.to(tdt), mask=m2)
+
+    @triton.jit
+    def _ws_token(ws, ws_beta, r, r_last, h, dk, dv, H: tl.constexpr, D: tl.constexpr):
+        """Token row ``min(r, r_last)``'s prologue outputs for head ``h``: clamped, not masked, so the
+        look-ahead past the request's last token re-reads that token (an L2 hit) instead of leaving it."""
+        r = tl.minimum(r, r_last)
+        wb = (r * H + h) * (4 * D)
+        return (tl.load(ws + wb + dk), tl.load(ws + wb + D + dk), tl.load(ws + wb + 2 * D + dk),
+                tl.load(ws + wb + 3 * D + dv), tl.load(ws_beta + r * H + h))
+
+    @triton.jit
+    def kda_verify_rec_kernel(ws, ws_beta, g_out, s_g, norm_w, state, state_idx, tape_state, out, o_ws,
+                              T, TMAX, eps, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr):
+        """``prologue``, grid (B, H, NV): only the serial part, the gated delta rule on the state slice, from
+        the prologue's per-token vectors; the next token's vectors are loaded before this token's math (they
+        do not depend on the state), so their L2 latency hides behind it."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        vs = tl.program_id(2)
+        HD: tl.constexpr = H * D
+        row = tl.load(state_idx + b).to(tl.int64)
+        dk = tl.arange(0, D)
+        dv = vs * BV + tl.arange(0, BV)
+        S = tl.load(state + (row * H + h) * (D * D) + dv[:, None] * D + dk[None, :])              # [BV, D] fp32
+        nw = tl.load(norm_w + dv).to(tl.float32)
+        tsb = row * TMAX * (H * 3 * D) + h * (3 * D)
+        r0 = (b * T).to(tl.int64)
+        q, k, decay, v, beta = _ws_token(ws, ws_beta, r0, r0 + T - 1, h, dk, dv, H, D)
+        for t in range(T):
+            r = r0 + t
+            qn, kn, dn, vn_in, bn = _ws_token(ws, ws_beta, r + 1, r0 + T - 1, h, dk, dv, H, D)
+            # the same delta-rule operations, in the same order, as kda_verify_kernel (the accept replays them)
+            S = S * decay[None, :]
+            vn = beta * (v - tl.sum(S * k[None, :], axis=1))
+            S = S + vn[:, None] * k[None, :]
+            o = tl.sum(S * q[None, :], axis=1)                                  # [BV]
+            if NV == 1:
+                o = o * tl.rsqrt(tl.sum(o * o, axis=0) / D + eps) * nw
+                o = o * tl.sigmoid(tl.load(g_out + r * s_g + h * D + dv).to(tl.float32))
+                tl.store(out + r * HD + h * D + dv, o.to(out.dtype.element_ty))
+            else:
+                tl.store(o_ws + (r * H + h) * D + dv, o)
+            tl.store(tape_state + tsb + t * (H * 3 * D) + 2 * D + dv, vn)
+            q, k, decay, v, beta = qn, kn, dn, vn_in, bn
+
+
+    return _Kernels(kda_verify_kernel, kda_out_norm_kernel, kda_accept_kernel, kda_fb_gemm_kernel,
+                    kda_verify_prep_kernel, kda_verify_rec_kernel)
 
 
 def _interpreting() -> bool:
@@ -286,6 +508,58 @@ def choose_blocks(B: int, H: int, D: int) -> tuple[int, int]:
         nv *= 2
     bv = D // nv
     return bv, max(1, min(8, bv // 8))
+
+
+DEFAULT_SMALL_BATCH = 2
+"""Requests up to which the default prologue recurrence takes 16 value rows per program (more programs for few
+requests), above it 32 with the accept at ``ACCEPT_ALT``."""
+
+
+def default_config(B: int, H: int, D: int) -> VerifyConfig:
+    """What ``kda_verify_triton`` / ``kda_accept_triton`` launch: the prologue form (the state-free work of all rows
+    in one parallel launch, then only the delta rule per token) - the fastest of ``candidate_configs`` at every
+    batch of the H200 sweep at Kimi K3 TP8 shapes (``NOTES_verify.md``) - at 16 value rows x 4 warps per program
+    up to ``DEFAULT_SMALL_BATCH`` requests (the accept at ``choose_blocks``), else 32 x 4 with the accept at
+    ``ACCEPT_ALT``; never wider than the head."""
+    if B <= DEFAULT_SMALL_BATCH:
+        return VerifyConfig(min(16, D), 4, prologue=True)
+    bv, (abv, anw) = min(32, D), ACCEPT_ALT
+    return VerifyConfig(bv, 4, prologue=True, accept_block_v=min(abv, D), accept_warps=anw)
+
+
+def _resolve(config: VerifyConfig | None, B: int, H: int, D: int) -> VerifyConfig:
+    """``config`` checked against head dim D (None: ``default_config``)."""
+    if config is None:
+        return default_config(B, H, D)
+    for bv, nw, what in ((config.block_v, config.num_warps, "block_v / num_warps"),
+                         (config.accept_block_v, config.accept_warps, "accept_block_v / accept_warps")):
+        if bv is None and nw is None and what.startswith("accept"):
+            continue
+        if bv is None or nw is None or bv < 1 or bv & (bv - 1) or D % bv or nw not in WARPS:
+            raise UserError(f"{NAME}: {config} {what} = {bv} / {nw}: block_v a power of two dividing head_dim {D}, "
+                            f"num_warps in {WARPS} (both or neither for the accept)")
+    return config
+
+
+PROLOGUE_BLOCKS = ((16, 2), (16, 4), (32, 4), (32, 8), (64, 8))
+"""(block_v, num_warps) of the prologue recurrence worth timing: 16 or 32 state floats a thread at D = 128,
+spill-free in the sm_90 build; 64 a thread ([64, 128] at 4 warps, [128, 128] at 8 or 16) spills."""
+ACCEPT_ALT = (32, 4)
+"""One accept shape beside ``choose_blocks``' (twice its programs at B >= 16, half at B = 1)."""
+
+
+def candidate_configs(B: int, H: int, D: int) -> list[VerifyConfig]:
+    """At most 8 configs worth timing for B requests of H heads of head dim D (the bench sweeps them; numbers in
+    NOTES_verify.md): the default first, the fused kernel at ``choose_blocks`` and the same with the gemm hoisted, the prologue at each of ``PROLOGUE_BLOCKS`` that fits D, and the prologue at 32 rows
+    with the accept at ``ACCEPT_ALT``."""
+    bv, nw = choose_blocks(B, H, D)
+    out = [default_config(B, H, D), VerifyConfig(bv, nw), VerifyConfig(bv, nw, hoist_fb=True)]
+    out += [VerifyConfig(b, w, prologue=True) for b, w in PROLOGUE_BLOCKS if D % b == 0]
+    abv, anw = ACCEPT_ALT
+    if D % abv == 0 and (abv, anw) != (bv, nw):
+        out.append(VerifyConfig(abv, anw, prologue=True, accept_block_v=abv, accept_warps=anw))
+    seen: set[VerifyConfig] = set()
+    return [c for c in out if not (c in seen or seen.add(c))][:8]
 
 
 def _check_rows(t: torch.Tensor, what: str, rows: int, cols: int) -> None:
@@ -375,6 +649,20 @@ def kda_verify_triton(mixed_qkv: torch.Tensor, conv_state: torch.Tensor, conv_we
     -------
     [R, H*D] in mixed_qkv.dtype: every token's output. No host sync (CUDA-graph capturable).
     """
+    return kda_verify_triton_with(None, mixed_qkv, conv_state, conv_weight, f, A_log, dt_bias, beta_logit, g_out,
+                                  norm_weight, state, state_idx, tape_state, tape_conv, num_heads=num_heads, eps=eps,
+                                  gate_lower_bound=gate_lower_bound, scale=scale, f_b_weight=f_b_weight)
+
+
+def kda_verify_triton_with(config: VerifyConfig | None, mixed_qkv: torch.Tensor, conv_state: torch.Tensor,
+                           conv_weight: torch.Tensor, f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                           beta_logit: torch.Tensor, g_out: torch.Tensor, norm_weight: torch.Tensor,
+                           state: torch.Tensor, state_idx: torch.Tensor, tape_state: torch.Tensor,
+                           tape_conv: torch.Tensor, *, num_heads: int, eps: float = 1e-5,
+                           gate_lower_bound: float = -5.0, scale: float | None = None,
+                           f_b_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """``kda_verify_triton`` launched as ``config`` says (None: ``default_config``); same results within
+    the verify's tolerances, the same tape contract."""
     H, D, W, Tmax = _check_states(conv_state, state, tape_state, tape_conv)
     dev = state.device
     if num_heads != H:
@@ -412,21 +700,58 @@ def kda_verify_triton(mixed_qkv: torch.Tensor, conv_state: torch.Tensor, conv_we
     for t, what in ((mixed_qkv, "mixed_qkv"), (f, "f"), (beta_logit, "beta_logit"), (g_out, "g_out")):
         if t.device != dev:
             raise UserError(f"{NAME}: {what} is on {t.device}, the states on {dev}: move it there")
-    out = torch.empty(R, HD, dtype=mixed_qkv.dtype, device=dev)
-    bv, nw = choose_blocks(B, H, D)
+    return _launch_verify(_resolve(config, B, H, D), mixed_qkv, conv_state, conv_weight, f, A_log, dt_bias,
+                          beta_logit, g_out, norm_weight, state, state_idx, tape_state, tape_conv, H=H, D=D, W=W,
+                          T=T, Tmax=Tmax, rk=rk, eps=float(eps), lower_bound=float(gate_lower_bound),
+                          scale=float(D ** -0.5 if scale is None else scale), f_b_weight=f_b_weight)
+
+
+def _launch_verify(cfg: VerifyConfig, x: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor,
+                   f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, beta_logit: torch.Tensor,
+                   g_out: torch.Tensor, norm_weight: torch.Tensor, state: torch.Tensor, state_idx: torch.Tensor,
+                   tape_state: torch.Tensor, tape_conv: torch.Tensor, *, H: int, D: int, W: int, T: int, Tmax: int,
+                   rk: int, eps: float, lower_bound: float, scale: float,
+                   f_b_weight: torch.Tensor | None) -> torch.Tensor:
+    """The launches of one checked verification step under ``cfg``."""
+    dev = state.device
+    B, R, HD = state_idx.shape[0], x.shape[0], H * D
+    k = _kernels(_interpreting())
+    fb = f_b_weight if f_b_weight is not None else f
+    rkp = max(16, _pow2(max(rk, 1)))  # tl.dot's smallest K; the padding columns load as 0
+    # 16-bit operands go to the tensor cores as they are (their products are exact in fp32); the interpreter's
+    # tl.dot garbles bf16 operands (Triton 3.9), so there both are upcast, which rounds the same products
+    dot_f32 = (f_b_weight is None or _interpreting()
+               or not (f.dtype == f_b_weight.dtype and f.dtype in (torch.bfloat16, torch.float16)))
+    prep_grid = (-(-R // PREP_ROWS), H)
+    if cfg.hoist_fb and f_b_weight is not None:
+        f_full = torch.empty(R, HD, dtype=f.dtype, device=dev)
+        k.fb_gemm[prep_grid](f, f.stride(0), f_b_weight, f_full, R, rk, H=H, D=D, RB=PREP_ROWS, RKP=rkp,
+                             DOT_F32=dot_f32, num_warps=PREP_WARPS, enable_fp_fusion=False)
+        f, fb, f_b_weight, rk = f_full, f_full, None, 0
+    out = torch.empty(R, HD, dtype=x.dtype, device=dev)
+    if R == 0:  # no tokens: nothing to launch (the prologue's look-ahead needs a first token)
+        return out
+    bv, nw = cfg.block_v, cfg.num_warps
     nv = D // bv
     o_ws = torch.empty(R, H, D, dtype=torch.float32, device=dev) if nv > 1 else out
-    verify, norm, _ = _kernels(_interpreting())
-    verify[(B, H, nv)](
-        mixed_qkv, mixed_qkv.stride(0), conv_state, conv_weight, f, f.stride(0),
-        f_b_weight if f_b_weight is not None else f, A_log, dt_bias, beta_logit, beta_logit.stride(0),
-        g_out, g_out.stride(0), norm_weight, state, state_idx, tape_state, tape_conv, out, o_ws,
-        T, Tmax, rk, float(eps), float(gate_lower_bound), float(D ** -0.5 if scale is None else scale),
-        H=H, D=D, W=W, BV=bv, NV=nv, HAS_FB=f_b_weight is not None, RKB=min(RK_BLOCK, _pow2(max(rk, 1))),
-        num_warps=nw, enable_fp_fusion=False)
+    if cfg.prologue:
+        ws = torch.empty(R, H, 4, D, dtype=torch.float32, device=dev)
+        ws_beta = torch.empty(R, H, dtype=torch.float32, device=dev)
+        k.prep[prep_grid](x, x.stride(0), conv_state, conv_weight, f, f.stride(0), fb, A_log, dt_bias, beta_logit,
+                          beta_logit.stride(0), state_idx, tape_state, tape_conv, ws, ws_beta, R, T, Tmax, rk,
+                          lower_bound, scale, H=H, D=D, W=W, RB=PREP_ROWS, HAS_FB=f_b_weight is not None, RKP=rkp,
+                          DOT_F32=dot_f32, num_warps=PREP_WARPS, enable_fp_fusion=False)
+        k.rec[(B, H, nv)](ws, ws_beta, g_out, g_out.stride(0), norm_weight, state, state_idx, tape_state, out, o_ws,
+                          T, Tmax, eps, H=H, D=D, BV=bv, NV=nv, num_warps=nw, enable_fp_fusion=False)
+    else:
+        k.verify[(B, H, nv)](
+            x, x.stride(0), conv_state, conv_weight, f, f.stride(0), fb, A_log, dt_bias, beta_logit,
+            beta_logit.stride(0), g_out, g_out.stride(0), norm_weight, state, state_idx, tape_state, tape_conv, out,
+            o_ws, T, Tmax, rk, eps, lower_bound, scale, H=H, D=D, W=W, BV=bv, NV=nv, HAS_FB=f_b_weight is not None,
+            RKB=min(RK_BLOCK, _pow2(max(rk, 1))), num_warps=nw, enable_fp_fusion=False)
     if nv > 1:
-        norm[(R, H)](o_ws, g_out, g_out.stride(0), norm_weight, out, float(eps), H=H, D=D,
-                     num_warps=max(1, min(4, D // 32)), enable_fp_fusion=False)
+        k.out_norm[(R, H)](o_ws, g_out, g_out.stride(0), norm_weight, out, eps, H=H, D=D,
+                           num_warps=max(1, min(4, D // 32)), enable_fp_fusion=False)
     return out
 
 
@@ -444,6 +769,15 @@ def kda_accept_triton(conv_state: torch.Tensor, state: torch.Tensor, state_idx: 
     tape_state [S, Tmax, H, 3, D] fp32, tape_conv [S, Tmax, 3*H*D]: the tapes that step wrote; only
         entries ``<= j`` are read.
     """
+    kda_accept_triton_with(None, conv_state, state, state_idx, accepted, tape_state, tape_conv)
+
+
+def kda_accept_triton_with(config: VerifyConfig | None, conv_state: torch.Tensor, state: torch.Tensor,
+                           state_idx: torch.Tensor, accepted: torch.Tensor, tape_state: torch.Tensor,
+                           tape_conv: torch.Tensor) -> None:
+    """``kda_accept_triton`` with ``config``'s accept blocks (None, or its ``accept_block_v`` None:
+    ``choose_blocks``); bit for bit the reference replay whatever the blocks (each element's two operations
+    do not depend on them)."""
     H, D, W, Tmax = _check_states(conv_state, state, tape_state, tape_conv)
     dev = state.device
     B = _check_idx(state_idx, "state_idx", dev)
@@ -451,10 +785,40 @@ def kda_accept_triton(conv_state: torch.Tensor, state: torch.Tensor, state_idx: 
         raise UserError(f"{NAME}: accepted has {accepted.shape[0]} entries for {B} requests; pass one per request")
     if B == 0:
         return
-    bv, nw = choose_blocks(B, H, D)
-    _, _, accept = _kernels(_interpreting())
-    accept[(B, H, D // bv)](conv_state, state, state_idx, accepted, tape_state, tape_conv, Tmax,
-                            H=H, D=D, W=W, BV=bv, WP=_pow2(W - 1), num_warps=nw, enable_fp_fusion=False)
+    cfg = _resolve(config, B, H, D)
+    if cfg.accept_block_v is None:
+        bv, nw = choose_blocks(B, H, D)
+    else:
+        bv, nw = cfg.accept_block_v, cfg.accept_warps
+    _kernels(_interpreting()).accept[(B, H, D // bv)](
+        conv_state, state, state_idx, accepted, tape_state, tape_conv, Tmax, H=H, D=D, W=W, BV=bv, WP=_pow2(W - 1),
+        num_warps=nw, enable_fp_fusion=False)
 
 
-__all__ = ["MAX_CONV", "NAME", "choose_blocks", "kda_accept_triton", "kda_verify_triton"]
+def _supports(ctx: OpContext) -> Support:
+    refusal = triton_gpu_refusal(ctx, "KDA verification steps")
+    if refusal:
+        return refusal
+    dims = dict(ctx.dims)
+    D, W = dims.get("head_dim"), dims.get("conv")
+    lo, hi = HEAD_DIMS
+    if D is not None and (D < lo or D > hi or D & (D - 1)):
+        return f"head_dim {D} is not a power of two in [{lo}, {hi}]"
+    if W is not None and not 2 <= W <= MAX_CONV:
+        return f"conv width {W}: 2..{MAX_CONV} served (the history is 3 vectors per channel)"
+    return True
+
+
+IMPLEMENTATIONS = [
+    Implementation("attention.kda_verify", NAME, kda_verify_triton, _supports, priority=10,
+                   description="Triton: per (request, head, value-row slice) the state slice in registers over "
+                               "the 1 + k tokens in order, conv + decay gemv fused, tape written, states untouched; "
+                               "no host sync (graph-capturable)"),
+    Implementation("attention.kda_accept", ACCEPT_NAME, kda_accept_triton, _supports, priority=10,
+                   description="Triton: replay the tape's rank-1 updates up to the accepted token in the "
+                               "reference's order (no FMA contraction: bit-exact), shift the conv state"),
+]
+
+__all__ = ["ACCEPT_NAME", "HEAD_DIMS", "IMPLEMENTATIONS", "MAX_CONV", "NAME", "VerifyConfig", "candidate_configs",
+           "choose_blocks", "default_config", "kda_accept_triton", "kda_accept_triton_with", "kda_verify_triton",
+           "kda_verify_triton_with"]

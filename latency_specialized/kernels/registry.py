@@ -23,6 +23,7 @@ KERNEL_MODULES: tuple[str, ...] = (
     "latency_specialized.kernels.moe_experts_q4_triton",
     "latency_specialized.kernels.moe_finalize_triton",
     "latency_specialized.kernels.kda_decode",
+    "latency_specialized.kernels.kda_verify_triton",
     "latency_specialized.kernels.mla_decode_triton",
     "latency_specialized.kernels.indexer_triton",
     "latency_specialized.kernels.sparse_mla_triton",

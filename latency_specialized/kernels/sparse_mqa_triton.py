@@ -58,6 +58,7 @@ import torch
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
 from latency_specialized.hardware import sm_count
+from latency_specialized.kernels.ring_window import check_sliding_window
 from latency_specialized.kernels.triton_common import triton_gpu_refusal
 
 NAME = "attention.sparse_mqa.triton"
@@ -106,13 +107,13 @@ def _kernels(interpret: bool):
 
     @triton.jit
     def split_kernel(q, kv, positions, rows, seq_lens, window, cache, block_table, selection, inv_freq, kv_w,
-                     ws_acc, ws_m, ws_l, num_splits, chunk, T, W, ratio, block_size, H, q_eps, kv_eps,
+                     ws_acc, ws_m, ws_l, num_splits, chunk, T, W, SW, ratio, block_size, H, q_eps, kv_eps,
                      qk_scale_log2,
                      s_qm, s_qh, s_kv, s_wr, s_ws, s_bt, s_sel,
                      D: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
                      NORM_Q: tl.constexpr, NORM_KV: tl.constexpr, HAS_SEL: tl.constexpr, PREC: tl.constexpr,
                      DOT_F32: tl.constexpr,
-                     STORE_NEW: tl.constexpr):
+                     STORE_NEW: tl.constexpr, WRITE_ONLY: tl.constexpr):
         # grid (M, num_splits, head groups). Masks from comparisons only (the interpreter mishandles & of a
         # vector and a scalar mask): a scalar condition becomes a bound (offs < where(cond, D, 0)).
         m = tl.program_id(0).to(tl.int64)
@@ -161,8 +162,11 @@ def _kernels(interpret: bool):
         if STORE_NEW:
             own = (slot // chunk == sp) & (hg == 0)
             tl.store(window + srow * s_wr + slot * s_ws + d, kn, mask=d < tl.where(own, D, 0))
+        if WRITE_ONLY:   # the write-first launch of a call whose rows read each other's new slots
+            return
 
         seq_c = seq // ratio
+        vis = tl.minimum(SW, seq)                                                      # positions a row sees
         start = sp * chunk
         end = tl.minimum(start + chunk, T)
         m_i = tl.full([BH], float("-inf"), dtype=tl.float32)
@@ -171,7 +175,7 @@ def _kernels(interpret: bool):
         w_base = window + srow * s_wr
         for t0 in range(start, end, BN):
             t = t0 + tl.arange(0, BN)
-            ok = (t < W) & (t < seq)                                                   # live ring slots
+            ok = (t < W) & ((seq - 1 - t + W) % W < vis)    # slot t holds one of the last vis positions
             is_new = t == slot
             kt = tl.load(w_base + t[:, None] * s_ws + d[None, :], mask=(ok & (t != slot))[:, None], other=0.0)
             kt = tl.where((ok & is_new)[:, None], kn[None, :], kt)                     # never from memory
@@ -244,8 +248,9 @@ def _kernels(interpret: bool):
         tl.store(out + m * s_om + h * s_oh + d, y.to(odt))
 
     @triton.jit
-    def compress_kernel(c, pending, rows, positions, norm_w, inv_freq, cache, slots, lat, eps, s_c, s_pr, s_pk,
-                        D: tl.constexpr, R: tl.constexpr, RATIO: tl.constexpr, BR: tl.constexpr):
+    def compress_kernel(c, pending, rows, positions, norm_w, inv_freq, cache, slots, lat, eps, s_c, s_pr, s_pk, P,
+                        D: tl.constexpr, R: tl.constexpr, RATIO: tl.constexpr, BR: tl.constexpr,
+                        WRITE_ONLY: tl.constexpr):
         # grid (M,): one token's compressor, pending write -> pool -> norm -> lat -> RoPE -> cache write
         m = tl.program_id(0).to(tl.int64)
         pos = tl.load(positions + m)
@@ -253,21 +258,25 @@ def _kernels(interpret: bool):
         cdt = c.dtype.element_ty
         if RATIO > 1:
             pdt = pending.dtype.element_ty
-            k = tl.arange(0, BR)
-            cur = (pos % RATIO).to(tl.int32)
             srow = tl.load(rows + m).to(tl.int64)
+            cur = (pos % P).to(tl.int32)                                                # pending is a ring of P
             cv = tl.load(c + m * s_c + d).to(pdt)                                       # the pending rounding
             cg = tl.load(c + m * s_c + D + d).to(pdt)
-            prow = pending + srow * s_pr + k[:, None] * s_pk + d[None, :]
-            old = (k < RATIO) & (k != cur)                                             # the group's earlier tokens
+            tl.store(pending + srow * s_pr + cur * s_pk + d, cv)
+            tl.store(pending + srow * s_pr + cur * s_pk + D + d, cg)
+            if WRITE_ONLY:   # the write-first launch of a call whose rows pool each other's pending rows
+                return
+            # the group: positions pos - RATIO + 1 .. pos, oldest first (the reference's summation order)
+            k = tl.arange(0, BR)
+            gslot = ((pos - (RATIO - 1) + k) % P + P) % P
+            prow = pending + srow * s_pr + gslot[:, None] * s_pk + d[None, :]
+            old = k < RATIO - 1                                                         # the group's earlier tokens
             pv = tl.load(prow, mask=old[:, None], other=0.0).to(tl.float32)
             pg = tl.load(prow + D, mask=old[:, None], other=0.0).to(tl.float32)
-            now = (k == cur)[:, None]
+            now = (k == RATIO - 1)[:, None]                                             # this token, from registers
             pv = tl.where(now, cv.to(tl.float32)[None, :], pv)
             pg = tl.where(now, cg.to(tl.float32)[None, :], pg)
             pg = tl.where((k < RATIO)[:, None], pg, float("-inf"))
-            tl.store(pending + srow * s_pr + cur * s_pk + d, cv)
-            tl.store(pending + srow * s_pr + cur * s_pk + D + d, cg)
             e = tl.exp(pg - tl.max(pg, 0)[None, :])
             x = tl.sum(e / tl.sum(e, 0)[None, :] * pv, 0).to(pdt).to(cdt).to(tl.float32)
         else:
@@ -322,8 +331,10 @@ def sparse_mqa_decode_triton(q: torch.Tensor, kv: torch.Tensor, positions: torch
                              sinks: torch.Tensor | None, rope_inv_freq: torch.Tensor, *, scale: float,
                              compress_ratio: int = 1, q_norm_eps: float | None = None,
                              kv_norm_weight: torch.Tensor | None = None, kv_norm_eps: float = 1e-6,
-                             out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
-    """Sparse MQA decode (contract: ``ops.attention.sparse_mqa.sparse_mqa_decode_reference``), two launches.
+                             out: torch.Tensor | None = None, sliding_window: int | None = None,
+                             cross_row_reads: bool = False, num_splits: int | None = None) -> torch.Tensor:
+    """Sparse MQA decode (contract: ``ops.attention.sparse_mqa.sparse_mqa_decode_reference``), two launches
+    (three with ``cross_row_reads``: the split kernel's prologue alone first, writing every row's ring slot).
 
     Parameters
     ----------
@@ -335,8 +346,11 @@ def sparse_mqa_decode_triton(q: torch.Tensor, kv: torch.Tensor, positions: torch
     cache : [blocks, block_size, D] contiguous paged compressed rows, or None (window-only);
     block_table : [M, max_blocks] ints; selection : [M, topk] ints (-1: none; >= seq_lens // compress_ratio:
         skipped), or None. sinks : [H] fp32 or None. rope_inv_freq : [R/2] fp32.
-    out : optional [M, H, D] in q.dtype (unit last stride). num_splits : splits of the ``W + topk`` slots per
-        row; default ``choose_splits`` (static shapes only). Tests force it.
+    out : optional [M, H, D] in q.dtype (unit last stride). sliding_window : positions a row sees (default W).
+    cross_row_reads : rows read slots other rows of the call write (verification steps): a write-first launch,
+        and the split kernel then stores nothing (each program still takes its own row's slot from registers).
+    num_splits : splits of the ``W + topk`` slots per row; default ``choose_splits`` (static shapes only). Tests
+        force it.
 
     Returns
     -------
@@ -347,6 +361,7 @@ def sparse_mqa_decode_triton(q: torch.Tensor, kv: torch.Tensor, positions: torch
     if kv_norm_weight is not None and (tuple(kv_norm_weight.shape) != (D,) or not kv_norm_weight.is_contiguous()):
         raise UserError(f"{NAME}: kv_norm_weight must be contiguous [D={D}], got {tuple(kv_norm_weight.shape)}")
     W = window.shape[1]
+    SW = check_sliding_window(sliding_window, W, NAME)
     K = 0 if selection is None else selection.shape[1]
     T = W + K
     R = 2 * rope_inv_freq.shape[0]
@@ -382,16 +397,22 @@ def sparse_mqa_decode_triton(q: torch.Tensor, kv: torch.Tensor, positions: torch
     dot_f32 = interp and window.dtype != torch.float32   # the interpreter's bf16/fp16 tl.dot is wrong
     prec = "ieee" if window.dtype == torch.float32 or dot_f32 else "tf32"
     kernels = _kernels(interp)
-    kernels["split"][(M, ns, groups)](
-        q, kv, positions, rows, seq_lens, window, cc, bt, sel, rope_inv_freq,
-        kv_norm_weight if kv_norm_weight is not None else rope_inv_freq, ws_acc, ws_m, ws_l,
-        ns, chunk, T, W, max(int(compress_ratio), 1), bs, H, float(q_norm_eps or 0.0), float(kv_norm_eps),
-        float(scale) * _LOG2E,
-        q.stride(0), q.stride(1), kv.stride(0), window.stride(0), window.stride(1),
-        bt.stride(0) if has_sel else 0, sel.stride(0) if has_sel else 0,
-        D=D, R=R, BH=bh, BN=bn, NORM_Q=q_norm_eps is not None, NORM_KV=kv_norm_weight is not None,
-        HAS_SEL=has_sel, PREC=prec, DOT_F32=dot_f32,
-        STORE_NEW=_STORE_NEW, num_warps=8 if D >= 256 else 4, num_stages=NUM_STAGES)
+
+    def split(grid: tuple[int, int, int], chunk_: int, store: bool, write_only: bool) -> None:
+        kernels["split"][grid](
+            q, kv, positions, rows, seq_lens, window, cc, bt, sel, rope_inv_freq,
+            kv_norm_weight if kv_norm_weight is not None else rope_inv_freq, ws_acc, ws_m, ws_l,
+            ns, chunk_, T, W, SW, max(int(compress_ratio), 1), bs, H, float(q_norm_eps or 0.0), float(kv_norm_eps),
+            float(scale) * _LOG2E,
+            q.stride(0), q.stride(1), kv.stride(0), window.stride(0), window.stride(1),
+            bt.stride(0) if has_sel else 0, sel.stride(0) if has_sel else 0,
+            D=D, R=R, BH=bh, BN=bn, NORM_Q=q_norm_eps is not None, NORM_KV=kv_norm_weight is not None,
+            HAS_SEL=has_sel, PREC=prec, DOT_F32=dot_f32,
+            STORE_NEW=store, WRITE_ONLY=write_only, num_warps=8 if D >= 256 else 4, num_stages=NUM_STAGES)
+
+    if cross_row_reads:   # every row's ring slot stored (one program per row) before any program reads
+        split((M, 1, 1), T, _STORE_NEW, True)
+    split((M, ns, groups), chunk, _STORE_NEW and not cross_row_reads, False)
     s_pad = max(2, _next_pow2(ns))
     bd = max(16, min(D, COMBINE_TILE // s_pad))
     kernels["combine"][(M, H, D // bd)](
@@ -438,11 +459,13 @@ def _check(q, kv, positions, rows, seq_lens, window, cache, block_table, selecti
 def sparse_mqa_compress_triton(c: torch.Tensor, pending: torch.Tensor | None, rows: torch.Tensor,
                                positions: torch.Tensor, norm_weight: torch.Tensor, rope_inv_freq: torch.Tensor,
                                cache: torch.Tensor, slots: torch.Tensor, *, eps: float, ratio: int,
-                               out: torch.Tensor | None = None) -> torch.Tensor:
+                               out: torch.Tensor | None = None, cross_row_reads: bool = False) -> torch.Tensor:
     """A KV source's compressor in one launch (contract: ``ops.attention.sparse_mqa.sparse_mqa_compress_reference``):
     the token's ``[kv | gate]`` into ``pending`` at ``positions % ratio``, the softmax-gated pool of the group,
     the RMSNorm (``lat [M, D]``, returned), its RoPE into the paged ``cache`` at ``slots`` (< 0: nothing). One
-    program per token; the pool reads the group's other rows from memory and this token's from registers."""
+    program per token; the pool reads the group's other rows from memory and this token's from registers.
+    ``pending`` is a ring ``[rows, P >= ratio, 2D]`` (position p at p % P). ``cross_row_reads`` (verification
+    steps: a row pools pending rows earlier rows of the call write): one launch writes every row first."""
     M = c.shape[0]
     D = cache.shape[-1]
     if c.dim() != 2 or c.shape[1] != (2 * D if ratio > 1 else D) or (ratio > 1) != (pending is not None):
@@ -452,19 +475,22 @@ def sparse_mqa_compress_triton(c: torch.Tensor, pending: torch.Tensor | None, ro
     if D < lo or D > hi or D & (D - 1) or not cache.is_contiguous():
         raise UserError(f"{COMPRESS_NAME}: needs a contiguous cache of power-of-two width in [{lo}, {hi}], got "
                         f"{tuple(cache.shape)}; {COMPRESS_FALLBACK} serves it")
-    if pending is not None and (pending.dim() != 3 or pending.shape[1] != ratio or pending.stride(-1) != 1):
-        raise UserError(f"{COMPRESS_NAME}: pending has shape {tuple(pending.shape)}, needs [rows, {ratio}, {2 * D}]")
+    if pending is not None and (pending.dim() != 3 or pending.shape[1] < ratio or pending.stride(-1) != 1):
+        raise UserError(f"{COMPRESS_NAME}: pending has shape {tuple(pending.shape)}, needs a ring "
+                        f"[rows, P >= {ratio}, {2 * D}] with a unit last stride")
     if out is None:
         out = torch.empty(M, D, device=c.device, dtype=c.dtype)
     if M == 0:
         return out
     c = _unit_last(c)
     pend = pending if pending is not None else c
-    _kernels(_interpreting())["compress"][(M,)](
-        c, pend, rows, positions, norm_weight, rope_inv_freq, cache, slots, out, float(eps), c.stride(0),
-        pend.stride(0) if pending is not None else 0, pend.stride(1) if pending is not None else 0,
-        D=D, R=2 * rope_inv_freq.shape[0], RATIO=int(ratio), BR=max(2, _next_pow2(int(ratio))),
-        num_warps=4 if D >= 256 else 1)
+    kernel = _kernels(_interpreting())["compress"]
+    for write_only in ((True, False) if cross_row_reads and pending is not None else (False,)):
+        kernel[(M,)](c, pend, rows, positions, norm_weight, rope_inv_freq, cache, slots, out, float(eps), c.stride(0),
+                     pend.stride(0) if pending is not None else 0, pend.stride(1) if pending is not None else 0,
+                     pend.shape[1] if pending is not None else 1,
+                     D=D, R=2 * rope_inv_freq.shape[0], RATIO=int(ratio), BR=max(2, _next_pow2(int(ratio))),
+                     WRITE_ONLY=write_only, num_warps=4 if D >= 256 else 1)
     return out
 
 

@@ -550,7 +550,8 @@ class ComposedProgram:
         else:
             meta = {"tokens": buffers.tokens[:bucket], "positions": buffers.positions[:bucket],
                     "slots": buffers.slot_mapping[:bucket], "seq_lens": buffers.seq_lens[:bucket],
-                    "block_table": buffers.block_tables[:bucket], "rows": buffers.state_indices[:bucket]}
+                    "block_table": buffers.block_tables[:bucket], "rows": buffers.state_indices[:bucket],
+                    "row_states": buffers.state_indices[:bucket]}   # one row per request: the same
         b = bucket * (1 + k)
         step = StepContext(ops=ops, meta=meta, rows=b, comm=self._step_comm, tp=self.tp, rank=self.rank,
                            spec=self.spec, rank_spec=self.rank_spec, scratch=self.scratch,

@@ -58,6 +58,16 @@ def share_routing(weights: dict[Any, dict[str, dict[str, torch.Tensor]]]) -> int
     return n
 
 
+def bench_communicator(tp: int, routing: str) -> ExcludedCommunicator | None:
+    """The stand-in group a one-GPU bench runs rank 0 of a TP program on (None at TP 1). Under ``shared``
+    routing the other ranks' slices of a gathered router are zeros - what zeroed router weights on every rank
+    would give - so every row ranks the experts by the selection bias alone; random stand-ins there would differ
+    per row and spread a verification step's rows over many experts again."""
+    if tp <= 1:
+        return None
+    return ExcludedCommunicator(tp, stand_in_std=0.0 if routing == "shared" else 1.0)
+
+
 def check_routing(routing: str) -> None:
     if routing not in ROUTINGS:
         raise UserError(f"routing '{routing}': choose one of {', '.join(ROUTINGS)}")
@@ -184,7 +194,7 @@ class OursBench:
             model = adapter.composed_model(spec)
             # plans made for the stand-in communicator (its all-reduce sites are then rebound to the one-rank
             # kernel: exclude_communication); the program refuses a plan its communicator cannot run
-            comm = ExcludedCommunicator(tp) if tp > 1 else None
+            comm = bench_communicator(tp, routing)
             plans = {}
             for b in self.batches:
                 plan = build_plan(SpecBoundAdapter(adapter, spec), reg.implementations, hw, tp=tp, batch=b,
@@ -283,4 +293,4 @@ class LayerBenchHarness:
                          contexts=contexts, steps=steps, routing=routing)
 
 
-__all__ = ["LayerBenchHarness", "OursBench", "ProgramVariant", "BuiltProgram", "ROUTINGS", "share_routing"]
+__all__ = ["LayerBenchHarness", "OursBench", "ProgramVariant", "BuiltProgram", "ROUTINGS", "bench_communicator", "share_routing"]

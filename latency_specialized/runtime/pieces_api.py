@@ -75,7 +75,8 @@ class StepContext:
 
     ``ops`` maps site names to bound ops; a piece calls ``step.op(role)`` which adds the layer kind
     prefix. ``meta`` holds the step's static inputs sliced to ``[:M]``: 'tokens', 'positions',
-    'slots', 'seq_lens', 'block_table', 'rows' (state rows).
+    'slots', 'seq_lens', 'block_table', 'rows' (state rows), 'row_states' (each row's state row: 'rows' itself
+    in a plain step).
 
     A verification step (``spec_tokens = k > 0``, speculative decoding) has ``M = B * (1 + k)`` rows,
     request-major; its per-row meta makes every row a request of its own for paged attention

@@ -219,9 +219,17 @@ class ModelStates:
                             device=device if device is not None else self.device)
 
     def clone(self) -> "ModelStates":
-        """A deep copy of every tensor (same slots): run two implementations from one starting state."""
-        return ModelStates({i: {n: t.clone() for n, t in by.items()} for i, by in self.by_layer.items()}, self.decls,
-                           block_size=self.block_size, slots=self.slots, allocator=None, tp=self.tp)
+        """A deep copy of every tensor (same slots): run two implementations from one starting state. The copy
+        is of this class (a subclass keeps the constructor's arguments) and gets :meth:`copy_history`."""
+        out = type(self)({i: {n: t.clone() for n, t in by.items()} for i, by in self.by_layer.items()}, self.decls,
+                         block_size=self.block_size, slots=self.slots, allocator=None, tp=self.tp)
+        self.copy_history(out)
+        return out
+
+    def copy_history(self, out: "ModelStates") -> None:
+        """Hand ``out`` (a fresh :meth:`clone` of these states) what a subclass keeps per sequence beyond the
+        state tensors - a reference's own history of every row - so that a snapshot restores it too (the
+        verification steps roll back to one). These states keep nothing more: nothing to copy."""
 
     def extended(self, model: "ModelWithStates", dtype: torch.dtype) -> "ModelStates":
         """These states plus zero tensors for the 'rows' states ``model`` declares and they lack (the rollback

@@ -43,6 +43,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from latency_specialized.spec import MAX_SPEC_TOKENS
+
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
 """Accepted spellings of the two modes."""
 
@@ -201,10 +203,20 @@ def decide_graphs(graphs: str, device: str, plan: Any) -> tuple[bool, str]:
 
 
 LIVE_PREFIX_STATES = ("pending",)
-"""'rows' states ``[r, ...]`` of which only the first ``length % r`` entries are live: sparse MQA's compressor
-``pending`` rows (the tokens of the group not complete yet, at p % r; ``pieces/attention/sparse_mqa.py``). The
-program writes every token's row there, the reference's ``fill`` only the incomplete group's, so the rest holds
-dead rows of an earlier group on one side (measured on the CPU: rel err ~1.0 in fp32 with the live rows equal)."""
+"""'rows' rings ``[r + MAX_SPEC_TOKENS, ...]`` (position p at p % their length) of which only the last ``length % r``
+positions are live: sparse MQA's compressor ``pending`` rows (the tokens of the group not complete yet;
+``pieces/attention/sparse_mqa.py``). The program writes every token's row there, the reference's ``fill`` only the
+incomplete group's, so the rest holds dead rows of earlier groups on one side (measured on the CPU: rel err ~1.0 in
+fp32 with the live rows equal)."""
+
+
+def _live_ring_entries(t: torch.Tensor, row: int, length: int) -> torch.Tensor:
+    """The live entries of a :data:`LIVE_PREFIX_STATES` ring ``t [rows, r + MAX_SPEC_TOKENS, ...]`` of a sequence of
+    ``length`` tokens, oldest first."""
+    ring = t.shape[1]
+    r = ring - MAX_SPEC_TOKENS
+    pos = torch.arange(length - length % r, length, device=t.device) % ring
+    return t[row, pos]
 
 
 def state_drift(got: Any, want: Any, slots: Sequence[Any],
@@ -222,8 +234,8 @@ def state_drift(got: Any, want: Any, slots: Sequence[Any],
         for name, d in want.decls[layer].items():
             tg, tw = got.by_layer[layer][name], want.by_layer[layer][name]
             if d.kind == "rows" and name in LIVE_PREFIX_STATES and lengths is not None:
-                r = tw.shape[1]
-                parts = [(tg[s.row, : n % r], tw[s.row, : n % r]) for s, n in zip(slots, lengths)]
+                parts = [(_live_ring_entries(tg, s.row, n), _live_ring_entries(tw, s.row, n))
+                         for s, n in zip(slots, lengths)]
                 a = torch.cat([x.reshape(-1) for x, _ in parts]).float()
                 b = torch.cat([y.reshape(-1) for _, y in parts]).float().to(a.device)
             else:

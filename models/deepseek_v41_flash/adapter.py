@@ -36,9 +36,9 @@ class DeepseekV41FlashAdapter(ComposedAdapter):
         return {"full": full_spec, "medium": medium_spec}.get(variant, tiny_spec)()
 
     def scope(self) -> DecodeScope:
-        # TP divides the 8 output groups (vLLM's own: GB300 + TP4); no speculation until the DSpark draft (5) exists
+        # TP divides the 8 output groups (vLLM's: GB300 + TP4); verification 3 / 7: pieces/attention/sparse_mqa.py
         return DecodeScope(archs=("cpu", "sm_90", "sm_100", "sm_103"), tp_sizes=(1, 2, 4, 8), max_batch=64,
-                           dtypes=("bfloat16", "float32"), spec_tokens=(0,))
+                           dtypes=("bfloat16", "float32"), spec_tokens=(0, 3, 7))
 
     def composed_model(self, spec: ModelSpec) -> Any:
         return composed_model(spec)  # type: ignore[arg-type]

@@ -51,38 +51,14 @@ def expected_tensors(spec: DeepseekV41Spec) -> dict[str, Entry]:
     return out
 
 
+# formats: latency_specialized.quant's codecs ('fp8-block-32' / 'mxfp4-deepseek' numerics; scales written as
+# float8_e8m0fnu, FP4 codes as uint8); a bad scale raises CheckpointError naming the tensor.
 def scale_name(name: str) -> str:
     return name[: -len(".weight")] + ".scale"   # <base>.weight -> <base>.scale
 
 
 def scale_shape(shape: tuple[int, ...], storage: str) -> tuple[int, ...]:
     return (math.ceil(shape[0] / BLOCK), math.ceil(shape[1] / BLOCK)) if storage == "fp8" else (shape[0], shape[1] // BLOCK)
-
-
-# formats: latency_specialized.quant's codecs ('fp8-block-32', 'mxfp4-deepseek') under this loader's names; a bad
-# scale raises CheckpointError naming the tensor. ue8m0: float8_e8m0fnu / uint8 exponents -> fp32 2^(b-127); fp8: e4m3
-# [N, K] with [ceil(N/32), ceil(K/32)] scales; fp4: [N, K/2] codes (low nibble first) with [N, K/32] scales (OCP MX).
-def ue8m0_decode(scale: torch.Tensor, name: str = "scale") -> torch.Tensor:
-    return codecs.ue8m0_decode(scale, name)
-
-
-def fp8_dequantize(w: torch.Tensor, scale: torch.Tensor, name: str = "weight") -> torch.Tensor:
-    base = name[:-len(".weight")] if name.endswith(".weight") else name[:-len(".scale")]
-    return codecs.fp8_block_dequantize(w, scale, (BLOCK, BLOCK), encoding="ue8m0", name=base)
-
-
-def fp8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    q, s = codecs.fp8_block_quantize(w, (BLOCK, BLOCK), encoding="ue8m0")   # the smallest 2^e keeping <= 448
-    return q, s.view(torch.float8_e8m0fnu)
-
-
-def fp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, name: str = "weight") -> torch.Tensor:
-    return codecs.mxfp4_dequantize(packed, scale, name=scale_name(name) if name.endswith(".weight") else name)
-
-
-def fp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    q, s = codecs.mxfp4_quantize(w)
-    return q, s.view(torch.float8_e8m0fnu)
 
 
 def load(directory: str | Path, dtype: torch.dtype = torch.bfloat16,
@@ -112,7 +88,8 @@ def load(directory: str | Path, dtype: torch.dtype = torch.bfloat16,
             raise CheckpointError(f"{files[n]}: tensor {n} has dtype {w.dtype} next to {scale_name(n)}: "
                                   + ("an FP8 weight must be float8_e4m3fn" if storage == "fp8" else
                                      "an FP4 expert weight must be packed bytes (uint8 / int8 / float4_e2m1fn_x2)"))
-        v = fp8_dequantize(w, s, n) if storage == "fp8" else fp4_dequantize(w, s, n)
+        v = (codecs.fp8_block_dequantize(w, s, (BLOCK, BLOCK), encoding="ue8m0", name=n[:-len(".weight")])
+             if storage == "fp8" else codecs.mxfp4_dequantize(w, s, name=scale_name(n)))
         got[n] = v.to(torch.float32 if expected[n][1] == "float32" and dtype != torch.float64 else dtype)
     return spec, {n: t.to(device) for n, t in got.items()}, cfg
 
@@ -146,11 +123,12 @@ def save(directory: str | Path, spec: DeepseekV41Spec, named: dict[str, torch.Te
     for n, t in named.items():
         shape, kind, storage = kinds.get(n, ((), "act", "plain"))
         if quantize is not None and storage != "plain" and quantize(n):
-            out[n], out[scale_name(n)] = (fp8_quantize if storage == "fp8" else fp4_quantize)(t)
+            q, sc = (codecs.fp8_block_quantize(t, (BLOCK, BLOCK), encoding="ue8m0") if storage == "fp8"
+                     else codecs.mxfp4_quantize(t))   # fp8 ue8m0: the smallest 2^e keeping a block <= 448
+            out[n], out[scale_name(n)] = q, sc.view(torch.float8_e8m0fnu)
             continue
         out[n] = t.to(torch_dtype(dtype) if kind == "act" else torch.float32)
     return save_checkpoint(directory, out, config_from_spec(spec, dtype))
 
 
-__all__ = ["BLOCK", "expected_tensors", "fp4_dequantize", "fp4_quantize", "fp8_dequantize", "fp8_quantize", "load",
-           "random_weights", "save", "scale_name", "ue8m0_decode"]
+__all__ = ["BLOCK", "expected_tensors", "load", "random_weights", "save", "scale_name"]

@@ -70,7 +70,8 @@ class SeqCache:
 
 
 class ReferenceStates(ModelStates):
-    """The program's states plus the reference's history of every row (``seqs``), copied along with a sequence."""
+    """The program's states plus the reference's history of every row (``seqs``), copied along with a sequence and
+    kept by ``clone`` (``ModelStates.copy_history``: the snapshots verification steps roll back to)."""
 
     seqs: dict[int, SeqCache]
 
@@ -78,6 +79,9 @@ class ReferenceStates(ModelStates):
         super().copy_sequence(dst, src, src_slot, tokens)
         h = src.seqs[src_slot.row]  # type: ignore[attr-defined]
         self.seqs[dst.row] = SeqCache(tokens, *({k: v[:tokens] for k, v in d.items()} for d in (h.kv, h.ckv, h.cgate)))
+
+    def copy_history(self, out: "ReferenceStates") -> None:  # type: ignore[override]
+        out.seqs = {r: SeqCache(h.length, dict(h.kv), dict(h.ckv), dict(h.cgate)) for r, h in self.seqs.items()}
 
 
 class DeepseekV41Reference:
@@ -93,11 +97,10 @@ class DeepseekV41Reference:
         from latency_specialized_models.deepseek_v41_flash.composed import composed_model
         emb = self.w["embed.weight"]
         max_len = max_len or min(self.spec.max_context, 1024)
-        st = ModelStates.allocate(composed_model(self.spec), num_seqs, max_len, block_size=block_size,
-                                  dtype=emb.dtype, device=emb.device, shuffle_seed=shuffle_seed)
-        out = ReferenceStates(st.by_layer, st.decls, block_size=st.block_size, slots=st.slots, allocator=st.allocator)
-        out.seqs = {}
-        return out
+        out = ReferenceStates.allocate(composed_model(self.spec), num_seqs, max_len, block_size=block_size,
+                                       dtype=emb.dtype, device=emb.device, shuffle_seed=shuffle_seed)
+        out.seqs = {}  # type: ignore[attr-defined]
+        return out  # type: ignore[return-value]
 
     # ---------------------------------------------------------------------------------------------- pieces
     def _lin(self, name: str, x: torch.Tensor) -> torch.Tensor:

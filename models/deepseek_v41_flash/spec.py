@@ -164,10 +164,6 @@ class DeepseekV41Spec(ModelSpec):
         """The indexer whose top-k a layer uses: the latest at or below it (None: none)."""
         return max((s for s in self.index_source_layers if s <= layer), default=None)
 
-    def layers_with_ratio(self, ratio: int) -> tuple[int, ...]:
-        """Layers whose KV compress ratio is ``ratio`` (0: sliding window only)."""
-        return tuple(i for i, r in enumerate(self.compress_ratios()) if r == ratio)
-
 
 def build_spec(*, variant: str, hidden: int, vocab: int, ratios: tuple[int, ...], heads: int, head_dim: int,
                rope_dim: int, q_lora: int, o_groups: int, o_lora: int, window: int, kv_sources: tuple[int, ...],

@@ -16,7 +16,12 @@ and the norm workspace must be written before they are read) and the tapes NaN b
   equals the reference accept on the same tape bit for bit, and the conv state exactly; tape entries
   past each ``j`` are NaN (never read);
 * a verification step then an accept equals ``j + 1`` single ``attention.kda`` reference steps (fp32,
-  a tolerance: the kernel sums in another order).
+  a tolerance: the kernel sums in another order);
+* the variants (``VerifyConfig``: hoist_fb, prologue, both; norm in the kernel and split; accept blocks apart
+  from the verify's) and every ``candidate_configs`` entry the bench sweeps, as the verify and accept cases.
+
+Not interpreted: the candidates' validity, config errors, and the sm_90 ptxas build (no spill, no FMA) of the
+default launches and of every candidate at the bench's shapes.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ NUM_ROWS = 9  # state rows
 
 @pytest.mark.interpreter_driver
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=25)
+    run_interpreted(__file__, min_passed=34)
 
 
 @pytest.fixture
@@ -82,14 +87,15 @@ def _case(seed, B, T, dtype, *, H=2, D=16, W=4, rank=8, fb=True, tmax=None, wide
     return inp, kw, conv, state, rows.to(torch.int64 if idx64 else torch.int32), tape_state, tape_conv
 
 
-def _verify_both(kt, case):
-    """Reference and kernel on the same inputs (separate NaN tapes); checks; returns both tapes."""
+def _verify_both(kt, case, config=None):
+    """Reference and kernel (launched as ``config`` says; None: the default) on the same inputs (separate NaN
+    tapes); checks; returns both tapes."""
     inp, kw, conv, state, rows, tape_state, tape_conv = case
     dtype, B, T = inp["mixed_qkv"].dtype, rows.shape[0], inp["mixed_qkv"].shape[0] // rows.shape[0]
     conv0, state0 = conv.clone(), state.clone()
     ref_ts, ref_tc = tape_state.clone(), tape_conv.clone()
     want = kda_verify_reference(*verify_args(inp, conv, state, rows, ref_ts, ref_tc), **kw)
-    got = kt.kda_verify_triton(*verify_args(inp, conv, state, rows, tape_state, tape_conv), **kw)
+    got = kt.kda_verify_triton_with(config, *verify_args(inp, conv, state, rows, tape_state, tape_conv), **kw)
     assert got.dtype == want.dtype and got.shape == want.shape
     tol = TOL[dtype]
     assert_written_close(got, want, tol["out"], "out")
@@ -139,11 +145,11 @@ def test_verify_strided_inputs_int64_rows_long_tape(kt, poisoned, dtype):
     _verify_both(kt, _case(41, 3, 4, dtype, D=32, wide=True, idx64=True, tmax=8))
 
 
-def _accept_both(kt, conv, state, rows, acc, tapes):
+def _accept_both(kt, conv, state, rows, acc, tapes, config=None):
     """Reference and kernel accept on copies of the live states and the same tape: equal bit for bit."""
     c_ref, s_ref, c_got, s_got = conv.clone(), state.clone(), conv.clone(), state.clone()
     kda_accept_reference(c_ref, s_ref, rows, acc, *tapes)
-    kt.kda_accept_triton(c_got, s_got, rows, acc, *tapes)
+    kt.kda_accept_triton_with(config, c_got, s_got, rows, acc, *tapes)
     assert not s_got.isnan().any() and not c_got.isnan().any(), "the accept read a tape entry past j"
     assert torch.equal(s_got, s_ref), (s_got - s_ref).abs().max()
     assert torch.equal(c_got, c_ref)
@@ -213,15 +219,90 @@ def test_verify_then_accept_equals_single_steps(kt, poisoned, k, accepted):
     assert torch.equal(conv[idx], ref_conv[idx])
 
 
+def _config(kt, kind, bv, nw=1, **accept):
+    return kt.VerifyConfig(bv, nw, hoist_fb=kind in ("hoist_fb", "both"), prologue=kind in ("prologue", "both"),
+                           **accept)
+
+
+VARIANTS = [  # (kind, block_v, B, k, dtype, case options): each variant at D = 32, norm in the kernel or split
+    ("hoist_fb", 32, 3, 3, torch.bfloat16, dict()),
+    ("hoist_fb", 8, 1, 7, torch.float32, dict(W=3)),
+    ("hoist_fb", 16, 3, 3, torch.float32, dict(fb=False)),            # no gemm to hoist: the fused kernel
+    ("prologue", 32, 3, 7, torch.float32, dict(W=3, H=1)),
+    ("prologue", 8, 3, 0, torch.bfloat16, dict()),
+    ("prologue", 16, 3, 3, torch.bfloat16, dict(fb=False, W=2, wide=True, idx64=True, tmax=8)),
+    ("prologue", 16, 1, 7, torch.float32, dict(rank=20)),               # a rank that is no power of two
+    ("both", 8, 3, 3, torch.float32, dict()),
+]
+
+
+@interpreted
+@pytest.mark.parametrize("kind,bv,B,k,dtype,opts", VARIANTS,
+                         ids=[f"{v[0]}-bv{v[1]}-B{v[2]}-k{v[3]}-{str(v[4])[6:]}-{i}" for i, v in enumerate(VARIANTS)])
+def test_verify_variants_match_reference_and_accept_replays_them(kt, poisoned, kind, bv, B, k, dtype, opts):
+    """Each variant's outputs and tapes against the reference; then the accept of its own tape (at other
+    blocks than the verify's) equals the reference replay of that tape bit for bit."""
+    cfg = _config(kt, kind, bv, accept_block_v=max(8, bv // 2), accept_warps=1)
+    case = _case(900 + 10 * bv + B + k, B, 1 + k, dtype, D=32, **opts)
+    inp, kw, conv, state, rows, tape_state, tape_conv = case
+    mine, _ = _verify_both(kt, case, cfg)
+    acc = torch.tensor([k, -1, k // 2][:B], dtype=torch.int32)
+    _poison_unread(mine, rows, acc)
+    _accept_both(kt, conv, state, rows, acc, mine, cfg)
+
+
+@interpreted
+def test_every_candidate_config_matches_reference(kt, poisoned):
+    """What the bench sweeps, at a small odd shape: every candidate of B = 3 requests of 2 heads of 32 (fp32: bf16's
+    one-ulp flips of a conv output are the variants cases' business, on seeds checked not to flip)."""
+    configs = kt.candidate_configs(3, 2, 32)
+    assert {c.prologue for c in configs} == {False, True} and any(c.hoist_fb for c in configs)
+    for i, cfg in enumerate(configs):
+        case = _case(950 + i, 3, 4, torch.float32, D=32)
+        inp, kw, conv, state, rows, tape_state, tape_conv = case
+        mine, _ = _verify_both(kt, case, cfg)
+        acc = torch.tensor([3, 0, -1], dtype=torch.int32)
+        _poison_unread(mine, rows, acc)
+        _accept_both(kt, conv, state, rows, acc, mine, cfg)
+
+
 # ------------------------------------------------------------------ not interpreted
 def test_same_signatures_as_the_references(kt):
     for mine, ref in ((kt.kda_verify_triton, kda_verify_reference), (kt.kda_accept_triton, kda_accept_reference)):
         assert inspect.signature(mine) == inspect.signature(ref), mine.__name__
 
 
-def test_not_registered_yet(kt):
-    """Registered after GPU validation: no IMPLEMENTATIONS here (the registry's module list would need it)."""
-    assert not hasattr(kt, "IMPLEMENTATIONS")
+def test_registered_and_chosen_for_kimi_verification_steps_on_hopper(kt):
+    """Registered after the H200 run (session 25: GPU tests pass, 19-27x the torch references): a Kimi K3
+    verification plan on sm_90 takes both kernels; on the CPU the references serve and the refusal says why;
+    head dims and conv widths the kernels do not build are refused by name."""
+    from latency_specialized import hardware
+    from latency_specialized.contract import make_context
+    from latency_specialized.ops.plan import build_plan
+    from latency_specialized.plugins import get_registry
+    from latency_specialized.runtime.harness import SpecBoundAdapter
+
+    reg = get_registry()
+    names = {i.name for i in reg.implementations}
+    assert {kt.NAME, kt.ACCEPT_NAME} <= names
+    adapter = reg.adapter("kimi_k3")
+    bound = SpecBoundAdapter(adapter, adapter.spec("full").with_spec_tokens(7))
+    for arch, want in (("sm_90", (kt.NAME, kt.ACCEPT_NAME)),
+                       ("cpu", ("attention.kda_verify.reference", "attention.kda_accept.reference"))):
+        plan = build_plan(bound, reg.implementations, hardware.for_arch(arch), tp=8, batch=1, spec_tokens=7)
+        got = {c.site.name.rsplit("/", 1)[-1]: c.impl.name for c in plan.choices
+               if c.site.family in ("attention.kda_verify", "attention.kda_accept")}
+        assert set(got.values()) == set(want), (arch, got)
+        if arch == "cpu":
+            c = next(c for c in plan.choices if c.site.family == "attention.kda_verify")
+            assert any(n == kt.NAME and "CUDA GPUs" in why for n, why in c.refusals)
+    impl = next(i for i in reg.implementations if i.name == kt.NAME)
+    ctx = lambda **d: make_context("attention.kda_verify", arch="sm_90", dtype="bfloat16", tokens=8,  # noqa: E731
+                                   dims=d)
+    assert impl.supports(ctx(heads=4, head_dim=128, conv=4)) is True
+    assert "power of two" in impl.supports(ctx(heads=4, head_dim=96, conv=4))
+    assert "power of two in [16, 128]" in impl.supports(ctx(heads=4, head_dim=256, conv=4))
+    assert "conv width 5" in impl.supports(ctx(heads=4, head_dim=128, conv=5))
 
 
 def test_block_choice_is_static_and_pow2(kt):
@@ -232,6 +313,38 @@ def test_block_choice_is_static_and_pow2(kt):
             assert nw in (1, 2, 4, 8)
     assert kt.choose_blocks(1, 4, 128) == (16, 2)      # B = 1 at Kimi TP8: 32 programs, not 4
     assert kt.choose_blocks(64, 4, 128) == (64, 8)
+
+
+def test_candidate_configs_default_first_unique_and_valid(kt):
+    for B in (1, 3, 8, 64):
+        for H, D in ((12, 128), (4, 128), (2, 16), (2, 32)):
+            configs = kt.candidate_configs(B, H, D)
+            assert configs[0] == kt.default_config(B, H, D) and configs[0].prologue
+            assert kt.VerifyConfig(*kt.choose_blocks(B, H, D)) in configs   # the fused kernel stays in the sweep
+            assert 2 <= len(configs) <= 8 and len(set(configs)) == len(configs)
+            assert len({c.name for c in configs}) == len(configs)
+            for c in configs:
+                assert kt._resolve(c, B, H, D) is c
+
+
+def test_default_is_the_measured_pick(kt):
+    """The H200 sweep at Kimi K3 TP8 shapes (H = 12, D = 128; NOTES_verify.md): the prologue form at 16 rows x 4
+    warps for 1 request, 32 x 4 with the accept at 32 x 4 from 8; never wider than a narrow head."""
+    assert kt.default_config(1, 12, 128) == kt.VerifyConfig(16, 4, prologue=True)
+    assert kt.default_config(8, 12, 128) == kt.default_config(64, 12, 128) == kt.VerifyConfig(
+        32, 4, prologue=True, accept_block_v=32, accept_warps=4)
+    assert kt.default_config(8, 2, 16) == kt.VerifyConfig(16, 4, prologue=True, accept_block_v=16, accept_warps=4)
+
+
+def test_config_errors_name_the_fix(kt):
+    inp, kw, conv, state, rows, tape_state, tape_conv = _case(4, 2, 3, torch.float32)
+    args = verify_args(inp, conv, state, rows, tape_state, tape_conv)
+    for bad in (kt.VerifyConfig(12, 1), kt.VerifyConfig(32, 1), kt.VerifyConfig(16, 3),
+                kt.VerifyConfig(16, 2, accept_block_v=8)):
+        with pytest.raises(UserError, match="block_v a power of two dividing head_dim 16"):
+            kt.kda_verify_triton_with(bad, *args, **kw)
+        with pytest.raises(UserError, match="block_v a power of two dividing head_dim 16"):
+            kt.kda_accept_triton_with(bad, conv, state, rows, rows, tape_state, tape_conv)
 
 
 def test_errors_name_the_fix(kt):
@@ -267,28 +380,31 @@ def test_errors_name_the_fix(kt):
         kt.kda_accept_triton(conv, state, rows, rows.float(), tape_state, tape_conv)
 
 
-def _kimi_launches(kt, B, *, fb=True, dtype=torch.bfloat16):
-    """The launches both wrappers make at a Kimi K3 TP8 rank (H = 4, D = 128, W = 4, Rk = 128, k = 7)."""
+def _kimi_launches(kt, B, *, fb=True, dtype=torch.bfloat16, H=4, config=None):
+    """The launches both wrappers make under ``config`` at a Kimi K3 rank (D = 128, W = 4, Rk = 128, k = 7; H = 12
+    at TP8 as the bench and the GPU tests run it, 4 the shape ``choose_blocks``' docstring works through)."""
     from tests.triton_offline import recorded_launches
 
-    H, D, W, rk, T = 4, 128, 4, 128, 8
+    D, W, rk, T = 128, 4, 128, 8
     hd, R, NR = H * D, B * T, B + 1
     z = torch.zeros
     with recorded_launches() as launches:
-        kt.kda_verify_triton(z(R, 3 * hd, dtype=dtype), z(NR, 3 * hd, W - 1, dtype=dtype), z(3 * hd, W),
+        kt.kda_verify_triton_with(config, z(R, 3 * hd, dtype=dtype), z(NR, 3 * hd, W - 1, dtype=dtype), z(3 * hd, W),
                              z(R, rk if fb else hd, dtype=dtype), z(H), z(hd), z(R, H, dtype=dtype),
                              z(R, hd, dtype=dtype), z(D), z(NR, H, D, D), torch.arange(B, dtype=torch.int32),
                              z(NR, T, H, 3, D), z(NR, T, 3 * hd, dtype=dtype), num_heads=H,
                              f_b_weight=z(hd, rk, dtype=dtype) if fb else None)
-        kt.kda_accept_triton(z(NR, 3 * hd, W - 1, dtype=dtype), z(NR, H, D, D), torch.arange(B, dtype=torch.int32),
-                             z(B, dtype=torch.int32), z(NR, T, H, 3, D), z(NR, T, 3 * hd, dtype=dtype))
+        kt.kda_accept_triton_with(config, z(NR, 3 * hd, W - 1, dtype=dtype), z(NR, H, D, D),
+                                  torch.arange(B, dtype=torch.int32), z(B, dtype=torch.int32), z(NR, T, H, 3, D),
+                                  z(NR, T, 3 * hd, dtype=dtype))
     return launches
 
 
 def test_hopper_build_spills_nothing_and_contracts_no_fma(kt):
-    """The sm_90 build at Kimi K3 TP8 shapes (B = 1, 8, 64: value-row splits 8, 4, 2) through ptxas: no spill,
-    and no ``fma`` in the PTX (the launches pass ``enable_fp_fusion=False``: the accept's replay must round
-    like the reference's two operations). Needs a process that is not interpreting."""
+    """The sm_90 build through ptxas of the default launches at H = 4 (B = 1, 8, 64: value-row splits 8, 4, 2)
+    and of every candidate config at the bench's H = 12 (B = 1, 8, 64): no spill, and no ``fma`` in the PTX
+    (the launches pass ``enable_fp_fusion=False``: the accept's replay must round like the reference's two
+    operations, and the verify's state update like the accept's). Needs a process that is not interpreting."""
     import os
     import subprocess
     import tempfile
@@ -303,25 +419,28 @@ def test_hopper_build_spills_nothing_and_contracts_no_fma(kt):
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         pytest.skip("compiles only where triton was imported without the interpreter")
     done = set()
-    for B in (1, 8, 64):
-        launches = _kimi_launches(kt, B)
-        assert [fn.fn.__name__ for fn, _, _ in launches] == ["kda_verify_kernel", "kda_out_norm_kernel",
-                                                            "kda_accept_kernel"]
+    runs = [(B, 4, None) for B in (1, 8, 64)]
+    runs += [(B, 12, c) for B in (1, 8, 64) for c in kt.candidate_configs(B, 12, 128)]
+    for B, H, config in runs:
+        launches = _kimi_launches(kt, B, H=H, config=config)
+        if config is None:   # the default: the prologue form (state-free work first, then the delta rule)
+            assert [fn.fn.__name__ for fn, _, _ in launches] == ["kda_verify_prep_kernel", "kda_verify_rec_kernel",
+                                                                "kda_out_norm_kernel", "kda_accept_kernel"]
         for fn, args, kw in launches:
             assert kw["enable_fp_fusion"] is False
             sig, const = _signature(fn, args, {k: v for k, v in kw.items() if k != "enable_fp_fusion"})
-            key = (fn.fn.__name__, tuple(sorted(const.items())))
+            key = (fn.fn.__name__, tuple(sorted(const.items())), kw["num_warps"])
             if key in done:
                 continue
             done.add(key)
             k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                                options={"num_warps": kw["num_warps"], "enable_fp_fusion": False})
             ptx = k.asm["ptx"]
-            assert "fma." not in ptx, (B, fn.fn.__name__)
+            assert "fma." not in ptx, (B, config, fn.fn.__name__)
             with tempfile.TemporaryDirectory() as tmp:
                 src = os.path.join(tmp, "k.ptx")
                 with open(src, "w") as f:
                     f.write(ptx)
                 log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", src, "-o", src + ".o"],
                                      capture_output=True, text=True, check=True).stderr
-            assert "0 bytes spill stores, 0 bytes spill loads" in log, (B, fn.fn.__name__, log)
+            assert "0 bytes spill stores, 0 bytes spill loads" in log, (B, config, fn.fn.__name__, log)

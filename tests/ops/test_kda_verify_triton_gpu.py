@@ -1,11 +1,14 @@
 """kernels.kda_verify_triton on a GPU at Kimi K3's TP8 rank shapes (12 heads x 128, conv 4, decay rank 128):
 the Triton verify against the torch reference (outputs and tapes per dtype), the Triton accept against the
 reference accept on the same tape (bit for bit), both captured in one CUDA graph (replay == eager, no host
-sync). Fresh random inputs, scattered state rows, NaN-poisoned tapes and outputs. The kernels are not
-registered yet (``kernels/kda_verify_triton.py``): these tests are what registering them waits for.
+sync). Fresh random inputs, scattered state rows, NaN-poisoned tapes and outputs. Every candidate config the
+bench sweeps (``candidate_configs``: fused / hoist_fb / prologue at several blocks) is checked the same way, so a
+pick from the bench's timings is a tested launch.
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -64,8 +67,53 @@ def test_verify_and_accept_match_the_references(B, k, dtype):
     assert torch.equal(state, ref_state) and torch.equal(conv, ref_conv)
 
 
-def test_verify_then_accept_capture_in_one_graph_and_replay_equals_eager():
-    from latency_specialized.kernels.kda_verify_triton import kda_accept_triton, kda_verify_triton
+def _config_cases() -> list:
+    """Every candidate config the bench sweeps, at the B it is listed for (bf16 at k = 7 and 3, fp32 at k = 3)."""
+    from latency_specialized.kernels.kda_verify_triton import candidate_configs
+
+    cases = []
+    for B in (1, 8, 64):
+        for c in candidate_configs(B, H, D):
+            cases += [pytest.param(B, k, dt, c, id=f"B{B}-k{k}-{n}-{c.name.replace(' ', '_')}")
+                      for k, dt, n in ((7, torch.bfloat16, "bf16"), (3, torch.bfloat16, "bf16"),
+                                       (3, torch.float32, "fp32"))]
+    return cases
+
+
+@pytest.mark.parametrize("B,k,dtype,config", _config_cases())
+def test_candidate_configs_match_the_references(B, k, dtype, config):
+    """``kda_verify_triton_with`` / ``kda_accept_triton_with`` under each candidate: outputs and tapes within the
+    verify's tolerances, the accept of the kernel's own tape the reference replay bit for bit."""
+    from latency_specialized.kernels.kda_verify_triton import kda_accept_triton_with, kda_verify_triton_with
+
+    T = 1 + k
+    inp, kw, conv, state, rows, tape_state, tape_conv = _case(100 * B + k + 7, B, T, dtype)
+    conv0, state0 = conv.clone(), state.clone()
+    ref_ts, ref_tc = tape_state.clone(), tape_conv.clone()
+    want = kda_verify_reference(*verify_args(inp, conv, state, rows, ref_ts, ref_tc), **kw)
+    got = kda_verify_triton_with(config, *verify_args(inp, conv, state, rows, tape_state, tape_conv), **kw)
+    tol = TOL[dtype]
+    assert_written_close(got, want, tol["out"], "outputs")
+    idx = rows.long()
+    assert_written_close(tape_state[idx, :T], ref_ts[idx, :T], tol["tape"], "tape_state")
+    assert torch.equal(tape_conv[idx, :T], ref_tc[idx, :T]), "tape_conv is a cast of the inputs: exact"
+    assert torch.equal(state, state0) and torch.equal(conv, conv0), "verify must leave the live states alone"
+    accepted = torch.randint(-1, T, (B,), device="cuda", dtype=torch.int32)
+    accepted[0] = k
+    ref_conv, ref_state = conv.clone(), state.clone()
+    kda_accept_reference(ref_conv, ref_state, rows, accepted, tape_state, tape_conv)
+    kda_accept_triton_with(config, conv, state, rows, accepted, tape_state, tape_conv)
+    assert torch.equal(state, ref_state) and torch.equal(conv, ref_conv)
+
+
+@pytest.mark.parametrize("prologue", [False, True], ids=["default", "prologue"])
+def test_verify_then_accept_capture_in_one_graph_and_replay_equals_eager(prologue):
+    from latency_specialized.kernels.kda_verify_triton import (VerifyConfig, kda_accept_triton_with,
+                                                               kda_verify_triton_with)
+
+    config = VerifyConfig(32, 4, prologue=True) if prologue else None
+    kda_verify_triton = functools.partial(kda_verify_triton_with, config)
+    kda_accept_triton = functools.partial(kda_accept_triton_with, config)
 
     B, k = 8, 7
     T = 1 + k

@@ -300,3 +300,75 @@ def test_compressor_reference_equals_a_loop_over_the_contract(ratio):
     untouched = torch.ones(6 * bs, dtype=torch.bool)
     untouched[slots[slots >= 0]] = False
     assert torch.equal(c_ref.view(-1, D)[untouched], cache.view(-1, D)[untouched])
+
+
+# ------------------------------------------------------------------ verification steps (rings longer than the window)
+def _verify_rows(seed, *, S, k, D=32, R=8, n0=45, requests=2):
+    """A verification call: ``requests`` requests of 1 + k rows (request-major) on distinct state rows of a ring of
+    ``S + k`` rows (history written as a plain decode would have: position p at p % ring), positions
+    ``n0 - 1 + b .. + k`` (past the ring: wrapped)."""
+    g = torch.Generator().manual_seed(seed)
+    T, W = 1 + k, S + k
+    M = requests * T
+    state_rows = torch.arange(1, requests + 1)
+    rows = state_rows.repeat_interleave(T).to(torch.int32)
+    pos = torch.cat([torch.arange(n0 - 1 + b, n0 - 1 + b + T) for b in range(requests)])
+    return dict(q=torch.randn(M, 4, D, generator=g), kv=torch.randn(M, D, generator=g), pos=pos, rows=rows,
+                seq=(pos + 1).to(torch.int32), window=torch.randn(requests + 1, W, D, generator=g),
+                sinks=torch.randn(4, generator=g), inv=rope_inv_freq(1e4, R), T=T, S=S)
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_a_verification_call_equals_its_rows_one_step_at_a_time(k):
+    """``attention.sparse_mqa`` over a ring of window + k rows with ``sliding_window`` = the window: one call of a
+    request's 1 + k rows (row t at position p + t) equals 1 + k single-row calls in order - row t sees the last
+    ``window`` positions up to its own, none of the later rows' new entries, and what earlier rows wrote."""
+    c = _verify_rows(40 + k, S=6, k=k)
+    kw = dict(scale=0.3, q_norm_eps=1e-6, sliding_window=c["S"])
+    ring = c["window"].clone()
+    got = sparse_mqa_decode_reference(c["q"], c["kv"], c["pos"], c["rows"], c["seq"], ring, None, None, None,
+                                      c["sinks"], c["inv"], cross_row_reads=True, **kw)
+    one = c["window"].clone()
+    for m in range(c["q"].shape[0]):   # request-major rows; requests on different state rows: order within each
+        want = sparse_mqa_decode_reference(c["q"][m:m + 1], c["kv"][m:m + 1], c["pos"][m:m + 1], c["rows"][m:m + 1],
+                                           c["seq"][m:m + 1], one, None, None, None, c["sinks"], c["inv"], **kw)
+        torch.testing.assert_close(got[m:m + 1], want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(ring, one)
+    # the window, not the ring, bounds what a row sees: the whole ring visible differs (a wrong k-old entry)
+    wide = sparse_mqa_decode_reference(c["q"], c["kv"], c["pos"], c["rows"], c["seq"], c["window"].clone(), None,
+                                       None, None, c["sinks"], c["inv"], scale=0.3, q_norm_eps=1e-6)
+    assert not torch.allclose(wide, got, rtol=1e-3, atol=1e-3)
+    with pytest.raises(UserError, match="sliding_window 30 must be in"):
+        sparse_mqa_decode_reference(c["q"], c["kv"], c["pos"], c["rows"], c["seq"], c["window"].clone(), None, None,
+                                    None, c["sinks"], c["inv"], scale=0.3, sliding_window=30)
+
+
+@pytest.mark.parametrize("ratio,k", [(2, 3), (2, 7), (4, 3)])
+def test_a_verification_compressor_call_equals_its_rows_one_step_at_a_time(ratio, k):
+    """``attention.sparse_mqa_compress`` over a pending ring of ratio + k rows: one call of 1 + k consecutive
+    tokens of a request equals the tokens one call each, in order - a token closing its group pools the rows
+    earlier tokens of the same call wrote (and the cache gets the same rows at the same slots)."""
+    g = torch.Generator().manual_seed(70 + 10 * ratio + k)
+    D, R, T = 32, 8, 1 + k
+    pos = torch.arange(21, 21 + T)
+    rows = torch.full((T,), 1, dtype=torch.int32)
+    c = torch.randn(T, 2 * D, generator=g)
+    pending = torch.randn(3, ratio + k, 2 * D, generator=g)
+    cache = torch.randn(6, 4, D, generator=g)
+    done = (pos + 1) % ratio == 0
+    slots = torch.where(done, torch.randperm(24, generator=g)[:T], -1)
+    assert done.sum() >= 1 and not done.all()
+    args = (torch.ones(D), rope_inv_freq(1e4, R))
+    p1, c1 = pending.clone(), cache.clone()
+    got = sparse_mqa_compress_reference(c, p1, rows, pos, *args, c1, slots, eps=1e-6, ratio=ratio,
+                                        cross_row_reads=True)
+    p2, c2 = pending.clone(), cache.clone()
+    for t in range(T):
+        want = sparse_mqa_compress_reference(c[t:t + 1], p2, rows[t:t + 1], pos[t:t + 1], *args, c2, slots[t:t + 1],
+                                             eps=1e-6, ratio=ratio)
+        if done[t]:   # only a token that closes its group uses its pool
+            torch.testing.assert_close(got[t:t + 1], want, rtol=0, atol=0)
+    assert torch.equal(p1, p2) and torch.equal(c1, c2)
+    with pytest.raises(UserError, match="needs a ring"):
+        sparse_mqa_compress_reference(c, pending[:, :1].contiguous(), rows, pos, *args, cache.clone(), slots,
+                                      eps=1e-6, ratio=ratio)

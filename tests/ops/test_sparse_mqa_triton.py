@@ -19,8 +19,8 @@ where the token completes no row; lat, pending and cache must equal the referenc
 
 Sampling (the interpreter's time on the 2-core CI): by default ``test_matches_reference`` runs every (M, splits)
 of ``_MATRIX`` at the ``small`` shape and two at ``small_h16``, and ``test_deepseek_widths`` its TP4 M3 and TP8
-M8 cases (both head counts, padding and long rows) - 44 cases instead of 55, every code path kept. With
-``LS_FULL_INTERPRETER=1`` the full parameter set runs (55 cases). Cases left out are not generated, not skipped.
+M8 cases (both head counts, padding and long rows) - 51 cases instead of 62, every code path kept. With
+``LS_FULL_INTERPRETER=1`` the full parameter set runs (62 cases). Cases left out are not generated, not skipped.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ FULL = os.environ.get("LS_FULL_INTERPRETER") == "1"
 
 @pytest.mark.interpreter_driver
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=55 if FULL else 44)
+    run_interpreted(__file__, min_passed=62 if FULL else 51)
 
 
 @pytest.fixture
@@ -290,6 +290,52 @@ def test_kv_norm_new_row_still_comes_from_registers(smq, monkeypatch):
     assert ring[rows.long(), pos % window.shape[1]].isnan().all()
 
 
+@interpreted
+@pytest.mark.parametrize("k", [3, 7])
+def test_verification_rows_read_each_others_new_ring_slots(smq, monkeypatch, k):
+    """A verification step: 2 requests x (1 + k) rows on a ring of window + k rows, ``sliding_window`` = the
+    window; row t reads the slots rows 0..t-1 of its request write in the same call. ``cross_row_reads=True``
+    (the piece's flag in verification steps) writes every row first: equal to the reference, every new slot
+    written. A row takes only its *own* new slot from registers, so with the stores left out (``_STORE_NEW``)
+    the later rows read the earlier rows' poisoned slots: what a single launch would race on."""
+    g = torch.Generator().manual_seed(1100 + k)
+    S, H, D, R, T = 16, 8, 64, 16, 1 + k
+    W, M = S + k, 2 * T
+    rows = torch.tensor([1, 2]).repeat_interleave(T).to(torch.int32)
+    pos = torch.cat([torch.arange(40, 40 + T), torch.arange(9, 9 + T)])            # wrapped / partly filled
+    seq = (pos + 1).to(torch.int32)
+    window = torch.randn(3, W, D, generator=g)
+    q, kv = 3.0 * torch.randn(M, H, D, generator=g) + 0.5, torch.randn(M, D, generator=g)
+    sinks, inv = torch.randn(H, generator=g), rope_inv_freq(1e4, R)
+    kw = dict(scale=D ** -0.5, q_norm_eps=1e-6, sliding_window=S)
+    ref_ring = window.clone()
+    want = sparse_mqa_decode_reference(q, kv, pos, rows, seq, ref_ring, None, None, None, sinks, inv, **kw)
+    poisoned = window.clone()
+    poisoned[rows.long(), pos % W] = float("nan")                                  # written by this call
+    for splits in (1, 3):
+        ring = poisoned.clone()
+        got = smq.sparse_mqa_decode_triton(q, kv, pos, rows, seq, ring, None, None, None, sinks, inv,
+                                           cross_row_reads=True, num_splits=splits, **kw)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        torch.testing.assert_close(ring, ref_ring, rtol=1e-6, atol=1e-6)
+    monkeypatch.setattr(smq, "_STORE_NEW", False)
+    raced = smq.sparse_mqa_decode_triton(q, kv, pos, rows, seq, poisoned.clone(), None, None, None, sinks, inv,
+                                         num_splits=2, **kw)
+    for b in range(2):
+        torch.testing.assert_close(raced[b * T], want[b * T], rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        for t in range(1, T):   # each later row met an earlier row's poisoned slot
+            assert raced[b * T + t].isnan().any(), (b, t)
+
+
+@interpreted
+@pytest.mark.parametrize("M,splits", [(3, 2), (8, None)])
+def test_ring_longer_than_the_window_matches_reference(smq, M, splits):
+    """A ring of window + 7 rows (the sparse MQA piece's, in plain steps too) with ``sliding_window`` = the
+    window: the kernel sees exactly the reference's last ``window`` positions of each row."""
+    args, kw, poisoned = make_case(1200 + M, LENS[M], **{**SMALL, "W": SMALL["W"] + 7})
+    check_case(smq.sparse_mqa_decode_triton, args, {**kw, "sliding_window": SMALL["W"]}, poisoned, num_splits=splits)
+
+
 # --------------------------------------------------------------------------------------------- compressor
 def make_compress_case(seed, M, *, D, R, ratio, bs=4, dtype=torch.float32, device="cpu", live=True):
     """``(args, kwargs, poisoned pending)`` of one compressor call: distinct state rows, random positions, the
@@ -362,6 +408,35 @@ def test_compressor_from_a_strided_slice_of_the_input_projection(smq, ratio):
     args = (wide[:, 40:40 + c.shape[1]],) + args[1:]
     assert not args[0].is_contiguous()
     check_compress(smq.sparse_mqa_compress_triton, args, kw, poisoned)
+
+
+@interpreted
+@pytest.mark.parametrize("ratio,k", [(2, 3), (2, 7), (4, 3)])
+def test_compressor_verification_rows_pool_each_others_pending_rows(smq, ratio, k):
+    """1 + k consecutive tokens of each of 2 requests in one call, pending rings of ratio + k rows, this call's
+    pending slots poisoned: with ``cross_row_reads`` (one launch writes every row first) lat, pending and cache
+    equal the reference's; a token closing its group pools what earlier tokens of the call wrote."""
+    g = torch.Generator().manual_seed(1300 + 10 * ratio + k)
+    D, R, T = 64, 16, 1 + k
+    M = 2 * T
+    rows = torch.tensor([2, 0]).repeat_interleave(T).to(torch.int32)
+    pos = torch.cat([torch.arange(30, 30 + T), torch.arange(5, 5 + T)])
+    c = 2.0 * torch.randn(M, 2 * D, generator=g) + 0.3
+    pending = torch.randn(3, ratio + k, 2 * D, generator=g)
+    cache = torch.randn(M + 2, 4, D, generator=g)
+    slots = torch.where((pos + 1) % ratio == 0, torch.randperm((M + 2) * 4, generator=g)[:M], -1)
+    poisoned = pending.clone()
+    poisoned[rows.long(), pos % (ratio + k)] = float("nan")
+    args = (c, pending, rows, pos, 1.0 + 0.1 * torch.randn(D, generator=g), rope_inv_freq(1e4, R), cache, slots)
+    p_ref, c_ref, c_tri, p_tri = pending.clone(), cache.clone(), cache.clone(), poisoned.clone()
+    want = sparse_mqa_compress_reference(c, p_ref, rows, pos, args[4], args[5], c_ref, slots, eps=1e-6, ratio=ratio)
+    got = smq.sparse_mqa_compress_triton(c, p_tri, rows, pos, args[4], args[5], c_tri, slots, eps=1e-6, ratio=ratio,
+                                         cross_row_reads=True)
+    closes = slots >= 0
+    assert closes.sum() >= 2
+    torch.testing.assert_close(got[closes], want[closes], rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert torch.equal(p_tri, p_ref)
+    torch.testing.assert_close(c_tri, c_ref, rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------------------------- host side
@@ -482,9 +557,12 @@ def test_kernels_compile_for_hopper_without_a_gpu(smq):
             s = dict(shape, K=K)
             args, kw, _ = make_case(800 + M, [1] * M, dtype=torch.bfloat16, sinks=sinks, norm=norm, kv_norm=kvn, **s)
             smq.sparse_mqa_decode_triton(*args, **kw)
-        for ratio in (1, 2):
+        # a verification step's call: the write-first launch, then the split kernel that stores nothing
+        args, kw, _ = make_case(890, [1] * 8, dtype=torch.bfloat16, kv_norm=True, **DSV4_TP8)
+        smq.sparse_mqa_decode_triton(*args, **kw, sliding_window=100, cross_row_reads=True)
+        for ratio, cross in ((1, False), (2, False), (2, True)):
             args, kw, _ = make_compress_case(850 + ratio, 8, D=512, R=64, ratio=ratio, bs=64, dtype=torch.bfloat16)
-            smq.sparse_mqa_compress_triton(*args, **kw)
+            smq.sparse_mqa_compress_triton(*args, **kw, cross_row_reads=cross)
     assert {fn.fn.__name__ for fn, _, _ in launches} == {"split_kernel", "combine_kernel", "compress_kernel"}
     seen = set()
     for fn, args, kw in launches:
@@ -496,7 +574,7 @@ def test_kernels_compile_for_hopper_without_a_gpu(smq):
         opts = {k: kw[k] for k in ("num_warps", "num_stages") if k in kw}
         ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                              options=opts).asm["ptx"]
-        if fn.fn.__name__ == "split_kernel":
+        if fn.fn.__name__ == "split_kernel" and not const.get("WRITE_ONLY"):
             assert "mma" in ptx, const
-    assert len(seen) >= 7
+    assert len(seen) >= 10
     assert {dict(c).get("NORM_KV") for name, c in seen if name == "split_kernel"} == {True, False}

@@ -7,7 +7,8 @@ roundings of q and the ring row; the raw kv normed in the kernel too), the ring 
 own fp32 RoPE order), the cache untouched. A captured call replays for new positions / lengths / selections /
 ring and cache contents bit-identically to the eager call, and is two kernels. The compressor
 (``attention.sparse_mqa_compress.triton``, ``make_compress_case``): bf16 at D = 512, ratios 1 / 2 / 4, replay ==
-eager.
+eager. Verification steps (1 + k rows per request reading each other's new ring / pending rows,
+``cross_row_reads``) at TP8 widths, replay == eager.
 Run on the H200: ``pytest -m gpu tests/ops/test_sparse_mqa_triton_gpu.py``.
 """
 
@@ -17,7 +18,8 @@ import pytest
 import torch
 
 from latency_specialized.kernels.sparse_mqa_triton import sparse_mqa_compress_triton, sparse_mqa_decode_triton
-from latency_specialized.ops.attention.sparse_mqa import sparse_mqa_decode_reference
+from latency_specialized.ops.attention.sparse_mqa import sparse_mqa_compress_reference, sparse_mqa_decode_reference
+from latency_specialized.ops.rope import rope_inv_freq
 
 from gpu_helpers import graph_replay
 from test_sparse_mqa_triton import DSV4_TP4, DSV4_TP8, check_case, check_compress, make_case, make_compress_case
@@ -172,3 +174,69 @@ def test_compressor_graph_replay_equals_eager(ratio):
         torch.cuda.synchronize()
         assert torch.equal(out, eager) and torch.equal(static[6], cache)
         assert pend is None or torch.equal(static[1], pend)
+
+
+@pytest.mark.parametrize("B,k", [(1, 7), (8, 3), (64, 7)])
+def test_verification_step_rows_at_deepseek_widths(B, k):
+    """A verification step at TP8 widths (D = 512, window 128 on a ring of 128 + 7, top-512 selections): B
+    requests x (1 + k) rows on their request's state row, row t reading the ring slots rows 0..t-1 write in the
+    same call. ``cross_row_reads=True`` (what the piece passes) against the reference (which writes every row
+    first), bf16 tolerance; replayed from a CUDA graph equal to eager. On the GPU the programs of a call run
+    concurrently: without the flag this would race (``test_sparse_mqa_triton``'s interpreter case shows which
+    reads it is)."""
+    T = 1 + k
+    lens = [n for n in _lens(B, 300 + B) for _ in range(T)]                      # per request, then per row
+    args, kw, poisoned = _case(310 + B + k, lens, "tp8", W=DSV4_TP8["W"] + 7)
+    q, kv, pos, rows, seq, window, cache, bt, sel, sinks, inv = args
+    req = torch.arange(B * T, device=DEV) // T
+    rows = rows[req * T].contiguous()                                             # one state row per request
+    off = torch.arange(B * T, device=DEV) % T
+    live = seq > 0
+    pos = torch.where(live, pos + off, pos)
+    seq = torch.where(live, seq + off.to(seq.dtype), seq)
+    kw = {**kw, "sliding_window": DSV4_TP8["W"]}
+    ref_ring = window.clone()
+    want = sparse_mqa_decode_reference(q, kv, pos, rows, seq, ref_ring, cache, bt, sel, sinks, inv, **kw)
+    ring = window.clone()
+    ring[rows.long(), pos % window.shape[1]] = float("nan")                       # written by this call
+    base = ring.clone()
+    got = sparse_mqa_decode_triton(q, kv, pos, rows, seq, ring, cache, bt, sel, sinks, inv, cross_row_reads=True, **kw)
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * scale)
+    assert not got.isnan().any()
+    torch.testing.assert_close(ring.float(), ref_ring.float(), rtol=2 ** -7, atol=2 ** -7)
+    replay_ring = base.clone()
+    out = torch.empty_like(got)
+    graph = graph_replay(lambda: sparse_mqa_decode_triton(q, kv, pos, rows, seq, replay_ring, cache, bt, sel, sinks,
+                                                          inv, cross_row_reads=True, out=out, **kw))
+    replay_ring.copy_(base)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, got) and torch.equal(replay_ring, ring)
+
+
+@pytest.mark.parametrize("ratio,k", [(2, 3), (2, 7)])
+def test_compressor_verification_rows_bf16(ratio, k):
+    """1 + k consecutive tokens of 8 requests in one call (pending rings of ratio + k rows), ``cross_row_reads``:
+    lat of the tokens that close a group, pending and cache equal the reference's."""
+    B, T, D, R = 8, 1 + k, 512, 64
+    g = torch.Generator().manual_seed(400 + ratio + k)
+    rows = torch.randperm(B + 2, generator=g)[:B].repeat_interleave(T).to(torch.int32)
+    pos = (torch.randint(0, 4000, (B,), generator=g).repeat_interleave(T) + torch.arange(B * T) % T)
+    c = (2.0 * torch.randn(B * T, 2 * D, generator=g) + 0.3).bfloat16()
+    pending = torch.randn(B + 2, ratio + k, 2 * D, generator=g).bfloat16()
+    cache = torch.randn(B * T + 2, 64, D, generator=g).bfloat16()
+    slots = torch.where((pos + 1) % ratio == 0, torch.randperm((B * T + 2) * 64, generator=g)[:B * T], -1)
+    norm_w, inv = (1.0 + 0.1 * torch.randn(D, generator=g)).bfloat16(), rope_inv_freq(1e4, R)
+    dev = [t.to(DEV) for t in (c, pending, rows, pos, norm_w, inv, cache, slots)]
+    p_ref, c_ref = dev[1].clone(), dev[6].clone()
+    want = sparse_mqa_compress_reference(dev[0], p_ref, *dev[2:6], c_ref, dev[7], eps=1e-6, ratio=ratio)
+    p_tri, c_tri = dev[1].clone(), dev[6].clone()
+    p_tri[dev[2].long(), dev[3] % (ratio + k)] = float("nan")
+    got = sparse_mqa_compress_triton(dev[0], p_tri, *dev[2:6], c_tri, dev[7], eps=1e-6, ratio=ratio,
+                                     cross_row_reads=True)
+    closes = dev[7] >= 0
+    torch.testing.assert_close(got[closes].float(), want[closes].float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(p_tri, p_ref)
+    torch.testing.assert_close(c_tri.float(), c_ref.float(), rtol=2e-2, atol=2e-2)

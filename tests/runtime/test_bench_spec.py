@@ -226,3 +226,18 @@ def test_routing_choices_are_checked(capsys):
         share_routing({0: {"attn": {"q_proj": torch.zeros(2)}}})
     assert main(["bench", "--model", "kimi_k3", "--ab", "a", "--routing", "shared"]) != 0
     assert "--ab with --routing" in capsys.readouterr().err
+
+
+def test_shared_routing_gathers_zero_logits_for_the_other_ranks():
+    """At TP > 1 the router is split across ranks and all-gathered; the one-GPU bench's stand-in group fills
+    the other ranks' slices. Under ``--routing shared`` they must be zeros (what zeroed router weights give on
+    every rank), or every row sees its own random logits and a verification step's rows spread over many
+    experts again (the first H200 run of ``--routing shared`` at TP8: 92 distinct experts at k = 7, not 16)."""
+    from latency_specialized.runtime.layer_harness import bench_communicator
+
+    assert bench_communicator(1, "shared") is None and bench_communicator(1, "random") is None
+    mine = torch.zeros(3, 5)  # rank 0's zeroed-router logits, 3 rows
+    shared = bench_communicator(8, "shared").all_gather(mine)
+    assert shared.shape == (3, 40) and torch.count_nonzero(shared) == 0
+    spread = bench_communicator(8, "random").all_gather(mine)
+    assert torch.count_nonzero(spread[:, 5:]) == 3 * 35 and not torch.equal(spread[0, 5:], spread[1, 5:])

@@ -10,10 +10,19 @@ interleaved pairs)::
     q  = rms(q) per head (weightless, only with q_norm_eps);  q = rope(q, pos)
     kv = RMSNorm(kv) * kv_norm_weight                                  (only with kv_norm_weight)
     window[rows[m], pos % W] = rope(kv, pos)                           (the ring write, before any read)
-    keys = window[rows[m], i] for ring slots i < seq_lens[m]
+    keys = window[rows[m], i] for ring slots i holding one of the last min(S, seq_lens[m]) positions
          + cache[block_table[m, j // bs] * bs + j % bs] for the selection's j with 0 <= j < seq_lens[m] // ratio
     o  = softmax([scale q . keys | sinks[h]]) @ keys                  (the sink logit in the denominator only)
     o  = rope^-1(o, pos)                                               -> [M, H, D] in q.dtype
+
+``W`` is the ring's length, ``S`` the window a row attends to (``sliding_window``, default ``W``): ring slot
+``i`` holds position ``seq - 1 - ((seq - 1 - i) mod W)`` for a row of length ``seq``, visible while
+``(seq - 1 - i) mod W < min(S, seq)``. A ring longer than the window (``W = S + MAX_SPEC_TOKENS`` in the sparse
+MQA piece) lets a verification step's 1 + k rows of one request write positions ``p .. p + k`` without
+overwriting what row ``p`` still reads, and keeps rows ``p + 1 ..`` out of row ``p``'s view; rejected rows'
+entries are overwritten when their positions come again, before anyone reads them. ``cross_row_reads`` (a
+verification step: rows read slots other rows of the call write) asks an implementation to write every row
+before any row reads (the reference always does).
 
 ``q`` is the raw per-head query (``q_b`` output viewed ``[M, H, D]``) when ``q_norm_eps`` is given (the
 piece's weightless per-head RMSNorm fused here), else already normed; ``kv`` the new token's pre-RoPE row:
@@ -28,12 +37,16 @@ rounded to q.dtype, its inverse RoPE rounded again - exactly what the piece comp
 ``attention.sparse_mqa_compress`` (``sparse_mqa_compress_reference``): a KV source's compressor after its
 projection ``c [M, 2D]`` (ratio r > 1: ``[kv | gate]``) or ``[M, D]`` (r = 1; strided rows ok)::
 
-    pending[rows[m], pos % r] = c                                      (r > 1; the group's tokens so far)
-    x = sum_t softmax_t(gate_t) * kv_t over the r pending rows, per channel   (r > 1; r = 1: x = kv)
+    pending[rows[m], pos % P] = c                                      (r > 1; P >= r rows, a ring)
+    x = sum_t softmax_t(gate_t) * kv_t over positions pos-r+1 .. pos, per channel, oldest first
+                                                                       (r > 1; r = 1: x = kv)
     lat = RMSNorm(x) * norm_weight                                     -> returned [M, D], the indexer key's input
     cache[slots[m]] = rope(lat, pos)                                   (slots < 0: the token completes no row)
 
-Roundings as the unfused ops: the pending rows in their dtype, the pool rounded to it and to c's dtype, the norm
+Every row's pending write comes before any row's pool (a verification step's rows pool what earlier rows of
+the same call wrote: ``cross_row_reads``); ``P = r + MAX_SPEC_TOKENS`` in the piece, for the reason the window
+ring is longer. Only a token that completes its group (``slots >= 0``) uses the pool: other rows' ``lat`` pool
+whatever the ring holds. Roundings as the unfused ops: the pending rows in their dtype, the pool rounded to it and to c's dtype, the norm
 rounded, the roped row rounded.
 
 ``attention.sparse`` (contract: ``ops/attention/sparse.py``, ``sparse_decode_reference``): ``q [B, H, D]`` attends
@@ -49,12 +62,14 @@ import torch
 
 from latency_specialized.errors import UserError
 from latency_specialized.kernels.mla_common import write_new_latents
+from latency_specialized.kernels.ring_window import check_sliding_window
 from latency_specialized.kernels.norm_reference import rmsnorm_reference
 from latency_specialized.ops.registry import Implementation, OpContext, always
 from latency_specialized.ops.rope import apply_rope
 
-__all__ = ["IMPLEMENTATIONS", "gather_slots", "pool_softmax", "rope_tail", "slot_of", "sparse_decode_masked",
-           "sparse_mqa_compress_reference", "sparse_mqa_decode_reference", "write_slots"]
+__all__ = ["IMPLEMENTATIONS", "gather_slots", "group_slots", "pool_softmax", "ring_visible",
+           "rope_tail", "slot_of", "sparse_decode_masked", "sparse_mqa_compress_reference",
+           "sparse_mqa_decode_reference", "write_slots"]
 
 
 def rope_tail(x: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
@@ -104,10 +119,25 @@ def gather_slots(cache: torch.Tensor, block_table: torch.Tensor, index: torch.Te
     return cache.view(-1, cache.shape[-1])[blk * bs + idx % bs]
 
 
+def group_slots(positions: torch.Tensor, ratio: int, ring: int) -> torch.Tensor:
+    """``[M, ratio]`` pending-ring slots of positions ``pos - ratio + 1 .. pos`` (oldest first; ring of ``ring``
+    rows, position p at p % ring)."""
+    back = torch.arange(ratio - 1, -1, -1, device=positions.device)
+    return torch.remainder(positions.long().unsqueeze(1) - back.unsqueeze(0), ring)
+
+
 def pool_softmax(values: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
     """Softmax-gated pooling of ``values [B, r, D]`` over the ``r`` rows, per channel, weights ``softmax_r(gates)``
     (fp32 math, values' dtype out)."""
     return (torch.softmax(gates.float(), dim=1) * values.float()).sum(1).to(values.dtype)
+
+
+def ring_visible(seq_lens: torch.Tensor, ring: int, window: int) -> torch.Tensor:
+    """``[M, ring]`` bool: ring slot ``i`` holds one of the last ``min(window, seq)`` positions of a row of length
+    ``seq`` (position p at slot p % ring). With ``window == ring`` that is ``i < seq``."""
+    seq = seq_lens.long().unsqueeze(1)
+    back = torch.remainder(seq - 1 - torch.arange(ring, device=seq.device).unsqueeze(0), ring)
+    return back < torch.clamp(seq, max=window)
 
 
 def check_sparse_mqa_args(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
@@ -146,7 +176,8 @@ def sparse_mqa_decode_reference(q: torch.Tensor, kv: torch.Tensor, positions: to
                                 sinks: torch.Tensor | None, rope_inv_freq: torch.Tensor, *, scale: float,
                                 compress_ratio: int = 1, q_norm_eps: float | None = None,
                                 kv_norm_weight: torch.Tensor | None = None, kv_norm_eps: float = 1e-6,
-                                out: torch.Tensor | None = None) -> torch.Tensor:
+                                out: torch.Tensor | None = None, sliding_window: int | None = None,
+                                cross_row_reads: bool = False) -> torch.Tensor:
     """Sparse MQA decode over the window ring and the selected compressed rows (module docstring).
 
     Parameters
@@ -159,6 +190,9 @@ def sparse_mqa_decode_reference(q: torch.Tensor, kv: torch.Tensor, positions: to
     selection : [M, topk] ints (-1 none; entries >= seq_lens // compress_ratio skipped) or None.
     sinks : [H] fp32 logits or None. rope_inv_freq : [R/2] fp32. scale : softmax scale.
     kv_norm_weight : optional [D] RMSNorm gain of kv (eps ``kv_norm_eps``). out : optional [M, H, D] destination.
+    sliding_window : positions a row sees in the ring (default: the ring's length W; at most W).
+    cross_row_reads : rows read ring slots other rows of this call write (verification steps); the reference
+        writes every row first anyway.
 
     Returns
     -------
@@ -169,8 +203,10 @@ def sparse_mqa_decode_reference(q: torch.Tensor, kv: torch.Tensor, positions: to
     if kv_norm_weight is not None and tuple(kv_norm_weight.shape) != (kv.shape[1],):
         raise UserError(f"attention.sparse_mqa: kv_norm_weight has shape {tuple(kv_norm_weight.shape)}, needs "
                         f"[D={kv.shape[1]}]")
+    del cross_row_reads  # every row is written before any row reads (index_put_ below)
     M, H, D = q.shape
     W, pos, inv = window.shape[1], positions, rope_inv_freq
+    S = check_sliding_window(sliding_window, W, "attention.sparse_mqa")
     seq, rws = seq_lens.long(), rows.long()
     if q_norm_eps is not None:
         q = rmsnorm_reference(q.reshape(M * H, D), None, q_norm_eps).view(M, H, D)
@@ -179,7 +215,7 @@ def sparse_mqa_decode_reference(q: torch.Tensor, kv: torch.Tensor, positions: to
     q = rope_tail(q, pos, inv)
     window.index_put_((rws, pos % W), rope_tail(kv.unsqueeze(1), pos, inv).squeeze(1).to(window.dtype))
     keys = window.index_select(0, rws)                                                 # [M, W, D]
-    valid = torch.arange(W, device=q.device).unsqueeze(0) < seq.unsqueeze(1)            # ring slot i holds p % W == i
+    valid = ring_visible(seq, W, S)                                                   # [M, W]
     if selection is not None:
         comp = gather_slots(cache, block_table, selection)                              # [M, topk, D]
         keys = torch.cat([keys, comp.to(keys.dtype)], dim=1)
@@ -197,31 +233,39 @@ def sparse_mqa_decode_reference(q: torch.Tensor, kv: torch.Tensor, positions: to
 def sparse_mqa_compress_reference(c: torch.Tensor, pending: torch.Tensor | None, rows: torch.Tensor,
                                   positions: torch.Tensor, norm_weight: torch.Tensor, rope_inv_freq: torch.Tensor,
                                   cache: torch.Tensor, slots: torch.Tensor, *, eps: float, ratio: int,
-                                  out: torch.Tensor | None = None) -> torch.Tensor:
+                                  out: torch.Tensor | None = None, cross_row_reads: bool = False) -> torch.Tensor:
     """A KV source's compressor (module docstring, ``attention.sparse_mqa_compress``).
 
     Parameters
     ----------
     c : [M, 2D] ``[kv | gate]`` (ratio > 1) or [M, D] (ratio 1), the compressor projection of the token.
-    pending : [rows_max, ratio, 2D] the groups' rows so far, written in place (None where ratio is 1).
+    pending : [rows_max, P, 2D] (P >= ratio) the ring of the groups' rows so far (position p at p % P), written
+        in place (None where ratio is 1).
     rows, positions : [M] ints (state rows, token positions). norm_weight : [D]; rope_inv_freq : [R/2] fp32.
     cache : [blocks, block_size, D] paged compressed rows, written at ``slots [M]`` (< 0: nothing).
     eps : the norm's epsilon; ratio : tokens per compressed row. out : optional [M, D] for ``lat``.
+    cross_row_reads : rows pool pending rows other rows of this call write (verification steps); the reference
+        writes every row first anyway.
 
     Returns
     -------
     lat [M, D] in c.dtype: the normed pooled row before RoPE. No host sync.
     """
+    del cross_row_reads  # every row's pending write precedes every pool (index_put_ below)
     D = cache.shape[-1]
     if c.dim() != 2 or c.shape[1] != (2 * D if ratio > 1 else D) or (ratio > 1) != (pending is not None):
         raise UserError(f"attention.sparse_mqa_compress: c {tuple(c.shape)} / pending "
                         f"{None if pending is None else tuple(pending.shape)} do not fit ratio {ratio} and D {D}: "
                         "pass [M, 2D] with the pending rows for ratio > 1, [M, D] and no pending rows for ratio 1")
+    if pending is not None and (pending.dim() != 3 or pending.shape[1] < ratio or pending.shape[2] != 2 * D):
+        raise UserError(f"attention.sparse_mqa_compress: pending has shape {tuple(pending.shape)}, needs a ring "
+                        f"[rows, P >= {ratio}, {2 * D}]")
     x = c
     if ratio > 1:
-        rws = rows.long()
-        pending.index_put_((rws, positions % ratio), c.to(pending.dtype))
-        group = pending.index_select(0, rws)                                           # [M, r, 2D]
+        rws, P = rows.long(), pending.shape[1]
+        pending.index_put_((rws, positions.long() % P), c.to(pending.dtype))
+        ring = group_slots(positions, ratio, P)                                          # [M, r], oldest first
+        group = pending[rws.unsqueeze(1), ring]                                          # [M, r, 2D]
         x = pool_softmax(group[..., :D], group[..., D:]).to(c.dtype)
     lat = rmsnorm_reference(x, norm_weight, eps)
     write_slots(cache, rope_tail(lat.unsqueeze(1), positions, rope_inv_freq).squeeze(1), slots)

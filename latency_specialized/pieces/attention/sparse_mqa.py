@@ -38,13 +38,22 @@ it); ``attn.o_a_proj`` (gemm, called once per local output group: N = o_lora, K 
 ``attn.o_b_proj`` (gemm, row-parallel). Column slices go to the ops as strided rows; ``step.contiguous_for``
 copies only for an implementation that needs contiguous rows.
 
-States (all replicated: one KV head): ``window`` rows ``[window, D]`` (a ring: position p at p % window);
-KV sources ``compressed`` paged ``[D]`` (compressed row j at the slot of position j of the sequence's block
-table) and, r > 1, ``pending`` rows ``[r, 2D]`` (the ``[c | g]`` of the group's tokens, at p % r); key owners
+States (all replicated: one KV head): ``window`` rows ``[window + MAX_SPEC_TOKENS, D]`` (a ring: position p at
+p % its length; a row sees the last ``window`` positions); KV sources ``compressed`` paged ``[D]`` (compressed row
+j at the slot of position j of the sequence's block table) and, r > 1, ``pending`` rows ``[r + MAX_SPEC_TOKENS,
+2D]`` (a ring of the compressor inputs ``[c | g]``; a group pools its r positions); key owners
 ``index_k`` paged ``[indexer head_dim]`` (row j's key at the slot of position j, its rope channels *leading*:
 the indexer op rotates leading channels, so the indexer's q / k projections are permuted in ``arrange``).
 Everything per step (which rows are visible, whether a row completes, slots) is computed on the device from
 ``positions`` / ``seq_lens`` / ``block_table``: no host sync in the piece.
+
+Verification steps (1 + k rows per request, k <= ``MAX_SPEC_TOKENS``): both rings are ``MAX_SPEC_TOKENS`` rows
+longer than what a row reads, so rows ``p .. p + k`` of a request write their slots without overwriting anything
+row ``p`` reads, and a rejected row's entries sit where their position is written again (the next step's first
+rows) before any row can see them - no rollback state. The ops then write every row before any row reads
+(``cross_row_reads``); the compressed cache and the indexer keys are paged by position (their writes run in
+launches of their own, before the reads). The extra rows exist in plain programs too, so a cache prefilled for one
+k serves every k.
 
 TP: query heads (q_b rows, sinks) and output groups (o_a rows, o_b columns) split; everything else, the caches
 included, replicated (every rank runs the compressor and the indexer).
@@ -64,7 +73,7 @@ from latency_specialized.ops.attention.sparse_mqa import rope_tail, slot_of
 from latency_specialized.ops.sites import SiteBuilder
 from latency_specialized.pieces.attention.rope import rope_inv_freq
 from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl, join
-from latency_specialized.spec import ModelSpec, SparseMQAAttentionSpec
+from latency_specialized.spec import MAX_SPEC_TOKENS, ModelSpec, SparseMQAAttentionSpec
 
 TOPK = "sparse_mqa.topk"
 """Static selection buffer ``[max_rows, topk]`` int32 (shared by every sparse MQA piece)."""
@@ -135,6 +144,12 @@ class SparseMQAAttention:
                             f"be the piece's topk {self.topk} / at least rope_dim {a.rope_dim}")
 
     @property
+    def spec_tokens(self) -> int:
+        """Draft tokens a verification step may carry (``runtime.composed.verification_problems``): the rings'
+        extra rows (module docstring)."""
+        return MAX_SPEC_TOKENS
+
+    @property
     def index_keys(self) -> bool:
         """This layer writes the indexer keys (it is an index source and a KV source)."""
         return self.kv_source and self.spec.indexer is not None
@@ -198,11 +213,11 @@ class SparseMQAAttention:
 
     def states(self, spec: ModelSpec, tp: int) -> Sequence[StateDecl]:
         a, r = self.spec, self.spec.compress_ratio
-        out = [StateDecl("window", "rows", (a.sliding_window, a.head_dim))]
+        out = [StateDecl("window", "rows", (a.sliding_window + MAX_SPEC_TOKENS, a.head_dim))]
         if self.kv_source:
             out.append(StateDecl("compressed", "paged", (a.head_dim,)))
             if r > 1:
-                out.append(StateDecl("pending", "rows", (r, 2 * a.head_dim)))
+                out.append(StateDecl("pending", "rows", (r + MAX_SPEC_TOKENS, 2 * a.head_dim)))
         if self.index_keys:
             out.append(StateDecl("index_k", "paged", (a.indexer.head_dim,)))  # type: ignore[union-attr]
         return out
@@ -241,7 +256,7 @@ class SparseMQAAttention:
         channels last (the model's layout: stored rope-leading)."""
         a, r, n, dev = self.spec, self.spec.compress_ratio, rows.shape[0], rows.device
         ps = torch.arange(max(start, n - a.sliding_window), n, device=dev)
-        state["window"][row, ps % a.sliding_window] = rows[ps].to(state["window"].dtype)
+        state["window"][row, ps % state["window"].shape[1]] = rows[ps].to(state["window"].dtype)
         if not self.kv_source:
             return
         assert compressed is not None
@@ -250,7 +265,7 @@ class SparseMQAAttention:
         state["compressed"].view(-1, a.head_dim)[flat] = compressed.to(state["compressed"].dtype)
         if r > 1 and inputs is not None:       # the tokens of the group not complete yet, at p % r
             ps = torch.arange(compressed.shape[0] * r, n, device=dev)
-            state["pending"][row, ps % r] = inputs[ps].to(state["pending"].dtype)
+            state["pending"][row, ps % state["pending"].shape[1]] = inputs[ps].to(state["pending"].dtype)
         if self.index_keys and keys is not None:
             k = rope_leading(keys, a.rope_dim)
             state["index_k"].view(-1, k.shape[-1])[flat] = k.to(state["index_k"].dtype)
@@ -287,7 +302,7 @@ class SparseMQAAttention:
                 # the same for every source layer of this ratio and cache block: made by the first one per step
                 seq_c, seq_c32, slot_c, no_slot = step.once((COMPRESSED_SLOTS, r, cache.shape[1]),
                                                             lambda: compressed_slots(meta, r, cache.shape[1]))
-                lat = self._compress(step, w, state, c, pos, meta["rows"], slot_c)
+                lat = self._compress(step, w, state, c, pos, meta["row_states"], slot_c)
                 if self.index_keys:   # the index layers reading these keys share them
                     seq_c = step.scratch[SEQ_C] = seq_c32
                     step.scratch[NO_SLOT] = no_slot
@@ -299,9 +314,11 @@ class SparseMQAAttention:
         # the ring write happens inside the op: nothing before it (compressor, indexer) reads the window
         # kv_norm is part of the op: the raw kv slice goes in (the kernel norms the row it loads anyway)
         role = self.attention_role()
-        o = step.op(role)(q, step.contiguous_for(role, kv), pos, meta["rows"], meta["seq_lens"], state["window"], cache,
+        o = step.op(role)(q, step.contiguous_for(role, kv), pos, meta["row_states"], meta["seq_lens"], state["window"],
+                          cache,
                           bt, sel, w["sinks"], inv, scale=D ** -0.5, compress_ratio=max(r, 1), q_norm_eps=eps,
-                          kv_norm_weight=w["kv_norm"], kv_norm_eps=eps)
+                          kv_norm_weight=w["kv_norm"], kv_norm_eps=eps, sliding_window=a.sliding_window,
+                          cross_row_reads=step.spec_tokens > 0)
         o = o.reshape(M, a.o_groups, Hl * D // a.o_groups)
         if a.o_groups == 1:   # one group per rank (TP8): its slice is contiguous, and a cat of one would copy
             og = step.op("attn.o_a_proj")(o[:, 0], w["o_a_proj"][0])
@@ -317,7 +334,7 @@ class SparseMQAAttention:
         r = self.spec.compress_ratio
         lat = step.op("attn.compressor")(step.contiguous_for("attn.compressor", c), state["pending"] if r > 1 else None,
                                          rows, pos, w["compressor.norm"], w["rope_inv_freq"], state["compressed"],
-                                         slot_c, eps=self.norm_eps, ratio=r)
+                                         slot_c, eps=self.norm_eps, ratio=r, cross_row_reads=step.spec_tokens > 0)
         step.scratch[COMPRESSED] = state["compressed"]
         return lat
 

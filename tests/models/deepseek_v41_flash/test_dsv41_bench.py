@@ -117,10 +117,13 @@ def test_roofline_terms_and_notes():
 
 
 def test_model_files_keep_their_line_budget():
-    """1000 lines until session 23; + the reference's own synthetic-history seeding (the long-context matrix
-    cells: its raw-row history is more than the shared states, so the generic fill cannot make it)."""
+    """1000 lines (1015 for a while: the reference's synthetic-history seeding and its clone keeping the
+    histories). Back to 1000 by moving out what is not DeepSeek's: the names.py wrappers of the FP8 / FP4
+    codecs (load / save and the tests call ``latency_specialized.quant.codecs`` directly), the copy of
+    ReferenceStates.clone (``ModelStates.clone`` keeps the subclass and calls its ``copy_history`` hook),
+    and ``spec.layers_with_ratio`` (its one use, in tests/models/test_model_specs.py, is inlined)."""
     root = Path(__file__).resolve().parents[3] / "models" / "deepseek_v41_flash"
-    assert sum(len(p.read_text().splitlines()) for p in root.glob("*.py")) <= 1015
+    assert sum(len(p.read_text().splitlines()) for p in root.glob("*.py")) <= 1000
 
 
 def _cpu_harness(monkeypatch):
