@@ -186,13 +186,15 @@ def test_verification_step_rows_at_deepseek_widths(B, k):
     reads it is)."""
     T = 1 + k
     lens = [n for n in _lens(B, 300 + B) for _ in range(T)]                      # per request, then per row
-    args, kw, poisoned = _case(310 + B + k, lens, "tp8", W=DSV4_TP8["W"] + 7)
+    # no not-yet-complete selection entries: rows t > 0 of a request are longer, so entries past the first row's
+    # complete rows would turn valid and read block-table columns past its end (-1 there)
+    args, kw, poisoned = _case(310 + B + k, lens, "tp8", W=DSV4_TP8["W"] + 7, beyond=False)
     q, kv, pos, rows, seq, window, cache, bt, sel, sinks, inv = args
     req = torch.arange(B * T, device=DEV) // T
     rows = rows[req * T].contiguous()                                             # one state row per request
     off = torch.arange(B * T, device=DEV) % T
     live = seq > 0
-    pos = torch.where(live, pos + off, pos)
+    pos = pos + off        # padding rows too: one slot each (several writing one slot would race on the ring)
     seq = torch.where(live, seq + off.to(seq.dtype), seq)
     kw = {**kw, "sliding_window": DSV4_TP8["W"]}
     ref_ring = window.clone()
