@@ -68,7 +68,7 @@ import torch
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
 from latency_specialized.hardware import sm_count
-from latency_specialized.kernels.triton_common import triton_gpu_refusal
+from latency_specialized.kernels.triton_common import head_dim_refusal, triton_gpu_refusal
 
 NAME = "attention.gqa.triton_splitkv"
 
@@ -474,9 +474,8 @@ def _supports(ctx: OpContext) -> Support:
         D = ctx.dim("head_dim")
     except KeyError:  # a site without the dims: the call checks them and names the fix
         return True
-    lo, hi = _POW2_HEAD_DIM
-    if D < lo or D > hi or D & (D - 1):
-        return f"head_dim {D} is not a power of two in [{lo}, {hi}]"
+    if why := head_dim_refusal(D, *_POW2_HEAD_DIM):
+        return why
     try:
         Hq, KV = ctx.dim("heads"), ctx.dim("kv_heads")
     except KeyError:

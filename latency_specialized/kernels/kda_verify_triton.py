@@ -93,7 +93,7 @@ import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
-from latency_specialized.kernels.triton_common import triton_gpu_refusal
+from latency_specialized.kernels.triton_common import head_dim_refusal, triton_gpu_refusal
 
 NAME = "attention.kda_verify.triton"
 ACCEPT_NAME = "attention.kda_accept.triton"
@@ -801,9 +801,8 @@ def _supports(ctx: OpContext) -> Support:
         return refusal
     dims = dict(ctx.dims)
     D, W = dims.get("head_dim"), dims.get("conv")
-    lo, hi = HEAD_DIMS
-    if D is not None and (D < lo or D > hi or D & (D - 1)):
-        return f"head_dim {D} is not a power of two in [{lo}, {hi}]"
+    if D is not None and (why := head_dim_refusal(D, *HEAD_DIMS)):
+        return why
     if W is not None and not 2 <= W <= MAX_CONV:
         return f"conv width {W}: 2..{MAX_CONV} served (the history is 3 vectors per channel)"
     return True

@@ -59,7 +59,7 @@ from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
 from latency_specialized.hardware import sm_count
 from latency_specialized.kernels.ring_window import check_sliding_window
-from latency_specialized.kernels.triton_common import triton_gpu_refusal
+from latency_specialized.kernels.triton_common import head_dim_refusal, triton_gpu_refusal
 
 NAME = "attention.sparse_mqa.triton"
 FALLBACK = "attention.sparse_mqa.torch"
@@ -503,9 +503,8 @@ def _supports(ctx: OpContext) -> Support:
         D = ctx.dim("head_dim")
     except KeyError:  # a site without the dims: the call checks them and names the fix
         return True
-    lo, hi = _HEAD_DIMS
-    if D < lo or D > hi or D & (D - 1):
-        return f"head_dim {D} is not a power of two in [{lo}, {hi}]: {FALLBACK} serves it"
+    if why := head_dim_refusal(D, *_HEAD_DIMS):
+        return f"{why}: {FALLBACK} serves it"
     try:
         rope = ctx.dim("rope")
     except KeyError:
@@ -525,9 +524,8 @@ def _compress_supports(ctx: OpContext) -> Support:
         D = ctx.dim("head_dim")
     except KeyError:
         return True
-    lo, hi = _HEAD_DIMS
-    if D < lo or D > hi or D & (D - 1):
-        return f"head_dim {D} is not a power of two in [{lo}, {hi}]: {COMPRESS_FALLBACK} serves it"
+    if why := head_dim_refusal(D, *_HEAD_DIMS):
+        return f"{why}: {COMPRESS_FALLBACK} serves it"
     return True
 
 

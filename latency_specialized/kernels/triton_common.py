@@ -35,4 +35,11 @@ def triton_gpu_refusal(ctx: OpContext, serves: str, *, min_sm: int | None = None
     return None
 
 
-__all__ = ["DTYPES", "arch_number", "triton_gpu_refusal"]
+def head_dim_refusal(D: int, lo: int, hi: int) -> str | None:
+    """The reason a kernel whose tiles span the head (``tl.arange`` widths) cannot take head dim ``D``, or None."""
+    if D < lo or D > hi or D & (D - 1):
+        return f"head_dim {D} is not a power of two in [{lo}, {hi}]"
+    return None
+
+
+__all__ = ["DTYPES", "arch_number", "head_dim_refusal", "triton_gpu_refusal"]
