@@ -885,7 +885,7 @@ def _cell(cfg: BenchConfig, full: ModelSpec, bk: Any, kind: str, batch: int, con
     ids = ours_k.routing() if o["us"] is not None else []
     d_ours = _distinct(ids, rows)
     d_stock = _distinct(stock_layers.routed_ids(), rows)
-    distinct = d_ours if d_ours is not None else d_stock
+    distinct = d_ours if d_ours is not None else d_stock   # ours failed (no fraction of ours): stock's routing
     kw = _bytes_kw(bk)
     rb = layer_bytes(full, li, cfg.tp, batch, context, distinct, **kw)
     extra = verify_bytes(full, li, cfg.tp, batch, k)
@@ -896,7 +896,8 @@ def _cell(cfg: BenchConfig, full: ModelSpec, bk: Any, kind: str, batch: int, con
     cell = {"kind": kind, "batch": batch, "context": context, "spec_tokens": k, "rows": rows,
             "layer_index": li, "ours": o, "stock": s,
             "roofline": {"bytes": rb["total"], "us": r_us, "breakdown": rb, "distinct_experts": distinct,
-                         "distinct_experts_stock": d_stock},
+                         "distinct_experts_stock": d_stock,
+                         "experts_routed_by": "ours" if d_ours is not None else "stock"},
             "fraction": (r_us / o["us"]) if o.get("us") else None,
             "speedup": (s["us"] / o["us"]) if (o.get("us") and s.get("us")) else None}
     a = full.layers[li].attention

@@ -160,7 +160,7 @@ def _kernels(interpret: bool):
     del interpret  # one build per TRITON_INTERPRET setting
     # the jit functions resolve names through this module's globals (not the closure): the helpers and
     # ``tl`` are bound there on the first build
-    global tl, _conv3, _hist, _silu_round, _fb_rows, _conv_rows, _ws_token
+    global tl, _conv3, _hist, _silu_round, _delta_rule, _store_out, _fb_rows, _conv_rows, _ws_token
     import triton
     import triton.language as tl
 
@@ -187,6 +187,27 @@ def _kernels(interpret: bool):
     def _silu_round(z, dt: tl.constexpr):
         # SiLU in fp32, then the reference's one rounding to the activation dtype
         return (z * tl.sigmoid(z)).to(dt).to(tl.float32)
+
+    @triton.jit
+    def _delta_rule(S, q, k, decay, v, beta):
+        """One token of the gated delta rule on the owned value rows [BV, D]: (new S, the delta vn [BV], the
+        output o [BV]). The accept replays exactly the decay and the vn update, so both kernels call this."""
+        S = S * decay[None, :]
+        vn = beta * (v - tl.sum(S * k[None, :], axis=1))
+        S = S + vn[:, None] * k[None, :]
+        return S, vn, tl.sum(S * q[None, :], axis=1)
+
+    @triton.jit
+    def _store_out(o, out, o_ws, g_out, s_g, nw, eps, r, h, dv, H: tl.constexpr, D: tl.constexpr,
+                   NV: tl.constexpr):
+        """Row r's output of head h: normed and gated into ``out`` when the program owns all D value rows,
+        else fp32 into ``o_ws`` (the norm needs the whole head: kda_out_norm_kernel finishes it)."""
+        if NV == 1:
+            o = o * tl.rsqrt(tl.sum(o * o, axis=0) / D + eps) * nw
+            o = o * tl.sigmoid(tl.load(g_out + r * s_g + h * D + dv).to(tl.float32))
+            tl.store(out + r * (H * D) + h * D + dv, o.to(out.dtype.element_ty))
+        else:
+            tl.store(o_ws + (r * H + h) * D + dv, o)
 
     @triton.jit
     def kda_verify_kernel(x, s_x, conv_state, conv_w, f, s_f, fb, A_log, dt_bias, beta_logit, s_beta,
@@ -251,17 +272,8 @@ def _kernels(interpret: bool):
             g = lower_bound * tl.sigmoid(a * (fv + dtb))
             decay = tl.exp(g)
             beta = tl.sigmoid(tl.load(beta_logit + r * s_beta + h).to(tl.float32))
-            # the gated delta rule on the owned value rows (the accept replays exactly these two updates)
-            S = S * decay[None, :]
-            vn = beta * (v - tl.sum(S * k[None, :], axis=1))
-            S = S + vn[:, None] * k[None, :]
-            o = tl.sum(S * q[None, :], axis=1)                                  # [BV]
-            if NV == 1:
-                o = o * tl.rsqrt(tl.sum(o * o, axis=0) / D + eps) * nw
-                o = o * tl.sigmoid(tl.load(g_out + r * s_g + h * D + dv).to(tl.float32))
-                tl.store(out + r * HD + h * D + dv, o.to(out.dtype.element_ty))
-            else:  # the norm needs all D rows of the head: the second kernel finishes it
-                tl.store(o_ws + (r * H + h) * D + dv, o)
+            S, vn, o = _delta_rule(S, q, k, decay, v, beta)
+            _store_out(o, out, o_ws, g_out, s_g, nw, eps, r, h, dv, H, D, NV)
             ts = tsb + t * (H * 3 * D)
             tl.store(tape_state + ts + dk, k, mask=own_k)
             tl.store(tape_state + ts + D + dk, decay, mask=own_k)
@@ -456,7 +468,6 @@ def _kernels(interpret: bool):
         b = tl.program_id(0)
         h = tl.program_id(1)
         vs = tl.program_id(2)
-        HD: tl.constexpr = H * D
         row = tl.load(state_idx + b).to(tl.int64)
         dk = tl.arange(0, D)
         dv = vs * BV + tl.arange(0, BV)
@@ -468,20 +479,10 @@ def _kernels(interpret: bool):
         for t in range(T):
             r = r0 + t
             qn, kn, dn, vn_in, bn = _ws_token(ws, ws_beta, r + 1, r0 + T - 1, h, dk, dv, H, D)
-            # the same delta-rule operations, in the same order, as kda_verify_kernel (the accept replays them)
-            S = S * decay[None, :]
-            vn = beta * (v - tl.sum(S * k[None, :], axis=1))
-            S = S + vn[:, None] * k[None, :]
-            o = tl.sum(S * q[None, :], axis=1)                                  # [BV]
-            if NV == 1:
-                o = o * tl.rsqrt(tl.sum(o * o, axis=0) / D + eps) * nw
-                o = o * tl.sigmoid(tl.load(g_out + r * s_g + h * D + dv).to(tl.float32))
-                tl.store(out + r * HD + h * D + dv, o.to(out.dtype.element_ty))
-            else:
-                tl.store(o_ws + (r * H + h) * D + dv, o)
+            S, vn, o = _delta_rule(S, q, k, decay, v, beta)     # the accept replays its decay and vn update
+            _store_out(o, out, o_ws, g_out, s_g, nw, eps, r, h, dv, H, D, NV)
             tl.store(tape_state + tsb + t * (H * 3 * D) + 2 * D + dv, vn)
             q, k, decay, v, beta = qn, kn, dn, vn_in, bn
-
 
     return _Kernels(kda_verify_kernel, kda_out_norm_kernel, kda_accept_kernel, kda_fb_gemm_kernel,
                     kda_verify_prep_kernel, kda_verify_rec_kernel)

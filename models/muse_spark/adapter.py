@@ -26,10 +26,10 @@ class MuseSparkAdapter(ComposedAdapter):
     # vLLM 0.33 and transformers 5.24: the multimodal model and vLLM's text-only class
     hf_architectures: ClassVar[tuple[str, ...]] = ("MuseSparkForConditionalGeneration", "MuseSpark1xForCausalLM")
     capabilities: ClassVar[frozenset[str]] = frozenset({"spec", "reference", "program", "checkpoint"})
-    # the released q scale (5.47 on unit-RMS q, k) makes the tiny model's attention sharp enough to amplify fp32
-    # summation-order differences ~40x over 8 layers (NOTES.md: worst short cell 2.07e-4; 2.5e-6 at scale 1); the
-    # 32k-token synthetic-history cells sum 8000x more keys: worst 4.03e-4 (tp2-b2-ctx32768), top-1 agreement 1.0
-    verify_rel_tol: ClassVar[float] = 6e-4
+    # the released q scale (5.47 on unit-RMS q, k; 2x the full model's softmax temperature at head_dim 16) makes the
+    # tiny model amplify fp32 summation-order differences ~100x over 8 layers, the more rows compared the more (NOTES:
+    # verification cells up to 6.8e-4; <= 7.7e-6 at q scale 1, which test_muse_verify_unit_q bounds at 5e-5)
+    verify_rel_tol: ClassVar[float] = 1e-3
 
     def spec(self, variant: Variant = "full") -> ModelSpec:
         return full_spec() if variant == "full" else tiny_spec()

@@ -139,8 +139,10 @@ def full_spec() -> MuseSparkSpec:
                       max_context=1_048_576)   # guess: transformers' default (the hosted API serves 1M)
 
 
-def tiny_spec() -> MuseSparkSpec:
+def tiny_spec(qk_scale_factor: float = QK_SCALE_FACTOR) -> MuseSparkSpec:
     """Every feature at test size: full NoPE layers 3 and 7 (from the back), 6 windowed RoPE layers (window 16),
-    all-sparse latent MoE (as the full model), gated residual, sandwich norms; heads and widths divide by TP 1..8."""
+    all-sparse latent MoE (as the full model), gated residual, sandwich norms; heads and widths divide by TP 1..8.
+    ``qk_scale_factor``: the released one unless a test asks for blunter attention (fp32 rounding not amplified)."""
     return build_spec(variant="tiny", hidden=64, vocab=512, num_layers=8, heads=16, kv_heads=8, head_dim=16,
-                      window=16, experts=16, top_k=4, latent=32, expert_inter=32, max_context=4096)
+                      window=16, experts=16, top_k=4, latent=32, expert_inter=32, max_context=4096,
+                      qk_scale_factor=qk_scale_factor)

@@ -41,30 +41,36 @@ def _case(seed: int, B: int, T: int, dtype: torch.dtype, *, tmax: int = 8):
     return inp, kw, conv, state, rows, tape_state, tape_conv
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("B,k", [(1, 3), (1, 7), (8, 7), (64, 3), (64, 7)])
-def test_verify_and_accept_match_the_references(B, k, dtype):
-    from latency_specialized.kernels.kda_verify_triton import kda_accept_triton, kda_verify_triton
-
+def _check_verify_then_accept(seed: int, B: int, k: int, dtype: torch.dtype, verify, accept) -> None:
+    """``verify`` (kda_verify_triton's arguments) against the reference: outputs and tapes within the verify's
+    tolerances, the live states untouched; then ``accept`` of the kernel's own tape equal to the reference
+    replay of that tape bit for bit."""
     T = 1 + k
-    inp, kw, conv, state, rows, tape_state, tape_conv = _case(100 * B + k, B, T, dtype)
+    inp, kw, conv, state, rows, tape_state, tape_conv = _case(seed, B, T, dtype)
     conv0, state0 = conv.clone(), state.clone()
     ref_ts, ref_tc = tape_state.clone(), tape_conv.clone()
     want = kda_verify_reference(*verify_args(inp, conv, state, rows, ref_ts, ref_tc), **kw)
-    got = kda_verify_triton(*verify_args(inp, conv, state, rows, tape_state, tape_conv), **kw)
+    got = verify(*verify_args(inp, conv, state, rows, tape_state, tape_conv), **kw)
     tol = TOL[dtype]
     assert_written_close(got, want, tol["out"], "outputs")
     idx = rows.long()
     assert_written_close(tape_state[idx, :T], ref_ts[idx, :T], tol["tape"], "tape_state")
     assert torch.equal(tape_conv[idx, :T], ref_tc[idx, :T]), "tape_conv is a cast of the inputs: exact"
     assert torch.equal(state, state0) and torch.equal(conv, conv0), "verify must leave the live states alone"
-    # accept: on the kernel's own tape, equal to the reference replay of that tape bit for bit
     accepted = torch.randint(-1, T, (B,), device="cuda", dtype=torch.int32)
     accepted[0] = k  # at least one full acceptance
     ref_conv, ref_state = conv.clone(), state.clone()
     kda_accept_reference(ref_conv, ref_state, rows, accepted, tape_state, tape_conv)
-    kda_accept_triton(conv, state, rows, accepted, tape_state, tape_conv)
+    accept(conv, state, rows, accepted, tape_state, tape_conv)
     assert torch.equal(state, ref_state) and torch.equal(conv, ref_conv)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("B,k", [(1, 3), (1, 7), (8, 7), (64, 3), (64, 7)])
+def test_verify_and_accept_match_the_references(B, k, dtype):
+    from latency_specialized.kernels.kda_verify_triton import kda_accept_triton, kda_verify_triton
+
+    _check_verify_then_accept(100 * B + k, B, k, dtype, kda_verify_triton, kda_accept_triton)
 
 
 def _config_cases() -> list:
@@ -82,28 +88,13 @@ def _config_cases() -> list:
 
 @pytest.mark.parametrize("B,k,dtype,config", _config_cases())
 def test_candidate_configs_match_the_references(B, k, dtype, config):
-    """``kda_verify_triton_with`` / ``kda_accept_triton_with`` under each candidate: outputs and tapes within the
-    verify's tolerances, the accept of the kernel's own tape the reference replay bit for bit."""
+    """``kda_verify_triton_with`` / ``kda_accept_triton_with`` under each candidate (the shared checks above)."""
+    import functools
+
     from latency_specialized.kernels.kda_verify_triton import kda_accept_triton_with, kda_verify_triton_with
 
-    T = 1 + k
-    inp, kw, conv, state, rows, tape_state, tape_conv = _case(100 * B + k + 7, B, T, dtype)
-    conv0, state0 = conv.clone(), state.clone()
-    ref_ts, ref_tc = tape_state.clone(), tape_conv.clone()
-    want = kda_verify_reference(*verify_args(inp, conv, state, rows, ref_ts, ref_tc), **kw)
-    got = kda_verify_triton_with(config, *verify_args(inp, conv, state, rows, tape_state, tape_conv), **kw)
-    tol = TOL[dtype]
-    assert_written_close(got, want, tol["out"], "outputs")
-    idx = rows.long()
-    assert_written_close(tape_state[idx, :T], ref_ts[idx, :T], tol["tape"], "tape_state")
-    assert torch.equal(tape_conv[idx, :T], ref_tc[idx, :T]), "tape_conv is a cast of the inputs: exact"
-    assert torch.equal(state, state0) and torch.equal(conv, conv0), "verify must leave the live states alone"
-    accepted = torch.randint(-1, T, (B,), device="cuda", dtype=torch.int32)
-    accepted[0] = k
-    ref_conv, ref_state = conv.clone(), state.clone()
-    kda_accept_reference(ref_conv, ref_state, rows, accepted, tape_state, tape_conv)
-    kda_accept_triton_with(config, conv, state, rows, accepted, tape_state, tape_conv)
-    assert torch.equal(state, ref_state) and torch.equal(conv, ref_conv)
+    _check_verify_then_accept(100 * B + k + 7, B, k, dtype, functools.partial(kda_verify_triton_with, config),
+                              functools.partial(kda_accept_triton_with, config))
 
 
 @pytest.mark.parametrize("prologue", [False, True], ids=["default", "prologue"])
