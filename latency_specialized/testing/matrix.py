@@ -66,6 +66,8 @@ SPEC_SAMPLE: tuple[tuple[int, int], ...] = ((1, 1), (1, 4), (2, 2))
 """(TP, batch) of the speculative cells (each k > 0 of the adapter's scope, both contexts, every device): a
 sample - a verification cell runs 1 + k reference steps per step, and the plain cells cover the batches and
 TPs of the same program."""
+MIN_DECISIVE = 0.5
+"""Fewest decisive positions a cell may have (a cell of near ties would check no token)."""
 CELL_DTYPE = "float32"
 """Activation dtype program cells are verified in (the tiny models run fp32; fp32 tolerances)."""
 
@@ -100,7 +102,8 @@ class CellResult:
     tolerance: float
     """Bound the adapter states for this dtype/cell."""
     top1_agreement: float
-    """Fraction of positions where program and reference pick the same token."""
+    """Fraction of the decisive positions (``verify.decisive_agreement``: no error within the bound can flip the
+    reference's top-1 there) where program and reference pick the same token."""
     fast_steps: int
     """Decode steps the trace says ran the program (the fast path)."""
     stock_steps: int
@@ -111,11 +114,15 @@ class CellResult:
     """Op site -> implementation that served it."""
     logits_digest: float = 0.0
     """Sum of the program's logits: equal on every rank when the ranks agree."""
+    decisive: float = 1.0
+    """Fraction of the compared positions that are decisive."""
+    top1_raw: float = 1.0
+    """Fraction of all compared positions where the argmaxes agree (near ties included)."""
 
     @property
     def ok(self) -> bool:
         return (self.max_abs_err <= self.tolerance and self.fast_steps == self.steps and self.stock_steps == 0
-                and self.top1_agreement >= 0.99)
+                and self.top1_agreement >= 0.99 and self.decisive >= MIN_DECISIVE)
 
 
 def _splits(adapter: Any, fmt: str, tp: int) -> bool:

@@ -80,6 +80,17 @@ def batch_states(ref: Any, proto: Any, lens: list[int], batch: int, max_len: int
     return states
 
 
+def decisive_agreement(got: torch.Tensor, want: torch.Tensor, rel_tol: float) -> tuple[int, int, int]:
+    """(raw, agreeing, decisive) over the positions of ``got`` / ``want`` [..., vocab]: how many argmaxes agree,
+    how many positions are decisive - the reference's top-1 leads its runner-up by more than twice the bound
+    (``rel_tol`` x max|want|), so no error within the bound can flip them - and on how many of those the argmaxes
+    agree. A flip elsewhere is a near tie, not a wrong program."""
+    top2 = want.double().topk(2, dim=-1).values
+    decisive = (top2[..., 0] - top2[..., 1]) > 2 * rel_tol * want.abs().max().item()
+    same = got.argmax(-1) == want.argmax(-1)
+    return int(same.sum()), int((same & decisive).sum()), int(decisive.sum())
+
+
 def verify_cell(adapter: Any, cell: Any, comm: Any = None, *, rel_tol: float = REL_TOL) -> Any:
     """Run ``cell`` (a testing.matrix.Cell) on this rank; returns a testing.matrix.CellResult.
 
@@ -102,7 +113,7 @@ def _verify(adapter: Any, cell: Any, comm: Any, rel_tol: float) -> Any:
     from latency_specialized.runtime.graph_runner import CUDAGraphRunner
     from latency_specialized.runtime.states import shard_states
     from latency_specialized.testing.history import long_states
-    from latency_specialized.testing.matrix import LONG_CONTEXTS, CellResult, cell_plan, cell_spec
+    from latency_specialized.testing.matrix import LONG_CONTEXTS, cell_plan, cell_spec
     from latency_specialized.trace import Trace
 
     world = comm.world_size if comm is not None else 1
@@ -143,26 +154,41 @@ def _verify(adapter: Any, cell: Any, comm: Any, rel_tol: float) -> Any:
     # The reference work is split over the ranks (rank r checks sequences r, r + TP, ...); the
     # statistics are then combined, so every rank reports the whole batch.
     mine = [b for b in range(B) if b % world == rank]
-    err, scale, agree, digest = 0.0, 0.0, 0, 0.0
+    err, scale, counts, digest = 0.0, 0.0, [0, 0, 0], 0.0
     for _ in range(STEPS):
         got = runner.run(StepState(num_seqs=B), tokens=toks).outputs["logits"]
         if mine:
             want = ref.decode(states, [states.slots[b] for b in mine], [positions[b] for b in mine], toks[mine])
             err = max(err, (got[mine].double() - want.double()).abs().max().item())
             scale = max(scale, want.abs().max().item())
-            agree += int((got[mine].argmax(-1) == want.argmax(-1)).sum())
+            counts = [c + n for c, n in zip(counts, decisive_agreement(got[mine], want, rel_tol))]
         digest += float(got.double().sum())
         toks = got.argmax(-1)   # the program's greedy tokens (identical on every rank) feed both next step
         positions = [p + 1 for p in positions]
-    if world > 1:
-        stats = comm.all_gather(torch.tensor([[err, scale]], dtype=torch.float64), dim=0)
-        err, scale = stats[:, 0].max().item(), stats[:, 1].max().item()
-        agree = int(comm.all_reduce(torch.tensor([float(agree)], dtype=torch.float64)).item())
+    err, scale, counts = _combine(comm, err, scale, counts)
     program.close()  # the symmetric-memory workspaces it built (collective; the pool's ranks serve many cells)
+    return _result(err, scale, counts, STEPS * B, rel_tol, trace, plan, digest)
+
+
+def _combine(comm: Any, err: float, scale: float, counts: list[int]) -> tuple[float, float, list[int]]:
+    """The ranks' statistics over the whole batch (each rank checked its own sequences)."""
+    if comm is None or comm.world_size == 1:
+        return err, scale, counts
+    stats = comm.all_gather(torch.tensor([[err, scale]], dtype=torch.float64), dim=0)
+    total = comm.all_reduce(torch.tensor([float(c) for c in counts], dtype=torch.float64))
+    return stats[:, 0].max().item(), stats[:, 1].max().item(), [int(c) for c in total.tolist()]
+
+
+def _result(err: float, scale: float, counts: list[int], positions: int, rel_tol: float, trace: Any, plan: Any,
+            digest: float) -> Any:
+    from latency_specialized.testing.matrix import CellResult
+
+    raw, agree, decisive = counts
     s = trace.summary()
-    return CellResult(max_abs_err=err, tolerance=rel_tol * scale, top1_agreement=agree / (STEPS * B),
-                      fast_steps=s["fast_steps"], stock_steps=s["stock_steps"], steps=STEPS,
-                      impls={c.site.name: c.impl.name for c in plan.choices if c.impl is not None},
+    return CellResult(max_abs_err=err, tolerance=rel_tol * scale,
+                      top1_agreement=agree / decisive if decisive else 0.0, decisive=decisive / positions,
+                      top1_raw=raw / positions, fast_steps=s["fast_steps"], stock_steps=s["stock_steps"],
+                      steps=STEPS, impls={c.site.name: c.impl.name for c in plan.choices if c.impl is not None},
                       logits_digest=digest)
 
 
@@ -170,7 +196,6 @@ def _verify_spec(cell: Any, ref: Any, states: Any, positions: list[int], toks: t
                  runner: Any, program: Any, plan: Any, trace: Any, comm: Any, rel_tol: float) -> Any:
     """``STEPS`` verification steps of ``cell.spec_tokens`` drafts (the module docstring)."""
     from latency_specialized.runtime.gate import StepState
-    from latency_specialized.testing.matrix import CellResult
 
     B, k = cell.batch, cell.spec_tokens
     T = 1 + k
@@ -179,7 +204,7 @@ def _verify_spec(cell: Any, ref: Any, states: Any, positions: list[int], toks: t
     mine = [b for b in range(B) if b % world == rank]
     rows = [s.row for s in states.slots]
     g = torch.Generator().manual_seed(B + 7 * k)
-    err, scale, agree, digest = 0.0, 0.0, 0, 0.0
+    err, scale, counts, digest = 0.0, 0.0, [0, 0, 0], 0.0
     accepted: list[int] | None = None
     for step in range(STEPS):
         drafts = torch.randint(3, ref.spec.vocab_size, (B, k), generator=g).to(toks.device)
@@ -199,7 +224,7 @@ def _verify_spec(cell: Any, ref: Any, states: Any, positions: list[int], toks: t
             want_t = torch.stack(want, 1)
             err = max(err, (got[mine].double() - want_t.double()).abs().max().item())
             scale = max(scale, want_t.abs().max().item())
-            agree += int((got[mine].argmax(-1) == want_t.argmax(-1)).sum())
+            counts = [c + n for c, n in zip(counts, decisive_agreement(got[mine], want_t, rel_tol))]
             for b in mine:  # the reference back at the accepted prefix (later KV slots are not read again)
                 states.copy_sequence(states.slots[b], snaps[accepted[b]], states.slots[b],
                                      positions[b] + accepted[b] + 1)
@@ -207,16 +232,9 @@ def _verify_spec(cell: Any, ref: Any, states: Any, positions: list[int], toks: t
         # the program's greedy token after each accepted prefix (identical on every rank) feeds the next step
         toks = got[torch.arange(B), torch.tensor(accepted)].argmax(-1)
         positions = [p + j + 1 for p, j in zip(positions, accepted)]
-    if world > 1:
-        stats = comm.all_gather(torch.tensor([[err, scale]], dtype=torch.float64), dim=0)
-        err, scale = stats[:, 0].max().item(), stats[:, 1].max().item()
-        agree = int(comm.all_reduce(torch.tensor([float(agree)], dtype=torch.float64)).item())
+    err, scale, counts = _combine(comm, err, scale, counts)
     program.close()
-    s = trace.summary()
-    return CellResult(max_abs_err=err, tolerance=rel_tol * scale, top1_agreement=agree / (STEPS * B * T),
-                      fast_steps=s["fast_steps"], stock_steps=s["stock_steps"], steps=STEPS,
-                      impls={c.site.name: c.impl.name for c in plan.choices if c.impl is not None},
-                      logits_digest=digest)
+    return _result(err, scale, counts, STEPS * B * T, rel_tol, trace, plan, digest)
 
 
-__all__ = ["verify_cell", "prototypes", "long_reference", "batch_states", "STEPS", "PROTOTYPES", "REL_TOL"]
+__all__ = ["verify_cell", "decisive_agreement", "prototypes", "long_reference", "batch_states", "STEPS", "PROTOTYPES", "REL_TOL"]
