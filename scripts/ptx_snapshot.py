@@ -6,7 +6,9 @@ change a kernel: snapshot before, snapshot after, compare (no GPU needed; compil
     python scripts/ptx_snapshot.py --compare /tmp/ptx_before /tmp/ptx_after
 
 Covers the fused all-reduce kernels (one-shot, two-stage), AttnRes, residual+RMSNorm and the gated
-activation over their dtype / shape / option variants (~30 kernels, ~30 s on 2 cores).
+activation over their dtype / shape / option variants (~30 kernels, ~30 s on 2 cores), and the Triton KDA
+verify / accept kernels at Kimi K3 rank shapes under every candidate config, bf16 and fp32 (36 kernels, ~2 min;
+their PTX without debug lines - ``.loc``, ``.file``, labels, debug sections - which move with the source lines).
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+
+# this tree's code, not an installed copy's (a snapshot of an older checkout must compile that checkout's
+# kernels), and tests.* (the KDA verify launch builders)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _allreduce(out: Path) -> None:
@@ -65,8 +71,40 @@ def _elementwise(out: Path) -> None:
             _write(out / f"act_{i}_{str(dt).removeprefix('torch.')}.ptx", ptx_of(F.compile_act(F._act_variant(768, dt, act))))
 
 
-def _write(path: Path, text: str | None) -> None:
-    if not text or not text.lstrip().startswith("//"):
+def _kda_verify(out: Path) -> None:
+    import hashlib
+    import re
+
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import latency_specialized.kernels.kda_verify_triton as kt
+    from tests.ops.test_kda_verify_triton import _kimi_launches
+    from tests.triton_offline import _signature
+
+    debug = re.compile(r"\s*(\.loc|\.file|//|\$L__|\.section|\.b8|\.b16|\.b32|\.b64)")
+    runs = [(B, 4, None, torch.bfloat16) for B in (1, 8, 64)]
+    runs += [(B, 12, c, dt) for B in (1, 8, 64) for c in kt.candidate_configs(B, 12, 128)
+             for dt in (torch.bfloat16, torch.float32)]
+    done = set()
+    for B, H, config, dt in runs:
+        for fn, args, kw in _kimi_launches(kt, B, H=H, config=config, dtype=dt):
+            sig, const = _signature(fn, args, {k: v for k, v in kw.items() if k != "enable_fp_fusion"})
+            key = (fn.fn.__name__, tuple(sorted(sig.items())), tuple(sorted(const.items())), kw["num_warps"])
+            if key in done:
+                continue
+            done.add(key)
+            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": kw["num_warps"], "enable_fp_fusion": False})
+            ptx = "\n".join(line for line in k.asm["ptx"].splitlines() if not debug.match(line))
+            _write(out / f"{fn.fn.__name__}_{hashlib.sha1(repr(key).encode()).hexdigest()[:12]}.ptx", ptx,
+                   check_header=False)
+
+
+def _write(path: Path, text: str | None, check_header: bool = True) -> None:
+    if not text or (check_header and not text.lstrip().startswith("//")):
         raise SystemExit(f"no PTX for {path.name}: a kernel came from the disk cache (set LS_KERNEL_CACHE_DIR "
                          "to an empty directory)")
     path.write_text(text)
@@ -99,6 +137,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     _allreduce(out)
     _elementwise(out)
+    _kda_verify(out)
     return 0
 
 
