@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # H200 session runs: GPU tests, the gemm dispatch table, the MoE/KDA and MLA op benches,
-# the Kimi K3 layer bench (KINDS=kda,mla; CONTEXT for MLA cells) and the long teacher-forced check
+# the Kimi K3 layer bench (KINDS=kda,mla; CONTEXT for MLA cells; SPEC_TOKENS=0,3,7 and ROUTING=random|shared for
+# verification cells, e.g. STEPS=bench KINDS=kda,mla BATCH=1 CONTEXT=4096 SPEC_TOKENS=0,3,7 ROUTING=shared) and the long teacher-forced check
 # (long_check.py of LONG_MODEL, default kimi_k3, at RUNS batch:steps:router_scale,...; JSON $OUT/res/LONG_NAME.json).
 #   on the device, after `bash .device/cute-a/stash.sh` on the same machine:
 #   source scripts/device_env.sh && bash benchmarks/scripts/h200_session.sh
@@ -52,7 +53,7 @@ if [[ ",$STEPS," == *",opsmla,"* ]]; then
 fi
 if [[ ",$STEPS," == *",bench,"* ]]; then
   timeout "${BENCH_S:-150}" python3 -m latency_specialized.cli bench --model kimi_k3 --tp 8 --kinds ${KINDS:-kda} \
-    --batch ${BATCH:-1,2,4,8,16,32,64} $([[ ",${KINDS:-kda}," == *",mla,"* ]] && echo --context ${CONTEXT:-4096,32768}) --layers 3 ${NAME:+--name $NAME} --out "$OUT/res" \
+    --batch ${BATCH:-1,2,4,8,16,32,64} $([[ ",${KINDS:-kda}," == *",mla,"* ]] && echo --context ${CONTEXT:-4096,32768}) --layers 3 ${SPEC_TOKENS:+--spec-tokens $SPEC_TOKENS} ${ROUTING:+--routing $ROUTING} ${NAME:+--name $NAME} --out "$OUT/res" \
     > "$OUT/bench.log" 2>&1
   echo "bench rc=$? at $(( $(date +%s) - t0 )) s"; grep "batch" "$OUT/bench.log" | tail -16
 fi

@@ -10,6 +10,8 @@
 # holds the long-context cells the two no longer fit one 600 s call together, nor the matrix alone: session 23's
 # matrix call ran 271 of its ~288 cells in 560 s on 5 workers; split it with MATRIX_K). SUITE_S (default 560 s,
 # under the device's 600 s per call) bounds each run.
+# Run it alone on the GPU: the matrix's memory ledger (testing/gpu_share.py) admits matrix cells only, and other GPU
+# jobs beside it starve them (session 26: four Muse Spark 128K cells failed beside two long checks, passed alone).
 set -o pipefail
 OUT=${OUT:-/tmp/ls_out}
 PART=${PART:-both}
