@@ -3,7 +3,7 @@ shape (16 query heads, 2 KV heads x 64 per rank, no window) for contexts 32K / 1
 
 Timing as ``tests/ops/test_gqa_triton_gpu.py``'s ``_time_cell`` (one CUDA graph of calls over distinct caches so the
 L2 cannot hold them, CUDA events, median); roofline = the KV bytes read once at 4.3 TB/s. Writes JSON + Markdown.
-    PYTHONPATH=. python benchmarks/scripts/long_context_gqa.py --out $OUT/res
+    PYTHONPATH=.:tests/ops python benchmarks/scripts/long_context_gqa.py --out $OUT/res   (tests/ops: gpu_helpers)
 """
 
 from __future__ import annotations
