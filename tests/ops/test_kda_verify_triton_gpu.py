@@ -89,8 +89,6 @@ def _config_cases() -> list:
 @pytest.mark.parametrize("B,k,dtype,config", _config_cases())
 def test_candidate_configs_match_the_references(B, k, dtype, config):
     """``kda_verify_triton_with`` / ``kda_accept_triton_with`` under each candidate (the shared checks above)."""
-    import functools
-
     from latency_specialized.kernels.kda_verify_triton import kda_accept_triton_with, kda_verify_triton_with
 
     _check_verify_then_accept(100 * B + k + 7, B, k, dtype, functools.partial(kda_verify_triton_with, config),
