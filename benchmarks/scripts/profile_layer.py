@@ -7,6 +7,10 @@ kernels sorted by device time per replay, and writes the table as JSON.
 
     python benchmarks/scripts/profile_layer.py --batches 1,8,64 --layers 2 --out $OUT/profile.json
     python benchmarks/scripts/profile_layer.py --kind mla --context 4096 --batches 1 --out $OUT/profile_mla.json
+    python benchmarks/scripts/profile_layer.py --kind kda --batches 1 --spec-tokens 7 --routing shared --out $OUT/p.json
+
+``--spec-tokens k`` (k > 0) profiles ours' verification program of k draft tokens (rows = batch x (1 + k)), built as
+``bench --spec-tokens`` builds it (``layer_bench.build_spec_ours``); stock is not profiled then.
 
 Kernels launched with PDL count the time they wait for their predecessor too: their figures overlap.
 """
@@ -93,11 +97,14 @@ def main() -> None:
     ap.add_argument("--model", default="kimi_k3", help="adapter; other than kimi_k3: ours only")
     ap.add_argument("--kind", default="kda", help="a bench kind of the model (kimi_k3: kda, mla; muse_spark: swa, full)")
     ap.add_argument("--context", type=int, default=4096, help="MLA: cached tokens per sequence")
+    ap.add_argument("--spec-tokens", type=int, default=0, help="draft tokens of ours' verification steps (0: plain)")
+    ap.add_argument("--routing", default="random", choices=("random", "shared"),
+                    help="ours' MoE routing, as bench --routing")
     ap.add_argument("--timeline", action="store_true",
                     help="also print one replay's kernels in order of their end, with each one's marginal cost")
     args = ap.parse_args()
     batches = tuple(int(b) for b in args.batches.split(","))
-    from latency_specialized.bench.layer_bench import GraphedStep, _layer_index
+    from latency_specialized.bench.layer_bench import GraphedStep, _layer_index, build_spec_ours
     from latency_specialized.bench.stock.layers import build_stock_kda, build_stock_mla
     from latency_specialized.plugins import get_registry
     adapter = get_registry().adapter(args.model)
@@ -105,15 +112,19 @@ def main() -> None:
     dev = torch.device("cuda")
     kimi = args.model == "kimi_k3"
     mla = args.kind == "mla" or (not kimi and adapter.bench_kinds()[args.kind].context)
-    ours = adapter.layer_bench().build_ours(full, args.tp, args.kind, args.layers, batches, dev, say=print,
-                      contexts=(args.context,) if mla else ())
     ctx = (args.context,) if mla else ()
+    kw = dict(say=print, contexts=ctx, **({"routing": args.routing} if args.routing != "random" else {}))
+    if args.spec_tokens:
+        ours = build_spec_ours(adapter, full, args.tp, args.kind, args.layers, batches, dev, args.spec_tokens, **kw)
+    else:
+        ours = adapter.layer_bench().build_ours(full, args.tp, args.kind, args.layers, batches, dev, **kw)
+    tag = f"{args.kind}" + (f"_k{args.spec_tokens}" if args.spec_tokens else "")
     result = {}
     for b in batches:
         o_k, _ = ours.variants(b, *ctx)
         variants = [("ours", o_k)]
         stock_layers = stock = None
-        if kimi:
+        if kimi and not args.spec_tokens:
             build_stock = build_stock_mla if mla else build_stock_kda
             stock_layers = build_stock(full, _layer_index(full, args.kind), args.tp, b, *ctx, args.layers, dev,
                                        experts=ours.expert_weights(args.layers))
@@ -124,18 +135,18 @@ def main() -> None:
             agg, wall = profile(v, args.replays)
             total = sum(t for t, _ in agg.values())
             rows = sorted(agg.items(), key=lambda kv: -kv[1][0])
-            print(f"\n=== {args.kind} {name} batch {b}: {args.layers} layers, graph replay {wall:.1f} us, "
+            print(f"\n=== {tag} {name} batch {b}: {args.layers} layers, graph replay {wall:.1f} us, "
                   f"sum of kernel times {total:.1f} us, {sum(n for _, n in agg.values()):.0f} kernels")
             for k, (t, n) in rows:
                 print(f"  {t:8.1f} us  x{n:4.1f}  {k}")
-            result[f"{args.kind}_{name}_b{b}"] = {"wall_us": wall, "kernel_sum_us": total,
+            result[f"{tag}_{name}_b{b}"] = {"wall_us": wall, "kernel_sum_us": total,
                                       "kernels": {k: {"us": t, "count": n} for k, (t, n) in rows}}
             if args.timeline and name == "ours":
-                tl = timeline(v, args.out + f".{args.kind}_b{b}.trace.json")
+                tl = timeline(v, args.out + f".{tag}_b{b}.trace.json")
                 print(f"  -- one replay, kernels by end time (us): start  end  dur  gain  stream  name")
                 for r in tl:
                     print(f"  {r['start']:7.1f} {r['end']:7.1f} {r['dur']:6.1f} {r['gain']:6.1f}  s{r['stream']}  {r['name']}")
-                result[f"{args.kind}_{name}_b{b}"]["timeline"] = tl
+                result[f"{tag}_{name}_b{b}"]["timeline"] = tl
         del stock_layers, stock
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
