@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-chunk", type=int, default=None)
     ap.add_argument("--min-chunk-small", type=int, default=None, help="MIN_CHUNK_SMALL_BATCH (batch <= 2)")
     ap.add_argument("--waves", type=int, default=None)
+    ap.add_argument("--max-splits", type=int, default=None, help="MAX_SPLITS (most splits of one sequence)")
+    ap.add_argument("--skip-unfused", action="store_true", help="do not time the unfused (torch glue) call")
     ap.add_argument("--merge-s-tile", type=int, default=None)
     ap.add_argument("--merge-warps", type=int, default=None)
     ap.add_argument("--merge-l-fused", type=int, default=None)
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     from latency_specialized.ops.attention.mla import mla_decode_paged, mla_decode_reference
 
     for flag, const in (("block_n", "BLOCK_N"), ("warps", "NUM_WARPS"), ("stages", "NUM_STAGES"),
-                        ("min_chunk", "MIN_CHUNK"), ("min_chunk_small", "MIN_CHUNK_SMALL_BATCH"), ("waves", "WAVES"), ("merge_s_tile", "MERGE_S_TILE"),
+                        ("min_chunk", "MIN_CHUNK"), ("min_chunk_small", "MIN_CHUNK_SMALL_BATCH"), ("waves", "WAVES"), ("max_splits", "MAX_SPLITS"), ("merge_s_tile", "MERGE_S_TILE"),
                         ("merge_warps", "MERGE_WARPS"), ("merge_l_fused", "MERGE_L_FUSED"),
                         ("merge_tile", "MERGE_TILE"), ("merge_v_block", "MERGE_V_BLOCK"), ("pdl", "PDL"),
                         ("merge_l_tile", "MERGE_L_TILE"), ("merge_pdl", "MERGE_PDL")):
@@ -146,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
             tri, tri_unfused = (
                 _time_graph([lambda c=c, o=o, f=fused: mk.mla_decode_triton(q, kv_c, k_pe, c, slots, blocks, lens, w,
                                                                              gate=gate, out=o, fused=f, **kw)
-                             for c, o in zip(caches, outs)], a.reps) / calls
-                for fused in (True, False))
+                             for c, o in zip(caches, outs)], a.reps) / calls if run else float("nan")
+                for fused, run in ((True, True), (False, not a.skip_unfused)))
             # the split kernel alone (the bytes): same inputs, q_lat precomputed
             q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w.view(H, nope + v, L)[:, :nope])
             q_pe = q[..., nope:]

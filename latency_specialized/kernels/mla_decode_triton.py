@@ -734,9 +734,11 @@ def _triton_has_gdc() -> bool:
             and "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}))
 
 
-def _pdl_args(on: bool, num_warps: int = NUM_WARPS) -> dict:
-    """Launch keywords: warps, the PDL constexpr and Triton's ``launch_pdl`` (only when on)."""
-    return dict(num_warps=num_warps, PDL=on, **({"launch_pdl": True} if on else {}))
+def _pdl_args(on: bool, num_warps: int | None = None) -> dict:
+    """Launch keywords: warps (default ``NUM_WARPS``, read per call: sweeps override the module constant), the
+    PDL constexpr and Triton's ``launch_pdl`` (only when on)."""
+    return dict(num_warps=NUM_WARPS if num_warps is None else num_warps, PDL=on,
+                **({"launch_pdl": True} if on else {}))
 
 
 def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
