@@ -15,9 +15,10 @@ kernel alone (its cache-read bandwidth).
 
 Roofline: ``bytes / --bw`` with bytes = B x context x (L + R) x 2 (the cache read) + H (nope + v) L x 2
 (kv_b_proj). Writes ``mla_decode.json`` and ``mla_decode.md`` into ``--out``. The tuning flags
-(``--block-n``, ``--warps``, ``--stages``, ``--min-chunk``, ``--waves``, ``--merge-s-tile``,
-``--merge-warps``) override the kernel module's constants for a sweep. Measured on the H200 (Kimi
-K3 TP8 shapes): ``BLOCK_N`` 32 / 4 warps / 2 stages beat 16, 64, 8 warps, 1 or 3 stages.
+(``--block-n``, ``--warps``, ``--stages``, ``--min-chunk``, ``--waves``, ``--max-splits``, ``--merge-s-tile``,
+``--merge-warps``, ...) override the kernel module's constants for a sweep (``mla_sweep.py`` runs several in
+one process). Which values won on the H200 is in ``kernels/NOTES.md`` (the split kernel's warps only since
+session 27: before, ``--warps`` did not reach the launch).
 """
 
 from __future__ import annotations

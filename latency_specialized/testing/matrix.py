@@ -188,6 +188,14 @@ def long_cell_bytes(adapter: Any, cell: Cell) -> int:
     return int(2 * cell.tp * cell.batch * (cell.context or 0) * _bytes_per_token(adapter))
 
 
+def admission_bytes(adapter: Any, cell: Cell) -> int:
+    """Memory a GPU cell is admitted with (``gpu_share.admitted``): ``long_cell_bytes``, times ``1 + k`` for a
+    verification cell - its reference checks the k + 1 rows of every request, and its peak grows with them
+    (measured in ``ops/attention/NOTES_verify.md``, session 27: a Muse Spark 128K k = 7 cell ran out of memory
+    admitted at the plain estimate). Which cells exist (``LONG_GPU_BYTES``) still follows ``long_cell_bytes``."""
+    return long_cell_bytes(adapter, cell) * (1 + cell.spec_tokens)
+
+
 def _long_cells(adapter: Any, device: str, tps: list[int], spec_options: list[int]) -> list[Cell]:
     """The long-context cells of one device (``LONG_CPU_SAMPLE`` on the CPU; on a GPU every TP x
     ``LONG_GPU_BATCHES`` and the ``SPEC_SAMPLE`` spec cells, within ``LONG_GPU_BYTES``)."""
@@ -415,7 +423,7 @@ class GlooPool:
 
 def run_program_cell(cell: Cell, pools: Any) -> list[CellResult]:
     """Run a program cell: in this process at TP1, else on ``pools(tp)`` (a ``GlooPool`` per TP); per-rank
-    results in rank order. A GPU cell starts once its estimated memory (``long_cell_bytes``) fits beside the
+    results in rank order. A GPU cell starts once its estimated memory (``admission_bytes``) fits beside the
     cells other processes run on the same GPU (``gpu_share.admitted``), and this process hands its cached
     blocks back after it."""
     import contextlib
@@ -423,7 +431,7 @@ def run_program_cell(cell: Cell, pools: Any) -> list[CellResult]:
     from latency_specialized.plugins import get_registry
 
     adapter = get_registry().adapter(cell.adapter)
-    gate = (admitted(long_cell_bytes(adapter, cell), label=cell.id) if cell.device == "cuda"
+    gate = (admitted(admission_bytes(adapter, cell), label=cell.id) if cell.device == "cuda"
             else contextlib.nullcontext())
     with gate:
         try:

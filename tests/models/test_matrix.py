@@ -159,6 +159,31 @@ def test_long_context_cells_sample_the_cpu_and_cover_the_gpu():
             assert (1, 1, ctx, 0) in gpu, f"{a.name}: no GPU cell at {ctx}"
 
 
+def test_verification_cells_are_admitted_with_their_rows(monkeypatch):
+    """A GPU verification cell asks the memory ledger for 1 + k times the plain estimate (its reference checks
+    every row; session 27's Muse Spark 128K k = 7 cell ran out of memory admitted at the plain one), a plain
+    cell for the estimate itself, and run_program_cell passes that figure to gpu_share.admitted."""
+    import contextlib
+
+    from latency_specialized.plugins import get_registry
+
+    a = get_registry().adapter("muse_spark")
+    plain, spec = Cell(a.name, 4, 1, 131072, 0, "cuda"), Cell(a.name, 4, 1, 131072, 7, "cuda")
+    assert matrix.admission_bytes(a, plain) == matrix.long_cell_bytes(a, plain) > 0
+    assert matrix.admission_bytes(a, spec) == 8 * matrix.long_cell_bytes(a, plain)
+    asked = []
+
+    def fake_admitted(nbytes, label=None):
+        asked.append((nbytes, label))
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(matrix, "admitted", fake_admitted)
+    monkeypatch.setattr(matrix, "release_cached_memory", lambda: None)
+    monkeypatch.setattr(type(a), "verify_cell", lambda self, cell, comm=None: "ran")
+    assert matrix.run_program_cell(spec, pools=None) == ["ran"]
+    assert asked == [(matrix.admission_bytes(a, spec), spec.id)]
+
+
 def test_synthetic_history_refuses_states_it_cannot_fill():
     """The generic fill refuses a reference's ModelStates subclass (its own history would disagree with the
     states), naming the method; DeepSeek's reference has one, which testing.history.seed_history takes."""
