@@ -98,8 +98,8 @@ def main() -> None:
     ap.add_argument("--kind", default="kda", help="a bench kind of the model (kimi_k3: kda, mla; muse_spark: swa, full)")
     ap.add_argument("--context", type=int, default=4096, help="MLA: cached tokens per sequence")
     ap.add_argument("--spec-tokens", type=int, default=0, help="draft tokens of ours' verification steps (0: plain)")
-    ap.add_argument("--routing", default="random", choices=("random", "shared"),
-                    help="ours' MoE routing, as bench --routing")
+    ap.add_argument("--routing", default="random", help="ours' MoE routing, as bench --routing "
+                    "(random, shared, scaled:X)")
     ap.add_argument("--timeline", action="store_true",
                     help="also print one replay's kernels in order of their end, with each one's marginal cost")
     args = ap.parse_args()

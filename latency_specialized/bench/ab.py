@@ -156,8 +156,8 @@ def summarize(variants: Sequence[Variant], results: dict[str, list[dict]]) -> st
     """Markdown: per cell and variant the median us (runs), the difference to the first variant, a verdict."""
     base = variants[0].name
 
-    def key(c):
-        return (c["kind"], c["batch"], c["context"])
+    def key(c):  # verification cells (k > 0) are cells of their own, beside the single step they divide by
+        return (c["kind"], c["batch"], c["context"], c.get("spec_tokens") or 0)
 
     per: dict[str, dict[tuple, list[float]]] = {}
     order: list[tuple] = []
@@ -175,9 +175,9 @@ def summarize(variants: Sequence[Variant], results: dict[str, list[dict]]) -> st
              "verdict: the median moved by more than the larger spread (max - min) of the two variants' runs.", "",
              "| variant | settings |", "|---|---|"]
     lines += [f"| {v.name} | {', '.join(s.label() for s in v.settings) or '-'} |" for v in variants]
-    lines += ["", "| layer | batch | context | " + " | ".join(v.name for v in variants) + " | "
+    lines += ["", "| layer | batch | context | k | " + " | ".join(v.name for v in variants) + " | "
               + " | ".join(f"{v.name} vs {base}" for v in variants[1:]) + " |",
-              "|---|---|---|" + "---|" * (2 * len(variants) - 1)]
+              "|---|---|---|---|" + "---|" * (2 * len(variants) - 1)]
     for k in order:
         cols, diffs = [], []
         b = per.get(base, {}).get(k)
@@ -193,7 +193,7 @@ def summarize(variants: Sequence[Variant], results: dict[str, list[dict]]) -> st
             spread = max(max(runs) - min(runs), max(b) - min(b))
             verdict = "same" if abs(d) <= spread else ("faster" if d < 0 else "slower")
             diffs.append(f"{d:+.1f} us ({100 * d / statistics.median(b):+.1f} %) {verdict}")
-        lines.append(f"| {k[0]} | {k[1]} | {k[2] if k[2] is not None else 'any'} | " + " | ".join(cols) + " | "
+        lines.append(f"| {k[0]} | {k[1]} | {k[2] if k[2] is not None else 'any'} | {k[3]} | " + " | ".join(cols) + " | "
                      + " | ".join(diffs) + " |")
     return "\n".join(lines) + "\n"
 

@@ -71,8 +71,8 @@ class BenchConfig:
     seed: int = 0
     routing: str = "random"
     """How ours' MoE layers route (``runtime.layer_harness.ROUTINGS``): ``shared`` zeroes ours' router weights,
-    so every row reads the same experts (stock still routes on random weights: its columns are then no
-    comparison)."""
+    so every row reads the same experts, ``scaled:X`` scales them by X (rows share part of their experts); stock
+    still routes on random weights (its columns are then no comparison)."""
     spec_tokens: tuple[int, ...] = (0,)
     """Draft tokens per request of the steps timed: 0 = single-token decode steps; k > 0 = verification steps
     (speculative decoding) of ``batch x (1 + k)`` rows, timed beside the k = 0 step of the same batch, which
@@ -454,7 +454,7 @@ def build_spec_ours(adapter: Any, full: ModelSpec, tp: int, kind: str, layers: i
     from latency_specialized.runtime.graph_runner import CUDAGraphRunner
     from latency_specialized.runtime.harness import OutputRecorder, SpecBoundAdapter, exclude_communication
     from latency_specialized.runtime.layer_harness import (BuiltProgram, OursBench, bench_communicator, bench_kind,
-                                                         check_routing, share_routing)
+                                                         check_routing, routing_scale, share_routing)
     from latency_specialized.runtime.random_weights import random_rank_weights
     from latency_specialized.runtime.states import ModelStates
     from latency_specialized.trace import Trace
@@ -496,8 +496,8 @@ def build_spec_ours(adapter: Any, full: ModelSpec, tp: int, kind: str, layers: i
                                       dtype="bfloat16", comm=comm, spec_tokens=k)
                     plans[plan.bucket] = plan
                 weights = random_rank_weights(model, tp, device=device, seed=seed + n_layers)
-                if routing == "shared":
-                    share_routing(weights)
+                if routing != "random":
+                    share_routing(weights, routing_scale(routing))
                 states = ModelStates.allocate(model, max(self.batches), max_len, tp=tp, block_size=block,
                                               device=device, shuffle_seed=seed if bk.context else None)
                 for t in states.tensors():  # a live state (and tape), not zeros
@@ -749,11 +749,16 @@ def routing_note(harness: Any, routing: str) -> list[str]:
     if "routing" not in inspect.signature(harness.build_ours).parameters:
         raise UserError(f"--routing {routing}: this adapter's layer-bench harness ({type(harness).__name__}) takes "
                         "no routing= keyword; bench it with --routing random")
-    return [f"Routing '{routing}': ours' router weights are zeroed, so every row of every step takes the experts "
-            "its layer's selection bias ranks first - a verification step's draft rows read exactly the experts "
-            "of their request's first row (the best case for speculative decoding: the weights read do not grow "
-            "with the rows). Stock still routes on random weights: its columns and the speed-ups of this run are "
-            "no comparison; read 'verification / single step' of ours."]
+    stock = ("Stock still routes on random weights: its columns and the speed-ups of this run are no comparison; "
+             "read 'verification / single step' of ours.")
+    if routing == "shared":
+        return [f"Routing '{routing}': ours' router weights are zeroed, so every row of every step takes the experts "
+                "its layer's selection bias ranks first - a verification step's draft rows read exactly the experts "
+                "of their request's first row (the best case for speculative decoding: the weights read do not grow "
+                "with the rows). " + stock]
+    return [f"Routing '{routing}': ours' router weights are scaled by {routing.partition(':')[2]}, so the selection "
+            "bias decides part of every row's choice and a step's rows share some of their experts (between "
+            "'random' and 'shared'; column 'experts' says how many distinct experts each cell read). " + stock]
 
 
 def bench_notes(full: ModelSpec, kinds: dict[str, Any], tp: int) -> list[str]:

@@ -100,10 +100,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="draft tokens per request of verification steps to time, comma-separated (default 0: "
                         "single-token steps only); k > 0 adds cells of batch x (1 + k) rows with the program built "
                         "for k, and the k = 0 cells they are divided by (kimi_k3's scope: 0, 3, 7)")
-    p.add_argument("--routing", default="random", choices=("random", "shared"),
-                   help="how ours' MoE layers route: random (default: random router weights) or shared (router "
+    p.add_argument("--routing", default="random",
+                   help="how ours' MoE layers route: random (default: random router weights), shared (router "
                         "weights zeroed: every row reads the same experts, e.g. a verification step's draft rows "
-                        "those of their request's first row; stock's columns are then no comparison)")
+                        "those of their request's first row) or scaled:X (router weights x X, 0 < X < 1: rows "
+                        "share part of their experts); stock's columns are no comparison unless random")
     p.add_argument("--iters", type=int, default=40, help="timed graph replays per round")
     p.add_argument("--rounds", type=int, default=2, help="rounds per variant (their spread is the noise)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"results directory (default {DEFAULT_OUT})")
@@ -128,7 +129,6 @@ def run(args: argparse.Namespace) -> int:
     kinds = _kinds(args)
     spec_tokens = _spec_tokens(getattr(args, "spec_tokens", "0") or "0")
     if args.ab:
-        _refuse_with_ab(args, spec_tokens)
         return _run_ab(args, kinds)
     import torch
 
@@ -164,20 +164,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _refuse_with_ab(args: argparse.Namespace, spec_tokens: tuple[int, ...]) -> None:
-    """The flags an A/B (``bench/ab.py``: variants matched by kind, batch and context, default routing) cannot
-    take: a UserError naming the first one given."""
-    from latency_specialized.errors import UserError
-
-    if any(spec_tokens):
-        raise UserError("--ab with --spec-tokens: the A/B summary (bench/ab.py) matches cells by kind, batch and "
-                        "context only, so verification cells would collide with single steps; run the "
-                        "verification bench without --ab")
-    if getattr(args, "routing", "random") != "random":
-        raise UserError("--ab with --routing: the A/B variants run the default routing; run the routing bench "
-                        "without --ab")
-
-
 def _run_ab(args: argparse.Namespace, kinds: tuple[str, ...]) -> int:
     from pathlib import Path
 
@@ -188,6 +174,11 @@ def _run_ab(args: argparse.Namespace, kinds: tuple[str, ...]) -> int:
             "--kinds", ",".join(kinds), "--layers", str(args.layers), "--iters", str(args.iters), "--rounds", str(args.rounds)]
     if args.context is not None:
         argv += ["--context", args.context]
+    # verification cells and the routing travel to every variant (the summary keys cells by k too)
+    if getattr(args, "spec_tokens", "0") not in (None, "", "0"):
+        argv += ["--spec-tokens", args.spec_tokens]
+    if getattr(args, "routing", "random") != "random":
+        argv += ["--routing", args.routing]
     results = ab.run_ab(variants, argv, args.out, repeat=args.repeat, say=lambda m: print(m, flush=True))
     text = ab.summarize(variants, results)
     path = Path(args.out) / f"{args.name or 'ab'}.md"

@@ -36,41 +36,61 @@ from latency_specialized.runtime.states import ModelStates
 from latency_specialized.trace import Trace
 
 
-ROUTINGS: tuple[str, ...] = ("random", "shared")
+ROUTINGS: tuple[str, ...] = ("random", "shared", "scaled:X")
 """How ours' MoE layers route in the bench: ``random`` (random router weights: every row routes on its own
-hidden state) or ``shared`` (router weights zeroed: every row of every step takes the experts its layer's
+hidden state), ``shared`` (router weights zeroed: every row of every step takes the experts its layer's
 selection bias ranks first, so a verification step's draft rows read the very experts of the request's first
-row - the best case for speculative decoding, where the weights read do not grow with the rows)."""
+row - the best case for speculative decoding, where the weights read do not grow with the rows) or ``scaled:X``
+(0 < X < 1: router weights times X, so the selection bias decides part of the choice and rows share some of
+their experts - between the two; the bench reports the distinct experts each cell read)."""
 
 
-def share_routing(weights: dict[Any, dict[str, dict[str, torch.Tensor]]]) -> int:
-    """Zero every FFN router weight of ``weights`` ({layer: {role: {local name: tensor}}}) in place (see
-    ``ROUTINGS``); returns how many. A model without a router is refused: there is no routing to share."""
+def routing_scale(routing: str) -> float:
+    """The factor ``routing`` puts on ours' router weights (random 1, shared 0, ``scaled:X`` X); UserError naming
+    the choices for anything else."""
+    if routing == "random":
+        return 1.0
+    if routing == "shared":
+        return 0.0
+    head, _, x = routing.partition(":")
+    try:
+        scale = float(x) if head == "scaled" else None
+    except ValueError:
+        scale = None
+    if scale is None or not 0.0 < scale < 1.0:
+        raise UserError(f"routing '{routing}': choose one of random, shared, scaled:X (0 < X < 1, e.g. scaled:0.1)")
+    return scale
+
+
+def share_routing(weights: dict[Any, dict[str, dict[str, torch.Tensor]]], scale: float = 0.0) -> int:
+    """Scale every FFN router weight of ``weights`` ({layer: {role: {local name: tensor}}}) by ``scale`` in place
+    (0: zeroed; see ``ROUTINGS``); returns how many. A model without a router is refused: there is no routing to
+    share."""
     n = 0
     for roles in weights.values():
         router = roles.get("ffn", {}).get("router") if isinstance(roles, dict) else None
         if router is not None:
-            router.zero_()
+            router.mul_(scale) if scale else router.zero_()
             n += 1
     if not n:
-        raise UserError("routing 'shared': these weights have no FFN router ('ffn' / 'router'); bench this model "
-                        "with routing 'random'")
+        raise UserError("routing 'shared' / 'scaled': these weights have no FFN router ('ffn' / 'router'); bench "
+                        "this model with routing 'random'")
     return n
 
 
 def bench_communicator(tp: int, routing: str) -> ExcludedCommunicator | None:
-    """The stand-in group a one-GPU bench runs rank 0 of a TP program on (None at TP 1). Under ``shared``
-    routing the other ranks' slices of a gathered router are zeros - what zeroed router weights on every rank
-    would give - so every row ranks the experts by the selection bias alone; random stand-ins there would differ
-    per row and spread a verification step's rows over many experts again."""
+    """The stand-in group a one-GPU bench runs rank 0 of a TP program on (None at TP 1). Its stand-ins for the
+    other ranks' slices of a gathered router are scaled like ours' router weights (``routing_scale``): zeros
+    under ``shared`` - what zeroed router weights on every rank would give - so every row ranks the experts by
+    the selection bias alone; random stand-ins there would differ per row and spread a verification step's rows
+    over many experts again."""
     if tp <= 1:
         return None
-    return ExcludedCommunicator(tp, stand_in_std=0.0 if routing == "shared" else 1.0)
+    return ExcludedCommunicator(tp, stand_in_std=routing_scale(routing))
 
 
 def check_routing(routing: str) -> None:
-    if routing not in ROUTINGS:
-        raise UserError(f"routing '{routing}': choose one of {', '.join(ROUTINGS)}")
+    routing_scale(routing)
 
 
 @dataclass
@@ -201,8 +221,8 @@ class OursBench:
                                   dtype="bfloat16", comm=comm)
                 plans[plan.bucket] = plan
             weights = random_rank_weights(model, tp, device=device, seed=seed + n_layers)
-            if routing == "shared":
-                share_routing(weights)
+            if routing != "random":
+                share_routing(weights, routing_scale(routing))
             states = ModelStates.allocate(model, max(self.batches), max_len, tp=tp, block_size=block, device=device,
                                           shuffle_seed=seed if bk.context else None)
             for t in states.tensors():  # a live state, not zeros
@@ -293,4 +313,5 @@ class LayerBenchHarness:
                          contexts=contexts, steps=steps, routing=routing)
 
 
-__all__ = ["LayerBenchHarness", "OursBench", "ProgramVariant", "BuiltProgram", "ROUTINGS", "bench_communicator", "share_routing"]
+__all__ = ["LayerBenchHarness", "OursBench", "ProgramVariant", "BuiltProgram", "ROUTINGS", "bench_communicator", "routing_scale",
+           "share_routing"]

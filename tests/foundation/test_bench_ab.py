@@ -53,7 +53,9 @@ def test_child_process_applies_the_settings_before_running_the_command(tmp_path)
 
 
 def _fake_result(us_by_cell):
-    return {"cells": [{"kind": k, "batch": b, "context": c, "ours": {"us": us}} for (k, b, c), us in us_by_cell.items()]}
+    """Cells keyed (kind, batch, context) or (kind, batch, context, k draft tokens)."""
+    return {"cells": [{"kind": key[0], "batch": key[1], "context": key[2], "spec_tokens": key[3] if len(key) > 3 else 0,
+                       "ours": {"us": us}} for key, us in us_by_cell.items()]}
 
 
 def test_runs_interleave_and_the_summary_judges_against_the_spread(tmp_path):
@@ -67,7 +69,8 @@ def test_runs_interleave_and_the_summary_judges_against_the_spread(tmp_path):
         stem, out = argv[argv.index("--name") + 1], argv[argv.index("--out") + 1]
         _, name, r = stem.split("_")
         calls.append(stem)
-        cells = {("kda", 1, None): times[(name, int(r))], ("mla", 1, 4096): 120.0 + int(r)}
+        cells = {("kda", 1, None): times[(name, int(r))], ("mla", 1, 4096): 120.0 + int(r),
+                 ("kda", 1, None, 7): 150.0 + int(r)}
         with open(os.path.join(out, f"{stem}.json"), "w") as f:
             json.dump(_fake_result(cells), f)
         return 0
@@ -75,10 +78,13 @@ def test_runs_interleave_and_the_summary_judges_against_the_spread(tmp_path):
     res = ab.run_ab(variants, ["bench", "--kinds", "kda"], tmp_path, repeat=2, say=lambda m: None, runner=runner)
     assert calls == ["ab_base_0", "ab_fast_0", "ab_base_1", "ab_fast_1"]  # interleaved
     text = ab.summarize(variants, res)
-    kda = next(l for l in text.splitlines() if l.startswith("| kda | 1 |"))
-    mla = next(l for l in text.splitlines() if l.startswith("| mla | 1 |"))
+    kda = next(l for l in text.splitlines() if l.startswith("| kda | 1 | any | 0 |"))
+    mla = next(l for l in text.splitlines() if l.startswith("| mla | 1 | 4096 | 0 |"))
     assert "100.5 [100.0, 101.0]" in kda and "-5.2 us" in kda and kda.endswith("faster |")
     assert mla.endswith("same |")  # identical medians
+    # a verification cell (k = 7) is a row of its own, not mixed into the single step's runs
+    spec = next(l for l in text.splitlines() if l.startswith("| kda | 1 | any | 7 |"))
+    assert "150.5 [150.0, 151.0]" in spec and spec.endswith("same |")
     with pytest.raises(UserError, match="at least two"):
         ab.run_ab(variants[:1], [], tmp_path, runner=runner)
     with pytest.raises(UserError, match="failed"):

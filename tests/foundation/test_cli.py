@@ -247,3 +247,19 @@ def test_bench_ab_passes_context_only_when_given(capsys, monkeypatch, tmp_path, 
         assert "--context" not in argv
     else:
         assert argv[argv.index("--context") + 1] == context
+
+
+def test_bench_ab_passes_spec_tokens_and_routing(monkeypatch, tmp_path):
+    """--ab with --spec-tokens / --routing: every variant's child bench gets them (verification cells are keyed
+    by k in the summary); without them the children get neither flag."""
+    from latency_specialized.bench import ab
+
+    seen = []
+    monkeypatch.setattr(ab, "run_ab", lambda variants, argv, out_dir, **kw: seen.append(list(argv)) or {})
+    monkeypatch.setattr(ab, "summarize", lambda variants, results: "summary")
+    assert main(["bench", "--ab", "base", "--ab", "cute:latency_specialized.kernels.moe_experts_triton.MIN_TOKENS=16",
+                 "--spec-tokens", "0,7", "--routing", "shared", "--out", str(tmp_path)]) == 0
+    assert main(["bench", "--ab", "base", "--out", str(tmp_path)]) == 0
+    with_k, plain = seen
+    assert with_k[with_k.index("--spec-tokens") + 1] == "0,7" and with_k[with_k.index("--routing") + 1] == "shared"
+    assert "--spec-tokens" not in plain and "--routing" not in plain
