@@ -127,9 +127,10 @@ class ComposedAdapter(ModelAdapter):
         return self.composed_model(spec).op_sites(spec, parallel, tokens, arch, dtype, **kw)
 
     def program(self, spec: ModelSpec, *, plans: Any, cache: Any, reference: Any = None,
-                weights: Mapping[str, Any] | None = None, trace: Any = None, comm: Any = None, **_: Any) -> Any:
+                weights: Mapping[str, Any] | None = None, trace: Any = None, comm: Any = None, dcp: Any = None,
+                **_: Any) -> Any:
         """``ComposedProgram`` over ``cache`` (this rank's states); full weights by name (``reference.named``
-        or ``weights``)."""
+        or ``weights``); ``dcp``: the DCP group of a cache split by token (``ComposedProgram``'s)."""
         from latency_specialized.runtime.composed import ComposedProgram, weights_from_names
 
         if weights is None:
@@ -138,7 +139,7 @@ class ComposedAdapter(ModelAdapter):
             weights = reference.named
         model = self.composed_model(spec)
         nested = weights_from_names(model, self.program_tensors(weights), self.tensor_names(spec))
-        return ComposedProgram(model, nested, plans, cache, comm=comm, trace=trace)
+        return ComposedProgram(model, nested, plans, cache, comm=comm, trace=trace, dcp=dcp)
 
     def verify_cell(self, cell: Any, comm: Any = None) -> Any:
         """One matrix cell: the program vs the reference (``testing/verify.py``)."""

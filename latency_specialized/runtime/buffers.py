@@ -36,13 +36,17 @@ class BufferSpec:
     max_batch: int = 64
     """Rows of every per-sequence buffer (the largest graph bucket)."""
     max_blocks_per_seq: int = 1
-    """Columns of the block table (context capacity = max_blocks_per_seq * block_size)."""
+    """Columns of the block table (context capacity = max_blocks_per_seq * block_size * dcp_world)."""
     block_size: int = 16
     """Tokens per KV-cache block."""
     pad_state: int = 0
     """Recurrent-state row that padded rows read and write (reserve it: no live sequence may use it)."""
     spec_tokens: int = 0
     """Draft tokens per request of a verification step (speculative decoding); 0: plain decode steps."""
+    dcp_world: int = 1
+    """Ranks of a DCP group sharing the block table (decode context parallelism): one table block stands for
+    ``block_size * dcp_world`` positions, so a sequence's capacity is ``dcp_world`` times the table's tokens
+    (``slot_mapping`` stays the single-rank one: the DCP pieces derive their ranks' slots themselves)."""
 
 
 class DecodeBuffers:
@@ -86,8 +90,8 @@ class DecodeBuffers:
 
     @property
     def capacity(self) -> int:
-        """Tokens a sequence can hold: ``max_blocks_per_seq * block_size``."""
-        return self.spec.max_blocks_per_seq * self.spec.block_size
+        """Tokens a sequence can hold: ``max_blocks_per_seq * block_size`` (times ``dcp_world``)."""
+        return self.spec.max_blocks_per_seq * self.spec.block_size * self.spec.dcp_world
 
     def capacity_problem(self) -> str | None:
         """Why the next step cannot run (a live position - the last draft's, in a verification step - reaches
@@ -141,7 +145,7 @@ class DecodeBuffers:
                             "give live sequences other rows")
         if n and int(p.min()) < 0:
             raise UserError("load: positions must be >= 0")
-        cap = self.spec.max_blocks_per_seq * self.spec.block_size
+        cap = self.capacity
         if n and int(p.max()) + self.spec.spec_tokens >= cap:  # a verification step's last draft included
             raise UserError(f"load: position {int(p.max()) + self.spec.spec_tokens} beyond the block-table capacity {cap}; "
                             "raise max_blocks_per_seq")

@@ -351,11 +351,16 @@ class ComposedProgram:
     comm : communicator of the all-reduce / all-gather sites (None: one rank).
     trace : records the implementation bound to every site.
     dtype : activation dtype (default: the embedding's).
+    dcp : optional ``ops.attention.dcp.DcpGroup``: the paged KV caches of ``states`` hold only this rank's
+        tokens of every sequence (decode context parallelism, vLLM's layout; ``runtime.dcp_states``), and the
+        attention pieces merge their partial outputs across the group; every piece with paged states must
+        serve it (``dcp_problems``). Plain decode steps only (no speculative tokens yet).
     """
 
     def __init__(self, model: ComposedModel, weights: Weights, plans: Plan | Mapping[int, Plan],
                  states: ModelStates | Mapping[int, Mapping[str, torch.Tensor]], *, comm: Any = None,
-                 trace: Trace | None = None, weights_sharded: bool = False, dtype: torch.dtype | None = None):
+                 trace: Trace | None = None, weights_sharded: bool = False, dtype: torch.dtype | None = None,
+                 dcp: Any = None):
         plans = {plans.bucket: plans} if isinstance(plans, Plan) else dict(plans)
         spec = model.spec
         if not plans:
@@ -385,6 +390,12 @@ class ComposedProgram:
         problems = verification_problems(model, k, tp)
         if problems:
             raise UserError(f"{spec.name}: no verification steps with {k} speculative tokens: " + "; ".join(problems))
+        if dcp is not None:
+            problems = dcp_problems(model, k, tp)
+            if problems:
+                raise UserError(f"{spec.name}: no decode context parallelism: " + "; ".join(problems))
+        self.dcp = dcp
+        """The DCP group of the paged attention (None: every rank holds whole sequences)."""
         self.model, self.spec = model, spec
         self.tp, self.rank = tp, (comm.rank if comm is not None else 0)
         self.rank_spec = spec.shard(tp) if tp > 1 else spec
@@ -414,6 +425,8 @@ class ComposedProgram:
         if not isinstance(states, ModelStates):
             states = ModelStates.external(model, states, tp=tp)
         check_states(model, states, tp)
+        if dcp is not None and states.block_size is not None:
+            dcp.layout.check_block_size(states.block_size)
         self.states = states
         own = model.state_decls(tp)
         self._state_of: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
@@ -555,7 +568,7 @@ class ComposedProgram:
         b = bucket * (1 + k)
         step = StepContext(ops=ops, meta=meta, rows=b, comm=self._step_comm, tp=self.tp, rank=self.rank,
                            spec=self.spec, rank_spec=self.rank_spec, scratch=self.scratch,
-                           site_comm=self._site_comm[bucket], streams=self.streams, spec_tokens=k)
+                           site_comm=self._site_comm[bucket], streams=self.streams, spec_tokens=k, dcp=self.dcp)
         residual = model.residual
         x = model.embedding.forward(step, self.w_embed, {}, meta["tokens"])
         rs = residual.start(step, x)
@@ -618,11 +631,25 @@ def verification_problems(model: ComposedModel, k: int, tp: int = 1) -> list[str
     return out
 
 
+def dcp_problems(model: ComposedModel, k: int = 0, tp: int = 1) -> list[str]:
+    """Why ``model`` cannot run with its paged KV caches split across a DCP group (empty: it can). Every piece
+    with paged states must read them through the group (``supports_dcp``: the GQA and dense MLA pieces); the
+    'rows' states (recurrences, rings) stay whole on every rank. No verification steps with DCP yet."""
+    out = [f"{k} speculative tokens: DCP serves plain decode steps only (build the program for k = 0)"] if k else []
+    for kind, layers in model.kinds.items():
+        for piece in (layers[0].attention, layers[0].ffn):
+            paged = [d.name for d in piece.states(model.spec, tp) if d.kind == "paged"]
+            if paged and not getattr(piece, "supports_dcp", False):
+                out.append(f"layers of kind {kind!r}: the {type(piece).__name__} piece keeps paged states {paged} "
+                           "and has no DCP path (GQAAttention and MLAAttention have one)")
+    return out
+
+
 def _where(key: WeightKey) -> str:
     layer, role, local = key
     return f"{'model' if layer == MODEL else f'layer {layer}'} {role}.{local}"
 
 
-__all__ = ["ComposedModel", "ComposedProgram", "LayerPieces", "MODEL", "shard_weight", "rank_shape",
+__all__ = ["ComposedModel", "ComposedProgram", "LayerPieces", "MODEL", "dcp_problems", "shard_weight", "rank_shape",
            "spec_tokens_of", "verification_problems",
            "weights_from_names", "named_weights", "expected_tensors", "is_expert_stacked"]

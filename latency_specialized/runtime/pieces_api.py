@@ -110,6 +110,9 @@ class StepContext:
     this bucket: a symmetric-memory workspace where the plan picked a fused kernel); None: ``comm``."""
     spec_tokens: int = 0
     """k: draft tokens per request of this step (0: a plain decode step, one row per request)."""
+    dcp: Any = None
+    """The program's DCP group (``ops.attention.dcp.DcpGroup``): paged KV caches hold this rank's tokens only and
+    the attention pieces that declare ``supports_dcp`` merge across the group; None: whole sequences here."""
     streams: dict[str, Any] = field(default_factory=dict)
     """Side streams the program created before capture (``runtime.side_stream.SideStream``), by name:
     'side' on CUDA devices where a plan site asks for one (attr ``side_stream``); empty on the CPU."""

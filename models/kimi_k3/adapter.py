@@ -135,9 +135,10 @@ class KimiK3Adapter(ModelAdapter):
 
     def program(self, spec: ModelSpec, *, plans: Any, cache: Any, reference: Any = None,
                 weights: dict[str, torch.Tensor] | None = None, trace: Any = None, comm: Any = None,
-                weights_sharded: bool = False, **_: Any):
+                weights_sharded: bool = False, dcp: Any = None, **_: Any):
         """The composed decode program over ``cache`` (this rank's ``ModelStates``) bound to ``plans``; weights
-        by official name from ``reference`` or ``weights`` (full, or the rank's with ``weights_sharded``)."""
+        by official name from ``reference`` or ``weights`` (full, or the rank's with ``weights_sharded``);
+        ``dcp``: the DCP group of a cache split by token (``ComposedProgram``'s)."""
         if weights is None:
             if reference is None:
                 raise UserError("kimi_k3 program needs weights: pass reference= or weights=")
@@ -145,7 +146,7 @@ class KimiK3Adapter(ModelAdapter):
             weights = getattr(reference, "program_weights", None) or reference.w
         spec = _kimi(spec, "program")
         return ComposedProgram(composed.composed_model(spec), composed.piece_weights(spec, weights), plans, cache,
-                               comm=comm, trace=trace, weights_sharded=weights_sharded)
+                               comm=comm, trace=trace, weights_sharded=weights_sharded, dcp=dcp)
 
     def verify_cell(self, cell: Any, comm: Any = None) -> Any:
         """Program vs reference for one cross-model matrix cell on this rank (``testing/verify.py``)."""

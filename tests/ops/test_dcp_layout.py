@@ -348,6 +348,31 @@ def test_public_dcp_ops_over_a_thread_group_equal_single_rank(kind, opts, world,
         dcp_merge_across(torch.zeros(1, 1, 1), torch.zeros(1, 1), None, method="max")
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_dcp_mla_applies_the_ops_rope(interleaved):
+    """``dcp_mla_decode`` with ``positions`` / ``rope_inv_freq`` rotates q's rope part and the new rope key as
+    ``attention.mla`` does (the MLA piece passes its RoPE so): merged over a thread group of 2, equal to the
+    single-rank reference given the same RoPE arguments."""
+    lens = (1, 5, 30, 0, 12)
+    case = make_case("mla", 41, lens, gate=True, kv_norm=True)
+    g = torch.Generator().manual_seed(5)
+    R = case["new"]["k_pe"].shape[1]
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, R, 2).float() / R)) * (1 + 0.01 * torch.rand(R // 2, generator=g))
+    rope = dict(positions=torch.tensor([max(n - 1, 0) for n in lens]) + 3, rope_inv_freq=inv_freq,
+                rope_interleaved=interleaved)
+    plain = dict(case, extra=dict(case["extra"]))
+    case["extra"].update(rope)
+    want = single_rank(case, 41)
+    assert (single_rank(plain, 41) - want).abs().max() > 1e-3   # the RoPE matters here
+
+    def body(rank, comm):
+        lay = DcpLayout(2, rank)
+        return dcp_step(case, lay, rank_state(case, lay, 41), comm, "allgather")
+
+    for y in ThreadGroup(2).run(body):
+        close(y, want, case["dtype"])
+
+
 # ----------------------------------------------------------------------------------- GPU: graph capture
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind,partial", [("gqa", "torch"), ("gqa", "triton"), ("mla", "torch")])

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -36,9 +36,9 @@ from latency_specialized.errors import UserError
 from latency_specialized.kernels.mla_common import write_new_latents
 from latency_specialized.ops.attention.dcp_merge import dcp_merge_across
 from latency_specialized.ops.attention.gqa import write_kv_paged
-from latency_specialized.ops.attention.mla import latent_widths, normed_latent
+from latency_specialized.ops.attention.mla import latent_widths, normed_latent, roped
 
-__all__ = ["DcpLayout", "dcp_gqa_decode", "dcp_mla_decode", "global_positions", "gqa_partial_reference",
+__all__ = ["DcpGroup", "DcpLayout", "dcp_gqa_decode", "dcp_mla_decode", "global_positions", "gqa_partial_reference",
            "gqa_partial_triton", "local_seq_lens", "local_slot_mapping", "mla_partial_reference", "token_owner"]
 
 
@@ -238,6 +238,30 @@ def mla_partial_reference(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tenso
 Partial = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
+@dataclass(frozen=True)
+class DcpGroup:
+    """What a decode program needs to run its paged attention split across a DCP group (``ComposedProgram(...,
+    dcp=)``, ``StepContext.dcp``): this rank's layout, the group's communicator (``all_gather`` / ``all_reduce``),
+    the merge method and the partial-attention implementations (the torch references by default;
+    ``gqa_partial_triton`` is the GPU kernel for GQA without a window)."""
+
+    layout: DcpLayout
+    comm: Any
+    merge: str = "allgather"
+    gqa_partial: Partial | None = None
+    """None: ``gqa_partial_reference``."""
+    mla_partial: Partial | None = None
+    """None: ``mla_partial_reference``."""
+
+    def __post_init__(self):
+        world = getattr(self.comm, "world_size", None)
+        if world != self.layout.world:
+            raise UserError(f"DCP group: the layout is for {self.layout.world} ranks but the communicator has "
+                            f"{world}: give the DCP group's own communicator")
+        if self.merge not in ("allgather", "rescale"):
+            raise UserError(f"DCP merge {self.merge!r}: choose 'allgather' or 'rescale' (dcp_merge_across)")
+
+
 def dcp_gqa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                    seq_lens: torch.Tensor, *, layout: DcpLayout, comm, scale: float | None = None,
                    sinks: torch.Tensor | None = None, k: torch.Tensor | None = None, v: torch.Tensor | None = None,
@@ -281,17 +305,21 @@ def dcp_mla_decode(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_c
                    comm, qk_nope_head_dim: int, v_head_dim: int, scale: float | None = None,
                    gate: torch.Tensor | None = None, kv_norm_weight: torch.Tensor | None = None,
                    kv_norm_eps: float = 1e-6, merge: str = "allgather", partial: Partial = mla_partial_reference,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   positions: torch.Tensor | None = None, rope_inv_freq: torch.Tensor | None = None,
+                   rope_interleaved: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """``mla_decode_reference`` over a latent cache split across a DCP group: every rank calls it alike.
 
     Arguments as there, except: ``seq_lens`` are the *global* lengths; the slots are derived here
     (``local_slot_mapping`` of position ``seq_lens - 1``), so only the new token's owner writes its latent;
     ``block_table`` is the group's shared table; ``layout``/``comm``/``merge`` as ``dcp_gqa_decode``.
+    ``positions`` / ``rope_inv_freq`` / ``rope_interleaved``: the RoPE of ``attention.mla`` (q's rope part and
+    ``k_pe`` rotated first, ``ops.attention.mla.roped``: the reference's math and rounding).
 
     Returns
     -------
     [B, H * v_head_dim] in q.dtype, equal on every rank to single-rank MLA over the whole sequence.
     """
+    q, k_pe = roped(q, k_pe, qk_nope_head_dim, positions, rope_inv_freq, rope_interleaved)
     slots = local_slot_mapping(seq_lens.long() - 1, block_table, kv_cache.shape[1], layout)
     o, lse = partial(q, kv_c, k_pe, kv_cache, slots, block_table, local_seq_lens(seq_lens, layout), w_kv_b,
                      qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim, scale=scale,

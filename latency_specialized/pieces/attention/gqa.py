@@ -40,6 +40,7 @@ from typing import ClassVar, Literal, Mapping
 import torch
 
 from latency_specialized.errors import UserError
+from latency_specialized.ops.attention.dcp import dcp_gqa_decode, gqa_partial_reference
 from latency_specialized.ops.sites import SiteBuilder
 from latency_specialized.pieces.attention.rope import RopeStyle, apply_rope, rope_inv_freq
 from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl, join
@@ -68,6 +69,8 @@ class GQAAttention:
     """GQA decode piece (``role`` 'attn'); see the module docstring."""
 
     role: ClassVar[str] = "attn"
+    supports_dcp: ClassVar[bool] = True
+    """Runs over a KV cache split across a DCP group (``StepContext.dcp``: ``ops.attention.dcp.dcp_gqa_decode``)."""
     spec: GQAAttentionSpec
     """The unsharded attention (heads, KV heads, head_dim, window, rope_theta, scale, output gate)."""
     qk_norm: QKNorm | None = None
@@ -183,9 +186,15 @@ class GQAAttention:
                 q = apply_rope(q, pos, w["rope_inv_freq"], self.rope_style)
                 k = apply_rope(k, pos, w["rope_inv_freq"], self.rope_style)
         meta = step.meta
-        o = step.op("attn.gqa")(q, state["k"], state["v"], meta["block_table"], meta["seq_lens"],
-                                scale=a.softmax_scale, window=a.sliding_window, sinks=w.get("sinks"),
-                                k=k, v=v, slot_mapping=meta["slots"], cross_row_reads=step.spec_tokens > 0)
+        if step.dcp is not None:  # this rank holds its tokens only: partial attention, merged across the group
+            g = step.dcp
+            o = dcp_gqa_decode(q, state["k"], state["v"], meta["block_table"], meta["seq_lens"], layout=g.layout,
+                               comm=g.comm, scale=a.softmax_scale, sinks=w.get("sinks"), k=k, v=v,
+                               window=a.sliding_window, merge=g.merge, partial=g.gqa_partial or gqa_partial_reference)
+        else:
+            o = step.op("attn.gqa")(q, state["k"], state["v"], meta["block_table"], meta["seq_lens"],
+                                    scale=a.softmax_scale, window=a.sliding_window, sinks=w.get("sinks"),
+                                    k=k, v=v, slot_mapping=meta["slots"], cross_row_reads=step.spec_tokens > 0)
         if self.out_norm:  # per head over head_dim, with the gate (a column slice: made contiguous)
             g = qkv[:, nq + 2 * nkv:].reshape(M * Hq, D) if self._gated() else None
             o = step.op("attn.out_norm")(o.reshape(M * Hq, D), None, self._eps(step), gate=g).reshape(M, nq)

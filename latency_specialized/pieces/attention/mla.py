@@ -36,6 +36,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 import torch
 
 from latency_specialized.errors import UserError
+from latency_specialized.ops.attention.dcp import dcp_mla_decode, mla_partial_reference
 from latency_specialized.ops.sites import SiteBuilder
 from latency_specialized.pieces.attention.rope import rope_inv_freq
 from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl
@@ -69,6 +70,9 @@ class MLAAttention:
     none; a sparse subclass sets ``sparse = True`` and overrides :meth:`attend` (and adds its sites)."""
 
     role: ClassVar[str] = "attn"
+    supports_dcp: ClassVar[bool] = True
+    """Runs over a latent cache split across a DCP group (``StepContext.dcp``: ``ops.attention.dcp.dcp_mla_decode``);
+    the sparse variant does not (its indexer keys and selection are per whole sequence)."""
     sparse: ClassVar[bool] = False
     """True for a subclass that attends over an indexer's top-k (it then accepts ``indexer``)."""
 
@@ -185,6 +189,13 @@ class MLAAttention:
         applies the RoPE, :meth:`rope_args`), the raw latent ``kv_c`` (strided rows), the gate logits ->
         ``[M, H * v]`` (the sparse variant's hook)."""
         a = self.local(step.tp)
+        if step.dcp is not None:  # this rank holds its tokens only: partial attention, merged across the group
+            g = step.dcp
+            return dcp_mla_decode(q, kv_c, k_pe, state["kv"], step.meta["block_table"], step.meta["seq_lens"],
+                                  w["kv_b"], layout=g.layout, comm=g.comm, qk_nope_head_dim=a.qk_nope_head_dim,
+                                  v_head_dim=a.v_head_dim, scale=self.softmax_scale, gate=gate,
+                                  kv_norm_weight=w["kv_a_norm"], kv_norm_eps=self.norm_eps, merge=g.merge,
+                                  partial=g.mla_partial or mla_partial_reference, **self.rope_args(step, w))
         # kv_a_layernorm is part of the MLA op: the raw latent slice goes in as is (strided rows)
         return step.op("attn.mla")(q, kv_c, k_pe, state["kv"], step.meta["slots"], step.meta["block_table"],
                                    step.meta["seq_lens"], w["kv_b"], qk_nope_head_dim=a.qk_nope_head_dim,

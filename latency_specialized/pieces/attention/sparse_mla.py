@@ -82,6 +82,9 @@ class SparseMLAAttention(MLAAttention):
     """Absorbed MLA over an indexer's top-k (see the module docstring); ``indexer``: :class:`IndexerOptions`
     (default: a full layer)."""
 
+    supports_dcp: ClassVar[bool] = False
+    """No DCP path: the indexer scores and selects over whole sequences (``runtime.composed.dcp_problems``)."""
+
     sparse: ClassVar[bool] = True
 
     def __post_init__(self) -> None:

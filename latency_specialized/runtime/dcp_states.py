@@ -1,0 +1,67 @@
+"""One DCP rank's share of a model's decode states (decode context parallelism, ``ops/attention/dcp.py``).
+
+A DCP group splits every sequence's paged KV cache by token: global position ``t`` lives on rank
+``(t // I) % W`` at local index ``j = (t // (I W)) I + t % I``, stored where an ordinary paged cache of the
+group's block table keeps its ``j``-th token. :func:`dcp_rank_states` makes that share from states holding whole
+sequences (a reference's prefill): the paged states keep only this rank's tokens, in a cache ``W`` times
+shorter per sequence; the 'rows' states (recurrences, rings, tapes) are per sequence, not per token, so every
+rank keeps them whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from latency_specialized.errors import UserError
+from latency_specialized.ops.attention.dcp import DcpLayout, token_owner
+from latency_specialized.runtime.states import ModelStates, SeqSlot, cdiv
+
+
+def dcp_capacity(max_len: int, layout: DcpLayout) -> int:
+    """Tokens one rank holds of a sequence of ``max_len``: ``ceil(max_len / (I W)) I``."""
+    run = layout.interleave * layout.world
+    return cdiv(max_len, run) * layout.interleave
+
+
+def dcp_rank_states(model: Any, states: ModelStates, lengths: Sequence[int], layout: DcpLayout,
+                    max_len: int) -> ModelStates:
+    """This rank's states of ``states`` (whole sequences, one per slot, ``lengths[i]`` tokens cached in slot
+    ``i``): fresh states for ``len(states.slots)`` sequences of up to ``max_len`` tokens each, with the same
+    state rows, holding only this rank's tokens in the paged states (:func:`dcp_capacity` per sequence) and
+    copies of the per-row states."""
+    if states.block_size is None:
+        raise UserError("DCP splits paged states by token: these states have none (nothing to split)")
+    layout.check_block_size(states.block_size)
+    if len(lengths) != len(states.slots):
+        raise UserError(f"{len(lengths)} lengths for {len(states.slots)} sequences: give one per slot")
+    paged = [t for i, by in states.by_layer.items() for n, t in by.items() if states.decls[i][n].kind == "paged"]
+    dtype = paged[0].dtype if paged else torch.float32
+    out = ModelStates.allocate(model, len(states.slots), dcp_capacity(max_len, layout), tp=states.tp,
+                               block_size=states.block_size, dtype=dtype, device=states.device,
+                               num_rows=max(s.row for s in states.slots) + 1)
+    # the same state row per sequence: the step's rows address both alike
+    out.slots = [SeqSlot(row=src.row, blocks=dst.blocks) for dst, src in zip(out.slots, states.slots)]
+    bs, W, I = states.block_size, layout.world, layout.interleave
+    for slot_src, slot_dst, n in zip(states.slots, out.slots, lengths):
+        if n > len(slot_src.blocks) * bs:
+            raise UserError(f"a sequence of {n} tokens in a slot of {len(slot_src.blocks) * bs}")
+        t = torch.arange(n)
+        t = t[token_owner(t, W, I) == layout.rank]
+        j = (t // (I * W)) * I + t % I
+        src_blocks = torch.tensor(slot_src.blocks, dtype=torch.long)
+        dst_blocks = torch.tensor(slot_dst.blocks, dtype=torch.long)
+        src_rows = (src_blocks[t // bs] * bs + t % bs).to(states.device)
+        dst_rows = (dst_blocks[j // bs] * bs + j % bs).to(states.device)
+        for layer, by_name in states.decls.items():
+            for name, d in by_name.items():
+                a, b = out.by_layer[layer][name], states.by_layer[layer][name]
+                if d.kind == "rows":
+                    a[slot_dst.row] = b[slot_src.row]
+                else:
+                    a.view(-1, *a.shape[2:])[dst_rows] = b.view(-1, *b.shape[2:])[src_rows]
+    return out
+
+
+__all__ = ["dcp_capacity", "dcp_rank_states"]
