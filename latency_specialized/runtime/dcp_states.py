@@ -16,7 +16,7 @@ import torch
 
 from latency_specialized.errors import UserError
 from latency_specialized.ops.attention.dcp import DcpLayout, token_owner
-from latency_specialized.runtime.states import ModelStates, SeqSlot, cdiv
+from latency_specialized.runtime.states import ModelStates, SeqSlot, cdiv, copy_slot_states
 
 
 def dcp_capacity(max_len: int, layout: DcpLayout) -> int:
@@ -54,13 +54,10 @@ def dcp_rank_states(model: Any, states: ModelStates, lengths: Sequence[int], lay
         dst_blocks = torch.tensor(slot_dst.blocks, dtype=torch.long)
         src_rows = (src_blocks[t // bs] * bs + t % bs).to(states.device)
         dst_rows = (dst_blocks[j // bs] * bs + j % bs).to(states.device)
-        for layer, by_name in states.decls.items():
-            for name, d in by_name.items():
-                a, b = out.by_layer[layer][name], states.by_layer[layer][name]
-                if d.kind == "rows":
-                    a[slot_dst.row] = b[slot_src.row]
-                else:
-                    a.view(-1, *a.shape[2:])[dst_rows] = b.view(-1, *b.shape[2:])[src_rows]
+        def tokens(a: torch.Tensor, b: torch.Tensor, dst_rows=dst_rows, src_rows=src_rows) -> None:
+            a.view(-1, *a.shape[2:])[dst_rows] = b.view(-1, *b.shape[2:])[src_rows]
+
+        copy_slot_states(out, states, slot_dst, slot_src, tokens)
     return out
 
 

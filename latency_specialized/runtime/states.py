@@ -21,7 +21,7 @@ per-rank shapes (``states(spec, tp)``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Protocol, Sequence
+from typing import Callable, Iterable, Mapping, Protocol, Sequence
 
 import torch
 
@@ -260,14 +260,24 @@ class ModelStates:
         if n_blocks > min(len(dst.blocks), len(src_slot.blocks)):
             raise UserError(f"copy of {tokens} tokens: more than the slots' {len(dst.blocks)} / "
                             f"{len(src_slot.blocks)} blocks hold")
-        for layer, by_name in self.decls.items():
-            for name, d in by_name.items():
-                a, b = self.by_layer[layer][name], src.by_layer[layer][name]
-                if d.kind == "rows":
-                    a[dst.row] = b[src_slot.row]
-                else:
-                    for k in range(n_blocks):
-                        a[dst.blocks[k]] = b[src_slot.blocks[k]]
+        def blocks(a: torch.Tensor, b: torch.Tensor) -> None:
+            for k in range(n_blocks):
+                a[dst.blocks[k]] = b[src_slot.blocks[k]]
+
+        copy_slot_states(self, src, dst, src_slot, blocks)
+
+
+def copy_slot_states(dst: ModelStates, src: ModelStates, dst_slot: SeqSlot, src_slot: SeqSlot,
+                     copy_paged: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+    """One sequence's declared states from ``src`` into ``dst`` (same declarations): the 'rows' states row to
+    row, each paged one by ``copy_paged(dst tensor, src tensor)`` (which tokens go where is the caller's)."""
+    for layer, by_name in dst.decls.items():
+        for name, d in by_name.items():
+            a, b = dst.by_layer[layer][name], src.by_layer[layer][name]
+            if d.kind == "rows":
+                a[dst_slot.row] = b[src_slot.row]
+            else:
+                copy_paged(a, b)
 
 
 def rank_slice(t: torch.Tensor, dim: int, parts: Sequence[int], slices: int, index: int) -> torch.Tensor:
@@ -330,5 +340,6 @@ def check_states(model: "ModelWithStates", states: ModelStates, tp: int) -> None
             _check_shape(layer, name, d, have[name], tp)
 
 
-__all__ = ["ModelStates", "BlockAllocator", "SeqSlot", "flat_state_decls", "state_dtype", "check_states", "shard_states",
+__all__ = ["ModelStates", "BlockAllocator", "SeqSlot", "copy_slot_states", "flat_state_decls", "state_dtype", "check_states",
+           "shard_states",
            "rank_slice"]
