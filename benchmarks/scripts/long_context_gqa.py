@@ -29,7 +29,7 @@ def main() -> None:
                     help="TAG:CONST=VALUE,... tuning constants of kernels/gqa_decode_triton.py (repeatable)")
     args = ap.parse_args()
     from latency_specialized.kernels import gqa_decode_triton as gk
-    defaults = {c: getattr(gk, c) for c in dir(gk) if c.isupper() and isinstance(getattr(gk, c), int)}
+    defaults = {c: v for c, v in vars(gk).items() if c.isupper() and isinstance(v, int)}
     for cfg in args.config or [":"]:
         tag, _, sets = cfg.partition(":")
         for c, v in defaults.items():

@@ -19,9 +19,6 @@ import bench_mla  # noqa: E402  (a sibling script)
 
 from latency_specialized.kernels import mla_decode_triton as mk  # noqa: E402
 
-CONSTANTS = ("BLOCK_N", "NUM_WARPS", "NUM_STAGES", "MIN_CHUNK", "MIN_CHUNK_SMALL_BATCH", "WAVES", "MAX_SPLITS",
-             "MERGE_S_TILE", "MERGE_WARPS", "MERGE_L_FUSED", "MERGE_TILE", "MERGE_V_BLOCK", "PDL", "MERGE_L_TILE",
-             "MERGE_PDL")
 
 
 def main() -> int:
@@ -31,7 +28,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,2,4")
     ap.add_argument("--config", action="append", required=True, help="TAG:FLAG=VALUE,... (repeatable)")
     a, rest = ap.parse_known_args()
-    defaults = {c: getattr(mk, c) for c in CONSTANTS if hasattr(mk, c)}
+    # every tuning constant (upper-case int / bool) as imported: a config starts from these
+    defaults = {c: v for c, v in vars(mk).items() if c.isupper() and isinstance(v, (int, bool))}
     rc = 0
     for cfg in a.config:
         tag, _, flags = cfg.partition(":")

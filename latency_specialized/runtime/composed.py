@@ -617,17 +617,16 @@ def verification_problems(model: ComposedModel, k: int, tp: int = 1) -> list[str
     if k <= 0:
         return []
     out = []
-    for kind, layers in model.kinds.items():
-        for piece in (layers[0].attention, layers[0].ffn):
-            rows = [d.name for d in piece.states(model.spec, tp) if d.kind == "rows"]
-            have = getattr(piece, "spec_tokens", None)
-            if not rows or (have or 0) >= k:
-                continue
-            name = type(piece).__name__
-            fix = (f"build it with spec_tokens >= {k} (the adapter's spec for {k} speculative tokens)"
-                   if have is not None else "it has no verification path yet (speculative steps run stock)")
-            out.append(f"layers of kind {kind!r}: the {name} piece keeps per-sequence states {rows} and verifies "
-                       f"{have or 0} speculative tokens: {fix}")
+    for kind, piece in _kind_pieces(model):
+        rows = [d.name for d in piece.states(model.spec, tp) if d.kind == "rows"]
+        have = getattr(piece, "spec_tokens", None)
+        if not rows or (have or 0) >= k:
+            continue
+        name = type(piece).__name__
+        fix = (f"build it with spec_tokens >= {k} (the adapter's spec for {k} speculative tokens)"
+               if have is not None else "it has no verification path yet (speculative steps run stock)")
+        out.append(f"layers of kind {kind!r}: the {name} piece keeps per-sequence states {rows} and verifies "
+                   f"{have or 0} speculative tokens: {fix}")
     return out
 
 
@@ -636,13 +635,20 @@ def dcp_problems(model: ComposedModel, k: int = 0, tp: int = 1) -> list[str]:
     with paged states must read them through the group (``supports_dcp``: the GQA and dense MLA pieces); the
     'rows' states (recurrences, rings) stay whole on every rank. No verification steps with DCP yet."""
     out = [f"{k} speculative tokens: DCP serves plain decode steps only (build the program for k = 0)"] if k else []
-    for kind, layers in model.kinds.items():
-        for piece in (layers[0].attention, layers[0].ffn):
-            paged = [d.name for d in piece.states(model.spec, tp) if d.kind == "paged"]
-            if paged and not getattr(piece, "supports_dcp", False):
-                out.append(f"layers of kind {kind!r}: the {type(piece).__name__} piece keeps paged states {paged} "
-                           "and has no DCP path (GQAAttention and MLAAttention have one)")
+    for kind, piece in _kind_pieces(model):
+        paged = [d.name for d in piece.states(model.spec, tp) if d.kind == "paged"]
+        if paged and not getattr(piece, "supports_dcp", False):
+            out.append(f"layers of kind {kind!r}: the {type(piece).__name__} piece keeps paged states {paged} "
+                       "and has no DCP path (GQAAttention and MLAAttention have one)")
     return out
+
+
+def _kind_pieces(model: ComposedModel):
+    """(layer kind, piece) for the attention and FFN piece of each layer kind (one instance serves every layer
+    of its kind)."""
+    for kind, layers in model.kinds.items():
+        yield kind, layers[0].attention
+        yield kind, layers[0].ffn
 
 
 def _where(key: WeightKey) -> str:

@@ -15,14 +15,13 @@ from typing import Any, Sequence
 import torch
 
 from latency_specialized.errors import UserError
-from latency_specialized.ops.attention.dcp import DcpLayout, token_owner
-from latency_specialized.runtime.states import ModelStates, SeqSlot, cdiv, copy_slot_states
+from latency_specialized.ops.attention.dcp import DcpLayout, global_positions, local_seq_lens
+from latency_specialized.runtime.states import ModelStates, SeqSlot, copy_slot_states
 
 
 def dcp_capacity(max_len: int, layout: DcpLayout) -> int:
-    """Tokens one rank holds of a sequence of ``max_len``: ``ceil(max_len / (I W)) I``."""
-    run = layout.interleave * layout.world
-    return cdiv(max_len, run) * layout.interleave
+    """Tokens the fullest rank (rank 0) holds of a sequence of ``max_len`` (``local_seq_lens``)."""
+    return int(local_seq_lens(torch.tensor([max_len]), DcpLayout(layout.world, 0, layout.interleave))[0])
 
 
 def dcp_rank_states(model: Any, states: ModelStates, lengths: Sequence[int], layout: DcpLayout,
@@ -43,22 +42,26 @@ def dcp_rank_states(model: Any, states: ModelStates, lengths: Sequence[int], lay
                                num_rows=max(s.row for s in states.slots) + 1)
     # the same state row per sequence: the step's rows address both alike
     out.slots = [SeqSlot(row=src.row, blocks=dst.blocks) for dst, src in zip(out.slots, states.slots)]
-    bs, W, I = states.block_size, layout.world, layout.interleave
+    bs = states.block_size
     for slot_src, slot_dst, n in zip(states.slots, out.slots, lengths):
         if n > len(slot_src.blocks) * bs:
             raise UserError(f"a sequence of {n} tokens in a slot of {len(slot_src.blocks) * bs}")
-        t = torch.arange(n)
-        t = t[token_owner(t, W, I) == layout.rank]
-        j = (t // (I * W)) * I + t % I
-        src_blocks = torch.tensor(slot_src.blocks, dtype=torch.long)
-        dst_blocks = torch.tensor(slot_dst.blocks, dtype=torch.long)
-        src_rows = (src_blocks[t // bs] * bs + t % bs).to(states.device)
-        dst_rows = (dst_blocks[j // bs] * bs + j % bs).to(states.device)
+        j = torch.arange(int(local_seq_lens(torch.tensor([n]), layout)[0]))   # this rank's tokens, local order
+        t = global_positions(j, layout)
+        src_rows = _flat_slots(slot_src.blocks, t, bs).to(states.device)
+        dst_rows = _flat_slots(slot_dst.blocks, j, bs).to(states.device)
+
         def tokens(a: torch.Tensor, b: torch.Tensor, dst_rows=dst_rows, src_rows=src_rows) -> None:
             a.view(-1, *a.shape[2:])[dst_rows] = b.view(-1, *b.shape[2:])[src_rows]
 
         copy_slot_states(out, states, slot_dst, slot_src, tokens)
     return out
+
+
+def _flat_slots(blocks: Sequence[int], positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat cache slots (``block * block_size + offset``) of a sequence's ``positions`` in its ``blocks``."""
+    table = torch.tensor(blocks, dtype=torch.long)
+    return table[positions // block_size] * block_size + positions % block_size
 
 
 __all__ = ["dcp_capacity", "dcp_rank_states"]

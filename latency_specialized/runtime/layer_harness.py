@@ -70,7 +70,7 @@ def share_routing(weights: dict[Any, dict[str, dict[str, torch.Tensor]]], scale:
     for roles in weights.values():
         router = roles.get("ffn", {}).get("router") if isinstance(roles, dict) else None
         if router is not None:
-            router.mul_(scale) if scale else router.zero_()
+            router.mul_(scale)
             n += 1
     if not n:
         raise UserError("routing 'shared' / 'scaled': these weights have no FFN router ('ffn' / 'router'); bench "

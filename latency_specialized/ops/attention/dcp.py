@@ -248,10 +248,8 @@ class DcpGroup:
     layout: DcpLayout
     comm: Any
     merge: str = "allgather"
-    gqa_partial: Partial | None = None
-    """None: ``gqa_partial_reference``."""
-    mla_partial: Partial | None = None
-    """None: ``mla_partial_reference``."""
+    gqa_partial: Partial = gqa_partial_reference
+    mla_partial: Partial = mla_partial_reference
 
     def __post_init__(self):
         world = getattr(self.comm, "world_size", None)

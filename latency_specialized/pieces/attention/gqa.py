@@ -40,7 +40,7 @@ from typing import ClassVar, Literal, Mapping
 import torch
 
 from latency_specialized.errors import UserError
-from latency_specialized.ops.attention.dcp import dcp_gqa_decode, gqa_partial_reference
+from latency_specialized.ops.attention.dcp import dcp_gqa_decode
 from latency_specialized.ops.sites import SiteBuilder
 from latency_specialized.pieces.attention.rope import RopeStyle, apply_rope, rope_inv_freq
 from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl, join
@@ -190,7 +190,7 @@ class GQAAttention:
             g = step.dcp
             o = dcp_gqa_decode(q, state["k"], state["v"], meta["block_table"], meta["seq_lens"], layout=g.layout,
                                comm=g.comm, scale=a.softmax_scale, sinks=w.get("sinks"), k=k, v=v,
-                               window=a.sliding_window, merge=g.merge, partial=g.gqa_partial or gqa_partial_reference)
+                               window=a.sliding_window, merge=g.merge, partial=g.gqa_partial)
         else:
             o = step.op("attn.gqa")(q, state["k"], state["v"], meta["block_table"], meta["seq_lens"],
                                     scale=a.softmax_scale, window=a.sliding_window, sinks=w.get("sinks"),

@@ -36,7 +36,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 import torch
 
 from latency_specialized.errors import UserError
-from latency_specialized.ops.attention.dcp import dcp_mla_decode, mla_partial_reference
+from latency_specialized.ops.attention.dcp import dcp_mla_decode
 from latency_specialized.ops.sites import SiteBuilder
 from latency_specialized.pieces.attention.rope import rope_inv_freq
 from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl
@@ -195,7 +195,7 @@ class MLAAttention:
                                   w["kv_b"], layout=g.layout, comm=g.comm, qk_nope_head_dim=a.qk_nope_head_dim,
                                   v_head_dim=a.v_head_dim, scale=self.softmax_scale, gate=gate,
                                   kv_norm_weight=w["kv_a_norm"], kv_norm_eps=self.norm_eps, merge=g.merge,
-                                  partial=g.mla_partial or mla_partial_reference, **self.rope_args(step, w))
+                                  partial=g.mla_partial, **self.rope_args(step, w))
         # kv_a_layernorm is part of the MLA op: the raw latent slice goes in as is (strided rows)
         return step.op("attn.mla")(q, kv_c, k_pe, state["kv"], step.meta["slots"], step.meta["block_table"],
                                    step.meta["seq_lens"], w["kv_b"], qk_nope_head_dim=a.qk_nope_head_dim,
