@@ -32,13 +32,26 @@ class OpContext:
     dtype: str
     """Activation dtype name ('bfloat16', 'float32' ...)."""
     tokens: int
-    """Rows M processed per call (batch bucket x (1 + speculative tokens))."""
+    """Rows M processed per call (batch bucket x (1 + speculative tokens)): see :attr:`requests`."""
     world_size: int = 1
     """Ranks of the communicator (allreduce) or TP size."""
     dims: tuple[tuple[str, int], ...] = ()
     """Static named sizes, e.g. (('N', 12288), ('K', 7168))."""
     attrs: tuple[tuple[str, Any], ...] = ()
     """Static non-size attributes, e.g. (('score_func', 'sigmoid'),)."""
+
+    @property
+    def spec_tokens(self) -> int:
+        """Draft tokens per request of a verification step (attr ``spec_tokens``, set by the planner
+        when k > 0); 0 for plain decode."""
+        return int(self.attr("spec_tokens", 0))
+
+    @property
+    def requests(self) -> int:
+        """Requests per call: ``tokens / (1 + spec_tokens)``. A verification step's rows of one request
+        tend to route to the same experts, so an implementation whose cost follows the distinct experts
+        (not the rows) chooses on this, not on ``tokens``."""
+        return self.tokens // (1 + self.spec_tokens)
 
     def dim(self, name: str) -> int:
         for k, v in self.dims:

@@ -84,6 +84,7 @@ warps), the recurrence at 64 state floats a thread and more (BV 64 / 4 warps, BV
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -117,7 +118,12 @@ sm_90 build, of the fused kernel and of the prologue's recurrence alike."""
 PREP_ROWS = 16
 """Token rows per program of the prologue and the hoisted f_b gemm: ``tl.dot``'s smallest M."""
 PREP_WARPS = 8
+PREP_SPLIT_WARPS = 8
+"""Warps of a split prologue program (one channel group or the decay of 16 rows x one head)."""
 WARPS = (1, 2, 4, 8, 16)
+MAX_ACCEPT_UNROLL = 16
+"""Longest tape the accept unrolls (``VerifyConfig.accept_unroll``; 1 + k <= 8 in the verification steps); a
+longer one runs the loop."""
 
 
 @dataclass(frozen=True)
@@ -130,19 +136,28 @@ class VerifyConfig:
     ``tl.dot`` into an [R, H D] tensor of f_a's dtype) instead of once per token inside every program.
     ``prologue``: everything that does not read the recurrent state (conv, SiLU, norms, decay with the gemm,
     beta) runs for all R rows in one parallel launch; the verify programs then run only the delta rule.
-    ``accept_block_v`` / ``accept_warps``: the accept's blocks (None: ``choose_blocks``)."""
+    ``accept_block_v`` / ``accept_warps``: the accept's blocks (None: ``choose_blocks``).
+    ``prep_split``: the prologue launch as four programs per (row block, head): q, k, v, and the decay with beta
+    (for few rows, where one program per head leaves most SMs idle); the same operations per element.
+    ``accept_unroll``: the accept's replay unrolled over the tape (every token's entries loaded at once, the
+    tokens past the accepted one masked) up to ``MAX_ACCEPT_UNROLL`` tape tokens; False: a loop over the
+    accepted tokens, one dependent round of loads each."""
 
     block_v: int
     num_warps: int
     hoist_fb: bool = False
     prologue: bool = False
+    prep_split: bool = False
     accept_block_v: int | None = None
     accept_warps: int | None = None
+    accept_unroll: bool = True
 
     @property
     def name(self) -> str:
-        kind = "prologue" if self.prologue else "hoist_fb" if self.hoist_fb else "fused"
+        kind = ("prologue-split" if self.prep_split else "prologue") if self.prologue else \
+            "hoist_fb" if self.hoist_fb else "fused"
         acc = "" if self.accept_block_v is None else f" accept bv{self.accept_block_v} w{self.accept_warps}"
+        acc += "" if self.accept_unroll else " accept-loop"
         return f"{kind} bv{self.block_v} w{self.num_warps}{acc}"
 
 
@@ -161,6 +176,7 @@ def _kernels(interpret: bool):
     # the jit functions resolve names through this module's globals (not the closure): the helpers and
     # ``tl`` are bound there on the first build
     global tl, _conv3, _hist, _silu_round, _delta_rule, _store_out, _fb_rows, _conv_rows, _ws_token
+    global _prep_channels, _prep_decay
     import triton
     import triton.language as tl
 
@@ -308,7 +324,7 @@ def _kernels(interpret: bool):
     @triton.jit
     def kda_accept_kernel(conv_state, state, state_idx, accepted, tape_state, tape_conv, TMAX,
                           H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BV: tl.constexpr,
-                          WP: tl.constexpr):
+                          WP: tl.constexpr, TU: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         vs = tl.program_id(2)
@@ -320,7 +336,32 @@ def _kernels(interpret: bool):
             dk = tl.arange(0, D)
             dv = vs * BV + tl.arange(0, BV)
             n = tl.minimum(j + 1, TMAX)      # a j past the tape is outside the contract; never read past it
-            # conv first (its loads are independent of the replay): channels dv of each of q, k, v
+            sp = state + (row * H + h) * (D * D) + dv[:, None] * D + dk[None, :]
+            S = tl.load(sp)
+            tb = tape_state + row * TMAX * (H * 3 * D) + h * (3 * D)
+            if TU > 0:
+                # unrolled over the whole tape (TU = Tmax): no load depends on the state or on an earlier
+                # token, and nothing is stored before them, so every token's tape entries are in flight at
+                # once instead of one memory latency per accepted token; tokens past j are masked loads
+                # and a select that keeps S (never read, never applied)
+                for t in tl.static_range(TU):
+                    live = (dk * 0 + t) < n
+                    kt = tl.load(tb + t * (H * 3 * D) + dk, mask=live, other=0.0)
+                    dec = tl.load(tb + t * (H * 3 * D) + D + dk, mask=live, other=1.0)
+                    vn = tl.load(tb + t * (H * 3 * D) + 2 * D + dv, mask=(dv * 0 + t) < n, other=0.0)
+                    # the reference replay's two fp32 operations, in its order (no FMA: enable_fp_fusion=False)
+                    Sn = S * dec[None, :]
+                    Sn = Sn + vn[:, None] * kt[None, :]
+                    S = tl.where(t < n, Sn, S)
+            else:
+                for t in range(0, n):
+                    kt = tl.load(tb + t * (H * 3 * D) + dk)
+                    dec = tl.load(tb + t * (H * 3 * D) + D + dk)
+                    vn = tl.load(tb + t * (H * 3 * D) + 2 * D + dv)
+                    S = S * dec[None, :]
+                    S = S + vn[:, None] * kt[None, :]
+            tl.store(sp, S)
+            # the conv state: channels dv of each of q, k, v (after the replay, so no store precedes its loads)
             i = tl.arange(0, WP)
             im = i < (W - 1)
             p = n + i                                          # column of [conv_state row, tape 0..]
@@ -335,17 +376,6 @@ def _kernels(interpret: bool):
                               mask=im[None, :] & (p[None, :] >= (W - 1)), other=0.0)
                 val = tl.where(from_conv, old, new.to(conv_state.dtype.element_ty))
                 tl.store(conv_state + cbase + c[:, None] * (W - 1) + i[None, :], val, mask=im[None, :])
-            sp = state + (row * H + h) * (D * D) + dv[:, None] * D + dk[None, :]
-            S = tl.load(sp)
-            tb = tape_state + row * TMAX * (H * 3 * D) + h * (3 * D)
-            for t in range(0, n):
-                kt = tl.load(tb + t * (H * 3 * D) + dk)
-                dec = tl.load(tb + t * (H * 3 * D) + D + dk)
-                vn = tl.load(tb + t * (H * 3 * D) + 2 * D + dv)
-                # the reference replay's two fp32 operations, in its order (no FMA: enable_fp_fusion=False)
-                S = S * dec[None, :]
-                S = S + vn[:, None] * kt[None, :]
-            tl.store(sp, S)
 
     @triton.jit
     def _fb_rows(f, s_f, fb, r64, rm, h, RK, D: tl.constexpr, RKP: tl.constexpr, DOT_F32: tl.constexpr):
@@ -397,58 +427,79 @@ def _kernels(interpret: bool):
         return acc + tl.load(conv_w + c * W + (W - 1)).to(tl.float32)[None, :] * x0, x0
 
     @triton.jit
-    def kda_verify_prep_kernel(x, s_x, conv_state, conv_w, f, s_f, fb, A_log, dt_bias, beta_logit, s_beta,
-                               state_idx, tape_state, tape_conv, ws, ws_beta, R, T, TMAX, RK, lower_bound, scale,
-                               H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, RB: tl.constexpr,
-                               HAS_FB: tl.constexpr, RKP: tl.constexpr, DOT_F32: tl.constexpr):
-        """``prologue``, grid (cdiv(R, RB), H): everything of a token that does not read the recurrent state,
-        for RB rows x one head at once: conv + SiLU + rounding, q / k L2 norms, the decay (gemm fused),
-        beta. Writes ``ws[r, h]`` = (q, k, exp(g), v) fp32, ``ws_beta[r, h]``, and the tape's k, exp(g) and
-        conv inputs (the recurrence adds v')."""
-        r = tl.program_id(0) * RB + tl.arange(0, RB)
-        h = tl.program_id(1)
-        HD: tl.constexpr = H * D
-        C: tl.constexpr = 3 * HD
-        rm = r < R
-        r64 = r.to(tl.int64)
-        t = r % T
-        srow = tl.load(state_idx + r // T, mask=rm, other=0).to(tl.int64)
+    def _prep_channels(x, s_x, conv_state, conv_w, tape_state, tape_conv, ws, g3, r64, t, srow, h, rm, TMAX, scale,
+                       H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, C: tl.constexpr):
+        """Channel group ``g3`` (0 q, 1 k, 2 v) of head ``h`` for a block of rows: conv + SiLU + rounding, the L2
+        norm of q (times ``scale``) and k, into ``ws`` slot 0 / 1 / 3; the tape's conv inputs, and k."""
         dk = tl.arange(0, D)
-        cq = h * D + dk
-        ck = HD + h * D + dk
-        cv = 2 * HD + h * D + dk
-        act = x.dtype.element_ty
-        zq, xq = _conv_rows(x, s_x, conv_state, conv_w, r64, t, srow, cq, rm, W, C)
-        zk, xk = _conv_rows(x, s_x, conv_state, conv_w, r64, t, srow, ck, rm, W, C)
-        zv, xv = _conv_rows(x, s_x, conv_state, conv_w, r64, t, srow, cv, rm, W, C)
-        q = _silu_round(zq, act)
-        k = _silu_round(zk, act)
-        v = _silu_round(zv, act)
-        q = q * tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None] * scale
-        k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+        c = g3 * (H * D) + h * D + dk
+        z, xin = _conv_rows(x, s_x, conv_state, conv_w, r64, t, srow, c, rm, W, C)
+        y = _silu_round(z, x.dtype.element_ty)
+        if g3 < 2:
+            y = y * tl.rsqrt(tl.sum(y * y, axis=1) + 1e-6)[:, None]
+            if g3 == 0:
+                y = y * scale
+        m2 = rm[:, None]
+        slot = g3 + g3 // 2                                 # ws holds (q, k, exp(g), v): 0, 1, 3
+        tl.store(ws + (r64 * H + h)[:, None] * (4 * D) + slot * D + dk[None, :], y, mask=m2)
+        ts = ((srow * TMAX + t) * (H * 3 * D) + h * (3 * D))[:, None] + dk[None, :]
+        if g3 == 1:
+            tl.store(tape_state + ts, y, mask=m2)
+        tl.store(tape_conv + ((srow * TMAX + t) * C)[:, None] + c[None, :], xin.to(tape_conv.dtype.element_ty),
+                 mask=m2)
+
+    @triton.jit
+    def _prep_decay(f, s_f, fb, A_log, dt_bias, beta_logit, s_beta, tape_state, ws, ws_beta, r64, t, srow, h, rm,
+                    TMAX, RK, lower_bound, H: tl.constexpr, D: tl.constexpr, HAS_FB: tl.constexpr,
+                    RKP: tl.constexpr, DOT_F32: tl.constexpr):
+        """The decay (the f_b gemm fused) into ``ws`` slot 2 and the tape, beta into ``ws_beta``."""
+        dk = tl.arange(0, D)
         if HAS_FB:
             fv = _fb_rows(f, s_f, fb, r64, rm, h, RK, D, RKP, DOT_F32)
         else:
-            fv = tl.load(f + r64[:, None] * s_f + cq[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+            fv = tl.load(f + r64[:, None] * s_f + (h * D + dk)[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
         a = tl.exp(tl.load(A_log + h).to(tl.float32))
         dtb = tl.load(dt_bias + h * D + dk).to(tl.float32)
         decay = tl.exp(lower_bound * tl.sigmoid(a * (fv + dtb[None, :])))
         beta = tl.sigmoid(tl.load(beta_logit + r64 * s_beta + h, mask=rm, other=0.0).to(tl.float32))
         m2 = rm[:, None]
-        wb = (r64 * H + h)[:, None] * (4 * D) + dk[None, :]
-        tl.store(ws + wb, q, mask=m2)
-        tl.store(ws + wb + D, k, mask=m2)
-        tl.store(ws + wb + 2 * D, decay, mask=m2)
-        tl.store(ws + wb + 3 * D, v, mask=m2)
+        tl.store(ws + (r64 * H + h)[:, None] * (4 * D) + 2 * D + dk[None, :], decay, mask=m2)
         tl.store(ws_beta + r64 * H + h, beta, mask=rm)
         ts = ((srow * TMAX + t) * (H * 3 * D) + h * (3 * D))[:, None] + dk[None, :]
-        tl.store(tape_state + ts, k, mask=m2)
         tl.store(tape_state + ts + D, decay, mask=m2)
-        tc = ((srow * TMAX + t) * C)[:, None]
-        tdt = tape_conv.dtype.element_ty
-        tl.store(tape_conv + tc + cq[None, :], xq.to(tdt), mask=m2)
-        tl.store(tape_conv + tc + ck[None, :], xk.to(tdt), mask=m2)
-        tl.store(tape_conv + tc + cv[None, :], xv.to(tdt), mask=m2)
+
+    @triton.jit
+    def kda_verify_prep_kernel(x, s_x, conv_state, conv_w, f, s_f, fb, A_log, dt_bias, beta_logit, s_beta,
+                               state_idx, tape_state, tape_conv, ws, ws_beta, R, T, TMAX, RK, lower_bound, scale,
+                               H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, RB: tl.constexpr,
+                               HAS_FB: tl.constexpr, RKP: tl.constexpr, DOT_F32: tl.constexpr,
+                               SPLIT: tl.constexpr):
+        """``prologue``, grid (cdiv(R, RB), H, 4 if SPLIT else 1): everything of a token that does not read the
+        recurrent state, for RB rows x one head: conv + SiLU + rounding, q / k L2 norms, the decay (gemm fused),
+        beta. Writes ``ws[r, h]`` = (q, k, exp(g), v) fp32, ``ws_beta[r, h]``, and the tape's k, exp(g) and
+        conv inputs (the recurrence adds v'). SPLIT: program ``(i, h, p)`` does only part ``p`` (q, k, v, or
+        the decay and beta), four times the programs for few rows; the same operations per element."""
+        r = tl.program_id(0) * RB + tl.arange(0, RB)
+        h = tl.program_id(1)
+        C: tl.constexpr = 3 * H * D
+        rm = r < R
+        r64 = r.to(tl.int64)
+        t = r % T
+        srow = tl.load(state_idx + r // T, mask=rm, other=0).to(tl.int64)
+        if SPLIT:
+            part = tl.program_id(2)
+            if part < 3:
+                _prep_channels(x, s_x, conv_state, conv_w, tape_state, tape_conv, ws, part, r64, t, srow, h, rm,
+                               TMAX, scale, H, D, W, C)
+            else:
+                _prep_decay(f, s_f, fb, A_log, dt_bias, beta_logit, s_beta, tape_state, ws, ws_beta, r64, t, srow, h,
+                            rm, TMAX, RK, lower_bound, H, D, HAS_FB, RKP, DOT_F32)
+        else:
+            for g3 in tl.static_range(3):
+                _prep_channels(x, s_x, conv_state, conv_w, tape_state, tape_conv, ws, g3, r64, t, srow, h, rm,
+                               TMAX, scale, H, D, W, C)
+            _prep_decay(f, s_f, fb, A_log, dt_bias, beta_logit, s_beta, tape_state, ws, ws_beta, r64, t, srow, h, rm,
+                        TMAX, RK, lower_bound, H, D, HAS_FB, RKP, DOT_F32)
 
     @triton.jit
     def _ws_token(ws, ws_beta, r, r_last, h, dk, dv, H: tl.constexpr, D: tl.constexpr):
@@ -520,10 +571,11 @@ def default_config(B: int, H: int, D: int) -> VerifyConfig:
     """What ``kda_verify_triton`` / ``kda_accept_triton`` launch: the prologue form (the state-free work of all rows
     in one parallel launch, then only the delta rule per token) - the fastest of ``candidate_configs`` at every
     batch of the H200 sweep at Kimi K3 TP8 shapes (``NOTES_verify.md``) - at 16 value rows x 4 warps per program
-    up to ``DEFAULT_SMALL_BATCH`` requests (the accept at ``choose_blocks``), else 32 x 4 with the accept at
-    ``ACCEPT_ALT``; never wider than the head."""
+    up to ``DEFAULT_SMALL_BATCH`` requests, with the prologue split four ways (``prep_split``: one program per head
+    and 16 rows is 12 programs at Kimi K3 TP8, batch 1) and the accept at ``choose_blocks``, else 32 x 4 with the
+    accept at ``ACCEPT_ALT``; never wider than the head; the accept unrolled over the tape."""
     if B <= DEFAULT_SMALL_BATCH:
-        return VerifyConfig(min(16, D), 4, prologue=True)
+        return VerifyConfig(min(16, D), 4, prologue=True, prep_split=True)
     bv, (abv, anw) = min(32, D), ACCEPT_ALT
     return VerifyConfig(bv, 4, prologue=True, accept_block_v=min(abv, D), accept_warps=anw)
 
@@ -550,7 +602,7 @@ ACCEPT_ALT = (32, 4)
 
 
 def candidate_configs(B: int, H: int, D: int) -> list[VerifyConfig]:
-    """At most 8 configs worth timing for B requests of H heads of head dim D (the bench sweeps them; numbers in
+    """At most 10 configs worth timing for B requests of H heads of head dim D (the bench sweeps them; numbers in
     NOTES_verify.md): the default first, the fused kernel at ``choose_blocks`` and the same with the gemm hoisted, the prologue at each of ``PROLOGUE_BLOCKS`` that fits D, and the prologue at 32 rows
     with the accept at ``ACCEPT_ALT``."""
     bv, nw = choose_blocks(B, H, D)
@@ -559,8 +611,11 @@ def candidate_configs(B: int, H: int, D: int) -> list[VerifyConfig]:
     abv, anw = ACCEPT_ALT
     if D % abv == 0 and (abv, anw) != (bv, nw):
         out.append(VerifyConfig(abv, anw, prologue=True, accept_block_v=abv, accept_warps=anw))
+    # the default's accept loop beside its unrolled replay, its prologue unsplit / split
+    out[1:1] = [dataclasses.replace(out[0], accept_unroll=False),
+                dataclasses.replace(out[0], prep_split=not out[0].prep_split)]
     seen: set[VerifyConfig] = set()
-    return [c for c in out if not (c in seen or seen.add(c))][:8]
+    return [c for c in out if not (c in seen or seen.add(c))][:10]
 
 
 def _check_rows(t: torch.Tensor, what: str, rows: int, cols: int) -> None:
@@ -724,6 +779,7 @@ def _launch_verify(cfg: VerifyConfig, x: torch.Tensor, conv_state: torch.Tensor,
     dot_f32 = (f_b_weight is None or _interpreting()
                or not (f.dtype == f_b_weight.dtype and f.dtype in (torch.bfloat16, torch.float16)))
     prep_grid = (-(-R // PREP_ROWS), H)
+    prologue_grid = (*prep_grid, 4 if cfg.prep_split else 1)
     if cfg.hoist_fb and f_b_weight is not None:
         f_full = torch.empty(R, HD, dtype=f.dtype, device=dev)
         k.fb_gemm[prep_grid](f, f.stride(0), f_b_weight, f_full, R, rk, H=H, D=D, RB=PREP_ROWS, RKP=rkp,
@@ -738,10 +794,11 @@ def _launch_verify(cfg: VerifyConfig, x: torch.Tensor, conv_state: torch.Tensor,
     if cfg.prologue:
         ws = torch.empty(R, H, 4, D, dtype=torch.float32, device=dev)
         ws_beta = torch.empty(R, H, dtype=torch.float32, device=dev)
-        k.prep[prep_grid](x, x.stride(0), conv_state, conv_weight, f, f.stride(0), fb, A_log, dt_bias, beta_logit,
+        k.prep[prologue_grid](x, x.stride(0), conv_state, conv_weight, f, f.stride(0), fb, A_log, dt_bias, beta_logit,
                           beta_logit.stride(0), state_idx, tape_state, tape_conv, ws, ws_beta, R, T, Tmax, rk,
                           lower_bound, scale, H=H, D=D, W=W, RB=PREP_ROWS, HAS_FB=f_b_weight is not None, RKP=rkp,
-                          DOT_F32=dot_f32, num_warps=PREP_WARPS, enable_fp_fusion=False)
+                          DOT_F32=dot_f32, SPLIT=cfg.prep_split, num_warps=PREP_SPLIT_WARPS if cfg.prep_split
+                          else PREP_WARPS, enable_fp_fusion=False)
         k.rec[(B, H, nv)](ws, ws_beta, g_out, g_out.stride(0), norm_weight, state, state_idx, tape_state, out, o_ws,
                           T, Tmax, eps, H=H, D=D, BV=bv, NV=nv, num_warps=nw, enable_fp_fusion=False)
     else:
@@ -791,9 +848,10 @@ def kda_accept_triton_with(config: VerifyConfig | None, conv_state: torch.Tensor
         bv, nw = choose_blocks(B, H, D)
     else:
         bv, nw = cfg.accept_block_v, cfg.accept_warps
+    tu = Tmax if cfg.accept_unroll and Tmax <= MAX_ACCEPT_UNROLL else 0
     _kernels(_interpreting()).accept[(B, H, D // bv)](
         conv_state, state, state_idx, accepted, tape_state, tape_conv, Tmax, H=H, D=D, W=W, BV=bv, WP=_pow2(W - 1),
-        num_warps=nw, enable_fp_fusion=False)
+        TU=tu, num_warps=nw, enable_fp_fusion=False)
 
 
 def _supports(ctx: OpContext) -> Support:

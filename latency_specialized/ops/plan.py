@@ -249,16 +249,21 @@ def _layer_ranges(layers: tuple[int, ...]) -> str:
     return ", ".join(out)
 
 
-def _with_comm(site: OpSite, kind: str) -> OpSite:
-    """``site`` with attr ``comm`` = ``kind`` in its context (other fields unchanged)."""
+def _with_attrs(site: OpSite, **attrs: Any) -> OpSite:
+    """``site`` with ``attrs`` added to its context (other fields unchanged)."""
     from dataclasses import replace
 
     from latency_specialized.ops.registry import make_context
 
     c = site.ctx
     ctx = make_context(c.family, arch=c.arch, dtype=c.dtype, tokens=c.tokens, world_size=c.world_size,
-                       dims=dict(c.dims), attrs={**dict(c.attrs), "comm": kind})
+                       dims=dict(c.dims), attrs={**dict(c.attrs), **attrs})
     return replace(site, ctx=ctx)
+
+
+def _with_comm(site: OpSite, kind: str) -> OpSite:
+    """``site`` with attr ``comm`` = ``kind`` in its context (other fields unchanged)."""
+    return _with_attrs(site, comm=kind)
 
 
 def _inner_choices(registry: ImplementationRegistry, site: OpSite,
@@ -327,6 +332,9 @@ def build_plan(adapter: AdapterContract, registry: ImplementationRegistry, hardw
     problems = scope.problems(deployment, adapter.name, max_context=spec.max_context)
     sites = [_with_comm(s, kind) if s.family in COMM_FAMILIES else s
              for s in _adapter_sites(adapter, rank_spec, parallel, tokens, hardware.arch, dtype, context)]
+    if spec_tokens:
+        # verification rows: every site learns k, so implementations can choose on requests (OpContext.requests)
+        sites = [_with_attrs(s, spec_tokens=spec_tokens) for s in sites]
     choices = []
     for site in sites:
         try:

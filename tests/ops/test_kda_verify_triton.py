@@ -49,7 +49,7 @@ NUM_ROWS = 9  # state rows
 
 @pytest.mark.interpreter_driver
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=34)
+    run_interpreted(__file__, min_passed=36)
 
 
 @pytest.fixture
@@ -220,8 +220,8 @@ def test_verify_then_accept_equals_single_steps(kt, poisoned, k, accepted):
 
 
 def _config(kt, kind, bv, nw=1, **accept):
-    return kt.VerifyConfig(bv, nw, hoist_fb=kind in ("hoist_fb", "both"), prologue=kind in ("prologue", "both"),
-                           **accept)
+    return kt.VerifyConfig(bv, nw, hoist_fb=kind in ("hoist_fb", "both"),
+                           prologue=kind in ("prologue", "both", "split"), prep_split=kind == "split", **accept)
 
 
 VARIANTS = [  # (kind, block_v, B, k, dtype, case options): each variant at D = 32, norm in the kernel or split
@@ -233,6 +233,8 @@ VARIANTS = [  # (kind, block_v, B, k, dtype, case options): each variant at D = 
     ("prologue", 16, 3, 3, torch.bfloat16, dict(fb=False, W=2, wide=True, idx64=True, tmax=8)),
     ("prologue", 16, 1, 7, torch.float32, dict(rank=20)),               # a rank that is no power of two
     ("both", 8, 3, 3, torch.float32, dict()),
+    ("split", 16, 3, 3, torch.bfloat16, dict(fb=False, W=2, wide=True, idx64=True, tmax=8)),   # prologue split
+    ("split", 32, 1, 7, torch.float32, dict(rank=20, W=3)),
 ]
 
 
@@ -257,6 +259,8 @@ def test_every_candidate_config_matches_reference(kt, poisoned):
     one-ulp flips of a conv output are the variants cases' business, on seeds checked not to flip)."""
     configs = kt.candidate_configs(3, 2, 32)
     assert {c.prologue for c in configs} == {False, True} and any(c.hoist_fb for c in configs)
+    assert {c.accept_unroll for c in configs} == {False, True}   # the accept's loop beside its unrolled replay
+    assert {c.prep_split for c in configs} == {False, True}
     for i, cfg in enumerate(configs):
         case = _case(950 + i, 3, 4, torch.float32, D=32)
         inp, kw, conv, state, rows, tape_state, tape_conv = case
@@ -321,7 +325,7 @@ def test_candidate_configs_default_first_unique_and_valid(kt):
             configs = kt.candidate_configs(B, H, D)
             assert configs[0] == kt.default_config(B, H, D) and configs[0].prologue
             assert kt.VerifyConfig(*kt.choose_blocks(B, H, D)) in configs   # the fused kernel stays in the sweep
-            assert 2 <= len(configs) <= 8 and len(set(configs)) == len(configs)
+            assert 2 <= len(configs) <= 10 and len(set(configs)) == len(configs)
             assert len({c.name for c in configs}) == len(configs)
             for c in configs:
                 assert kt._resolve(c, B, H, D) is c
@@ -329,8 +333,9 @@ def test_candidate_configs_default_first_unique_and_valid(kt):
 
 def test_default_is_the_measured_pick(kt):
     """The H200 sweep at Kimi K3 TP8 shapes (H = 12, D = 128; NOTES_verify.md): the prologue form at 16 rows x 4
-    warps for 1 request, 32 x 4 with the accept at 32 x 4 from 8; never wider than a narrow head."""
-    assert kt.default_config(1, 12, 128) == kt.VerifyConfig(16, 4, prologue=True)
+    warps for 1 request (the prologue split four ways), 32 x 4 with the accept at 32 x 4 from 8; never wider than
+    a narrow head."""
+    assert kt.default_config(1, 12, 128) == kt.VerifyConfig(16, 4, prologue=True, prep_split=True)
     assert kt.default_config(8, 12, 128) == kt.default_config(64, 12, 128) == kt.VerifyConfig(
         32, 4, prologue=True, accept_block_v=32, accept_warps=4)
     assert kt.default_config(8, 2, 16) == kt.VerifyConfig(16, 4, prologue=True, accept_block_v=16, accept_warps=4)
