@@ -48,9 +48,7 @@ class OpContext:
 
     @property
     def requests(self) -> int:
-        """Requests per call: ``tokens / (1 + spec_tokens)``. A verification step's rows of one request
-        tend to route to the same experts, so an implementation whose cost follows the distinct experts
-        (not the rows) chooses on this, not on ``tokens``."""
+        """Requests per call: ``tokens / (1 + spec_tokens)``."""
         return self.tokens // (1 + self.spec_tokens)
 
     def dim(self, name: str) -> int:

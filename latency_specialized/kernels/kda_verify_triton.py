@@ -571,13 +571,15 @@ def default_config(B: int, H: int, D: int) -> VerifyConfig:
     """What ``kda_verify_triton`` / ``kda_accept_triton`` launch: the prologue form (the state-free work of all rows
     in one parallel launch, then only the delta rule per token) - the fastest of ``candidate_configs`` at every
     batch of the H200 sweep at Kimi K3 TP8 shapes (``NOTES_verify.md``) - at 16 value rows x 4 warps per program
-    up to ``DEFAULT_SMALL_BATCH`` requests, with the prologue split four ways (``prep_split``: one program per head
-    and 16 rows is 12 programs at Kimi K3 TP8, batch 1) and the accept at ``choose_blocks``, else 32 x 4 with the
-    accept at ``ACCEPT_ALT``; never wider than the head; the accept unrolled over the tape."""
+    up to ``DEFAULT_SMALL_BATCH`` requests with the accept at ``choose_blocks``, else 32 x 4 with the accept at
+    ``ACCEPT_ALT``; never wider than the head. The prologue split four ways (``prep_split``; H200 session 28, k = 7:
+    14.6 vs 18.9 us at batch 1, 27.6 vs 33.2 at batch 8) and the accept unrolled over the tape (in the layer 4.5-5.0
+    us against the loop's 7.4-7.6 of session 27's profile; alone, on a tape just written, the loop is 0.1-0.75 us
+    faster)."""
     if B <= DEFAULT_SMALL_BATCH:
         return VerifyConfig(min(16, D), 4, prologue=True, prep_split=True)
     bv, (abv, anw) = min(32, D), ACCEPT_ALT
-    return VerifyConfig(bv, 4, prologue=True, accept_block_v=min(abv, D), accept_warps=anw)
+    return VerifyConfig(bv, 4, prologue=True, prep_split=True, accept_block_v=min(abv, D), accept_warps=anw)
 
 
 def _resolve(config: VerifyConfig | None, B: int, H: int, D: int) -> VerifyConfig:

@@ -121,10 +121,11 @@ grid went to one wave): CuTe DSL vs Triton 74.2 vs 85.0 us at 2 tokens, 141.5 vs
 vs 253.4 at 8, 477 vs 446 at 16, 1306 vs 1198 at 64. From this bucket on, this implementation
 outranks them (priority 15 vs 10).
 
-Counted in requests (``OpContext.requests``), not rows: the rows of a verification step (1 + k per
-request) mostly route to their request's experts, which the CuTe DSL kernels read once however many rows
-share them, while the Triton path pays its align and sum per row (H200, Kimi K3 TP8, 8 rows of one
-request: ~60 us here vs ~36 for the single step's CuTe DSL experts, NOTES_verify.md session 27)."""
+Counted in rows, also for verification steps (1 + k rows per request) whose rows share their request's
+experts: the CuTe DSL kernels read such an expert once but dot it with every row on CUDA cores, so their
+cost grows with the rows all the same (H200, Kimi K3 TP8, 8 rows of one request, all on the same 16
+experts: gate/up 103 + down 42 us vs ~60 us here; the whole KDA layer 227 vs 144 us, NOTES_verify.md
+session 28)."""
 MAX_CUTEDSL_WIDTH = 192
 """Per-rank expert widths up to this stay on the CuTe DSL kernels at every batch: Kimi K3 TP16 (192),
 same sweep: CuTe DSL 41 / 74 / 130 / 240 / 406 / 662 us vs Triton 58 / 91 / 155 / 272 / 446 / 700
@@ -143,11 +144,7 @@ def _supports(ctx: OpContext) -> Support:
         return f"weights {ctx.attr('weight_format')}: bf16 expert weights only (the 4-bit experts serve these)"
     if ctx.attr("activation") not in ("situ_glu", "swiglu"):
         return f"activation {ctx.attr('activation')} (SiTU-GLU or SwiGLU only)"
-    if ctx.requests < MIN_TOKENS:
-        if ctx.spec_tokens:
-            return (f"{ctx.tokens} rows of {ctx.requests} request(s) x (1 + {ctx.spec_tokens}): a request's draft rows "
-                    f"tend to share its experts, which the CuTe DSL kernels read once; they are faster below "
-                    f"{MIN_TOKENS} requests")
+    if ctx.tokens < MIN_TOKENS:
         return f"{ctx.tokens} tokens: the CuTe DSL experts kernels are faster below {MIN_TOKENS}"
     width = ctx.dim("N")
     if width <= MAX_CUTEDSL_WIDTH:
@@ -159,6 +156,6 @@ def _supports(ctx: OpContext) -> Support:
 IMPLEMENTATIONS = [
     Implementation("moe.experts", NAME, experts_triton, _supports, priority=15,
                    description="tensor-core Triton fused MoE (stock's kernels: align, gate/up, act, down, sum) "
-                               f"for >= {MIN_TOKENS} requests and experts wider than {MAX_CUTEDSL_WIDTH} per rank, where the "
+                               f"for >= {MIN_TOKENS} tokens and experts wider than {MAX_CUTEDSL_WIDTH} per rank, where the "
                                "CUDA-core CuTe DSL kernels are slower (per_route: unweighted down rows, no sum)"),
 ]

@@ -333,7 +333,7 @@ def build_plan(adapter: AdapterContract, registry: ImplementationRegistry, hardw
     sites = [_with_comm(s, kind) if s.family in COMM_FAMILIES else s
              for s in _adapter_sites(adapter, rank_spec, parallel, tokens, hardware.arch, dtype, context)]
     if spec_tokens:
-        # verification rows: every site learns k, so implementations can choose on requests (OpContext.requests)
+        # verification rows: every site learns k (OpContext.spec_tokens / requests; explain shows it)
         sites = [_with_attrs(s, spec_tokens=spec_tokens) for s in sites]
     choices = []
     for site in sites:

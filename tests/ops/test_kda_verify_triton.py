@@ -337,8 +337,9 @@ def test_default_is_the_measured_pick(kt):
     a narrow head."""
     assert kt.default_config(1, 12, 128) == kt.VerifyConfig(16, 4, prologue=True, prep_split=True)
     assert kt.default_config(8, 12, 128) == kt.default_config(64, 12, 128) == kt.VerifyConfig(
-        32, 4, prologue=True, accept_block_v=32, accept_warps=4)
-    assert kt.default_config(8, 2, 16) == kt.VerifyConfig(16, 4, prologue=True, accept_block_v=16, accept_warps=4)
+        32, 4, prologue=True, prep_split=True, accept_block_v=32, accept_warps=4)
+    assert kt.default_config(8, 2, 16) == kt.VerifyConfig(16, 4, prologue=True, prep_split=True, accept_block_v=16,
+                                                         accept_warps=4)
 
 
 def test_config_errors_name_the_fix(kt):
