@@ -67,6 +67,11 @@ what ``benchmarks/scripts/kda_verify_bench.py`` sweeps per B, its timings and th
   variant: it replays the tape that the variant wrote). The prologue's and the gemm's ``tl.dot`` runs on bf16 /
   fp16 operands as they are on the GPU; under the interpreter (whose bf16 ``tl.dot`` is wrong in Triton 3.9) and
   for fp32 operands both are upcast (``input_precision="ieee"``, never tf32).
+* **prologue split** (``prep_split``, the default): the prologue's grid gains a third axis of 4, program
+  ``(i, h, p)`` doing only q, k, v (conv, SiLU, rounding, norm) or the decay with beta: four times the programs
+  where one per head leaves most SMs idle (12 at Kimi K3 TP8, batch 1), the same operations per element.
+* **accept_unroll** (the default up to ``MAX_ACCEPT_UNROLL`` tape tokens): the accept's replay unrolled over the
+  whole tape with the tokens past ``j`` masked, so no round of tape loads waits for the one before.
 * the accept's blocks (``accept_block_v`` / ``accept_warps``) are chosen apart from the verify's: it streams the
   state once and replays, nothing serial but the rank-1 updates.
 
@@ -77,7 +82,7 @@ configs) keeps them within warps. Forcing warps along value rows needs an explic
 
 Registers (D = 128, sm_90 build, ptxas ``-v``; bench shapes H = 12, Rk = 128, bf16; none spills): fused BV 16 at
 2 warps 247 (128 with hoist_fb), BV 64 at 8 warps 239 (199 with hoist_fb); prologue recurrence BV 16 / 2 warps
-127, 16 / 4 96, 32 / 4 168, 32 / 8 110, 64 / 8 194; the prologue itself 214 at 8 warps (at 4 it spills), the
+127, 16 / 4 96, 32 / 4 168, 32 / 8 110, 64 / 8 194; the prologue itself 226 at 8 warps (at 4 it spills; split 159), the
 hoisted gemm 43; the accept 48 .. 128. Spills (not listed as candidates): the fused kernel at BV = 128 (8 or 16
 warps), the recurrence at 64 state floats a thread and more (BV 64 / 4 warps, BV 128 / 8 or 16 warps).
 """
@@ -118,8 +123,7 @@ sm_90 build, of the fused kernel and of the prologue's recurrence alike."""
 PREP_ROWS = 16
 """Token rows per program of the prologue and the hoisted f_b gemm: ``tl.dot``'s smallest M."""
 PREP_WARPS = 8
-PREP_SPLIT_WARPS = 8
-"""Warps of a split prologue program (one channel group or the decay of 16 rows x one head)."""
+"""Warps of a prologue program, split or not (split at 4 warps: 254 registers and a stack frame in the sm_90 build)."""
 WARPS = (1, 2, 4, 8, 16)
 MAX_ACCEPT_UNROLL = 16
 """Longest tape the accept unrolls (``VerifyConfig.accept_unroll``; 1 + k <= 8 in the verification steps); a
@@ -176,7 +180,7 @@ def _kernels(interpret: bool):
     # the jit functions resolve names through this module's globals (not the closure): the helpers and
     # ``tl`` are bound there on the first build
     global tl, _conv3, _hist, _silu_round, _delta_rule, _store_out, _fb_rows, _conv_rows, _ws_token
-    global _prep_channels, _prep_decay
+    global _prep_channels, _prep_decay, _replay_token
     import triton
     import triton.language as tl
 
@@ -322,6 +326,13 @@ def _kernels(interpret: bool):
         tl.store(out + r * (H * D) + h * D + d, o.to(out.dtype.element_ty))
 
     @triton.jit
+    def _replay_token(S, kt, dec, vn):
+        """One tape token of the accept: the reference replay's two fp32 operations, in its order (no FMA:
+        the launches pass enable_fp_fusion=False)."""
+        S = S * dec[None, :]
+        return S + vn[:, None] * kt[None, :]
+
+    @triton.jit
     def kda_accept_kernel(conv_state, state, state_idx, accepted, tape_state, tape_conv, TMAX,
                           H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BV: tl.constexpr,
                           WP: tl.constexpr, TU: tl.constexpr):
@@ -349,17 +360,13 @@ def _kernels(interpret: bool):
                     kt = tl.load(tb + t * (H * 3 * D) + dk, mask=live, other=0.0)
                     dec = tl.load(tb + t * (H * 3 * D) + D + dk, mask=live, other=1.0)
                     vn = tl.load(tb + t * (H * 3 * D) + 2 * D + dv, mask=(dv * 0 + t) < n, other=0.0)
-                    # the reference replay's two fp32 operations, in its order (no FMA: enable_fp_fusion=False)
-                    Sn = S * dec[None, :]
-                    Sn = Sn + vn[:, None] * kt[None, :]
-                    S = tl.where(t < n, Sn, S)
+                    S = tl.where(t < n, _replay_token(S, kt, dec, vn), S)
             else:
                 for t in range(0, n):
                     kt = tl.load(tb + t * (H * 3 * D) + dk)
                     dec = tl.load(tb + t * (H * 3 * D) + D + dk)
                     vn = tl.load(tb + t * (H * 3 * D) + 2 * D + dv)
-                    S = S * dec[None, :]
-                    S = S + vn[:, None] * kt[None, :]
+                    S = _replay_token(S, kt, dec, vn)
             tl.store(sp, S)
             # the conv state: channels dv of each of q, k, v (after the replay, so no store precedes its loads)
             i = tl.arange(0, WP)
@@ -799,8 +806,7 @@ def _launch_verify(cfg: VerifyConfig, x: torch.Tensor, conv_state: torch.Tensor,
         k.prep[prologue_grid](x, x.stride(0), conv_state, conv_weight, f, f.stride(0), fb, A_log, dt_bias, beta_logit,
                           beta_logit.stride(0), state_idx, tape_state, tape_conv, ws, ws_beta, R, T, Tmax, rk,
                           lower_bound, scale, H=H, D=D, W=W, RB=PREP_ROWS, HAS_FB=f_b_weight is not None, RKP=rkp,
-                          DOT_F32=dot_f32, SPLIT=cfg.prep_split, num_warps=PREP_SPLIT_WARPS if cfg.prep_split
-                          else PREP_WARPS, enable_fp_fusion=False)
+                          DOT_F32=dot_f32, SPLIT=cfg.prep_split, num_warps=PREP_WARPS, enable_fp_fusion=False)
         k.rec[(B, H, nv)](ws, ws_beta, g_out, g_out.stride(0), norm_weight, state, state_idx, tape_state, out, o_ws,
                           T, Tmax, eps, H=H, D=D, BV=bv, NV=nv, num_warps=nw, enable_fp_fusion=False)
     else:
