@@ -105,10 +105,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--merge-l-tile", type=int, default=None, help="MERGE_L_TILE (0: the v-blocked merge everywhere)")
     ap.add_argument("--merge-pdl", type=int, choices=(0, 1), default=None,
                     help="MERGE_PDL: the tiled merge with PDL behind a split grid wider than the SMs")
-    ap.add_argument("--prefetch-rows", type=int, choices=(0, 1), default=None,
-                    help="PREFETCH_ROWS: each split tile loads the next tile's block ids beside its own rows")
-    ap.add_argument("--speculate-first", type=int, choices=(0, 1), default=None,
-                    help="SPECULATE_FIRST_TILE: with PREFETCH_ROWS, the first tile's block ids beside seq_lens")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_mla: needs a CUDA GPU", file=sys.stderr)
@@ -122,14 +118,12 @@ def main(argv: list[str] | None = None) -> int:
                         ("min_chunk", "MIN_CHUNK"), ("min_chunk_small", "MIN_CHUNK_SMALL_BATCH"), ("waves", "WAVES"), ("max_splits", "MAX_SPLITS"), ("merge_s_tile", "MERGE_S_TILE"),
                         ("merge_warps", "MERGE_WARPS"), ("merge_l_fused", "MERGE_L_FUSED"),
                         ("merge_tile", "MERGE_TILE"), ("merge_v_block", "MERGE_V_BLOCK"), ("pdl", "PDL"),
-                        ("merge_l_tile", "MERGE_L_TILE"), ("merge_pdl", "MERGE_PDL"),
-                        ("prefetch_rows", "PREFETCH_ROWS"), ("speculate_first", "SPECULATE_FIRST_TILE")):
+                        ("merge_l_tile", "MERGE_L_TILE"), ("merge_pdl", "MERGE_PDL")):
         if getattr(a, flag) is not None:
             setattr(mk, const, getattr(a, flag))
     tuning = {k: getattr(mk, k) for k in ("BLOCK_H", "BLOCK_N", "NUM_WARPS", "NUM_STAGES", "MIN_CHUNK", "MIN_CHUNK_SMALL_BATCH", "WAVES",
                                           "MAX_SPLITS", "MERGE_L", "MERGE_S_TILE", "MERGE_WARPS", "MERGE_L_FUSED",
-                                          "MERGE_TILE", "MERGE_V_BLOCK", "PDL", "MERGE_L_TILE", "MERGE_PDL",
-                                          "PREFETCH_ROWS", "SPECULATE_FIRST_TILE")}
+                                          "MERGE_TILE", "MERGE_V_BLOCK", "PDL", "MERGE_L_TILE", "MERGE_PDL")}
     H, L, R, nope, v = a.heads, a.kv_lora, a.rope, a.nope, a.v
     kw = dict(qk_nope_head_dim=nope, v_head_dim=v)
     sms = torch.cuda.get_device_properties(0).multi_processor_count

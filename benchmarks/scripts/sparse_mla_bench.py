@@ -103,11 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tag", default="", help="suffix of the output file names (sweeps)")
     ap.add_argument("--block-n", type=int, default=None)
     ap.add_argument("--min-chunk", type=int, default=None)
-    ap.add_argument("--min-chunk-small", type=int, default=None, help="MIN_CHUNK_SMALL_BATCH (batch <= 2)")
+    ap.add_argument("--min-chunk-small", type=int, default=None, help="SPARSE_MIN_CHUNK_SMALL_BATCH (batch <= 2)")
     ap.add_argument("--waves", type=int, default=None)
     ap.add_argument("--merge-l-tile", type=int, default=None, help="MERGE_L_TILE (0: the v-blocked merge everywhere)")
-    ap.add_argument("--prefetch-rows", type=int, choices=(0, 1), default=None,
-                    help="PREFETCH_ROWS: each split tile loads the next tile's slots and block ids beside its own rows")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("sparse_mla_bench: needs a CUDA GPU", file=sys.stderr)
@@ -119,13 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     from latency_specialized.ops.attention.sparse_mla import sparse_mla_decode_masked, sparse_mla_decode_reference
 
     for flag, const in (("block_n", "BLOCK_N"), ("min_chunk", "MIN_CHUNK"),
-                        ("min_chunk_small", "MIN_CHUNK_SMALL_BATCH"), ("waves", "WAVES"),
-                        ("merge_l_tile", "MERGE_L_TILE"), ("prefetch_rows", "PREFETCH_ROWS")):
+                        ("min_chunk_small", "SPARSE_MIN_CHUNK_SMALL_BATCH"), ("waves", "WAVES"),
+                        ("merge_l_tile", "MERGE_L_TILE")):
         if getattr(a, flag) is not None:
             setattr(mk, const, getattr(a, flag))
     tuning = {k: getattr(mk, k) for k in ("BLOCK_H", "BLOCK_N", "NUM_WARPS", "NUM_STAGES", "MIN_CHUNK",
-                                          "MIN_CHUNK_SMALL_BATCH", "WAVES", "MAX_SPLITS", "MERGE_L_TILE", "PDL",
-                                          "PREFETCH_ROWS")}
+                                          "SPARSE_MIN_CHUNK_SMALL_BATCH", "WAVES", "MAX_SPLITS", "MERGE_L_TILE", "PDL")}
     H, L, R, nope, v, K = a.heads, a.kv_lora, a.rope, a.nope, a.v, a.topk
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     t_start = time.time()

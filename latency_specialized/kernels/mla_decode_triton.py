@@ -89,12 +89,17 @@ serial walk over them is the call's time. H200, Kimi TP8 heads, context 4096 (ml
 128 vs 64 gives 24.8 / 26.2 / 30.2 / 39.4 us vs 27.1 / 29.1 / 34.8 / 40.0 at batch 1 / 2 / 4 / 8 (32
 instead of 64 splits); 256 is slower (31.2 us at batch 1: the split kernel then has too few programs).
 From context ~16k (MAX_SPLITS) and from batch 16 (WAVES) the split count, so the time, is the same."""
-MIN_CHUNK_SMALL_BATCH = 64
-"""``MIN_CHUNK`` for batches up to ``SMALL_BATCH`` (``min_chunk``): with one or two sequences the split
-kernel has so few programs that halving the chunk (twice the splits) pays more than the larger merge
-costs. H200, Kimi TP8 heads, whole call 64 vs 128 (mla_decode_sweep.md, fourth measurement): context
-4096 batch 1 / 2 18.0 / 19.4 vs 19.6 / 20.4 us; batch 4 25.1 vs 24.0 (hence only up to batch 2); 32
-is slower again (19.8 / 22.8)."""
+MIN_CHUNK_SMALL_BATCH = 32
+"""``MIN_CHUNK`` of the dense kernel for batches up to ``SMALL_BATCH`` (``min_chunk``): with one or two
+sequences the split kernel has so few programs that shorter chunks (more splits) pay more than the larger merge
+costs. H200, Kimi TP8 heads, context 4096, whole call, 32 vs 64 in one run (session 29,
+``benchmarks/results/h200/session29/``): batch 1 / 2 14.4 / 18.0 vs 16.2 / 19.0 us (128 vs 64 splits; the split
+kernel 6.4 vs 8.3 us at batch 1); session 25 measured 13.4 vs 16.2 at batch 1. With the older whole-latent merge
+32 was slower (mla_decode_sweep.md: 19.8 / 22.8 vs 18.0 / 19.4); the latent-tiled merge reads each partial once.
+Batch 4 keeps ``MIN_CHUNK`` (64 vs 128 there: 25.1 vs 24.0)."""
+SPARSE_MIN_CHUNK_SMALL_BATCH = 64
+"""The same for the sparse kernel (``attention.sparse_mla``, whose chunks cut the top-k slots): 64, as before the
+dense kernel moved to 32; 32 has not been measured for it."""
 SMALL_BATCH = 2
 MAX_SPLITS = 256
 """Most splits of one sequence (the merge holds every split's m and l in one vector)."""
@@ -135,18 +140,6 @@ instead of the 128 KB each v-blocked program re-reads) and its W_UV columns; the
 adds their partial outputs."""
 NUM_WARPS = 4
 NUM_STAGES = 2
-PREFETCH_ROWS = True
-"""Split kernel: each tile loads the next tile's block ids (sparse: its selection slots, then their block ids)
-beside its own cache rows, so a tile's critical path is one dependent load (its rows) instead of two (block
-id, then rows; sparse: three). At batch 1-2 a split holds one or two tiles and the kernel is a chain of
-dependent loads, not bytes (``benchmarks/results/h200/mla_decode_b1_sweep_session25.md``: each extra tile
-adds ~1.9 us). Same arithmetic either way (the interpreter tests compare the two bit for bit); H200 sweep:
-``benchmarks/results/h200/session29_gpu_tests.md`` (``bench_mla.py --prefetch-rows 0|1``)."""
-SPECULATE_FIRST_TILE = True
-"""With ``PREFETCH_ROWS``, dense only: each split loads its first tile's block ids at the chunk it takes when the
-context is short for the split count (``MIN_CHUNK``), beside ``seq_lens`` rather than after it, and keeps them where
-the device-side chunk is that one (else it loads the right ones): one dependent load less before the first cache
-rows. Reads only block-table entries of the table's width (ids past a sequence's end are never used)."""
 PDL = False
 """Off (session 17): the prologue kernel's ``gdc_wait`` sat inside its k loop, and Triton's software pipeliner
 can issue a loop's first loads ahead of its body - i.e. read q before the q projection has written it. Symptom,
@@ -201,7 +194,7 @@ def _kernels(interpret: bool):
     del interpret  # the cache key only
     # the kernels are defined here, not at import (no triton import for machines without it), but
     # Triton resolves the names a kernel uses through its module globals: hence tl as a global
-    global tl, tlc, _split_weights, _merged_columns, _rope_rows, _tile_rows
+    global tl, tlc, _split_weights, _merged_columns, _rope_rows
     import triton
     import triton.language as tl
     import triton.language.extra.cuda as tlc
@@ -348,34 +341,13 @@ def _kernels(interpret: bool):
             tl.store(row + L + offs_r[None, :], p.to(cache.dtype.element_ty), mask=r_ok)
 
     @triton.jit
-    def _tile_rows(topk_idx, block_table, b, s_tk, s_bt, n0, end, seq_len, block_size, BN: tl.constexpr,
-                   SPARSE: tl.constexpr):
-        # -> (row [BN] int64, ok [BN]): the cache rows of the tile's positions [n0, n0 + BN) (masked past
-        # ``end``); SPARSE: of its selection slots, whose invalid entries (-1, or a position the sequence does
-        # not hold: short contexts, padding rows) are masked like positions past the end. Block ids past the
-        # end may be anything (-1, garbage): never loaded (masked), and a negative id inside the live range
-        # is clamped rather than read out of bounds
-        if SPARSE:
-            slot = n0 + tl.arange(0, BN)
-            pos = tl.load(topk_idx + b * s_tk + slot, mask=slot < end, other=-1).to(tl.int32)
-            ok = (slot < end) & (pos >= 0) & (pos < seq_len)
-            pos = tl.maximum(pos, 0)
-        else:
-            pos = n0 + tl.arange(0, BN)
-            ok = pos < end
-        blk = tl.load(block_table + b * s_bt + pos // block_size, mask=ok, other=0)
-        blk = tl.maximum(blk, 0)
-        return blk.to(tl.int64) * block_size + (pos % block_size), ok
-
-    @triton.jit
     def split_kernel(q_lat, q_pe, cache, block_table, seq_lens, ws_acc, ws_m, ws_l, o_lat, count,
-                     topk_idx, topk, H, num_splits, block_size, table_pos, sm_scale_log2,
+                     topk_idx, topk, H, num_splits, block_size, sm_scale_log2,
                      s_qb, s_qh, s_pb, s_ph, s_row, s_bt, s_tk,
                      s_wb, s_ws, s_wh, s_mb, s_ms, s_ob, s_oh,
                      L: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
                      MIN_CHUNK: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
-                     ZERO_COUNT: tl.constexpr, TRIGGER_END: tl.constexpr, SPARSE: tl.constexpr,
-                     PREFETCH: tl.constexpr, SPEC_FIRST: tl.constexpr):
+                     ZERO_COUNT: tl.constexpr, TRIGGER_END: tl.constexpr, SPARSE: tl.constexpr):
         # SPARSE (attention.sparse_mla): the splits cut the ``topk`` slots of the row's selection
         # ``topk_idx[b, :]`` (token positions; < 0 or >= seq_len: skipped) instead of the positions
         # [0, seq_len); a tile then gathers the selected tokens' rows. Else topk_idx / topk / s_tk are unused.
@@ -388,13 +360,6 @@ def _kernels(interpret: bool):
         if ZERO_COUNT:  # split 0 zeroes its heads' arrival counters of the L-tiled merge (ran before it)
             offs_c = hg * BH + tl.arange(0, BH)
             tl.store(count + b * H + offs_c, tl.zeros([BH], dtype=tl.int32), mask=offs_c < tl.where(sp == 0, H, 0))
-        if SPEC_FIRST:
-            # the first tile's block ids at the chunk every split takes while seq_len <= num_splits x MIN_CHUNK
-            # (MC: all of batch 1-2 up to ~16k positions in a 32k table), loaded beside seq_len instead of
-            # after it; used only where the device-side chunk below turns out to be MC
-            MC: tl.constexpr = (MIN_CHUNK + BN - 1) // BN * BN
-            pos_s = sp * MC + tl.arange(0, BN)
-            blk_s = tl.load(block_table + b * s_bt + pos_s // block_size, mask=pos_s < table_pos, other=0)
         seq_len = tl.load(seq_lens + b).to(tl.int32)
         # this split's chunk, from the device-side length: no host read of seq_lens anywhere (sparse: of
         # the static selection width, so every row has the same live splits)
@@ -419,29 +384,25 @@ def _kernels(interpret: bool):
         m_i = tl.full([BH], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BH], dtype=tl.float32)
         acc = tl.zeros([BH, L], dtype=tl.float32)
-        if SPEC_FIRST:  # the speculative ids where the chunk is MC; else (empty range when it is) loaded now
-            hit = chunk == MC
-            row_r, ok_r = _tile_rows(topk_idx, block_table, b, s_tk, s_bt, start, tl.where(hit, start, end), seq_len,
-                                     block_size, BN, SPARSE)
-            pos0 = start + tl.arange(0, BN)
-            row_s = tl.maximum(blk_s, 0).to(tl.int64) * block_size + (pos0 % block_size)
-            row_next = tl.where(hit, row_s, row_r)
-            ok_next = pos0 < end
-        elif PREFETCH:  # the first tile's rows before the loop; each tile then fetches the next one's
-            row_next, ok_next = _tile_rows(topk_idx, block_table, b, s_tk, s_bt, start, end, seq_len, block_size,
-                                           BN, SPARSE)
         for n0 in range(start, end, BN):
-            if PREFETCH:
-                row = row_next
-                ok = ok_next
+            if SPARSE:
+                # the tile's selection slots -> token positions; invalid slots (-1, or a position the
+                # sequence does not hold: short contexts, padding rows) are masked like positions past the end
+                slot = n0 + tl.arange(0, BN)
+                pos = tl.load(topk_idx + b * s_tk + slot, mask=slot < end, other=-1).to(tl.int32)
+                ok = (slot < end) & (pos >= 0) & (pos < seq_len)
+                pos = tl.maximum(pos, 0)
             else:
-                row, ok = _tile_rows(topk_idx, block_table, b, s_tk, s_bt, n0, end, seq_len, block_size, BN, SPARSE)
+                pos = n0 + tl.arange(0, BN)
+                ok = pos < end
+            # block ids past the end may be anything (-1, garbage): never loaded (masked), and a
+            # negative id inside the live range is clamped rather than read out of bounds
+            blk = tl.load(block_table + b * s_bt + pos // block_size, mask=ok, other=0)
+            blk = tl.maximum(blk, 0)
+            row = blk.to(tl.int64) * block_size + (pos % block_size)
             base = cache + row[:, None] * s_row
             c = tl.load(base + offs_l[None, :], mask=ok[:, None], other=0.0)        # [BN, L]
             kpe = tl.load(base + L + offs_r[None, :], mask=ok[:, None], other=0.0)  # [BN, R]
-            if PREFETCH:  # the next tile's block ids (and sparse slots) in flight beside this tile's rows
-                row_next, ok_next = _tile_rows(topk_idx, block_table, b, s_tk, s_bt, n0 + BN, end, seq_len,
-                                               block_size, BN, SPARSE)
             s = tl.dot(q, tl.trans(c), input_precision=PREC)
             s = tl.dot(qp, tl.trans(kpe), s, input_precision=PREC)
             s = tl.where(ok[None, :], s * sm_scale_log2, float("-inf"))            # [BH, BN], log2 units
@@ -574,20 +535,23 @@ def choose_num_splits(batch: int, heads: int, capacity: int, sms: int) -> int:
     return max(1, min(want, -(-capacity // min_chunk(batch)), MAX_SPLITS))
 
 
-def min_chunk(batch: int) -> int:
-    """Fewest positions per split at this batch (a static choice: graph-safe): ``MIN_CHUNK``, or
-    ``MIN_CHUNK_SMALL_BATCH`` up to ``SMALL_BATCH`` sequences."""
-    return MIN_CHUNK_SMALL_BATCH if batch <= SMALL_BATCH else MIN_CHUNK
+def min_chunk(batch: int, sparse: bool = False) -> int:
+    """Fewest positions (sparse: selection slots) per split at this batch (a static choice: graph-safe):
+    ``MIN_CHUNK``, or up to ``SMALL_BATCH`` sequences ``MIN_CHUNK_SMALL_BATCH`` (sparse:
+    ``SPARSE_MIN_CHUNK_SMALL_BATCH``)."""
+    if batch > SMALL_BATCH:
+        return MIN_CHUNK
+    return SPARSE_MIN_CHUNK_SMALL_BATCH if sparse else MIN_CHUNK_SMALL_BATCH
 
 
 def choose_sparse_splits(batch: int, heads: int, topk: int, sms: int, block_n: int = BLOCK_N) -> int:
     """Splits per sequence of the sparse split kernel (``attention.sparse_mla``): ``choose_num_splits`` with
     the selection width ``topk`` as the capacity (every row has exactly ``topk`` slots, valid or not), then
     trimmed to the splits that the device-side chunk rule (``cdiv(topk, splits)``, at least
-    ``min_chunk(batch)``, a multiple of ``block_n``) leaves a slot: no program without work, and the
+    ``min_chunk(batch, sparse=True)``, a multiple of ``block_n``) leaves a slot: no program without work, and the
     merge's live count is every split. Static shapes only (graph-safe)."""
     want = choose_num_splits(batch, heads, topk, sms)
-    chunk = -(-max(-(-topk // want), min_chunk(batch)) // block_n) * block_n
+    chunk = -(-max(-(-topk // want), min_chunk(batch, sparse=True)) // block_n) * block_n
     return max(1, -(-topk // chunk))
 
 
@@ -734,12 +698,11 @@ def _split_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor
     _kernels(_interpreting())["split"][(B, -(-H // BLOCK_H), num_splits)](
         q_lat, q_pe, flat, block_table, seq_lens, ws_acc, ws_m, ws_l, o_lat if direct else ws_acc,
         count if count is not None else ws_m, topk_indices if sparse else seq_lens, topk,
-        H, num_splits, block_size, block_table.shape[1] * block_size, scale * _LOG2E,
+        H, num_splits, block_size, scale * _LOG2E,
         q_lat.stride(1), q_lat.stride(0), q_pe.stride(0), q_pe.stride(1), flat.stride(0), block_table.stride(0),
         topk_indices.stride(0) if sparse else 0, *sw, *so,
-        L=L, R=R, BH=BLOCK_H, BN=block_n, MIN_CHUNK=min_chunk(B), DIRECT=direct, PREC=prec,
-        ZERO_COUNT=count is not None, TRIGGER_END=trigger_end, SPARSE=sparse, PREFETCH=PREFETCH_ROWS,
-        SPEC_FIRST=PREFETCH_ROWS and SPECULATE_FIRST_TILE and not sparse, num_stages=NUM_STAGES,
+        L=L, R=R, BH=BLOCK_H, BN=block_n, MIN_CHUNK=min_chunk(B, sparse), DIRECT=direct, PREC=prec,
+        ZERO_COUNT=count is not None, TRIGGER_END=trigger_end, SPARSE=sparse, num_stages=NUM_STAGES,
         **_pdl_args(pdl))
     return _Split(ws_acc, ws_m, ws_l, sw, 1 if direct else num_splits, block_n)
 
@@ -907,7 +870,7 @@ def launch_mla_decode(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
     # wide split tiles: at batch 1 (256 splits, 12 programs) the merge is a serial loop per program,
     # latency-bound with narrow tiles (H200: 85 us of a 109 us call at 32k tokens with 8-split tiles)
     s_tile = min(MERGE_S_TILE, 1 << (sp.num_splits.bit_length() - 1))
-    merge_args = dict(BN=sp.block_n, MIN_CHUNK=min_chunk(B), S_PAD=s_pad, S_TILE=s_tile,
+    merge_args = dict(BN=sp.block_n, MIN_CHUNK=min_chunk(B, topk_indices is not None), S_PAD=s_pad, S_TILE=s_tile,
                       SPARSE=topk_indices is not None, **_pdl_args(pdl, MERGE_WARPS))
     ml = min(MERGE_L, L)
 

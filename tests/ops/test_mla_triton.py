@@ -54,7 +54,7 @@ FP32 = dict(rtol=1e-5, atol=1e-5)
 
 @pytest.mark.interpreter_driver
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=79)
+    run_interpreted(__file__, min_passed=73)
 
 
 @pytest.fixture
@@ -194,29 +194,6 @@ def test_unfused_epilogue_matches_reference(mla, monkeypatch, bs, lens, splits):
 
 
 @interpreted
-@pytest.mark.parametrize("bs,lens,splits", [(2, [0, 1, 7, 33, 0, 70], 1), (2, [0, 1, 7, 33, 0, 70], 2),
-                                            (16, [33, 0, 64, 5, 100], 3)])
-@pytest.mark.parametrize("speculate", [False, True], ids=["prefetch", "speculate_first"])
-def test_prefetched_rows_equal_the_plain_tiles(mla, monkeypatch, bs, lens, splits, speculate):
-    """PREFETCH_ROWS (each tile loads the next tile's block ids): chunks of 48 positions, so a split walks up
-    to three 16-position tiles (fp32) and the last prefetch reaches past its end (masked); with
-    SPECULATE_FIRST_TILE the first tile's ids are loaded at the 48-position chunk before seq_lens is read,
-    which holds for the rows up to 48 x splits long and not for the others (70 at one split, 100 at three):
-    both branches run. The result equals the reference and, bit for bit, the plain loop's (the same
-    arithmetic; only the loads move)."""
-    monkeypatch.setattr(mla, "MIN_CHUNK", 48)
-    monkeypatch.setattr(mla, "MIN_CHUNK_SMALL_BATCH", 48)
-    seed = bs * 100 + splits * 10 + 9
-    args, kw = _case(seed, lens, bs=bs, gate=True)
-    plain = _check(mla, args, kw, num_splits=splits)
-    monkeypatch.setattr(mla, "PREFETCH_ROWS", True)
-    monkeypatch.setattr(mla, "SPECULATE_FIRST_TILE", speculate)
-    args, kw = _case(seed, lens, bs=bs, gate=True)
-    prefetched = _check(mla, args, kw, num_splits=splits)
-    assert torch.equal(prefetched, plain)
-
-
-@interpreted
 def test_two_head_groups_and_medium_widths(mla, monkeypatch):
     """H = 20 (two programs of 16 heads, the second part-masked), L = 64, R = 32, split merge."""
     _short_chunks(mla, monkeypatch)
@@ -338,6 +315,7 @@ def test_num_splits_heuristic_is_static():
     assert choose_num_splits(1, 12, 4 * min_chunk(1), 132) == 4  # capacity bound: chunks of min_chunk(batch)
     assert choose_num_splits(4, 12, 4 * min_chunk(4), 132) == 4
     assert min_chunk(1) == min_chunk(2) < min_chunk(3)            # shorter chunks for one or two sequences
+    assert min_chunk(1) < min_chunk(1, sparse=True) <= min_chunk(3)  # the sparse kernel keeps its own (unmeasured at 32)
 
 
 def test_merge_v_block_spreads_small_batches():
@@ -779,38 +757,4 @@ def test_rope_calls_compile_for_hopper(mla, monkeypatch):
             mla.mla_decode_triton(*args, **kw, **rope)
             sparse_mla_decode_triton(*args, torch.zeros(B, 2048, dtype=torch.int32), **kw, **rope)
     assert {fn.fn.__name__ for fn, _, _ in launches} >= {"prologue_kernel", "split_kernel"}
-    assert compile_for_hopper(launches) == {}
-
-
-@pytest.mark.parametrize("speculate", [False, True], ids=["prefetch", "speculate_first"])
-def test_prefetch_calls_compile_for_hopper(mla, monkeypatch, speculate):
-    """The split kernel with PREFETCH_ROWS (and SPECULATE_FIRST_TILE) builds for sm_90 on the CPU, dense and
-    sparse, at Kimi K3 TP8 (12 heads, v 128) and GLM-5.3 TP8 (8 heads, nope 192, v 256) widths, bf16
-    (``tests/triton_offline.py``: recorded, not run)."""
-    import os
-
-    from latency_specialized.kernels.sparse_mla_triton import sparse_mla_decode_triton
-
-    from tests.triton_offline import compile_for_hopper, recorded_launches
-
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        pytest.skip("compiles only where triton was imported without the interpreter")
-    monkeypatch.setattr(mla, "sm_count", lambda device: 132)
-    monkeypatch.setattr(mla, "PREFETCH_ROWS", True)
-    monkeypatch.setattr(mla, "SPECULATE_FIRST_TILE", speculate)
-    B, L, R, bs, d = 2, 512, 64, 64, torch.bfloat16
-    with recorded_launches() as launches:
-        for H, nope, v in ((12, 128, 128), (8, 192, 256)):
-            cache = torch.zeros(4, bs, L + R, dtype=d)
-            blocks = torch.arange(4, dtype=torch.int32).view(2, 2)
-            q, kv = torch.randn(B, H, nope + R).to(d), torch.randn(B, L + R).to(d)
-            w = torch.randn(H * (nope + v), L).to(d)
-            args = (q, kv[:, :L], kv[:, L:], cache, torch.tensor([1, 70]), blocks,
-                    torch.tensor([2, 7], dtype=torch.int32), w)
-            kw = dict(qk_nope_head_dim=nope, v_head_dim=v)
-            mla.mla_decode_triton(*args, **kw)
-            sparse_mla_decode_triton(*args, torch.zeros(B, 2048, dtype=torch.int32), **kw)
-    split = [(fn, a, k) for fn, a, k in launches if fn.fn.__name__ == "split_kernel"]
-    assert split and all(k["PREFETCH"] for _, _, k in split)
-    assert {k["SPEC_FIRST"] for _, _, k in split} == ({True, False} if speculate else {False})
     assert compile_for_hopper(launches) == {}

@@ -276,7 +276,7 @@ def test_work_follows_k_not_the_table():
     torch.cuda.synchronize()
     assert torch.equal(narrow, widened)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert mk.choose_sparse_splits(8, GLM_TP8["H"], K, sms) <= -(-K // mk.min_chunk(8))
+    assert mk.choose_sparse_splits(8, GLM_TP8["H"], K, sms) <= -(-K // mk.min_chunk(8, sparse=True))
 
     census = KernelCensus()
     if not census.available:
