@@ -92,14 +92,12 @@ From context ~16k (MAX_SPLITS) and from batch 16 (WAVES) the split count, so the
 MIN_CHUNK_SMALL_BATCH = 32
 """``MIN_CHUNK`` of the dense kernel for batches up to ``SMALL_BATCH`` (``min_chunk``): with one or two
 sequences the split kernel has so few programs that shorter chunks (more splits) pay more than the larger merge
-costs. H200, Kimi TP8 heads, context 4096, whole call, 32 vs 64 in one run (session 29,
-``benchmarks/results/h200/session29/``): batch 1 / 2 14.4 / 18.0 vs 16.2 / 19.0 us (128 vs 64 splits; the split
-kernel 6.4 vs 8.3 us at batch 1); session 25 measured 13.4 vs 16.2 at batch 1. With the older whole-latent merge
-32 was slower (mla_decode_sweep.md: 19.8 / 22.8 vs 18.0 / 19.4); the latent-tiled merge reads each partial once.
-Batch 4 keeps ``MIN_CHUNK`` (64 vs 128 there: 25.1 vs 24.0)."""
+costs, now that the latent-tiled merge reads each partial once (with the older whole-latent merge 32 lost to 64).
+Measured 32 / 64 / 128 at batch 1-4: ``benchmarks/results/h200/session29_gpu_tests.md``, ``mla_decode_sweep.md``;
+batch 4 keeps ``MIN_CHUNK``."""
 SPARSE_MIN_CHUNK_SMALL_BATCH = 64
-"""The same for the sparse kernel (``attention.sparse_mla``, whose chunks cut the top-k slots): 64, as before the
-dense kernel moved to 32; 32 has not been measured for it."""
+"""The same for the sparse kernel (``attention.sparse_mla``, whose chunks cut the top-k slots). 32 measured
+faster at batch 1-2 after this session's GPU suite had run (session29_gpu_tests.md), so not switched yet."""
 SMALL_BATCH = 2
 MAX_SPLITS = 256
 """Most splits of one sequence (the merge holds every split's m and l in one vector)."""
