@@ -8,6 +8,7 @@ through the protocol alone (``pieces_api``), so a bug in the program cannot hide
 * :func:`random_weights` draws checkpoint-level weights from a piece's declarations;
 * :func:`shard` keeps a rank's slice of one declared weight (``split`` / ``parts``), written here
   from the declaration's documented meaning (not the program's sharding code);
+* :func:`run_residual` drives a residual piece around a few layers of stand-in sublayers;
 * :class:`ThreadWorld` runs one function per rank in threads with a communicator whose collectives
   meet at barriers (rank-order fp32 sums): TP > 1 on one process, no gloo.
 """
@@ -86,6 +87,42 @@ def step_context(ops: BoundRefs, spec: ModelSpec, *, rows: int, meta: Mapping[st
     return StepContext(ops=ops, meta=dict(meta or {}), rows=rows, comm=comm or LocalCommunicator(), tp=tp,
                        rank=rank, spec=spec, rank_spec=spec.shard(tp) if tp > 1 else spec, prefix=prefix,
                        layer=layer, scratch=scratch if scratch is not None else {})
+
+
+def run_residual(piece: Any, spec: ModelSpec, site_spec: ModelSpec, wl: Sequence[Mapping[str, torch.Tensor]],
+                 wf: Mapping[str, torch.Tensor], x: torch.Tensor,
+                 sub: Callable[[int, str, torch.Tensor], torch.Tensor], *, poison: str,
+                 registry: ImplementationRegistry | None = None, tp: int = 1, rank: int = 0, comm: Any = None,
+                 share: float = 1.0) -> tuple[list[torch.Tensor], torch.Tensor, BoundRefs, Any]:
+    """A residual piece driven through its protocol around ``len(wl)`` layers of two sublayers (attn, ffn):
+    ``sub(layer, which, h)`` stands for the sublayer (its output times ``share``: one TP rank's part of the sum).
+    Its sites come from ``site_spec`` (a rank's shard, or the spec), bound as ``bind`` does; its scratch
+    buffers hold two rows more than ``x`` and start as NaN in ``scratch[poison]`` (what ``start`` must write
+    before it reads). Returns the sublayer inputs in call order, the final output, the bound ops and the
+    residual state."""
+
+    def fill(b: SiteBuilder) -> None:
+        piece.sites(b, site_spec, "attn")
+        piece.sites(b, site_spec, "ffn")
+        b.prefix, b.layers = "", ()
+        piece.sites(b, site_spec, "final")
+
+    M = x.shape[0]
+    ops = bind(fill, dtype=x.dtype, rows=M, tp=tp, prefix="kind", registry=registry)
+    scratch = piece.buffers(spec, M + 2, x.dtype, x.device)
+    scratch[poison].fill_(float("nan"))
+    step = step_context(ops, spec, rows=M, tp=tp, rank=rank, comm=comm, scratch=scratch)
+    rs = piece.start(step, x)
+    inputs = []
+    for i, w in enumerate(wl):
+        step.layer = i
+        for which in ("attn", "ffn"):
+            h = piece.before(step, rs, w, which)
+            inputs.append(h)
+            y = sub(i, which, h)
+            piece.after(step, rs, w, which, (y.float() * share).to(x.dtype) if share != 1.0 else y)
+    step.prefix, step.layer = "", -1
+    return inputs, piece.finish(step, rs, wf), ops, rs
 
 
 def random_weights(decls: Sequence[WeightDecl], dtype: torch.dtype, gen: torch.Generator,

@@ -16,17 +16,9 @@ import torch
 from latency_specialized.pieces.residual.attnres import SOURCES, BlockAttnRes, attnres_rows
 from latency_specialized.spec import DenseMLPSpec, KDAAttentionSpec, LayerSpec, ModelSpec, NormSpec, ResidualSpec
 
-from tests.pieces.piece_harness import TOL, ThreadWorld, bind, random_weights, rel, step_context
+from tests.pieces.piece_harness import TOL, ThreadWorld, bind, random_weights, rel, run_residual
 
 H, LAYERS, BLOCK, EPS, M = 32, 7, 3, 1e-5, 3
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _spec() -> ModelSpec:
@@ -81,27 +73,9 @@ def _setup(dtype, seed):
 
 
 def _run(spec, piece, wl, wf, x, sub, *, tp=1, rank=0, comm=None, share=1.0):
-    def fill(b):
-        piece.sites(b, spec, "attn")
-        piece.sites(b, spec, "ffn")
-        b.prefix, b.layers = "", ()
-        piece.sites(b, spec, "final")
-
-    ops = bind(fill, dtype=x.dtype, rows=M, tp=tp, prefix="kind")
-    scratch = piece.buffers(spec, M + 2, x.dtype, x.device)      # buffers for more rows than the step uses
-    scratch[SOURCES].fill_(float("nan"))                          # start() must clear what it reads
-    step = step_context(ops, spec, rows=M, tp=tp, rank=rank, comm=comm, scratch=scratch)
-    rs = piece.start(step, x)
-    inputs = []
-    for i in range(LAYERS):
-        step.layer = i
-        for which in ("attn", "ffn"):
-            h = piece.before(step, rs, wl[i], which)
-            inputs.append(h)
-            y = sub(i, which, h)
-            piece.after(step, rs, wl[i], which, (y.float() * share).to(x.dtype) if share != 1.0 else y)
-    step.prefix, step.layer = "", -1
-    return inputs, piece.finish(step, rs, wf), ops
+    inputs, out, ops, _ = run_residual(piece, spec, spec, wl, wf, x, sub, poison=SOURCES, tp=tp, rank=rank,
+                                       comm=comm, share=share)
+    return inputs, out, ops
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

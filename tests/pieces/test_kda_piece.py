@@ -19,14 +19,6 @@ from tests.pieces.piece_harness import TOL, ThreadWorld, bind, random_weights, r
 HIDDEN = 48
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _spec(a: KDAAttentionSpec) -> ModelSpec:
     return ModelSpec(name="piece-test", variant="tiny", hidden_size=HIDDEN, vocab_size=64, max_context=64,
                      layers=(LayerSpec(index=0, attention=a, ffn=DenseMLPSpec(intermediate=32)),))

@@ -26,14 +26,6 @@ HIDDEN, EPS = 48, 1e-5
 SITU = ActivationSpec(kind="situ_glu", beta=4.0, beta_lin=25.0)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _moe(shared=2, act=SITU) -> MoESpec:
     return MoESpec(num_experts=16, top_k=4, num_shared_experts=shared, expert_intermediate=16, latent_dim=32,
                    activation=act, router=RouterSpec(score_func="sigmoid", bias_corrected=True, renormalize=True))

@@ -24,17 +24,9 @@ from latency_specialized.pieces.residual.mhc import STREAMS, MHCResidual
 from latency_specialized.plugins import get_registry
 from latency_specialized.spec import DenseMLPSpec, KDAAttentionSpec, LayerSpec, ModelSpec, NormSpec, ResidualSpec
 
-from tests.pieces.piece_harness import TOL, ThreadWorld, bind, rel, step_context
+from tests.pieces.piece_harness import TOL, ThreadWorld, bind, rel, run_residual, step_context
 
 H, LAYERS, EPS, HC_EPS = 20, 3, 1e-5, 1e-6
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture
@@ -131,30 +123,9 @@ def _formula(x, wl, wf, sub, n, iters):
 
 # ---------------------------------------------------------------------------------------------- piece run
 def _run(spec, piece, wl, wf, x, sub, registry, *, tp=1, rank=0, comm=None, share=1.0):
-    rank_spec = spec.shard(tp) if tp > 1 else spec
-
-    def fill(b):
-        piece.sites(b, rank_spec, "attn")
-        piece.sites(b, rank_spec, "ffn")
-        b.prefix, b.layers = "", ()
-        piece.sites(b, rank_spec, "final")
-
-    M = x.shape[0]
-    ops = bind(fill, dtype=x.dtype, rows=M, tp=tp, prefix="kind", registry=registry)
-    scratch = piece.buffers(spec, M + 2, x.dtype, x.device)     # buffers for more rows than the step uses
-    scratch[STREAMS].fill_(float("nan"))                         # start() must write what it reads
-    step = step_context(ops, spec, rows=M, tp=tp, rank=rank, comm=comm, scratch=scratch)
-    rs = piece.start(step, x)
-    inputs = []
-    for i in range(LAYERS):
-        step.layer = i
-        for which in ("attn", "ffn"):
-            h = piece.before(step, rs, wl[i], which)
-            inputs.append(h)
-            y = sub(i, which, h)
-            piece.after(step, rs, wl[i], which, (y.float() * share).to(x.dtype) if share != 1.0 else y)
-    step.prefix, step.layer = "", -1
-    return inputs, piece.finish(step, rs, wf), ops
+    inputs, out, ops, _ = run_residual(piece, spec, spec.shard(tp) if tp > 1 else spec, wl, wf, x, sub,
+                                       poison=STREAMS, registry=registry, tp=tp, rank=rank, comm=comm, share=share)
+    return inputs, out, ops
 
 
 def _setup(n, iters, dtype, M, seed):

@@ -24,14 +24,6 @@ from tests.pieces.piece_harness import TOL, ThreadWorld, bind, random_weights, r
 HIDDEN, BLOCK, EPS = 48, 4, 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _attn(q_lora=16, gate=True, rope=False, interleaved=False) -> MLAAttentionSpec:
     return MLAAttentionSpec(num_heads=4, q_lora_rank=q_lora, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
                             v_head_dim=8, use_rope=rope, rope_theta=1e4 if rope else None,

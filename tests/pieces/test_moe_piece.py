@@ -10,7 +10,8 @@ from latency_specialized.errors import UserError
 from latency_specialized.pieces import RoutedMoE
 from latency_specialized.spec import GQAAttentionSpec, LayerSpec, ModelSpec, MoESpec, RouterSpec
 
-from tests.pieces.helpers import ThreadWorld, make_step, piece_sites, random_full, rank_weights
+from tests.pieces.helpers import make_step, piece_sites, random_full, rank_weights
+from tests.pieces.piece_harness import ThreadWorld
 
 H = 32
 QWEN = MoESpec(num_experts=8, top_k=2, num_shared_experts=0, expert_intermediate=16,
@@ -73,8 +74,8 @@ def test_rank_partials_add_up_with_one_router_gather(case):
     w, x = weights(piece, spec, 11)
     world = ThreadWorld(tp)
 
-    def rank(r: int):
-        step = make_step(piece_sites(piece, spec, tp, 5), spec, 5, tp=tp, rank=r, comm=world.comm(r))
+    def rank(r: int, comm):
+        step = make_step(piece_sites(piece, spec, tp, 5), spec, 5, tp=tp, rank=r, comm=comm)
         rw = rank_weights(piece, spec, w, r, tp)
         return piece.forward(step, rw, {}, x), step.ops.communicated, rw["router"].shape[0]
 

@@ -10,7 +10,8 @@ from latency_specialized.ops.sites import SiteBuilder
 from latency_specialized.pieces import PreNormResidual
 from latency_specialized.spec import DenseMLPSpec, GQAAttentionSpec, LayerSpec, ModelSpec, NormSpec
 
-from tests.pieces.helpers import ThreadWorld, make_step
+from tests.pieces.helpers import make_step
+from tests.pieces.piece_harness import ThreadComm, ThreadWorld
 
 H, EPS = 32, 1e-5
 
@@ -103,8 +104,7 @@ def test_tp_partials_are_summed_and_each_site_gets_its_communicator():
     g = torch.Generator().manual_seed(9)
     other = {k: torch.randn(3, H, generator=g) for k in ys}          # rank 1's partials
 
-    def rank(r):
-        comm = world.comm(r)
+    def rank(r, comm):
         marks = {s.name: comm for s in all_sites(piece, spec, 2)}
         return run_two_layers(piece, spec, x, w, ys if r == 0 else other, tp=2, rank=r, comm=LocalCommunicator(),
                               site_comms=marks)
@@ -115,4 +115,4 @@ def test_tp_partials_are_summed_and_each_site_gets_its_communicator():
     torch.testing.assert_close(final0, want_final, rtol=1e-5, atol=1e-5)
     assert torch.equal(final0, final1) and all(torch.equal(a, b) for a, b in zip(seen0, seen1))
     # every all-reduce ran on the communicator its site was bound to (not the step's LocalCommunicator)
-    assert all(isinstance(c, type(world.comm(0))) for n, c in called0 if n.endswith("allreduce"))
+    assert all(isinstance(c, ThreadComm) for n, c in called0 if n.endswith("allreduce"))

@@ -21,14 +21,6 @@ from tests.pieces.test_gated_residual_piece import (EPS, LAYERS, check, gated_re
                                                     spec_for)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture
 def registry(monkeypatch):
     return gated_registry(monkeypatch)

@@ -34,14 +34,6 @@ HIDDEN, BLOCK, EPS, PER_SEQ = 40, 4, 1e-5, 4
 HI, DI, K = 3, 12, 5
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _registry(monkeypatch, plain_gemm: bool = False) -> op_registry.ImplementationRegistry:
     """The plugin registry plus the indexer / sparse MLA families (not yet in FAMILIES / OP_MODULES);
     ``plain_gemm``: a top-priority gemm without a norm prologue (the q_a norm site then runs)."""
