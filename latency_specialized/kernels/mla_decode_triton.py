@@ -520,17 +520,18 @@ def _kernels(interpret: bool):
     return dict(prologue=prologue_kernel, split=split_kernel, merge=merge_kernel, merge_tiles=merge_tiles_kernel)
 
 
-def choose_num_splits(batch: int, heads: int, capacity: int, sms: int) -> int:
+def choose_num_splits(batch: int, heads: int, capacity: int, sms: int, sparse: bool = False) -> int:
     """Splits per sequence from static shapes only (graph-safe): batch x head groups x splits at most
     ``WAVES`` x SMs programs (rounded *down*: two programs fit an SM at once, so e.g. 4 splits at
     batch 64 run as one wave of 256 programs where 5 would leave a tail wave of 56: H200, Kimi TP8,
     64 x 32k tokens, split kernel: 2.1 TB/s with 5 splits, 2.5 with 3 or 9, 3.2 with 4), no more
     splits than ``capacity``
-    (block-table positions) holds chunks of ``min_chunk(batch)``, at most ``MAX_SPLITS``. The live chunk of
-    each split is then sized on the device from ``seq_lens`` (short sequences use fewer splits)."""
+    (block-table positions; sparse: selection slots) holds chunks of ``min_chunk(batch, sparse)``, at most
+    ``MAX_SPLITS``. The live chunk of each split is then sized on the device from ``seq_lens`` (short sequences
+    use fewer splits)."""
     groups = -(-heads // BLOCK_H)
     want = WAVES * sms // max(batch * groups, 1)
-    return max(1, min(want, -(-capacity // min_chunk(batch)), MAX_SPLITS))
+    return max(1, min(want, -(-capacity // min_chunk(batch, sparse)), MAX_SPLITS))
 
 
 def min_chunk(batch: int, sparse: bool = False) -> int:
@@ -548,7 +549,7 @@ def choose_sparse_splits(batch: int, heads: int, topk: int, sms: int, block_n: i
     trimmed to the splits that the device-side chunk rule (``cdiv(topk, splits)``, at least
     ``min_chunk(batch, sparse=True)``, a multiple of ``block_n``) leaves a slot: no program without work, and the
     merge's live count is every split. Static shapes only (graph-safe)."""
-    want = choose_num_splits(batch, heads, topk, sms)
+    want = choose_num_splits(batch, heads, topk, sms, sparse=True)
     chunk = -(-max(-(-topk // want), min_chunk(batch, sparse=True)) // block_n) * block_n
     return max(1, -(-topk // chunk))
 

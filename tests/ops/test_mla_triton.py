@@ -759,3 +759,30 @@ def test_rope_calls_compile_for_hopper(mla, monkeypatch):
             sparse_mla_decode_triton(*args, torch.zeros(B, 2048, dtype=torch.int32), **kw, **rope)
     assert {fn.fn.__name__ for fn, _, _ in launches} >= {"prologue_kernel", "split_kernel"}
     assert compile_for_hopper(launches) == {}
+
+
+@pytest.mark.parametrize("B", [1, 2, 3])
+def test_dense_and_sparse_calls_launch_their_own_small_batch_chunk(mla, B):
+    """The split and merge kernels of a dense call get ``min_chunk(B)`` and those of a sparse call
+    ``min_chunk(B, sparse=True)`` (both kernels must apply the same chunk rule; the interpreter cases set the two
+    constants equal, so only the launches tell them apart); recorded, not run (``tests/triton_offline.py``)."""
+    import os
+
+    from latency_specialized.kernels.sparse_mla_triton import sparse_mla_decode_triton
+
+    from tests.triton_offline import recorded_launches
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("records compiled launches only where triton was imported without the interpreter")
+    args, kw = _case(B, [5] * B, bs=4, L=32, R=16)
+    with recorded_launches() as dense:
+        mla.mla_decode_triton(*args, **kw, num_splits=2)
+    args, kw = _case(B, [5] * B, bs=4, L=32, R=16)
+    with recorded_launches() as sparse:
+        sparse_mla_decode_triton(*args, torch.zeros(B, 64, dtype=torch.int32), **kw, num_splits=2)
+    for launches, want in ((dense, mla.min_chunk(B)), (sparse, mla.min_chunk(B, sparse=True))):
+        chunks = {fn.fn.__name__: k["MIN_CHUNK"] for fn, _, k in launches if "MIN_CHUNK" in k}
+        assert "split_kernel" in chunks and any(n.startswith("merge") for n in chunks), chunks
+        assert set(chunks.values()) == {want}, chunks
+    assert B > mla.SMALL_BATCH or mla.min_chunk(B) != mla.min_chunk(B, sparse=True)
+
