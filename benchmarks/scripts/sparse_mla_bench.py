@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-chunk-small", type=int, default=None, help="SPARSE_MIN_CHUNK_SMALL_BATCH (batch <= 2)")
     ap.add_argument("--waves", type=int, default=None)
     ap.add_argument("--merge-l-tile", type=int, default=None, help="MERGE_L_TILE (0: the v-blocked merge everywhere)")
+    ap.add_argument("--pdl", type=int, choices=(0, 1), default=None, help="PDL (programmatic dependent launch) off/on")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("sparse_mla_bench: needs a CUDA GPU", file=sys.stderr)
@@ -118,9 +119,9 @@ def main(argv: list[str] | None = None) -> int:
 
     for flag, const in (("block_n", "BLOCK_N"), ("min_chunk", "MIN_CHUNK"),
                         ("min_chunk_small", "SPARSE_MIN_CHUNK_SMALL_BATCH"), ("waves", "WAVES"),
-                        ("merge_l_tile", "MERGE_L_TILE")):
+                        ("merge_l_tile", "MERGE_L_TILE"), ("pdl", "PDL")):
         if getattr(a, flag) is not None:
-            setattr(mk, const, getattr(a, flag))
+            setattr(mk, const, bool(getattr(a, flag)) if const == "PDL" else getattr(a, flag))
     tuning = {k: getattr(mk, k) for k in ("BLOCK_H", "BLOCK_N", "NUM_WARPS", "NUM_STAGES", "MIN_CHUNK",
                                           "SPARSE_MIN_CHUNK_SMALL_BATCH", "WAVES", "MAX_SPLITS", "MERGE_L_TILE", "PDL")}
     H, L, R, nope, v, K = a.heads, a.kv_lora, a.rope, a.nope, a.v, a.topk

@@ -95,9 +95,10 @@ sequences the split kernel has so few programs that shorter chunks (more splits)
 costs, now that the latent-tiled merge reads each partial once (with the older whole-latent merge 32 lost to 64).
 Measured 32 / 64 / 128 at batch 1-4: ``benchmarks/results/h200/session29_gpu_tests.md``, ``mla_decode_sweep.md``;
 batch 4 keeps ``MIN_CHUNK``."""
-SPARSE_MIN_CHUNK_SMALL_BATCH = 64
-"""The same for the sparse kernel (``attention.sparse_mla``, whose chunks cut the top-k slots). 32 measured
-faster at batch 1-2 after this session's GPU suite had run (session29_gpu_tests.md), so not switched yet."""
+SPARSE_MIN_CHUNK_SMALL_BATCH = 32
+"""The same for the sparse kernel (``attention.sparse_mla``, whose chunks cut the top-k slots): a separate
+constant because the two kernels were measured apart (GLM-5.3 TP8, top-2048, batch 1 / 2: 32 vs 64 slots,
+``session29_gpu_tests.md``)."""
 SMALL_BATCH = 2
 MAX_SPLITS = 256
 """Most splits of one sequence (the merge holds every split's m and l in one vector)."""

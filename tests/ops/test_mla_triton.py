@@ -315,8 +315,8 @@ def test_num_splits_heuristic_is_static():
     assert choose_num_splits(1, 12, 4 * min_chunk(1), 132) == 4  # capacity bound: chunks of min_chunk(batch)
     assert choose_num_splits(4, 12, 4 * min_chunk(4), 132) == 4
     assert min_chunk(1) == min_chunk(2) < min_chunk(3)            # shorter chunks for one or two sequences
-    # the sparse kernel keeps its own small-batch chunk (32 pays there too: not yet switched)
-    assert min_chunk(1) < min_chunk(1, sparse=True) <= min_chunk(3)
+    # the sparse kernel has its own small-batch chunk (measured apart; today the same 32)
+    assert min_chunk(1, sparse=True) == min_chunk(2, sparse=True) < min_chunk(3, sparse=True) == min_chunk(3)
 
 
 def test_merge_v_block_spreads_small_batches():
@@ -762,10 +762,11 @@ def test_rope_calls_compile_for_hopper(mla, monkeypatch):
 
 
 @pytest.mark.parametrize("B", [1, 2, 3])
-def test_dense_and_sparse_calls_launch_their_own_small_batch_chunk(mla, B):
+def test_dense_and_sparse_calls_launch_their_own_small_batch_chunk(mla, B, monkeypatch):
     """The split and merge kernels of a dense call get ``min_chunk(B)`` and those of a sparse call
     ``min_chunk(B, sparse=True)`` (both kernels must apply the same chunk rule; the interpreter cases set the two
-    constants equal, so only the launches tell them apart); recorded, not run (``tests/triton_offline.py``)."""
+    constants equal, so only the launches tell them apart); recorded, not run (``tests/triton_offline.py``). The
+    sparse constant is set apart from the dense one here: the defaults may agree."""
     import os
 
     from latency_specialized.kernels.sparse_mla_triton import sparse_mla_decode_triton
@@ -774,6 +775,7 @@ def test_dense_and_sparse_calls_launch_their_own_small_batch_chunk(mla, B):
 
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         pytest.skip("records compiled launches only where triton was imported without the interpreter")
+    monkeypatch.setattr(mla, "SPARSE_MIN_CHUNK_SMALL_BATCH", 2 * mla.MIN_CHUNK_SMALL_BATCH)
     args, kw = _case(B, [5] * B, bs=4, L=32, R=16)
     with recorded_launches() as dense:
         mla.mla_decode_triton(*args, **kw, num_splits=2)
