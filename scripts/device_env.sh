@@ -9,6 +9,9 @@ if [ -d .whl ] && [ ! -f /tmp/site/.ok ]; then
 fi
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 if [ -d .device/cute-b ]; then source .device/cute-b/activate.sh; fi
+# FlashMLA source for the stock MLA layers (scripts/pack_flashmla.sh makes the archive; carry .device/flashmla.tgz)
+if [ -f .device/flashmla.tgz ] && [ ! -d /tmp/fm/flashmla ]; then mkdir -p /tmp/fm && tar xzf .device/flashmla.tgz -C /tmp/fm; fi
+if [ -d /tmp/fm/flashmla ]; then export LS_FLASHMLA_SRC=/tmp/fm/flashmla; fi
 if ! python3 -c "import latency_specialized_models" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/tmp/ls_install.log 2>&1 \
     || { echo "editable install failed:"; tail -20 /tmp/ls_install.log; }

@@ -7,7 +7,7 @@ its source on the H200, in the same process as ``attention.mla.triton_splitkv``.
 submodule pins (``include`` and ``tools/util/include``). Only its SM90 dense decode is compiled (the sched-meta,
 split-KV and combine kernels: ``csrc/sm90/decode/dense/instantiations/bf16.cu``, ``csrc/smxx/decode/...``) with
 the flags of its ``setup.py`` for ``sm_90a``, behind a pybind module of one function written here
-(``dense_decode_fwd`` = its ``dense_attn_decode_interface``): vLLM's wheel carries the same kernels prebuilt for
+(``dense_decode_fwd`` = its ``dense_attn_decode_interface``; ``bench/stock/flashmla.load_flashmla``): vLLM's wheel carries the same kernels prebuilt for
 torch 2.14, which cannot load next to the device's torch.
 
 Per (shape, batch, context 4096 by default), caches as ``bench_mla.py`` makes them (bf16, block 64, shuffled
@@ -15,9 +15,11 @@ blocks, ``seq_lens = context``), three things timed with the same CUDA-graph tim
 
 * ``flashmla``: FlashMLA's kernels alone on the absorbed query (split-KV + combine; its tile-scheduler metadata
   computed once beforehand, as vLLM computes it once per step for all layers);
-* ``stock call``: the attention call as vLLM's MLA decode path composes it around FlashMLA - the new latent row
-  written into the cache (``index_copy_``: a stand-in for ``concat_and_cache_mla``, one kernel as stock's),
-  ``bmm`` with W_UK, ``cat`` with the rope query, FlashMLA, ``bmm`` with W_UV and the head-major copy;
+* ``stock call``: the attention call as vLLM's MLA decode path composes it around FlashMLA
+  (``bench/stock/flashmla.StockFlashMLA``, what the stock MLA layers run) - the new latent row written into the
+  cache (``concat_and_cache_mla``, one kernel as stock's), ``bmm`` with W_UK, ``cat`` with the rope query,
+  FlashMLA, ``bmm`` with W_UV and the head-major copy. (Session 30's results were taken with an ``index_copy_``
+  of the pre-concatenated row in place of that kernel, in this script before ``StockFlashMLA`` existed.)
 * ``ours``: ``mla_decode_triton`` (prologue, split, merge + W_UV: 3 launches), the same work.
 
 No output gate and no RoPE on either side (both sit outside stock's call). Checked before timing: FlashMLA's
@@ -31,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -47,35 +48,6 @@ from latency_specialized.bench.ops_bench_moe_kda import time_graph  # noqa: E402
 TOLERANCE = 2e-2
 SHAPES = {"kimi_k3_tp8": dict(heads=12, nope=128, v=128), "glm53_tp8": dict(heads=8, nope=192, v=256)}
 """Rank shapes at TP8 (kv_lora 512, rope 64 for both): Kimi K3 96 / 8 heads, GLM-5.3 64 / 8."""
-BINDING = """#include <pybind11/pybind11.h>
-#include "dense_decode.h"
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("dense_decode_fwd", &dense_attn_decode_interface); }
-"""
-
-
-def build_flashmla(src: Path, build_dir: Path, jobs: int):
-    """Compile FlashMLA's SM90 dense decode (bf16 only) as a torch extension; returns the module."""
-    from torch.utils.cpp_extension import load
-
-    build_dir.mkdir(parents=True, exist_ok=True)
-    binding = build_dir / "flashmla_dense_binding.cu"  # nvcc, not g++: CUDA 13 keeps cuda/std in its own CCCL dir
-    binding.write_text(BINDING)
-    csrc = src / "csrc"
-    os.environ.setdefault("MAX_JOBS", str(jobs))
-    nvcc = ["-O3", "-std=c++20", "-DNDEBUG", "-D_USE_MATH_DEFINES", "-DFLASH_MLA_DISABLE_FP16",
-            "-Wno-deprecated-declarations", "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
-            "-U__CUDA_NO_HALF2_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "--expt-relaxed-constexpr",
-            "--expt-extended-lambda", "--use_fast_math", "-lineinfo",
-            "-gencode", "arch=compute_90a,code=sm_90a"]
-    return load(name="flashmla_dense_decode", build_directory=str(build_dir), verbose=False,
-                sources=[str(binding), str(csrc / "sm90/decode/dense/instantiations/bf16.cu"),
-                         str(csrc / "smxx/decode/combine/combine.cu"),
-                         str(csrc / "smxx/decode/get_decoding_sched_meta/get_decoding_sched_meta.cu")],
-                extra_cflags=["-O3", "-std=c++20", "-DNDEBUG", "-DFLASH_MLA_DISABLE_FP16",
-                              "-Wno-deprecated-declarations"],
-                extra_cuda_cflags=nvcc,
-                extra_include_paths=[str(p) for p in (csrc, csrc / "api", csrc / "kerutils/include", csrc / "sm90",
-                                                      csrc / "cutlass/include", csrc / "cutlass/tools/util/include")])
 
 
 def _ints(s: str) -> list[int]:
@@ -88,6 +60,7 @@ def _time(fns, reps: int) -> float:
 
 
 def _cell(fm, shape: str, B: int, ctx: int, a, g) -> dict:
+    from latency_specialized.bench.stock.flashmla import StockFlashMLA
     from latency_specialized.kernels.mla_decode_triton import mla_decode_triton
     from latency_specialized.ops.attention.mla import mla_decode_reference
 
@@ -110,15 +83,10 @@ def _cell(fm, shape: str, B: int, ctx: int, a, g) -> dict:
     w_uv_t = w.view(H, nope + v, L)[:, nope:].transpose(1, 2).contiguous()  # [H, L, v]
     scale = (nope + R) ** -0.5
     kw = dict(qk_nope_head_dim=nope, v_head_dim=v, scale=scale)
+    stock_call = StockFlashMLA(w, H, nope, v, module=fm)
 
     def stock(cache, out):
-        cache.view(-1, L + R).index_copy_(0, slots, kv)
-        q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w_uk).transpose(0, 1)      # [B, H, L]
-        q_all = torch.cat([q_lat, q[..., nope:]], dim=-1).unsqueeze(1)            # [B, 1, H, L + R]
-        o_lat = fm.dense_decode_fwd(q_all, cache.view(nb, bs, 1, L + R), L, lens, blocks, scale, False,
-                                    meta[0], meta[1])[0]                            # [B, 1, H, L]
-        torch.bmm(o_lat.view(B, H, L).transpose(0, 1), w_uv_t, out=out_hbv)       # [H, B, v]
-        out.view(B, H, v).copy_(out_hbv.transpose(0, 1))
+        stock_call(q, kv_c, k_pe, cache, slots, blocks, lens, w, out=out, **kw)
 
     # tile-scheduler metadata once (FlashMLA computes it on a call without it), as vLLM does once per step
     q_lat0 = torch.bmm(q[..., :nope].transpose(0, 1).float(), w_uk.float()).transpose(0, 1).to(torch.bfloat16)
@@ -127,8 +95,7 @@ def _cell(fm, shape: str, B: int, ctx: int, a, g) -> dict:
     want = mla_decode_reference(q, kv_c, k_pe, ref_cache, slots, blocks, lens, w, **kw).float()
     _, _, sched, nsplit = fm.dense_decode_fwd(q_all0, ref_cache.view(nb, bs, 1, L + R), L, lens, blocks, scale,
                                               False, None, None)
-    meta = (sched, nsplit)
-    out_hbv = torch.empty(H, B, v, device="cuda", dtype=torch.bfloat16)
+    stock_call.meta = (sched, nsplit)
     # FlashMLA's latent output against the reference's (through W_UV in fp32)
     o_lat = fm.dense_decode_fwd(q_all0, ref_cache.view(nb, bs, 1, L + R), L, lens, blocks, scale, False,
                                 sched, nsplit)[0].float()
@@ -182,9 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_mla_flashmla: needs a CUDA GPU", file=sys.stderr)
         return 2
     from latency_specialized.bench.machine import machine_info
+    from latency_specialized.bench.stock.flashmla import load_flashmla
 
     t0 = time.time()
-    fm = build_flashmla(Path(a.src), Path(a.build_dir), a.jobs)
+    fm = load_flashmla(Path(a.src), Path(a.build_dir), a.jobs)
     print(f"FlashMLA built in {time.time() - t0:.0f} s", flush=True)
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
@@ -202,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = ["# MLA decode call: ours vs stock (FlashMLA, built from source) on the same inputs", "",
              f"GPU {meta['machine']['gpu']}, torch {meta['machine']['torch']}; roofline at {a.bw / 1e12:g} TB/s "
              "(latent cache + W_UK / W_UV bytes). flashmla: its split-KV + combine kernels on the absorbed query; "
-             "stock call: cache write (index_copy_ stand-in) + bmm W_UK + cat + FlashMLA + bmm W_UV + copy; ours: "
+             "stock call: bench/stock/flashmla.StockFlashMLA (cache write + bmm W_UK + cat + FlashMLA + bmm W_UV + copy); ours: "
              "mla_decode_triton (3 launches). No gate, no RoPE on either side.", "",
              "| shape | B | context | roofline us | flashmla us | stock call us | ours us | stock / ours | max rel err "
              "(flashmla / stock / ours) |", "|---|---|---|---|---|---|---|---|---|"]

@@ -92,14 +92,15 @@ KIMI_NOTES_BEFORE_THE_HOOK = [
 
 
 @pytest.mark.parametrize("kinds", [("kda",), ("kda", "mla")])
-def test_kimi_notes_are_unchanged(kinds):
+def test_kimi_notes_are_unchanged(kinds, monkeypatch):
     from latency_specialized.bench.layer_bench import bench_kinds, bench_notes
-    from latency_specialized.bench.stock.compositions import MLA_NOTE
+    from latency_specialized.bench.stock.flashmla import SOURCE_ENV, mla_note
 
+    monkeypatch.delenv(SOURCE_ENV, raising=False)
     adapter = get_registry().adapter("kimi_k3")
     notes = bench_notes(adapter.spec("full"), bench_kinds(adapter, kinds), 8)
-    assert notes == KIMI_NOTES_BEFORE_THE_HOOK + ([MLA_NOTE] if "mla" in kinds else [])
-    assert MLA_NOTE.startswith("MLA layers: both variants run the same MLA decode attention")
+    assert notes == KIMI_NOTES_BEFORE_THE_HOOK + ([mla_note()] if "mla" in kinds else [])
+    assert mla_note().startswith("MLA layers: both variants run the same MLA decode attention")
 
 
 def test_kimi_cells_roofline_is_unchanged():

@@ -7,6 +7,7 @@ interpreter (``test_stock_kernels.py::test_cpu_cases_under_the_interpreter`` run
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -58,26 +59,35 @@ def test_stock_layer_matches_reference_composition(device, batch):
     torch.testing.assert_close(layer.conv_state.float(), ref_layer.conv_state.float(), rtol=2e-2, atol=2e-2)
 
 
-def _small_mla_spec():
+def _small_mla_spec(kv_lora_rank=128, rope=32):
     from latency_specialized.spec import MLAAttentionSpec
 
     base = _small_spec()
-    mla = MLAAttentionSpec(num_heads=8, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32,
-                           v_head_dim=64, use_rope=False, output_gate="sigmoid")
+    mla = MLAAttentionSpec(num_heads=8, q_lora_rank=128, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=64,
+                           qk_rope_head_dim=rope, v_head_dim=64, use_rope=False, output_gate="sigmoid")
     layer = base.layers[0].model_copy(update={"attention": mla})
     return base.model_copy(update={"layers": (layer,), "max_context": 4096})
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch,context", [(1, 100), (3, 1000)])
-def test_stock_mla_layer_matches_reference_composition(batch, context):
-    """The stock MLA+MoE composition (bench stand-in) == the same layer from references (bf16 on the GPU:
-    the Triton interpreter cannot run bf16, so no CPU case)."""
+@pytest.mark.parametrize("flashmla,batch,context", [(False, 1, 100), (False, 3, 1000),
+                                                    (True, 1, 100), (True, 3, 1000)])
+def test_stock_mla_layer_matches_reference_composition(flashmla, batch, context, monkeypatch):
+    """The stock MLA+MoE composition == the same layer from references (bf16 on the GPU: the Triton interpreter
+    cannot run bf16, so no CPU case): with our Triton MLA kernel as the stand-in (``LS_FLASHMLA_SRC`` unset), and
+    with FlashMLA (skipped, reported, where the variable names no checkout; its latent of 512, blocks of 64)."""
+    from latency_specialized.bench.stock.flashmla import SOURCE_ENV
     from latency_specialized.bench.stock.layers import AttnResState, StockMLAMoELayer
 
-    spec = _small_mla_spec()
+    if not flashmla:
+        monkeypatch.delenv(SOURCE_ENV, raising=False)
+    elif not os.environ.get(SOURCE_ENV):
+        pytest.skip(f"{SOURCE_ENV} unset: no FlashMLA checkout to build")
+    spec = _small_mla_spec(512, 64) if flashmla else _small_mla_spec()
     torch.manual_seed(batch)
-    layer = StockMLAMoELayer(spec, 0, tp=2, batch=batch, context=context, device="cuda", block_size=16)
+    layer = StockMLAMoELayer(spec, 0, tp=2, batch=batch, context=context, device="cuda",
+                             block_size=64 if flashmla else 16)
+    assert (layer.flashmla is not None) == flashmla
     ref_layer = copy.copy(layer)
     ref_layer.cache = layer.cache.clone()
     ref_layer.moe = copy.copy(layer.moe)

@@ -11,13 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from latency_specialized.bench.stock.flashmla import mla_note
 from latency_specialized.errors import UserError
-
-MLA_NOTE = ("MLA layers: both variants run the same MLA decode attention (attention.mla.triton_splitkv, a "
-            "Triton split-KV kernel standing in for stock's MLA backend - vLLM's TRITON_MLA; FlashMLA is not "
-            "runnable here; ours fuses the kv_a RMSNorm into its latent write, stock runs that norm as a "
-            "kernel of its own), so MLA cells compare everything around that kernel. Roofline: the latent KV "
-            "cache of 'context' tokens per sequence is read once per step (paged, block size 64).")
 
 
 @dataclass(frozen=True)
@@ -74,7 +69,7 @@ def _dsa(name, module="dsa_moe"):
 COMPOSITIONS: dict[str, StockComposition] = {
     "kda_moe": StockComposition("kda_moe", _build_kda, lambda full, name, bk, tp: [],
                                 "Kimi K3 KDA + latent MoE with AttnRes (bench/stock/layers.py)"),
-    "mla_moe": StockComposition("mla_moe", _build_mla, lambda full, name, bk, tp: [MLA_NOTE],
+    "mla_moe": StockComposition("mla_moe", _build_mla, lambda full, name, bk, tp: [mla_note()],
                                 "Kimi K3 MLA + latent MoE with AttnRes (bench/stock/layers.py)"),
     "gqa_moe": StockComposition("gqa_moe", _build_gqa, _notes_gqa,
                                 "GQA (window / NoPE / QK norm / gate) + (latent) MoE, sandwich-normed gated "
@@ -97,4 +92,4 @@ def composition(name: str) -> StockComposition:
     return COMPOSITIONS[name]
 
 
-__all__ = ["COMPOSITIONS", "MLA_NOTE", "StockComposition", "composition"]
+__all__ = ["COMPOSITIONS", "StockComposition", "composition"]

@@ -21,7 +21,8 @@ The router and the latent projections are full-size on every rank, as stock vLLM
 All weights are random with the real per-rank shapes, drawn on the GPU.
 
 MLA + MoE layers (``StockMLAMoELayer``): the same MoE sublayer (``StockLatentMoE``) after stock's MLA
-decode attention (see that class).
+decode attention (see that class): FlashMLA where ``LS_FLASHMLA_SRC`` names a checkout (``flashmla.py``), else
+our Triton kernel as a stand-in (the results' notes say which ran).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from latency_specialized.bench.stock.common import join as _join
 from latency_specialized.bench.stock.common import on_stream as _on
 from latency_specialized.bench.stock.common import rand_norm_weight as _norm_w
 from latency_specialized.bench.stock.common import rand_weight as _w
+from latency_specialized.bench.stock.flashmla import stock_flashmla
 from latency_specialized.ops.attention.kda import kda_decode_reference
 from latency_specialized.ops.moe import experts_reference, route_reference
 from latency_specialized.ops.mlp import mlp_reference
@@ -278,19 +280,20 @@ class StockKDAMoELayer(_StockMoELayer):
 class StockMLAMoELayer(_StockMoELayer):
     """One MLA + latent-MoE layer, stock composition, on one rank, decoding against ``context`` cached tokens.
 
-    Attention (stock vLLM's MLA decode path, absorbed form, 13 kernels):
+    Attention (stock vLLM's MLA decode path, absorbed form):
 
         attn_res                  prefix add + block mix + input RMSNorm                  (Triton, 1)
         fused_qkv_a_proj          q_a | kv_a (replicated, as vLLM's ReplicatedLinear)      (cuBLAS, 1)
         q_a_layernorm, kv_a_layernorm                                                      (Triton, 2)
         q_b_proj, g_proj (Kimi's sigmoid output gate)                                      (cuBLAS, 2)
-        MLA decode: latent write, q_nope W_UK, split-KV attention + merge, W_UV, gate       (6)
+        MLA decode (``StockFlashMLA``): concat_and_cache_mla, bmm W_UK, cat, FlashMLA
+        split-KV + combine, bmm W_UV, head-major copy, gate                                (9)
         o_proj                                                                             (cuBLAS, 1)
 
-    The MLA decode itself is ``attention.mla.triton_splitkv`` - the *same* function ours runs: the
-    stand-in for stock's MLA backend (vLLM's TRITON_MLA; FlashMLA on Hopper is a different kernel we
-    cannot run here), so the MLA cells compare everything around the attention kernel. The MoE
-    sublayer is ``StockLatentMoE`` (as in the KDA layer).
+    The MLA decode is FlashMLA where ``LS_FLASHMLA_SRC`` names a checkout (``flashmla.py``); otherwise
+    ``attention.mla.triton_splitkv`` - the *same* function ours runs - stands in for it, and the MLA cells
+    compare everything around the attention kernel (``mla_note`` says which ran). The MoE sublayer is
+    ``StockLatentMoE`` (as in the KDA layer).
 
     Parameters
     ----------
@@ -328,6 +331,8 @@ class StockMLAMoELayer(_StockMoELayer):
         self.seq_lens = (pos + 1).to(torch.int32)
         self.res = [(_norm_w(N, dev), _w((N,), dev, fan_in=N), _norm_w(N, dev)) for _ in range(2)]
         self.moe = StockLatentMoE(f, N, tp, batch, self.eps, dev, experts=experts, streams=streams)
+        # stock's own MLA decode kernel where LS_FLASHMLA_SRC names a FlashMLA checkout (bench/stock/flashmla.py)
+        self.flashmla = stock_flashmla(self.w_kv_b, H, a.qk_nope_head_dim, a.v_head_dim)
 
     def weight_bytes(self) -> int:
         gate = [self.w_g] if self.w_g is not None else []
@@ -351,7 +356,7 @@ class StockMLAMoELayer(_StockMoELayer):
         """One layer; reads ``st.delta`` (previous sublayer output), writes this layer's output to it."""
         from latency_specialized.kernels.mla_decode_triton import mla_decode_triton
 
-        self._moe_sublayer(st, self._attention(self._attn_input(st), mla_decode_triton))
+        self._moe_sublayer(st, self._attention(self._attn_input(st), self.flashmla or mla_decode_triton))
 
     def reference_forward(self, st: AttnResState) -> None:
         """The same layer from the op-family references (fp32 math): the oracle of ``forward``."""
