@@ -36,12 +36,17 @@ import math
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_mla  # noqa: E402  (a sibling script: the same inputs)
 
 from latency_specialized.bench.ops_bench_moe_kda import time_graph  # noqa: E402 (after the path set-up)
 
@@ -66,19 +71,11 @@ def _cell(fm, shape: str, B: int, ctx: int, a, g) -> dict:
 
     H, nope, v = (SHAPES[shape][k] for k in ("heads", "nope", "v"))
     L, R, bs = 512, 64, 64
-    per = -(-ctx // bs)
-    nb = B * per
+    nb = B * -(-ctx // bs)
     cache_bytes = B * ctx * (L + R) * 2
     calls = max(1, min(a.max_calls, math.ceil(a.rotate_mb * 1e6 / cache_bytes)))
-    caches = [torch.randn(nb, bs, L + R, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(calls)]
-    blocks = torch.randperm(nb, device="cuda", generator=g).view(B, per).to(torch.int32)
-    lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
-    p = ctx - 1
-    slots = blocks[:, p // bs].long() * bs + p % bs
-    q = torch.randn(B, H, nope + R, device="cuda", generator=g, dtype=torch.bfloat16)
-    kv = torch.randn(B, L + R, device="cuda", generator=g, dtype=torch.bfloat16)
-    kv_c, k_pe = kv[:, :L].contiguous(), kv[:, L:]
-    w = (torch.randn(H * (nope + v), L, device="cuda", generator=g) * L ** -0.5).to(torch.bfloat16)
+    dims = SimpleNamespace(heads=H, kv_lora=L, rope=R, nope=nope, v=v, block_size=bs, capacity=None)
+    caches, (q, kv_c, k_pe), blocks, lens, slots, w, _ = bench_mla._inputs(B, ctx, dims, calls, g)  # as bench_mla
     w_uk = w.view(H, nope + v, L)[:, :nope].contiguous()                   # [H, nope, L]
     w_uv_t = w.view(H, nope + v, L)[:, nope:].transpose(1, 2).contiguous()  # [H, L, v]
     scale = (nope + R) ** -0.5

@@ -146,8 +146,9 @@ measured: the prologue alone launched with PDL (an A/B variant, session 17 call 
 Kimi MLA layer's routing at batch 2-4 (distinct experts 28 vs 56: different values), and launch order alone must
 not change values. The layer bench never used this path (its 32k-wide block table gives every batch a split grid
 wider than the SMs); narrow tables did. The wait now sits above the loop (a CPU test keeps every ``gdc_wait`` out
-of loops), but that PDL path has not run on a GPU since: switch it back on only after the GPU tests with a
-PDL-triggering producer of q and a layer A/B whose expert counts match.
+of loops), and the GPU suite runs the PDL path with a PDL-triggering producer of q
+(``test_pdl_reads_q_after_a_producer_that_triggers_early``). Session 30's layer A/B at batch 1 (130 split
+programs, so PDL taken) measured the Kimi K3 MLA layer slower with it (``kernels/NOTES.md``): it stays off.
 
 Programmatic dependent launch for the three kernels (sm_90+, compiled, Triton with
 ``tl.extra.cuda.gdc_wait``) where the split kernel's grid fits one partial wave (``pdl_enabled``): each
