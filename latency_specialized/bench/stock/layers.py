@@ -287,7 +287,7 @@ class StockMLAMoELayer(_StockMoELayer):
         q_a_layernorm, kv_a_layernorm                                                      (Triton, 2)
         q_b_proj, g_proj (Kimi's sigmoid output gate)                                      (cuBLAS, 2)
         MLA decode (``StockFlashMLA``): concat_and_cache_mla, bmm W_UK, cat, FlashMLA
-        split-KV + combine, bmm W_UV, head-major copy, gate                                (9)
+        split-KV + combine, bmm W_UV, then the gate (sigmoid, multiply) or a head-major copy (8 or 7)
         o_proj                                                                             (cuBLAS, 1)
 
     The MLA decode is FlashMLA where ``LS_FLASHMLA_SRC`` names a checkout (``flashmla.py``); otherwise
