@@ -6,9 +6,9 @@ its source on the H200, in the same process as ``attention.mla.triton_splitkv``.
 ``--src``: a FlashMLA checkout (github.com/deepseek-ai/FlashMLA) whose ``csrc/cutlass`` holds the CUTLASS its
 submodule pins (``include`` and ``tools/util/include``). Only its SM90 dense decode is compiled (the sched-meta,
 split-KV and combine kernels: ``csrc/sm90/decode/dense/instantiations/bf16.cu``, ``csrc/smxx/decode/...``) with
-the flags of its ``setup.py`` for ``sm_90a``, behind a pybind module of one function written here
-(``dense_decode_fwd`` = its ``dense_attn_decode_interface``; ``bench/stock/flashmla.load_flashmla``): vLLM's wheel carries the same kernels prebuilt for
-torch 2.14, which cannot load next to the device's torch.
+the flags of its ``setup.py`` for ``sm_90a``, behind a pybind module of one function (``dense_decode_fwd`` = its
+``dense_attn_decode_interface``; ``bench/stock/flashmla.load_flashmla``): vLLM's wheel carries the same kernels
+prebuilt for torch 2.14, which cannot load next to the device's torch.
 
 Per (shape, batch, context 4096 by default), caches as ``bench_mla.py`` makes them (bf16, block 64, shuffled
 blocks, ``seq_lens = context``), three things timed with the same CUDA-graph timer over distinct caches:
@@ -76,11 +76,10 @@ def _cell(fm, shape: str, B: int, ctx: int, a, g) -> dict:
     calls = max(1, min(a.max_calls, math.ceil(a.rotate_mb * 1e6 / cache_bytes)))
     dims = SimpleNamespace(heads=H, kv_lora=L, rope=R, nope=nope, v=v, block_size=bs, capacity=None)
     caches, (q, kv_c, k_pe), blocks, lens, slots, w, _ = bench_mla._inputs(B, ctx, dims, calls, g)  # as bench_mla
-    w_uk = w.view(H, nope + v, L)[:, :nope].contiguous()                   # [H, nope, L]
-    w_uv_t = w.view(H, nope + v, L)[:, nope:].transpose(1, 2).contiguous()  # [H, L, v]
     scale = (nope + R) ** -0.5
     kw = dict(qk_nope_head_dim=nope, v_head_dim=v, scale=scale)
     stock_call = StockFlashMLA(w, H, nope, v, module=fm)
+    w_uk, w_uv_t = stock_call.w_uk, stock_call.w_uv_t                       # [H, nope, L], [H, L, v]
 
     def stock(cache, out):
         stock_call(q, kv_c, k_pe, cache, slots, blocks, lens, w, out=out, **kw)
@@ -167,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = ["# MLA decode call: ours vs stock (FlashMLA, built from source) on the same inputs", "",
              f"GPU {meta['machine']['gpu']}, torch {meta['machine']['torch']}; roofline at {a.bw / 1e12:g} TB/s "
              "(latent cache + W_UK / W_UV bytes). flashmla: its split-KV + combine kernels on the absorbed query; "
-             "stock call: bench/stock/flashmla.StockFlashMLA (cache write + bmm W_UK + cat + FlashMLA + bmm W_UV + copy); ours: "
+             "stock call: bench/stock/flashmla.StockFlashMLA (cache write + bmm W_UK + cat + FlashMLA + bmm W_UV + "
+             "copy); ours: "
              "mla_decode_triton (3 launches). No gate, no RoPE on either side.", "",
              "| shape | B | context | roofline us | flashmla us | stock call us | ours us | stock / ours | max rel err "
              "(flashmla / stock / ours) |", "|---|---|---|---|---|---|---|---|---|"]

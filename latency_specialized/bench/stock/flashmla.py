@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from latency_specialized.errors import UserError
+from latency_specialized.kernels.mla_common import write_new_latents
 
 SOURCE_ENV = "LS_FLASHMLA_SRC"
 SOURCES = ("csrc/sm90/decode/dense/instantiations/bf16.cu", "csrc/smxx/decode/combine/combine.cu",
@@ -81,6 +82,10 @@ def load_flashmla(src: Path, build_dir: Path | None = None, jobs: int = 8):
                                                       csrc / "cutlass/include", csrc / "cutlass/tools/util/include")])
 
 
+_ROOFLINE = ("Roofline: the latent KV cache of 'context' tokens per sequence is read once per step (paged, block "
+             "size 64).")
+
+
 def mla_note() -> str:
     """What the stock MLA compositions' results must say about their attention kernel."""
     src = os.environ.get(SOURCE_ENV, "").strip()
@@ -88,22 +93,19 @@ def mla_note() -> str:
         return (f"MLA layers: stock runs FlashMLA (built from {src} for sm_90a: stock vLLM 0.33's MLA decode kernel "
                 "on Hopper) inside vLLM's decode composition - concat_and_cache_mla (a one-kernel Triton stand-in), "
                 "bmm W_UK, cat, FlashMLA split-KV + combine, bmm W_UV, head-major copy, output gate in torch "
-                "(bench/stock/flashmla.py); ours runs attention.mla.triton_splitkv. Roofline: the latent KV cache of "
-                "'context' tokens per sequence is read once per step (paged, block size 64).")
+                "(bench/stock/flashmla.py); ours runs attention.mla.triton_splitkv. " + _ROOFLINE)
     return ("MLA layers: both variants run the same MLA decode attention (attention.mla.triton_splitkv, a Triton "
             f"split-KV kernel standing in for stock's FlashMLA: {SOURCE_ENV} unset - set it to a FlashMLA checkout "
             "to run the real kernel, bench/stock/flashmla.py; ours fuses the kv_a RMSNorm into its latent write, "
             "stock runs that norm as a kernel of its own), so MLA cells compare everything around that kernel. "
-            "Roofline: the latent KV cache of 'context' tokens per sequence is read once per step (paged, block "
-            "size 64).")
+            + _ROOFLINE)
 
 
 def concat_and_cache_reference(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                                slot_mapping: torch.Tensor) -> None:
-    """``kv_cache.view(-1, L + R)[slot] = [kv_c | k_pe]`` for every row with a slot >= 0 (torch)."""
-    live = slot_mapping >= 0
+    """``kv_cache.view(-1, L + R)[slot] = [kv_c | k_pe]`` for every row with a slot >= 0 (torch, no host sync)."""
     flat = kv_cache.view(-1, kv_cache.shape[-1])
-    flat[slot_mapping[live].long()] = torch.cat([kv_c, k_pe], dim=-1)[live].to(flat.dtype)
+    write_new_latents(flat, torch.cat([kv_c, k_pe], dim=-1).to(flat.dtype), slot_mapping)
 
 
 @functools.cache
@@ -190,7 +192,8 @@ class StockFlashMLA:
         return y
 
 
-def stock_flashmla(w_kv_b: torch.Tensor, num_heads: int, qk_nope_head_dim: int, v_head_dim: int) -> StockFlashMLA | None:
+def stock_flashmla(w_kv_b: torch.Tensor, num_heads: int, qk_nope_head_dim: int,
+                   v_head_dim: int) -> StockFlashMLA | None:
     """The layer's FlashMLA call where ``LS_FLASHMLA_SRC`` names a checkout (built on first use), else None."""
     src = flashmla_source()
     if src is None:
