@@ -64,24 +64,42 @@ def _signature(fn: Any, args: tuple, kw: dict) -> tuple[dict[str, str], dict[str
 def compile_for_hopper(launches: list[tuple[Any, tuple, dict]]) -> dict[str, str]:
     """Each distinct (kernel, constexprs) of ``launches`` compiled for sm_90; returns the failures by
     ``"kernel {constexprs}"`` (empty: every one compiled)."""
+    problems: dict[str, str] = {}
+    for key, got in _compiled(launches).items():
+        if isinstance(got, Exception):
+            problems[key] = f"{type(got).__name__}: {got}"
+    return problems
+
+
+def ptx_for_hopper(launches: list[tuple[Any, tuple, dict]]) -> dict[str, str]:
+    """``"kernel {constexprs}"`` -> its sm_90 PTX, for each distinct launch (a compile failure raises): what a
+    test reads to check the instructions a path uses (``wgmma`` and its operand types)."""
+    out: dict[str, str] = {}
+    for key, got in _compiled(launches).items():
+        if isinstance(got, Exception):
+            raise AssertionError(f"{key}: {type(got).__name__}: {got}") from got
+        out[key] = got
+    return out
+
+
+def _compiled(launches: list[tuple[Any, tuple, dict]]) -> dict[str, Any]:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    done: set[str] = set()
-    problems: dict[str, str] = {}
+    done: dict[str, Any] = {}
     for fn, args, kw in launches:
         sig, const = _signature(fn, args, kw)
         key = f"{fn.fn.__name__} {const}"
         if key in done:
             continue
-        done.add(key)
         try:
-            triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
-                           options={k: kw[k] for k in _OPTIONS if k in kw})
+            done[key] = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
+                                       target=GPUTarget("cuda", 90, 32),
+                                       options={k: kw[k] for k in _OPTIONS if k in kw}).asm["ptx"]
         except Exception as e:  # noqa: BLE001 - reported per kernel
-            problems[key] = f"{type(e).__name__}: {e}"
-    return problems
+            done[key] = e
+    return done
 
 
-__all__ = ["recorded_launches", "compile_for_hopper"]
+__all__ = ["recorded_launches", "compile_for_hopper", "ptx_for_hopper"]

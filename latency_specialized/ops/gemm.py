@@ -20,7 +20,8 @@ def gemm_reference(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Ten
     Parameters
     ----------
     x : [M, K] activations.
-    weight : [N, K] weight (row-major, as nn.Linear stores it).
+    weight : [N, K] weight (row-major, as nn.Linear stores it), or a ``quant.QuantizedWeight`` [N, K] kept as the
+        checkpoint stores it (block-FP8 sites: ``weight_format``), dequantised here to fp32.
     residual : optional [M, N] added before the single rounding to x.dtype.
     out : optional [M, N] destination. ``residual`` and ``out`` may have strided rows (unit column
         stride: a column slice of a wider tensor) and may be the same tensor (in-place add).
@@ -37,6 +38,8 @@ def gemm_reference(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Ten
         from latency_specialized.ops.norm import rmsnorm_reference
 
         x = rmsnorm_reference(x, norm_weight, norm_eps)
+    if not isinstance(weight, torch.Tensor):  # a QuantizedWeight
+        weight = weight.dequantize(torch.float32)
     acc = torch.float64 if torch.float64 in (x.dtype, weight.dtype) else torch.float32
     y = x.to(acc) @ weight.to(acc).t()
     if residual is not None:
@@ -88,6 +91,8 @@ _MM_HAS_OUT_DTYPE = _mm_has_out_dtype()
 
 
 def _torch_supports(ctx: OpContext) -> Support:
+    if ctx.attr("weight_format"):
+        return f"weights {ctx.attr('weight_format')}: bf16 weights only (the block-FP8 gemms serve these)"
     return True if ctx.arch != "cpu" else "CPU: the reference serves (same math, fp32 accumulate)"
 
 

@@ -79,6 +79,8 @@ def gemm_supports(name: str, ctx: OpContext, *, fp32_out: bool = False) -> Suppo
     store fp32), DSL, then the measured winner (bf16-output timings: same reads, same work)."""
     from latency_specialized.kernels.compile_cache import cute_available
 
+    if ctx.attr("weight_format"):
+        return f"weights {ctx.attr('weight_format')}: bf16 weights only (the block-FP8 gemms serve these)"
     if not ctx.arch.startswith("sm_90"):
         return f"kernels are tuned on the H200 only: no measured table for {ctx.arch}"
     if ctx.dtype != "bfloat16":

@@ -1,0 +1,228 @@
+"""Triton kernel for block-scaled FP8 weights: ``y[M, N] = x[M, K] @ deq(W)[N, K]^T (+ residual)`` at decode M.
+
+Weights stay as the checkpoints store them (``quant/formats.py``): e4m3 codes ``[N, K]`` (float8_e4m3fn) and one
+scale per ``SCALE_N x SCALE_K`` block, ``[ceil(N / SCALE_N), ceil(K / SCALE_K)]``: fp32 multipliers for 128 x 128
+blocks (GLM-5.3, DeepSeek-V3's ``weight_scale_inv``), ue8m0 exponent bytes for 32 x 32 (DeepSeek-V4.1-Flash).
+
+One kernel, two ways to meet the tensor cores (``A8``):
+
+``W8A16`` (``A8=False``): the e4m3 weight tile becomes bf16 in registers - exact: e4m3's 3 mantissa bits and its
+    range fit bf16 - and multiplies the bf16 activations; with ue8m0 scales the tile is multiplied by its power-of-two
+    scales before the conversion (still exact), with fp32 scales each ``BLOCK_K`` (= SCALE_K) partial product is
+    scaled per row afterwards. No activation rounding beyond the bf16 input.
+``W8A8`` (``A8=True``): the activations are quantized to e4m3 per (token, ``BLOCK_K`` = SCALE_K slice of K) inside
+    the kernel (scale = amax / 448: stock vLLM's ``per_token_group_quant_fp8`` rule, without its separate launch),
+    and the e4m3 x e4m3 products run on Hopper's FP8 tensor cores (``wgmma`` reads the codes from shared memory:
+    no per-weight conversion instruction at all); each partial is scaled by the weight block's scale and the
+    token's. Costs activation rounding (e4m3: 3 mantissa bits per element, per-slice scale).
+
+Decode shapes (M <= 64) are weight-streaming: the MMA runs swapped (``dot(W[BLOCK_N, BLOCK_K], X^T[BLOCK_K,
+BLOCK_M])``: the weight rows are the MMA's wide side, the few tokens its narrow one), and K is split across
+``SPLIT_K`` programs where N alone gives too few. The split partials meet without a second launch: each program
+writes its fp32 partial ``[BLOCK_N, M]`` to a workspace and takes a ticket from its N tile's counter
+(``atomic_add``, acquire-release); the program that draws the last ticket sums the partials in split order (the
+same order whatever program finishes last: deterministic), adds the residual, rounds once, stores, and resets
+the counter to zero for the next call (and the next graph replay).
+
+Rounding follows ``ops.gemm.gemm_reference`` on the dequantised weight (fp32 accumulate, residual added in
+fp32, one rounding); W8A8 additionally rounds the activations as :func:`quantize_activations_reference` does.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# The interpreter (CPU tests) mis-computes bf16 tl.dot: it dots in fp32 there (as kernels/triton_moe.py).
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+SCALE_FP32 = 0
+"""One fp32 multiplier per block (GLM-5.3's 128 x 128 ``weight_scale_inv``)."""
+SCALE_UE8M0 = 1
+"""One ue8m0 byte per block: 2^(e - 127) (DeepSeek-V4.1-Flash's 32 x 32)."""
+E4M3_MAX = 448.0
+ACT_EPS = 1e-10
+"""Floor of a (token, K slice)'s amax before it becomes the activation scale (stock's ``eps``)."""
+MIN_UE8M0 = 1
+MAX_UE8M0 = 246
+"""ue8m0 bytes the kernel decodes exactly: 2^(e-127) is built from its fp32 bits (e = 0, the subnormal 2^-127,
+is not), and 448 x 2^(e-127) must stay below bf16's / fp32's largest finite value (e <= 246). Real checkpoints sit
+near 2^-10; the wrapper rejects others with a UserError when it first sees a weight."""
+
+
+@triton.jit
+def _ue8m0_f32(e):
+    """ue8m0 bytes (1..254) -> 2^(e - 127) in fp32, from its bits (exact; no exp2 approximation)."""
+    return (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_e4m3(v):
+    """fp32 ``v`` (|v| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32 (then exact in e4m3).
+
+    Normals keep 3 mantissa bits (round-to-nearest-even on the bits; a carry moves into the exponent by itself);
+    below 2^-6 the grid is multiples of 2^-9 (adding and removing 1.5 x 2^14, whose ulp is 2^-9). Done by hand,
+    not by the fp32 -> e4m3 conversion, because Triton's interpreter (the CPU tests) rounds that conversion wrongly
+    at some exponent carries; the GPU then converts already-exact values."""
+    b = v.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFFF + ((b >> 20) & 1)) & -1048576
+    return tl.where(tl.abs(v) < 0.015625, (v + 24576.0) - 24576.0, b.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
+                     M, N, K, KB, KB_PER_SPLIT, stride_xm, stride_wn, stride_sn, stride_om, stride_rm,
+                     SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, A8: tl.constexpr,
+                     HAS_RES: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_M: tl.constexpr, UPCAST: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    rows = offs_n.to(tl.int64)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    kb0 = pid_k * KB_PER_SPLIT
+    kb1 = tl.minimum(kb0 + KB_PER_SPLIT, KB)
+    for kb in range(kb0, kb1):
+        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        wb = tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                     other=0)
+        w8 = wb.to(tl.float8e4nv, bitcast=True)
+        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None], mask=m_ok[None, :] & k_ok[:, None],
+                     other=0.0)  # [BLOCK_K, BLOCK_M]: X^T
+        if SCALE == 1 and not A8:
+            # power-of-two scales folded into the tile before the bf16 conversion (exact)
+            se = tl.load(s_ptr + (offs_n // SCALE_N)[:, None] * stride_sn + (offs_k // SCALE_K)[None, :],
+                         mask=n_ok[:, None] & k_ok[None, :], other=127)
+            w = (w8.to(tl.float32) * _ue8m0_f32(se))
+            if UPCAST:
+                part = tl.dot(w, xt.to(tl.float32))
+            else:
+                part = tl.dot(w.to(tl.bfloat16), xt.to(tl.bfloat16))
+            acc += part
+        else:
+            # BLOCK_K == SCALE_K: one weight scale per row of this K block
+            sv = tl.load(s_ptr + (offs_n // SCALE_N) * stride_sn + kb, mask=n_ok, other=0)
+            if SCALE == 1:
+                ws = _ue8m0_f32(sv)
+            else:
+                ws = sv.to(tl.float32)
+            if A8:
+                xf = xt.to(tl.float32)
+                sx = tl.div_rn(tl.maximum(tl.max(tl.abs(xf), axis=0), 1e-10), 448.0)  # [BLOCK_M]
+                # IEEE division (Triton's `/` is approximate on the GPU): the codes equal the torch reference's
+                xq = _round_e4m3(tl.clamp(tl.div_rn(xf, sx[None, :]), -448.0, 448.0))
+                if UPCAST:
+                    part = tl.dot(w8.to(tl.float32), xq)
+                else:
+                    part = tl.dot(w8, xq.to(tl.float8e4nv))
+                part = part * sx[None, :]
+            elif UPCAST:
+                part = tl.dot(w8.to(tl.float32), xt.to(tl.float32))
+            else:
+                part = tl.dot(w8.to(tl.bfloat16), xt.to(tl.bfloat16))
+            acc += part * ws[:, None]
+
+    out_mask = n_ok[:, None] & m_ok[None, :]
+    if SPLIT_K == 1:
+        y = acc
+        if HAS_RES:
+            y += tl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=out_mask, other=0.0).to(
+                tl.float32)
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y.to(out_ptr.dtype.element_ty),
+                 mask=out_mask)
+    else:
+        # partials [SPLIT_K, M, N] fp32; the last program of this N tile reduces them in split order
+        pbase = part_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+        tl.store(pbase + pid_k.to(tl.int64) * M * N, acc, mask=out_mask)
+        ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if ticket == SPLIT_K - 1:
+            y = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in range(SPLIT_K):
+                y += tl.load(pbase + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if HAS_RES:
+                y += tl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=out_mask,
+                             other=0.0).to(tl.float32)
+            tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y.to(out_ptr.dtype.element_ty),
+                     mask=out_mask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)
+
+
+_counters: dict[tuple, torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 ticket counters, one per N tile, kept per (device, stream): every call leaves them zero, so
+    calls on one stream reuse them; two streams (a side-stream shared expert) never share one set. Inside a CUDA
+    graph capture that has none yet, a fresh zeroed set is made in the graph (its memset replays) and not kept."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    have = _counters.get(key)
+    if have is not None and have.numel() >= tiles:
+        return have
+    fresh = torch.zeros(max(tiles, 256), dtype=torch.int32, device=device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return fresh
+    _counters[key] = fresh
+    return fresh
+
+
+def fp8_block_gemm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: torch.Tensor, *, scale_kind: int,
+                   scale_block: tuple[int, int], a8: bool, residual: torch.Tensor | None = None,
+                   block_n: int = 128, block_k: int | None = None, split_k: int = 1, num_warps: int = 4,
+                   num_stages: int = 4) -> torch.Tensor:
+    """out[M, N] = x @ deq(w, s)^T (+ residual), rounded once to out's dtype.
+
+    x [M, K] bf16 (unit column stride); w [N, K] e4m3 codes (float8_e4m3fn or uint8, unit column stride);
+    s [ceil(N / scale_block[0]), ceil(K / scale_block[1])] fp32 or ue8m0 bytes; out / residual [M, N] (unit column
+    stride, any row stride). ``block_k``: K per step (default: the scale block's K; with A8 or fp32 scales it must
+    equal it). ``split_k``: programs per N tile along K (<= the K steps)."""
+    M, K = x.shape
+    N = w.shape[0]
+    sn, sk = scale_block
+    if block_k is None:
+        block_k = sk
+    if (a8 or scale_kind == SCALE_FP32) and block_k != sk:
+        raise ValueError(f"fp8_block_gemm: block_k={block_k} must equal the scale block's K ({sk}) with "
+                         f"{'W8A8' if a8 else 'fp32 scales'}")
+    if scale_kind == SCALE_UE8M0 and not a8 and block_k % sk:
+        raise ValueError(f"fp8_block_gemm: block_k={block_k} must be a multiple of the scale block's K ({sk})")
+    kb = triton.cdiv(K, block_k)
+    split_k = max(1, min(split_k, kb))
+    per = triton.cdiv(kb, split_k)
+    split_k = triton.cdiv(kb, per)  # no empty split
+    block_m = max(16, triton.next_power_of_2(M))
+    tiles = triton.cdiv(N, block_n)
+    if split_k > 1:
+        part = torch.empty(split_k, M, N, device=x.device, dtype=torch.float32)
+        cnt = _tile_counters(x.device, tiles)
+    else:
+        part, cnt = out, out  # unused
+    res = residual if residual is not None else out
+    w8 = w.view(torch.uint8) if w.dtype != torch.uint8 else w
+    _fp8_gemm_kernel[(tiles, split_k)](
+        x, w8, s, out, res, part, cnt, M, N, K, kb, per, x.stride(0), w8.stride(0), s.stride(0), out.stride(0),
+        res.stride(0), SCALE=scale_kind, SCALE_N=sn, SCALE_K=sk, A8=a8, HAS_RES=residual is not None,
+        SPLIT_K=split_k, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=block_m, UPCAST=_INTERPRET,
+        num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def quantize_activations_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The W8A8 path's activation rounding in torch: ``x [M, K]`` -> (e4m3 codes as fp32 ``[M, K]``, scales fp32
+    ``[M, ceil(K / group)]``), scale = max(amax of the (token, group) slice, 1e-10) / 448."""
+    M, K = x.shape
+    g = -(-K // group)
+    xp = torch.nn.functional.pad(x.float(), (0, g * group - K)).reshape(M, g, group)
+    sx = xp.abs().amax(-1).clamp_min(ACT_EPS) / E4M3_MAX
+    q = (xp / sx[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+    return q.reshape(M, g * group)[:, :K], sx
+
+
+__all__ = ["SCALE_FP32", "SCALE_UE8M0", "E4M3_MAX", "ACT_EPS", "MIN_UE8M0", "MAX_UE8M0", "fp8_block_gemm",
+           "quantize_activations_reference"]
