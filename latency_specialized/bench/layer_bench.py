@@ -73,6 +73,9 @@ class BenchConfig:
     """How ours' MoE layers route (``runtime.layer_harness.ROUTINGS``): ``shared`` zeroes ours' router weights,
     so every row reads the same experts, ``scaled:X`` scales them by X (rows share part of their experts); stock
     still routes on random weights (its columns are then no comparison)."""
+    experts: str | None = None
+    """Stored format the routed experts are kept in on both sides (``mxfp4``: ours' 4-bit kernels, stock's
+    humming MoE; the roofline counts the format's bytes); None: bf16."""
     spec_tokens: tuple[int, ...] = (0,)
     """Draft tokens per request of the steps timed: 0 = single-token decode steps; k > 0 = verification steps
     (speculative decoding) of ``batch x (1 + k)`` rows, timed beside the k = 0 step of the same batch, which
@@ -148,7 +151,7 @@ class GraphedStep:
 # ------------------------------------------------------------------------------------------ roofline
 def layer_bytes(full: ModelSpec, layer: int, tp: int, batch: int, context: int | None,
                 distinct_experts: float | None, *, weight_bytes: float = 2.0,
-                router_weight_bytes: float | None = None) -> dict[str, float]:
+                router_weight_bytes: float | None = None, expert_format: str | None = None) -> dict[str, float]:
     """Bytes one layer must move on one rank (weights once per TP group, split evenly; state r+w).
 
     ``full`` is the unsharded spec; routed experts count ``distinct_experts`` (the batch's actual
@@ -162,7 +165,8 @@ def layer_bytes(full: ModelSpec, layer: int, tp: int, batch: int, context: int |
     ``norms``: two pre-norm and two post-norm gains [N] (+ the two joins' per-channel gate
     coefficients, fp32 [N] x 2 each, for a gated residual) and a latent MoE's post-expert norm [L].
     Latent MoE: ``latent_proj`` = pre- and post-expert projections ([L, N], [N, L]) and the pre-expert
-    (latent) norm [L]; routed experts ``3 * I * L`` each (gate/up [2I, L], down [L, I]).
+    (latent) norm [L]; routed experts ``3 * I * L`` each (gate/up [2I, L], down [L, I]), in ``expert_format``'s
+    stored bits per value (codes + scales, e.g. MXFP4 4.25) where they are kept quantized.
     """
     spec = full.layers[layer]
     a, f = spec.attention, spec.ffn
@@ -214,6 +218,10 @@ def layer_bytes(full: ModelSpec, layer: int, tp: int, batch: int, context: int |
         if f.latent_dim:
             out["latent_proj"] = (2 * L * N + L) * wb / tp
         per_expert = 3 * f.expert_intermediate * L * wb
+        if expert_format:
+            from latency_specialized.quant.formats import QuantFormat
+
+            per_expert = 3 * f.expert_intermediate * L * QuantFormat.get(expert_format).bits_per_value() / 8
         out["routed_experts"] = (distinct_experts or 0.0) * per_expert / tp
         out["shared_experts"] = 3 * f.num_shared_experts * f.expert_intermediate * N * wb / tp
     out["total"] = sum(out.values())
@@ -434,7 +442,8 @@ def _spec_variant_class():
 
 def build_spec_ours(adapter: Any, full: ModelSpec, tp: int, kind: str, layers: int, batches: Sequence[int],
                     device: torch.device, spec_tokens: int, *, seed: int = 0, say: Callable[[str], None] = print,
-                    contexts: Sequence[int] = (), steps: int = 256, routing: str = "random") -> Any:
+                    contexts: Sequence[int] = (), steps: int = 256, routing: str = "random",
+                    experts: str | None = None) -> Any:
     """"Ours" for verification steps of ``spec_tokens`` = k draft tokens: the K-layer and 1-layer programs of
     ``runtime/layer_harness.OursBench`` built the way the runtime builds a verification program - the adapter's
     bench spec ``with_spec_tokens(k)`` (Kimi K3: the KDA pieces get their verify/accept sites and rollback
@@ -454,8 +463,8 @@ def build_spec_ours(adapter: Any, full: ModelSpec, tp: int, kind: str, layers: i
     from latency_specialized.runtime.graph_runner import CUDAGraphRunner
     from latency_specialized.runtime.harness import OutputRecorder, SpecBoundAdapter, exclude_communication
     from latency_specialized.runtime.layer_harness import (BuiltProgram, OursBench, bench_communicator, bench_kind,
-                                                         check_routing, routing_scale, share_routing)
-    from latency_specialized.runtime.random_weights import random_rank_weights
+                                                         check_routing, routing_scale, share_routing, with_experts)
+    from latency_specialized.runtime.random_weights import quantize_routed_experts, random_rank_weights
     from latency_specialized.runtime.states import ModelStates
     from latency_specialized.trace import Trace
 
@@ -476,8 +485,9 @@ def build_spec_ours(adapter: Any, full: ModelSpec, tp: int, kind: str, layers: i
             self.notes: list[str] = []
             self.built: dict[int, BuiltProgram] = {}
             self.served_by_reference: list[str] = []
+            self.experts = experts
             for n_layers in (layers, 1):
-                base = adapter.bench_spec(full, tp, kind, n_layers)
+                base = with_experts(adapter.bench_spec(full, tp, kind, n_layers), experts)
                 with_k = getattr(base, "with_spec_tokens", None)
                 if not callable(with_k):
                     raise UserError(f"{adapter.name}: its bench spec ({type(base).__name__}) has no "
@@ -496,6 +506,8 @@ def build_spec_ours(adapter: Any, full: ModelSpec, tp: int, kind: str, layers: i
                                       dtype="bfloat16", comm=comm, spec_tokens=k)
                     plans[plan.bucket] = plan
                 weights = random_rank_weights(model, tp, device=device, seed=seed + n_layers)
+                if experts:
+                    quantize_routed_experts(weights, experts)
                 if routing != "random":
                     share_routing(weights, routing_scale(routing))
                 states = ModelStates.allocate(model, max(self.batches), max_len, tp=tp, block_size=block,
@@ -682,9 +694,12 @@ def bench_kinds(adapter: Any, kinds: Sequence[str]) -> dict[str, Any]:
     return {k: known[k] for k in kinds}
 
 
-def _bytes_kw(bk: Any) -> dict[str, Any]:
-    """``layer_bytes`` keywords a bench kind sets (only where they differ from the defaults)."""
-    return {} if bk.router_weight_bytes == 2 else {"router_weight_bytes": bk.router_weight_bytes}
+def _bytes_kw(bk: Any, experts: str | None = None) -> dict[str, Any]:
+    """``layer_bytes`` keywords a bench kind (and quantized experts) set, only where they differ from the defaults."""
+    kw: dict[str, Any] = {} if bk.router_weight_bytes == 2 else {"router_weight_bytes": bk.router_weight_bytes}
+    if experts:
+        kw["expert_format"] = experts
+    return kw
 
 
 def kind_summary(full: ModelSpec, tp: int, name: str, bk: Any) -> dict[str, Any]:
@@ -711,7 +726,14 @@ def kind_summary(full: ModelSpec, tp: int, name: str, bk: Any) -> dict[str, Any]
     return rec
 
 
-def _weights_note(full: ModelSpec) -> str:
+def _weights_note(full: ModelSpec, experts: str | None = None) -> str:
+    if experts:
+        from latency_specialized.quant.formats import QuantFormat
+
+        bits = QuantFormat.get(experts).bits_per_value()
+        return (f"Routed experts are {experts.upper()} in both variants (the same codes and scales: ours' 4-bit kernels, "
+                f"stock's {experts.upper()} MoE); the roofline counts their stored {bits:g} bits a value, every other "
+                "weight bf16.")
     fmt = getattr(full, "routed_expert_format", None)
     stored = f" (the published checkpoint stores {fmt.upper()})" if fmt and fmt not in ("bf16", "bfloat16") else ""
     return f"Routed experts are bf16 in both variants{stored}; the roofline counts bf16."
@@ -761,14 +783,14 @@ def routing_note(harness: Any, routing: str) -> list[str]:
             "'random' and 'shared'; column 'experts' says how many distinct experts each cell read). " + stock]
 
 
-def bench_notes(full: ModelSpec, kinds: dict[str, Any], tp: int) -> list[str]:
+def bench_notes(full: ModelSpec, kinds: dict[str, Any], tp: int, experts: str | None = None) -> list[str]:
     """The result's notes before "ours" adds its own: the method, then per benched kind the adapter's notes
     (``BenchKind.notes``), the roofline's terms, and what each stock composition ran (stand-ins, shared kernels)."""
     from latency_specialized.bench.stock.compositions import composition
 
     notes = [
         "One GPU, rank 0 of the TP shard: communication (all-reduces) is excluded from both variants.",
-        _weights_note(full),
+        _weights_note(full, experts),
     ]
     for bk in kinds.values():
         notes.extend(bk.notes)
@@ -819,19 +841,22 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None] = print,
         return {"schema": 1, "machine": machine,
                 "config": {"model": cfg.model, "tp": cfg.tp, "batches": list(cfg.batches),
                            "contexts": list(cfg.contexts), "kinds": list(cfg.kinds), "layers": cfg.layers,
-                           "spec_tokens": list(ks), "routing": cfg.routing,
+                           "spec_tokens": list(ks), "routing": cfg.routing, "experts": cfg.experts,
                            "iters": cfg.iters, "rounds": cfg.rounds, "dtype": cfg.dtype,
                            "hbm_tb_s": HBM_BYTES_PER_S / 1e12, "comm": "Communication excluded (one GPU).",
                            "seconds": round(time.perf_counter() - t_start, 1)},
                 "kinds": summary, "notes": notes, "cells": add_verify_ratios(cells)}
 
     cells: list[dict[str, Any]] = []
-    notes = bench_notes(full, kinds, cfg.tp)
+    notes = bench_notes(full, kinds, cfg.tp, cfg.experts)
     scope = getattr(adapter, "scope", None)
     notes.extend(spec_notes(kinds, ks, scope().spec_tokens if scope is not None else None))
     notes.extend(routing_notes)
     for kind, bk in kinds.items():
         stock = composition(bk.stock)
+        if cfg.experts and cfg.experts not in stock.expert_formats:
+            raise UserError(f"--experts {cfg.experts}: the stock composition of {kind} ({stock.name}) runs "
+                            f"{', '.join(stock.expert_formats) or 'bf16'} experts only; bench {kind} without --experts")
         contexts: tuple[int | None, ...] = tuple(cfg.contexts) if bk.context else (None,)
         for k in ks:  # one program per k at a time (each holds its layers' weights), k = 0 first
             what = "" if not k else f" (verification steps, k = {k})"
@@ -840,6 +865,8 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None] = print,
             kw = dict(seed=cfg.seed, say=say, contexts=cfg.contexts if bk.context else (), steps=steps_per_cell(cfg))
             if cfg.routing != "random":  # only then: a third-party harness need not know the keyword
                 kw["routing"] = cfg.routing
+            if cfg.experts:  # likewise
+                kw["experts"] = cfg.experts
             if k:
                 ours = build_spec_ours(adapter, full, cfg.tp, kind, cfg.layers, cfg.batches, device, k, **kw)
             else:
@@ -891,7 +918,7 @@ def _cell(cfg: BenchConfig, full: ModelSpec, bk: Any, kind: str, batch: int, con
     d_ours = _distinct(ids, rows)
     d_stock = _distinct(stock_layers.routed_ids(), rows)
     distinct = d_ours if d_ours is not None else d_stock   # ours failed (no fraction of ours): stock's routing
-    kw = _bytes_kw(bk)
+    kw = _bytes_kw(bk, cfg.experts)
     rb = layer_bytes(full, li, cfg.tp, batch, context, distinct, **kw)
     extra = verify_bytes(full, li, cfg.tp, batch, k)
     if extra:

@@ -63,7 +63,8 @@ def load_json(path: str | Path) -> dict[str, Any]:
 def to_markdown(result: dict[str, Any]) -> str:
     """The result as a Markdown page: machine, config, notes, one row per cell."""
     cfg = result.get("config", {})
-    lines = [f"# Layer bench: {cfg.get('model')} TP{cfg.get('tp')} shard on one GPU", "",
+    experts = f", routed experts {cfg['experts'].upper()}" if cfg.get("experts") else ""
+    lines = [f"# Layer bench: {cfg.get('model')} TP{cfg.get('tp')} shard on one GPU{experts}", "",
              f"Machine: {describe(result.get('machine', {}))}", "",
              f"Config: layers per variant {cfg.get('layers')}, {cfg.get('iters')} timed replays x "
              f"{cfg.get('rounds')} rounds (median per round), dtype {cfg.get('dtype')}, "

@@ -105,6 +105,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "weights zeroed: every row reads the same experts, e.g. a verification step's draft rows "
                         "those of their request's first row) or scaled:X (router weights x X, 0 < X < 1: rows "
                         "share part of their experts); stock's columns are no comparison unless random")
+    p.add_argument("--experts", default=None, choices=("mxfp4",),
+                   help="keep the routed experts quantized in both variants (kimi_k3 kda / mla: ours' 4-bit kernels, "
+                        "stock vLLM 0.33's humming MXFP4 MoE; the roofline counts 4.25 bits a value). Default: bf16")
     p.add_argument("--iters", type=int, default=40, help="timed graph replays per round")
     p.add_argument("--rounds", type=int, default=2, help="rounds per variant (their spread is the noise)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"results directory (default {DEFAULT_OUT})")
@@ -141,12 +144,12 @@ def run(args: argparse.Namespace) -> int:
     cfg = BenchConfig(model=args.model, tp=args.tp, batches=_ints(args.batch),
                       contexts=_ints(args.context or DEFAULT_CONTEXT), kinds=kinds, layers=args.layers,
                       iters=args.iters, rounds=args.rounds, spec_tokens=spec_tokens,
-                      routing=getattr(args, "routing", "random"))
+                      routing=getattr(args, "routing", "random"), experts=getattr(args, "experts", None))
 
     def say(msg: str) -> None:
         print(msg, flush=True)
 
-    stem = args.name or f"bench_{cfg.model}_tp{cfg.tp}"
+    stem = args.name or f"bench_{cfg.model}_tp{cfg.tp}" + (f"_{cfg.experts}" if cfg.experts else "")
     out = Path(args.out)
 
     def checkpoint(partial: dict) -> None:
@@ -179,6 +182,8 @@ def _run_ab(args: argparse.Namespace, kinds: tuple[str, ...]) -> int:
         argv += ["--spec-tokens", args.spec_tokens]
     if getattr(args, "routing", "random") != "random":
         argv += ["--routing", args.routing]
+    if getattr(args, "experts", None):
+        argv += ["--experts", args.experts]
     results = ab.run_ab(variants, argv, args.out, repeat=args.repeat, say=lambda m: print(m, flush=True))
     text = ab.summarize(variants, results)
     path = Path(args.out) / f"{args.name or 'ab'}.md"

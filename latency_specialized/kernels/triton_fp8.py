@@ -74,9 +74,9 @@ def _round_e4m3(v):
 
 @triton.jit
 def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
-                     M, N, K, KB, KB_PER_SPLIT, stride_xm, stride_wn, stride_sn, stride_om, stride_rm,
+                     M, N, K, KB, KB_PER_SPLIT, n_split, stride_xm, stride_wn, stride_sn, stride_om, stride_rm,
                      SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, A8: tl.constexpr,
-                     HAS_RES: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     HAS_RES: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      BLOCK_M: tl.constexpr, UPCAST: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -130,7 +130,7 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
             acc += part * ws[:, None]
 
     out_mask = n_ok[:, None] & m_ok[None, :]
-    if SPLIT_K == 1:
+    if not SPLIT:
         y = acc
         if HAS_RES:
             y += tl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=out_mask, other=0.0).to(
@@ -138,13 +138,13 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
         tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y.to(out_ptr.dtype.element_ty),
                  mask=out_mask)
     else:
-        # partials [SPLIT_K, M, N] fp32; the last program of this N tile reduces them in split order
+        # partials [n_split, M, N] fp32; the last program of this N tile reduces them in split order
         pbase = part_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
         tl.store(pbase + pid_k.to(tl.int64) * M * N, acc, mask=out_mask)
         ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
-        if ticket == SPLIT_K - 1:
+        if ticket == n_split - 1:
             y = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for s in range(SPLIT_K):
+            for s in range(n_split):
                 y += tl.load(pbase + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
             if HAS_RES:
                 y += tl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=out_mask,
@@ -206,9 +206,9 @@ def fp8_block_gemm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: torch
     res = residual if residual is not None else out
     w8 = w.view(torch.uint8) if w.dtype != torch.uint8 else w
     _fp8_gemm_kernel[(tiles, split_k)](
-        x, w8, s, out, res, part, cnt, M, N, K, kb, per, x.stride(0), w8.stride(0), s.stride(0), out.stride(0),
+        x, w8, s, out, res, part, cnt, M, N, K, kb, per, split_k, x.stride(0), w8.stride(0), s.stride(0), out.stride(0),
         res.stride(0), SCALE=scale_kind, SCALE_N=sn, SCALE_K=sk, A8=a8, HAS_RES=residual is not None,
-        SPLIT_K=split_k, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=block_m, UPCAST=_INTERPRET,
+        SPLIT=split_k > 1, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=block_m, UPCAST=_INTERPRET,
         num_warps=num_warps, num_stages=num_stages)
     return out
 

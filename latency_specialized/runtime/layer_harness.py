@@ -31,7 +31,7 @@ from latency_specialized.runtime.composed import ComposedProgram
 from latency_specialized.runtime.graph_runner import CUDAGraphRunner
 from latency_specialized.runtime.harness import (LOCAL_ALLREDUCE, OutputRecorder, SpecBoundAdapter,
                                                 exclude_communication, make_runner)
-from latency_specialized.runtime.random_weights import random_rank_weights
+from latency_specialized.runtime.random_weights import quantize_routed_experts, random_rank_weights
 from latency_specialized.runtime.states import ModelStates
 from latency_specialized.trace import Trace
 
@@ -175,6 +175,17 @@ def _shared_gemm_note(plan: Any, bucket: int) -> str | None:
     return f"bucket {bucket}: moe.shared = mlp.cutedsl_fused with gate/up {gu}, {act}, down {down}"
 
 
+def with_experts(spec: Any, experts: str | None) -> Any:
+    """The bench spec with its routed experts kept in ``experts`` (``spec.with_expert_format``; None: as is);
+    UserError where the spec cannot keep them quantized."""
+    if not experts:
+        return spec
+    if not callable(getattr(spec, "with_expert_format", None)):
+        raise UserError(f"--experts {experts}: the bench spec {type(spec).__name__} has no with_expert_format(fmt), "
+                        "so its routed experts cannot stay quantized")
+    return spec.with_expert_format(experts)
+
+
 def bench_kind(adapter: Any, kind: str, contexts: Sequence[int]) -> Any:
     """The adapter's bench kind ``kind`` (``adapter.bench_kinds()``); UserError naming the kinds it has, or the
     missing ``--context`` of a kind with a KV cache."""
@@ -192,7 +203,8 @@ class OursBench:
 
     def __init__(self, adapter: Any, full: Any, tp: int, kind: str, layers: int, batches: Sequence[int],
                  device: torch.device, *, seed: int = 0, say: Callable[[str], None] = print,
-                 contexts: Sequence[int] = (), steps: int = 256, routing: str = "random"):
+                 contexts: Sequence[int] = (), steps: int = 256, routing: str = "random",
+                 experts: str | None = None):
         from latency_specialized import hardware
         from latency_specialized.ops.plan import build_plan
         from latency_specialized.plugins import get_registry
@@ -209,8 +221,9 @@ class OursBench:
         self.kind, self.batches = kind, tuple(batches)
         self.notes: list[str] = []
         self.built: dict[int, BuiltProgram] = {}
+        self.experts = experts
         for n_layers in (layers, 1):
-            spec = adapter.bench_spec(full, tp, kind, n_layers)
+            spec = with_experts(adapter.bench_spec(full, tp, kind, n_layers), experts)
             model = adapter.composed_model(spec)
             # plans made for the stand-in communicator (its all-reduce sites are then rebound to the one-rank
             # kernel: exclude_communication); the program refuses a plan its communicator cannot run
@@ -221,6 +234,8 @@ class OursBench:
                                   dtype="bfloat16", comm=comm)
                 plans[plan.bucket] = plan
             weights = random_rank_weights(model, tp, device=device, seed=seed + n_layers)
+            if experts:
+                quantize_routed_experts(weights, experts)
             if routing != "random":
                 share_routing(weights, routing_scale(routing))
             states = ModelStates.allocate(model, max(self.batches), max_len, tp=tp, block_size=block, device=device,
@@ -289,7 +304,8 @@ class OursBench:
         return out[0], out[1]
 
     def expert_weights(self, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Routed-expert weights (w13 [E, 2I, L], w2 [E, L, I]) of the K-layer program's layers."""
+        """Routed-expert weights (w13 [E, 2I, L], w2 [E, L, I]) of the K-layer program's layers (``QuantizedWeight``
+        where the bench keeps them quantized: ``experts``)."""
         layers = self.built[self.layers].program.w_layers
         return [(layers[i % len(layers)]["ffn"]["w13"], layers[i % len(layers)]["ffn"]["w2"]) for i in range(copies)]
 
@@ -305,13 +321,14 @@ class LayerBenchHarness:
 
     def build_ours(self, full: Any, tp: int, kind: str, layers: int, batches: Sequence[int], device: torch.device,
                    *, seed: int = 0, say: Callable[[str], None] = print, contexts: Sequence[int] = (),
-                   steps: int = 256, routing: str = "random") -> OursBench:
+                   steps: int = 256, routing: str = "random", experts: str | None = None) -> OursBench:
         """Entry point used by ``bench/layer_bench.py``; ``kind``: a name of ``adapter.bench_kinds()``;
         ``steps``: decode steps one cell runs after loading its positions (a context kind's KV cache holds
-        ``max(contexts) + 1 + steps`` tokens); ``routing``: one of ``ROUTINGS``."""
+        ``max(contexts) + 1 + steps`` tokens); ``routing``: one of ``ROUTINGS``; ``experts``: a stored format the
+        routed experts are kept in (random weights quantized once; None: bf16)."""
         return OursBench(self.adapter, full, tp, kind, layers, batches, device, seed=seed, say=say,
-                         contexts=contexts, steps=steps, routing=routing)
+                         contexts=contexts, steps=steps, routing=routing, experts=experts)
 
 
-__all__ = ["LayerBenchHarness", "OursBench", "ProgramVariant", "BuiltProgram", "ROUTINGS", "bench_communicator", "routing_scale",
-           "share_routing"]
+__all__ = ["LayerBenchHarness", "OursBench", "ProgramVariant", "BuiltProgram", "ROUTINGS", "bench_communicator",
+           "routing_scale", "share_routing", "with_experts"]

@@ -25,6 +25,7 @@ stack as one tensor.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -139,5 +140,29 @@ def random_rank_weights(model: ComposedModel, tp: int, *, device: torch.device |
     return out
 
 
-__all__ = ["random_weights", "random_rank_weights", "weight_init", "storage_dtype", "draw", "named_decls",
+def quantize_routed_experts(weights: dict[int, dict[str, dict[str, Any]]], fmt: str, *, chunk: int = 64) -> int:
+    """In place: every stacked routed-expert weight (local name ``experts.*``, ``[E, N, K]``) of ``weights`` (the
+    nested ``{layer: {role: {local: tensor}}}`` of :func:`random_rank_weights`) replaced by a ``QuantizedWeight`` of
+    ``fmt`` holding the same values rounded to the format, ``chunk`` experts at a time (the fp32 scratch of a whole
+    Kimi K3 expert stack would be several GB). Returns how many tensors were quantized."""
+    from latency_specialized.quant import layout
+    from latency_specialized.quant.checkpoint_io import QuantizedWeight, quantize_weight
+
+    done = 0
+    for layer, roles in weights.items():
+        for role, by in roles.items():
+            for local, t in list(by.items()):
+                if not local.startswith("experts.") or isinstance(t, QuantizedWeight):
+                    continue
+                name = f"layers.{layer}.{role}.{local}.weight"
+                q = layout.cat([quantize_weight(name, t[i:i + chunk], fmt) for i in range(0, t.shape[0], chunk)], 0)
+                if q.input_scale is not None:
+                    q = replace(q, input_scale=q.input_scale.to(t.device))
+                by[local] = q
+                del t
+                done += 1
+    return done
+
+
+__all__ = ["random_weights", "random_rank_weights", "quantize_routed_experts", "weight_init", "storage_dtype", "draw", "named_decls",
            "torch_dtype", "DTYPES"]

@@ -131,7 +131,7 @@ _KIND_ALIASES = {"situ_glu": "situ_glu", "situ": "situ_glu", "swiglu": "swiglu",
 
 
 # ------------------------------------------------------------------------------------------ humming
-def _import_humming() -> Any:
+def import_humming() -> Any:
     """``import humming``, or a UserError naming the package and the vLLM feature it stands for."""
     try:
         return importlib.import_module("humming")
@@ -147,7 +147,7 @@ def humming_runtime_info() -> dict[str, str]:
 
     Each entry that cannot be determined reads ``"unknown (<why>)"``; only a missing humming raises.
     """
-    humming = _import_humming()
+    humming = import_humming()
     info = {"package": "humming-kernels", "version": str(getattr(humming, "__version__", "unknown")),
             "path": os.path.dirname(os.path.abspath(humming.__file__)), "vllm_pins": VLLM_PINNED_HUMMING}
 
@@ -380,7 +380,7 @@ class HummingMxfp4MoE:
                 raise UserError(f"clamp must be > 0, got {clamp!r}")
         act = humming_activation(kind, beta, beta_lin, clamp)  # type: ignore[arg-type]
 
-        _import_humming()  # first: a missing package is the error to see, also on a machine without a GPU
+        import_humming()  # first: a missing package is the error to see, also on a machine without a GPU
         E, K, inter, N = self._check_weights(w13_packed, w13_scale, w2_packed, w2_scale)
         dev = w13_packed.device
 

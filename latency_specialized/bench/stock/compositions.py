@@ -23,6 +23,9 @@ class StockComposition:
     build: Callable[..., Any]
     notes: Callable[..., list[str]]
     description: str
+    expert_formats: tuple[str, ...] = ()
+    """Stored formats of routed experts (``QuantizedWeight``, bench ``--experts``) it runs as stock does (bf16
+    always)."""
 
 
 def _build_kda(full, bk, tp, batch, context, copies, device, *, experts=None):
@@ -68,9 +71,11 @@ def _dsa(name, module="dsa_moe"):
 
 COMPOSITIONS: dict[str, StockComposition] = {
     "kda_moe": StockComposition("kda_moe", _build_kda, lambda full, name, bk, tp: [],
-                                "Kimi K3 KDA + latent MoE with AttnRes (bench/stock/layers.py)"),
+                                "Kimi K3 KDA + latent MoE with AttnRes (bench/stock/layers.py)",
+                                expert_formats=("mxfp4",)),
     "mla_moe": StockComposition("mla_moe", _build_mla, lambda full, name, bk, tp: [mla_note()],
-                                "Kimi K3 MLA + latent MoE with AttnRes (bench/stock/layers.py)"),
+                                "Kimi K3 MLA + latent MoE with AttnRes (bench/stock/layers.py)",
+                                expert_formats=("mxfp4",)),
     "gqa_moe": StockComposition("gqa_moe", _build_gqa, _notes_gqa,
                                 "GQA (window / NoPE / QK norm / gate) + (latent) MoE, sandwich-normed gated "
                                 "residual as vLLM runs Muse Spark (bench/stock/gqa_moe.py)"),

@@ -46,7 +46,24 @@ from latency_specialized.ops.attention.kda import kda_decode_reference
 from latency_specialized.ops.moe import experts_reference, route_reference
 from latency_specialized.ops.mlp import mlp_reference
 from latency_specialized.ops.norm import rmsnorm_reference
-from latency_specialized.spec import KDAAttentionSpec, MLAAttentionSpec, ModelSpec, MoESpec
+from latency_specialized.quant.checkpoint_io import QuantizedWeight
+from latency_specialized.spec import ActivationSpec, KDAAttentionSpec, MLAAttentionSpec, ModelSpec, MoESpec
+
+
+def _humming_experts(w13: QuantizedWeight, w2: QuantizedWeight, act: ActivationSpec):
+    """Stock vLLM 0.33's MXFP4 routed experts on Hopper (humming's MoE), prepared from the same codes and scales as
+    ours (UserError for another format or activation)."""
+    from latency_specialized.bench.peers.humming_mxfp4 import HummingMxfp4MoE
+    from latency_specialized.errors import UserError
+
+    if w13.fmt.name != "mxfp4" or w2.fmt.name != "mxfp4":
+        raise UserError(f"stock routed experts kept quantized: MXFP4 only (vLLM 0.33 runs it through humming on "
+                        f"Hopper), got {w13.fmt.name}")
+    if act.kind == "situ_glu":
+        return HummingMxfp4MoE().prepare(w13.weight, w13.scale, w2.weight, w2.scale, activation_kind="situ_glu",
+                                         beta=act.beta, beta_lin=act.beta_lin)
+    return HummingMxfp4MoE().prepare(w13.weight, w13.scale, w2.weight, w2.scale, activation_kind=act.kind,
+                                     clamp=act.clamp)
 
 
 @dataclass
@@ -76,7 +93,10 @@ class StockLatentMoE:
     ----------
     f : the layer's MoESpec; ``hidden`` the model width; ``tp`` the TP size whose rank-0 shard this is.
     batch : tokens per step.
-    experts : optional (w13 [E, 2I, L], w2 [E, L, I]) to share routed-expert weights with another variant.
+    experts : optional (w13 [E, 2I, L], w2 [E, L, I]) to share routed-expert weights with another variant; as
+        MXFP4 ``QuantizedWeight`` the routed experts run as stock vLLM 0.33 runs MXFP4 experts on Hopper: humming's
+        MoE (``bench/peers/humming_mxfp4.py``: its align, w13 GEMM, SiTU-GLU process-input kernel, w2 GEMM, route
+        sum) in place of the Triton fused MoE.
     streams : (aux, shared) CUDA side streams (None: inline, CPU tests).
     """
 
@@ -100,6 +120,7 @@ class StockLatentMoE:
         if experts is None:
             experts = (_w((self.E, 2 * I, L), dev), _w((self.E, L, I), dev))
         self.w13, self.w2 = experts
+        self.humming = _humming_experts(self.w13, self.w2, self.act) if isinstance(self.w13, QuantizedWeight) else None
         S = f.num_shared_experts * f.expert_intermediate // tp
         self.w_sgu = _w((2 * S, N), dev)
         self.w_sd = _w((N, S), dev)
@@ -126,8 +147,26 @@ class StockLatentMoE:
             shared = F.linear(sact, self.w_sd)
         logits = F.linear(h2, self.w_gate)
         moe_k.grouped_topk(logits, self.gate_bias, self.top_k, weights=self.topk_w, ids=self.topk_ids)
-        moe_k.moe_align(self.topk_ids, self.align)
+        if self.humming is None:
+            moe_k.moe_align(self.topk_ids, self.align)
         _join(self.aux, lat)
+        routed = torch.empty(M, self.L, device=dev, dtype=torch.bfloat16)
+        if self.humming is not None:  # stock's MXFP4 path: humming aligns the routes itself
+            self.humming(lat, self.topk_w, self.topk_ids, out=routed)
+        else:
+            self._fused_moe(lat, routed)
+        normed = torch.empty_like(routed)
+        norms.rmsnorm(routed, self.lat_norm_w, self.eps, out=normed)
+        _join(self.shared_stream, shared)
+        for s in (self.aux, self.shared_stream):
+            if s is not None:
+                h2.record_stream(s)  # read on the side streams, allocated on main
+        torch.addmm(shared, normed, self.w_lu.t(), out=out)
+
+    def _fused_moe(self, lat: torch.Tensor, routed: torch.Tensor) -> None:
+        """Stock's Triton fused MoE over bf16 experts (after its align): w13 GEMM, SiTU-GLU, w2 GEMM x routing
+        weight, sum."""
+        M, dev = self.M, lat.device
         T = M * self.top_k
         gu = torch.empty(T, 2 * self.I, device=dev, dtype=torch.bfloat16)
         moe_k.moe_gemm(lat, self.w13, self.align, self.top_k, out=gu, a_per_pair=False)
@@ -136,15 +175,7 @@ class StockLatentMoE:
         yp = torch.empty(T, self.L, device=dev, dtype=torch.bfloat16)
         moe_k.moe_gemm(act, self.w2, self.align, self.top_k, out=yp, a_per_pair=True,
                        topk_weights=self.topk_w.view(-1))
-        routed = torch.empty(M, self.L, device=dev, dtype=torch.bfloat16)
         moe_k.moe_sum(yp, self.top_k, out=routed)
-        normed = torch.empty_like(routed)
-        norms.rmsnorm(routed, self.lat_norm_w, self.eps, out=normed)
-        _join(self.shared_stream, shared)
-        for s in (self.aux, self.shared_stream):
-            if s is not None:
-                h2.record_stream(s)  # read on the side streams, allocated on main
-        torch.addmm(shared, normed, self.w_lu.t(), out=out)
 
     def reference_forward(self, h2: torch.Tensor, out: torch.Tensor) -> None:
         """The same sublayer from the op-family references (fp32 math); sets ``topk_ids`` too."""
@@ -196,7 +227,8 @@ class _StockMoELayer:
 
     def _bytes(self, attention_weights: list[torch.Tensor]) -> int:
         """Bytes of the layer's weights: its attention's plus the MoE sublayer's (all routed experts)."""
-        return sum(t.numel() * t.element_size() for t in [*attention_weights, *self.moe.weights()])
+        return sum(t.nbytes if isinstance(t, QuantizedWeight) else t.numel() * t.element_size()
+                   for t in [*attention_weights, *self.moe.weights()])
 
 
 class StockKDAMoELayer(_StockMoELayer):
