@@ -19,7 +19,20 @@ from latency_specialized.adapter_contract import AdapterContract, Capability, Va
 from latency_specialized.errors import UserError
 from latency_specialized.spec import KDAAttentionSpec, MLAAttentionSpec, ModelSpec, MoESpec, ParallelSpec
 
-__all__ = ["ModelAdapter", "AdapterContract", "BenchKind", "Capability", "Variant"]
+__all__ = ["ModelAdapter", "AdapterContract", "BenchKind", "Capability", "Variant", "kept_expert_format"]
+
+
+def kept_expert_format(model: str, asked: str | None, native: str, kept: tuple[str, ...], where: str) -> str | None:
+    """The format a model's routed experts stay in on the device (``reference(expert_format=)``, ``generate
+    --experts``): None (dequantised at load), or ``asked`` - 'native' meaning ``native``, the format ``where`` stores
+    them in - where the adapter keeps that format (``kept``); a UserError naming the choices otherwise."""
+    if asked is None:
+        return None
+    fmt = native if asked == "native" else asked
+    if fmt not in kept:
+        raise UserError(f"{model} keeps its routed experts as {' / '.join(kept) or 'bf16'} only ({where} stores them "
+                        f"as {native}); use --experts native with such a checkpoint, or drop --experts")
+    return fmt
 
 
 @dataclass(frozen=True)
@@ -136,7 +149,8 @@ class ComposedAdapter(ModelAdapter):
         if weights is None:
             if reference is None:
                 raise UserError(f"{self.name} program needs weights: pass reference= or weights=")
-            weights = reference.named
+            # the routed experts kept quantized where the reference was built so (else the reference's own)
+            weights = getattr(reference, "program_weights", None) or reference.named
         model = self.composed_model(spec)
         nested = weights_from_names(model, self.program_tensors(weights), self.tensor_names(spec))
         return ComposedProgram(model, nested, plans, cache, comm=comm, trace=trace, dcp=dcp)

@@ -112,6 +112,17 @@ class QuantizedWeight:
         w = codecs.dequantize(self.fmt, self.weight, self.scale, self.global_scale, name=self.name)
         return w if dtype == torch.float32 else w.to(dtype)
 
+    def contiguous(self) -> "QuantizedWeight":
+        """Itself with every stored tensor contiguous (what a piece's ``arrange`` asks of any weight), the bytes as
+        stored (copied through a uint8 view: torch has no copy kernel for some stored dtypes, e.g. float4)."""
+        def c(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or t.is_contiguous():
+                return t
+            return t.view(torch.uint8).contiguous().view(t.dtype) if t.element_size() == 1 else t.contiguous()
+
+        return replace(self, weight=c(self.weight), scale=c(self.scale), global_scale=c(self.global_scale),
+                       input_scale=c(self.input_scale))
+
     def to(self, device: torch.device | str) -> "QuantizedWeight":
         move = {k: getattr(self, k).to(device) for k in ("weight", "scale", "global_scale", "input_scale")
                 if getattr(self, k) is not None}

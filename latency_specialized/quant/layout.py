@@ -20,6 +20,15 @@ from latency_specialized.errors import UserError
 from latency_specialized.quant.checkpoint_io import QuantizedWeight
 
 
+def _bytes_op(op, ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``op`` (cat / stack / copy) over one-byte tensors through their uint8 view, the result viewed back: torch
+    has no kernels for some of the stored dtypes (``float4_e2m1fn_x2``, ``float8_e8m0fnu``) on every device."""
+    dt = ts[0].dtype
+    if ts[0].element_size() != 1 or dt == torch.uint8:
+        return op(list(ts))
+    return op([t.view(torch.uint8) for t in ts]).view(dt)
+
+
 def _units(q: QuantizedWeight, dim: int) -> tuple[int, int]:
     """(logical values per code element, logical values per scale element) along logical ``dim`` (>= 0)."""
     nd = len(q.shape)
@@ -50,8 +59,10 @@ def narrow(q: QuantizedWeight, dim: int, start: int, length: int) -> QuantizedWe
     shape = list(q.shape)
     shape[d] = length
     lead = d < len(q.shape) - 2
-    cut = {"weight": q.weight.narrow(d, start // per_code, length // per_code).contiguous(),
-           "scale": q.scale.narrow(d, start // per_scale, length // per_scale).contiguous()}
+    cut = {"weight": _bytes_op(lambda ts: ts[0].narrow(d, start // per_code, length // per_code).contiguous(),
+                               [q.weight]),
+           "scale": _bytes_op(lambda ts: ts[0].narrow(d, start // per_scale, length // per_scale).contiguous(),
+                              [q.scale])}
     for k in ("global_scale", "input_scale"):
         t = getattr(q, k)
         if t is not None:
@@ -78,7 +89,8 @@ def cat(parts: Sequence[QuantizedWeight], dim: int) -> QuantizedWeight:
             raise UserError(f"{p.name}: {p.shape[d]} values along dimension {d} end inside a {per_scale}-value scale "
                             "block: the join would need re-quantization")
     lead = d < len(first.shape) - 2
-    out = {"weight": torch.cat([p.weight for p in parts], dim=d), "scale": torch.cat([p.scale for p in parts], dim=d)}
+    out = {"weight": _bytes_op(lambda ts: torch.cat(ts, dim=d), [p.weight for p in parts]),
+           "scale": _bytes_op(lambda ts: torch.cat(ts, dim=d), [p.scale for p in parts])}
     for k in ("global_scale", "input_scale"):
         ts = [getattr(p, k) for p in parts]
         if ts[0] is None:
@@ -103,7 +115,8 @@ def stack(parts: Sequence[QuantizedWeight], name: str | None = None) -> Quantize
         if p.fmt != first.fmt or p.shape != first.shape:
             raise UserError(f"cannot stack {p.name} {p.fmt.name} {list(p.shape)} with {first.name} "
                             f"{first.fmt.name} {list(first.shape)}: experts of one layer share format and shape")
-    out = {"weight": torch.stack([p.weight for p in parts]), "scale": torch.stack([p.scale for p in parts])}
+    out = {"weight": _bytes_op(torch.stack, [p.weight for p in parts]),
+           "scale": _bytes_op(torch.stack, [p.scale for p in parts])}
     for k in ("global_scale", "input_scale"):
         ts = [getattr(p, k) for p in parts]
         if ts[0] is not None:

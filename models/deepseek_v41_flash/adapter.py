@@ -8,8 +8,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from latency_specialized.adapter import BenchKind, ComposedAdapter, Variant
+from latency_specialized.adapter import BenchKind, ComposedAdapter, Variant, kept_expert_format
 from latency_specialized.errors import UserError
+from latency_specialized.quant import quantized_pair
+from latency_specialized.runtime.checkpoint import read_quantized
 from latency_specialized.spec import DecodeScope, ModelSpec
 
 from latency_specialized_models.deepseek_v41_flash import names
@@ -18,6 +20,8 @@ from latency_specialized_models.deepseek_v41_flash.reference import refuse_unmod
 from latency_specialized_models.deepseek_v41_flash.config import config_from_spec, spec_from_config
 from latency_specialized_models.deepseek_v41_flash.spec import NAME, DeepseekV41Spec, full_spec, medium_spec, tiny_spec
 
+EXPERT_FORMAT = "mxfp4-deepseek"
+"""The routed experts' stored format (``expert_dtype: fp4``): e2m1 codes + ue8m0 per 32, DeepSeek's tensor names."""
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 BENCH = {"c2_idx": ("c2.src.idx", "ratio-2 KV source running its own indexer"), "c1_reuse": (
     "c1", "ratio-1 reader of a source's KV reusing its top-k"), "window": ("window", "window only")}  # (sort, what)
@@ -29,7 +33,10 @@ class DeepseekV41FlashAdapter(ComposedAdapter):
     description: ClassVar[str] = ("DeepSeek-V4.1-Flash: 40 sparse MQA-MLA layers (SWA + compressed KV + indexer), "
                                   "MoE 384x top-6, mHC x4, Engram")
     hf_architectures: ClassVar[tuple[str, ...]] = ("DeepseekV41ForCausalLM",)
-    capabilities: ClassVar[frozenset[str]] = frozenset({"spec", "reference", "program", "checkpoint"})
+    expert_formats: ClassVar[tuple[str, ...]] = (EXPERT_FORMAT,)
+    """Formats the routed experts can stay in on the device (``reference(expert_format=)``; matrix cells)."""
+    capabilities: ClassVar[frozenset[str]] = frozenset({"spec", "reference", "program", "checkpoint",
+                                                        "quantized_experts"})
     variants: ClassVar[tuple[str, ...]] = ("full", "medium", "tiny")
 
     def spec(self, variant: Variant = "full") -> ModelSpec:
@@ -47,19 +54,35 @@ class DeepseekV41FlashAdapter(ComposedAdapter):
         return tensor_name
 
     def reference(self, spec: ModelSpec | None = None, *, checkpoint: str | Path | None = None, weights: dict[str,
-                  torch.Tensor] | None = None, seed: int = 0, dtype: str | torch.dtype = "bfloat16", device="cpu", **_):
-        """The reference with weights by official name: from ``checkpoint``, ``weights`` or random (``seed``)."""
+                  torch.Tensor] | None = None, seed: int = 0, dtype: str | torch.dtype = "bfloat16", device="cpu",
+                  expert_format: str | None = None, **_):
+        """The reference with weights by official name: from ``checkpoint``, ``weights`` or random (``seed``).
+
+        ``expert_format`` ('mxfp4-deepseek', or 'native': the release's FP4) keeps the routed experts quantized for
+        the program: ``program_weights`` holds them as ``QuantizedWeight`` (read as stored, or random weights quantized
+        once) and the reference computes with exactly those values dequantised."""
         from latency_specialized_models.deepseek_v41_flash.reference import DeepseekV41Reference
 
         dt = DTYPES.get(dtype, dtype)  # type: ignore[call-overload]
+        fmt = kept_expert_format(NAME, expert_format, EXPERT_FORMAT, self.expert_formats,
+                                 "the checkpoint" if checkpoint is not None else "the release")
+        kept = None
         if checkpoint is not None:
-            return DeepseekV41Reference(*names.load(checkpoint, dt, device)[:2])
-        spec = spec if spec is not None else tiny_spec()
-        refuse_unmodelled(spec.full(), "reference")  # type: ignore[attr-defined]
-        if weights is None and spec.variant == "full":
-            raise UserError(f"no random weights for the full {NAME} (748B): pass --checkpoint DIR or use --size tiny")
-        w = weights if weights is not None else names.random_weights(spec, seed, dt, device)  # type: ignore[arg-type]
-        return DeepseekV41Reference(spec, w)  # type: ignore[arg-type]
+            spec, w, _ = names.load(checkpoint, dt, device)
+            if fmt:
+                kept = {**w, **read_quantized(checkpoint, {n: n for n in w if names.is_routed_expert(n)}, fmt, device)}
+        else:
+            spec = spec if spec is not None else tiny_spec()
+            refuse_unmodelled(spec.full(), "reference")  # type: ignore[attr-defined]
+            if weights is None and spec.variant == "full":
+                raise UserError(f"no random weights for the full {NAME} (748B): pass --checkpoint DIR or use --size tiny")
+            w = weights if weights is not None else names.random_weights(spec, seed, dt, device)  # type: ignore[arg-type]
+            if fmt:
+                w, kept = quantized_pair(w, fmt, names.is_routed_expert, dtype=dt, device=device)
+        ref = DeepseekV41Reference(spec.with_expert_format(fmt) if fmt else spec, w)  # type: ignore[arg-type]
+        if kept is not None:
+            ref.program_weights = kept
+        return ref
 
     def program(self, spec: ModelSpec, **kw: Any) -> Any:
         """The composed program (``ComposedAdapter.program``); refuses what the pieces do not model (Engram, YaRN)."""

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from latency_specialized.errors import CheckpointError
+from latency_specialized.quant import codecs
 from latency_specialized.runtime import random_weights as rw
 from latency_specialized.runtime.checkpoint import load_checkpoint, read_config, save_checkpoint, tensor_files
 from latency_specialized.runtime.composed import MODEL, ComposedModel
@@ -92,21 +93,6 @@ def expected_tensors(spec: Glm53Spec) -> dict[str, tuple[tuple[int, ...], str]]:
     return {**composed_expected(composed(spec), tensor_name), **mtp_tensors(spec)}
 
 
-def fp8_block_dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """``w [N, K]`` float8_e4m3fn with ``scale_inv [ceil(N/block), ceil(K/block)]`` -> fp32 ``[N, K]``."""
-    N, K = w.shape
-    s = scale_inv.float().repeat_interleave(block, 0)[:N].repeat_interleave(block, 1)[:, :K]
-    return w.float() * s
-
-
-def fp8_block_quantize(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [N, K]`` -> (float8_e4m3fn ``[N, K]``, fp32 ``scale_inv``): each block's amax maps to e4m3's 448."""
-    (N, K), nb, kb = w.shape, math.ceil(w.shape[0] / block), math.ceil(w.shape[1] / block)
-    x = torch.nn.functional.pad(w.float(), (0, kb * block - K, 0, nb * block - N)).view(nb, block, kb, block)
-    scale = x.abs().amax((1, 3)).clamp_min(1e-12) / 448.0
-    return (x / scale[:, None, :, None]).view(nb * block, kb * block)[:N, :K].to(torch.float8_e4m3fn), scale
-
-
 def load(directory: str | Path, dtype: torch.dtype = torch.bfloat16,
          device: Any = "cpu") -> tuple[Glm53Spec, dict[str, torch.Tensor], dict]:
     """(spec, tensors by Hugging Face name, config) of a GLM-5.3 model directory (CheckpointError naming the
@@ -132,7 +118,8 @@ def load(directory: str | Path, dtype: torch.dtype = torch.bfloat16,
             raise CheckpointError(f"{files[n]}: tensor {n} has dtype {got[n].dtype} next to {s}: a block-scaled "
                                   "weight must be float8_e4m3fn")
         kind = expected.get(n, ("", "act"))[1]
-        got[n] = fp8_block_dequantize(got[n], got.pop(s)).to(torch.float32 if kind == "float32" else dtype)
+        got[n] = codecs.fp8_block_dequantize(got[n], got.pop(s), (BLOCK, BLOCK), name=n).to(
+            torch.float32 if kind == "float32" else dtype)
     return spec, {n: t.to(device) for n, t in got.items()}, cfg
 
 
@@ -157,11 +144,11 @@ def save(directory: str | Path, spec: Glm53Spec, named: dict[str, torch.Tensor],
     kinds, out = expected_tensors(spec), {}
     for n, t in named.items():
         if quantize is not None and quantize(n):
-            out[n], out[n + "_scale_inv"] = fp8_block_quantize(t)
+            out[n], out[n + "_scale_inv"] = codecs.fp8_block_quantize(t, (BLOCK, BLOCK), name=n)
             continue
         out[n] = t.to(rw.torch_dtype(dtype) if kinds.get(n, ((), "act"))[1] == "act" else torch.float32)
     return save_checkpoint(directory, out, config_from_spec(spec, dtype))
 
 
-__all__ = ["composed", "expected_tensors", "fp8_block_dequantize", "fp8_block_quantize", "load", "mtp_tensors",
+__all__ = ["composed", "expected_tensors", "load", "mtp_tensors",
            "random_weights", "save", "tensor_name"]

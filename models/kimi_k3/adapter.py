@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from latency_specialized.adapter import BenchKind, ModelAdapter, Variant
+from latency_specialized.adapter import BenchKind, ModelAdapter, Variant, kept_expert_format
 from latency_specialized.errors import UserError
 from latency_specialized.quant import quantized_pair
 from latency_specialized.runtime.composed import ComposedProgram
@@ -28,18 +28,6 @@ def _kimi(spec: Any, what: str) -> KimiK3Spec:
     if not isinstance(spec, KimiK3Spec):
         raise UserError(f"kimi_k3 {what} needs a KimiK3Spec (adapter.spec('tiny'), or a checkpoint's)")
     return spec
-
-
-def _expert_format(asked: str | None, native: str, where: str) -> str | None:
-    """The routed experts' kept format: None (dequantised), or ``asked`` ('native': ``native``, the format of
-    ``where``); a UserError naming the choices otherwise."""
-    if asked is None:
-        return None
-    fmt = native if asked == "native" else asked
-    if fmt != "mxfp4":
-        raise UserError(f"kimi_k3 keeps its routed experts as mxfp4 only ({where} stores them as {native}); "
-                        "use --experts native with an MXFP4 checkpoint, or drop --experts")
-    return fmt
 
 
 class KimiK3Adapter(ModelAdapter):
@@ -109,7 +97,8 @@ class KimiK3Adapter(ModelAdapter):
         dt = torch_dtype(dtype)
         if checkpoint is not None:
             ck = ckpt.load_checkpoint(checkpoint, dtype=dt, device=device, keep_experts=expert_format is not None)
-            fmt = _expert_format(expert_format, ck.spec.routed_expert_format, "the checkpoint")
+            fmt = kept_expert_format(self.name, expert_format, ck.spec.routed_expert_format, self.expert_formats,
+                                     "the checkpoint")
             spec = ck.spec.with_expert_format(fmt) if fmt else ck.spec
             ref = KimiK3Reference(spec, ck.weights, tokenizer=ck.tokenizer, bos_token_id=ck.bos_token_id,
                                   eos_token_id=ck.eos_token_id)
@@ -117,7 +106,8 @@ class KimiK3Adapter(ModelAdapter):
                 ref.program_weights = {**ck.weights, **ck.kept}
             return ref
         spec = _kimi(spec if spec is not None else tiny_spec(), "reference")
-        fmt = _expert_format(expert_format, full_spec().routed_expert_format, "the release")
+        fmt = kept_expert_format(self.name, expert_format, full_spec().routed_expert_format, self.expert_formats,
+                                 "the release")
         kept = None
         if weights is None:
             if spec.variant == "full":

@@ -232,16 +232,6 @@ def test_fp8_blocks_with_partial_edge_blocks(gen, fmt, shape):
         assert amax.max() <= 448
 
 
-def test_fp8_block_128_equals_the_glm_adapter_codec(gen):
-    from latency_specialized_models.glm53 import names
-
-    w = torch.randn(130, 300, generator=gen) * 3
-    q, s = qc.fp8_block_quantize(w)
-    q0, s0 = names.fp8_block_quantize(w)
-    assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
-    assert torch.equal(qc.fp8_block_dequantize(q, s), names.fp8_block_dequantize(q0, s0))
-
-
 def test_odd_shapes_refused_or_handled(gen):
     with pytest.raises(CheckpointError, match="divisible by 32"):
         qc.mxfp4_quantize(torch.randn(2, 48))

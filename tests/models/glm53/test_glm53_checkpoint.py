@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from latency_specialized.errors import CheckpointError
+from latency_specialized.quant import codecs
 from latency_specialized_models.glm53 import names
 from latency_specialized_models.glm53.spec import tiny_spec
 
@@ -19,7 +20,7 @@ def test_fp8_block_dequantize_edge_values():
     N, K = 130, 200   # partial edge blocks in both dimensions: scales [2, 2]
     vals = torch.tensor(E4M3)[torch.randint(0, len(E4M3), (N, K), generator=torch.Generator().manual_seed(0))]
     scale = torch.tensor([[2.0 ** -8, 3.0], [0.5, 1e-3]])
-    w = names.fp8_block_dequantize(vals.to(torch.float8_e4m3fn), scale)
+    w = codecs.fp8_block_dequantize(vals.to(torch.float8_e4m3fn), scale)  # the codec names.load uses
     block = torch.zeros(N, K, dtype=torch.long)
     block[:, 128:] += 1
     block[128:] += 2
