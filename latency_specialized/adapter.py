@@ -19,7 +19,8 @@ from latency_specialized.adapter_contract import AdapterContract, Capability, Va
 from latency_specialized.errors import UserError
 from latency_specialized.spec import KDAAttentionSpec, MLAAttentionSpec, ModelSpec, MoESpec, ParallelSpec
 
-__all__ = ["ModelAdapter", "AdapterContract", "BenchKind", "Capability", "Variant", "kept_expert_format"]
+__all__ = ["ModelAdapter", "AdapterContract", "BenchKind", "Capability", "Variant", "is_routed_expert", "keep_experts",
+           "kept_expert_format"]
 
 
 def kept_expert_format(model: str, asked: str | None, native: str, kept: tuple[str, ...], where: str) -> str | None:
@@ -33,6 +34,34 @@ def kept_expert_format(model: str, asked: str | None, native: str, kept: tuple[s
         raise UserError(f"{model} keeps its routed experts as {' / '.join(kept) or 'bf16'} only ({where} stores them "
                         f"as {native}); use --experts native with such a checkpoint, or drop --experts")
     return fmt
+
+
+def is_routed_expert(name: str) -> bool:
+    """A routed expert's projection by checkpoint name (``...experts.{e}....weight``; shared experts are named
+    ``shared_experts``, without the leading dot)."""
+    return ".experts." in name and name.endswith(".weight")
+
+
+def keep_experts(model: str, spec: ModelSpec, named: dict[str, Any], asked: str | None, native: str,
+                 kept: tuple[str, ...], *, checkpoint: Any = None, dtype: Any, device: Any,
+                 is_expert: Any = is_routed_expert) -> tuple[ModelSpec, dict[str, Any], dict[str, Any] | None]:
+    """(spec, reference weights, program weights or None) of a reference whose routed experts stay quantized
+    (:func:`kept_expert_format` resolves ``asked``): from ``checkpoint``, the experts read again as stored (codes and
+    scales untouched) beside ``named`` (the loader's dequantised copy: the same values); from random ``named``, the
+    experts quantized once, the reference then computing with exactly those values (``quant.quantized_pair``). The
+    spec says the format (``with_expert_format``: the ``moe.experts`` sites' ``weight_format``)."""
+    fmt = kept_expert_format(model, asked, native, kept, "the checkpoint" if checkpoint is not None else "the release")
+    if fmt is None:
+        return spec, named, None
+    if checkpoint is not None:
+        from latency_specialized.runtime.checkpoint import read_quantized
+
+        program = {**named, **read_quantized(checkpoint, {n: n for n in named if is_expert(n)}, fmt, device)}
+    else:
+        from latency_specialized.quant import quantized_pair
+
+        named, program = quantized_pair(named, fmt, is_expert, dtype=dtype, device=device)
+    return spec.with_expert_format(fmt), named, program
 
 
 @dataclass(frozen=True)

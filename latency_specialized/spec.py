@@ -218,9 +218,11 @@ class RouterSpec(Frozen):
     GateLinear with out_dtype=float32) and fp32 scoring."""
 
 
-ExpertFormat = Literal["mxfp4", "mxfp4-deepseek", "nvfp4"]
-"""Stored 4-bit formats routed experts can stay in on the device (``quant.FORMATS`` names)."""
-EXPERT_FORMATS: tuple[str, ...] = ("mxfp4", "mxfp4-deepseek", "nvfp4")
+ExpertFormat = Literal["mxfp4", "mxfp4-deepseek", "nvfp4", "fp8-block-128"]
+"""Stored formats routed experts can stay in on the device (``quant.FORMATS`` names)."""
+EXPERT_FORMATS: tuple[str, ...] = ("mxfp4", "mxfp4-deepseek", "nvfp4", "fp8-block-128")
+_EXPERT_SPLIT = {"nvfp4": 16, "fp8-block-128": 128}
+"""Granularity a TP slice of the expert width must keep (a scale group / block; default 32: MX formats)."""
 
 
 class MoESpec(Frozen):
@@ -242,7 +244,7 @@ class MoESpec(Frozen):
     router: RouterSpec
     """Routing function."""
     expert_format: ExpertFormat | None = None
-    """The routed experts stay on the device in this stored 4-bit format (``quant.FORMATS``; the
+    """The routed experts stay on the device in this stored format (``quant.FORMATS``; the
     ``moe.experts`` site's ``weight_format``); None: in the activation dtype (a quantized checkpoint is
     dequantised at load)."""
 
@@ -254,8 +256,9 @@ class MoESpec(Frozen):
 
     def shard(self, tp: int, owner: str = "model") -> "MoESpec":
         inter = _split(self.expert_intermediate, tp, "expert intermediate width", owner)
-        group = 16 if self.expert_format == "nvfp4" else 32
-        if self.expert_format and inter % group:
+        group = _EXPERT_SPLIT.get(self.expert_format or "", 32)
+        partial = self.expert_format == "fp8-block-128" and tp == 1  # FP8 blocks may be partial; uncut at TP1
+        if self.expert_format and inter % group and not partial:
             raise UserError(f"TP={tp} not supported by {owner}'s {self.expert_format} experts: a rank's "
                             f"{inter}-wide slice of the {self.expert_intermediate} intermediate width cuts their "
                             f"{group}-value scale groups; pick a TP that leaves multiples of {group}")
@@ -386,7 +389,7 @@ class ModelSpec(Frozen):
         return self.model_copy(update={"layers": layers, "tp": tp})
 
     def with_expert_format(self, fmt: str | None) -> "ModelSpec":
-        """This spec with every MoE layer's routed experts kept in the stored 4-bit format ``fmt``
+        """This spec with every MoE layer's routed experts kept in the stored format ``fmt``
         (``MoESpec.expert_format``; None: dequantised to the activation dtype)."""
         if fmt not in (None, *EXPERT_FORMATS):
             raise UserError(f"{self.name}: routed experts cannot be kept as {fmt!r}; use one of "

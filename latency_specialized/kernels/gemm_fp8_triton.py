@@ -77,7 +77,7 @@ def _kernel_parts(w: QuantizedWeight, what: str) -> tuple[torch.Tensor, torch.Te
     if not isinstance(w, QuantizedWeight):
         raise UserError(f"{what}: takes a QuantizedWeight in {' / '.join(FORMATS)} (got {type(w).__name__}); bf16 "
                         "weights go to the bf16 gemms (the site's weight_format attribute must be unset)")
-    if w.fmt.name not in FORMATS:
+    if w.fmt.name.split("/")[0] not in FORMATS:  # "<fmt>/rows": one scale per row (quant.layout.cat)
         raise UserError(f"{what}: format {w.fmt.name} is not a block-FP8 format ({', '.join(FORMATS)})")
     if w.weight.dim() != 2:
         raise UserError(f"{what}: expected one [N, K] matrix, got codes {tuple(w.weight.shape)}")

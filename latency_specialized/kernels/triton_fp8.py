@@ -26,6 +26,10 @@ the counter to zero for the next call (and the next graph replay).
 
 Rounding follows ``ops.gemm.gemm_reference`` on the dequantised weight (fp32 accumulate, residual added in
 fp32, one rounding); W8A8 additionally rounds the activations as :func:`quantize_activations_reference` does.
+
+Routed experts (:func:`moe_gemm_fp8`, ``kernels/moe_experts_fp8_triton.py``): stock's fused-MoE tile (16 aligned
+pairs of one expert x ``BLOCK_N`` weight rows) with the W8A16 conversion above, fp32 scales per 128 x 128 block (or
+per row: ``quant.layout.row_scaled``).
 """
 
 from __future__ import annotations
@@ -213,6 +217,69 @@ def fp8_block_gemm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: torch
     return out
 
 
+# ------------------------------------------------------------------------------------- routed experts
+@triton.jit
+def _moe_gemm_fp8_kernel(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, topk_w_ptr,
+                         N, K, T, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+                         TOPK: tl.constexpr, A_PER_PAIR: tl.constexpr, MUL_W: tl.constexpr, SCALE_N: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """One aligned 16-pair tile of one expert x BLOCK_N output rows (stock's fused-MoE grid): the e4m3 weight tile
+    to bf16 (exact), ``dot(W[BLOCK_N, BLOCK_K], A^T[BLOCK_K, BLOCK_M])`` per K block, each partial scaled by its
+    rows' fp32 block scale (BLOCK_K = the scale block's K)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < T
+    if A_PER_PAIR:
+        a_row = pair.to(tl.int64)
+    else:
+        a_row = (pair // TOPK).to(tl.int64)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < N
+    w_rows = w_ptr + expert * stride_we + n.to(tl.int64)[:, None] * stride_wn
+    s_rows = s_ptr + expert * stride_se + (n // SCALE_N).to(tl.int64) * stride_sn
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        km = k < K
+        w8 = tl.load(w_rows + k[None, :], mask=nm[:, None] & km[None, :], other=0).to(tl.float8e4nv, bitcast=True)
+        at = tl.load(a_ptr + a_row[None, :] * stride_am + k[:, None], mask=valid[None, :] & km[:, None], other=0.0)
+        sv = tl.load(s_rows + k0 // BLOCK_K, mask=nm, other=0.0)
+        if UPCAST:
+            part = tl.dot(w8.to(tl.float32), at.to(tl.float32))
+        else:
+            part = tl.dot(w8.to(tl.bfloat16), at.to(tl.bfloat16))
+        acc += part * sv[:, None]
+    if MUL_W:
+        acc = acc.to(tl.bfloat16).to(tl.float32) * tl.load(topk_w_ptr + pair, mask=valid, other=0.0)[None, :]
+    o_ptrs = out_ptr + pair.to(tl.int64)[None, :] * stride_om + n[:, None]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[None, :] & nm[:, None])
+
+
+def moe_gemm_fp8(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, align, top_k: int, *, out: torch.Tensor,
+                 a_per_pair: bool, scale_block: tuple[int, int], topk_weights: torch.Tensor | None = None,
+                 block_n: int = 64, num_warps: int = 4, num_stages: int = 3) -> None:
+    """out[pair] = a[row of pair] @ deq(W[expert of pair])^T (x routing weight) over the aligned tiles.
+
+    a [M, K] (token rows) or [M*k, K] (a_per_pair) bf16; w [E, N, K] e4m3 codes (uint8 or float8_e4m3fn);
+    s [E, ceil(N / r), ceil(K / c)] fp32 block scales (``scale_block`` = (r, c)); out [M*k, N] (unit column stride);
+    align: ``triton_moe.AlignBuffers``; topk_weights [M*k] fp32 (multiplied after the bf16 rounding of the row)."""
+    E, N, K = w.shape
+    sz = align.sizes
+    w8 = w.view(torch.uint8) if w.dtype != torch.uint8 else w
+    grid = (sz.max_blocks, triton.cdiv(N, block_n))
+    _moe_gemm_fp8_kernel[grid](a, w8, s, out, align.sorted_ids, align.expert_ids, align.num_padded,
+                               topk_weights if topk_weights is not None else s, N, K, sz.pairs, a.stride(0),
+                               w8.stride(0), w8.stride(1), s.stride(0), s.stride(1), out.stride(0),
+                               TOPK=top_k, A_PER_PAIR=a_per_pair, MUL_W=topk_weights is not None,
+                               SCALE_N=scale_block[0], BLOCK_M=sz.block_m, BLOCK_N=block_n, BLOCK_K=scale_block[1],
+                               UPCAST=_INTERPRET, num_warps=num_warps, num_stages=num_stages)
+
+
 def quantize_activations_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The W8A8 path's activation rounding in torch: ``x [M, K]`` -> (e4m3 codes as fp32 ``[M, K]``, scales fp32
     ``[M, ceil(K / group)]``), scale = max(amax of the (token, group) slice, 1e-10) / 448."""
@@ -225,4 +292,4 @@ def quantize_activations_reference(x: torch.Tensor, group: int) -> tuple[torch.T
 
 
 __all__ = ["SCALE_FP32", "SCALE_UE8M0", "E4M3_MAX", "ACT_EPS", "MIN_UE8M0", "MAX_UE8M0", "fp8_block_gemm",
-           "quantize_activations_reference"]
+           "moe_gemm_fp8", "quantize_activations_reference"]

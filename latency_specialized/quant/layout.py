@@ -70,14 +70,36 @@ def narrow(q: QuantizedWeight, dim: int, start: int, length: int) -> QuantizedWe
     return replace(q, shape=tuple(shape), **cut)
 
 
+def row_scaled(q: QuantizedWeight) -> QuantizedWeight:
+    """``q`` with one scale per row instead of per ``rows``-row block (each row keeps its block's scale: exact), in
+    the derived format ``<name>/rows`` (block ``(1, cols)``): how parts whose row counts end inside a block - a
+    partial last block, e.g. DeepSeek's 576-row kv_a next to q_a, or a tiny model's 16-row experts - are joined
+    along N. Formats with whole blocks only (e2m1's are one row already) come back unchanged."""
+    rows, cols = q.fmt.block
+    if rows == 1:
+        return q
+    if not q.fmt.partial_blocks:
+        raise UserError(f"{q.name}: {q.fmt.name} stores whole {rows}-row blocks only; its scales cannot be split per row")
+    n = q.shape[-2]
+    scale = _bytes_op(lambda ts: ts[0].repeat_interleave(rows, dim=-2).narrow(-2, 0, n).contiguous(), [q.scale])
+    return replace(q, fmt=replace(q.fmt, name=q.fmt.name + "/rows", block=(1, cols)), scale=scale)
+
+
 def cat(parts: Sequence[QuantizedWeight], dim: int) -> QuantizedWeight:
     """The parts joined along logical ``dim`` (e.g. gate | up rows of every expert: ``dim=1`` of ``[E, I, K]``).
     Parts share the format, the other dimensions and - when joined along ``N`` or ``K`` - their global scales
-    (one multiplier per tensor; NVFP4 gate and up projections with different ``weight_scale_2`` are refused)."""
+    (one multiplier per tensor; NVFP4 gate and up projections with different ``weight_scale_2`` are refused).
+    Along N, parts whose rows end inside a scale block (formats with partial blocks) are joined with one scale per
+    row (:func:`row_scaled`: exact)."""
     first = parts[0]
     if len(parts) == 1:
         return first
     d = _dim(first, dim)
+    rows = first.fmt.block[0]
+    if d == len(first.shape) - 2 and rows > 1 and first.fmt.partial_blocks \
+            and any(p.shape[d] % rows for p in parts[:-1]):
+        parts = [row_scaled(p) for p in parts]
+        first = parts[0]
     for p in parts[1:]:
         if p.fmt != first.fmt or len(p.shape) != len(first.shape) or \
                 any(p.shape[i] != first.shape[i] for i in range(len(first.shape)) if i != d):
@@ -124,4 +146,4 @@ def stack(parts: Sequence[QuantizedWeight], name: str | None = None) -> Quantize
     return replace(first, shape=(len(parts), *first.shape), name=name or first.name, **out)
 
 
-__all__ = ["narrow", "cat", "stack"]
+__all__ = ["narrow", "cat", "stack", "row_scaled"]

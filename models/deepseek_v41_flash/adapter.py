@@ -8,10 +8,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from latency_specialized.adapter import BenchKind, ComposedAdapter, Variant, kept_expert_format
+from latency_specialized.adapter import BenchKind, ComposedAdapter, Variant, keep_experts
 from latency_specialized.errors import UserError
-from latency_specialized.quant import quantized_pair
-from latency_specialized.runtime.checkpoint import read_quantized
 from latency_specialized.spec import DecodeScope, ModelSpec
 
 from latency_specialized_models.deepseek_v41_flash import names
@@ -64,24 +62,18 @@ class DeepseekV41FlashAdapter(ComposedAdapter):
         from latency_specialized_models.deepseek_v41_flash.reference import DeepseekV41Reference
 
         dt = DTYPES.get(dtype, dtype)  # type: ignore[call-overload]
-        fmt = kept_expert_format(NAME, expert_format, EXPERT_FORMAT, self.expert_formats,
-                                 "the checkpoint" if checkpoint is not None else "the release")
-        kept = None
         if checkpoint is not None:
             spec, w, _ = names.load(checkpoint, dt, device)
-            if fmt:
-                kept = {**w, **read_quantized(checkpoint, {n: n for n in w if names.is_routed_expert(n)}, fmt, device)}
         else:
             spec = spec if spec is not None else tiny_spec()
             refuse_unmodelled(spec.full(), "reference")  # type: ignore[attr-defined]
             if weights is None and spec.variant == "full":
                 raise UserError(f"no random weights for the full {NAME} (748B): pass --checkpoint DIR or use --size tiny")
             w = weights if weights is not None else names.random_weights(spec, seed, dt, device)  # type: ignore[arg-type]
-            if fmt:
-                w, kept = quantized_pair(w, fmt, names.is_routed_expert, dtype=dt, device=device)
-        ref = DeepseekV41Reference(spec.with_expert_format(fmt) if fmt else spec, w)  # type: ignore[arg-type]
-        if kept is not None:
-            ref.program_weights = kept
+        spec, w, kept = keep_experts(NAME, spec, w, expert_format, EXPERT_FORMAT, self.expert_formats,
+                                     checkpoint=checkpoint, dtype=dt, device=device)
+        ref = DeepseekV41Reference(spec, w)  # type: ignore[arg-type]
+        ref.program_weights = kept
         return ref
 
     def program(self, spec: ModelSpec, **kw: Any) -> Any:

@@ -51,11 +51,6 @@ def expected_tensors(spec: DeepseekV41Spec) -> dict[str, Entry]:
     return out
 
 
-def is_routed_expert(name: str) -> bool:
-    """A routed expert's projection (``layers.{i}.ffn.experts.{e}.w{1,2,3}.weight``: stored FP4)."""
-    return ".ffn.experts." in name and name.endswith(".weight")
-
-
 # formats: latency_specialized.quant's codecs ('fp8-block-32' / 'mxfp4-deepseek' numerics; scales written as
 # float8_e8m0fnu, FP4 codes as uint8); a bad scale raises CheckpointError naming the tensor.
 def scale_name(name: str) -> str:
@@ -136,4 +131,4 @@ def save(directory: str | Path, spec: DeepseekV41Spec, named: dict[str, torch.Te
     return save_checkpoint(directory, out, config_from_spec(spec, dtype))
 
 
-__all__ = ["BLOCK", "expected_tensors", "is_routed_expert", "load", "random_weights", "save", "scale_name"]
+__all__ = ["BLOCK", "expected_tensors", "load", "random_weights", "save", "scale_name"]

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from latency_specialized.adapter import BenchKind, ComposedAdapter, Variant
+from latency_specialized.adapter import BenchKind, ComposedAdapter, Variant, keep_experts
 from latency_specialized.errors import UserError
 from latency_specialized.spec import DecodeScope, ModelSpec
 
@@ -24,7 +24,10 @@ class Glm53Adapter(ComposedAdapter):
     description: ClassVar[str] = "Z.ai GLM-5.3: 78 MLA + DSA layers (21 indexers), 3 dense + 75 MoE 256x top-8, MTP"
     # GLM-5.2 has the same architecture and vLLM class; its numbers differ only where its config does.
     hf_architectures: ClassVar[tuple[str, ...]] = ("GlmMoeDsaForCausalLM",)
-    capabilities: ClassVar[frozenset[str]] = frozenset({"spec", "reference", "program", "checkpoint"})
+    capabilities: ClassVar[frozenset[str]] = frozenset({"spec", "reference", "program", "checkpoint",
+                                                        "quantized_experts"})
+    expert_formats: ClassVar[tuple[str, ...]] = ("fp8-block-128",)
+    """Formats the routed experts can stay in on the device (the release's; ``reference(expert_format=)``)."""
 
     def spec(self, variant: Variant = "full") -> ModelSpec:
         return full_spec() if variant == "full" else tiny_spec()
@@ -43,18 +46,25 @@ class Glm53Adapter(ComposedAdapter):
 
     def reference(self, spec: ModelSpec | None = None, *, checkpoint: str | Path | None = None,
                   weights: dict[str, torch.Tensor] | None = None, seed: int = 0,
-                  dtype: str | torch.dtype = "bfloat16", device: str | torch.device = "cpu", **_: Any):
-        """The reference with weights by Hugging Face name: from ``checkpoint``, ``weights`` or random (``seed``)."""
+                  dtype: str | torch.dtype = "bfloat16", device: str | torch.device = "cpu",
+                  expert_format: str | None = None, **_: Any):
+        """The reference with weights by Hugging Face name: from ``checkpoint``, ``weights`` or random (``seed``);
+        ``expert_format`` ('native' = 'fp8-block-128') keeps the routed experts FP8 for the program (``keep_experts``)."""
         from latency_specialized_models.glm53.reference import Glm53Reference
 
-        dt = DTYPES.get(dtype, dtype)  # type: ignore[call-overload]
+        dt, cfg = DTYPES.get(dtype, dtype), {}  # type: ignore[call-overload]
         if checkpoint is not None:
             spec, named, cfg = names.load(checkpoint, dt, device)
-            return Glm53Reference(spec, named, bos_token_id=cfg.get("bos_token_id"))
-        spec = spec if spec is not None else tiny_spec()
-        if weights is None and spec.variant == "full":
-            raise UserError("no random weights for the full GLM-5.3 (744B): pass --checkpoint DIR or use --size tiny")
-        return Glm53Reference(spec, weights if weights is not None else names.random_weights(spec, seed, dt, device))
+        else:
+            spec = spec if spec is not None else tiny_spec()
+            if weights is None and spec.variant == "full":
+                raise UserError("no random weights for the full GLM-5.3 (744B): pass --checkpoint DIR or use --size tiny")
+            named = weights if weights is not None else names.random_weights(spec, seed, dt, device)
+        spec, named, kept = keep_experts(NAME, spec, named, expert_format, "fp8-block-128", self.expert_formats,
+                                         checkpoint=checkpoint, dtype=dt, device=device)
+        ref = Glm53Reference(spec, named, bos_token_id=cfg.get("bos_token_id"))
+        ref.program_weights = kept
+        return ref
 
     def write_checkpoint(self, directory: str | Path, *, size: Variant = "tiny", seed: int = 0, dtype: str = "bfloat16",
                          layout: str | None = None, expert_format: str | None = None) -> list[Path]:

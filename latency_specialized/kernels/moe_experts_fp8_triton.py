@@ -1,0 +1,110 @@
+"""Routed experts over block-FP8 weights kept as the checkpoint stores them (``moe.experts``, Triton).
+
+The expert weights arrive as :class:`latency_specialized.quant.QuantizedWeight` (``w_gate_up``: logical
+``[E, 2I, K]``, ``w_down``: ``[E, N, I]``) in ``fp8-block-128`` (e4m3 codes, one fp32 scale per 128 x 128 block:
+GLM-5.3's routed experts); the site says so with ``weight_format`` (the bf16 and 4-bit implementations refuse such
+sites, the reference dequantises). One implementation for every token count, stock's fused-MoE shape (sort/align by
+expert, gate/up GEMM, activation, down GEMM x routing weight, sum; ``kernels/triton_moe.py``) with the weight tiles
+converted e4m3 -> bf16 in registers (exact) for the tensor cores and each 128-wide K block's partial scaled by its
+rows' block scale (``kernels/triton_fp8.py``). Static shapes, no host sync, graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from latency_specialized.contract import Implementation, OpContext, Support
+from latency_specialized.errors import UserError
+from latency_specialized.kernels.triton_common import triton_gpu_refusal
+from latency_specialized.quant.checkpoint_io import QuantizedWeight
+from latency_specialized.spec import ActivationSpec
+
+NAME = "moe.experts.fp8_triton"
+FORMATS = ("fp8-block-128",)
+"""``weight_format`` values served."""
+TUNING = dict(block_n=64, num_warps=4, num_stages=3)
+"""Launch constants of the two GEMMs (not yet swept on the H200: the values of the bf16 fused MoE's smallest tiles)."""
+
+
+def _parts(w: QuantizedWeight, what: str) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+    if not isinstance(w, QuantizedWeight):
+        raise UserError(f"{what}: the FP8 experts take a QuantizedWeight (got {type(w).__name__}); bf16 weights go to "
+                        "the bf16 implementations (the site's weight_format attribute must be unset)")
+    if w.fmt.name.split("/")[0] not in FORMATS or w.weight.dim() != 3:  # "/rows": one scale per row (layout.cat)
+        raise UserError(f"{what}: expected experts stacked [E, N, K] in {' / '.join(FORMATS)}, got {w.fmt.name} "
+                        f"{tuple(w.weight.shape)}")
+    s = w.scale if w.scale.dtype == torch.float32 else w.scale.float()
+    return w.weight, s.contiguous(), tuple(w.fmt.block)  # type: ignore[return-value]
+
+
+def experts_fp8(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor, w_gate_up: QuantizedWeight,
+                w_down: QuantizedWeight, activation: ActivationSpec, *, per_route: bool = False,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed experts (contract: ``ops.moe.experts_reference``) over block-FP8 weights on the tensor cores.
+
+    x [M, K] bf16; weights [M, top_k] fp32 (ignored with ``per_route``); ids [M, top_k] int; w_gate_up:
+    QuantizedWeight [E, 2I, K]; w_down: [E, N, I]; out [M, N] ([M, top_k, N] with ``per_route``). Rounding as
+    stock's fused MoE: gate/up, activation and each route's down output to bf16, the weighted rows summed in fp32."""
+    from latency_specialized.kernels import triton_fp8 as k
+    from latency_specialized.kernels import triton_moe as moe_k
+    from latency_specialized.kernels.moe_experts_triton import align_buffers, route_rows
+
+    q13, s13, b13 = _parts(w_gate_up, NAME)
+    q2, s2, b2 = _parts(w_down, NAME)
+    M, K = x.shape
+    E, two_i, k13 = q13.shape
+    I, N, top_k = two_i // 2, q2.shape[1], ids.shape[1]
+    if k13 != K or tuple(q2.shape) != (E, N, I):
+        raise UserError(f"{NAME}: x{tuple(x.shape)} w_gate_up{tuple(q13.shape)} w_down{tuple(q2.shape)} do not match "
+                        "[M, K], [E, 2I, K], [E, N, I]")
+    if activation.kind not in ("swiglu", "situ_glu"):
+        raise UserError(f"{NAME}: activation {activation.kind} (SwiGLU or SiTU-GLU only): use moe.experts.reference")
+    x, T = x.contiguous(), M * top_k
+    align = align_buffers(T, E, x.device)
+    moe_k.moe_align(ids.contiguous(), align)
+    gu = torch.empty(T, two_i, device=x.device, dtype=x.dtype)
+    k.moe_gemm_fp8(x, q13, s13, align, top_k, out=gu, a_per_pair=False, scale_block=b13, **TUNING)
+    h = torch.empty(T, I, device=x.device, dtype=x.dtype)
+    if activation.kind == "swiglu":
+        moe_k.silu_and_mul(gu, activation.clamp, out=h)
+    else:
+        moe_k.situ_and_mul(gu, activation.beta, activation.beta_lin, out=h)
+    shape = (M, top_k, N) if per_route else (M, N)
+    y = out if out is not None else torch.empty(shape, device=x.device, dtype=x.dtype)
+    if tuple(y.shape) != shape or y.stride(-1) != 1:
+        raise UserError(f"{NAME}: out {tuple(y.shape)} must be {list(shape)} with unit stride in N")
+    if per_route:
+        yp, direct = route_rows(y)
+        k.moe_gemm_fp8(h, q2, s2, align, top_k, out=yp, a_per_pair=True, scale_block=b2, **TUNING)
+        if not direct:
+            y.copy_(yp.view(M, top_k, N))
+        return y
+    yp = torch.empty(T, N, device=x.device, dtype=x.dtype)
+    w_flat = weights.reshape(-1)
+    k.moe_gemm_fp8(h, q2, s2, align, top_k, out=yp, a_per_pair=True, scale_block=b2,
+                   topk_weights=(w_flat if w_flat.dtype == torch.float32 else w_flat.float()).contiguous(), **TUNING)
+    moe_k.moe_sum(yp, top_k, out=y)
+    return y
+
+
+def _supports(ctx: OpContext) -> Support:
+    why = triton_gpu_refusal(ctx, "the routed experts (dequantising)", min_sm=89)
+    if why:
+        return why
+    fmt = ctx.attr("weight_format")
+    if fmt not in FORMATS:
+        return f"weights {fmt or 'bf16'}: {NAME} reads block-FP8 experts ({', '.join(FORMATS)})"
+    if ctx.dtype != "bfloat16":
+        return f"dtype {ctx.dtype} (bf16 activations only)"
+    if ctx.attr("activation") not in ("situ_glu", "swiglu"):
+        return f"activation {ctx.attr('activation')} (SiTU-GLU or SwiGLU only)"
+    return True
+
+
+IMPLEMENTATIONS = [
+    Implementation("moe.experts", NAME, experts_fp8, _supports, priority=20,
+                   description="block-FP8 experts: stock's fused-MoE shape with e4m3 weight tiles converted to bf16 "
+                               "in registers, partials scaled per 128x128 block (align, gate/up, act, down x w, sum)"),
+]
+
+__all__ = ["experts_fp8", "IMPLEMENTATIONS", "NAME", "FORMATS", "TUNING"]
