@@ -4,7 +4,7 @@ checkpoint I/O, pieces, reference (sibling modules), bench kinds (NOTES.md). Gen
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -26,8 +26,7 @@ class Glm53Adapter(ComposedAdapter):
     hf_architectures: ClassVar[tuple[str, ...]] = ("GlmMoeDsaForCausalLM",)
     capabilities: ClassVar[frozenset[str]] = frozenset({"spec", "reference", "program", "checkpoint",
                                                         "quantized_experts"})
-    expert_formats: ClassVar[tuple[str, ...]] = ("fp8-block-128",)
-    """Formats the routed experts can stay in on the device (the release's; ``reference(expert_format=)``)."""
+    expert_formats: ClassVar[tuple[str, ...]] = ("fp8-block-128",)  # the release's; reference(expert_format=)
 
     def spec(self, variant: Variant = "full") -> ModelSpec:
         return full_spec() if variant == "full" else tiny_spec()
@@ -49,7 +48,7 @@ class Glm53Adapter(ComposedAdapter):
                   dtype: str | torch.dtype = "bfloat16", device: str | torch.device = "cpu",
                   expert_format: str | None = None, **_: Any):
         """The reference with weights by Hugging Face name: from ``checkpoint``, ``weights`` or random (``seed``);
-        ``expert_format`` ('native' = 'fp8-block-128') keeps the routed experts FP8 for the program (``keep_experts``)."""
+        ``expert_format`` ('native' = 'fp8-block-128') keeps the routed experts FP8 for the program (keep_experts)."""
         from latency_specialized_models.glm53.reference import Glm53Reference
 
         dt, cfg = DTYPES.get(dtype, dtype), {}  # type: ignore[call-overload]
@@ -58,7 +57,7 @@ class Glm53Adapter(ComposedAdapter):
         else:
             spec = spec if spec is not None else tiny_spec()
             if weights is None and spec.variant == "full":
-                raise UserError("no random weights for the full GLM-5.3 (744B): pass --checkpoint DIR or use --size tiny")
+                raise UserError("no random weights for the full GLM-5.3 (744B): pass --checkpoint or use --size tiny")
             named = weights if weights is not None else names.random_weights(spec, seed, dt, device)
         spec, named, kept = keep_experts(NAME, spec, named, expert_format, "fp8-block-128", self.expert_formats,
                                          checkpoint=checkpoint, dtype=dt, device=device)
@@ -67,15 +66,17 @@ class Glm53Adapter(ComposedAdapter):
         return ref
 
     def write_checkpoint(self, directory: str | Path, *, size: Variant = "tiny", seed: int = 0, dtype: str = "bfloat16",
-                         layout: str | None = None, expert_format: str | None = None) -> list[Path]:
-        """A random-weight Hugging Face checkpoint of the tiny model (``GlmMoeDsaForCausalLM`` layout)."""
+                         layout: str | None = None, expert_format: str | None = None,
+                         quant: Literal["fp8-block"] | None = None) -> list[Path]:
+        """A random-weight tiny checkpoint (``GlmMoeDsaForCausalLM`` layout); ``quant``: projections FP8 as released."""
         if size != "tiny":
             raise UserError(f"{NAME}: only --size tiny checkpoints can be made (the full model has 744B parameters)")
         if layout not in (None, "hf") or expert_format not in (None, "bf16"):
-            raise UserError(f"{NAME}: one layout (Hugging Face GlmMoeDsaForCausalLM) with bf16 experts: drop "
+            raise UserError(f"{NAME}: one layout (Hugging Face GlmMoeDsaForCausalLM), experts as --quant says: drop "
                             "--layout/--experts")
         spec = tiny_spec()
-        return names.save(directory, spec, names.random_weights(spec, seed, DTYPES[dtype]), dtype)
+        return names.save(directory, spec, names.random_weights(spec, seed, DTYPES[dtype]), dtype,
+                          quantize=names.stored_fp8 if quant else None)
 
     # ------------------------------------------------------------------ layer bench (NOTES.md: kinds, stock, caveats)
     def bench_kinds(self) -> dict[str, BenchKind]:

@@ -1,13 +1,12 @@
 """GLM-5.3 as pieces (the op sites of one decode step on one rank come from them).
 
-``pieces.standard.compose_standard``: pre-norm residual, dense MLP (layers 0-2), routed MoE with its
-shared expert (3-77), embedding, LM head, and MLA + the DSA indexer as the sparse MLA piece
-(``SparseMLAAttention``). IndexShare: the indexer runs only on the 21 indexer layers, the other 57 reuse
-the latest top-k - a piece stands for every layer of its kind, so the reuse layers are kinds of their own
-(``mla.reuse+moe``; layers 0-2 all run an indexer): their sites have no ``attn.indexer`` and no indexer
-rows in the fused projections. Every layer attends to the top-2048 tokens (``attn.sparse_mla``). The
-indexer's RoPE layout is the MLA's (interleaved). Not a site: the MTP draft layer (it runs in the
-draft step, not in this one).
+``pieces.standard.compose_standard``: pre-norm residual, dense MLP (layers 0-2), routed MoE with its shared expert
+(3-77), embedding, LM head, and MLA + the DSA indexer as the sparse MLA piece (``SparseMLAAttention``). IndexShare:
+the indexer runs only on the 21 indexer layers, the other 57 reuse the latest top-k - a piece stands for every layer
+of its kind, so the reuse layers are kinds of their own (``mla.reuse+moe``; layers 0-2 all run an indexer): their
+sites have no ``attn.indexer`` and no indexer rows in the fused projections. Every layer attends to the top-2048
+tokens (``attn.sparse_mla``). The indexer's RoPE layout is the MLA's (interleaved). Not a site: the MTP draft layer
+(it runs in the draft step, not in this one).
 """
 
 from __future__ import annotations

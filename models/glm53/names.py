@@ -1,11 +1,11 @@
-"""GLM-5.3 checkpoint tensors: Hugging Face names (what transformers' ``GlmMoeDsaForCausalLM.save_pretrained``
-writes: experts one by one, ``model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight``), the map from
-the pieces' weights onto them, loading (FP8 block-scaled weights dequantised), random weights and saving.
+"""GLM-5.3 checkpoint tensors: Hugging Face names (what transformers' ``GlmMoeDsaForCausalLM.save_pretrained`` writes:
+experts one by one, ``model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight``), the map from the pieces'
+weights onto them, loading (FP8 block-scaled weights dequantised), random weights and saving.
 
-MTP: layer ``num_hidden_layers`` (DeepSeek-V3 layout, vLLM's ``DeepseekV32MTP``): ``enorm``, ``hnorm``,
-``eh_proj [H, 2H]``, ``shared_head.norm`` and a whole MoE decoder layer with its own indexer; its
-``embed_tokens`` and ``shared_head.head`` are loaded where the checkpoint has them (vLLM shares the main
-model's otherwise). transformers ignores that layer.
+MTP: layer ``num_hidden_layers`` (DeepSeek-V3 layout, vLLM's ``DeepseekV32MTP``): ``enorm``, ``hnorm``, ``eh_proj
+[H, 2H]``, ``shared_head.norm`` and a whole MoE decoder layer with its own indexer; its ``embed_tokens`` and
+``shared_head.head`` are loaded where the checkpoint has them (vLLM shares the main model's otherwise). transformers
+ignores that layer.
 
 FP8 (DeepSeek-V3 layout): ``<base>.weight`` float8_e4m3fn ``[N, K]`` and ``<base>.weight_scale_inv`` fp32
 ``[ceil(N/128), ceil(K/128)]``; value = fp8 * scale of its 128x128 block, dequantised on load."""
@@ -38,15 +38,12 @@ FFN = {"router": "gate.weight", "router_bias": "gate.e_score_correction_bias",
 RESIDUAL = {"input_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight"}
 MTP_OPTIONAL = ("embed_tokens.weight", "shared_head.head.weight")
 """MTP tensors loaded where present (else the main model's embedding / head serve)."""
+FP8_SKIP = ("mlp.gate.", "weights_proj.", "eh_proj.", "embed_tokens.", "lm_head.", "shared_head.")
 
 
 def composed(spec: Glm53Spec) -> ComposedModel:
-    """The pieces of ``spec`` (unsharded): ``glm53.composed.composed_model``, or the standard ones before it exists."""
-    try:
-        from latency_specialized_models.glm53.composed import composed_model
-    except ImportError:
-        from latency_specialized.pieces.standard import compose_standard
-        return compose_standard(spec.full())
+    """The pieces of ``spec`` (unsharded: ``glm53.composed.composed_model``; imported here, it imports this module)."""
+    from latency_specialized_models.glm53.composed import composed_model
     return composed_model(spec.full())
 
 
@@ -86,6 +83,12 @@ def mtp_tensors(spec: Glm53Spec) -> dict[str, tuple[tuple[int, ...], str]]:
                 for e in range(d.shape[0]) if "{e}" in name else [None]:
                     out[name.format(e=e)] = (tuple(d.shape[1:]) if e is not None else tuple(d.shape), d.dtype)
     return out
+
+
+def stored_fp8(name: str) -> bool:
+    """Stored e4m3 + ``weight_scale_inv`` in the FP8 release: the projections, not FP8_SKIP's (router, heads ...)."""
+    return name.endswith(("proj.weight", "_mqa.weight", ".wq_b.weight", ".wk.weight")) and \
+        not any(k in name for k in FP8_SKIP)
 
 
 def expected_tensors(spec: Glm53Spec) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -150,5 +153,5 @@ def save(directory: str | Path, spec: Glm53Spec, named: dict[str, torch.Tensor],
     return save_checkpoint(directory, out, config_from_spec(spec, dtype))
 
 
-__all__ = ["composed", "expected_tensors", "load", "mtp_tensors",
+__all__ = ["composed", "expected_tensors", "load", "mtp_tensors", "stored_fp8",
            "random_weights", "save", "tensor_name"]

@@ -1,14 +1,13 @@
 """GLM-5.3 architecture (MODELS.md; vLLM `GlmMoeDsaForCausalLM`, `model_type: glm_moe_dsa`).
 
-Same architecture as GLM-5.2, which vLLM serves from `vllm/models/deepseek_v32/` (DeepSeek V3.2's
-DSA: MLA + lightning indexer). Config keys read there: `index_topk_freq` and
-`index_skip_topk_offset` decide which layers run their own indexer ("IndexShare"): layer l runs
-it when max(l - offset + 1, 0) % freq == 0, i.e. {0, 1, 2, 6, 10, ..., 74} for freq 4, offset 3
-- the 21 layers MODELS.md lists. Values MODELS.md does not list are marked "config" (quoted
-from third-party copies of the released config.json).
+Same architecture as GLM-5.2, which vLLM serves from `vllm/models/deepseek_v32/` (DeepSeek V3.2's DSA: MLA + lightning
+indexer). Config keys read there: `index_topk_freq` and `index_skip_topk_offset` decide which layers run their own
+indexer ("IndexShare"): layer l runs it when max(l - offset + 1, 0) % freq == 0, i.e. {0, 1, 2, 6, 10, ..., 74} for
+freq 4, offset 3 - the 21 layers MODELS.md lists. Values MODELS.md does not list are marked "config" (quoted from
+third-party copies of the released config.json).
 
-The generic blocks carry MLA + the DSA indexer (with its full-layer list), the dense first
-layers and the MoE; :class:`Glm53Spec` adds the IndexShare rule, the MTP layer and weight formats.
+The generic blocks carry MLA + the DSA indexer (with its full-layer list), the dense first layers and the MoE;
+:class:`Glm53Spec` adds the IndexShare rule, the MTP layer and weight formats.
 """
 
 from __future__ import annotations

@@ -1,0 +1,71 @@
+"""GLM-5.3 in its released FP8: ``make-checkpoint glm53 --quant fp8-block`` stores the projections e4m3 + 128x128
+``weight_scale_inv`` (not the router, the indexer's head weights, the MTP ``eh_proj``, embeddings, heads); the loader
+dequantises them; ``--experts native`` keeps the routed experts FP8 as stored for the program (``fp8-block-128``:
+``moe.experts.fp8_triton`` on the GPU, the reference on the CPU) with the same tokens. The matrix's
+``-fp8-block-128`` cells run program vs reference."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from latency_specialized import quant
+from latency_specialized.cli import main
+from latency_specialized.plugins import get_registry
+
+ADAPTER = get_registry().adapter("glm53")
+
+
+def _ids(out: str) -> list[str]:
+    return re.findall(r"^\[\d+\] ids: (.*)$", out, flags=re.M)
+
+
+def test_fp8_checkpoint_layout_and_kept_experts(tmp_path, capsys):
+    d = tmp_path / "glm"
+    assert main(["make-checkpoint", "glm53", "--size", "tiny", "--quant", "fp8-block", str(d)]) == 0
+    stored = load_file(str(d / "model.safetensors"))
+    fp8 = {n for n, t in stored.items() if t.dtype == torch.float8_e4m3fn}
+    assert all(n + "_scale_inv" in stored for n in fp8)
+    for must in ("self_attn.q_a_proj.", "self_attn.kv_a_proj_with_mqa.", "self_attn.kv_b_proj.", "self_attn.o_proj.",
+                 "indexer.wq_b.", "indexer.wk.", "mlp.experts.0.up_proj.", "mlp.shared_experts.down_proj.",
+                 "mlp.gate_proj."):
+        assert any(must in n for n in fp8), must
+    for plain in ("mlp.gate.weight", "weights_proj.", "eh_proj.", "embed_tokens.", "lm_head."):
+        assert not any(plain in n for n in fp8), plain
+    ref = ADAPTER.reference(None, checkpoint=d, dtype="float32", expert_format="native")
+    kept = {n: w for n, w in ref.program_weights.items() if isinstance(w, quant.QuantizedWeight)}
+    assert kept and all(".mlp.experts." in n for n in kept) and all(w.fmt.name == "fp8-block-128" for w in kept.values())
+    name = next(iter(kept))
+    assert torch.equal(kept[name].weight.view(torch.uint8), stored[name].view(torch.uint8))
+    assert torch.equal(kept[name].dequantize(), ref.named[name])
+    assert all(layer.ffn.expert_format == "fp8-block-128" for layer in ref.spec.layers if layer.ffn.kind == "moe")
+    args = ["--prompt-ids", "5,9,11", "--max-tokens", "6", "--batch", "2", "--device", "cpu"]
+    assert main(["generate", "--model", "glm53", "--checkpoint", str(d), *args]) == 0
+    plain_ids = _ids(capsys.readouterr().out)
+    assert main(["generate", "--model", "glm53", "--checkpoint", str(d), "--experts", "native", *args]) == 0
+    assert plain_ids and _ids(capsys.readouterr().out) == plain_ids
+
+
+def test_bf16_checkpoint_cannot_keep_fp8_experts(tmp_path, capsys):
+    d = tmp_path / "bf16"
+    assert main(["make-checkpoint", "glm53", "--size", "tiny", str(d)]) == 0
+    capsys.readouterr()
+    rc = main(["generate", "--model", "glm53", "--checkpoint", str(d), "--experts", "native", "--prompt-ids", "1,2"])
+    assert rc == 2 and "weight_scale_inv" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 8])
+def test_fp8_experts_run_on_the_fp8_kernel_in_one_graph(batch, capsys):
+    """On a GPU the tiny model with FP8 experts (row-scaled: 16-wide experts end inside a 128-row block): every decode
+    step from one CUDA graph on ``moe.experts.fp8_triton``, the same tokens as eagerly."""
+    base = ["generate", "--model", "glm53", "--size", "tiny", "--batch", str(batch), "--max-tokens", "8",
+            "--prompt-ids", "1,40,41,42", "--show-plan", "--experts", "native"]
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    assert "moe.experts.fp8_triton" in out and "one CUDA graph per step" in out
+    assert main([*base, "--graphs", "off"]) == 0
+    assert _ids(capsys.readouterr().out) == _ids(out)
