@@ -20,7 +20,7 @@ from latency_specialized.errors import UserError
 from latency_specialized.spec import KDAAttentionSpec, MLAAttentionSpec, ModelSpec, MoESpec, ParallelSpec
 
 __all__ = ["ModelAdapter", "AdapterContract", "BenchKind", "Capability", "Variant", "is_routed_expert", "keep_experts",
-           "kept_expert_format"]
+           "kept_expert_format", "with_program_weights"]
 
 
 def kept_expert_format(model: str, asked: str | None, native: str, kept: tuple[str, ...], where: str) -> str | None:
@@ -34,6 +34,13 @@ def kept_expert_format(model: str, asked: str | None, native: str, kept: tuple[s
         raise UserError(f"{model} keeps its routed experts as {' / '.join(kept) or 'bf16'} only ({where} stores them "
                         f"as {native}); use --experts native with such a checkpoint, or drop --experts")
     return fmt
+
+
+def with_program_weights(reference: Any, program_weights: dict[str, Any] | None) -> Any:
+    """``reference`` carrying the weights its program binds (``keep_experts``' third result; None: its own), which
+    ``ComposedAdapter.program`` reads."""
+    reference.program_weights = program_weights
+    return reference
 
 
 def is_routed_expert(name: str) -> bool:

@@ -23,8 +23,8 @@ def main() -> None:
     t0 = time.perf_counter()
     rows = []
     for label in a.shapes.split(","):
-        rows += ops_bench_fp8.bench_fp8_gemms([label], [int(b) for b in a.batch.split(",")], quick=a.quick,
-                                              log=lambda s: print(f"[{time.perf_counter() - t0:6.1f}s] {s}", flush=True))
+        say = lambda s: print(f"[{time.perf_counter() - t0:6.1f}s] {s}", flush=True)  # noqa: E731
+        rows += ops_bench_fp8.bench_fp8_gemms([label], [int(b) for b in a.batch.split(",")], quick=a.quick, log=say)
         ops_bench_fp8.write(rows, a.out)
 
 

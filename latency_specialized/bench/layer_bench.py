@@ -731,9 +731,9 @@ def _weights_note(full: ModelSpec, experts: str | None = None) -> str:
         from latency_specialized.quant.formats import QuantFormat
 
         bits = QuantFormat.get(experts).bits_per_value()
-        return (f"Routed experts are {experts.upper()} in both variants (the same codes and scales: ours' 4-bit kernels, "
-                f"stock's {experts.upper()} MoE); the roofline counts their stored {bits:g} bits a value, every other "
-                "weight bf16.")
+        return (f"Routed experts are {experts.upper()} in both variants (the same codes and scales: ours' 4-bit "
+                f"kernels, stock's {experts.upper()} MoE); the roofline counts their stored {bits:g} bits a value, "
+                "every other weight bf16.")
     fmt = getattr(full, "routed_expert_format", None)
     stored = f" (the published checkpoint stores {fmt.upper()})" if fmt and fmt not in ("bf16", "bfloat16") else ""
     return f"Routed experts are bf16 in both variants{stored}; the roofline counts bf16."

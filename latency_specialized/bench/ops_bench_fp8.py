@@ -170,7 +170,8 @@ def to_markdown(rows: list[Row], device: str) -> str:
              "stored bytes (e4m3 codes + scales) + activations + output over 4.3 TB/s. Ours: the best launch config "
              "of each path (all configs in the JSON); `default` = the heuristic a plan uses today.", "",
              "| case | roofline us | w8a16 best (default) | w8a8 best (default) | humming | stock stand-in | "
-             "bf16 cuBLAS | best ours frac | best ours vs humming | vs stock |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "bf16 cuBLAS | best ours frac | best ours vs humming | vs stock |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for case in cases:
         rs = [r for r in rows if r.case == case]
         roof = rs[0].roofline_us

@@ -79,7 +79,8 @@ def row_scaled(q: QuantizedWeight) -> QuantizedWeight:
     if rows == 1:
         return q
     if not q.fmt.partial_blocks:
-        raise UserError(f"{q.name}: {q.fmt.name} stores whole {rows}-row blocks only; its scales cannot be split per row")
+        raise UserError(f"{q.name}: {q.fmt.name} stores whole {rows}-row blocks only; its scales cannot be split "
+                        "per row")
     n = q.shape[-2]
     scale = _bytes_op(lambda ts: ts[0].repeat_interleave(rows, dim=-2).narrow(-2, 0, n).contiguous(), [q.scale])
     return replace(q, fmt=replace(q.fmt, name=q.fmt.name + "/rows", block=(1, cols)), scale=scale)

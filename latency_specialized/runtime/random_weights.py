@@ -164,5 +164,5 @@ def quantize_routed_experts(weights: dict[int, dict[str, dict[str, Any]]], fmt: 
     return done
 
 
-__all__ = ["random_weights", "random_rank_weights", "quantize_routed_experts", "weight_init", "storage_dtype", "draw", "named_decls",
-           "torch_dtype", "DTYPES"]
+__all__ = ["random_weights", "random_rank_weights", "quantize_routed_experts", "weight_init", "storage_dtype", "draw",
+           "named_decls", "torch_dtype", "DTYPES"]

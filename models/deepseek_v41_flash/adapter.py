@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from latency_specialized.adapter import BenchKind, ComposedAdapter, Variant, keep_experts
+from latency_specialized.adapter import BenchKind, ComposedAdapter, Variant, keep_experts, with_program_weights
 from latency_specialized.errors import UserError
 from latency_specialized.spec import DecodeScope, ModelSpec
 
@@ -18,8 +18,7 @@ from latency_specialized_models.deepseek_v41_flash.reference import refuse_unmod
 from latency_specialized_models.deepseek_v41_flash.config import config_from_spec, spec_from_config
 from latency_specialized_models.deepseek_v41_flash.spec import NAME, DeepseekV41Spec, full_spec, medium_spec, tiny_spec
 
-EXPERT_FORMAT = "mxfp4-deepseek"
-"""The routed experts' stored format (``expert_dtype: fp4``): e2m1 codes + ue8m0 per 32, DeepSeek's tensor names."""
+EXPERT_FORMAT = "mxfp4-deepseek"  # the routed experts' stored format (expert_dtype fp4; DeepSeek's tensor names)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 BENCH = {"c2_idx": ("c2.src.idx", "ratio-2 KV source running its own indexer"), "c1_reuse": (
     "c1", "ratio-1 reader of a source's KV reusing its top-k"), "window": ("window", "window only")}  # (sort, what)
@@ -31,8 +30,7 @@ class DeepseekV41FlashAdapter(ComposedAdapter):
     description: ClassVar[str] = ("DeepSeek-V4.1-Flash: 40 sparse MQA-MLA layers (SWA + compressed KV + indexer), "
                                   "MoE 384x top-6, mHC x4, Engram")
     hf_architectures: ClassVar[tuple[str, ...]] = ("DeepseekV41ForCausalLM",)
-    expert_formats: ClassVar[tuple[str, ...]] = (EXPERT_FORMAT,)
-    """Formats the routed experts can stay in on the device (``reference(expert_format=)``; matrix cells)."""
+    expert_formats: ClassVar[tuple[str, ...]] = (EXPERT_FORMAT,)  # kept on the device: reference(expert_format=)
     capabilities: ClassVar[frozenset[str]] = frozenset({"spec", "reference", "program", "checkpoint",
                                                         "quantized_experts"})
     variants: ClassVar[tuple[str, ...]] = ("full", "medium", "tiny")
@@ -54,11 +52,8 @@ class DeepseekV41FlashAdapter(ComposedAdapter):
     def reference(self, spec: ModelSpec | None = None, *, checkpoint: str | Path | None = None, weights: dict[str,
                   torch.Tensor] | None = None, seed: int = 0, dtype: str | torch.dtype = "bfloat16", device="cpu",
                   expert_format: str | None = None, **_):
-        """The reference with weights by official name: from ``checkpoint``, ``weights`` or random (``seed``).
-
-        ``expert_format`` ('mxfp4-deepseek', or 'native': the release's FP4) keeps the routed experts quantized for
-        the program: ``program_weights`` holds them as ``QuantizedWeight`` (read as stored, or random weights quantized
-        once) and the reference computes with exactly those values dequantised."""
+        """The reference with weights by official name: from ``checkpoint``, ``weights`` or random (``seed``);
+        ``expert_format`` ('native' = 'mxfp4-deepseek') keeps the routed experts FP4 for the program (keep_experts)."""
         from latency_specialized_models.deepseek_v41_flash.reference import DeepseekV41Reference
 
         dt = DTYPES.get(dtype, dtype)  # type: ignore[call-overload]
@@ -68,13 +63,11 @@ class DeepseekV41FlashAdapter(ComposedAdapter):
             spec = spec if spec is not None else tiny_spec()
             refuse_unmodelled(spec.full(), "reference")  # type: ignore[attr-defined]
             if weights is None and spec.variant == "full":
-                raise UserError(f"no random weights for the full {NAME} (748B): pass --checkpoint DIR or use --size tiny")
-            w = weights if weights is not None else names.random_weights(spec, seed, dt, device)  # type: ignore[arg-type]
+                raise UserError(f"no random weights for the full {NAME} (748B): pass --checkpoint or use --size tiny")
+            w = weights if weights is not None else names.random_weights(spec, seed, dt, device)  # type: ignore
         spec, w, kept = keep_experts(NAME, spec, w, expert_format, EXPERT_FORMAT, self.expert_formats,
                                      checkpoint=checkpoint, dtype=dt, device=device)
-        ref = DeepseekV41Reference(spec, w)  # type: ignore[arg-type]
-        ref.program_weights = kept
-        return ref
+        return with_program_weights(DeepseekV41Reference(spec, w), kept)  # type: ignore[arg-type]
 
     def program(self, spec: ModelSpec, **kw: Any) -> Any:
         """The composed program (``ComposedAdapter.program``); refuses what the pieces do not model (Engram, YaRN)."""

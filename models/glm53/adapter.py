@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from latency_specialized.adapter import BenchKind, ComposedAdapter, Variant, keep_experts
+from latency_specialized.adapter import BenchKind, ComposedAdapter, Variant, keep_experts, with_program_weights
 from latency_specialized.errors import UserError
 from latency_specialized.spec import DecodeScope, ModelSpec
 
@@ -61,9 +61,7 @@ class Glm53Adapter(ComposedAdapter):
             named = weights if weights is not None else names.random_weights(spec, seed, dt, device)
         spec, named, kept = keep_experts(NAME, spec, named, expert_format, "fp8-block-128", self.expert_formats,
                                          checkpoint=checkpoint, dtype=dt, device=device)
-        ref = Glm53Reference(spec, named, bos_token_id=cfg.get("bos_token_id"))
-        ref.program_weights = kept
-        return ref
+        return with_program_weights(Glm53Reference(spec, named, bos_token_id=cfg.get("bos_token_id")), kept)
 
     def write_checkpoint(self, directory: str | Path, *, size: Variant = "tiny", seed: int = 0, dtype: str = "bfloat16",
                          layout: str | None = None, expert_format: str | None = None,

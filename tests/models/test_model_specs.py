@@ -22,8 +22,8 @@ from latency_specialized_models.glm53 import spec as glm
 from latency_specialized_models.muse_spark import spec as muse
 
 MODELS = ("deepseek_v41_flash", "muse_spark", "glm53")
-CAPABILITIES = {"deepseek_v41_flash": frozenset({"spec", "reference", "program", "checkpoint"}),
-                "glm53": frozenset({"spec", "reference", "program", "checkpoint"}),
+CAPABILITIES = {"deepseek_v41_flash": frozenset({"spec", "reference", "program", "checkpoint", "quantized_experts"}),
+                "glm53": frozenset({"spec", "reference", "program", "checkpoint", "quantized_experts"}),
                 "muse_spark": frozenset({"spec", "reference", "program", "checkpoint"})}
 SPEC_CLASSES = {"deepseek_v41_flash": dsv4.DeepseekV41Spec, "muse_spark": muse.MuseSparkSpec,
                 "glm53": glm.Glm53Spec}

@@ -60,7 +60,8 @@ def test_checkpoint_experts_are_kept_as_stored_and_generate_the_same_tokens(tmp_
     args = ["--prompt-ids", "5,9,11", "--max-tokens", "6", "--device", "cpu"]
     assert main(["generate", "--model", "deepseek_v41_flash", "--checkpoint", str(d), *args]) == 0
     plain = _ids(capsys.readouterr().out)
-    assert main(["generate", "--model", "deepseek_v41_flash", "--checkpoint", str(d), "--experts", "native", *args]) == 0
+    assert main(["generate", "--model", "deepseek_v41_flash", "--checkpoint", str(d), "--experts", "native",
+                 *args]) == 0
     native = _ids(capsys.readouterr().out)
     assert plain and native == plain
 

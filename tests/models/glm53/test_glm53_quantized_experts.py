@@ -37,7 +37,8 @@ def test_fp8_checkpoint_layout_and_kept_experts(tmp_path, capsys):
         assert not any(plain in n for n in fp8), plain
     ref = ADAPTER.reference(None, checkpoint=d, dtype="float32", expert_format="native")
     kept = {n: w for n, w in ref.program_weights.items() if isinstance(w, quant.QuantizedWeight)}
-    assert kept and all(".mlp.experts." in n for n in kept) and all(w.fmt.name == "fp8-block-128" for w in kept.values())
+    assert kept and all(".mlp.experts." in n for n in kept)
+    assert all(w.fmt.name == "fp8-block-128" for w in kept.values())
     name = next(iter(kept))
     assert torch.equal(kept[name].weight.view(torch.uint8), stored[name].view(torch.uint8))
     assert torch.equal(kept[name].dequantize(), ref.named[name])
