@@ -15,7 +15,7 @@ import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
-from latency_specialized.kernels.triton_common import triton_gpu_refusal
+from latency_specialized.kernels.triton_common import quantized_experts_refusal
 from latency_specialized.quant.checkpoint_io import QuantizedWeight
 from latency_specialized.spec import ActivationSpec
 
@@ -88,17 +88,7 @@ def experts_fp8(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor
 
 
 def _supports(ctx: OpContext) -> Support:
-    why = triton_gpu_refusal(ctx, "the routed experts (dequantising)", min_sm=89)
-    if why:
-        return why
-    fmt = ctx.attr("weight_format")
-    if fmt not in FORMATS:
-        return f"weights {fmt or 'bf16'}: {NAME} reads block-FP8 experts ({', '.join(FORMATS)})"
-    if ctx.dtype != "bfloat16":
-        return f"dtype {ctx.dtype} (bf16 activations only)"
-    if ctx.attr("activation") not in ("situ_glu", "swiglu"):
-        return f"activation {ctx.attr('activation')} (SiTU-GLU or SwiGLU only)"
-    return True
+    return quantized_experts_refusal(ctx, NAME, FORMATS, "block-FP8", min_sm=89) or True
 
 
 IMPLEMENTATIONS = [

@@ -21,7 +21,7 @@ import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
-from latency_specialized.kernels.triton_common import triton_gpu_refusal
+from latency_specialized.kernels.triton_common import quantized_experts_refusal
 from latency_specialized.quant.checkpoint_io import QuantizedWeight
 from latency_specialized.quant.codecs import as_bytes
 from latency_specialized.spec import ActivationSpec
@@ -183,16 +183,10 @@ def experts_q4_grouped(x: torch.Tensor, weights: torch.Tensor | None, ids: torch
 
 
 def _common(ctx: OpContext, name: str, min_sm: int | None) -> Support:
-    why = triton_gpu_refusal(ctx, "the routed experts (dequantising)", min_sm=min_sm)
+    why = quantized_experts_refusal(ctx, name, FORMATS, "4-bit e2m1", min_sm=min_sm)
     if why:
         return why
     fmt = ctx.attr("weight_format")
-    if fmt not in FORMATS:
-        return f"weights {fmt or 'bf16'}: {name} reads 4-bit e2m1 experts ({', '.join(FORMATS)})"
-    if ctx.dtype != "bfloat16":
-        return f"dtype {ctx.dtype} (bf16 activations only)"
-    if ctx.attr("activation") not in ("situ_glu", "swiglu"):
-        return f"activation {ctx.attr('activation')} (SiTU-GLU or SwiGLU only)"
     group = 16 if fmt == "nvfp4" else 32
     if ctx.dim("K") % group or ctx.dim("N") % group:
         return f"K={ctx.dim('K')} and I={ctx.dim('N')} must be multiples of the {group}-value scale groups"

@@ -35,6 +35,24 @@ def triton_gpu_refusal(ctx: OpContext, serves: str, *, min_sm: int | None = None
     return None
 
 
+def quantized_experts_refusal(ctx: OpContext, name: str, formats: tuple[str, ...], what: str, *,
+                              min_sm: int | None = None) -> str | None:
+    """The reason a Triton routed-experts kernel over weights kept as stored (``formats``, ``what`` they are, e.g.
+    '4-bit e2m1') cannot serve ``ctx`` on the grounds they all share (arch, the site's ``weight_format``, bf16
+    activations, a SiTU-GLU / SwiGLU activation), or None."""
+    why = triton_gpu_refusal(ctx, "the routed experts (dequantising)", min_sm=min_sm)
+    if why:
+        return why
+    fmt = ctx.attr("weight_format")
+    if fmt not in formats:
+        return f"weights {fmt or 'bf16'}: {name} reads {what} experts ({', '.join(formats)})"
+    if ctx.dtype != "bfloat16":
+        return f"dtype {ctx.dtype} (bf16 activations only)"
+    if ctx.attr("activation") not in ("situ_glu", "swiglu"):
+        return f"activation {ctx.attr('activation')} (SiTU-GLU or SwiGLU only)"
+    return None
+
+
 def head_dim_refusal(D: int, lo: int, hi: int) -> str | None:
     """The reason a kernel whose tiles span the head (``tl.arange`` widths) cannot take head dim ``D``, or None."""
     if D < lo or D > hi or D & (D - 1):
@@ -42,4 +60,4 @@ def head_dim_refusal(D: int, lo: int, hi: int) -> str | None:
     return None
 
 
-__all__ = ["DTYPES", "arch_number", "head_dim_refusal", "triton_gpu_refusal"]
+__all__ = ["DTYPES", "arch_number", "head_dim_refusal", "quantized_experts_refusal", "triton_gpu_refusal"]

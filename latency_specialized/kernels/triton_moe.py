@@ -183,6 +183,24 @@ def moe_align(ids: torch.Tensor, buf: AlignBuffers) -> AlignBuffers:
 
 # ------------------------------------------------------------------------------------- expert GEMM
 @triton.jit
+def tile_pairs(sorted_ptr, expert_ids_ptr, pid_m, T, TOPK: tl.constexpr, A_PER_PAIR: tl.constexpr,
+               BLOCK_M: tl.constexpr):
+    """Aligned tile ``pid_m`` of the sorted (token, route) pairs (``moe_align``'s layout): its pair ids [BLOCK_M],
+    which of them are real (padding ids are >= T), the activation row each reads (int64: the token row, or the
+    pair's own row with ``A_PER_PAIR``) and the tile's expert (int64). Shared by every fused-MoE GEMM here and in
+    the 4-bit / FP8 kernels."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < T
+    if A_PER_PAIR:
+        a_row = pair.to(tl.int64)
+    else:
+        a_row = (pair // TOPK).to(tl.int64)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    return pair, valid, a_row, expert
+
+
+@triton.jit
 def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, topk_w_ptr,
                      N, K, T, stride_am, stride_we, stride_wn, stride_om,
                      TOPK: tl.constexpr, A_PER_PAIR: tl.constexpr, MUL_W: tl.constexpr,
@@ -192,14 +210,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_padd
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < T
-    if A_PER_PAIR:
-        a_row = pair.to(tl.int64)
-    else:
-        a_row = (pair // TOPK).to(tl.int64)
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    pair, valid, a_row, expert = tile_pairs(sorted_ptr, expert_ids_ptr, pid_m, T, TOPK, A_PER_PAIR, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
     kk = tl.arange(0, BLOCK_K)

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from latency_specialized.kernels.triton_moe import sigmoid, tanh
+from latency_specialized.kernels.triton_moe import sigmoid, tanh, tile_pairs
 
 # The interpreter (CPU tests) mis-computes bf16 tl.dot: it dots in fp32 there (as kernels/triton_moe.py).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -252,14 +252,7 @@ def _moe_gemm_q4_kernel(a_ptr, q_ptr, s_ptr, gs_ptr, out_ptr, sorted_ptr, expert
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < T
-    if A_PER_PAIR:
-        a_row = pair.to(tl.int64)
-    else:
-        a_row = (pair // TOPK).to(tl.int64)
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    pair, valid, a_row, expert = tile_pairs(sorted_ptr, expert_ids_ptr, pid_m, T, TOPK, A_PER_PAIR, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
     kb = tl.arange(0, BLOCK_K // 2)          # byte within the K step
