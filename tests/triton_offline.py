@@ -41,60 +41,73 @@ def recorded_launches() -> Iterator[list[tuple[Any, tuple, dict]]]:
         JITFunction.__getitem__ = original
 
 
-def _signature(fn: Any, args: tuple, kw: dict) -> tuple[dict[str, str], dict[str, Any]]:
+def _signature(fn: Any, args: tuple, kw: dict, specialize: bool = False
+               ) -> tuple[dict[str, str], dict[str, Any], dict[tuple[int], list]]:
+    """(signature, constexprs, attrs); ``specialize``: the attributes a real launch gets from its argument values
+    (Triton's JIT marks 16-byte-aligned pointers and integers divisible by 16 ``tt.divisibility`` 16 and makes an
+    integer 1 a constant) - what decides vectorized, ``cp.async``-pipelined loads."""
     values = dict(zip((p.name for p in fn.params), args))
     values.update({k: v for k, v in kw.items() if k not in _OPTIONS})
     sig: dict[str, str] = {}
     const: dict[str, Any] = {}
-    for p in fn.params:
+    attrs: dict[tuple[int], list] = {}
+    for i, p in enumerate(fn.params):
         v = values[p.name] if p.name in values else (p.default if p.has_default else None)
         if p.is_constexpr or v is None or not isinstance(v, (torch.Tensor, bool, int, float)):
             sig[p.name], const[p.name] = "constexpr", v
         elif isinstance(v, torch.Tensor):
             sig[p.name] = "*" + _DTYPES[v.dtype]
+            if specialize and v.data_ptr() % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(v, bool):
             sig[p.name] = "i1"
         elif isinstance(v, int):
+            if specialize and v == 1:
+                sig[p.name], const[p.name] = "constexpr", 1
+                continue
             sig[p.name] = "i64" if abs(v) >= 2 ** 31 else "i32"
+            if specialize and v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[p.name] = "fp32"
-    return sig, const
+    return sig, const, attrs
 
 
-def compile_for_hopper(launches: list[tuple[Any, tuple, dict]]) -> dict[str, str]:
+def compile_for_hopper(launches: list[tuple[Any, tuple, dict]], *, specialize: bool = False) -> dict[str, str]:
     """Each distinct (kernel, constexprs) of ``launches`` compiled for sm_90; returns the failures by
     ``"kernel {constexprs}"`` (empty: every one compiled)."""
     problems: dict[str, str] = {}
-    for key, got in _compiled(launches).items():
+    for key, got in _compiled(launches, specialize).items():
         if isinstance(got, Exception):
             problems[key] = f"{type(got).__name__}: {got}"
     return problems
 
 
-def ptx_for_hopper(launches: list[tuple[Any, tuple, dict]]) -> dict[str, str]:
+def ptx_for_hopper(launches: list[tuple[Any, tuple, dict]], *, specialize: bool = True) -> dict[str, str]:
     """``"kernel {constexprs}"`` -> its sm_90 PTX, for each distinct launch (a compile failure raises): what a
-    test reads to check the instructions a path uses (``wgmma`` and its operand types)."""
+    test reads to check the instructions a path uses (``wgmma`` and its operand types, ``cp.async`` pipelining);
+    specialized on the launch's argument values as the JIT would (``_signature``)."""
     out: dict[str, str] = {}
-    for key, got in _compiled(launches).items():
+    for key, got in _compiled(launches, specialize).items():
         if isinstance(got, Exception):
             raise AssertionError(f"{key}: {type(got).__name__}: {got}") from got
         out[key] = got
     return out
 
 
-def _compiled(launches: list[tuple[Any, tuple, dict]]) -> dict[str, Any]:
+def _compiled(launches: list[tuple[Any, tuple, dict]], specialize: bool) -> dict[str, Any]:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     done: dict[str, Any] = {}
     for fn, args, kw in launches:
-        sig, const = _signature(fn, args, kw)
+        sig, const, attrs = _signature(fn, args, kw, specialize)
         key = f"{fn.fn.__name__} {const}"
         if key in done:
             continue
         try:
-            done[key] = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
+            done[key] = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                                        target=GPUTarget("cuda", 90, 32),
                                        options={k: kw[k] for k in _OPTIONS if k in kw}).asm["ptx"]
         except Exception as e:  # noqa: BLE001 - reported per kernel

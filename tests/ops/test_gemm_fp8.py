@@ -232,8 +232,9 @@ def test_w8a8_out_fp32_and_zero_rows():
 # ------------------------------------------------------------------------------ offline compile
 @pytest.mark.skipif(not _HAVE_TRITON, reason="triton not installed")
 def test_fp8_kernel_compiles_for_hopper_with_the_intended_instructions():
-    """sm_90 PTX without a GPU: W8A8 multiplies e4m3 x e4m3 on wgmma (no per-weight conversion), W8A16 bf16
-    wgmma, split-K takes an acquire-release ticket and resets it."""
+    """sm_90 PTX without a GPU, specialized on the launch's arguments as the JIT does: W8A8 multiplies e4m3 x e4m3
+    on wgmma (no per-weight conversion), W8A16 bf16 wgmma, the tiles arrive by pipelined 16-byte cp.async, split-K
+    takes an acquire-release ticket and resets it."""
     from latency_specialized.kernels import triton_fp8 as k
 
     from tests.triton_offline import ptx_for_hopper, recorded_launches
@@ -251,6 +252,7 @@ def test_fp8_kernel_compiles_for_hopper_with_the_intended_instructions():
                 mma = "e4m3.e4m3" if a8 else "bf16.bf16"
                 assert f"wgmma.mma_async.sync.aligned.m64n16k{32 if a8 else 16}.f32.{mma}" in ptx, (fmt, a8)
                 assert ("atom.global.gpu.acq_rel.add" in ptx) == (split > 1)
+                assert "cp.async.cg.shared.global" in ptx  # 16-byte asynchronous copies, pipelined over K
 
 
 @pytest.mark.interpreter_driver

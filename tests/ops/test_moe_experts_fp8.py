@@ -150,7 +150,8 @@ def test_fp8_experts_match_the_reference(act, M, E, k, I, K, N, split, same):
 
 @pytest.mark.skipif(not _HAVE_TRITON, reason="triton not installed")
 def test_fp8_experts_kernel_compiles_for_hopper():
-    """sm_90 PTX without a GPU: bf16 wgmma over the converted e4m3 tiles, per-block scales read per K step."""
+    """sm_90 PTX without a GPU (specialized as the JIT would): bf16 wgmma over the converted e4m3 tiles, the tiles
+    arriving by pipelined 16-byte cp.async."""
     from latency_specialized.kernels import triton_fp8 as k
     from latency_specialized.kernels.moe_experts_triton import align_buffers
 
@@ -163,7 +164,7 @@ def test_fp8_experts_kernel_compiles_for_hopper():
     with recorded_launches() as launches:
         k.moe_gemm_fp8(x, w13.weight, w13.scale, align, 2, out=out, a_per_pair=False, scale_block=(128, 128))
     (ptx,) = ptx_for_hopper(launches).values()
-    assert "wgmma.mma_async" in ptx and ".bf16.bf16" in ptx
+    assert "wgmma.mma_async" in ptx and ".bf16.bf16" in ptx and "cp.async.cg.shared.global" in ptx
 
 
 @pytest.mark.interpreter_driver
