@@ -41,8 +41,14 @@ def recorded_launches() -> Iterator[list[tuple[Any, tuple, dict]]]:
         JITFunction.__getitem__ = original
 
 
-def _signature(fn: Any, args: tuple, kw: dict, specialize: bool = False
-               ) -> tuple[dict[str, str], dict[str, Any], dict[tuple[int], list]]:
+def _signature(fn: Any, args: tuple, kw: dict) -> tuple[dict[str, str], dict[str, Any]]:
+    """(signature, constexprs) of a recorded launch, unspecialized (every argument generic)."""
+    sig, const, _ = _launch_signature(fn, args, kw, specialize=False)
+    return sig, const
+
+
+def _launch_signature(fn: Any, args: tuple, kw: dict, specialize: bool
+                      ) -> tuple[dict[str, str], dict[str, Any], dict[tuple[int], list]]:
     """(signature, constexprs, attrs); ``specialize``: the attributes a real launch gets from its argument values
     (Triton's JIT marks 16-byte-aligned pointers and integers divisible by 16 ``tt.divisibility`` 16 and makes an
     integer 1 a constant) - what decides vectorized, ``cp.async``-pipelined loads."""
@@ -73,7 +79,7 @@ def _signature(fn: Any, args: tuple, kw: dict, specialize: bool = False
     return sig, const, attrs
 
 
-def compile_for_hopper(launches: list[tuple[Any, tuple, dict]], *, specialize: bool = False) -> dict[str, str]:
+def compile_for_hopper(launches: list[tuple[Any, tuple, dict]], *, specialize: bool = True) -> dict[str, str]:
     """Each distinct (kernel, constexprs) of ``launches`` compiled for sm_90; returns the failures by
     ``"kernel {constexprs}"`` (empty: every one compiled)."""
     problems: dict[str, str] = {}
@@ -102,7 +108,7 @@ def _compiled(launches: list[tuple[Any, tuple, dict]], specialize: bool) -> dict
 
     done: dict[str, Any] = {}
     for fn, args, kw in launches:
-        sig, const, attrs = _signature(fn, args, kw, specialize)
+        sig, const, attrs = _launch_signature(fn, args, kw, specialize)
         key = f"{fn.fn.__name__} {const}"
         if key in done:
             continue
