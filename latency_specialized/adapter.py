@@ -20,7 +20,10 @@ from latency_specialized.errors import UserError
 from latency_specialized.spec import KDAAttentionSpec, MLAAttentionSpec, ModelSpec, MoESpec, ParallelSpec
 
 __all__ = ["ModelAdapter", "AdapterContract", "BenchKind", "Capability", "Variant", "is_routed_expert", "keep_experts",
-           "kept_expert_format", "with_program_weights"]
+           "kept_expert_format", "with_program_weights", "RUNNABLE"]
+
+RUNNABLE: frozenset[str] = frozenset({"spec", "reference", "program", "checkpoint"})
+"""The capabilities of an adapter that runs standalone (add ``quantized_experts``, ``vllm`` as they apply)."""
 
 
 def kept_expert_format(model: str, asked: str | None, native: str, kept: tuple[str, ...], where: str) -> str | None:
@@ -43,10 +46,14 @@ def with_program_weights(reference: Any, program_weights: dict[str, Any] | None)
     return reference
 
 
+FUSED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
+"""transformers' fused expert tensors (``[E, 2I, K]`` / ``[E, K, I]``, no ``.weight``: e.g. Muse Spark)."""
+
+
 def is_routed_expert(name: str) -> bool:
-    """A routed expert's projection by checkpoint name (``...experts.{e}....weight``; shared experts are named
-    ``shared_experts``, without the leading dot)."""
-    return ".experts." in name and name.endswith(".weight")
+    """A routed expert's projection by checkpoint name (``...experts.{e}....weight``, or transformers' fused
+    ``...experts.gate_up_proj`` / ``down_proj``; shared experts are named ``shared_experts``, without the dot)."""
+    return ".experts." in name and (name.endswith(".weight") or name.endswith(FUSED_EXPERTS))
 
 
 def keep_experts(model: str, spec: ModelSpec, named: dict[str, Any], asked: str | None, native: str,
@@ -60,15 +67,25 @@ def keep_experts(model: str, spec: ModelSpec, named: dict[str, Any], asked: str 
     fmt = kept_expert_format(model, asked, native, kept, "the checkpoint" if checkpoint is not None else "the release")
     if fmt is None:
         return spec, named, None
+    experts = [n for n, t in named.items() if is_expert(n) and t.dim() >= 2]  # not their norms' gains
     if checkpoint is not None:
         from latency_specialized.runtime.checkpoint import read_quantized
 
-        program = {**named, **read_quantized(checkpoint, {n: n for n in named if is_expert(n)}, fmt, device)}
-    else:
-        from latency_specialized.quant import quantized_pair
+        fused = [n for n in experts if not n.endswith(".weight")]
+        if fused:
+            raise UserError(f"{model}: the checkpoint stores its routed experts fused ({fused[0]}); reading them "
+                            f"quantized from that layout is not implemented: drop --experts (dequantised at load)")
+        return spec.with_expert_format(fmt), named, {**named, **read_quantized(checkpoint, {n: n for n in experts},
+                                                                               fmt, device)}
+    from latency_specialized.quant import quantized_pair
 
-        named, program = quantized_pair(named, fmt, is_expert, dtype=dtype, device=device)
-    return spec.with_expert_format(fmt), named, program
+    # a quantized weight is named ``<base>.weight``: fused expert tensors get the suffix for the codec and back
+    alias = {n: n if n.endswith(".weight") else n + ".weight" for n in experts}
+    back = {a: n for n, a in alias.items()}
+    ref, program = quantized_pair({alias.get(n, n): t for n, t in named.items()}, fmt, back.__contains__,
+                                  dtype=dtype, device=device)
+    return (spec.with_expert_format(fmt), {back.get(n, n): t for n, t in ref.items()},
+            {back.get(n, n): t for n, t in program.items()})
 
 
 @dataclass(frozen=True)

@@ -197,7 +197,8 @@ def _supports_gemv(ctx: OpContext) -> Support:
     ok = _common(ctx, NAME_GEMV, None)
     if ok is not True:
         return ok
-    if ctx.tokens >= MIN_TOKENS_GROUPED:
+    grouped_fits = not (ctx.dim("K") % GROUPED_BLOCK_K or ctx.dim("N") % GROUPED_BLOCK_K)
+    if ctx.tokens >= MIN_TOKENS_GROUPED and grouped_fits:  # else the gemv path serves every count (no reference)
         return f"{ctx.tokens} tokens: the grouped tensor-core path serves from {MIN_TOKENS_GROUPED}"
     return True
 

@@ -70,6 +70,12 @@ def narrow(q: QuantizedWeight, dim: int, start: int, length: int) -> QuantizedWe
     return replace(q, shape=tuple(shape), **cut)
 
 
+def cut(t: "torch.Tensor | QuantizedWeight", dim: int, start: int, length: int) -> "torch.Tensor | QuantizedWeight":
+    """``t`` narrowed along logical ``dim``: a view of a plain tensor, :func:`narrow` of a quantized one (e.g. the
+    gate and up halves of a fused expert tensor, whichever way it is kept)."""
+    return narrow(t, dim, start, length) if isinstance(t, QuantizedWeight) else t.narrow(dim, start, length)
+
+
 def row_scaled(q: QuantizedWeight) -> QuantizedWeight:
     """``q`` with one scale per row instead of per ``rows``-row block (each row keeps its block's scale: exact), in
     the derived format ``<name>/rows`` (block ``(1, cols)``): how parts whose row counts end inside a block - a
@@ -147,4 +153,4 @@ def stack(parts: Sequence[QuantizedWeight], name: str | None = None) -> Quantize
     return replace(first, shape=(len(parts), *first.shape), name=name or first.name, **out)
 
 
-__all__ = ["narrow", "cat", "stack", "row_scaled"]
+__all__ = ["narrow", "cat", "stack", "row_scaled", "cut"]

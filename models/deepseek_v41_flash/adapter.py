@@ -8,7 +8,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from latency_specialized.adapter import BenchKind, ComposedAdapter, Variant, keep_experts, with_program_weights
+from latency_specialized.adapter import RUNNABLE, BenchKind, ComposedAdapter, Variant
+from latency_specialized.adapter import keep_experts, with_program_weights
 from latency_specialized.errors import UserError
 from latency_specialized.spec import DecodeScope, ModelSpec
 
@@ -31,8 +32,7 @@ class DeepseekV41FlashAdapter(ComposedAdapter):
                                   "MoE 384x top-6, mHC x4, Engram")
     hf_architectures: ClassVar[tuple[str, ...]] = ("DeepseekV41ForCausalLM",)
     expert_formats: ClassVar[tuple[str, ...]] = (EXPERT_FORMAT,)  # kept on the device: reference(expert_format=)
-    capabilities: ClassVar[frozenset[str]] = frozenset({"spec", "reference", "program", "checkpoint",
-                                                        "quantized_experts"})
+    capabilities: ClassVar[frozenset[str]] = RUNNABLE | {"quantized_experts"}
     variants: ClassVar[tuple[str, ...]] = ("full", "medium", "tiny")
 
     def spec(self, variant: Variant = "full") -> ModelSpec:

@@ -8,7 +8,8 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from latency_specialized.adapter import BenchKind, ComposedAdapter, Variant, keep_experts, with_program_weights
+from latency_specialized.adapter import RUNNABLE, BenchKind, ComposedAdapter, Variant
+from latency_specialized.adapter import keep_experts, with_program_weights
 from latency_specialized.errors import UserError
 from latency_specialized.spec import DecodeScope, ModelSpec
 
@@ -24,8 +25,7 @@ class Glm53Adapter(ComposedAdapter):
     description: ClassVar[str] = "Z.ai GLM-5.3: 78 MLA + DSA layers (21 indexers), 3 dense + 75 MoE 256x top-8, MTP"
     # GLM-5.2 has the same architecture and vLLM class; its numbers differ only where its config does.
     hf_architectures: ClassVar[tuple[str, ...]] = ("GlmMoeDsaForCausalLM",)
-    capabilities: ClassVar[frozenset[str]] = frozenset({"spec", "reference", "program", "checkpoint",
-                                                        "quantized_experts"})
+    capabilities: ClassVar[frozenset[str]] = RUNNABLE | {"quantized_experts"}
     expert_formats: ClassVar[tuple[str, ...]] = ("fp8-block-128",)  # the release's; reference(expert_format=)
 
     def spec(self, variant: Variant = "full") -> ModelSpec:

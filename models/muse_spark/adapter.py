@@ -9,7 +9,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from latency_specialized.adapter import BenchKind, ComposedAdapter, Variant
+from latency_specialized.adapter import RUNNABLE, BenchKind, ComposedAdapter, Variant
+from latency_specialized.adapter import keep_experts, with_program_weights
 from latency_specialized.errors import UserError
 from latency_specialized.spec import DecodeScope, GQAAttentionSpec, ModelSpec, MoESpec
 
@@ -25,7 +26,8 @@ class MuseSparkAdapter(ComposedAdapter):
                                   "latent MoE 256x top-8, gated residual, sandwich norms")
     # vLLM 0.33 and transformers 5.24: the multimodal model and vLLM's text-only class
     hf_architectures: ClassVar[tuple[str, ...]] = ("MuseSparkForConditionalGeneration", "MuseSpark1xForCausalLM")
-    capabilities: ClassVar[frozenset[str]] = frozenset({"spec", "reference", "program", "checkpoint"})
+    capabilities: ClassVar[frozenset[str]] = RUNNABLE | {"quantized_experts"}
+    expert_formats: ClassVar[tuple[str, ...]] = ("nvfp4",)  # the NVFP4 release's (random weights: keep_experts)
     # the released q scale (5.47 on unit-RMS q, k; 2x the full model's softmax temperature at head_dim 16) makes the
     # tiny model amplify fp32 summation-order differences ~100x over 8 layers, the more rows compared the more (NOTES:
     # verification cells up to 6.8e-4; <= 7.7e-6 at q scale 1, which test_muse_verify_unit_q bounds at 5e-5)
@@ -48,22 +50,24 @@ class MuseSparkAdapter(ComposedAdapter):
     # ------------------------------------------------------------------ reference / program
     def reference(self, spec: ModelSpec | None = None, *, checkpoint: str | Path | None = None,
                   weights: dict[str, torch.Tensor] | None = None, seed: int = 0,
-                  dtype: str | torch.dtype = "bfloat16", device: str | torch.device = "cpu", **_: Any):
-        """The reference with weights by canonical name: from ``checkpoint``, ``weights`` or random (``seed``)."""
+                  dtype: str | torch.dtype = "bfloat16", device: str | torch.device = "cpu",
+                  expert_format: str | None = None, **_: Any):
+        """The reference by canonical name (``checkpoint``, ``weights`` or random); ``expert_format``: keep_experts."""
         from latency_specialized_models.muse_spark import names
         from latency_specialized_models.muse_spark.reference import MuseSparkReference
 
         dt = DTYPES.get(dtype, dtype)  # type: ignore[call-overload]
         if checkpoint is not None:
-            spec, named, _ = names.load(checkpoint, dt, device)
-            return MuseSparkReference(spec, named)
+            spec, weights, _ = names.load(checkpoint, dt, device)
         spec = spec if spec is not None else tiny_spec()
         if weights is None:
             if spec.variant == "full":
                 raise UserError("random weights for Muse Spark (816B parameters) are not offered: pass "
                                 "--checkpoint DIR or use --size tiny")
             weights = names.random_weights(spec, seed, dt, device)
-        return MuseSparkReference(spec, weights)
+        spec, weights, kept = keep_experts(NAME, spec, weights, expert_format, "nvfp4", self.expert_formats,
+                                           checkpoint=checkpoint, dtype=dt, device=device)
+        return with_program_weights(MuseSparkReference(spec, weights), kept)
 
     def program_tensors(self, named: Any) -> Any:
         return composed.split_fused(named)   # the gate / up halves of the fused expert tensors (views)

@@ -30,6 +30,7 @@ from latency_specialized.pieces import DenseMLP, GQAAttention, LMHead, TokenEmbe
 from latency_specialized.pieces.ffn.latent_moe import LatentMoE
 from latency_specialized.pieces.residual.gated import NormPreservingGate
 from latency_specialized.pieces.residual.sandwich import SandwichResidual
+from latency_specialized.quant.layout import cut
 from latency_specialized.runtime.composed import MODEL, ComposedModel, LayerPieces
 from latency_specialized.spec import GQAAttentionSpec, LayerSpec, MoESpec
 
@@ -113,12 +114,12 @@ def tensor_name_for(spec: MuseSparkSpec) -> Callable[[int, str, str], str]:
 
 
 def split_fused(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``named`` plus the gate and up halves (views) of every fused ``experts.gate_up_proj`` [E, 2I, Ld]."""
+    """``named`` plus the gate / up halves (views, or cuts of kept codes) of every fused ``experts.gate_up_proj``."""
     out = dict(named)
     for name, t in named.items():
         if name.endswith("mlp.experts.gate_up_proj"):
             half = t.shape[1] // 2
-            out[name + ":gate"], out[name + ":up"] = t[:, :half], t[:, half:]
+            out[name + ":gate"], out[name + ":up"] = cut(t, 1, 0, half), cut(t, 1, half, half)
     return out
 
 

@@ -97,6 +97,7 @@ def test_quantized_sites_go_to_the_4bit_implementations_and_bf16_ones_refuse():
     assert chosen.name == "moe.experts.reference"
     assert any(n == q4.NAME_GEMV and "CUDA" in why for n, why in refusals)
     assert "multiples of 128" in by_name[q4.NAME_GROUPED].supports(_ctx(16, N=320))
+    assert by_name[q4.NAME_GEMV].supports(_ctx(16, N=320)) is True  # widths the grouped path cannot take: gemv
     assert "activation" in by_name[q4.NAME_GEMV].supports(_ctx(1, act="gelu"))
 
 

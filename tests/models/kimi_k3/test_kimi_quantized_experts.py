@@ -121,7 +121,7 @@ def test_experts_native_refusals(tmp_path, capsys):
     capsys.readouterr()
     rc = main(["generate", "--model", "kimi_k3", "--checkpoint", str(d), "--experts", "native", "--prompt-ids", "1,2"])
     assert rc == 2 and "drop --experts" in capsys.readouterr().err
-    rc = main(["generate", "--model", "muse_spark", "--size", "tiny", "--experts", "native", "--prompt-ids", "1,2"])
+    rc = main(["generate", "--model", "qwen3_moe", "--size", "tiny", "--experts", "native", "--prompt-ids", "1,2"])
     assert rc == 2 and "cannot keep its routed experts quantized" in capsys.readouterr().err
 
 
