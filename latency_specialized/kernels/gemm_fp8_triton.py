@@ -23,7 +23,7 @@ import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
-from latency_specialized.kernels.triton_common import triton_gpu_refusal
+from latency_specialized.kernels.triton_common import quantized_weight_refusal
 from latency_specialized.quant.checkpoint_io import QuantizedWeight
 
 NAME_A16 = "gemm.fp8_w8a16_triton"
@@ -145,14 +145,9 @@ def gemm_fp8_w8a8(x: torch.Tensor, weight: QuantizedWeight, *, residual: torch.T
 
 
 def _supports(ctx: OpContext, min_sm: int) -> Support:
-    why = triton_gpu_refusal(ctx, "block-FP8 gemms (dequantising)", min_sm=min_sm)
+    why = quantized_weight_refusal(ctx, "this gemm", FORMATS, "block-FP8", min_sm=min_sm)
     if why:
         return why
-    fmt = ctx.attr("weight_format")
-    if fmt not in FORMATS:
-        return f"weights {fmt or 'bf16'}: reads block-FP8 weights ({', '.join(FORMATS)})"
-    if ctx.dtype != "bfloat16":
-        return f"dtype {ctx.dtype} (bf16 activations only)"
     if ctx.tokens > MAX_M:
         return f"serves M<={MAX_M} (M={ctx.tokens})"
     if ctx.attr("out_dtype") not in (None, "bfloat16", "float32"):

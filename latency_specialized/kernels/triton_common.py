@@ -35,19 +35,28 @@ def triton_gpu_refusal(ctx: OpContext, serves: str, *, min_sm: int | None = None
     return None
 
 
-def quantized_experts_refusal(ctx: OpContext, name: str, formats: tuple[str, ...], what: str, *,
-                              min_sm: int | None = None) -> str | None:
-    """The reason a Triton routed-experts kernel over weights kept as stored (``formats``, ``what`` they are, e.g.
-    '4-bit e2m1') cannot serve ``ctx`` on the grounds they all share (arch, the site's ``weight_format``, bf16
-    activations, a SiTU-GLU / SwiGLU activation), or None."""
-    why = triton_gpu_refusal(ctx, "the routed experts (dequantising)", min_sm=min_sm)
+def quantized_weight_refusal(ctx: OpContext, name: str, formats: tuple[str, ...], what: str, *,
+                             min_sm: int | None = None, kind: str = "weights") -> str | None:
+    """The reason a Triton kernel over weights kept as stored (``formats``; ``what`` they are, e.g. 'block-FP8';
+    ``kind``: what it computes over them, for the messages) cannot serve ``ctx`` on the grounds they all share (arch,
+    the site's ``weight_format``, bf16 activations), or None."""
+    why = triton_gpu_refusal(ctx, f"the {kind} (dequantising)", min_sm=min_sm)
     if why:
         return why
     fmt = ctx.attr("weight_format")
     if fmt not in formats:
-        return f"weights {fmt or 'bf16'}: {name} reads {what} experts ({', '.join(formats)})"
+        return f"weights {fmt or 'bf16'}: {name} reads {what} {kind} ({', '.join(formats)})"
     if ctx.dtype != "bfloat16":
         return f"dtype {ctx.dtype} (bf16 activations only)"
+    return None
+
+
+def quantized_experts_refusal(ctx: OpContext, name: str, formats: tuple[str, ...], what: str, *,
+                              min_sm: int | None = None) -> str | None:
+    """:func:`quantized_weight_refusal` of a routed-experts kernel, which also needs a SiTU-GLU / SwiGLU site."""
+    why = quantized_weight_refusal(ctx, name, formats, what, min_sm=min_sm, kind="experts")
+    if why:
+        return why
     if ctx.attr("activation") not in ("situ_glu", "swiglu"):
         return f"activation {ctx.attr('activation')} (SiTU-GLU or SwiGLU only)"
     return None
@@ -60,4 +69,5 @@ def head_dim_refusal(D: int, lo: int, hi: int) -> str | None:
     return None
 
 
-__all__ = ["DTYPES", "arch_number", "head_dim_refusal", "quantized_experts_refusal", "triton_gpu_refusal"]
+__all__ = ["DTYPES", "arch_number", "head_dim_refusal", "quantized_experts_refusal", "quantized_weight_refusal",
+           "triton_gpu_refusal"]

@@ -24,7 +24,7 @@ from latency_specialized_models.muse_spark import spec as muse
 MODELS = ("deepseek_v41_flash", "muse_spark", "glm53")
 CAPABILITIES = {"deepseek_v41_flash": frozenset({"spec", "reference", "program", "checkpoint", "quantized_experts"}),
                 "glm53": frozenset({"spec", "reference", "program", "checkpoint", "quantized_experts"}),
-                "muse_spark": frozenset({"spec", "reference", "program", "checkpoint"})}
+                "muse_spark": frozenset({"spec", "reference", "program", "checkpoint", "quantized_experts"})}
 SPEC_CLASSES = {"deepseek_v41_flash": dsv4.DeepseekV41Spec, "muse_spark": muse.MuseSparkSpec,
                 "glm53": glm.Glm53Spec}
 HEAD_COUNT_ERRORS = {"deepseek_v41_flash": "64 query heads", "muse_spark": "128 query heads",
