@@ -79,6 +79,16 @@ def _round_e4m3(v):
 
 
 @triton.jit
+def _e4m3_columns(xt):
+    """``X^T [BLOCK_K, BLOCK_M]`` -> (each column divided by its scale and rounded to e4m3 - exact e4m3 values in
+    fp32 -, the scales [BLOCK_M] = max(column amax, 1e-10) / 448): stock's per-token-group rule, IEEE divisions
+    (Triton's ``/`` is approximate on the GPU) so the codes equal :func:`quantize_activations_reference`'s."""
+    xf = xt.to(tl.float32)
+    sx = tl.div_rn(tl.maximum(tl.max(tl.abs(xf), axis=0), 1e-10), 448.0)
+    return _round_e4m3(tl.clamp(tl.div_rn(xf, sx[None, :]), -448.0, 448.0)), sx
+
+
+@triton.jit
 def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
                      M, N, K, KB, KB_PER_SPLIT, n_split, stride_xm, stride_wn, stride_sn, stride_om, stride_rm,
                      SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, A8: tl.constexpr,
@@ -120,10 +130,7 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
             else:
                 ws = sv.to(tl.float32)
             if A8:
-                xf = xt.to(tl.float32)
-                sx = tl.div_rn(tl.maximum(tl.max(tl.abs(xf), axis=0), 1e-10), 448.0)  # [BLOCK_M]
-                # IEEE division (Triton's `/` is approximate on the GPU): the codes equal the torch reference's
-                xq = _round_e4m3(tl.clamp(tl.div_rn(xf, sx[None, :]), -448.0, 448.0))
+                xq, sx = _e4m3_columns(xt)
                 if UPCAST:
                     part = tl.dot(w8.to(tl.float32), xq)
                 else:
@@ -224,10 +231,12 @@ def fp8_block_gemm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: torch
 def _moe_gemm_fp8_kernel(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr, topk_w_ptr,
                          N, K, T, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
                          TOPK: tl.constexpr, A_PER_PAIR: tl.constexpr, MUL_W: tl.constexpr, SCALE_N: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+                         A8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         UPCAST: tl.constexpr):
     """One aligned 16-pair tile of one expert x BLOCK_N output rows (stock's fused-MoE grid): the e4m3 weight tile
-    to bf16 (exact), ``dot(W[BLOCK_N, BLOCK_K], A^T[BLOCK_K, BLOCK_M])`` per K block, each partial scaled by its
-    rows' fp32 block scale (BLOCK_K = the scale block's K)."""
+    to bf16 (exact) - or, with ``A8``, the pairs' activation rows quantized to e4m3 per K block for the FP8 tensor
+    cores - ``dot(W[BLOCK_N, BLOCK_K], A^T[BLOCK_K, BLOCK_M])`` per K block, each partial scaled by its rows' fp32
+    block scale (BLOCK_K = the scale block's K)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -244,7 +253,13 @@ def _moe_gemm_fp8_kernel(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, expert_ids_pt
         w8 = tl.load(w_rows + k[None, :], mask=nm[:, None] & km[None, :], other=0).to(tl.float8e4nv, bitcast=True)
         at = tl.load(a_ptr + a_row[None, :] * stride_am + k[:, None], mask=valid[None, :] & km[:, None], other=0.0)
         sv = tl.load(s_rows + k0 // BLOCK_K, mask=nm, other=0.0)
-        if UPCAST:
+        if A8:
+            xq, sx = _e4m3_columns(at)
+            if UPCAST:
+                part = tl.dot(w8.to(tl.float32), xq) * sx[None, :]
+            else:
+                part = tl.dot(w8, xq.to(tl.float8e4nv)) * sx[None, :]
+        elif UPCAST:
             part = tl.dot(w8.to(tl.float32), at.to(tl.float32))
         else:
             part = tl.dot(w8.to(tl.bfloat16), at.to(tl.bfloat16))
@@ -257,12 +272,13 @@ def _moe_gemm_fp8_kernel(a_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, expert_ids_pt
 
 def moe_gemm_fp8(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, align, top_k: int, *, out: torch.Tensor,
                  a_per_pair: bool, scale_block: tuple[int, int], topk_weights: torch.Tensor | None = None,
-                 block_n: int = 64, num_warps: int = 4, num_stages: int = 3) -> None:
+                 a8: bool = False, block_n: int = 64, num_warps: int = 4, num_stages: int = 3) -> None:
     """out[pair] = a[row of pair] @ deq(W[expert of pair])^T (x routing weight) over the aligned tiles.
 
     a [M, K] (token rows) or [M*k, K] (a_per_pair) bf16; w [E, N, K] e4m3 codes (uint8 or float8_e4m3fn);
     s [E, ceil(N / r), ceil(K / c)] fp32 block scales (``scale_block`` = (r, c)); out [M*k, N] (unit column stride);
-    align: ``triton_moe.AlignBuffers``; topk_weights [M*k] fp32 (multiplied after the bf16 rounding of the row)."""
+    align: ``triton_moe.AlignBuffers``; topk_weights [M*k] fp32 (multiplied after the bf16 rounding of the row);
+    ``a8``: the activation rows quantized to e4m3 per (row, K block) in the kernel (W8A8)."""
     E, N, K = w.shape
     sz = align.sizes
     w8 = w.view(torch.uint8) if w.dtype != torch.uint8 else w
@@ -271,8 +287,8 @@ def moe_gemm_fp8(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, align, top_k
                                topk_weights if topk_weights is not None else s, N, K, sz.pairs, a.stride(0),
                                w8.stride(0), w8.stride(1), s.stride(0), s.stride(1), out.stride(0),
                                TOPK=top_k, A_PER_PAIR=a_per_pair, MUL_W=topk_weights is not None,
-                               SCALE_N=scale_block[0], BLOCK_M=sz.block_m, BLOCK_N=block_n, BLOCK_K=scale_block[1],
-                               UPCAST=_INTERPRET, num_warps=num_warps, num_stages=num_stages)
+                               SCALE_N=scale_block[0], A8=a8, BLOCK_M=sz.block_m, BLOCK_N=block_n,
+                               BLOCK_K=scale_block[1], UPCAST=_INTERPRET, num_warps=num_warps, num_stages=num_stages)
 
 
 def quantize_activations_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

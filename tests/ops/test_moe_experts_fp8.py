@@ -99,7 +99,8 @@ def test_fp8_sites_go_to_the_fp8_experts_and_others_refuse():
     assert _HAVE_TRITON
     for tokens in (1, 7, 8, 64):
         ok = {n for n, i in by_name.items() if i.supports(_ctx(tokens)) is True and not i.is_reference}
-        assert ok == {f8.NAME}, (tokens, ok)
+        assert ok == {f8.NAME, f8.NAME_A8}, (tokens, ok)
+        assert impls.select(_ctx(tokens))[0].name == f8.NAME  # W8A16 first until the H200 says otherwise
     assert "fp8-block-128" in by_name["moe.experts.q4_gemv_triton"].supports(_ctx(1))
     assert "bf16 expert weights only" in by_name["moe.experts.triton_fused"].supports(_ctx(16))
     assert "reads block-FP8 experts" in by_name[f8.NAME].supports(_ctx(1, fmt=None))
@@ -148,6 +149,46 @@ def test_fp8_experts_match_the_reference(act, M, E, k, I, K, N, split, same):
     assert _rel(rows, experts_reference(x, w, ids, w13, w2, act, per_route=True)) < INTERP_TOL
 
 
+@interpreted
+@pytest.mark.parametrize("a_per_pair", [False, True])
+def test_w8a8_expert_gemm_is_exact_over_its_activation_rounding(a_per_pair):
+    """The W8A8 GEMM against the same math in torch: activation rows rounded per (row, 128 of K) as
+    ``quantize_activations_reference`` rounds them, times the dequantised weight, fp32 out (no bf16 rounding)."""
+    from latency_specialized.kernels import triton_fp8 as k
+    from latency_specialized.kernels.moe_experts_triton import align_buffers
+    from latency_specialized.kernels.triton_moe import moe_align
+
+    w13, _ = _experts(7, 6, 80, 300, 32)  # [6, 160, 300]: partial K block
+    M, top = 5, 2
+    _, ids = _routing(8, M, 6, top)
+    rows = M * top if a_per_pair else M
+    a = torch.randn(rows, 300, generator=_gen(9)).bfloat16()
+    a[0, :100] *= 40  # a loud slice: per-(row, block) scales matter
+    align = align_buffers(M * top, 6, torch.device("cpu"))
+    moe_align(ids, align)
+    out = torch.full((M * top, 160), float("nan"))
+    k.moe_gemm_fp8(a, w13.weight, w13.scale, align, top, out=out, a_per_pair=a_per_pair, scale_block=(128, 128),
+                   a8=True)
+    q, sx = k.quantize_activations_reference(a, 128)
+    seen = q * sx.repeat_interleave(128, 1)[:, :300]
+    deq = w13.dequantize()
+    ref = torch.stack([seen[p if a_per_pair else p // top] @ deq[ids.flatten()[p]].t() for p in range(M * top)])
+    assert float((out - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+@interpreted
+def test_w8a8_experts_match_the_reference_within_e4m3():
+    from latency_specialized.kernels.moe_experts_fp8_triton import experts_fp8_w8a8
+
+    w13, w2 = _experts(11, 6, 128, 200, 72)
+    x = torch.randn(4, 200, generator=_gen(12)).bfloat16()
+    w, ids = _routing(13, 4, 6, 2)
+    out = torch.full((4, 72), float("nan")).bfloat16()
+    y = experts_fp8_w8a8(x, w, ids, w13, w2, SWIGLU, out=out)
+    assert not y.isnan().any()
+    assert _rel(y, experts_reference(x, w, ids, w13, w2, SWIGLU)) < 8e-2
+
+
 @pytest.mark.skipif(not _HAVE_TRITON, reason="triton not installed")
 def test_fp8_experts_kernel_compiles_for_hopper():
     """sm_90 PTX without a GPU (specialized as the JIT would): bf16 wgmma over the converted e4m3 tiles, the tiles
@@ -165,8 +206,12 @@ def test_fp8_experts_kernel_compiles_for_hopper():
         k.moe_gemm_fp8(x, w13.weight, w13.scale, align, 2, out=out, a_per_pair=False, scale_block=(128, 128))
     (ptx,) = ptx_for_hopper(launches).values()
     assert "wgmma.mma_async" in ptx and ".bf16.bf16" in ptx and "cp.async.cg.shared.global" in ptx
+    with recorded_launches() as launches:
+        k.moe_gemm_fp8(x, w13.weight, w13.scale, align, 2, out=out, a_per_pair=False, scale_block=(128, 128), a8=True)
+    (ptx,) = ptx_for_hopper(launches).values()
+    assert ".e4m3.e4m3" in ptx  # W8A8: the codes go to the FP8 wgmma as they are
 
 
 @pytest.mark.interpreter_driver
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=9)
+    run_interpreted(__file__, min_passed=12)
