@@ -13,7 +13,7 @@ test matrix and the CLI only ask for what is there (the contract and its hooks:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 from latency_specialized.adapter_contract import AdapterContract, Capability, Variant
 from latency_specialized.errors import UserError
@@ -58,7 +58,8 @@ def is_routed_expert(name: str) -> bool:
 
 def keep_experts(model: str, spec: ModelSpec, named: dict[str, Any], asked: str | None, native: str,
                  kept: tuple[str, ...], *, checkpoint: Any = None, dtype: Any, device: Any,
-                 is_expert: Any = is_routed_expert) -> tuple[ModelSpec, dict[str, Any], dict[str, Any] | None]:
+                 is_expert: Callable[[str], bool] = is_routed_expert
+                 ) -> tuple[ModelSpec, dict[str, Any], dict[str, Any] | None]:
     """(spec, reference weights, program weights or None) of a reference whose routed experts stay quantized
     (:func:`kept_expert_format` resolves ``asked``): from ``checkpoint``, the experts read again as stored (codes and
     scales untouched) beside ``named`` (the loader's dequantised copy: the same values); from random ``named``, the

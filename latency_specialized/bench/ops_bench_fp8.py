@@ -18,13 +18,11 @@ Each row that cannot run says why. Roofline = stored bytes (codes + scales) + ac
 from __future__ import annotations
 
 import itertools
-import json
-import os
 from typing import Any, Callable
 
 import torch
 
-from latency_specialized.bench.ops_bench_moe_kda import Row, twice
+from latency_specialized.bench.ops_bench_moe_kda import Row, twice, write_rows
 
 SHAPES: dict[str, tuple[int, int, str]] = {
     "glm53-tp8 q_a+kv_a": (2624, 6144, "fp8-block-128"),
@@ -194,12 +192,7 @@ def to_markdown(rows: list[Row], device: str) -> str:
 
 
 def write(rows: list[Row], out_dir: str, stem: str = "ops_gemm_fp8") -> None:
-    device = torch.cuda.get_device_name(0)
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
-        json.dump(dict(device=device, rows=[r.to_json() for r in rows]), f, indent=1)
-    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
-        f.write(to_markdown(rows, device))
+    write_rows(rows, out_dir, stem, to_markdown)
 
 
 __all__ = ["SHAPES", "SWEEP", "bench_fp8_gemms", "to_markdown", "write"]

@@ -82,6 +82,19 @@ class Row:
         return d
 
 
+def write_rows(rows: list[Row], out_dir: str, stem: str, markdown: Callable[[list[Row], str], str]) -> None:
+    """``out_dir/<stem>.json`` (the rows and the GPU's name) and ``<stem>.md`` (``markdown(rows, device)``): what every
+    op bench writes after each case, so that a run cut short keeps what it measured."""
+    import os
+
+    device = torch.cuda.get_device_name(0)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
+        json.dump(dict(device=device, rows=[r.to_json() for r in rows]), f, indent=1)
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
+        f.write(markdown(rows, device))
+
+
 def time_graph(step: Callable[[int], None], rotations: int, *, replays: int = 40, warmup: int = 5,
                sync_each: bool = False) -> float:
     """Median us per step of a CUDA graph that calls ``step(r)`` for r in range(rotations).
@@ -478,25 +491,16 @@ def run_experts_sweep(out_dir: str, batches: list[int], tps: list[int], *,
                       log: Callable[[str], None] = print) -> list[Row]:
     """Routed experts at several tokens: every ``EXPERT_VARIANTS_MULTI`` variant against stock Triton
     (which of the two serves each bucket); writes ops_moe_experts_sweep.{json,md} into ``out_dir``."""
-    import os
-
-    device = torch.cuda.get_device_name(0)
     rows: list[Row] = []
     for tp in tps:
         rows += bench_experts(tp, batches, {"default": {}}, log=log, multi_variants=EXPERT_VARIANTS_MULTI)
-        with open(os.path.join(out_dir, "ops_moe_experts_sweep.json"), "w") as f:
-            json.dump(dict(device=device, rows=[r.to_json() for r in rows]), f, indent=1)
-        with open(os.path.join(out_dir, "ops_moe_experts_sweep.md"), "w") as f:
-            f.write(to_markdown(rows, device))
+        write_rows(rows, out_dir, "ops_moe_experts_sweep", to_markdown)
     return rows
 
 
 def run_all(out_dir: str, *, quick: bool = False, log: Callable[[str], None] = print) -> list[Row]:
     """Every case; writes ops_moe_kda.json / .md into ``out_dir`` after each op (partial results survive)."""
-    import os
-
     variants = EXPERT_VARIANTS
-    device = torch.cuda.get_device_name(0)
     rows: list[Row] = []
     plan = [
         ("bandwidth", lambda: bench_bandwidth(log=log)),
@@ -517,8 +521,5 @@ def run_all(out_dir: str, *, quick: bool = False, log: Callable[[str], None] = p
             rows.append(Row(name, "-", "FAILED", [], 0, 0, notes=f"{type(e).__name__}: {e}"))
             log(f"{name} FAILED: {type(e).__name__}: {e}")
         log(f"[{name}: {time.perf_counter() - t0:.1f} s]")
-        with open(os.path.join(out_dir, "ops_moe_kda.json"), "w") as f:
-            json.dump(dict(device=device, rows=[r.to_json() for r in rows]), f, indent=1)
-        with open(os.path.join(out_dir, "ops_moe_kda.md"), "w") as f:
-            f.write(to_markdown(rows, device))
+        write_rows(rows, out_dir, "ops_moe_kda", to_markdown)
     return rows

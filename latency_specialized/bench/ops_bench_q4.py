@@ -16,14 +16,12 @@ Roofline = the distinct selected experts' stored bytes (codes + scales: ``QuantF
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 from typing import Any, Callable
 
 import torch
 
-from latency_specialized.bench.ops_bench_moe_kda import K3, SITU, Row, routing, twice
+from latency_specialized.bench.ops_bench_moe_kda import K3, SITU, Row, routing, twice, write_rows
 from latency_specialized.quant.checkpoint_io import QuantizedWeight
 from latency_specialized.quant.formats import QuantFormat
 
@@ -234,12 +232,7 @@ def to_markdown_q4(rows: list[Row], device: str) -> str:
 
 
 def write(rows: list[Row], out_dir: str, stem: str = "ops_moe_experts_q4") -> None:
-    device = torch.cuda.get_device_name(0)
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
-        json.dump(dict(device=device, rows=[r.to_json() for r in rows]), f, indent=1)
-    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
-        f.write(to_markdown_q4(rows, device))
+    write_rows(rows, out_dir, stem, to_markdown_q4)
 
 
 __all__ = ["bench_q4_experts", "random_q4_experts", "reference_selected", "write", "GEMV_VARIANTS",

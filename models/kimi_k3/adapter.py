@@ -9,9 +9,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from latency_specialized.adapter import BenchKind, ModelAdapter, Variant, kept_expert_format
+from latency_specialized.adapter import BenchKind, ModelAdapter, Variant, keep_experts, kept_expert_format
+from latency_specialized.adapter import with_program_weights
 from latency_specialized.errors import UserError
-from latency_specialized.quant import quantized_pair
 from latency_specialized.runtime.composed import ComposedProgram
 from latency_specialized.runtime.random_weights import torch_dtype
 from latency_specialized.spec import DecodeScope, KDAAttentionSpec, MLAAttentionSpec, ModelSpec, MoESpec
@@ -106,22 +106,17 @@ class KimiK3Adapter(ModelAdapter):
                 ref.program_weights = {**ck.weights, **ck.kept}
             return ref
         spec = _kimi(spec if spec is not None else tiny_spec(), "reference")
-        fmt = kept_expert_format(self.name, expert_format, full_spec().routed_expert_format, self.expert_formats,
-                                 "the release")
-        kept = None
         if weights is None:
             if spec.variant == "full":
                 raise UserError("random weights for the full Kimi K3 (2.8T parameters) do not fit anywhere: "
                                 "pass --checkpoint DIR or use --size tiny / medium")
             weights = composed.random_weights(spec, seed=seed, dtype=dt, device=device)
-        if fmt:
-            spec = spec.with_expert_format(fmt)  # type: ignore[assignment]
-            weights, kept = quantized_pair(weights, fmt, ckpt.is_routed_expert, dtype=dt, device=device)
+        spec, weights, kept = keep_experts(self.name, spec, weights, expert_format, full_spec().routed_expert_format,
+                                           self.expert_formats, dtype=dt, device=device,
+                                           is_expert=ckpt.is_routed_expert)
         tok = train_tokenizer(spec.vocab_size) if tokenizer else None
-        ref = KimiK3Reference(spec, weights, tokenizer=tok, bos_token_id=1, eos_token_id=2)
-        if kept is not None:
-            ref.program_weights = kept
-        return ref
+        return with_program_weights(KimiK3Reference(spec, weights, tokenizer=tok, bos_token_id=1, eos_token_id=2),
+                                    kept)
 
     def program(self, spec: ModelSpec, *, plans: Any, cache: Any, reference: Any = None,
                 weights: dict[str, torch.Tensor] | None = None, trace: Any = None, comm: Any = None,

@@ -5,23 +5,17 @@ kernels in one graph. The matrix's ``-mxfp4-deepseek`` cells run program vs refe
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
-from latency_specialized import hardware, quant
-from latency_specialized.adapter_contract import SpecBoundAdapter
+from latency_specialized import quant
 from latency_specialized.cli import main
 from latency_specialized.errors import UserError
-from latency_specialized.ops.plan import build_plan
 from latency_specialized.plugins import get_registry
 
+from tests.models.kept_experts import assert_program_binds_kept_experts, generate_in_one_graph, ids
+
 ADAPTER = get_registry().adapter("deepseek_v41_flash")
-
-
-def _ids(out: str) -> list[str]:
-    return re.findall(r"^\[\d+\] ids: (.*)$", out, flags=re.M)
 
 
 def test_random_reference_keeps_the_experts_it_computes_with():
@@ -33,13 +27,7 @@ def test_random_reference_keeps_the_experts_it_computes_with():
     assert all(not isinstance(w, quant.QuantizedWeight) for n, w in ref.program_weights.items() if n not in kept)
     moe = [layer.ffn for layer in ref.spec.layers if layer.ffn.kind == "moe"]
     assert moe and all(f.expert_format == "mxfp4-deepseek" for f in moe)
-    plan = build_plan(SpecBoundAdapter(ADAPTER, ref.spec), get_registry().implementations, hardware.for_arch("cpu"),
-                      tp=1, batch=1, dtype="float32", variant="tiny")
-    sites = [c.site for c in plan.choices if c.site.name.endswith("moe.experts")]
-    assert sites and all(s.ctx.attr("weight_format") == "mxfp4-deepseek" for s in sites)
-    program = ADAPTER.program(ref.spec, plans=plan, cache=ref.new_cache(1, 16), reference=ref)
-    ffn = [w["ffn"] for w in program.w_layers if "w13" in w.get("ffn", {})]
-    assert ffn and all(isinstance(f["w13"], quant.QuantizedWeight) for f in ffn)
+    assert_program_binds_kept_experts(ADAPTER, ref, "mxfp4-deepseek")
     with pytest.raises(UserError, match="mxfp4-deepseek only"):
         ADAPTER.reference(ADAPTER.spec("tiny"), seed=3, dtype="float32", expert_format="nvfp4")
 
@@ -59,10 +47,10 @@ def test_checkpoint_experts_are_kept_as_stored_and_generate_the_same_tokens(tmp_
     assert torch.equal(kept[name].dequantize(), ref.named[name])
     args = ["--prompt-ids", "5,9,11", "--max-tokens", "6", "--device", "cpu"]
     assert main(["generate", "--model", "deepseek_v41_flash", "--checkpoint", str(d), *args]) == 0
-    plain = _ids(capsys.readouterr().out)
+    plain = ids(capsys.readouterr().out)
     assert main(["generate", "--model", "deepseek_v41_flash", "--checkpoint", str(d), "--experts", "native",
                  *args]) == 0
-    native = _ids(capsys.readouterr().out)
+    native = ids(capsys.readouterr().out)
     assert plain and native == plain
 
 
@@ -73,10 +61,5 @@ def test_medium_model_runs_its_fp4_experts_on_the_4bit_kernels_in_one_graph(batc
     4-bit kernels, the same tokens as eagerly (numerics vs the dequantising reference: the matrix cells and
     tests/ops/test_moe_experts_q4_gpu.py)."""
     base = ["generate", "--model", "deepseek_v41_flash", "--size", "medium", "--batch", str(batch), "--max-tokens", "8",
-            "--prompt-ids", "1,40,41,42", "--show-plan"]
-    assert main([*base, "--experts", "native"]) == 0
-    out = capsys.readouterr().out
-    want = "moe.experts.q4_gemv_triton" if batch < 8 else "moe.experts.q4_grouped_triton"
-    assert want in out and "one CUDA graph per step" in out
-    assert main([*base, "--experts", "native", "--graphs", "off"]) == 0
-    assert _ids(capsys.readouterr().out) == _ids(out)
+            "--prompt-ids", "1,40,41,42", "--show-plan", "--experts", "native"]
+    generate_in_one_graph(base, "moe.experts.q4_gemv_triton" if batch < 8 else "moe.experts.q4_grouped_triton", capsys)

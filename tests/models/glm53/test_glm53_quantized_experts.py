@@ -6,8 +6,6 @@ dequantises them; ``--experts native`` keeps the routed experts FP8 as stored fo
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -16,11 +14,9 @@ from latency_specialized import quant
 from latency_specialized.cli import main
 from latency_specialized.plugins import get_registry
 
+from tests.models.kept_experts import generate_in_one_graph, ids
+
 ADAPTER = get_registry().adapter("glm53")
-
-
-def _ids(out: str) -> list[str]:
-    return re.findall(r"^\[\d+\] ids: (.*)$", out, flags=re.M)
 
 
 def test_fp8_checkpoint_layout_and_kept_experts(tmp_path, capsys):
@@ -45,9 +41,9 @@ def test_fp8_checkpoint_layout_and_kept_experts(tmp_path, capsys):
     assert all(layer.ffn.expert_format == "fp8-block-128" for layer in ref.spec.layers if layer.ffn.kind == "moe")
     args = ["--prompt-ids", "5,9,11", "--max-tokens", "6", "--batch", "2", "--device", "cpu"]
     assert main(["generate", "--model", "glm53", "--checkpoint", str(d), *args]) == 0
-    plain_ids = _ids(capsys.readouterr().out)
+    plain_ids = ids(capsys.readouterr().out)
     assert main(["generate", "--model", "glm53", "--checkpoint", str(d), "--experts", "native", *args]) == 0
-    assert plain_ids and _ids(capsys.readouterr().out) == plain_ids
+    assert plain_ids and ids(capsys.readouterr().out) == plain_ids
 
 
 def test_bf16_checkpoint_cannot_keep_fp8_experts(tmp_path, capsys):
@@ -65,8 +61,4 @@ def test_fp8_experts_run_on_the_fp8_kernel_in_one_graph(batch, capsys):
     step from one CUDA graph on ``moe.experts.fp8_triton``, the same tokens as eagerly."""
     base = ["generate", "--model", "glm53", "--size", "tiny", "--batch", str(batch), "--max-tokens", "8",
             "--prompt-ids", "1,40,41,42", "--show-plan", "--experts", "native"]
-    assert main(base) == 0
-    out = capsys.readouterr().out
-    assert "moe.experts.fp8_triton" in out and "one CUDA graph per step" in out
-    assert main([*base, "--graphs", "off"]) == 0
-    assert _ids(capsys.readouterr().out) == _ids(out)
+    generate_in_one_graph(base, "moe.experts.fp8_triton", capsys)

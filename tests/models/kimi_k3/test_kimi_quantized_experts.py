@@ -19,6 +19,8 @@ from latency_specialized.quant import layout
 from latency_specialized.runtime.composed import shard_weight
 from latency_specialized.runtime.pieces_api import WeightDecl
 
+from tests.models.kept_experts import assert_program_binds_kept_experts, generate_in_one_graph, ids
+
 
 def _q(shape: tuple[int, ...], fmt: str, seed: int) -> quant.QuantizedWeight:
     g = torch.Generator().manual_seed(seed)
@@ -81,10 +83,6 @@ def test_spec_and_sites_carry_the_kept_format():
         assert {c.impl.name for c in experts} == {want}
 
 
-def _ids(out: str) -> list[str]:
-    return re.findall(r"^\[\d+\] ids: (.*)$", out, flags=re.M)
-
-
 def test_checkpoint_experts_are_kept_as_stored_and_generate_the_same_tokens(tmp_path, capsys):
     d = tmp_path / "k3"
     assert main(["make-checkpoint", "kimi_k3", "--size", "tiny", "--experts", "mxfp4", str(d)]) == 0
@@ -101,17 +99,12 @@ def test_checkpoint_experts_are_kept_as_stored_and_generate_the_same_tokens(tmp_
     assert ref.spec.layers[1].ffn.expert_format == "mxfp4"
     # the program binds the stored experts, not the reference's dequantised copy (same values: the tokens below
     # alone could not tell)
-    plan = build_plan(SpecBoundAdapter(adapter, ref.spec), get_registry().implementations, hardware.for_arch("cpu"),
-                      tp=1, batch=1, dtype="float32", variant="tiny")
-    program = adapter.program(ref.spec, plans=plan, cache=ref.new_cache(1, 16), reference=ref)
-    moe = [w["ffn"] for w in program.w_layers if "w13" in w.get("ffn", {})]
-    assert moe and all(isinstance(f["w13"], quant.QuantizedWeight) and isinstance(f["w2"], quant.QuantizedWeight)
-                       for f in moe)
+    assert_program_binds_kept_experts(adapter, ref, "mxfp4")
     args = ["--prompt-ids", "5,9,11", "--max-tokens", "6", "--device", "cpu"]
     assert main(["generate", "--model", "kimi_k3", "--checkpoint", str(d), *args]) == 0
-    plain = _ids(capsys.readouterr().out)
+    plain = ids(capsys.readouterr().out)
     assert main(["generate", "--model", "kimi_k3", "--checkpoint", str(d), "--experts", "native", *args]) == 0
-    native = _ids(capsys.readouterr().out)
+    native = ids(capsys.readouterr().out)
     assert plain and native == plain
 
 
@@ -133,11 +126,7 @@ def test_medium_model_runs_its_mxfp4_experts_on_the_4bit_kernels_in_one_graph(ba
     dequantising reference: tests/ops/test_moe_experts_q4_gpu.py; program vs reference: the matrix's
     -mxfp4 cells. A bf16 run of ``--size medium`` is another model - unquantized random weights.)"""
     base = ["generate", "--model", "kimi_k3", "--size", "medium", "--batch", str(batch), "--max-tokens", "8",
-            "--prompt-ids", "1,40,41,42", "--show-plan"]
-    assert main([*base, "--experts", "native"]) == 0
-    out = capsys.readouterr().out
-    want = "moe.experts.q4_gemv_triton" if batch < 8 else "moe.experts.q4_grouped_triton"
-    assert want in out and "one CUDA graph per step" in out
+            "--prompt-ids", "1,40,41,42", "--show-plan", "--experts", "native"]
+    out = generate_in_one_graph(base, "moe.experts.q4_gemv_triton" if batch < 8 else "moe.experts.q4_grouped_triton",
+                                capsys)
     assert re.search(r"reference 0 \| unserved 0", out), out[-800:]
-    assert main([*base, "--experts", "native", "--graphs", "off"]) == 0
-    assert _ids(capsys.readouterr().out) == _ids(out)

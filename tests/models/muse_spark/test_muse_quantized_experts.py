@@ -12,12 +12,12 @@ import re
 import pytest
 import torch
 
-from latency_specialized import hardware, quant
-from latency_specialized.adapter_contract import SpecBoundAdapter
+from latency_specialized import quant
 from latency_specialized.cli import main
 from latency_specialized.errors import UserError
-from latency_specialized.ops.plan import build_plan
 from latency_specialized.plugins import get_registry
+
+from tests.models.kept_experts import assert_program_binds_kept_experts, generate_in_one_graph
 
 ADAPTER = get_registry().adapter("muse_spark")
 
@@ -30,13 +30,7 @@ def test_random_reference_keeps_the_fused_experts_it_computes_with():
     assert all(torch.equal(w.dequantize(), ref.named[n]) for n, w in kept.items())
     # the norms beside them stay plain
     assert not any("post_expert_norm" in n for n in kept)
-    plan = build_plan(SpecBoundAdapter(ADAPTER, ref.spec), get_registry().implementations, hardware.for_arch("cpu"),
-                      tp=1, batch=1, dtype="float32", variant="tiny")
-    sites = [c.site for c in plan.choices if c.site.name.endswith("moe.experts")]
-    assert sites and all(s.ctx.attr("weight_format") == "nvfp4" for s in sites)
-    program = ADAPTER.program(ref.spec, plans=plan, cache=ref.new_cache(1, 16), reference=ref)
-    ffn = [w["ffn"] for w in program.w_layers if "w13" in w.get("ffn", {})]
-    assert ffn and all(isinstance(f["w13"], quant.QuantizedWeight) and f["w13"].fmt.name == "nvfp4" for f in ffn)
+    assert_program_binds_kept_experts(ADAPTER, ref, "nvfp4")
 
 
 def test_checkpoint_fused_experts_refused_with_the_fix(tmp_path):
@@ -58,10 +52,6 @@ def test_generate_with_nvfp4_experts_on_the_cpu(capsys):
 def test_nvfp4_experts_run_on_the_4bit_kernels_in_one_graph(batch, capsys):
     base = ["generate", "--model", "muse_spark", "--size", "tiny", "--batch", str(batch), "--max-tokens", "8",
             "--prompt-ids", "1,40,41,42", "--show-plan", "--experts", "native"]
-    assert main(base) == 0
-    out = capsys.readouterr().out
+    out = generate_in_one_graph(base, "moe.experts.q4_gemv_triton", capsys)
     # the tiny widths (32) are below the grouped path's 128-wide K steps: the gemv path serves every batch
-    assert "moe.experts.q4_gemv_triton" in out and "moe.experts.reference" not in out and "one CUDA graph per step" in out
-    assert main([*base, "--graphs", "off"]) == 0
-    ids = lambda text: re.findall(r"^\[\d+\] ids: (.*)$", text, flags=re.M)  # noqa: E731
-    assert ids(capsys.readouterr().out) == ids(out)
+    assert "moe.experts.reference" not in out
