@@ -17,10 +17,10 @@ from typing import Any, Callable, ClassVar, Mapping
 
 from latency_specialized.adapter_contract import AdapterContract, Capability, Variant
 from latency_specialized.errors import UserError
-from latency_specialized.spec import KDAAttentionSpec, MLAAttentionSpec, ModelSpec, MoESpec, ParallelSpec
+from latency_specialized.spec import KDAAttentionSpec, LinearFormat, MLAAttentionSpec, ModelSpec, MoESpec, ParallelSpec
 
 __all__ = ["ModelAdapter", "AdapterContract", "BenchKind", "Capability", "Variant", "is_routed_expert", "keep_experts",
-           "kept_expert_format", "with_program_weights", "RUNNABLE"]
+           "kept_expert_format", "kept_linear_format", "with_program_weights", "RUNNABLE"]
 
 RUNNABLE: frozenset[str] = frozenset({"spec", "reference", "program", "checkpoint"})
 """The capabilities of an adapter that runs standalone (add ``quantized_experts``, ``vllm`` as they apply)."""
@@ -56,37 +56,79 @@ def is_routed_expert(name: str) -> bool:
     return ".experts." in name and (name.endswith(".weight") or name.endswith(FUSED_EXPERTS))
 
 
-def keep_experts(model: str, spec: ModelSpec, named: dict[str, Any], asked: str | None, native: str,
-                 kept: tuple[str, ...], *, checkpoint: Any = None, dtype: Any, device: Any,
-                 is_expert: Callable[[str], bool] = is_routed_expert
-                 ) -> tuple[ModelSpec, dict[str, Any], dict[str, Any] | None]:
-    """(spec, reference weights, program weights or None) of a reference whose routed experts stay quantized
-    (:func:`kept_expert_format` resolves ``asked``): from ``checkpoint``, the experts read again as stored (codes and
-    scales untouched) beside ``named`` (the loader's dequantised copy: the same values); from random ``named``, the
-    experts quantized once, the reference then computing with exactly those values (``quant.quantized_pair``). The
-    spec says the format (``with_expert_format``: the ``moe.experts`` sites' ``weight_format``)."""
-    fmt = kept_expert_format(model, asked, native, kept, "the checkpoint" if checkpoint is not None else "the release")
-    if fmt is None:
-        return spec, named, None
-    experts = [n for n, t in named.items() if is_expert(n) and t.dim() >= 2]  # not their norms' gains
+def kept_linear_format(model: str, asked: str | None, native: LinearFormat | None, where: str) -> LinearFormat | None:
+    """How a model's dense projections stay on the device (``reference(linear_format=)``, ``generate --linears``):
+    None (dequantised at load), or ``native`` - the format ``where`` stores them in - for 'native' (or its format's
+    name); a UserError naming the choice otherwise."""
+    if asked is None:
+        return None
+    if native is None:
+        raise UserError(f"{model} keeps its dense projections in the activation dtype only: drop --linears")
+    if asked not in ("native", native.format):
+        raise UserError(f"{model} keeps its dense projections as {native.format} only ({where} stores them so): use "
+                        "--linears native, or drop --linears")
+    return native
+
+
+def _keep(model: str, named: dict[str, Any], program: dict[str, Any], picked: list[str], fmt: str, *,
+          checkpoint: Any, dtype: Any, device: Any, what: str, flag: str) -> dict[str, Any]:
+    """``named`` (a reference's weights) with ``picked`` as it computes with them, ``program`` updated in place with
+    them kept as ``fmt`` stores them: read again as stored from ``checkpoint`` (``named`` is the loader's
+    dequantised copy: the same values), or - random weights - quantized once, the reference taking exactly those
+    values (``quant.quantized_pair``)."""
     if checkpoint is not None:
         from latency_specialized.runtime.checkpoint import read_quantized
 
-        fused = [n for n in experts if not n.endswith(".weight")]
+        fused = [n for n in picked if not n.endswith(".weight")]
         if fused:
-            raise UserError(f"{model}: the checkpoint stores its routed experts fused ({fused[0]}); reading them "
-                            f"quantized from that layout is not implemented: drop --experts (dequantised at load)")
-        return spec.with_expert_format(fmt), named, {**named, **read_quantized(checkpoint, {n: n for n in experts},
-                                                                               fmt, device)}
+            raise UserError(f"{model}: the checkpoint stores its {what} fused ({fused[0]}); reading them quantized "
+                            f"from that layout is not implemented: drop {flag} (dequantised at load)")
+        program.update(read_quantized(checkpoint, {n: n for n in picked}, fmt, device))
+        return named
     from latency_specialized.quant import quantized_pair
 
     # a quantized weight is named ``<base>.weight``: fused expert tensors get the suffix for the codec and back
-    alias = {n: n if n.endswith(".weight") else n + ".weight" for n in experts}
+    alias = {n: n if n.endswith(".weight") else n + ".weight" for n in picked}
     back = {a: n for n, a in alias.items()}
-    ref, program = quantized_pair({alias.get(n, n): t for n, t in named.items()}, fmt, back.__contains__,
-                                  dtype=dtype, device=device)
-    return (spec.with_expert_format(fmt), {back.get(n, n): t for n, t in ref.items()},
-            {back.get(n, n): t for n, t in program.items()})
+    ref, kept = quantized_pair({alias.get(n, n): t for n, t in named.items()}, fmt, back.__contains__,
+                               dtype=dtype, device=device)
+    program.update({back[n]: t for n, t in kept.items() if n in back})
+    return {back.get(n, n): t for n, t in ref.items()}
+
+
+def keep_experts(model: str, spec: ModelSpec, named: dict[str, Any], asked: str | None, native: str,
+                 kept: tuple[str, ...], *, checkpoint: Any = None, dtype: Any, device: Any,
+                 is_expert: Callable[[str], bool] = is_routed_expert, linears: str | None = None,
+                 native_linears: LinearFormat | None = None, is_linear: Callable[[str], bool] | None = None
+                 ) -> tuple[ModelSpec, dict[str, Any], dict[str, Any] | None]:
+    """(spec, reference weights, program weights or None) of a reference whose routed experts - and, with
+    ``linears``, its dense projections - stay quantized as stored.
+
+    :func:`kept_expert_format` resolves ``asked``, :func:`kept_linear_format` ``linears`` (``native_linears``: how
+    the release stores them; ``is_linear(name)``: the checkpoint names stored so). From ``checkpoint``, the weights
+    are read again as stored (codes and scales untouched) beside ``named`` (the loader's dequantised copy: the same
+    values); from random ``named``, they are quantized once, the reference then computing with exactly those
+    values. The spec says the formats (``with_expert_format`` / ``with_linear_format``: the sites'
+    ``weight_format``)."""
+    where = "the checkpoint" if checkpoint is not None else "the release"
+    fmt = kept_expert_format(model, asked, native, kept, where)
+    lin = kept_linear_format(model, linears, native_linears, where)
+    if fmt is None and lin is None:
+        return spec, named, None
+    program: dict[str, Any] = {}
+    kw = {"checkpoint": checkpoint, "dtype": dtype, "device": device}
+    if fmt is not None:
+        experts = [n for n, t in named.items() if is_expert(n) and t.dim() >= 2]  # not their norms' gains
+        named = _keep(model, named, program, experts, fmt, what="routed experts", flag="--experts", **kw)
+        spec = spec.with_expert_format(fmt)
+    if lin is not None:
+        if is_linear is None:
+            raise UserError(f"{model}: keeping dense projections needs the names the release stores quantized "
+                            "(keep_experts(is_linear=))")
+        picked = [n for n, t in named.items() if is_linear(n) and not is_expert(n) and t.dim() == 2]
+        named = _keep(model, named, program, picked, lin.format, what="dense projections", flag="--linears", **kw)
+        spec = spec.with_linear_format(lin)
+    return spec, named, {**named, **program}
 
 
 @dataclass(frozen=True)

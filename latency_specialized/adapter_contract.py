@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, ClassVar, Literal
 
 from latency_specialized.errors import UserError
-from latency_specialized.spec import DecodeScope, Deployment, ModelSpec, ParallelSpec
+from latency_specialized.spec import DecodeScope, Deployment, LinearFormat, ModelSpec, ParallelSpec
 
 Variant = Literal["full", "medium", "tiny"]
 """full: the published architecture; tiny: a few narrow layers every adapter with a reference offers
@@ -38,6 +38,9 @@ class AdapterContract:
     """What this adapter provides beyond a spec (see Capability)."""
     variants: ClassVar[tuple[str, ...]] = ("full", "tiny")
     """Spec variants :meth:`spec` accepts (see Variant)."""
+    native_linears: ClassVar[LinearFormat | None] = None
+    """How the release stores its dense projections where the adapter keeps them so (``reference(linear_format=
+    'native')``, ``generate --linears native``, the matrix's ``-dense-`` cells); None: dequantised at load."""
 
     # ------------------------------------------------------------------ required
     def spec(self, variant: Variant = "full") -> ModelSpec:

@@ -332,6 +332,28 @@ per-sequence rings a verification step writes ahead of its readers (a sliding wi
 group) keep this many rows more in every program, so their states do not depend on the deployment's k."""
 
 
+LINEAR_FORMATS: tuple[str, ...] = ("fp8-block-128", "fp8-block-32")
+"""Stored formats dense projections can stay in on the device (``quant.FORMATS`` names the block-FP8 gemms serve)."""
+
+
+class LinearFormat(Frozen):
+    """The dense projections (attention, dense MLPs, shared experts) kept on the device as the checkpoint stores
+    them: every gemm / mlp site whose weight parts are all stored in ``format`` carries it as ``weight_format``;
+    a site joining any ``plain`` part - or one whose op takes the activation dtype only (e.g. absorbed MLA's
+    ``kv_b``) - gets its weight dequantised when the program binds it."""
+
+    format: Literal["fp8-block-128", "fp8-block-32"]
+    """How the stored projections are kept (``quant.FORMATS``)."""
+    plain: tuple[str, ...] = ()
+    """Piece-local weight names the checkpoint stores in the activation dtype (e.g. GLM-5.3's indexer
+    ``weights_proj``): a fused site containing one stays unquantised."""
+
+    def kept(self, *parts: str) -> str | None:
+        """The ``weight_format`` of a site whose weight joins ``parts`` (piece-local names): ``format`` where none
+        of them is plain, else None."""
+        return None if any(p in self.plain for p in parts) else self.format
+
+
 class ModelSpec(Frozen):
     """A decoder-only model as the backend sees it (full or per-rank shapes)."""
 
@@ -357,6 +379,9 @@ class ModelSpec(Frozen):
     """Most draft tokens per request of the verification steps (speculative decoding) the program is built
     for (0: plain decode steps only). A deployment choice: pieces with per-sequence recurrent states keep
     rollback tapes for that many tokens (e.g. KDA), paged attention needs nothing more."""
+    linear_format: LinearFormat | None = None
+    """Dense projections kept in a stored format (``LinearFormat``); None: in the activation dtype (a quantized
+    checkpoint is dequantised at load)."""
 
     def with_spec_tokens(self, k: int) -> "ModelSpec":
         """This spec for verification steps of up to ``k`` draft tokens (``spec_tokens``)."""
@@ -397,6 +422,15 @@ class ModelSpec(Frozen):
         layers = tuple(layer.model_copy(update={"ffn": layer.ffn.model_copy(update={"expert_format": fmt})})
                        if isinstance(layer.ffn, MoESpec) else layer for layer in self.layers)
         return self.model_copy(update={"layers": layers})
+
+    def with_linear_format(self, fmt: LinearFormat | None) -> "ModelSpec":
+        """This spec with its dense projections kept as ``fmt`` says (``linear_format``; None: dequantised)."""
+        return self.model_copy(update={"linear_format": fmt})
+
+    def kept_linear(self, *parts: str) -> str | None:
+        """The ``weight_format`` of a projection site joining the piece-local weights ``parts`` (None: the
+        activation dtype) - what a piece puts on its gemm / mlp sites and its weight declarations."""
+        return self.linear_format.kept(*parts) if self.linear_format is not None else None
 
 
 class ParallelSpec(Frozen):

@@ -52,6 +52,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--experts", choices=["native"], default=None,
                    help="native: keep the routed experts quantized as the checkpoint (or, with random weights, the "
                         "release) stores them, run by the 4-bit kernels; default: dequantised at load")
+    p.add_argument("--linears", choices=["native"], default=None,
+                   help="native: keep the dense projections quantized as the checkpoint (or, with random weights, the "
+                        "release) stores them (block FP8), run by the FP8 gemms; default: dequantised at load")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default 1 on the CPU: tiny ops only lose from threading)")
     p.add_argument("--show-plan", action="store_true", help="print the full dispatch plan")
@@ -158,6 +161,11 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{adapter.name} cannot keep its routed experts quantized yet (--experts {args.experts}): "
                             "drop --experts (they are dequantised at load)")
         quant_kw["expert_format"] = args.experts
+    if args.linears:
+        if adapter.native_linears is None:
+            raise UserError(f"{adapter.name} keeps its dense projections in the activation dtype only (--linears "
+                            f"{args.linears}): drop --linears")
+        quant_kw["linear_format"] = args.linears
     t0 = time.perf_counter()
     if args.checkpoint:
         ref = adapter.reference(None, checkpoint=args.checkpoint, dtype=args.dtype, device=device, **quant_kw)

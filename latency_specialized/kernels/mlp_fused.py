@@ -133,12 +133,14 @@ def gated_activation_cute(gate_up: torch.Tensor, act: ActivationSpec, *, out: to
 def inner_sites(ctx: OpContext) -> list[tuple[str, OpContext]]:
     """The two gemms this implementation runs, for the planner to choose (``Implementation.inner``):
     ``gate_up`` (M, 2I, K) and ``down`` (M, N, I) of an ``mlp`` site (dims N = I, K = the hidden size;
-    the output is [M, K])."""
+    the output is [M, K]); the site's ``weight_format`` passes to both."""
     inter, hidden = ctx.dim("N"), ctx.dim("K")
+    # weights kept in a stored format (block FP8): the gemms that read that format serve both projections
+    fmt = {"weight_format": ctx.attr("weight_format")} if ctx.attr("weight_format") else {}
 
     def gemm(n: int, k: int) -> OpContext:
         return make_context("gemm", arch=ctx.arch, dtype=ctx.dtype, tokens=ctx.tokens, dims={"N": n, "K": k},
-                            attrs={"residual": False})
+                            attrs={"residual": False, **fmt})
 
     return [("gate_up", gemm(2 * inter, hidden)), ("down", gemm(hidden, inter))]
 

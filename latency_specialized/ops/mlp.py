@@ -15,13 +15,18 @@ def mlp_reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
 
     Parameters
     ----------
-    x : [M, K]; w_gate_up : [2*I, K] (gate rows first, then up rows); w_down : [N, I].
+    x : [M, K]; w_gate_up : [2*I, K] (gate rows first, then up rows); w_down : [N, I] - either may be a
+        ``quant.QuantizedWeight`` kept as the checkpoint stores it (sites with ``weight_format``), dequantised here.
 
     Returns
     -------
     [M, N] in x.dtype. The intermediate is rounded to x.dtype before the down projection, as a
     bf16 serving stack does.
     """
+    if not isinstance(w_gate_up, torch.Tensor):  # QuantizedWeight
+        w_gate_up = w_gate_up.dequantize(torch.float32)
+    if not isinstance(w_down, torch.Tensor):
+        w_down = w_down.dequantize(torch.float32)
     gu = (x.float() @ w_gate_up.float().t()).to(x.dtype)
     inter = w_gate_up.shape[0] // 2
     h = gated_activation(gu[:, :inter], gu[:, inter:], activation).to(x.dtype)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from latency_specialized.ops.registry import OpContext, make_context
+from latency_specialized.quant.formats import QuantFormat
 
 
 @dataclass(frozen=True)
@@ -76,13 +77,38 @@ class SiteBuilder:
         self.sites.append(OpSite(name, ctx, self.layers, weight_bytes))
 
     def gemm(self, role: str, n: int, k: int, *, residual: bool = False, wbytes: float = 2.0,
-             out_dtype: str | None = None, norm_site: str | None = None) -> None:
+             out_dtype: str | None = None, norm_site: str | None = None, weight_format: str | None = None) -> None:
         """A projection y[M,N] = x[M,K] W[N,K]^T; wbytes = bytes per weight element; out_dtype: result
         dtype when it is not the activation dtype (fp32 router logits); norm_site: role of the norm
-        site in front of it, skipped where the gemm normalises its input (``Plan.skipped_sites``)."""
+        site in front of it, skipped where the gemm normalises its input (``Plan.skipped_sites``);
+        weight_format: the weight stays in this stored format (``ModelSpec.kept_linear``: attr ``weight_format``,
+        its bytes - codes and scales - counted instead of ``wbytes``)."""
         attrs: dict = {"residual": residual}
         if out_dtype is not None:
             attrs["out_dtype"] = out_dtype
         if norm_site is not None:
             attrs["norm_site"] = norm_site
+        if weight_format is not None:
+            attrs["weight_format"] = weight_format
+            wbytes = stored_bytes_per_value(weight_format)
         self.add(role, "gemm", weight_bytes=int(n * k * wbytes), N=n, K=k, attrs=attrs)
+
+    def mlp(self, role: str, inter: int, hidden: int, *, activation: str, clamp: float | None = None,
+            weight_format: str | None = None, side_stream: bool = False) -> None:
+        """A gated MLP site (family ``mlp``): gate|up ``[2*inter, hidden]`` and down ``[hidden, inter]``, 3 x
+        hidden x inter weights at 2 bytes, or in ``weight_format`` (attr, its stored bytes); ``clamp``: the
+        SwiGLU clamp; ``side_stream``: may run beside the routed experts."""
+        attrs: dict[str, Any] = {"activation": activation}
+        if clamp:
+            attrs["clamp"] = clamp
+        if side_stream:
+            attrs["side_stream"] = True
+        if weight_format is not None:
+            attrs["weight_format"] = weight_format
+        per = stored_bytes_per_value(weight_format) if weight_format is not None else 2
+        self.add(role, "mlp", weight_bytes=int(3 * hidden * inter * per), N=inter, K=hidden, attrs=attrs)
+
+
+def stored_bytes_per_value(fmt: str) -> float:
+    """Bytes a stored weight format reads per value, its block scales included (``QuantFormat.bits_per_value``)."""
+    return QuantFormat.get(fmt).bits_per_value() / 8

@@ -59,6 +59,7 @@ from latency_specialized.ops.plan import Plan
 from latency_specialized.ops.sites import OpSite, SiteBuilder
 from latency_specialized.quant import layout as quant_layout
 from latency_specialized.quant.checkpoint_io import QuantizedWeight
+from latency_specialized.quant.formats import QuantFormat
 from latency_specialized.runtime.communicators import SiteCommunicators
 from latency_specialized.runtime.op_table import OpTable
 from latency_specialized.runtime.pieces_api import LayerPieces, Piece, ResidualPiece, StateDecl, StepContext, WeightDecl
@@ -186,6 +187,26 @@ class ComposedModel:
             add(MODEL, "head", self.head.weights(spec, tp))
         return out
 
+    def stored_split_problems(self, tp: int) -> list[str]:
+        """Why the weights kept in a stored format (``WeightDecl.stored``) cannot be cut for ``tp`` ranks: one line
+        per declaration whose rank slice would end inside a scale block (a cut the program refuses); empty: they
+        split (TP=1 never cuts)."""
+        out: list[str] = []
+        if tp == 1:
+            return out
+        for (layer, role, local), d in self.weight_decls(tp).items():
+            if d.stored is None or d.split is None:
+                continue
+            dim = d.split % len(d.shape)
+            fmt = QuantFormat.get(d.stored)
+            block = {len(d.shape) - 1: fmt.block[1], len(d.shape) - 2: fmt.block[0]}.get(dim, 1)
+            parts, n = _slices(d, d.shape[dim], tp, local)
+            bad = [p for p in parts if (p // n) % block]
+            if bad:
+                out.append(f"{_where((layer, role, local))}: a rank's {bad[0] // n} of {bad[0]} values along dim "
+                           f"{dim} cut its {fmt.name} {block}-value scale blocks")
+        return out
+
     def state_decls(self, tp: int = 1) -> dict[int, dict[str, list[StateDecl]]]:
         """{layer: {role: [StateDecl]}} (this rank's shapes at ``tp``)."""
         per_kind = {kind: (list(ls[0].attention.states(self.spec, tp)), list(ls[0].ffn.states(self.spec, tp)))
@@ -257,6 +278,17 @@ def shard_weight(decl: WeightDecl, tensor: torch.Tensor, rank: int, tp: int, wha
     if quantized:
         return quant_layout.cat(out, dim)
     return (out[0] if len(out) == 1 else torch.cat(out, dim=dim)).contiguous()
+
+
+def _as_declared(t: QuantizedWeight, decl: WeightDecl, what: str) -> "torch.Tensor | QuantizedWeight":
+    """A quantized weight as its piece takes it: as stored where the declaration says that format
+    (``WeightDecl.stored``), dequantised (fp32, before any TP cut) where it takes the activation dtype."""
+    if decl.stored is None:
+        return t.dequantize(torch.float32)
+    if t.fmt.name.split("/")[0] != decl.stored:  # "<fmt>/rows": one scale per row (quant.layout.cat)
+        raise UserError(f"{what} is stored as {t.fmt.name}, its piece takes {decl.stored}: the spec's stored formats "
+                        "(MoESpec.expert_format, ModelSpec.linear_format) must name what the weights hold")
+    return t
 
 
 # ---------------------------------------------------------------------------------------------- names
@@ -480,7 +512,8 @@ class ComposedProgram:
     # ------------------------------------------------------------------ construction helpers
     def _cast(self, t: torch.Tensor, d: WeightDecl) -> torch.Tensor:
         """``t`` in its declared storage dtype (the activation dtype, or fp32 - fp64 in fp64 runs). A quantized
-        weight stays as stored (the kernels and references dequantise it)."""
+        weight the piece takes as stored (``WeightDecl.stored``) stays so (the kernels and references dequantise
+        it); ``_rank_weights`` dequantised the others."""
         if isinstance(t, QuantizedWeight) or not t.is_floating_point():
             return t
         want = self.dtype if d.dtype == "act" else (torch.float64 if self.dtype == torch.float64 else torch.float32)
@@ -506,6 +539,8 @@ class ComposedProgram:
                     continue
                 raise UserError(f"{model.spec.name}: missing weight {_where(key)} (shape {list(d.shape)}): pass every "
                                 "declared weight (weights_from_names maps a checkpoint onto them)")
+            if isinstance(t, QuantizedWeight):
+                t = _as_declared(t, d, _where(key))
             if sharded:
                 want = rank_shape(d, tp, _where(key))
                 if tuple(t.shape) != want:

@@ -9,7 +9,7 @@ Shapes: ``M`` = rows of the step (the batch bucket x (1 + speculative tokens)), 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -43,6 +43,10 @@ class WeightDecl:
     replicas: int = 1
     """Ranks that hold the same slice (KV heads past TP = num_kv_heads: ``tp // num_kv_heads``): the
     ``split`` dim is cut into ``tp // replicas`` slices and rank ``r`` keeps slice ``r // replicas``."""
+    stored: str | None = None
+    """The stored format the piece takes this weight in (a ``quant.QuantizedWeight`` is bound as it is: its
+    site carries ``weight_format``); None: the activation dtype - a quantized weight given for it (e.g. an FP8
+    checkpoint's ``kv_b`` for absorbed MLA) is dequantised when the program binds it."""
 
 
 @dataclass(frozen=True)
@@ -181,6 +185,15 @@ def join(parts: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
     shape = list(first.shape)
     shape[d] = sum(t.shape[d] for t in parts)
     return first.as_strided(shape, first.stride(), first.storage_offset())
+
+
+def with_stored(decls: Sequence[WeightDecl], spec: ModelSpec,
+                projections: Mapping[str, Sequence[str]]) -> list[WeightDecl]:
+    """``decls`` with ``stored`` set on the weights of every projection site that keeps its weight in the spec's
+    stored format (``projections``: site role -> the piece-local weights it joins; ``ModelSpec.kept_linear``
+    decides a site as a whole), so the program binds exactly what the sites' ``weight_format`` announces."""
+    stored = {p: fmt for parts in projections.values() if (fmt := spec.kept_linear(*parts)) for p in parts}
+    return [replace(d, stored=stored[d.name]) if d.name in stored else d for d in decls]
 
 
 class BoundOps(Protocol):

@@ -84,12 +84,16 @@ class Cell:
     device: str = "cpu"
     experts: str | None = None
     """Routed experts kept in this stored format (``MoESpec.expert_format``); None: the tiny spec's bf16."""
+    linears: str | None = None
+    """Dense projections kept in this stored format too (the adapter's ``native_linears``: ``ModelSpec.linear_format``);
+    None: the activation dtype."""
 
     @property
     def id(self) -> str:
         dev = "" if self.device == "cpu" else f"-{self.device}"
         ctx = "" if self.context is None else f"-ctx{self.context}"
-        q = "" if self.experts is None else f"-{self.experts}"
+        q = ("" if self.experts is None else f"-{self.experts}") + ("" if self.linears is None else
+                                                                   f"-dense-{self.linears}")
         return f"{self.adapter}-tp{self.tp}-b{self.batch}{ctx}-s{self.spec_tokens}{q}{dev}"
 
 
@@ -125,13 +129,17 @@ class CellResult:
                 and self.top1_agreement >= 0.99 and self.decisive >= MIN_DECISIVE)
 
 
-def _splits(adapter: Any, fmt: str, tp: int) -> bool:
-    """Whether the tiny spec with its experts kept as ``fmt`` splits by ``tp`` (whole scale groups per rank)."""
+def _splits(adapter: Any, fmt: str, tp: int, linears: str | None = None) -> bool:
+    """Whether the tiny spec with its experts (and, with ``linears``, its dense projections: the adapter's
+    ``native_linears``) kept as stored splits by ``tp`` (whole scale blocks per rank)."""
     try:
-        adapter.spec("tiny").with_expert_format(fmt).shard(tp)
+        spec = adapter.spec("tiny").with_expert_format(fmt)
+        if linears is not None:
+            spec = spec.with_linear_format(adapter.native_linears)
+        spec.shard(tp)
+        return not (linears and adapter.composed_model(spec).stored_split_problems(tp))
     except Exception:  # noqa: BLE001 - the UserError naming why: not a cell
         return False
-    return True
 
 
 def long_contexts(adapter: Any) -> tuple[int, ...]:
@@ -246,6 +254,12 @@ def cells_for(adapter: Any, *, devices: tuple[str, ...] = ("cpu", "cuda")) -> li
                 for fmt in getattr(adapter, "expert_formats", ()):
                     if batch in QUANTIZED_BATCHES and tp in QUANTIZED_TPS and _splits(adapter, fmt, tp):
                         cells.append(Cell(adapter.name, batch, tp, CONTEXTS[0], 0, device, experts=fmt))
+                # the release's whole format: its routed experts and its dense projections as stored
+                lin = adapter.native_linears
+                if lin is not None and batch in QUANTIZED_BATCHES and tp in QUANTIZED_TPS \
+                        and _splits(adapter, adapter.expert_formats[0], tp, lin.format):
+                    cells.append(Cell(adapter.name, batch, tp, CONTEXTS[0], 0, device,
+                                      experts=adapter.expert_formats[0], linears=lin.format))
         cells.extend(_long_cells(adapter, device, tps, spec_options))
     return cells
 
@@ -299,6 +313,8 @@ def cell_spec(adapter: Any, cell: Cell) -> Any:
     spec = context_spec(adapter.spec("tiny"), cell.context)
     if cell.experts is not None:
         spec = spec.with_expert_format(cell.experts)
+    if cell.linears is not None:
+        spec = spec.with_linear_format(adapter.native_linears)
     if cell.spec_tokens:
         if not callable(getattr(spec, "with_spec_tokens", None)):
             raise UserError(f"{cell.id}: {adapter.name}'s scope lists {cell.spec_tokens} speculative tokens but its "
@@ -318,7 +334,7 @@ def cell_plan(adapter: Any, registry: Any, cell: Cell) -> Any:
     kw = plan_kwargs(cell)
     if not plan_takes_context():
         kw.pop("context", None)
-    if cell.experts is not None or cell.spec_tokens or cell.context in LONG_CONTEXTS:  # not a listed variant
+    if cell.experts is not None or cell.linears is not None or cell.spec_tokens or cell.context in LONG_CONTEXTS:
         adapter = SpecBoundAdapter(adapter, cell_spec(adapter, cell))
     return build_plan(adapter, registry, cell_hardware(cell), dtype=CELL_DTYPE, variant="tiny", **kw)
 

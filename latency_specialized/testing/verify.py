@@ -45,13 +45,19 @@ softmax sum over N keys grows like sqrt(N) with the summation order, which diffe
 SEED = 1234
 
 
+def quant_kwargs(experts: str | None, linears: str | None) -> dict[str, str]:
+    """The reference's keywords keeping routed experts / dense projections in a stored format (none: bf16)."""
+    return {**({"expert_format": experts} if experts else {}), **({"linear_format": linears} if linears else {})}
+
+
 @functools.lru_cache(maxsize=4)
 def prototypes(adapter: Any, context: int, device: str, seed: int = SEED,
-               experts: str | None = None) -> tuple[Any, Any, list[int]]:
+               experts: str | None = None, linears: str | None = None) -> tuple[Any, Any, list[int]]:
     """(reference, states, lengths): PROTOTYPES sequences of lengths context, context-1, context-3, ... prefilled.
-    ``experts``: the routed experts kept quantized in that format (the reference computes with their values)."""
+    ``experts`` / ``linears``: the routed experts / dense projections kept quantized in that format (the reference
+    computes with their values)."""
     spec = adapter.spec("tiny")
-    quant = {"expert_format": experts} if experts is not None else {}
+    quant = quant_kwargs(experts, linears)
     ref = adapter.reference(spec, seed=seed, dtype="float32", device=device, tokenizer=False, **quant)
     lens = [max(1, context - k * (k + 1) // 2) for k in range(PROTOTYPES)]
     states = ref.new_cache(PROTOTYPES, context, block_size=4)
@@ -62,12 +68,13 @@ def prototypes(adapter: Any, context: int, device: str, seed: int = SEED,
 
 
 @functools.lru_cache(maxsize=2)
-def long_reference(adapter: Any, device: str, experts: str | None = None, seed: int = SEED) -> Any:
+def long_reference(adapter: Any, device: str, experts: str | None = None, seed: int = SEED,
+                   linears: str | None = None) -> Any:
     """The reference of the long-context cells: the tiny model (same weights as ``prototypes``') whose spec holds
     the longest long context (``testing.matrix.context_spec``)."""
     from latency_specialized.testing.matrix import LONG_CONTEXTS, context_spec
 
-    quant = {"expert_format": experts} if experts is not None else {}
+    quant = quant_kwargs(experts, linears)
     return adapter.reference(context_spec(adapter.spec("tiny"), max(LONG_CONTEXTS)), seed=seed, dtype="float32",
                              device=device, tokenizer=False, **quant)
 
@@ -124,13 +131,16 @@ def _verify(adapter: Any, cell: Any, comm: Any, rel_tol: float) -> Any:
     experts = getattr(cell, "experts", None)
     if experts is not None and "quantized_experts" not in adapter.capabilities:
         raise UserError(f"{cell.id}: {adapter.name} cannot keep its routed experts as {experts}")
+    linears = getattr(cell, "linears", None)
+    if linears is not None and getattr(adapter, "native_linears", None) is None:
+        raise UserError(f"{cell.id}: {adapter.name} cannot keep its dense projections as {linears}")
     B, k = cell.batch, cell.spec_tokens
     if cell.context in LONG_CONTEXTS:   # a synthetic history (testing.history), not a prefill
         rel_tol *= max(1.0, cell.context / LONG_TOL_CONTEXT) ** 0.5
-        ref = long_reference(adapter, device, experts)
+        ref = long_reference(adapter, device, experts, linears=linears)
         states, positions = long_states(ref, cell.context, B, cell.context + STEPS * (1 + k), seed=B)
     else:
-        ref, proto, lens = prototypes(adapter, cell.context, device, experts=experts)
+        ref, proto, lens = prototypes(adapter, cell.context, device, experts=experts, linears=linears)
         states = batch_states(ref, proto, lens, B, cell.context + STEPS * (1 + k), seed=B)
         positions = [lens[b % PROTOTYPES] for b in range(B)]
     spec = ref.spec

@@ -11,7 +11,7 @@ import torch
 from latency_specialized.adapter import RUNNABLE, BenchKind, ComposedAdapter, Variant
 from latency_specialized.adapter import keep_experts, with_program_weights
 from latency_specialized.errors import UserError
-from latency_specialized.spec import DecodeScope, ModelSpec
+from latency_specialized.spec import DecodeScope, LinearFormat, ModelSpec
 
 from latency_specialized_models.glm53 import names
 from latency_specialized_models.glm53.composed import composed_model
@@ -27,6 +27,7 @@ class Glm53Adapter(ComposedAdapter):
     hf_architectures: ClassVar[tuple[str, ...]] = ("GlmMoeDsaForCausalLM",)
     capabilities: ClassVar[frozenset[str]] = RUNNABLE | {"quantized_experts"}
     expert_formats: ClassVar[tuple[str, ...]] = ("fp8-block-128",)  # the release's; reference(expert_format=)
+    native_linears: ClassVar[LinearFormat] = LinearFormat(format="fp8-block-128", plain=("indexer.weights_proj",))
 
     def spec(self, variant: Variant = "full") -> ModelSpec:
         return full_spec() if variant == "full" else tiny_spec()
@@ -46,9 +47,9 @@ class Glm53Adapter(ComposedAdapter):
     def reference(self, spec: ModelSpec | None = None, *, checkpoint: str | Path | None = None,
                   weights: dict[str, torch.Tensor] | None = None, seed: int = 0,
                   dtype: str | torch.dtype = "bfloat16", device: str | torch.device = "cpu",
-                  expert_format: str | None = None, **_: Any):
+                  expert_format: str | None = None, linear_format: str | None = None, **_: Any):
         """The reference with weights by Hugging Face name: from ``checkpoint``, ``weights`` or random (``seed``);
-        ``expert_format`` ('native' = 'fp8-block-128') keeps the routed experts FP8 for the program (keep_experts)."""
+        ``expert_format`` / ``linear_format`` ('native') keep the routed experts / projections FP8 (keep_experts)."""
         from latency_specialized_models.glm53.reference import Glm53Reference
 
         dt, cfg = DTYPES.get(dtype, dtype), {}  # type: ignore[call-overload]
@@ -60,7 +61,8 @@ class Glm53Adapter(ComposedAdapter):
                 raise UserError("no random weights for the full GLM-5.3 (744B): pass --checkpoint or use --size tiny")
             named = weights if weights is not None else names.random_weights(spec, seed, dt, device)
         spec, named, kept = keep_experts(NAME, spec, named, expert_format, "fp8-block-128", self.expert_formats,
-                                         checkpoint=checkpoint, dtype=dt, device=device)
+                                         checkpoint=checkpoint, dtype=dt, device=device, linears=linear_format,
+                                         native_linears=self.native_linears, is_linear=names.stored_fp8)
         return with_program_weights(Glm53Reference(spec, named, bos_token_id=cfg.get("bos_token_id")), kept)
 
     def write_checkpoint(self, directory: str | Path, *, size: Variant = "tiny", seed: int = 0, dtype: str = "bfloat16",

@@ -39,7 +39,7 @@ from latency_specialized.errors import UserError
 from latency_specialized.ops.attention.dcp import dcp_mla_decode
 from latency_specialized.ops.sites import SiteBuilder
 from latency_specialized.pieces.attention.rope import rope_inv_freq
-from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl
+from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl, join, with_stored
 from latency_specialized.spec import MLAAttentionSpec, ModelSpec
 
 
@@ -91,19 +91,37 @@ class MLAAttention:
         return _local(self.spec, tp)
 
     # ------------------------------------------------------------------ declarations
+    def projections(self) -> dict[str, tuple[str, ...]]:
+        """Gemm site role -> the piece-local weights it joins (a site keeps a stored format only where all of
+        them are stored so: ``ModelSpec.kept_linear``). ``kv_b`` is no gemm: the absorbed attention takes it in
+        the activation dtype (an FP8 checkpoint's is dequantised at bind, as vLLM does for its absorption)."""
+        a = self.spec
+        gate = ("g_proj",) if a.output_gate == "sigmoid" else ()
+        if a.q_lora_rank:
+            out = {"attn.qkv_a_proj": ("q_a_proj", "kv_a_proj", *gate), "attn.q_b_proj": ("q_b_proj",)}
+        else:
+            out = {"attn.kv_a_proj": ("kv_a_proj",), "attn.q_proj": ("q_proj",)}
+            if gate:
+                out["attn.gate_proj"] = gate
+        out["attn.o_proj"] = ("o_proj",)
+        return out
+
     def sites(self, b: SiteBuilder, rank_spec: ModelSpec) -> None:
         a, hidden = self.local(rank_spec.tp), rank_spec.hidden_size
         qk = a.qk_nope_head_dim + a.qk_rope_head_dim
         gate = a.num_heads * a.v_head_dim if a.output_gate == "sigmoid" else 0
+        fmt = {role: rank_spec.kept_linear(*parts) for role, parts in self.projections().items()}
         if a.q_lora_rank:
-            b.gemm("attn.qkv_a_proj", a.q_lora_rank + a.kv_lora_rank + a.qk_rope_head_dim + gate, hidden)
+            b.gemm("attn.qkv_a_proj", a.q_lora_rank + a.kv_lora_rank + a.qk_rope_head_dim + gate, hidden,
+                   weight_format=fmt["attn.qkv_a_proj"])
             b.add("attn.q_a_norm", "norm", N=a.q_lora_rank)
-            b.gemm("attn.q_b_proj", a.num_heads * qk, a.q_lora_rank, norm_site="attn.q_a_norm")
+            b.gemm("attn.q_b_proj", a.num_heads * qk, a.q_lora_rank, norm_site="attn.q_a_norm",
+                   weight_format=fmt["attn.q_b_proj"])
         else:
-            b.gemm("attn.kv_a_proj", a.kv_lora_rank + a.qk_rope_head_dim, hidden)
-            b.gemm("attn.q_proj", a.num_heads * qk, hidden)
+            b.gemm("attn.kv_a_proj", a.kv_lora_rank + a.qk_rope_head_dim, hidden, weight_format=fmt["attn.kv_a_proj"])
+            b.gemm("attn.q_proj", a.num_heads * qk, hidden, weight_format=fmt["attn.q_proj"])
             if gate:
-                b.gemm("attn.gate_proj", gate, hidden)
+                b.gemm("attn.gate_proj", gate, hidden, weight_format=fmt["attn.gate_proj"])
         # no kv_a_norm site: the MLA op normalises the raw latent (and the site counts no weight bytes,
         # w_kv_b included, so the norm's kv_lora * 2 bytes are not added either)
         attrs: dict[str, Any] = {"gate": a.output_gate, "rope": a.use_rope}
@@ -111,7 +129,7 @@ class MLAAttention:
             attrs["rope_interleaved"] = a.rope_interleaved
         b.add("attn.mla", "attention.mla", heads=a.num_heads, kv_lora=a.kv_lora_rank, rope=a.qk_rope_head_dim,
               nope=a.qk_nope_head_dim, v=a.v_head_dim, attrs=attrs)
-        b.gemm("attn.o_proj", hidden, a.num_heads * a.v_head_dim)
+        b.gemm("attn.o_proj", hidden, a.num_heads * a.v_head_dim, weight_format=fmt["attn.o_proj"])
 
     def weights(self, spec: ModelSpec, tp: int) -> Sequence[WeightDecl]:
         a, H = self.spec, spec.hidden_size
@@ -128,7 +146,7 @@ class MLAAttention:
                 WeightDecl("o_proj", (H, a.num_heads * a.v_head_dim), split=1)]
         if a.output_gate == "sigmoid":
             out.append(WeightDecl("g_proj", (a.num_heads * a.v_head_dim, H), split=0))
-        return out
+        return with_stored(out, spec, self.projections())
 
     def states(self, spec: ModelSpec, tp: int) -> Sequence[StateDecl]:
         return [StateDecl("kv", "paged", (self.spec.latent_width,))]
@@ -138,7 +156,7 @@ class MLAAttention:
         gated = a.output_gate == "sigmoid"
         if a.q_lora_rank:
             # [q_a | kv_a] as vLLM's fused_qkv_a_proj, and the output-gate rows too: all read the same h
-            out = {"qkv_a": torch.cat([w["q_a_proj"], w["kv_a_proj"]] + ([w["g_proj"]] if gated else [])),
+            out = {"qkv_a": join([w["q_a_proj"], w["kv_a_proj"]] + ([w["g_proj"]] if gated else [])),
                    "q_a_norm": w["q_a_norm"], "q_b": w["q_b_proj"]}
         else:
             out = {"kv_a": w["kv_a_proj"], "q": w["q_proj"]}
@@ -147,7 +165,7 @@ class MLAAttention:
         out.update(kv_a_norm=w["kv_a_norm"], kv_b=w["kv_b_proj"], o=w["o_proj"])
         if a.use_rope:
             assert a.rope_theta is not None
-            out["rope_inv_freq"] = rope_inv_freq(a.rope_theta, a.qk_rope_head_dim, w["kv_a_proj"].device)
+            out["rope_inv_freq"] = rope_inv_freq(a.rope_theta, a.qk_rope_head_dim, w["kv_a_norm"].device)
         return out
 
     # ------------------------------------------------------------------ computation

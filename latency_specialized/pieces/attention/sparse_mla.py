@@ -51,7 +51,7 @@ import torch
 from latency_specialized.errors import UserError
 from latency_specialized.ops.sites import SiteBuilder
 from latency_specialized.pieces.attention.mla import MLAAttention
-from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl
+from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl, join, with_stored
 from latency_specialized.spec import IndexerSpec, ModelSpec
 
 TOPK = "indexer.topk"
@@ -114,6 +114,14 @@ class SparseMLAAttention(MLAAttention):
         return self.spec.indexer
 
     # ------------------------------------------------------------------ declarations
+    def projections(self) -> dict[str, tuple[str, ...]]:
+        """The dense piece's, with a full layer's indexer rows riding on the fused ``qkv_a`` and ``q_b``."""
+        out = super().projections()
+        if self.options.full:
+            out["attn.qkv_a_proj"] += ("indexer.k_proj", "indexer.weights_proj")
+            out["attn.q_b_proj"] += ("indexer.q_proj",)
+        return out
+
     def sites(self, b: SiteBuilder, rank_spec: ModelSpec) -> None:
         a, hidden, ix, full = self.local(rank_spec.tp), rank_spec.hidden_size, self.ix, self.options.full
         assert a.q_lora_rank
@@ -121,9 +129,12 @@ class SparseMLAAttention(MLAAttention):
         gate = a.num_heads * a.v_head_dim if a.output_gate == "sigmoid" else 0
         extra_a = ix.head_dim + ix.num_heads if full else 0
         extra_b = ix.num_heads * ix.head_dim if full else 0
-        b.gemm("attn.qkv_a_proj", a.q_lora_rank + a.kv_lora_rank + a.qk_rope_head_dim + gate + extra_a, hidden)
+        fmt = {role: rank_spec.kept_linear(*parts) for role, parts in self.projections().items()}
+        b.gemm("attn.qkv_a_proj", a.q_lora_rank + a.kv_lora_rank + a.qk_rope_head_dim + gate + extra_a, hidden,
+               weight_format=fmt["attn.qkv_a_proj"])
         b.add("attn.q_a_norm", "norm", N=a.q_lora_rank)
-        b.gemm("attn.q_b_proj", a.num_heads * qk + extra_b, a.q_lora_rank, norm_site="attn.q_a_norm")
+        b.gemm("attn.q_b_proj", a.num_heads * qk + extra_b, a.q_lora_rank, norm_site="attn.q_a_norm",
+               weight_format=fmt["attn.q_b_proj"])
         if full:
             b.add("attn.indexer", "attention.indexer", heads=ix.num_heads, head_dim=ix.head_dim, topk=ix.topk,
                   rope=a.qk_rope_head_dim if a.use_rope else 0,
@@ -133,7 +144,7 @@ class SparseMLAAttention(MLAAttention):
             attrs["rope_interleaved"] = a.rope_interleaved
         b.add("attn.sparse_mla", "attention.sparse_mla", heads=a.num_heads, kv_lora=a.kv_lora_rank,
               rope=a.qk_rope_head_dim, nope=a.qk_nope_head_dim, v=a.v_head_dim, topk=ix.topk, attrs=attrs)
-        b.gemm("attn.o_proj", hidden, a.num_heads * a.v_head_dim)
+        b.gemm("attn.o_proj", hidden, a.num_heads * a.v_head_dim, weight_format=fmt["attn.o_proj"])
 
     def weights(self, spec: ModelSpec, tp: int) -> Sequence[WeightDecl]:
         out = list(super().weights(spec, tp))
@@ -145,7 +156,7 @@ class SparseMLAAttention(MLAAttention):
                     WeightDecl("indexer.weights_proj", (ix.num_heads, spec.hidden_size)),
                     WeightDecl("indexer.k_norm", (ix.head_dim,), dtype="float32"),
                     WeightDecl("indexer.k_norm_bias", (ix.head_dim,), dtype="float32")]
-        return out
+        return with_stored(out, spec, self.projections())
 
     def states(self, spec: ModelSpec, tp: int) -> Sequence[StateDecl]:
         out = list(super().states(spec, tp))
@@ -161,8 +172,8 @@ class SparseMLAAttention(MLAAttention):
         out = super().arrange(w, rank_spec)
         if self.options.full:
             # the indexer's h projections ride on the fused latent projection, its queries on q_b
-            out["qkv_a"] = torch.cat([out["qkv_a"], w["indexer.k_proj"], w["indexer.weights_proj"]])
-            out["q_b"] = torch.cat([out["q_b"], w["indexer.q_proj"]])
+            out["qkv_a"] = join([out["qkv_a"], w["indexer.k_proj"], w["indexer.weights_proj"]])
+            out["q_b"] = join([out["q_b"], w["indexer.q_proj"]])
             out["indexer.k_norm"] = w["indexer.k_norm"]
             out["indexer.k_norm_bias"] = w["indexer.k_norm_bias"]
         return out

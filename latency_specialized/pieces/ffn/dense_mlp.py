@@ -15,7 +15,7 @@ from typing import ClassVar, Mapping
 import torch
 
 from latency_specialized.ops.sites import SiteBuilder
-from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl, join
+from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl, join, with_stored
 from latency_specialized.spec import DenseMLPSpec, ModelSpec
 
 
@@ -27,16 +27,19 @@ class DenseMLP:
     spec: DenseMLPSpec
     """The unsharded MLP (intermediate width, activation)."""
 
+    PROJECTIONS: ClassVar[dict[str, tuple[str, ...]]] = {"mlp": ("gate_proj", "up_proj", "down_proj")}
+    """The site and the weights it joins (kept in a stored format as a whole: ``ModelSpec.kept_linear``)."""
+
     def sites(self, b: SiteBuilder, rank_spec: ModelSpec) -> None:
         inter, hidden = self.spec.shard(rank_spec.tp).intermediate, rank_spec.hidden_size
-        b.add("mlp", "mlp", weight_bytes=3 * hidden * inter * 2, N=inter, K=hidden,
-              attrs={"activation": self.spec.activation.kind})
+        b.mlp("mlp", inter, hidden, activation=self.spec.activation.kind,
+              weight_format=rank_spec.kept_linear(*self.PROJECTIONS["mlp"]))
 
     def weights(self, spec: ModelSpec, tp: int) -> list[WeightDecl]:
         self.spec.shard(tp)  # UserError naming the fix for a TP the width cannot be split by
         I, H = self.spec.intermediate, spec.hidden_size
-        return [WeightDecl("gate_proj", (I, H), split=0), WeightDecl("up_proj", (I, H), split=0),
-                WeightDecl("down_proj", (H, I), split=1)]
+        return with_stored([WeightDecl("gate_proj", (I, H), split=0), WeightDecl("up_proj", (I, H), split=0),
+                            WeightDecl("down_proj", (H, I), split=1)], spec, self.PROJECTIONS)
 
     def states(self, spec: ModelSpec, tp: int) -> list[StateDecl]:
         return []

@@ -198,9 +198,9 @@ class LatentMoE:
         if self.per_route:
             out.append(WeightDecl("post_expert_norm", (Ld,)))
         out += [WeightDecl("latent_up", (H, Ld), split=0),
-                WeightDecl("experts.w1", (E, inter, Ld), split=1),
-                WeightDecl("experts.w3", (E, inter, Ld), split=1),
-                WeightDecl("experts.w2", (E, Ld, inter), split=2)]
+                WeightDecl("experts.w1", (E, inter, Ld), split=1, stored=f.expert_format),
+                WeightDecl("experts.w3", (E, inter, Ld), split=1, stored=f.expert_format),
+                WeightDecl("experts.w2", (E, Ld, inter), split=2, stored=f.expert_format)]
         if f.num_shared_experts:
             s = f.num_shared_experts * inter
             out += [WeightDecl("shared.gate_proj", (s, H), split=0), WeightDecl("shared.up_proj", (s, H), split=0),

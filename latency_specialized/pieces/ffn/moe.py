@@ -33,8 +33,11 @@ from latency_specialized.errors import UserError
 from latency_specialized.ops.sites import SiteBuilder
 from latency_specialized.ops.tp_moe import gather_parts
 from latency_specialized.pieces.ffn.latent_moe import expert_format_attrs, router_attrs
-from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl, join
+from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl, join, with_stored
 from latency_specialized.spec import ModelSpec, MoESpec
+
+SHARED = ("shared.gate_proj", "shared.up_proj", "shared.down_proj")
+"""The shared experts' weights (one ``moe.shared`` site: kept in a stored format as a whole)."""
 
 
 @dataclass(frozen=True)
@@ -71,9 +74,8 @@ class RoutedMoE:
         b.add("moe.experts", "moe.experts", E=f.num_experts, topk=f.top_k, N=local.expert_intermediate, K=hidden,
               attrs={**act, **expert_format_attrs(f)})
         if f.num_shared_experts:
-            inter = f.num_shared_experts * local.expert_intermediate
-            b.add("moe.shared", "mlp", weight_bytes=3 * hidden * inter * 2, N=inter, K=hidden,
-                  attrs={**act, "side_stream": True})
+            b.mlp("moe.shared", f.num_shared_experts * local.expert_intermediate, hidden, activation=f.activation.kind,
+                  clamp=f.activation.clamp, side_stream=True, weight_format=rank_spec.kept_linear(*SHARED))
 
     def weights(self, spec: ModelSpec, tp: int) -> list[WeightDecl]:
         f, H = self.spec, spec.hidden_size
@@ -82,13 +84,15 @@ class RoutedMoE:
         out = [WeightDecl("router", (E, H), split=0 if self._split(tp) else None)]
         if f.router.bias_corrected:
             out.append(WeightDecl("router_bias", (E,), dtype="float32"))
-        out += [WeightDecl("experts.w1", (E, I, H), split=1), WeightDecl("experts.w3", (E, I, H), split=1),
-                WeightDecl("experts.w2", (E, H, I), split=2)]
+        kept = f.expert_format
+        out += [WeightDecl("experts.w1", (E, I, H), split=1, stored=kept),
+                WeightDecl("experts.w3", (E, I, H), split=1, stored=kept),
+                WeightDecl("experts.w2", (E, H, I), split=2, stored=kept)]
         if f.num_shared_experts:
             S = f.num_shared_experts * I
             out += [WeightDecl("shared.gate_proj", (S, H), split=0), WeightDecl("shared.up_proj", (S, H), split=0),
                     WeightDecl("shared.down_proj", (H, S), split=1)]
-        return out
+        return with_stored(out, spec, {"moe.shared": SHARED})
 
     def states(self, spec: ModelSpec, tp: int) -> list[StateDecl]:
         return []
@@ -100,7 +104,7 @@ class RoutedMoE:
         if "router_bias" in w:
             out["router_bias"] = w["router_bias"]
         if self.spec.num_shared_experts:
-            out["shared_gate_up"] = torch.cat([w["shared.gate_proj"], w["shared.up_proj"]])
+            out["shared_gate_up"] = join([w["shared.gate_proj"], w["shared.up_proj"]])
             out["shared_down"] = w["shared.down_proj"].contiguous()
         return out
 
