@@ -20,7 +20,7 @@ from latency_specialized.errors import UserError
 from latency_specialized.spec import KDAAttentionSpec, LinearFormat, MLAAttentionSpec, ModelSpec, MoESpec, ParallelSpec
 
 __all__ = ["ModelAdapter", "AdapterContract", "BenchKind", "Capability", "Variant", "is_routed_expert", "keep_experts",
-           "kept_expert_format", "kept_linear_format", "with_program_weights", "RUNNABLE"]
+           "kept_expert_format", "kept_linear_format", "tiny_only", "with_program_weights", "RUNNABLE"]
 
 RUNNABLE: frozenset[str] = frozenset({"spec", "reference", "program", "checkpoint"})
 """The capabilities of an adapter that runs standalone (add ``quantized_experts``, ``vllm`` as they apply)."""
@@ -37,6 +37,15 @@ def kept_expert_format(model: str, asked: str | None, native: str, kept: tuple[s
         raise UserError(f"{model} keeps its routed experts as {' / '.join(kept) or 'bf16'} only ({where} stores them "
                         f"as {native}); use --experts native with such a checkpoint, or drop --experts")
     return fmt
+
+
+def tiny_only(model: str, size: str, params: str, weights: Any = None, *, random: bool = False) -> None:
+    """Refuse what only the tiny model can have: a ``make-checkpoint --size`` other than tiny, or (``random=True``)
+    random weights (``weights`` None) for the full model - ``params``: its parameter count, for the message."""
+    if random and weights is None and size == "full":
+        raise UserError(f"no random weights for the full {model} ({params}): pass --checkpoint or use --size tiny")
+    if not random and size != "tiny":
+        raise UserError(f"{model}: only --size tiny checkpoints can be made (the full model has {params} parameters)")
 
 
 def with_program_weights(reference: Any, program_weights: dict[str, Any] | None) -> Any:

@@ -92,19 +92,39 @@ def row_scaled(q: QuantizedWeight) -> QuantizedWeight:
     return replace(q, fmt=replace(q.fmt, name=q.fmt.name + "/rows", block=(1, cols)), scale=scale)
 
 
+def take_rows(q: QuantizedWeight, index: torch.Tensor) -> QuantizedWeight:
+    """Rows ``index`` of a ``[N, K]`` weight, in that order (e.g. a permutation of each head's channels): with one
+    scale per row (:func:`row_scaled`: exact) unless every index stays inside whole blocks kept in order."""
+    rows = q.fmt.block[0]
+    if rows > 1:
+        blocks = index.reshape(-1, rows) if index.numel() % rows == 0 else None
+        whole = blocks is not None and bool((blocks[:, 0] % rows == 0).all()) and \
+            bool((blocks - blocks[:, :1] == torch.arange(rows, device=index.device)).all())
+        if not whole or q.shape[-2] % rows:
+            q = row_scaled(q)
+        else:   # block-aligned: move whole blocks, their scales with them
+            pick = {"weight": _bytes_op(lambda ts: ts[0].index_select(-2, index).contiguous(), [q.weight]),
+                    "scale": _bytes_op(lambda ts: ts[0].index_select(-2, blocks[:, 0] // rows).contiguous(), [q.scale])}
+            return replace(q, shape=(*q.shape[:-2], index.numel(), q.shape[-1]), **pick)
+    pick = {k: _bytes_op(lambda ts: ts[0].index_select(-2, index).contiguous(), [getattr(q, k)])
+            for k in ("weight", "scale")}
+    return replace(q, shape=(*q.shape[:-2], index.numel(), q.shape[-1]), **pick)
+
+
 def cat(parts: Sequence[QuantizedWeight], dim: int) -> QuantizedWeight:
     """The parts joined along logical ``dim`` (e.g. gate | up rows of every expert: ``dim=1`` of ``[E, I, K]``).
     Parts share the format, the other dimensions and - when joined along ``N`` or ``K`` - their global scales
     (one multiplier per tensor; NVFP4 gate and up projections with different ``weight_scale_2`` are refused).
-    Along N, parts whose rows end inside a scale block (formats with partial blocks) are joined with one scale per
-    row (:func:`row_scaled`: exact)."""
+    Along N, parts whose rows end inside a scale block, or already scaled per row, are joined with one scale per row
+    (:func:`row_scaled`: exact; formats with partial blocks)."""
     first = parts[0]
     if len(parts) == 1:
         return first
     d = _dim(first, dim)
-    rows = first.fmt.block[0]
+    rows = max(p.fmt.block[0] for p in parts)
+    # a part already row-scaled (``take_rows``), or one ending inside a block: every part one scale per row
     if d == len(first.shape) - 2 and rows > 1 and first.fmt.partial_blocks \
-            and any(p.shape[d] % rows for p in parts[:-1]):
+            and (any(p.shape[d] % rows for p in parts[:-1]) or any(p.fmt.block[0] != rows for p in parts)):
         parts = [row_scaled(p) for p in parts]
         first = parts[0]
     for p in parts[1:]:
@@ -153,4 +173,4 @@ def stack(parts: Sequence[QuantizedWeight], name: str | None = None) -> Quantize
     return replace(first, shape=(len(parts), *first.shape), name=name or first.name, **out)
 
 
-__all__ = ["narrow", "cat", "stack", "row_scaled", "cut"]
+__all__ = ["narrow", "cat", "stack", "row_scaled", "cut", "take_rows"]

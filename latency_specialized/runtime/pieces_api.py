@@ -187,6 +187,14 @@ def join(parts: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
     return first.as_strided(shape, first.stride(), first.storage_offset())
 
 
+def take_rows(w: "torch.Tensor | QuantizedWeight", index: torch.Tensor) -> "torch.Tensor | QuantizedWeight":
+    """Rows ``index`` of a ``[N, K]`` weight in that order (a piece's channel permutation in ``arrange``): a plain
+    tensor's ``index_select``, a quantized one's rows with their scales (``quant.layout.take_rows``: exact)."""
+    if isinstance(w, QuantizedWeight):
+        return quant_layout.take_rows(w, index)
+    return w.index_select(0, index)
+
+
 def with_stored(decls: Sequence[WeightDecl], spec: ModelSpec,
                 projections: Mapping[str, Sequence[str]]) -> list[WeightDecl]:
     """``decls`` with ``stored`` set on the weights of every projection site that keeps its weight in the spec's

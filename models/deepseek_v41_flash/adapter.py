@@ -9,9 +9,9 @@ from typing import Any, ClassVar
 import torch
 
 from latency_specialized.adapter import RUNNABLE, BenchKind, ComposedAdapter, Variant
-from latency_specialized.adapter import keep_experts, with_program_weights
+from latency_specialized.adapter import keep_experts, tiny_only, with_program_weights
 from latency_specialized.errors import UserError
-from latency_specialized.spec import DecodeScope, ModelSpec
+from latency_specialized.spec import DecodeScope, LinearFormat, ModelSpec
 
 from latency_specialized_models.deepseek_v41_flash import names
 from latency_specialized_models.deepseek_v41_flash.composed import composed_model, layer_kind, tensor_name
@@ -33,6 +33,8 @@ class DeepseekV41FlashAdapter(ComposedAdapter):
     hf_architectures: ClassVar[tuple[str, ...]] = ("DeepseekV41ForCausalLM",)
     expert_formats: ClassVar[tuple[str, ...]] = (EXPERT_FORMAT,)  # kept on the device: reference(expert_format=)
     capabilities: ClassVar[frozenset[str]] = RUNNABLE | {"quantized_experts"}
+    native_linears: ClassVar[LinearFormat] = LinearFormat(format="fp8-block-32", plain=(  # names.FP8: the rest
+        "compressor.kv", "compressor.gate", "indexer.weights_proj", "indexer.k_proj"))
     variants: ClassVar[tuple[str, ...]] = ("full", "medium", "tiny")
 
     def spec(self, variant: Variant = "full") -> ModelSpec:
@@ -51,9 +53,9 @@ class DeepseekV41FlashAdapter(ComposedAdapter):
 
     def reference(self, spec: ModelSpec | None = None, *, checkpoint: str | Path | None = None, weights: dict[str,
                   torch.Tensor] | None = None, seed: int = 0, dtype: str | torch.dtype = "bfloat16", device="cpu",
-                  expert_format: str | None = None, **_):
+                  expert_format: str | None = None, linear_format: str | None = None, **_):
         """The reference with weights by official name: from ``checkpoint``, ``weights`` or random (``seed``);
-        ``expert_format`` ('native' = 'mxfp4-deepseek') keeps the routed experts FP4 for the program (keep_experts)."""
+        ``expert_format`` / ``linear_format`` ('native') keep the routed experts FP4 / projections FP8 (keep_experts)."""
         from latency_specialized_models.deepseek_v41_flash.reference import DeepseekV41Reference
 
         dt = DTYPES.get(dtype, dtype)  # type: ignore[call-overload]
@@ -62,11 +64,11 @@ class DeepseekV41FlashAdapter(ComposedAdapter):
         else:
             spec = spec if spec is not None else tiny_spec()
             refuse_unmodelled(spec.full(), "reference")  # type: ignore[attr-defined]
-            if weights is None and spec.variant == "full":
-                raise UserError(f"no random weights for the full {NAME} (748B): pass --checkpoint or use --size tiny")
+            tiny_only(NAME, spec.variant, "748B", weights, random=True)
             w = weights if weights is not None else names.random_weights(spec, seed, dt, device)  # type: ignore
-        spec, w, kept = keep_experts(NAME, spec, w, expert_format, EXPERT_FORMAT, self.expert_formats,
-                                     checkpoint=checkpoint, dtype=dt, device=device)
+        spec, w, kept = keep_experts(NAME, spec, w, expert_format, EXPERT_FORMAT, self.expert_formats, checkpoint=checkpoint,
+                                     dtype=dt, device=device, linears=linear_format, native_linears=self.native_linears,
+                                     is_linear=lambda n: any(f in n for f in names.FP8))
         return with_program_weights(DeepseekV41Reference(spec, w), kept)  # type: ignore[arg-type]
 
     def program(self, spec: ModelSpec, **kw: Any) -> Any:
@@ -77,8 +79,7 @@ class DeepseekV41FlashAdapter(ComposedAdapter):
     def write_checkpoint(self, directory: str | Path, *, size: Variant = "tiny", seed: int = 0, dtype: str = "bfloat16",
                          layout: str | None = None, expert_format: str | None = None) -> list[Path]:
         """A random-weight checkpoint of the tiny model in the official layout (dense FP8 32x32 blocks, FP4 experts)."""
-        if size != "tiny":
-            raise UserError(f"{NAME}: only --size tiny checkpoints can be made (the full model has 748B parameters)")
+        tiny_only(NAME, size, "748B")
         if layout not in (None, "official") or expert_format not in (None, "mxfp4"):
             raise UserError(f"{NAME}: one layout (official: FP8 dense, MXFP4-style experts): drop --layout/--experts")
         spec, kinds = tiny_spec(), names.expected_tensors(tiny_spec())

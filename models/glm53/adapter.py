@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from latency_specialized.adapter import RUNNABLE, BenchKind, ComposedAdapter, Variant
-from latency_specialized.adapter import keep_experts, with_program_weights
+from latency_specialized.adapter import keep_experts, tiny_only, with_program_weights
 from latency_specialized.errors import UserError
 from latency_specialized.spec import DecodeScope, LinearFormat, ModelSpec
 
@@ -57,8 +57,7 @@ class Glm53Adapter(ComposedAdapter):
             spec, named, cfg = names.load(checkpoint, dt, device)
         else:
             spec = spec if spec is not None else tiny_spec()
-            if weights is None and spec.variant == "full":
-                raise UserError("no random weights for the full GLM-5.3 (744B): pass --checkpoint or use --size tiny")
+            tiny_only(NAME, spec.variant, "744B", weights, random=True)
             named = weights if weights is not None else names.random_weights(spec, seed, dt, device)
         spec, named, kept = keep_experts(NAME, spec, named, expert_format, "fp8-block-128", self.expert_formats,
                                          checkpoint=checkpoint, dtype=dt, device=device, linears=linear_format,
@@ -69,8 +68,7 @@ class Glm53Adapter(ComposedAdapter):
                          layout: str | None = None, expert_format: str | None = None,
                          quant: Literal["fp8-block"] | None = None) -> list[Path]:
         """A random-weight tiny checkpoint (``GlmMoeDsaForCausalLM`` layout); ``quant``: projections FP8 as released."""
-        if size != "tiny":
-            raise UserError(f"{NAME}: only --size tiny checkpoints can be made (the full model has 744B parameters)")
+        tiny_only(NAME, size, "744B")
         if layout not in (None, "hf") or expert_format not in (None, "bf16"):
             raise UserError(f"{NAME}: one layout (Hugging Face GlmMoeDsaForCausalLM), experts as --quant says: drop "
                             "--layout/--experts")

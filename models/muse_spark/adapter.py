@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import torch
 
 from latency_specialized.adapter import RUNNABLE, BenchKind, ComposedAdapter, Variant
-from latency_specialized.adapter import keep_experts, with_program_weights
+from latency_specialized.adapter import keep_experts, tiny_only, with_program_weights
 from latency_specialized.errors import UserError
 from latency_specialized.spec import DecodeScope, GQAAttentionSpec, ModelSpec, MoESpec
 
@@ -78,8 +78,7 @@ class MuseSparkAdapter(ComposedAdapter):
         """A random-weight Hugging Face checkpoint of the tiny model (transformers' multimodal layout)."""
         from latency_specialized_models.muse_spark import names
 
-        if size != "tiny":
-            raise UserError(f"{NAME}: only --size tiny checkpoints can be made (the full model has 816B parameters)")
+        tiny_only(NAME, size, "816B")
         if layout not in (None, "hf") or expert_format not in (None, "bf16"):
             raise UserError(f"{NAME}: one layout (Hugging Face MuseSparkForConditionalGeneration) with bf16 experts: "
                             "drop --layout/--experts")

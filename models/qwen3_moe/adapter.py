@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from latency_specialized.adapter import ComposedAdapter, Variant
+from latency_specialized.adapter import ComposedAdapter, Variant, tiny_only
 from latency_specialized.errors import UserError
 from latency_specialized.spec import DecodeScope, ModelSpec
 
@@ -71,8 +71,7 @@ class Qwen3MoEAdapter(ComposedAdapter):
         """A random-weight Hugging Face checkpoint of the tiny model: config.json + model.safetensors."""
         from latency_specialized.runtime.checkpoint import save_checkpoint
 
-        if size != "tiny":
-            raise UserError(f"{NAME}: only --size tiny checkpoints can be made (the full model has 30B parameters)")
+        tiny_only(NAME, size, "30B")
         if layout not in (None, "hf") or expert_format not in (None, "bf16"):
             raise UserError(f"{NAME}: one layout (Hugging Face Qwen3-MoE) with plain experts: drop --layout/--experts")
         spec = variant_spec("tiny")

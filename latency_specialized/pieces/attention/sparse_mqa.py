@@ -72,7 +72,7 @@ from latency_specialized.errors import UserError
 from latency_specialized.ops.attention.sparse_mqa import rope_tail, slot_of
 from latency_specialized.ops.sites import SiteBuilder
 from latency_specialized.pieces.attention.rope import rope_inv_freq
-from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl, join
+from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl, join, take_rows, with_stored
 from latency_specialized.spec import MAX_SPEC_TOKENS, ModelSpec, SparseMQAAttentionSpec
 
 TOPK = "sparse_mqa.topk"
@@ -165,21 +165,40 @@ class SparseMQAAttention:
         return (a.q_lora_rank, D, (2 * D if r > 1 else D) if self.kv_source else 0,
                 ix.num_heads if ix is not None else 0)
 
+    def _fused_in(self) -> list[str]:
+        """The weights of the fused input projection, in its column order (``_in_widths``)."""
+        kv_src, ix = self.kv_source, self.spec.indexer
+        return ["q_a_proj", "kv_proj"] + (["compressor.kv"] if kv_src else []) \
+            + (["compressor.gate"] if kv_src and self.spec.compress_ratio > 1 else []) \
+            + (["indexer.weights_proj"] if ix is not None else [])
+
     # ------------------------------------------------------------------ declarations
+    def projections(self) -> dict[str, tuple[str, ...]]:
+        """Gemm site role -> the weights it joins (kept in a stored format where all are: ``ModelSpec.kept_linear``).
+        Not here: the grouped ``o_a`` (no grouped block-FP8 gemm yet: dequantised at bind)."""
+        out = {"attn.in_proj": tuple(self._fused_in()),
+               "attn.q_b_proj": ("q_b_proj",) + (("indexer.q_proj",) if self.spec.indexer is not None else ()),
+               "attn.o_b_proj": ("o_b_proj",)}
+        if self.index_keys:
+            out["attn.indexer.k_proj"] = ("indexer.k_proj",)
+        return out
+
     def sites(self, b: SiteBuilder, rank_spec: ModelSpec) -> None:
         a, H, ix = _local(self.spec, rank_spec.tp), rank_spec.hidden_size, self.spec.indexer
         r, D = self.spec.compress_ratio, a.head_dim
-        b.gemm("attn.in_proj", sum(self._in_widths(a)), H)
+        fmt = {role: rank_spec.kept_linear(*parts) for role, parts in self.projections().items()}
+        b.gemm("attn.in_proj", sum(self._in_widths(a)), H, weight_format=fmt["attn.in_proj"])
         b.add("attn.q_norm", "norm", N=a.q_lora_rank)
         # the indexer's q_proj reads qr too: its rows join q_b's (one gemm, one norm prologue for both)
         iq_n = ix.num_heads * ix.head_dim if ix is not None else 0
-        b.gemm("attn.q_b_proj", a.num_heads * D + iq_n, a.q_lora_rank, norm_site="attn.q_norm")
+        b.gemm("attn.q_b_proj", a.num_heads * D + iq_n, a.q_lora_rank, norm_site="attn.q_norm",
+               weight_format=fmt["attn.q_b_proj"])
         if self.kv_source:
             b.add("attn.compressor", "attention.sparse_mqa_compress", head_dim=D, compress_ratio=r, rope=a.rope_dim,
                   attrs={"rope_interleaved": True})
         if ix is not None:
             if self.index_keys:
-                b.gemm("attn.indexer.k_proj", ix.head_dim, D)
+                b.gemm("attn.indexer.k_proj", ix.head_dim, D, weight_format=fmt["attn.indexer.k_proj"])
             b.add("attn.indexer", "attention.indexer", heads=ix.num_heads, head_dim=ix.head_dim, topk=ix.topk,
                   rope=a.rope_dim, attrs={"rope_interleaved": True, "k_norm": "rms", "compressed": True,
                                           "key_write": self.index_keys})
@@ -189,7 +208,7 @@ class SparseMQAAttention:
         K = a.num_heads * D // a.o_groups
         b.add("attn.o_a_proj", "gemm", weight_bytes=a.o_groups * a.o_lora_rank * K * 2, N=a.o_lora_rank, K=K,
               attrs={"residual": False, "groups": a.o_groups})
-        b.gemm("attn.o_b_proj", H, a.o_groups * a.o_lora_rank)
+        b.gemm("attn.o_b_proj", H, a.o_groups * a.o_lora_rank, weight_format=fmt["attn.o_b_proj"])
 
     def weights(self, spec: ModelSpec, tp: int) -> Sequence[WeightDecl]:
         a, H, ix = self.spec, spec.hidden_size, self.spec.indexer
@@ -209,7 +228,7 @@ class SparseMQAAttention:
                     WeightDecl("indexer.weights_proj", (ix.num_heads, H))]
             if self.index_keys:
                 out += [WeightDecl("indexer.k_proj", (ix.head_dim, D)), WeightDecl("indexer.k_norm", (ix.head_dim,))]
-        return out
+        return with_stored(out, spec, self.projections())
 
     def states(self, spec: ModelSpec, tp: int) -> Sequence[StateDecl]:
         a, r = self.spec, self.spec.compress_ratio
@@ -230,20 +249,20 @@ class SparseMQAAttention:
 
     def arrange(self, w: Mapping[str, torch.Tensor], rank_spec: ModelSpec) -> dict[str, torch.Tensor]:
         a, ix = _local(self.spec, rank_spec.tp), self.spec.indexer
-        dev = w["q_a_proj"].device
+        dev = w["q_norm"].device
         # one gemm for every projection of h: [q_a | kv | compressor kv (| gate) | indexer weights] (_in_widths)
-        fused = ["q_a_proj", "kv_proj"] + (["compressor.kv"] if self.kv_source else []) \
-            + (["compressor.gate"] if self.kv_source and a.compress_ratio > 1 else []) \
-            + (["indexer.weights_proj"] if ix is not None else [])
+        fused = self._fused_in()
         out = {k: v.contiguous() for k, v in w.items() if not k.startswith("indexer.") and k not in fused}
         out["in_proj"] = join([w[k] for k in fused]).contiguous()
         out["o_a_proj"] = w["o_a_proj"].reshape(a.o_groups, a.o_lora_rank, -1).contiguous()
         out["rope_inv_freq"] = rope_inv_freq(self.rope_theta, a.rope_dim, device=dev)
         if ix is not None:   # the indexer op rotates leading channels: its heads' rope channels go first
-            q = w["indexer.q_proj"].view(ix.num_heads, ix.head_dim, -1)
-            out["q_b_proj"] = torch.cat([w["q_b_proj"], rope_leading(q, a.rope_dim, dim=1).reshape(-1, q.shape[-1])])
+            heads = torch.arange(ix.num_heads * ix.head_dim).view(ix.num_heads, ix.head_dim)
+            iq = take_rows(w["indexer.q_proj"], rope_leading(heads, a.rope_dim, dim=1).flatten().to(dev))
+            out["q_b_proj"] = join([w["q_b_proj"], iq])
             if self.index_keys:
-                out["indexer.k_proj"] = rope_leading(w["indexer.k_proj"], a.rope_dim, dim=0).contiguous()
+                keys = rope_leading(torch.arange(ix.head_dim), a.rope_dim, dim=0).to(dev)
+                out["indexer.k_proj"] = take_rows(w["indexer.k_proj"], keys).contiguous()
                 out["indexer.k_norm"] = rope_leading(w["indexer.k_norm"], a.rope_dim, dim=0)
         return out
 

@@ -12,6 +12,7 @@ from latency_specialized import quant
 from latency_specialized.cli import main
 from latency_specialized.errors import UserError
 from latency_specialized.plugins import get_registry
+from latency_specialized.testing.matrix import Cell, cell_plan
 
 from tests.models.kept_experts import assert_program_binds_kept_experts, generate_in_one_graph, ids
 
@@ -63,3 +64,39 @@ def test_medium_model_runs_its_fp4_experts_on_the_4bit_kernels_in_one_graph(batc
     base = ["generate", "--model", "deepseek_v41_flash", "--size", "medium", "--batch", str(batch), "--max-tokens", "8",
             "--prompt-ids", "1,40,41,42", "--show-plan", "--experts", "native"]
     generate_in_one_graph(base, "moe.experts.q4_gemv_triton" if batch < 8 else "moe.experts.q4_grouped_triton", capsys)
+
+
+def test_checkpoint_dense_projections_kept_fp8_where_every_part_is(tmp_path, capsys):
+    """``--linears native``: the FP8 32x32 projections stay as stored (q_b with the indexer's rope-leading rows moved
+    with their scales, o_b, shared experts; ``in_proj`` where it joins no plain compressor / indexer weight); the
+    grouped ``o_a`` is dequantised at bind (no grouped FP8 gemm). fp32: the same tokens as dequantised at load."""
+    d = tmp_path / "ds"
+    assert main(["make-checkpoint", "deepseek_v41_flash", "--size", "tiny", str(d)]) == 0
+    ref = ADAPTER.reference(None, checkpoint=d, dtype="float32", expert_format="native", linear_format="native")
+    kept = {n for n, w in ref.program_weights.items() if isinstance(w, quant.QuantizedWeight)}
+    assert {n for n in kept if ".ffn.experts." not in n} and not any("compressor" in n for n in kept)
+    assert all(ref.program_weights[n].fmt.name == "fp8-block-32" for n in kept if ".ffn.experts." not in n)
+    cell = Cell(ADAPTER.name, 1, 1, 8, 0, experts="mxfp4-deepseek", linears="fp8-block-32")
+    program = ADAPTER.program(ref.spec, plans=cell_plan(ADAPTER, get_registry().implementations, cell),
+                              cache=ref.new_cache(1, 16), reference=ref)
+    attn = {lp.kind: w["attn"] for lp, w in zip(program.model.layers, program.w_layers)}
+    for kind, w in attn.items():
+        assert isinstance(w["q_b_proj"], quant.QuantizedWeight) and isinstance(w["o_b_proj"], quant.QuantizedWeight)
+        assert isinstance(w["o_a_proj"], torch.Tensor)
+        assert isinstance(w["in_proj"], quant.QuantizedWeight) == (".src" not in kind and ".idx" not in kind), kind
+    args = ["--prompt-ids", "5,9,11", "--max-tokens", "6", "--device", "cpu", "--dtype", "float32"]
+    assert main(["generate", "--model", "deepseek_v41_flash", "--checkpoint", str(d), *args]) == 0
+    plain = ids(capsys.readouterr().out)
+    assert main(["generate", "--model", "deepseek_v41_flash", "--checkpoint", str(d), "--experts", "native",
+                 "--linears", "native", *args]) == 0
+    assert plain and ids(capsys.readouterr().out) == plain
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 8])
+def test_medium_model_runs_its_fp8_projections_on_the_fp8_gemm_in_one_graph(batch, capsys):
+    """The release's whole format on a GPU (FP4 experts, FP8 32x32 projections): one CUDA graph per step with the
+    block-FP8 gemm serving the kept projections, the same tokens as eagerly."""
+    base = ["generate", "--model", "deepseek_v41_flash", "--size", "medium", "--batch", str(batch), "--max-tokens", "8",
+            "--prompt-ids", "1,40,41,42", "--show-plan", "--experts", "native", "--linears", "native"]
+    generate_in_one_graph(base, "gemm.fp8_w8a16_triton", capsys)
