@@ -88,11 +88,11 @@ def _keep(model: str, named: dict[str, Any], program: dict[str, Any], picked: li
     if checkpoint is not None:
         from latency_specialized.runtime.checkpoint import read_quantized
 
-        fused = [n for n in picked if not n.endswith(".weight")]
-        if fused:
-            raise UserError(f"{model}: the checkpoint stores its {what} fused ({fused[0]}); reading them quantized "
-                            f"from that layout is not implemented: drop {flag} (dequantised at load)")
-        program.update(read_quantized(checkpoint, {n: n for n in picked}, fmt, device))
+        try:  # fused parameters (no '.weight') have ModelOpt's names in the formats that define them
+            program.update(read_quantized(checkpoint, {n: n for n in picked}, fmt, device))
+        except ValueError as e:
+            raise UserError(f"{model}: the checkpoint stores its {what} fused ({e}): drop {flag} (dequantised at "
+                            "load)") from None
         return named
     from latency_specialized.quant import quantized_pair
 

@@ -10,7 +10,7 @@ all use the same code. The formats (``FORMATS``; the table is in :mod:`latency_s
 * ``fp8-block-32``   e4m3 + ue8m0 ``scale`` per 32x32 (DeepSeek-V4.1 dense weights)
 """
 
-from latency_specialized.quant.checkpoint_io import (QuantizedWeight, dequantize_named, keep_quantized,
+from latency_specialized.quant.checkpoint_io import (QuantizedWeight, dequantize_named, dequantize_stored, keep_quantized,
                                                      mxfp4_names, quantized_pair, quantize_named, quantize_weight, quantized_from_named,
                                                      stored_format, stored_tensors, tensor_names)
 from latency_specialized.quant.codecs import (E2M1, E2M1_VALUES, dequantize, e2m1_decode, e2m1_encode,
@@ -25,4 +25,5 @@ __all__ = ["QuantFormat", "FORMATS", "FORMAT_FAMILIES", "MXFP4", "MXFP4_DEEPSEEK
            "ue8m0_decode", "e4m3_decode", "mxfp4_dequantize", "mxfp4_quantize", "nvfp4_dequantize",
            "nvfp4_quantize", "fp8_block_dequantize", "fp8_block_quantize", "dequantize", "quantize",
            "QuantizedWeight", "tensor_names", "mxfp4_names", "stored_tensors", "stored_format", "quantize_weight",
-           "quantize_named", "quantized_from_named", "keep_quantized", "quantized_pair", "dequantize_named"]
+           "quantize_named", "quantized_from_named", "keep_quantized", "quantized_pair", "dequantize_named",
+           "dequantize_stored"]

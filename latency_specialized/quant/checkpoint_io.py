@@ -37,16 +37,23 @@ _ACCEPTED: dict[torch.dtype, tuple[torch.dtype, ...]] = {
 vLLM views float8_e8m0fnu scales as uint8 and packed FP4 as float4_e2m1fn_x2)."""
 
 
-def _module(weight_name: str) -> str:
-    if not weight_name.endswith(WEIGHT):
-        raise ValueError(f"{weight_name!r}: quantized tensors are named after a '<base>.weight'")
-    return weight_name[: -len(WEIGHT)]
+FUSED_PAIR = "gate_up_proj"
+"""transformers' fused gate|up expert parameter (``experts.gate_up_proj [E, 2I, K]``): ModelOpt stores its
+per-tensor scales once per half (``[E, 2]``: vLLM 0.33 ``models/muse_spark/common/moe.py``)."""
 
 
 def tensor_names(weight_name: str, fmt: QuantFormat | str) -> dict[Role, str]:
-    """Role -> checkpoint tensor name of ``<base>.weight`` stored as ``fmt``."""
-    f, base = QuantFormat.get(fmt), _module(weight_name)
-    return {role: f"{base}.{suffix}" for role, suffix in f.suffixes}
+    """Role -> checkpoint tensor name of ``<base>.weight`` stored as ``fmt``; of a fused parameter without
+    ``.weight`` (transformers' ``experts.gate_up_proj`` / ``down_proj``), ModelOpt's ``<name>`` + ``<name>_<suffix>``
+    (vLLM 0.33 ``models/muse_spark/common/omni.py``) for formats whose codes are named ``weight``."""
+    f = QuantFormat.get(fmt)
+    if weight_name.endswith(WEIGHT):
+        base = weight_name[: -len(WEIGHT)]
+        return {role: f"{base}.{suffix}" for role, suffix in f.suffixes}
+    if dict(f.suffixes).get("weight") != "weight":
+        raise ValueError(f"{weight_name!r}: no known tensor names for a fused parameter stored as {f.name}; "
+                         "quantized tensors are named after a '<base>.weight'")
+    return {role: weight_name if role == "weight" else f"{weight_name}_{suffix}" for role, suffix in f.suffixes}
 
 
 def mxfp4_names(name: str) -> tuple[str, str] | None:
@@ -75,12 +82,13 @@ def stored_format(weight_name: str, available: Iterable[str] | Mapping[str, obje
     given - the stored weight's dtype is one the format accepts (that is what separates ``mxfp4-deepseek``
     from ``fp8-block-32``, which share their names). None where the weight is stored unquantized; the first
     match in ``formats`` order wins."""
-    if not weight_name.endswith(WEIGHT):
-        return None
     have = available if isinstance(available, (set, frozenset, Mapping)) else set(available)
     for cand in (formats if formats is not None else FORMATS.values()):
         f = QuantFormat.get(cand)
-        names = tensor_names(weight_name, f)
+        try:
+            names = tensor_names(weight_name, f)
+        except ValueError:  # a fused parameter this format has no names for
+            continue
         if not all(n in have for r, n in names.items() if r != "input_scale"):
             continue
         stored = have[names["weight"]] if isinstance(have, Mapping) else None
@@ -129,10 +137,14 @@ class QuantizedWeight:
         return replace(self, **move)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Checkpoint name -> tensor (what :func:`quantize_named` writes for it)."""
+        """Checkpoint name -> tensor (what :func:`quantize_named` writes for it; a fused gate|up parameter's
+        per-tensor scales once per half, as ModelOpt: :data:`FUSED_PAIR`)."""
         names = tensor_names(self.name, self.fmt)
         got = {"weight": self.weight, "scale": self.scale, "global_scale": self.global_scale,
                "input_scale": self.input_scale}
+        if self.name.endswith(FUSED_PAIR):
+            got.update({r: torch.stack([got[r], got[r]], -1) for r in ("global_scale", "input_scale")
+                        if got[r] is not None})
         return {names[r]: got[r] for r in names if got[r] is not None}
 
     @property
@@ -189,6 +201,25 @@ def _logical_shape(f: QuantFormat, weight_name: str, stored: torch.Tensor) -> tu
     return (*s[:-1], s[-1] * 2) if f.packed else s
 
 
+def _one_per_tensor(named: Mapping[str, torch.Tensor], names: Mapping[Role, str],
+                    want: Mapping[Role, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """A fused gate|up parameter's per-half scales ``[..., 2]`` (:data:`FUSED_PAIR`) as one per tensor: the global
+    scale where both halves share it (the kernels take one multiplier per expert; vLLM keeps the gate's and warns),
+    a CheckpointError otherwise; the input scale (kept, not used to dequantise) as their maximum, as vLLM."""
+    out: dict[str, torch.Tensor] = {}
+    for role in ("global_scale", "input_scale"):
+        n = names.get(role)  # type: ignore[call-overload]
+        t = named.get(n) if n is not None else None
+        if t is None or tuple(t.shape) != (*want[role], 2):  # type: ignore[index]
+            continue
+        if role == "global_scale" and not torch.equal(t[..., 0], t[..., 1]):
+            raise CheckpointError(f"tensor {n}: the gate and up halves have different global scales; the kernels take "
+                                  "one per expert (vLLM uses the gate's and warns): re-export with a shared global scale "
+                                  "or load without --experts (dequantised at load, exact)")
+        out[n] = t[..., 0].contiguous() if role == "global_scale" else t.amax(-1)
+    return out
+
+
 def quantized_from_named(named: Mapping[str, torch.Tensor], weight_name: str, fmt: QuantFormat | str,
                          shape: tuple[int, ...] | None = None) -> QuantizedWeight:
     """The stored tensors of ``weight_name`` in ``named`` (checkpoint names), checked against ``fmt`` and the
@@ -207,6 +238,7 @@ def quantized_from_named(named: Mapping[str, torch.Tensor], weight_name: str, fm
         want = f.stored_shapes(logical)
     except Exception as e:  # noqa: BLE001 - a shape this format cannot store: name the tensor
         raise CheckpointError(f"tensor {weight_name}: {e}") from None
+    named = {**named, **_one_per_tensor(named, names, want)}
     for role, n in names.items():
         if n in named:
             _check(f, role, n, named[n], want[role])
@@ -225,6 +257,22 @@ def quantized_from_named(named: Mapping[str, torch.Tensor], weight_name: str, fm
     if g is not None:
         codecs.fp32_scale_decode(g, names["global_scale"])
     return QuantizedWeight(f, logical, w, scale, g, inp, weight_name)
+
+
+def dequantize_stored(named: Mapping[str, torch.Tensor], weight_name: str, fmt: QuantFormat | str,
+                      shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The fp32 values of ``weight_name`` stored as ``fmt`` in ``named`` (checked as :func:`quantized_from_named`);
+    a fused gate|up parameter whose halves have their own global scales (:data:`FUSED_PAIR`) half by half (exact)."""
+    f = QuantFormat.get(fmt)
+    names = tensor_names(weight_name, f)
+    g = named.get(names["global_scale"]) if "global_scale" in names else None
+    if weight_name.endswith(FUSED_PAIR) and g is not None and g.shape[-1:] == (2,) \
+            and not torch.equal(g[..., 0], g[..., 1]):
+        q = quantized_from_named({**named, names["global_scale"]: g[..., 0]}, weight_name, f, shape)
+        half = q.shape[-2] // 2
+        return torch.cat([codecs.dequantize(f, q.weight[..., rows, :], q.scale[..., rows, :], g[..., i], name=q.name)
+                          for i, rows in ((0, slice(0, half)), (1, slice(half, None)))], -2)
+    return quantized_from_named(named, weight_name, f, shape).dequantize()
 
 
 def _stored_bases(named: Mapping[str, torch.Tensor], f: QuantFormat) -> list[str]:
@@ -281,5 +329,5 @@ def dequantize_named(named: Mapping[str, torch.Tensor], fmt: QuantFormat | str,
     return out
 
 
-__all__ = ["tensor_names", "mxfp4_names", "stored_tensors", "stored_format", "QuantizedWeight", "quantize_weight",
-           "quantize_named", "quantized_from_named", "keep_quantized", "quantized_pair", "dequantize_named"]
+__all__ = ["FUSED_PAIR", "tensor_names", "mxfp4_names", "stored_tensors", "stored_format", "QuantizedWeight", "quantize_weight",
+           "quantize_named", "quantized_from_named", "dequantize_stored", "keep_quantized", "quantized_pair", "dequantize_named"]

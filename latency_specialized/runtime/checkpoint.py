@@ -29,7 +29,8 @@ import torch
 from latency_specialized.errors import CheckpointError
 # The MXFP4 codec and names live in the generic quantized-weights layer; re-exported under the names this
 # module has always exported (the same objects).
-from latency_specialized.quant.checkpoint_io import keep_quantized, mxfp4_names, tensor_names
+from latency_specialized.quant.checkpoint_io import (dequantize_stored, mxfp4_names, quantized_from_named, stored_format,
+                                                  tensor_names)
 from latency_specialized.quant.codecs import E2M1, mxfp4_dequantize, mxfp4_quantize
 
 INDEX = "model.safetensors.index.json"
@@ -196,11 +197,11 @@ def read_quantized(directory: str | Path, names: Mapping[str, str], fmt: str,
                    device: torch.device | str = "cpu") -> dict[str, Any]:
     """``names`` (official ``<base>.weight`` -> its ``<base>.weight`` in the checkpoint, e.g. with a layout prefix)
     read as stored in format ``fmt`` and kept quantized: official name -> ``quant.QuantizedWeight`` on ``device``
-    (checked and scales validated by ``quant.keep_quantized``; nothing dequantised)."""
+    (checked and scales validated by ``quant.quantized_from_named``; nothing dequantised)."""
     roles = {n: tensor_names(ck, fmt) for n, ck in names.items()}
     raw = read_stored(directory, [t for by in roles.values() for t in by.values()])
     official = {tensor_names(n, fmt)[r]: raw[t] for n, by in roles.items() for r, t in by.items()}
-    return {n: q.to(device) for n, q in keep_quantized(official, fmt).items() if n in names}
+    return {n: quantized_from_named(official, n, fmt).to(device) for n in names}
 
 
 def load_checkpoint(directory: str | Path, expected: Mapping[str, tuple[tuple[int, ...], DTypeKind]],
@@ -234,7 +235,14 @@ def load_checkpoint(directory: str | Path, expected: Mapping[str, tuple[tuple[in
     for name, (shape, kind) in expected.items():
         shape = tuple(shape)
         mx = mxfp4_names(name)
-        if name in files:
+        # a fused parameter (no '.weight') stored quantized: ModelOpt's NVFP4 experts (quant.tensor_names)
+        fused = None if name.endswith(".weight") or name not in files else stored_format(name, files)
+        if fused is not None:
+            parts = [n for n in tensor_names(name, fused).values() if n in files]
+            used.update(parts)
+            where = files[name]
+            t = dequantize_stored({n: read(n) for n in parts}, name, fused, shape)
+        elif name in files:
             t = read(name)
             used.add(name)
             where = files[name]

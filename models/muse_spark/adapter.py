@@ -5,7 +5,7 @@ bench harness: generic, through ``ComposedAdapter``)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -60,11 +60,8 @@ class MuseSparkAdapter(ComposedAdapter):
         if checkpoint is not None:
             spec, weights, _ = names.load(checkpoint, dt, device)
         spec = spec if spec is not None else tiny_spec()
-        if weights is None:
-            if spec.variant == "full":
-                raise UserError("random weights for Muse Spark (816B parameters) are not offered: pass "
-                                "--checkpoint DIR or use --size tiny")
-            weights = names.random_weights(spec, seed, dt, device)
+        tiny_only(NAME, spec.variant, "816B", weights, random=True)
+        weights = weights if weights is not None else names.random_weights(spec, seed, dt, device)
         spec, weights, kept = keep_experts(NAME, spec, weights, expert_format, "nvfp4", self.expert_formats,
                                            checkpoint=checkpoint, dtype=dt, device=device)
         return with_program_weights(MuseSparkReference(spec, weights), kept)
@@ -73,9 +70,9 @@ class MuseSparkAdapter(ComposedAdapter):
         return composed.split_fused(named)   # the gate / up halves of the fused expert tensors (views)
 
     def write_checkpoint(self, directory: str | Path, *, size: Variant = "tiny", seed: int = 0,
-                         dtype: str = "bfloat16", layout: str | None = None,
-                         expert_format: str | None = None) -> list[Path]:
-        """A random-weight Hugging Face checkpoint of the tiny model (transformers' multimodal layout)."""
+                         dtype: str = "bfloat16", layout: str | None = None, expert_format: str | None = None,
+                         quant: Literal["nvfp4"] | None = None) -> list[Path]:
+        """A random-weight tiny Hugging Face checkpoint (multimodal layout); ``quant``: NVFP4 experts (ModelOpt's)."""
         from latency_specialized_models.muse_spark import names
 
         tiny_only(NAME, size, "816B")
@@ -83,7 +80,7 @@ class MuseSparkAdapter(ComposedAdapter):
             raise UserError(f"{NAME}: one layout (Hugging Face MuseSparkForConditionalGeneration) with bf16 experts: "
                             "drop --layout/--experts")
         spec = tiny_spec()
-        return names.save(directory, spec, names.random_weights(spec, seed, DTYPES[dtype]), dtype)
+        return names.save(directory, spec, names.random_weights(spec, seed, DTYPES[dtype]), dtype, quant=quant)
 
     # ------------------------------------------------------------------ layer bench
     def bench_kinds(self) -> dict[str, BenchKind]:

@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
+from latency_specialized.adapter import FUSED_EXPERTS
 from latency_specialized.errors import CheckpointError
+from latency_specialized.quant import quantize_named
 from latency_specialized.runtime.checkpoint import load_checkpoint, read_config, save_checkpoint, tensor_files
 from latency_specialized.runtime.random_weights import torch_dtype
 from latency_specialized.spec import MoESpec
@@ -104,12 +106,14 @@ def random_weights(spec: MuseSparkSpec, seed: int = 0, dtype: torch.dtype | str 
             for n, (shape, kind) in expected_tensors(spec).items()}
 
 
-def save(directory: str | Path, spec: MuseSparkSpec, named: dict[str, torch.Tensor],
-         dtype: torch.dtype | str = torch.bfloat16, *, max_shard_bytes: int | None = None) -> list[Path]:
-    """Write ``named`` (canonical names) and :func:`config_from_spec`'s config.json into ``directory``
-    ('act' tensors in ``dtype``, the fp32 ones in fp32); returns the written files."""
+def save(directory: str | Path, spec: MuseSparkSpec, named: dict[str, torch.Tensor], dtype: torch.dtype | str =
+         torch.bfloat16, *, max_shard_bytes: int | None = None, quant: str | None = None) -> list[Path]:
+    """Write ``named`` (canonical names; 'act' tensors in ``dtype``, the fp32 ones fp32, the fused routed experts in
+    ``quant`` with ModelOpt's names) and :func:`config_from_spec`'s config.json into ``directory``; the files."""
     dtype, exp = torch_dtype(dtype), expected_tensors(spec)
     if missing := [n for n in exp if n not in named]:
         raise CheckpointError(f"cannot save: tensors {missing[:3]} missing for this spec")
     out = {n: named[n].to(torch.float32 if kind == "float32" else dtype) for n, (_, kind) in exp.items()}
+    if quant:
+        out = quantize_named(out, quant, select=lambda n: n.endswith(FUSED_EXPERTS))
     return save_checkpoint(directory, out, config_from_spec(spec, dtype), max_shard_bytes=max_shard_bytes)

@@ -49,8 +49,9 @@ def test_plan_cells_are_distinct_plans():
     cells = [c for a in _adapters() for c in plan_cells(a)]
     ids = [c.id for c in cells]
     assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
-    # the experts axis changes the spec the plan is built for (MoESpec.expert_format), not build_plan's arguments
-    inputs = [(c.adapter, c.experts, tuple(sorted(plan_kwargs(c).items()))) for c in cells]
+    # the experts and linears axes change the spec the plan is built for (MoESpec.expert_format,
+    # ModelSpec.linear_format), not build_plan's arguments
+    inputs = [(c.adapter, c.experts, c.linears, tuple(sorted(plan_kwargs(c).items()))) for c in cells]
     assert len(inputs) == len(set(inputs)), "two plan cells build the same plan"
     full = {(c.adapter, c.tp, c.batch, c.spec_tokens) for a in _adapters() for c in cells_for(a, devices=("cpu",))}
     assert {(c.adapter, c.tp, c.batch, c.spec_tokens) for c in cells} == full
