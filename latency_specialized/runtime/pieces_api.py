@@ -195,6 +195,18 @@ def take_rows(w: "torch.Tensor | QuantizedWeight", index: torch.Tensor) -> "torc
     return w.index_select(0, index)
 
 
+def row_blocks(w: "torch.Tensor | QuantizedWeight", n: int) -> "torch.Tensor | list[QuantizedWeight]":
+    """A ``[n * R, K]`` weight as ``n`` row blocks ``[R, K]`` (a grouped projection's per-group weights; ``[g]`` picks
+    one): a contiguous ``[n, R, K]`` tensor, or a list of quantized weights (row-scaled where R ends inside a scale
+    block)."""
+    if isinstance(w, QuantizedWeight):
+        rows = w.shape[0] // n
+        if rows % w.fmt.block[0]:  # blocks narrower than a scale block: one scale per row (exact)
+            w = quant_layout.row_scaled(w)
+        return [quant_layout.narrow(w, 0, g * rows, rows) for g in range(n)]
+    return w.reshape(n, w.shape[0] // n, -1).contiguous()
+
+
 def with_stored(decls: Sequence[WeightDecl], spec: ModelSpec,
                 projections: Mapping[str, Sequence[str]]) -> list[WeightDecl]:
     """``decls`` with ``stored`` set on the weights of every projection site that keeps its weight in the spec's

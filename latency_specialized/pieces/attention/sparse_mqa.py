@@ -70,9 +70,10 @@ import torch
 
 from latency_specialized.errors import UserError
 from latency_specialized.ops.attention.sparse_mqa import rope_tail, slot_of
-from latency_specialized.ops.sites import SiteBuilder
+from latency_specialized.ops.sites import SiteBuilder, stored_bytes_per_value
 from latency_specialized.pieces.attention.rope import rope_inv_freq
-from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl, join, take_rows, with_stored
+from latency_specialized.runtime.pieces_api import (StateDecl, StepContext, WeightDecl, join, row_blocks, take_rows,
+                                                    with_stored)
 from latency_specialized.spec import MAX_SPEC_TOKENS, ModelSpec, SparseMQAAttentionSpec
 
 TOPK = "sparse_mqa.topk"
@@ -174,11 +175,11 @@ class SparseMQAAttention:
 
     # ------------------------------------------------------------------ declarations
     def projections(self) -> dict[str, tuple[str, ...]]:
-        """Gemm site role -> the weights it joins (kept in a stored format where all are: ``ModelSpec.kept_linear``).
-        Not here: the grouped ``o_a`` (no grouped block-FP8 gemm yet: dequantised at bind)."""
+        """Gemm site role -> the weights it joins (kept in a stored format where all are: ``ModelSpec.kept_linear``);
+        the grouped ``o_a`` is one gemm per group over its rows of one weight."""
         out = {"attn.in_proj": tuple(self._fused_in()),
                "attn.q_b_proj": ("q_b_proj",) + (("indexer.q_proj",) if self.spec.indexer is not None else ()),
-               "attn.o_b_proj": ("o_b_proj",)}
+               "attn.o_a_proj": ("o_a_proj",), "attn.o_b_proj": ("o_b_proj",)}
         if self.index_keys:
             out["attn.indexer.k_proj"] = ("indexer.k_proj",)
         return out
@@ -206,8 +207,10 @@ class SparseMQAAttention:
               window=a.sliding_window, compress_ratio=r, rope=a.rope_dim,
               attrs={"sinks": True, "q_norm": True, "kv_norm": True, "rope_interleaved": True})
         K = a.num_heads * D // a.o_groups
-        b.add("attn.o_a_proj", "gemm", weight_bytes=a.o_groups * a.o_lora_rank * K * 2, N=a.o_lora_rank, K=K,
-              attrs={"residual": False, "groups": a.o_groups})
+        oa = fmt["attn.o_a_proj"]
+        b.add("attn.o_a_proj", "gemm", N=a.o_lora_rank, K=K, attrs={"residual": False, "groups": a.o_groups,
+                                                                   **({"weight_format": oa} if oa else {})},
+              weight_bytes=int(a.o_groups * a.o_lora_rank * K * (stored_bytes_per_value(oa) if oa else 2)))
         b.gemm("attn.o_b_proj", H, a.o_groups * a.o_lora_rank, weight_format=fmt["attn.o_b_proj"])
 
     def weights(self, spec: ModelSpec, tp: int) -> Sequence[WeightDecl]:
@@ -254,7 +257,7 @@ class SparseMQAAttention:
         fused = self._fused_in()
         out = {k: v.contiguous() for k, v in w.items() if not k.startswith("indexer.") and k not in fused}
         out["in_proj"] = join([w[k] for k in fused]).contiguous()
-        out["o_a_proj"] = w["o_a_proj"].reshape(a.o_groups, a.o_lora_rank, -1).contiguous()
+        out["o_a_proj"] = row_blocks(w["o_a_proj"], a.o_groups)   # [o_lora, K] per group
         out["rope_inv_freq"] = rope_inv_freq(self.rope_theta, a.rope_dim, device=dev)
         if ix is not None:   # the indexer op rotates leading channels: its heads' rope channels go first
             heads = torch.arange(ix.num_heads * ix.head_dim).view(ix.num_heads, ix.head_dim)
