@@ -32,6 +32,19 @@ def test_explain_kimi_tp8_prints_every_site_with_reasons(capsys):
     assert "unserved: 0" in out
 
 
+def test_explain_the_release_formats_names_the_kernels_that_read_them(capsys):
+    """``--experts native --linears native``: GLM-5.3 as released (FP8 everywhere the checkpoint is): the block-FP8
+    gemms serve the kept projections (inside the fused MLPs too), the FP8 experts kernel the experts; the full
+    layers' qkv_a (it joins the bf16 indexer weights) keeps the bf16 gemms."""
+    assert main(["explain", "--model", "glm53", "--tp", "8", "--arch", "sm_90", "--experts", "native", "--linears",
+                 "native", "--no-refusals"]) == 0
+    lines = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines() if "/" in ln.split(" -> ")[0]}
+    for site in ("mla+moe/attn.q_b_proj", "mla+moe/attn.o_proj", "mla.reuse+moe/attn.qkv_a_proj"):
+        assert "-> gemm.fp8_w8a16_triton" in lines[site] and "weight_format=fp8-block-128" in lines[site]
+    assert "-> moe.experts.fp8_triton" in lines["mla+moe/moe.experts"]
+    assert "weight_format" not in lines["mla+moe/attn.qkv_a_proj"]
+
+
 def test_explain_json(capsys):
     import json
 
@@ -48,6 +61,8 @@ def test_explain_json(capsys):
      "error: kimi_k3: outside the latency_specialized scope: batch 65 beyond the scope (use 1..64; "
      "larger batches run stock)"),
     (["explain", "--model", "kimi_k3", "--arch", "sm_42"], "error: unknown arch 'sm_42': use one of cpu, sm_80"),
+    (["explain", "--model", "kimi_k3", "--arch", "sm_90", "--linears", "native"],
+     "error: kimi_k3 keeps its dense projections in the activation dtype only: drop --linears"),
 ])
 def test_user_errors_are_one_line_and_name_the_fix(args, message):
     out = _run(*args)
