@@ -28,6 +28,11 @@ from latency_specialized.quant.checkpoint_io import QuantizedWeight
 
 NAME_A16 = "gemm.fp8_w8a16_triton"
 NAME_A8 = "gemm.fp8_w8a8_triton"
+NAME_A16_NORM = "gemm.fp8_w8a16_norm_triton"
+NORM_MAX_M = 4
+"""Rows up to which the RMSNorm-prologue variant serves a gemm behind a norm site: every program reduces the whole
+rows again (M x K x 2 bytes each, from L2), cheap next to the separate norm kernel it saves only at a few tokens
+(the CuTe DSL GEMV's norm prologue has the same limit); to be measured on the H200."""
 FORMATS = ("fp8-block-128", "fp8-block-32")
 """``weight_format`` values served."""
 MAX_M = 64
@@ -98,7 +103,8 @@ def _kernel_parts(w: QuantizedWeight, what: str) -> tuple[torch.Tensor, torch.Te
 
 
 def _gemm(x: torch.Tensor, weight: QuantizedWeight, residual: torch.Tensor | None, out: torch.Tensor | None,
-          out_dtype: torch.dtype | None, config: Fp8GemmConfig | None, a8: bool, what: str) -> torch.Tensor:
+          out_dtype: torch.dtype | None, config: Fp8GemmConfig | None, a8: bool, what: str,
+          norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6) -> torch.Tensor:
     from latency_specialized.kernels import triton_fp8 as k
 
     q, s, kind, block = _kernel_parts(weight, what)
@@ -119,7 +125,12 @@ def _gemm(x: torch.Tensor, weight: QuantizedWeight, residual: torch.Tensor | Non
     # W8A16 with power-of-two scales folds them into the tile, so it may step 128 wide over 32-wide blocks
     step = 128 if (kind == k.SCALE_UE8M0 and not a8 and K >= 128 and 128 % block[1] == 0) else block[1]
     cfg = config or TUNING.get((what, N, K, M)) or default_config(N, K, M, step)
+    if norm_weight is not None and x.dtype != torch.bfloat16:
+        raise UserError(f"{what}: the norm prologue rounds to bf16 activations (got {x.dtype}): use gemm.reference")
+    if norm_weight is not None and (norm_weight.shape != (K,) or norm_weight.stride(-1) != 1):
+        raise UserError(f"{what}: norm_weight {tuple(norm_weight.shape)} must be a contiguous [{K}] gain")
     k.fp8_block_gemm(x, q, s, y, scale_kind=kind, scale_block=block, a8=a8, residual=residual,
+                     norm_weight=norm_weight, norm_eps=norm_eps,
                      block_n=cfg.block_n, block_k=cfg.block_k, split_k=cfg.split_k, num_warps=cfg.num_warps,
                      num_stages=cfg.num_stages)
     return y
@@ -127,12 +138,14 @@ def _gemm(x: torch.Tensor, weight: QuantizedWeight, residual: torch.Tensor | Non
 
 def gemm_fp8_w8a16(x: torch.Tensor, weight: QuantizedWeight, *, residual: torch.Tensor | None = None,
                    out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                   config: Fp8GemmConfig | None = None) -> torch.Tensor:
+                   config: Fp8GemmConfig | None = None, norm_weight: torch.Tensor | None = None,
+                   norm_eps: float = 1e-6) -> torch.Tensor:
     """y = x @ deq(weight)^T (+ residual) (contract: ``ops.gemm.gemm_reference``), weights e4m3 -> bf16 in registers.
 
-    x [M, K] bf16, M <= 64; weight: QuantizedWeight [N, K] in fp8-block-128 / fp8-block-32; residual / out [M, N]
-    (unit column stride, rows may be strided). Returns [M, N] in ``out_dtype`` (bf16 default, fp32 allowed)."""
-    return _gemm(x, weight, residual, out, out_dtype, config, False, NAME_A16)
+    x [M, K] bf16, M <= 64 (rows may be strided); weight: QuantizedWeight [N, K] in fp8-block-128 / fp8-block-32;
+    residual / out [M, N] (unit column stride, rows may be strided); norm_weight [K]: x RMS-normalised first (the
+    norm prologue of ``gemm.fp8_w8a16_norm_triton``). Returns [M, N] in ``out_dtype`` (bf16 default, fp32 allowed)."""
+    return _gemm(x, weight, residual, out, out_dtype, config, False, NAME_A16, norm_weight, norm_eps)
 
 
 def gemm_fp8_w8a8(x: torch.Tensor, weight: QuantizedWeight, *, residual: torch.Tensor | None = None,
@@ -163,14 +176,27 @@ def _supports_a8(ctx: OpContext) -> Support:
     return _supports(ctx, 89)  # e4m3 tensor cores: sm_89 (Ada) and sm_90
 
 
+def _supports_norm(ctx: OpContext) -> Support:
+    if not ctx.attr("norm_site"):
+        return "serves gemms behind a norm site only (attr norm_site): gemm.fp8_w8a16_triton serves the others"
+    if ctx.tokens > NORM_MAX_M:
+        return f"norm prologue up to M={NORM_MAX_M} (M={ctx.tokens}): the norm site and gemm.fp8_w8a16_triton serve"
+    return _supports(ctx, 89)
+
+
 IMPLEMENTATIONS = [
     Implementation("gemm", NAME_A16, gemm_fp8_w8a16, _supports_a16, priority=20, strided_out=True,
                    description="block-FP8 weights (fp8-block-128 / -32) -> bf16 in registers, bf16 tensor cores, "
                                "split-K reduced by the last program (one launch)"),
+    Implementation("gemm", NAME_A16_NORM, gemm_fp8_w8a16, _supports_norm, priority=25, strided_out=True,
+                   strided_rows=True, norm_prologue=True,
+                   description="gemm.fp8_w8a16_triton with the RMSNorm in front of it in its prologue (a few tokens: "
+                               "the norm site is skipped)"),
     Implementation("gemm", NAME_A8, gemm_fp8_w8a8, _supports_a8, priority=10, strided_out=True,
                    description="block-FP8 weights x activations quantized to e4m3 per (token, block) in the "
                                "kernel, FP8 tensor cores, split-K reduced by the last program (one launch)"),
 ]
 
-__all__ = ["Fp8GemmConfig", "FORMATS", "IMPLEMENTATIONS", "MAX_M", "NAME_A16", "NAME_A8", "TUNING", "default_config",
+__all__ = ["Fp8GemmConfig", "FORMATS", "IMPLEMENTATIONS", "MAX_M", "NAME_A16", "NAME_A16_NORM", "NAME_A8", "NORM_MAX_M",
+           "TUNING", "default_config",
            "gemm_fp8_w8a16", "gemm_fp8_w8a8"]

@@ -89,11 +89,21 @@ def _e4m3_columns(xt):
 
 
 @triton.jit
-def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
+def _round_bf16(v):
+    """fp32 ``v`` (finite) rounded to the nearest bf16 value, ties to even, still in fp32 (then exact in bf16): by
+    hand on the bits, as the interpreter (the CPU tests) converts fp32 -> bf16 wrongly; a few integer instructions on
+    the activation tile only."""
+    b = v.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr, g_ptr, eps,
                      M, N, K, KB, KB_PER_SPLIT, n_split, stride_xm, stride_wn, stride_sn, stride_om, stride_rm,
                      SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, A8: tl.constexpr,
-                     HAS_RES: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     BLOCK_M: tl.constexpr, UPCAST: tl.constexpr):
+                     HAS_RES: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, UPCAST: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -102,6 +112,15 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
     m_ok = offs_m < M
     rows = offs_n.to(tl.int64)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if NORM:
+        # RMSNorm prologue: every program reduces the whole rows first (M x K x 2 bytes, from L2 after the first)
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xv = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
+                         mask=m_ok[None, :] & (offs_k < K)[:, None], other=0.0).to(tl.float32)
+            ss += tl.sum(xv * xv, axis=0)
+        rstd = tl.rsqrt(ss / K + eps)
     kb0 = pid_k * KB_PER_SPLIT
     kb1 = tl.minimum(kb0 + KB_PER_SPLIT, KB)
     for kb in range(kb0, kb1):
@@ -112,6 +131,9 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr,
         w8 = wb.to(tl.float8e4nv, bitcast=True)
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None], mask=m_ok[None, :] & k_ok[:, None],
                      other=0.0)  # [BLOCK_K, BLOCK_M]: X^T
+        if NORM:  # the norm's output, rounded to the activation dtype as the norm op would store it
+            gv = tl.load(g_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            xt = _round_bf16((xt.to(tl.float32) * rstd[None, :]) * gv[:, None]).to(x_ptr.dtype.element_ty)
         if SCALE == 1 and not A8:
             # power-of-two scales folded into the tile before the bf16 conversion (exact)
             se = tl.load(s_ptr + (offs_n // SCALE_N)[:, None] * stride_sn + (offs_k // SCALE_K)[None, :],
@@ -187,9 +209,11 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 def fp8_block_gemm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: torch.Tensor, *, scale_kind: int,
                    scale_block: tuple[int, int], a8: bool, residual: torch.Tensor | None = None,
+                   norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
                    block_n: int = 128, block_k: int | None = None, split_k: int = 1, num_warps: int = 4,
                    num_stages: int = 4) -> torch.Tensor:
-    """out[M, N] = x @ deq(w, s)^T (+ residual), rounded once to out's dtype.
+    """out[M, N] = x @ deq(w, s)^T (+ residual), rounded once to out's dtype; with ``norm_weight [K]``, x is first
+    RMS-normalised with that gain (fp32, rounded to x's dtype: ``ops.gemm.gemm_reference``'s norm prologue).
 
     x [M, K] bf16 (unit column stride); w [N, K] e4m3 codes (float8_e4m3fn or uint8, unit column stride);
     s [ceil(N / scale_block[0]), ceil(K / scale_block[1])] fp32 or ue8m0 bytes; out / residual [M, N] (unit column
@@ -218,11 +242,12 @@ def fp8_block_gemm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: torch
         part, cnt = out, out  # unused
     res = residual if residual is not None else out
     w8 = w.view(torch.uint8) if w.dtype != torch.uint8 else w
+    g = norm_weight if norm_weight is not None else out  # unused without NORM
     _fp8_gemm_kernel[(tiles, split_k)](
-        x, w8, s, out, res, part, cnt, M, N, K, kb, per, split_k, x.stride(0), w8.stride(0), s.stride(0), out.stride(0),
-        res.stride(0), SCALE=scale_kind, SCALE_N=sn, SCALE_K=sk, A8=a8, HAS_RES=residual is not None,
-        SPLIT=split_k > 1, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=block_m, UPCAST=_INTERPRET,
-        num_warps=num_warps, num_stages=num_stages)
+        x, w8, s, out, res, part, cnt, g, float(norm_eps), M, N, K, kb, per, split_k, x.stride(0), w8.stride(0),
+        s.stride(0), out.stride(0), res.stride(0), SCALE=scale_kind, SCALE_N=sn, SCALE_K=sk, A8=a8,
+        HAS_RES=residual is not None, SPLIT=split_k > 1, NORM=norm_weight is not None, BLOCK_N=block_n,
+        BLOCK_K=block_k, BLOCK_M=block_m, UPCAST=_INTERPRET, num_warps=num_warps, num_stages=num_stages)
     return out
 
 

@@ -88,6 +88,14 @@ def test_fp8_sites_go_to_the_fp8_gemms_and_bf16_gemms_refuse():
     chosen, refusals = impls.select(_ctx(1, arch="cpu"))
     assert chosen.name == "gemm.reference" and any(n == f8.NAME_A8 and "CUDA" in why for n, why in refusals)
     # bf16 sites: the fp8 gemms refuse and say why
+    # behind a norm site at a few tokens the norm-prologue variant serves and the plan skips the norm site
+    behind = make_context("gemm", arch="sm_90a", dtype="bfloat16", tokens=1, dims=dict(N=6144, K=2048),
+                          attrs={"weight_format": "fp8-block-128", "norm_site": "attn.q_a_norm"})
+    assert impls.select(behind)[0].name == f8.NAME_A16_NORM and impls.get(f8.NAME_A16_NORM).norm_prologue
+    many = make_context("gemm", arch="sm_90a", dtype="bfloat16", tokens=f8.NORM_MAX_M + 1, dims=dict(N=6144, K=2048),
+                        attrs={"weight_format": "fp8-block-128", "norm_site": "attn.q_a_norm"})
+    assert impls.select(many)[0].name == f8.NAME_A16
+    assert "norm site only" in impls.get(f8.NAME_A16_NORM).supports(_ctx(1))
     for name in fp8_names:
         impl = impls.get(name)
         assert "reads block-FP8 weights" in impl.supports(_ctx(1, None))
@@ -218,6 +226,27 @@ def test_w8a8_matches_the_reference_over_its_activation_rounding(fmt, M, N, K, s
 
 
 @interpreted
+@pytest.mark.parametrize("fmt,M,N,K,split", [("fp8-block-128", 1, 160, 384, 2), ("fp8-block-32", 3, 70, 100, 1),
+                                             ("fp8-block-128", 4, 96, 300, 3)])
+def test_norm_prologue_matches_the_reference_norm_then_gemm(fmt, M, N, K, split):
+    """``norm_weight``: x (strided rows: a column slice of a wider projection output, as MLA's q_a) RMS-normalised in
+    the prologue, rounded to bf16 as the norm op stores it, then the gemm - the reference's norm prologue."""
+    from latency_specialized.kernels import gemm_fp8_triton as f8
+
+    w = _weight(70 + M, N, K, fmt)
+    g = _gen(80 + M)
+    wide = (torch.randn(M, K + 40, generator=g) * 3).bfloat16()
+    x = wide[:, 16:16 + K]
+    gain = (1 + 0.1 * torch.randn(K, generator=g)).bfloat16()
+    ref = gemm_reference(x, w, norm_weight=gain, norm_eps=1e-5)
+    out = torch.full((M, N), float("nan")).bfloat16()
+    y = f8.gemm_fp8_w8a16(x, w, out=out, norm_weight=gain, norm_eps=1e-5,
+                          config=f8.Fp8GemmConfig(block_n=32, split_k=split))
+    assert not y.isnan().any() and _rel(y, ref) <= A16_TOL
+    assert _rel(y, gemm_reference(x, w)) > 10 * A16_TOL   # the norm did something (x's rows are far from unit rms)
+
+
+@interpreted
 def test_w8a8_out_fp32_and_zero_rows():
     from latency_specialized.kernels import gemm_fp8_triton as f8
 
@@ -253,8 +282,16 @@ def test_fp8_kernel_compiles_for_hopper_with_the_intended_instructions():
                 assert f"wgmma.mma_async.sync.aligned.m64n16k{32 if a8 else 16}.f32.{mma}" in ptx, (fmt, a8)
                 assert ("atom.global.gpu.acq_rel.add" in ptx) == (split > 1)
                 assert "cp.async.cg.shared.global" in ptx  # 16-byte asynchronous copies, pipelined over K
+    # the norm prologue: an rsqrt of the rows' mean square before the pipelined K loop, bf16 wgmma as before
+    w = _weight(61, 256, 512, "fp8-block-128")
+    x, out = torch.randn(2, 512).bfloat16(), torch.empty(2, 256).bfloat16()
+    with recorded_launches() as launches:
+        k.fp8_block_gemm(x, w.weight, w.scale, out, scale_kind=k.SCALE_FP32, scale_block=w.fmt.block, a8=False,
+                         norm_weight=torch.ones(512).bfloat16(), norm_eps=1e-6)
+    (ptx,) = ptx_for_hopper(launches).values()
+    assert "rsqrt.approx" in ptx and "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16" in ptx
 
 
 @pytest.mark.interpreter_driver
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=16)
+    run_interpreted(__file__, min_passed=19)

@@ -8,7 +8,7 @@ Every case: fresh random codes and scales (rows of different magnitudes), output
 written, W8A16 against the dequantising reference at bf16 tolerance, W8A8 against the reference over its own
 activation rounding (same tolerance) and the dequantising one within e4m3's error; CUDA-graph replay equals eager
 bit for bit; repeated calls are bit-identical (the split-K reduction order is fixed); two streams at once each get
-their own tickets. Decoding: every e4m3 code under ue8m0 1 / 100 / 127 / 246 and fp32 scales, read back exactly.
+their own tickets; the RMSNorm prologue (M 1-4, strided x rows) against the reference's norm-then-gemm. Decoding: every e4m3 code under ue8m0 1 / 100 / 127 / 246 and fp32 scales, read back exactly.
 """
 
 from __future__ import annotations
@@ -88,6 +88,26 @@ def test_fp8_gemm_matches_the_reference(shape, impl, M):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(o, eager)
+
+
+@pytest.mark.parametrize("M", [1, 2, 4])
+def test_fp8_gemm_norm_prologue_matches_the_reference(shape, M):
+    """``gemm.fp8_w8a16_norm_triton``: x a column slice of a wider tensor (MLA's q_a), RMS-normalised in the
+    prologue; against the reference's norm-then-gemm; graph replay == eager."""
+    name, w = shape
+    N, K = w.shape
+    g = seeded_generator(f"{name}-norm-{M}")
+    wide = (torch.randn(M, K + 64, generator=g, device=DEV) * 3).bfloat16()
+    x = wide[:, 32:32 + K]
+    gain = (1 + 0.1 * torch.randn(K, generator=g, device=DEV)).bfloat16()
+    out = torch.full((M, N), float("nan"), device=DEV, dtype=torch.bfloat16)
+    y = f8.gemm_fp8_w8a16(x, w, out=out, norm_weight=gain, norm_eps=1e-6)
+    assert torch.isfinite(y).all() and _rel(y, gemm_reference(x, w, norm_weight=gain, norm_eps=1e-6)) <= TOL
+    o = torch.full((M, N), float("nan"), device=DEV, dtype=torch.bfloat16)
+    graph = graph_replay(lambda: f8.gemm_fp8_w8a16(x, w, out=o, norm_weight=gain, norm_eps=1e-6))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o, y)
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))
