@@ -26,6 +26,7 @@ from latency_specialized.bench.ops_bench_moe_kda import Row, twice, write_rows
 
 SHAPES: dict[str, tuple[int, int, str]] = {
     "glm53-tp8 q_a+kv_a": (2624, 6144, "fp8-block-128"),
+    "glm53-tp8 q_b+wq_b": (6144, 2048, "fp8-block-128"),
     "glm53-tp8 o_proj": (6144, 2048, "fp8-block-128"),
     "glm53-tp8 dense gate_up": (3072, 6144, "fp8-block-128"),
     "glm53-tp4 o_proj": (6144, 4096, "fp8-block-128"),
@@ -37,6 +38,11 @@ SHAPES: dict[str, tuple[int, int, str]] = {
 }
 """Shard shapes (N, K, format): GLM-5.3 (hidden 6144, q_lora 2048, kv 512 + 64, 64 heads x v 256, dense 12288) and
 DeepSeek-V4.1-Flash (hidden 5120, q_lora 1280, 64 heads x 512, 8 output groups x o_lora 1024)."""
+NORM_SHAPES = ("glm53-tp8 q_b+wq_b", "dsv41-tp8 wq_b")
+"""Gemms behind a norm site (MLA's q_a norm, DeepSeek's q norm): timed at M <= NORM_BENCH_MAX_M with the RMSNorm in
+the gemm's prologue (``gemm.fp8_w8a16_norm_triton``) against the plan's norm kernel + the gemm - where the
+prologue stops paying decides ``gemm_fp8_triton.NORM_MAX_M``."""
+NORM_BENCH_MAX_M = 16
 SWEEP = dict(block_n=(64, 128), split_k=(1, 2, 4, 8), num_stages=(3, 4))
 """Launch configs timed beside the heuristic default (``--quick``: the default only)."""
 L2_BYTES = 50 * 2 ** 20
@@ -103,11 +109,40 @@ def bench_fp8_gemms(shapes: list[str], batches: list[int], *, quick: bool = Fals
                                   len(ws), wbytes + act, extra={"note": "output copied into place"}))
             else:
                 rows.append(Row("gemm", case, "stock", [], 0, wbytes + act, notes=stock_why))
+            if label in NORM_SHAPES and M <= NORM_BENCH_MAX_M:
+                rows += _norm_rows(case, xs, ws, outs, wbytes + act, g)
             best = _best(rows, case)
             log(f"{case}: " + ", ".join(f"{k} {v:.2f}" for k, v in best.items()))
         del bf16, ws, peer, stock
         torch.cuda.empty_cache()
     return rows
+
+
+def _norm_rows(case: str, xs: list[torch.Tensor], ws: list[Any], outs: list[torch.Tensor], nbytes: int,
+               g: torch.Generator) -> list[Row]:
+    """``w8a16+norm``: the RMSNorm in the gemm's prologue; ``norm+w8a16``: the norm kernel the plan would pick for
+    that width (``norm`` family on this GPU), then the gemm."""
+    from latency_specialized import hardware
+    from latency_specialized.kernels import gemm_fp8_triton as f8
+    from latency_specialized.ops.gemm import gemm_reference
+    from latency_specialized.ops.registry import make_context
+    from latency_specialized.plugins import get_registry
+
+    M, K = xs[0].shape
+    gain = (1 + 0.1 * torch.randn(K, generator=g, device="cuda")).bfloat16()
+    ref = gemm_reference(xs[0], ws[0], norm_weight=gain, norm_eps=1e-6)
+    ctx = make_context("norm", arch=hardware.probe().arch, dtype="bfloat16", tokens=M, dims={"N": K})
+    norm, _ = get_registry().implementations.select(ctx, allow_reference=False)
+    normed = [torch.empty_like(x) for x in xs]
+    out = [_time(case, "w8a16+norm[prologue]", "w8a16",
+                 lambda r: f8.gemm_fp8_w8a16(xs[r], ws[r], out=outs[r], norm_weight=gain, norm_eps=1e-6),
+                 ref, outs, len(ws), nbytes)]
+    if norm is None:
+        return out + [Row("gemm", case, "norm+w8a16[separate]", [], 1, nbytes, notes="no norm kernel for this width")]
+    sep = _time(case, "norm+w8a16[separate]", "w8a16",
+                lambda r: f8.gemm_fp8_w8a16(norm.fn(xs[r], gain, 1e-6, out=normed[r]), ws[r], out=outs[r]),
+                ref, outs, len(ws), nbytes, extra={"norm": norm.name})
+    return out + [sep]
 
 
 def _cfg_extra(cfg: Any, f8: Any, N: int, K: int, M: int, fmt: str) -> dict[str, Any]:
@@ -188,6 +223,14 @@ def to_markdown(rows: list[Row], device: str) -> str:
         vs_s = f"{best['stock'] / ours:.2f}x" if ours and "stock" in best else "-"
         lines.append(f"| {case} | {roof:.2f} | {cell('w8a16')} | {cell('w8a8')} | {cell('peer-humming')} | "
                      f"{cell('stock')} | {cell('bf16-cublas')} | {frac} | {vs_h} | {vs_s} |")
+    norm_cases = [c for c in cases if any(r.case == c and r.impl.startswith("w8a16+norm") for r in rows)]
+    if norm_cases:
+        lines += ["", "Behind a norm site (`NORM_MAX_M`): the RMSNorm in the gemm's prologue vs the norm kernel + the gemm "
+                  "(default launch config both).", "", "| case | w8a16+norm (prologue) | norm kernel + w8a16 |", "|---|---|---|"]
+        for case in norm_cases:
+            got = {r.impl.split("[")[0]: (f"{r.best_us:.2f}" if r.us else f"- ({r.notes[:60]})") for r in rows
+                   if r.case == case and r.impl.startswith(("w8a16+norm", "norm+w8a16"))}
+            lines.append(f"| {case} | {got.get('w8a16+norm', '-')} | {got.get('norm+w8a16', '-')} |")
     return "\n".join(lines) + "\n"
 
 
