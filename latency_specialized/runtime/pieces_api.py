@@ -207,6 +207,35 @@ def row_blocks(w: "torch.Tensor | QuantizedWeight", n: int) -> "torch.Tensor | l
     return w.reshape(n, w.shape[0] // n, -1).contiguous()
 
 
+def split_plain(parts: Sequence[str], spec: ModelSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(stored head, plain tail) of a fused projection's parts (in column order) under ``spec.linear_format``: where
+    the release keeps the trailing parts plain and the others stored (GLM-5.3's indexer ``weights_proj`` after
+    ``q_a | kv_a | wk``), the projection runs as two gemms into one output - the head in its stored format (half the
+    bytes of its bf16 copy) and the tail in the activation dtype - instead of one dequantised gemm. ``(parts, ())``
+    where nothing splits: no format, nothing plain or nothing stored, or plain parts not all at the end."""
+    fmt = spec.linear_format
+    plain = [fmt is not None and p in fmt.plain for p in parts]
+    n = plain.index(True) if any(plain) else len(parts)
+    if fmt is None or n in (0, len(parts)) or not all(plain[n:]):
+        return tuple(parts), ()
+    return tuple(parts[:n]), tuple(parts[n:])
+
+
+def fused_gemm(step: "StepContext", role: str, h: torch.Tensor, w: Mapping[str, Any], key: str) -> torch.Tensor:
+    """``h @ w[key]^T`` through site ``role`` - or, where the piece split the projection (:func:`split_plain`:
+    ``w[key + '.plain']`` present), its stored head through ``role`` and its plain tail through ``role + '.plain'``,
+    both written into one ``[M, N]`` output (column slices, in the fused order)."""
+    tail = w.get(key + ".plain")
+    if tail is None:
+        return step.op(role)(h, w[key])
+    head = w[key]
+    n = head.shape[0]
+    y = torch.empty(h.shape[0], n + tail.shape[0], dtype=h.dtype, device=h.device)
+    step.op(role)(h, head, out=y[:, :n])
+    step.op(role + ".plain")(h, tail, out=y[:, n:])
+    return y
+
+
 def with_stored(decls: Sequence[WeightDecl], spec: ModelSpec,
                 projections: Mapping[str, Sequence[str]]) -> list[WeightDecl]:
     """``decls`` with ``stored`` set on the weights of every projection site that keeps its weight in the spec's

@@ -15,7 +15,7 @@ from latency_specialized.ops.sites import stored_bytes_per_value
 from latency_specialized.pieces import DenseMLP
 from latency_specialized.plugins import get_registry
 from latency_specialized.runtime.composed import _as_declared
-from latency_specialized.runtime.pieces_api import WeightDecl
+from latency_specialized.runtime.pieces_api import WeightDecl, split_plain
 from latency_specialized.spec import DenseMLPSpec, LinearFormat
 
 from tests.pieces.helpers import make_step, piece_sites, random_full, rank_weights
@@ -32,6 +32,17 @@ def test_a_site_keeps_the_format_only_where_every_part_is_stored_so():
     kept = spec.with_linear_format(FP8)
     assert kept.kept_linear("gate_proj", "up_proj") == "fp8-block-128"
     assert kept.shard(2).linear_format == FP8 and kept.with_linear_format(None).linear_format is None
+
+
+def test_fused_projections_split_off_a_plain_tail():
+    spec = spec_for(DenseMLPSpec(intermediate=48)).with_linear_format(FP8)
+    parts = ("q_a_proj", "kv_a_proj", "indexer.k_proj", "indexer.weights_proj")
+    assert split_plain(parts, spec) == (parts[:3], ("indexer.weights_proj",))
+    assert split_plain(parts[:3], spec) == (parts[:3], ())                      # nothing plain
+    assert split_plain(("indexer.weights_proj",), spec) == (("indexer.weights_proj",), ())   # nothing stored
+    mixed = ("q_a_proj", "indexer.weights_proj", "kv_a_proj")                   # plain not at the end: one site
+    assert split_plain(mixed, spec) == (mixed, ()) and spec.kept_linear(*mixed) is None
+    assert split_plain(parts, spec.with_linear_format(None)) == (parts, ())
 
 
 @pytest.mark.parametrize("tp", [1, 2])

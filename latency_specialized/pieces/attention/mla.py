@@ -39,7 +39,8 @@ from latency_specialized.errors import UserError
 from latency_specialized.ops.attention.dcp import dcp_mla_decode
 from latency_specialized.ops.sites import SiteBuilder
 from latency_specialized.pieces.attention.rope import rope_inv_freq
-from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl, join, with_stored
+from latency_specialized.runtime.pieces_api import (StateDecl, StepContext, WeightDecl, fused_gemm, join, split_plain,
+                                                    with_stored)
 from latency_specialized.spec import MLAAttentionSpec, ModelSpec
 
 
@@ -91,14 +92,26 @@ class MLAAttention:
         return _local(self.spec, tp)
 
     # ------------------------------------------------------------------ declarations
-    def projections(self) -> dict[str, tuple[str, ...]]:
+    def fused_a(self, a: MLAAttentionSpec) -> dict[str, int]:
+        """The parts of the fused latent projection ``attn.qkv_a_proj`` (query LoRA only) in column order, with
+        their rows at ``a``'s shapes (a rank's: the output gate's heads are the rank's)."""
+        rows = {"q_a_proj": a.q_lora_rank or 0, "kv_a_proj": a.kv_lora_rank + a.qk_rope_head_dim}
+        if a.output_gate == "sigmoid":
+            rows["g_proj"] = a.num_heads * a.v_head_dim
+        return rows
+
+    def projections(self, spec: ModelSpec) -> dict[str, tuple[str, ...]]:
         """Gemm site role -> the piece-local weights it joins (a site keeps a stored format only where all of
-        them are stored so: ``ModelSpec.kept_linear``). ``kv_b`` is no gemm: the absorbed attention takes it in
-        the activation dtype (an FP8 checkpoint's is dequantised at bind, as vLLM does for its absorption)."""
+        them are stored so: ``ModelSpec.kept_linear``; a fused projection whose trailing parts are plain splits
+        into two sites: ``pieces_api.split_plain``). ``kv_b`` is no gemm: the absorbed attention takes it in the
+        activation dtype (an FP8 checkpoint's is dequantised at bind, as vLLM does for its absorption)."""
         a = self.spec
         gate = ("g_proj",) if a.output_gate == "sigmoid" else ()
         if a.q_lora_rank:
-            out = {"attn.qkv_a_proj": ("q_a_proj", "kv_a_proj", *gate), "attn.q_b_proj": ("q_b_proj",)}
+            head, tail = split_plain(tuple(self.fused_a(a)), spec)
+            out = {"attn.qkv_a_proj": head, "attn.q_b_proj": ("q_b_proj",)}
+            if tail:
+                out["attn.qkv_a_proj.plain"] = tail
         else:
             out = {"attn.kv_a_proj": ("kv_a_proj",), "attn.q_proj": ("q_proj",)}
             if gate:
@@ -110,10 +123,9 @@ class MLAAttention:
         a, hidden = self.local(rank_spec.tp), rank_spec.hidden_size
         qk = a.qk_nope_head_dim + a.qk_rope_head_dim
         gate = a.num_heads * a.v_head_dim if a.output_gate == "sigmoid" else 0
-        fmt = {role: rank_spec.kept_linear(*parts) for role, parts in self.projections().items()}
+        fmt = {role: rank_spec.kept_linear(*parts) for role, parts in self.projections(rank_spec).items()}
         if a.q_lora_rank:
-            b.gemm("attn.qkv_a_proj", a.q_lora_rank + a.kv_lora_rank + a.qk_rope_head_dim + gate, hidden,
-                   weight_format=fmt["attn.qkv_a_proj"])
+            self.fused_a_sites(b, a, rank_spec, fmt)
             b.add("attn.q_a_norm", "norm", N=a.q_lora_rank)
             b.gemm("attn.q_b_proj", a.num_heads * qk, a.q_lora_rank, norm_site="attn.q_a_norm",
                    weight_format=fmt["attn.q_b_proj"])
@@ -131,6 +143,16 @@ class MLAAttention:
               nope=a.qk_nope_head_dim, v=a.v_head_dim, attrs=attrs)
         b.gemm("attn.o_proj", hidden, a.num_heads * a.v_head_dim, weight_format=fmt["attn.o_proj"])
 
+    def fused_a_sites(self, b: SiteBuilder, a: MLAAttentionSpec, rank_spec: ModelSpec,
+                      fmt: Mapping[str, str | None]) -> None:
+        """``attn.qkv_a_proj`` over :meth:`fused_a` (``a``: the rank's shapes), and ``attn.qkv_a_proj.plain`` where
+        its plain tail is split off (``pieces_api.split_plain``)."""
+        rows = self.fused_a(a)
+        head, tail = split_plain(tuple(rows), rank_spec)
+        b.gemm("attn.qkv_a_proj", sum(rows[p] for p in head), rank_spec.hidden_size, weight_format=fmt["attn.qkv_a_proj"])
+        if tail:
+            b.gemm("attn.qkv_a_proj.plain", sum(rows[p] for p in tail), rank_spec.hidden_size)
+
     def weights(self, spec: ModelSpec, tp: int) -> Sequence[WeightDecl]:
         a, H = self.spec, spec.hidden_size
         qk = a.qk_nope_head_dim + a.qk_rope_head_dim
@@ -146,7 +168,7 @@ class MLAAttention:
                 WeightDecl("o_proj", (H, a.num_heads * a.v_head_dim), split=1)]
         if a.output_gate == "sigmoid":
             out.append(WeightDecl("g_proj", (a.num_heads * a.v_head_dim, H), split=0))
-        return with_stored(out, spec, self.projections())
+        return with_stored(out, spec, self.projections(spec))
 
     def states(self, spec: ModelSpec, tp: int) -> Sequence[StateDecl]:
         return [StateDecl("kv", "paged", (self.spec.latent_width,))]
@@ -155,9 +177,12 @@ class MLAAttention:
         a = self.local(rank_spec.tp)
         gated = a.output_gate == "sigmoid"
         if a.q_lora_rank:
-            # [q_a | kv_a] as vLLM's fused_qkv_a_proj, and the output-gate rows too: all read the same h
-            out = {"qkv_a": join([w["q_a_proj"], w["kv_a_proj"]] + ([w["g_proj"]] if gated else [])),
-                   "q_a_norm": w["q_a_norm"], "q_b": w["q_b_proj"]}
+            # [q_a | kv_a] as vLLM's fused_qkv_a_proj, and the output-gate rows too: all read the same h (a plain
+            # tail of it, where the head is kept stored: a second gemm into the same output, split_plain)
+            head, tail = split_plain(tuple(self.fused_a(a)), rank_spec)
+            out = {"qkv_a": join([w[p] for p in head]), "q_a_norm": w["q_a_norm"], "q_b": w["q_b_proj"]}
+            if tail:
+                out["qkv_a.plain"] = join([w[p] for p in tail])
         else:
             out = {"kv_a": w["kv_a_proj"], "q": w["q_proj"]}
             if gated:
@@ -175,7 +200,7 @@ class MLAAttention:
         L, R, nope = a.kv_lora_rank, a.qk_rope_head_dim, a.qk_nope_head_dim
         if a.q_lora_rank:
             ql = a.q_lora_rank
-            y = step.op("attn.qkv_a_proj")(h, w["qkv_a"])
+            y = fused_gemm(step, "attn.qkv_a_proj", h, w, "qkv_a")
             # column slices of the fused projection [q_a | kv_a (latent, rope key) | output-gate logits]
             kv = y[:, ql:ql + L + R]
             gate = y[:, ql + L + R:] if a.output_gate == "sigmoid" else None  # strided rows: the op takes them

@@ -51,8 +51,8 @@ import torch
 from latency_specialized.errors import UserError
 from latency_specialized.ops.sites import SiteBuilder
 from latency_specialized.pieces.attention.mla import MLAAttention
-from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl, join, with_stored
-from latency_specialized.spec import IndexerSpec, ModelSpec
+from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl, fused_gemm, join, with_stored
+from latency_specialized.spec import IndexerSpec, MLAAttentionSpec, ModelSpec
 
 TOPK = "indexer.topk"
 """Name of the static top-k buffer ``[max_rows, K]`` (int32) in the program's scratch."""
@@ -114,11 +114,17 @@ class SparseMLAAttention(MLAAttention):
         return self.spec.indexer
 
     # ------------------------------------------------------------------ declarations
-    def projections(self) -> dict[str, tuple[str, ...]]:
-        """The dense piece's, with a full layer's indexer rows riding on the fused ``qkv_a`` and ``q_b``."""
-        out = super().projections()
+    def fused_a(self, a: MLAAttentionSpec) -> dict[str, int]:
+        """The dense piece's, with a full layer's indexer key and head-weight rows at the end (they read h too)."""
+        rows = super().fused_a(a)
         if self.options.full:
-            out["attn.qkv_a_proj"] += ("indexer.k_proj", "indexer.weights_proj")
+            rows.update({"indexer.k_proj": self.ix.head_dim, "indexer.weights_proj": self.ix.num_heads})
+        return rows
+
+    def projections(self, spec: ModelSpec) -> dict[str, tuple[str, ...]]:
+        """The dense piece's (its fused ``qkv_a``: :meth:`fused_a`), with a full layer's indexer query rows on ``q_b``."""
+        out = super().projections(spec)
+        if self.options.full:
             out["attn.q_b_proj"] += ("indexer.q_proj",)
         return out
 
@@ -126,12 +132,9 @@ class SparseMLAAttention(MLAAttention):
         a, hidden, ix, full = self.local(rank_spec.tp), rank_spec.hidden_size, self.ix, self.options.full
         assert a.q_lora_rank
         qk = a.qk_nope_head_dim + a.qk_rope_head_dim
-        gate = a.num_heads * a.v_head_dim if a.output_gate == "sigmoid" else 0
-        extra_a = ix.head_dim + ix.num_heads if full else 0
         extra_b = ix.num_heads * ix.head_dim if full else 0
-        fmt = {role: rank_spec.kept_linear(*parts) for role, parts in self.projections().items()}
-        b.gemm("attn.qkv_a_proj", a.q_lora_rank + a.kv_lora_rank + a.qk_rope_head_dim + gate + extra_a, hidden,
-               weight_format=fmt["attn.qkv_a_proj"])
+        fmt = {role: rank_spec.kept_linear(*parts) for role, parts in self.projections(rank_spec).items()}
+        self.fused_a_sites(b, a, rank_spec, fmt)
         b.add("attn.q_a_norm", "norm", N=a.q_lora_rank)
         b.gemm("attn.q_b_proj", a.num_heads * qk + extra_b, a.q_lora_rank, norm_site="attn.q_a_norm",
                weight_format=fmt["attn.q_b_proj"])
@@ -156,7 +159,7 @@ class SparseMLAAttention(MLAAttention):
                     WeightDecl("indexer.weights_proj", (ix.num_heads, spec.hidden_size)),
                     WeightDecl("indexer.k_norm", (ix.head_dim,), dtype="float32"),
                     WeightDecl("indexer.k_norm_bias", (ix.head_dim,), dtype="float32")]
-        return with_stored(out, spec, self.projections())
+        return with_stored(out, spec, self.projections(spec))
 
     def states(self, spec: ModelSpec, tp: int) -> Sequence[StateDecl]:
         out = list(super().states(spec, tp))
@@ -171,8 +174,7 @@ class SparseMLAAttention(MLAAttention):
     def arrange(self, w: Mapping[str, torch.Tensor], rank_spec: ModelSpec) -> dict[str, torch.Tensor]:
         out = super().arrange(w, rank_spec)
         if self.options.full:
-            # the indexer's h projections ride on the fused latent projection, its queries on q_b
-            out["qkv_a"] = join([out["qkv_a"], w["indexer.k_proj"], w["indexer.weights_proj"]])
+            # the indexer's h projections ride on the fused latent projection (fused_a), its queries on q_b
             out["q_b"] = join([out["q_b"], w["indexer.q_proj"]])
             out["indexer.k_norm"] = w["indexer.k_norm"]
             out["indexer.k_norm_bias"] = w["indexer.k_norm_bias"]
@@ -207,7 +209,7 @@ class SparseMLAAttention(MLAAttention):
         assert a.q_lora_rank
         M, ql, L, R, nope = h.shape[0], a.q_lora_rank, a.kv_lora_rank, a.qk_rope_head_dim, a.qk_nope_head_dim
         G = a.num_heads * a.v_head_dim if a.output_gate == "sigmoid" else 0
-        y = step.op("attn.qkv_a_proj")(h, w["qkv_a"])
+        y = fused_gemm(step, "attn.qkv_a_proj", h, w, "qkv_a")
         # column slices of [q_a | kv_a | gate | indexer key | indexer weights] (strided rows)
         kv, at = y[:, ql:ql + L + R], ql + L + R
         gate = y[:, at:at + G] if G else None

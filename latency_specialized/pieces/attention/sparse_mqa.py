@@ -72,8 +72,8 @@ from latency_specialized.errors import UserError
 from latency_specialized.ops.attention.sparse_mqa import rope_tail, slot_of
 from latency_specialized.ops.sites import SiteBuilder, stored_bytes_per_value
 from latency_specialized.pieces.attention.rope import rope_inv_freq
-from latency_specialized.runtime.pieces_api import (StateDecl, StepContext, WeightDecl, join, row_blocks, take_rows,
-                                                    with_stored)
+from latency_specialized.runtime.pieces_api import (StateDecl, StepContext, WeightDecl, fused_gemm, join, row_blocks,
+                                                    split_plain, take_rows, with_stored)
 from latency_specialized.spec import MAX_SPEC_TOKENS, ModelSpec, SparseMQAAttentionSpec
 
 TOPK = "sparse_mqa.topk"
@@ -166,18 +166,25 @@ class SparseMQAAttention:
         return (a.q_lora_rank, D, (2 * D if r > 1 else D) if self.kv_source else 0,
                 ix.num_heads if ix is not None else 0)
 
-    def _fused_in(self) -> list[str]:
-        """The weights of the fused input projection, in its column order (``_in_widths``)."""
-        kv_src, ix = self.kv_source, self.spec.indexer
-        return ["q_a_proj", "kv_proj"] + (["compressor.kv"] if kv_src else []) \
-            + (["compressor.gate"] if kv_src and self.spec.compress_ratio > 1 else []) \
-            + (["indexer.weights_proj"] if ix is not None else [])
+    def _fused_in(self, a: SparseMQAAttentionSpec) -> dict[str, int]:
+        """The weights of the fused input projection in its column order (``_in_widths``), with their rows."""
+        D, ix = a.head_dim, self.spec.indexer
+        rows = {"q_a_proj": a.q_lora_rank, "kv_proj": D}
+        if self.kv_source:
+            rows["compressor.kv"] = D
+            if self.spec.compress_ratio > 1:
+                rows["compressor.gate"] = D
+        if ix is not None:
+            rows["indexer.weights_proj"] = ix.num_heads
+        return rows
 
     # ------------------------------------------------------------------ declarations
-    def projections(self) -> dict[str, tuple[str, ...]]:
-        """Gemm site role -> the weights it joins (kept in a stored format where all are: ``ModelSpec.kept_linear``);
-        the grouped ``o_a`` is one gemm per group over its rows of one weight."""
-        out = {"attn.in_proj": tuple(self._fused_in()),
+    def projections(self, spec: ModelSpec) -> dict[str, tuple[str, ...]]:
+        """Gemm site role -> the weights it joins (kept in a stored format where all are: ``ModelSpec.kept_linear``;
+        the fused input projection split where its trailing parts are plain: ``pieces_api.split_plain``); the
+        grouped ``o_a`` is one gemm per group over its rows of one weight."""
+        head, tail = split_plain(tuple(self._fused_in(self.spec)), spec)
+        out = {"attn.in_proj": head, **({"attn.in_proj.plain": tail} if tail else {}),
                "attn.q_b_proj": ("q_b_proj",) + (("indexer.q_proj",) if self.spec.indexer is not None else ()),
                "attn.o_a_proj": ("o_a_proj",), "attn.o_b_proj": ("o_b_proj",)}
         if self.index_keys:
@@ -187,8 +194,12 @@ class SparseMQAAttention:
     def sites(self, b: SiteBuilder, rank_spec: ModelSpec) -> None:
         a, H, ix = _local(self.spec, rank_spec.tp), rank_spec.hidden_size, self.spec.indexer
         r, D = self.spec.compress_ratio, a.head_dim
-        fmt = {role: rank_spec.kept_linear(*parts) for role, parts in self.projections().items()}
-        b.gemm("attn.in_proj", sum(self._in_widths(a)), H, weight_format=fmt["attn.in_proj"])
+        fmt = {role: rank_spec.kept_linear(*parts) for role, parts in self.projections(rank_spec).items()}
+        rows = self._fused_in(a)
+        head, tail = split_plain(tuple(rows), rank_spec)
+        b.gemm("attn.in_proj", sum(rows[p] for p in head), H, weight_format=fmt["attn.in_proj"])
+        if tail:  # the plain tail of the fused input projection: a second gemm into the same output
+            b.gemm("attn.in_proj.plain", sum(rows[p] for p in tail), H)
         b.add("attn.q_norm", "norm", N=a.q_lora_rank)
         # the indexer's q_proj reads qr too: its rows join q_b's (one gemm, one norm prologue for both)
         iq_n = ix.num_heads * ix.head_dim if ix is not None else 0
@@ -231,7 +242,7 @@ class SparseMQAAttention:
                     WeightDecl("indexer.weights_proj", (ix.num_heads, H))]
             if self.index_keys:
                 out += [WeightDecl("indexer.k_proj", (ix.head_dim, D)), WeightDecl("indexer.k_norm", (ix.head_dim,))]
-        return with_stored(out, spec, self.projections())
+        return with_stored(out, spec, self.projections(spec))
 
     def states(self, spec: ModelSpec, tp: int) -> Sequence[StateDecl]:
         a, r = self.spec, self.spec.compress_ratio
@@ -254,9 +265,12 @@ class SparseMQAAttention:
         a, ix = _local(self.spec, rank_spec.tp), self.spec.indexer
         dev = w["q_norm"].device
         # one gemm for every projection of h: [q_a | kv | compressor kv (| gate) | indexer weights] (_in_widths)
-        fused = self._fused_in()
+        fused = self._fused_in(a)
+        head, tail = split_plain(tuple(fused), rank_spec)
         out = {k: v.contiguous() for k, v in w.items() if not k.startswith("indexer.") and k not in fused}
-        out["in_proj"] = join([w[k] for k in fused]).contiguous()
+        out["in_proj"] = join([w[k] for k in head]).contiguous()
+        if tail:
+            out["in_proj.plain"] = join([w[k] for k in tail]).contiguous()
         out["o_a_proj"] = row_blocks(w["o_a_proj"], a.o_groups)   # [o_lora, K] per group
         out["rope_inv_freq"] = rope_inv_freq(self.rope_theta, a.rope_dim, device=dev)
         if ix is not None:   # the indexer op rotates leading channels: its heads' rope channels go first
@@ -306,7 +320,7 @@ class SparseMQAAttention:
         M, Hl, D = h.shape[0], a.num_heads, a.head_dim
         meta, inv = step.meta, w["rope_inv_freq"]
         pos, bt = meta["positions"], meta["block_table"]
-        y = step.op("attn.in_proj")(h, w["in_proj"])
+        y = fused_gemm(step, "attn.in_proj", h, w, "in_proj")
         # column slices of the fused projection (strided rows; a copy only where a site needs one)
         ends = list(itertools.accumulate(self._in_widths(a)))
         q_a, kv = y[:, :ends[0]], y[:, ends[0]:ends[1]]

@@ -68,8 +68,8 @@ def test_medium_model_runs_its_fp4_experts_on_the_4bit_kernels_in_one_graph(batc
 
 def test_checkpoint_dense_projections_kept_fp8_where_every_part_is(tmp_path, capsys):
     """``--linears native``: the FP8 32x32 projections stay as stored (q_b with the indexer's rope-leading rows moved
-    with their scales, the grouped o_a one weight per group, o_b, shared experts; ``in_proj`` where it joins no plain
-    compressor / indexer weight). fp32: the same tokens as dequantised at load."""
+    with their scales, the grouped o_a one weight per group, o_b, shared experts, ``in_proj``'s q_a | kv - its plain
+    compressor / indexer-weights tail a bf16 gemm of its own). fp32: the same tokens as dequantised at load."""
     d = tmp_path / "ds"
     assert main(["make-checkpoint", "deepseek_v41_flash", "--size", "tiny", str(d)]) == 0
     ref = ADAPTER.reference(None, checkpoint=d, dtype="float32", expert_format="native", linear_format="native")
@@ -83,7 +83,8 @@ def test_checkpoint_dense_projections_kept_fp8_where_every_part_is(tmp_path, cap
     for kind, w in attn.items():
         assert isinstance(w["q_b_proj"], quant.QuantizedWeight) and isinstance(w["o_b_proj"], quant.QuantizedWeight)
         assert all(isinstance(g, quant.QuantizedWeight) for g in w["o_a_proj"])
-        assert isinstance(w["in_proj"], quant.QuantizedWeight) == (".src" not in kind and ".idx" not in kind), kind
+        assert isinstance(w["in_proj"], quant.QuantizedWeight)
+        assert isinstance(w.get("in_proj.plain"), torch.Tensor) == (".src" in kind or ".idx" in kind), kind
     args = ["--prompt-ids", "5,9,11", "--max-tokens", "6", "--device", "cpu", "--dtype", "float32"]
     assert main(["generate", "--model", "deepseek_v41_flash", "--checkpoint", str(d), *args]) == 0
     plain = ids(capsys.readouterr().out)

@@ -2,9 +2,9 @@
 ``weight_scale_inv`` (not the router, the indexer's head weights, the MTP ``eh_proj``, embeddings, heads); the loader
 dequantises them; ``--experts native`` keeps the routed experts FP8 as stored for the program (``fp8-block-128``:
 ``moe.experts.fp8_triton`` on the GPU, the reference on the CPU) with the same tokens; ``--linears native`` keeps the
-dense projections FP8 too (the block-FP8 gemms), but ``kv_b`` (absorbed MLA takes bf16) and the full layers' fused
-``qkv_a`` (it joins the bf16 ``weights_proj``), which are dequantised at bind. The matrix's ``-fp8-block-128`` cells
-(and ``-dense-fp8-block-128``: both) run program vs reference."""
+dense projections FP8 too (the block-FP8 gemms), but ``kv_b`` (absorbed MLA takes bf16: dequantised at bind); the
+full layers' fused ``qkv_a`` splits its bf16 ``weights_proj`` tail off into a second gemm (``pieces_api.split_plain``).
+The matrix's ``-fp8-block-128`` cells (and ``-dense-fp8-block-128``: both) run program vs reference."""
 
 from __future__ import annotations
 
@@ -71,13 +71,16 @@ def test_fp8_checkpoint_keeps_its_dense_projections(tmp_path, capsys):
     fmt = {c.site.name: c.site.ctx.attr("weight_format") for c in plan.choices}
     assert fmt["mla+dense/attn.q_b_proj"] == fmt["mla+dense/attn.o_proj"] == fmt["mla+dense/mlp"] == "fp8-block-128"
     assert fmt["mla+moe/moe.shared"] == fmt["mla.reuse+moe/attn.qkv_a_proj"] == "fp8-block-128"
-    assert fmt["mla+moe/attn.qkv_a_proj"] is None       # joins the indexer's bf16 weights_proj
+    # the full layers' q_a | kv_a | wk FP8, the indexer's bf16 weights_proj after them in a gemm of its own
+    assert fmt["mla+moe/attn.qkv_a_proj"] == "fp8-block-128" and fmt["mla+moe/attn.qkv_a_proj.plain"] is None
+    assert "mla.reuse+moe/attn.qkv_a_proj.plain" not in fmt
     program = ADAPTER.program(ref.spec, plans=plan, cache=ref.new_cache(2, 16), reference=ref)
     full, reuse = (next(w["attn"] for lp, w in zip(program.model.layers, program.w_layers) if lp.kind == k)
                    for k in ("mla+moe", "mla.reuse+moe"))
     assert isinstance(full["q_b"], quant.QuantizedWeight) and isinstance(full["o"], quant.QuantizedWeight)
     assert isinstance(reuse["qkv_a"], quant.QuantizedWeight)
-    assert isinstance(full["qkv_a"], torch.Tensor) and isinstance(full["kv_b"], torch.Tensor)
+    assert isinstance(full["qkv_a"], quant.QuantizedWeight) and isinstance(full["qkv_a.plain"], torch.Tensor)
+    assert isinstance(full["kv_b"], torch.Tensor) and "qkv_a.plain" not in reuse
     # fp32: the dequantised weights are the stored values exactly, so the tokens are the same
     args = ["--prompt-ids", "5,9,11", "--max-tokens", "6", "--batch", "2", "--device", "cpu", "--dtype", "float32"]
     assert main(["generate", "--model", "glm53", "--checkpoint", str(d), *args]) == 0
