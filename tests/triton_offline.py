@@ -101,7 +101,33 @@ def ptx_for_hopper(launches: list[tuple[Any, tuple, dict]], *, specialize: bool 
     return out
 
 
-def _compiled(launches: list[tuple[Any, tuple, dict]], specialize: bool) -> dict[str, Any]:
+def resource_usage(launches: list[tuple[Any, tuple, dict]]) -> dict[str, tuple[int, int]]:
+    """``"kernel {constexprs}"`` -> (registers per thread, stack bytes) of its sm_90 cubin, as the JIT would build it
+    (specialized), read by the ``cuobjdump`` Triton ships: a stack frame means spilled registers."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    out: dict[str, tuple[int, int]] = {}
+    for key, got in _compiled(launches, True, asm="cubin").items():
+        if isinstance(got, Exception):
+            raise AssertionError(f"{key}: {type(got).__name__}: {got}") from got
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(got)
+            f.flush()
+            text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                                  check=True).stdout
+        m = re.search(r"REG:(\d+).*?STACK:(\d+)", text, re.S)
+        assert m, text[-500:]
+        out[key] = (int(m.group(1)), int(m.group(2)))
+    return out
+
+
+def _compiled(launches: list[tuple[Any, tuple, dict]], specialize: bool, asm: str = "ptx") -> dict[str, Any]:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -115,7 +141,7 @@ def _compiled(launches: list[tuple[Any, tuple, dict]], specialize: bool) -> dict
         try:
             done[key] = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                                        target=GPUTarget("cuda", 90, 32),
-                                       options={k: kw[k] for k in _OPTIONS if k in kw}).asm["ptx"]
+                                       options={k: kw[k] for k in _OPTIONS if k in kw}).asm[asm]
         except Exception as e:  # noqa: BLE001 - reported per kernel
             done[key] = e
     return done

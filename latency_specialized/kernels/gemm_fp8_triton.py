@@ -59,12 +59,14 @@ def default_config(n: int, k: int, m: int, block_k: int, sms: int = SMS_H200) ->
     """Heuristic where no measured table entry exists (``block_k``: the K step the kernel will take): 128-row
     tiles where N alone fills half the SMs, else 64; K split until about two programs per SM are in flight, each
     split keeping at least 4 K steps (fewer and the pipeline never fills, while the fp32 partials - split x M x N
-    x 8 bytes of traffic - grow)."""
+    x 8 bytes of traffic - grow). Above 16 rows 8 warps: with 4, the 128 x 64 fp32 accumulator beside a 128 x 128
+    weight tile takes all 255 registers and spills (sm_90 cubin, ``cuobjdump --dump-resource-usage``: W8A16 at
+    M = 64 255 registers + 64-88 bytes of stack; 8 warps 172 / 85, no stack)."""
     block_n = 128 if n >= 128 * sms // 2 or m > 16 else 64
     tiles = -(-n // block_n)
     steps = -(-k // block_k)
     split = max(1, min(-(-2 * sms // tiles), steps // 4))
-    return Fp8GemmConfig(block_n=block_n, split_k=split, block_k=block_k)
+    return Fp8GemmConfig(block_n=block_n, split_k=split, block_k=block_k, num_warps=8 if m > 16 else 4)
 
 
 TUNING: dict[tuple[str, int, int, int], Fp8GemmConfig] = {}

@@ -292,6 +292,25 @@ def test_fp8_kernel_compiles_for_hopper_with_the_intended_instructions():
     assert "rsqrt.approx" in ptx and "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16" in ptx
 
 
+@pytest.mark.skipif(not _HAVE_TRITON, reason="triton not installed")
+def test_default_launch_configs_do_not_spill_on_hopper():
+    """The sm_90 cubins of the heuristic configs (what plans run until the H200 fills ``TUNING``) use no stack: at
+    M = 64 the 4-warp tile spilled (255 registers + 64-88 bytes of stack), hence 8 warps above 16 rows."""
+    from latency_specialized.kernels import gemm_fp8_triton as f8
+
+    from tests.triton_offline import recorded_launches, resource_usage
+
+    for N, K, fmt in ((6144, 2048, "fp8-block-128"), (4096, 1280, "fp8-block-32")):
+        w = _weight(62, N, K, fmt)
+        with recorded_launches() as launches:
+            for M, fn in ((1, f8.gemm_fp8_w8a16), (64, f8.gemm_fp8_w8a16), (64, f8.gemm_fp8_w8a8)):
+                fn(torch.randn(M, K).bfloat16(), w, out=torch.empty(M, N).bfloat16())
+            f8.gemm_fp8_w8a16(torch.randn(4, K).bfloat16(), w, out=torch.empty(4, N).bfloat16(),
+                              norm_weight=torch.ones(K).bfloat16())
+        usage = resource_usage(launches)
+        assert len(usage) == 4 and all(stack == 0 for _, stack in usage.values()), usage
+
+
 @pytest.mark.interpreter_driver
 def test_kernel_cases_under_the_interpreter():
     run_interpreted(__file__, min_passed=19)
