@@ -131,7 +131,14 @@ MERGE_TILE = 16384
 """Most fp32 partials (split tile x latent tile) one fused-merge step loads: caps the split tile when
 the latent tile is wide (64 KiB per step: 128 registers per thread at 4 warps)."""
 MERGE_V_BLOCK = 0
-"""Values of ``v`` per fused-merge program; 0: ``merge_v_block``'s rule (sweeps override it)."""
+"""Values of ``v`` per fused-merge program; 0: ``merge_v_block``'s rule capped by ``MERGE_W_TILE`` (sweeps override
+it)."""
+MERGE_W_TILE = 128 * 512
+"""Most ``V_PAD x ML`` fp32 W_UV values one fused-merge program holds: Kimi K3's measured shape (v 128, the whole
+512-wide latent: 255 registers + 72-80 bytes of stack in the sm_90 cubin, ``cuobjdump`` offline). GLM-5.3's v 256
+in one program needed 5,608 bytes of stack at batch 64 (32 registers: the tile lives in local memory) - likely
+why its batch-64 32K call took 1,274 us against Kimi's 784 (session 30); capped, it runs two 128-wide v blocks of
+Kimi's shape. Set from offline register counts (session 32, no GPU); the H200 A/B is ``mla_gap_probe.sh``."""
 MERGE_L_TILE = 64
 """Latent columns per program of the L-tiled fused merge at small batch (``merge_l_tiles``; 0: the v-blocked
 merge everywhere). Each program reads only its columns of every split's partial (at batch 1, 64 splits: 16 KB
@@ -893,8 +900,8 @@ def launch_mla_decode(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
                 w_uv.stride(0), w_uv.stride(1), g.stride(0), y.stride(0),
                 LT=lt, NLT=n_lt, NLT_PAD=n_pad, V_PAD=v_pad, HAS_GATE=gate is not None, **tile_args)
             return y
-        vb = MERGE_V_BLOCK or merge_v_block(B, H, v, sm_count(q.device))
         ml_f = min(MERGE_L_FUSED, L)
+        vb = MERGE_V_BLOCK or min(merge_v_block(B, H, v, sm_count(q.device)), max(16, MERGE_W_TILE // ml_f))
         fused_args = dict(merge_args, S_TILE=max(1, min(s_tile, MERGE_TILE // ml_f)))
         kernels["merge"][(B, H, -(-v // vb))](
             sp.ws_acc, sp.ws_m, sp.ws_l, seq_lens, y, w_uv, g, y, sp.num_splits, v, topk, *sp.strides, 0, 0,

@@ -761,6 +761,32 @@ def test_rope_calls_compile_for_hopper(mla, monkeypatch):
     assert compile_for_hopper(launches) == {}
 
 
+def test_fused_merge_at_glm_batch_64_holds_kimis_tile_and_does_not_spill(mla, monkeypatch):
+    """GLM-5.3 TP8 (8 heads, v 256) at batch 64, 32K: the fused merge runs 128-wide v blocks over the whole latent
+    (``MERGE_W_TILE``: Kimi K3's measured program shape) - with v 256 in one program its sm_90 cubin had 5,608 bytes
+    of stack (32 registers: the W_UV tile in local memory); now at most Kimi's 72-80 bytes."""
+    import os
+
+    from tests.triton_offline import recorded_launches, resource_usage
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("compiles only where triton was imported without the interpreter")
+    monkeypatch.setattr(mla, "sm_count", lambda device: 132)
+    B, H, L, R, nope, v, bs, d = 64, 8, 512, 64, 192, 256, 64, torch.bfloat16
+    nb = 32768 // bs + 1
+    cache = torch.zeros(nb, bs, L + R, dtype=d)
+    q, kv = torch.randn(B, H, nope + R).to(d), torch.randn(B, L + R).to(d)
+    args = (q, kv[:, :L], kv[:, L:], cache, torch.zeros(B, dtype=torch.long),
+            torch.arange(nb, dtype=torch.int32).repeat(B, 1), torch.full((B,), 32768, dtype=torch.int32),
+            torch.randn(H * (nope + v), L).to(d))
+    with recorded_launches() as launches:
+        mla.mla_decode_triton(*args, qk_nope_head_dim=nope, v_head_dim=v, kv_norm_weight=torch.ones(L, dtype=d))
+    merge = [x for x in launches if x[0].fn.__name__ == "merge_kernel"]
+    assert len(merge) == 1 and merge[0][2]["V_PAD"] * merge[0][2]["ML"] <= mla.MERGE_W_TILE
+    (regs, stack), = resource_usage(merge).values()
+    assert stack <= 128, (regs, stack)
+
+
 @pytest.mark.parametrize("B", [1, 2, 3])
 def test_dense_and_sparse_calls_launch_their_own_small_batch_chunk(mla, B, monkeypatch):
     """The split and merge kernels of a dense call get ``min_chunk(B)`` and those of a sparse call
