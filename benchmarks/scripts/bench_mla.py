@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--merge-l-fused", type=int, default=None)
     ap.add_argument("--merge-tile", type=int, default=None)
     ap.add_argument("--merge-v-block", type=int, default=None, help="MERGE_V_BLOCK (values per fused-merge program)")
+    ap.add_argument("--merge-w-tile", type=int, default=None,
+                    help="MERGE_W_TILE (most V_PAD x ML W_UV values per fused-merge program; 1073741824: no cap)")
     ap.add_argument("--pdl", type=int, choices=(0, 1), default=None, help="PDL (programmatic dependent launch) off/on")
     ap.add_argument("--merge-l-tile", type=int, default=None, help="MERGE_L_TILE (0: the v-blocked merge everywhere)")
     ap.add_argument("--merge-pdl", type=int, choices=(0, 1), default=None,
@@ -118,12 +120,13 @@ def main(argv: list[str] | None = None) -> int:
                         ("min_chunk", "MIN_CHUNK"), ("min_chunk_small", "MIN_CHUNK_SMALL_BATCH"), ("waves", "WAVES"), ("max_splits", "MAX_SPLITS"), ("merge_s_tile", "MERGE_S_TILE"),
                         ("merge_warps", "MERGE_WARPS"), ("merge_l_fused", "MERGE_L_FUSED"),
                         ("merge_tile", "MERGE_TILE"), ("merge_v_block", "MERGE_V_BLOCK"), ("pdl", "PDL"),
-                        ("merge_l_tile", "MERGE_L_TILE"), ("merge_pdl", "MERGE_PDL")):
+                        ("merge_l_tile", "MERGE_L_TILE"), ("merge_pdl", "MERGE_PDL"), ("merge_w_tile", "MERGE_W_TILE")):
         if getattr(a, flag) is not None:
             setattr(mk, const, getattr(a, flag))
     tuning = {k: getattr(mk, k) for k in ("BLOCK_H", "BLOCK_N", "NUM_WARPS", "NUM_STAGES", "MIN_CHUNK", "MIN_CHUNK_SMALL_BATCH", "WAVES",
                                           "MAX_SPLITS", "MERGE_L", "MERGE_S_TILE", "MERGE_WARPS", "MERGE_L_FUSED",
-                                          "MERGE_TILE", "MERGE_V_BLOCK", "PDL", "MERGE_L_TILE", "MERGE_PDL")}
+                                          "MERGE_TILE", "MERGE_V_BLOCK", "PDL", "MERGE_L_TILE", "MERGE_PDL",
+                                          "MERGE_W_TILE")}
     H, L, R, nope, v = a.heads, a.kv_lora, a.rope, a.nope, a.v
     kw = dict(qk_nope_head_dim=nope, v_head_dim=v)
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -8,8 +8,10 @@ set -o pipefail
 R=${OUT:-/tmp/ls_out}/mla_gap; mkdir -p "$R"
 export LS_KERNEL_CACHE_DIR=${LS_KERNEL_CACHE_DIR:-/tmp/ls_kcache} CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
 t0=$(date +%s)
-configs=(--config base: --config mlf128:--merge-l-fused=128 --config mlf64:--merge-l-fused=64
-         --config vb32:--merge-v-block=32 --config s3:--stages=3)
+# base: MERGE_W_TILE (session 32: GLM's v 256 in two 128-wide blocks, set from offline register counts);
+# nocap: the session-30 code (one 256-wide block: 5.6 KB of stack offline)
+configs=(--config base: --config nocap:--merge-w-tile=1073741824 --config mlf128:--merge-l-fused=128
+         --config mlf64:--merge-l-fused=64 --config vb32:--merge-v-block=32 --config s3:--stages=3)
 timeout "${SWEEP_S:-240}" python3 benchmarks/scripts/mla_sweep.py --out "$R/glm" --contexts 32768 --batches 8,64 \
   --heads 8 --nope 192 --v 256 "${configs[@]}" > "$R/sweep_glm.log" 2>&1
 echo "glm sweep rc=$? $(( $(date +%s) - t0 )) s"; grep -h "^| [0-9]" "$R"/glm/*.md
