@@ -29,10 +29,11 @@ from latency_specialized.quant.checkpoint_io import QuantizedWeight
 NAME_A16 = "gemm.fp8_w8a16_triton"
 NAME_A8 = "gemm.fp8_w8a8_triton"
 NAME_A16_NORM = "gemm.fp8_w8a16_norm_triton"
-NORM_MAX_M = 4
-"""Rows up to which the RMSNorm-prologue variant serves a gemm behind a norm site: every program reduces the whole
-rows again (M x K x 2 bytes each, from L2), cheap next to the separate norm kernel it saves only at a few tokens
-(the CuTe DSL GEMV's norm prologue has the same limit); to be measured on the H200."""
+NORM_MAX_M = 0
+"""Rows up to which the RMSNorm-prologue variant serves a gemm behind a norm site (0: never). H200, session 32
+(``ops_gemm_fp8``, best launch config each): the prologue - every program re-reducing the whole rows - costs more
+than the separate norm kernel it saves: GLM-5.3 TP8 q_b + wq_b 19.75 vs 12.92 us (norm + W8A16) at M = 1,
+DeepSeek-V4.1-Flash TP8 wq_b 16.45 vs 13.60; so it is off until a prologue that reduces each row once is built."""
 FORMATS = ("fp8-block-128", "fp8-block-32")
 """``weight_format`` values served."""
 MAX_M = 64
@@ -69,8 +70,20 @@ def default_config(n: int, k: int, m: int, block_k: int, sms: int = SMS_H200) ->
     return Fp8GemmConfig(block_n=block_n, split_k=split, block_k=block_k, num_warps=8 if m > 16 else 4)
 
 
-TUNING: dict[tuple[str, int, int, int], Fp8GemmConfig] = {}
-"""(implementation, N, K, M) -> config measured best on the H200 (filled by the bench's sweep; empty until then)."""
+TUNING: dict[tuple[str, int, int, int], Fp8GemmConfig] = {
+    # H200, session 32 (benchmarks/results/h200/session32/ops_gemm_fp8_sweep.md: the sweep's best of 17 configs)
+    (NAME_A16, 6144, 2048, 1): Fp8GemmConfig(block_n=64, split_k=4, num_stages=3),     # GLM-5.3 TP8 q_b + wq_b
+    (NAME_A16, 6144, 2048, 64): Fp8GemmConfig(block_n=64, split_k=1, num_stages=3),
+    (NAME_A8, 6144, 2048, 1): Fp8GemmConfig(block_n=128, split_k=8, num_stages=4),
+    (NAME_A8, 6144, 2048, 64): Fp8GemmConfig(block_n=128, split_k=4, num_stages=3),
+    (NAME_A16, 4096, 1280, 1): Fp8GemmConfig(block_n=128, split_k=8, num_stages=3),    # DeepSeek-V4.1 TP8 wq_b
+    (NAME_A16, 4096, 1280, 64): Fp8GemmConfig(block_n=64, split_k=4, num_stages=3),
+    (NAME_A8, 4096, 1280, 1): Fp8GemmConfig(block_n=128, split_k=8, num_stages=3),
+    (NAME_A8, 4096, 1280, 64): Fp8GemmConfig(block_n=64, split_k=8, num_stages=3),
+}
+"""(implementation, N, K, M) -> config measured best on the H200 (the bench's sweep: ``ops_bench_fp8.SWEEP``); the
+heuristic elsewhere. The DeepSeek rows step 32 wide (the scale block: ``block_k`` None) - faster there than the
+128-wide steps with the power-of-two scales folded into the tile (8.5 vs 12.3 us at M = 1)."""
 
 _checked: set[tuple] = set()
 
@@ -96,7 +109,7 @@ def _kernel_parts(w: QuantizedWeight, what: str) -> tuple[torch.Tensor, torch.Te
             lo, hi = int(s.min()), int(s.max())
             if lo < k.MIN_UE8M0 or hi > k.MAX_UE8M0:
                 raise UserError(f"{what} ({w.name}): ue8m0 scale bytes span {lo}..{hi}; the kernel decodes "
-                                f"{k.MIN_UE8M0}..{k.MAX_UE8M0} exactly (2^-126..2^119): use gemm.reference or "
+                                f"{k.MIN_UE8M0}..{k.MAX_UE8M0} exactly (2^-117..2^119): use gemm.reference or "
                                 "requantize the checkpoint")
             _checked.add(key)
     else:
@@ -182,7 +195,8 @@ def _supports_norm(ctx: OpContext) -> Support:
     if not ctx.attr("norm_site"):
         return "serves gemms behind a norm site only (attr norm_site): gemm.fp8_w8a16_triton serves the others"
     if ctx.tokens > NORM_MAX_M:
-        return f"norm prologue up to M={NORM_MAX_M} (M={ctx.tokens}): the norm site and gemm.fp8_w8a16_triton serve"
+        return (f"norm prologue up to M={NORM_MAX_M} (M={ctx.tokens}; slower than the norm kernel + the gemm on the "
+                "H200, NORM_MAX_M): the norm site and gemm.fp8_w8a16_triton serve")
     return _supports(ctx, 89)
 
 

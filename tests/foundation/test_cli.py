@@ -34,15 +34,15 @@ def test_explain_kimi_tp8_prints_every_site_with_reasons(capsys):
 
 def test_explain_the_release_formats_names_the_kernels_that_read_them(capsys):
     """``--experts native --linears native``: GLM-5.3 as released (FP8 everywhere the checkpoint is): the block-FP8
-    gemms serve the kept projections (inside the fused MLPs too; q_b with the q_a norm in its prologue at batch 1),
+    gemms serve the kept projections (inside the fused MLPs too),
     the FP8 experts kernel the experts; the full layers' qkv_a splits its bf16 indexer-weights tail into a bf16 gemm."""
     assert main(["explain", "--model", "glm53", "--tp", "8", "--arch", "sm_90", "--experts", "native", "--linears",
                  "native", "--no-refusals"]) == 0
     lines = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines() if "/" in ln.split(" -> ")[0]}
     for site in ("mla+moe/attn.o_proj", "mla.reuse+moe/attn.qkv_a_proj"):
         assert "-> gemm.fp8_w8a16_triton" in lines[site] and "weight_format=fp8-block-128" in lines[site]
-    # batch 1: q_b normalises q_a in its prologue (the norm site is skipped)
-    assert "-> gemm.fp8_w8a16_norm_triton" in lines["mla+moe/attn.q_b_proj"]
+    # q_b: the plain FP8 gemm behind the q_a norm site (its norm-prologue variant measured slower: NORM_MAX_M 0)
+    assert "-> gemm.fp8_w8a16_triton" in lines["mla+moe/attn.q_b_proj"]
     assert "-> moe.experts.fp8_triton" in lines["mla+moe/moe.experts"]
     assert "weight_format=fp8-block-128" in lines["mla+moe/attn.qkv_a_proj"]
     assert "weight_format" not in lines["mla+moe/attn.qkv_a_proj.plain"] and "N=32" in lines["mla+moe/attn.qkv_a_proj.plain"]

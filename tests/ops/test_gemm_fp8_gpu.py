@@ -18,6 +18,7 @@ import torch
 
 from latency_specialized.errors import UserError
 from latency_specialized.kernels import gemm_fp8_triton as f8
+from latency_specialized.kernels import triton_fp8 as f8_kernel
 from latency_specialized.kernels.triton_fp8 import quantize_activations_reference
 from latency_specialized.ops.gemm import gemm_reference
 from latency_specialized.quant.checkpoint_io import QuantizedWeight, quantize_weight
@@ -144,8 +145,9 @@ def test_fp8_gemm_two_streams_at_once_do_not_share_tickets():
 
 @pytest.mark.parametrize("fmt", ["fp8-block-128", "fp8-block-32"])
 def test_fp8_decoding_of_every_code_under_edge_scales_is_exact(fmt):
-    """Every finite e4m3 code (+-0, subnormals, +-448) under extreme scales: x = one-hot rows read the weight back
-    through the kernel (W8A16, fp32 output), equal to the codec's dequantised values."""
+    """Every finite e4m3 code (+-0, subnormals, +-448) under extreme scales (ue8m0: the decodable range's ends,
+    ``MIN_UE8M0`` / ``MAX_UE8M0``): x = one-hot rows read the weight back through the kernel (W8A16, fp32 output),
+    equal to the codec's dequantised values."""
     from latency_specialized.quant.formats import QuantFormat
 
     f = QuantFormat.get(fmt)
@@ -157,7 +159,7 @@ def test_fp8_decoding_of_every_code_under_edge_scales_is_exact(fmt):
     w = codes.repeat(N * K // codes.numel() + 1)[: N * K].view(N, K).contiguous()
     nb, kb = N // r, K // c
     if fmt == "fp8-block-32":
-        sc = torch.tensor([1, 100, 127, 246], device=DEV, dtype=torch.uint8)
+        sc = torch.tensor([f8_kernel.MIN_UE8M0, 100, 127, f8_kernel.MAX_UE8M0], device=DEV, dtype=torch.uint8)
         scale = sc.repeat_interleave(nb // 4).view(nb, 1).expand(nb, kb).contiguous().view(torch.float8_e8m0fnu)
     else:
         sc = torch.tensor([1e-30, 3.7e-3, 1.0, 6.5e30], device=DEV)
@@ -180,3 +182,6 @@ def test_fp8_gemm_refuses_undecodable_ue8m0_scale():
     s = torch.full((2, 2), 250, device=DEV, dtype=torch.uint8).view(torch.float8_e8m0fnu)
     with pytest.raises(UserError, match="requantize"):
         f8.gemm_fp8_w8a8(torch.randn(1, 64, device=DEV).bfloat16(), QuantizedWeight(f, (64, 64), w, s))
+    low = torch.full((2, 2), f8_kernel.MIN_UE8M0 - 1, device=DEV, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    with pytest.raises(UserError, match="requantize"):  # products below the normal range: flushed on the GPU
+        f8.gemm_fp8_w8a16(torch.randn(1, 64, device=DEV).bfloat16(), QuantizedWeight(f, (64, 64), w, low))
