@@ -161,13 +161,13 @@ class SparseMQAAttention:
 
     def _in_widths(self, a: SparseMQAAttentionSpec) -> tuple[int, int, int, int]:
         """Column widths of the fused input projection ``attn.in_proj``: ``[q_a | kv | compressor | indexer
-        weights]`` (every projection that reads h; 0 where the layer has none)."""
-        r, D, ix = self.spec.compress_ratio, a.head_dim, self.spec.indexer
-        return (a.q_lora_rank, D, (2 * D if r > 1 else D) if self.kv_source else 0,
-                ix.num_heads if ix is not None else 0)
+        weights]`` (every projection that reads h; 0 where the layer has none): :meth:`_fused_in`'s rows grouped."""
+        rows = self._fused_in(a)
+        return (rows["q_a_proj"], rows["kv_proj"], rows.get("compressor.kv", 0) + rows.get("compressor.gate", 0),
+                rows.get("indexer.weights_proj", 0))
 
     def _fused_in(self, a: SparseMQAAttentionSpec) -> dict[str, int]:
-        """The weights of the fused input projection in its column order (``_in_widths``), with their rows."""
+        """The weights of the fused input projection in its column order, with their rows at ``a``'s shapes."""
         D, ix = a.head_dim, self.spec.indexer
         rows = {"q_a_proj": a.q_lora_rank, "kv_proj": D}
         if self.kv_source:
