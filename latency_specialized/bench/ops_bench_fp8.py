@@ -4,7 +4,8 @@ Method as ``ops_bench_moe_kda.time_graph``: one CUDA graph calls the gemm over `
 (R copies spanning > 2x the 50 MB L2: every call streams its weight from HBM), replayed after warm-up, median us
 per call, each variant captured twice. Per shape and M, in one process on the same inputs:
 
-* ``w8a16[cfg]`` / ``w8a8[cfg]``: ours (``kernels/gemm_fp8_triton.py``) per launch config (the heuristic default
+* ``mma[cfg]``: ours, the CuTe DSL mma.sync kernel (``kernels/gemm_fp8_mma.py``), its heuristic and ``MMA_SWEEP``;
+* ``w8a16[cfg]`` / ``w8a8[cfg]``: ours in Triton (``kernels/gemm_fp8_triton.py``) per launch config (the heuristic default
   and a sweep of tile width, split-K and stages), each checked against the dequantising reference first
   (``rel_err``; W8A8 within e4m3's error);
 * ``peer-humming``: vLLM 0.33's humming block-FP8 linear (W8A16; ``bench/peers/humming_fp8.py``), 128 x 128 only;
@@ -46,7 +47,10 @@ NORM_BENCH_MAX_M = 16
 SWEEP = dict(block_n=(64, 128), split_k=(1, 2, 4, 8), num_stages=(3, 4))
 """Launch configs timed beside the heuristic default (``--quick``: the default only)."""
 L2_BYTES = 50 * 2 ** 20
-REL_TOL = {"w8a16": 1e-2, "w8a8": 6e-2, "peer-humming": 1e-2, "stock": 6e-2, "bf16-cublas": 1e-2}
+MMA_SWEEP = ((4, 1, 4), (8, 1, 4), (4, 2, 4), (2, 4, 4), (4, 1, 8), (8, 1, 2), (2, 2, 8))
+"""(warps along K, cluster CTAs along K, chunks per batch) of ``gemm.fp8_w8a16_mma`` timed beside its heuristic (its
+m-tiles / n-tiles follow M as the heuristic's do); swept even with ``--quick`` (the kernel is new)."""
+REL_TOL = {"mma": 1e-2, "w8a16": 1e-2, "w8a8": 6e-2, "peer-humming": 1e-2, "stock": 6e-2, "bf16-cublas": 1e-2}
 
 
 def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -72,6 +76,8 @@ def _configs(quick: bool) -> list[Any]:
 def bench_fp8_gemms(shapes: list[str], batches: list[int], *, quick: bool = False, seed: int = 0,
                     log: Callable[[str], None] = print) -> list[Row]:
     from latency_specialized.kernels import gemm_fp8_triton as f8
+    from latency_specialized.kernels.gemm_fp8_mma import default_config as mma_default
+    from latency_specialized.kernels.gemm_fp8_mma import gemm_fp8_mma
     from latency_specialized.ops.gemm import gemm_reference
 
     rows: list[Row] = []
@@ -91,6 +97,11 @@ def bench_fp8_gemms(shapes: list[str], batches: list[int], *, quick: bool = Fals
             ref = gemm_reference(xs[0], ws[0])
             act = M * K * 2 + M * N * 2
             case = f"{label} N={N} K={K} {fmt} M={M} ({copies} copies)"
+            for cfg in _mma_configs(N, K, M):
+                name = f"mma[{cfg.label() if cfg else 'default'}]"
+                rows.append(_time(case, name, "mma", lambda r, c=cfg: gemm_fp8_mma(xs[r], ws[r], out=outs[r], config=c),
+                                  ref, outs, len(ws), wbytes + act,
+                                  extra={"config": cfg.label() if cfg else "default " + mma_default(N, K, M).label()}))
             for impl, fn in (("w8a16", f8.gemm_fp8_w8a16), ("w8a8", f8.gemm_fp8_w8a8)):
                 for cfg in _configs(quick):
                     name = f"{impl}[{cfg.label() if cfg else 'default'}]"
@@ -116,6 +127,22 @@ def bench_fp8_gemms(shapes: list[str], batches: list[int], *, quick: bool = Fals
         del bf16, ws, peer, stock
         torch.cuda.empty_cache()
     return rows
+
+
+def _mma_configs(N: int, K: int, M: int) -> list[Any]:
+    """None (the heuristic) and ``MMA_SWEEP`` around it: the split of K varied, the tiles kept."""
+    from dataclasses import replace
+
+    from latency_specialized.kernels.gemm_fp8_mma import MAX_CLUSTER, default_config
+    from latency_specialized.kernels.gemm_small_m import SMEM_LIMIT
+
+    base = default_config(N, K, M)
+    out: list[Any] = [None]
+    for wk, sk, cb in MMA_SWEEP:
+        cfg = replace(base, wk=wk, sk=sk, cb=cb)
+        if cfg != base and cfg.smem_bytes() <= SMEM_LIMIT and sk <= MAX_CLUSTER and K // 64 >= wk * sk:
+            out.append(cfg)
+    return out
 
 
 def _norm_rows(case: str, xs: list[torch.Tensor], ws: list[Any], outs: list[torch.Tensor], nbytes: int,
@@ -202,9 +229,9 @@ def to_markdown(rows: list[Row], device: str) -> str:
              "CUDA-graph replays over weight copies beyond the L2, median us per call, two captures each. Roofline = "
              "stored bytes (e4m3 codes + scales) + activations + output over 4.3 TB/s. Ours: the best launch config "
              "of each path (all configs in the JSON); `default` = the heuristic a plan uses today.", "",
-             "| case | roofline us | w8a16 best (default) | w8a8 best (default) | humming | stock stand-in | "
-             "bf16 cuBLAS | best ours frac | best ours vs humming | vs stock |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| case | roofline us | mma best (default) | w8a16 best (default) | w8a8 best (default) | humming | "
+             "stock stand-in | bf16 cuBLAS | best ours frac | best ours vs humming | vs stock |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for case in cases:
         rs = [r for r in rows if r.case == case]
         roof = rs[0].roofline_us
@@ -217,11 +244,11 @@ def to_markdown(rows: list[Row], device: str) -> str:
                 return f"- ({why[:60]})" if why else "-"
             return f"{best[k]:.2f}" + (f" ({default[k]:.2f})" if k in default else "")
 
-        ours = min((best[k] for k in ("w8a16", "w8a8") if k in best), default=0.0)
+        ours = min((best[k] for k in ("mma", "w8a16", "w8a8") if k in best), default=0.0)
         frac = f"{roof / ours:.2f}" if ours else "-"
         vs_h = f"{best['peer-humming'] / ours:.2f}x" if ours and "peer-humming" in best else "-"
         vs_s = f"{best['stock'] / ours:.2f}x" if ours and "stock" in best else "-"
-        lines.append(f"| {case} | {roof:.2f} | {cell('w8a16')} | {cell('w8a8')} | {cell('peer-humming')} | "
+        lines.append(f"| {case} | {roof:.2f} | {cell('mma')} | {cell('w8a16')} | {cell('w8a8')} | {cell('peer-humming')} | "
                      f"{cell('stock')} | {cell('bf16-cublas')} | {frac} | {vs_h} | {vs_s} |")
     norm_cases = [c for c in cases if any(r.case == c and r.impl.startswith("w8a16+norm") for r in rows)]
     if norm_cases:

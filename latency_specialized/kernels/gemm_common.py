@@ -257,6 +257,29 @@ def ptx() -> SimpleNamespace:
             "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False, asm_dialect=0)
         return [Float32(llvm.extractvalue(ir.F32Type.get(), st, [i])) for i in range(4)]
 
+    def e4m3x4_to_bf16x2(word, mult) -> list:
+        """Four e4m3 codes (one 32-bit word, byte 0 lowest) -> two bf16x2 words (bytes 0, 1 | 2, 3; the lower
+        byte in the low half), each value times ``mult`` (a bf16x2 word, both halves alike).
+
+        Integer work, no conversion instruction (those issue at a fraction of the ALU rate on sm_90): a byte
+        moved to the top of a 16-bit half keeps its sign at bit 15, and its 7 exponent + mantissa bits shifted
+        right by 4 land on bf16's low exponent bits and top mantissa bits - the value times 2^-120 (bf16's
+        exponent bias 127 against e4m3's 7), exact for normals and subnormals (a subnormal e4m3 becomes a
+        subnormal bf16 of the same scaled value). ``mult`` = 2^120 (x a power-of-two block scale) restores it,
+        exactly, with one bf16x2 multiply per pair. The NaN codes (0x7F / 0xFF) decode as +-480: callers
+        refuse weights holding them."""
+        st = llvm.inline_asm(
+            struct(2, i32t()), [_v(word, Int32), _v(mult, Int32)],
+            "{\n .reg .b32 z, r0, r1, s0, s1;\n mov.b32 z, 0;\n"
+            " prmt.b32 r0, $2, z, 0x1404;\n prmt.b32 r1, $2, z, 0x3424;\n"
+            " shr.b32 s0, r0, 4;\n shr.b32 s1, r1, 4;\n"
+            " and.b32 s0, s0, 0x07F007F0;\n and.b32 s1, s1, 0x07F007F0;\n"
+            " and.b32 r0, r0, 0x80008000;\n and.b32 r1, r1, 0x80008000;\n"
+            " or.b32 r0, r0, s0;\n or.b32 r1, r1, s1;\n"
+            " mul.rn.bf16x2 $0, r0, $3;\n mul.rn.bf16x2 $1, r1, $3;\n}",
+            "=r,=r,r,r", has_side_effects=False, asm_dialect=0)
+        return [Int32(llvm.extractvalue(i32t(), st, [i])) for i in range(2)]
+
     def smem_addr(ptr) -> Int32:
         """32-bit shared-window address of a shared-memory cute pointer."""
         return Int32(llvm.ptrtoint(i32t(), ptr.to_llvm_ptr()))

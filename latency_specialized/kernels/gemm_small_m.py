@@ -48,7 +48,8 @@ class MmaConfig:
     sk: int = 1
     """CTAs per cluster along K (split-K across SMs, reduced through DSMEM); 1 = no cluster."""
     cb: int = 4
-    """32-wide K chunks a warp requests before multiplying (2*mt weight loads of 16 B each)."""
+    """K chunks (32 bf16 / 64 e4m3 values: 64 bytes of a weight row) a warp requests before multiplying (2*mt
+    weight loads of 16 B each)."""
     pdl: bool = True
     """Programmatic dependent launch: weight loads start before the previous kernel ends."""
     ctas_per_sm: int = 0
@@ -67,6 +68,19 @@ class MmaConfig:
 SMEM_LIMIT = 48 * 1024  # stay under the default dynamic shared-memory limit (no opt-in attribute)
 
 
+@dataclass(frozen=True)
+class Fp8Scales:
+    """How e4m3 weight codes are scaled (the FP8 variant of the kernel, ``gemm_fp8_mma.py``; part of the compile key).
+
+    ``ue8m0``: one exponent byte per block (2^(e - 127)), folded into the decode's multiplier; else one fp32
+    multiplier per block, applied to each 64-wide chunk's partial sums. ``block``: (rows, cols) of a block; rows
+    1 or a multiple of 16, cols a multiple of 64 (fp32) or 16 (ue8m0), so that one lane's 16 values of a row
+    share one scale."""
+
+    ue8m0: bool
+    block: tuple[int, int]
+
+
 @functools.cache
 def _kernel_class():
     import cutlass
@@ -78,32 +92,35 @@ def _kernel_class():
     P = ptx()
 
     class MmaGemmKernel:
-        def __init__(self, k: int, cfg: MmaConfig, residual: bool):
+        def __init__(self, k: int, cfg: MmaConfig, residual: bool, fp8: "Fp8Scales | None" = None):
             self.k, self.cfg, self.residual = k, cfg, residual
-            self.chunks = k // 32
+            self.fp8 = fp8                                    # None: bf16 weights; else e4m3 codes + scales
+            self.kc = 64 if fp8 is not None else 32           # K per chunk: one 16-byte load per row and lane
+            self.chunks = k // self.kc
             self.parts = cfg.wk * cfg.sk
             self.per_part = -(-self.chunks // self.parts)    # chunks each warp walks
             self.ragged = self.chunks % self.parts != 0       # last round has idle warps
             self.frag = 4 * cfg.mt * cfg.nt                   # f32 accumulators per thread
 
         @cute.jit
-        def __call__(self, x: cute.Tensor, w: cute.Tensor, res: cute.Tensor, y: cute.Tensor, cap: Int32, stream):
+        def __call__(self, x: cute.Tensor, w: cute.Tensor, res: cute.Tensor, y: cute.Tensor, scl: cute.Tensor,
+                     cap: Int32, stream):
             n = w.shape[0]
             m = x.shape[0]
             rows = 16 * self.cfg.mt
             tiles = (n + rows - 1) // rows
             grid = [cutlass.min(tiles, cap), self.cfg.sk, 1]
             if cutlass.const_expr(self.cfg.sk > 1):
-                self.kernel(x, w, res, y, n, m, tiles).launch(grid=grid, block=[32 * self.cfg.wk, 1, 1],
-                                                              cluster=[1, self.cfg.sk, 1], stream=stream,
-                                                              use_pdl=self.cfg.pdl)
+                self.kernel(x, w, res, y, scl, n, m, tiles).launch(grid=grid, block=[32 * self.cfg.wk, 1, 1],
+                                                                 cluster=[1, self.cfg.sk, 1], stream=stream,
+                                                                 use_pdl=self.cfg.pdl)
             else:
-                self.kernel(x, w, res, y, n, m, tiles).launch(grid=grid, block=[32 * self.cfg.wk, 1, 1],
-                                                              stream=stream, use_pdl=self.cfg.pdl)
+                self.kernel(x, w, res, y, scl, n, m, tiles).launch(grid=grid, block=[32 * self.cfg.wk, 1, 1],
+                                                                 stream=stream, use_pdl=self.cfg.pdl)
 
         @cute.kernel
-        def kernel(self, x: cute.Tensor, w: cute.Tensor, res: cute.Tensor, y: cute.Tensor, n: Int32, m: Int32,
-                   tiles: Int32):
+        def kernel(self, x: cute.Tensor, w: cute.Tensor, res: cute.Tensor, y: cute.Tensor, scl: cute.Tensor, n: Int32,
+                   m: Int32, tiles: Int32):
             # grid.x = min(tiles, cap): with a cap (ctas_per_sm) CTAs (clusters) walk several tiles
             bx, _, _ = cute.arch.block_idx()
             gx, _, _ = cute.arch.grid_dim()
@@ -115,13 +132,13 @@ def _kernel_class():
                 # one loop, not a peeled first tile: the body is large (fully unrolled K), and
                 # griddepcontrol.wait is a no-op once the previous grid has completed
                 for tile in range(bx, tiles, gx):
-                    self.tile_body(x, w, res, y, n, m, buf, tile, tile != bx)
+                    self.tile_body(x, w, res, y, scl, n, m, buf, tile, tile != bx)
             else:
-                self.tile_body(x, w, res, y, n, m, buf, bx, False)
+                self.tile_body(x, w, res, y, scl, n, m, buf, bx, False)
 
         @cute.jit
-        def tile_body(self, x: cute.Tensor, w: cute.Tensor, res: cute.Tensor, y: cute.Tensor, n: Int32, m: Int32,
-                      buf, tile: Int32, again: cutlass.Boolean):
+        def tile_body(self, x: cute.Tensor, w: cute.Tensor, res: cute.Tensor, y: cute.Tensor, scl: cute.Tensor, n: Int32,
+                      m: Int32, buf, tile: Int32, again: cutlass.Boolean):
             cfg = self.cfg
             K: cutlass.Constexpr = self.k
             MT: cutlass.Constexpr = cfg.mt
@@ -138,23 +155,31 @@ def _kernel_class():
             part = srank * WK + warp
             row_base = tile * (16 * MT)
 
-            # Row addresses (clamped: rows past N re-read row N-1 and are never stored).
+            # Row addresses (clamped: rows past N re-read row N-1 and are never stored). A chunk is 64 bytes of
+            # every weight row (32 bf16 or 64 e4m3 values of K) and 2 x KC bytes of every token row.
+            FP8: cutlass.Constexpr = self.fp8 is not None
+            KC: cutlass.Constexpr = self.kc
+            XL: cutlass.Constexpr = KC // 32                 # 16-byte activation loads per token and chunk
+            ROW_BYTES: cutlass.Constexpr = K if FP8 else 2 * K
             w_rows = []
+            w_row_idx = []
             for mt in cutlass.range_constexpr(MT):
                 for half in cutlass.range_constexpr(2):
                     row = cutlass.min(row_base + 16 * mt + 8 * half + g, n - 1)
-                    w_rows.append(w.iterator.toint() + Int64(row) * (2 * K) + Int64(t4) * 16)
+                    w_row_idx.append(row)
+                    w_rows.append(w.iterator.toint() + Int64(row) * ROW_BYTES + Int64(t4) * 16)
             x_rows = []
             x_ok = []
             for nt in cutlass.range_constexpr(NT):
                 tok = 8 * nt + g
                 x_ok.append(Int32(tok < m))
-                x_rows.append(x.iterator.toint() + Int64(cutlass.min(tok, m - 1)) * (2 * K) + Int64(t4) * 16)
+                x_rows.append(x.iterator.toint() + Int64(cutlass.min(tok, m - 1)) * (2 * K) + Int64(t4) * (16 * XL))
 
             acc = [Float32(0.0) for _ in range(F)]
             for j0 in cutlass.range_constexpr(0, self.per_part, cfg.cb):
                 js = list(range(j0, min(j0 + cfg.cb, self.per_part)))
                 wv = {}
+                sv = {}
                 for j in js:
                     chunk = part + self.parts * j
                     off = Int64(chunk) * 64
@@ -165,29 +190,38 @@ def _kernel_class():
                             wv[(j, r)] = P.ld_weight_if(w_rows[r] + off, ok)
                         else:
                             wv[(j, r)] = P.ld_weight(w_rows[r] + off)
+                    if cutlass.const_expr(FP8):
+                        # the chunk's block scales (static data, like the weights: requested before the PDL wait)
+                        sv[j] = self.fp8_scales(scl, w_row_idx, cutlass.min(chunk, self.chunks - 1), t4)
                 if cutlass.const_expr(j0 == 0 and cfg.pdl):
                     cute.arch.griddepcontrol_wait()
                     cute.arch.griddepcontrol_launch_dependents()
                 for j in js:
                     chunk = part + self.parts * j
-                    off = Int64(chunk) * 64
+                    off = Int64(chunk) * (2 * KC)
                     last = self.ragged and j == self.per_part - 1
                     xv = []
                     for nt in cutlass.range_constexpr(NT):
                         pred = x_ok[nt]
                         if cutlass.const_expr(last):
                             pred = pred & Int32(chunk < self.chunks)
-                        xv.append(P.ld_act_if(x_rows[nt] + off, pred))
+                        words = []
+                        for i in cutlass.range_constexpr(XL):
+                            words += P.ld_act_if(x_rows[nt] + off + 16 * i, pred)
+                        xv.append(words)
                     for mt in cutlass.range_constexpr(MT):
                         lo = wv[(j, 2 * mt)]
                         hi = wv[(j, 2 * mt + 1)]
-                        for nt in cutlass.range_constexpr(NT):
-                            base = (mt * NT + nt) * 4
-                            c = acc[base:base + 4]
-                            c = P.mma_bf16_16816([lo[0], hi[0], lo[1], hi[1]], [xv[nt][0], xv[nt][1]], c)
-                            c = P.mma_bf16_16816([lo[2], hi[2], lo[3], hi[3]], [xv[nt][2], xv[nt][3]], c)
-                            for q in cutlass.range_constexpr(4):
-                                acc[base + q] = c[q]
+                        if cutlass.const_expr(FP8):
+                            self.fp8_chunk(acc, lo, hi, xv, sv[j], mt)
+                        else:
+                            for nt in cutlass.range_constexpr(NT):
+                                base = (mt * NT + nt) * 4
+                                c = acc[base:base + 4]
+                                c = P.mma_bf16_16816([lo[0], hi[0], lo[1], hi[1]], [xv[nt][0], xv[nt][1]], c)
+                                c = P.mma_bf16_16816([lo[2], hi[2], lo[3], hi[3]], [xv[nt][2], xv[nt][3]], c)
+                                for q in cutlass.range_constexpr(4):
+                                    acc[base + q] = c[q]
 
             if cutlass.const_expr(WK * SK == 1):
                 for f in cutlass.range_constexpr(F):
@@ -221,6 +255,47 @@ def _kernel_class():
                 if cutlass.const_expr(SK > 1):
                     P.cluster_sync()  # peers keep their shared memory until every read is done
 
+        def fp8_scales(self, scl: cute.Tensor, rows: list, chunk, t4) -> list:
+            """Per m-tile and row half (g, g + 8) of this lane: the fp32 block scale of the chunk (applied to the
+            chunk's partial sums), or the bf16x2 multiplier 2^(e - 7) built from the ue8m0 byte of this lane's 16
+            values (applied in the decode: 2^-127 x 2^120 - the decode's bias - times 2^e, exact)."""
+            rb, kb = self.fp8.block
+            out = []
+            for r in range(len(rows)):
+                if r % 2 and rb % 16 == 0:          # rows g and g + 8 of a 16-row tile share the scale row
+                    out.append(out[-1])
+                    continue
+                if self.fp8.ue8m0:
+                    e = scl[rows[r] // rb, (chunk * 64 + t4 * 16) // kb].to(Int32)
+                    v = (e + 120) << 7
+                    out.append(v | (v << 16))
+                else:
+                    out.append(scl[rows[r] // rb, chunk * 64 // kb])
+            return out
+
+        def fp8_chunk(self, acc: list, lo: list, hi: list, xv: list, sc: list, mt: int) -> None:
+            """One 64-wide chunk of an m-tile: lane (g, t) holds K = 16t .. 16t + 15 of rows g (``lo``) and g + 8
+            (``hi``) as 4 words of 4 e4m3 each; word i, decoded to two bf16x2 (K 4i, 4i+1 | 4i+2, 4i+3), feeds mma
+            i with the same K of the activations (words 2i, 2i + 1 of the lane's 16 bf16): the K permutation of
+            the bf16 kernel at twice the values per load. fp32 scales: each chunk's sums start at zero and are
+            scaled per row into the accumulators; ue8m0: the scale is in the decode's multiplier."""
+            NT = self.cfg.nt
+            ue = self.fp8.ue8m0
+            bias = Int32(0x7B807B80)             # bf16x2 of 2^120: the decode leaves values 2^-120 too small
+            m_lo = sc[2 * mt] if ue else bias
+            m_hi = sc[2 * mt + 1] if ue else bias
+            dl = [P.e4m3x4_to_bf16x2(lo[i], m_lo) for i in range(4)]
+            dh = [P.e4m3x4_to_bf16x2(hi[i], m_hi) for i in range(4)]
+            for nt in range(NT):
+                base = (mt * NT + nt) * 4
+                c = acc[base:base + 4] if ue else [Float32(0.0)] * 4
+                for i in range(4):
+                    c = P.mma_bf16_16816([dl[i][0], dh[i][0], dl[i][1], dh[i][1]], [xv[nt][2 * i], xv[nt][2 * i + 1]],
+                                         c)
+                for q in range(4):
+                    # accumulator q: q // 2 picks row g or g + 8
+                    acc[base + q] = c[q] if ue else acc[base + q] + c[q] * (sc[2 * mt + q // 2])
+
         @cute.jit
         def store(self, y: cute.Tensor, res: cute.Tensor, n: Int32, m: Int32, row_base: Int32, g: Int32,
                   t4: Int32, f: Int32, v: Float32):
@@ -239,11 +314,16 @@ def _kernel_class():
     return MmaGemmKernel
 
 
-def compile_mma(k: int, cfg: MmaConfig, residual: bool, out_fp32: bool = False):
-    """Compiled kernel for (K, config, residual, output dtype); M and N are dynamic. ``out_fp32``: the
-    fp32 sums are stored unrounded (router logits); the unused residual operand then has the
-    output's type, so the output buffer stands in for it."""
+def compile_mma(k: int, cfg: MmaConfig, residual: bool, out_fp32: bool = False, fp8: Fp8Scales | None = None):
+    """Compiled kernel for (K, config, residual, output dtype, weight format); M and N are dynamic. ``out_fp32``:
+    the fp32 sums are stored unrounded (router logits); the unused residual operand then has the output's type,
+    so the output buffer stands in for it. ``fp8``: the weight is e4m3 codes [N, K] (uint8) with block scales
+    (the ``s`` operand, [ceil(N / rows), ceil(K / cols)] fp32 or uint8); bf16 weights take x as an unused ``s``."""
     refuse_fp32_residual(out_fp32, residual)
+    if fp8 is not None and (k % 64 or not (fp8.block[0] == 1 or fp8.block[0] % 16 == 0)
+                            or fp8.block[1] % (16 if fp8.ue8m0 else 64)):
+        raise ValueError(f"FP8 mma kernel: K % 64 == 0 and blocks of 1 or 16n rows x {16 if fp8.ue8m0 else 64}n "
+                         f"columns (got K={k}, block {fp8.block}): not compiled")
 
     def build(arch: str):
         import cutlass
@@ -254,13 +334,22 @@ def compile_mma(k: int, cfg: MmaConfig, residual: bool, out_fp32: bool = False):
         m, n = cute.sym_int(), cute.sym_int()
         bf = cutlass.BFloat16
         yt = cutlass.Float32 if out_fp32 else bf
-        args = (fake_rows(bf, m, k), fake_rows(bf, n, k), fake_strided_rows(yt, m, n), fake_strided_rows(yt, m, n), 1,
+        if fp8 is None:
+            w, scales = fake_rows(bf, n, k), fake_rows(bf, m, k)
+        else:
+            w = fake_rows(cutlass.Uint8, n, k)
+            scales = fake_rows(cutlass.Uint8 if fp8.ue8m0 else cutlass.Float32, cute.sym_int(), cute.sym_int(),
+                               align=1 if fp8.ue8m0 else 4)
+        args = (fake_rows(bf, m, k), w, fake_strided_rows(yt, m, n), fake_strided_rows(yt, m, n), scales, 1,
                 fake_stream())
-        return cute.compile(_kernel_class()(k, cfg, residual), *args,
+        return cute.compile(_kernel_class()(k, cfg, residual, fp8), *args,
                             options=compile_options(arch, max_regs(32 * cfg.wk, cfg.ctas_per_sm)))
 
-    # "strided_out": residual/out take a dynamic row stride (artifacts cached before that differ)
-    key = (k, residual, "strided_out") + (("out_fp32",) if out_fp32 else ()) + tuple(sorted(asdict(cfg).items()))
+    # "strided_out": residual/out take a dynamic row stride (artifacts cached before that differ); "s": the scale
+    # operand (a dummy for bf16 weights)
+    key = (k, residual, "strided_out", "s") + (("out_fp32",) if out_fp32 else ()) + tuple(sorted(asdict(cfg).items()))
+    if fp8 is not None:
+        key += (("fp8", fp8.ue8m0, fp8.block),)
     return compile_cache.cached_compile("gemm.cutedsl_mma", key, build)
 
 
@@ -302,7 +391,7 @@ def run_mma(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
     if out is None:
         out = torch.empty(m, n, dtype=torch.float32 if fp32 else x.dtype, device=x.device)
     fn = compile_mma(k, config, residual is not None, out_fp32=fp32)
-    fn(x, weight, residual if residual is not None else out, out, grid_cap(x.device, config.ctas_per_sm))
+    fn(x, weight, residual if residual is not None else out, out, x, grid_cap(x.device, config.ctas_per_sm))
     return out
 
 

@@ -16,6 +16,7 @@ KERNEL_MODULES: tuple[str, ...] = (
     "latency_specialized.kernels.gemm_small_m",
     "latency_specialized.kernels.gemm_splitk",
     "latency_specialized.kernels.gemm_fp8_triton",
+    "latency_specialized.kernels.gemm_fp8_mma",
     "latency_specialized.kernels.rmsnorm",
     "latency_specialized.kernels.prefetch",
     "latency_specialized.kernels.moe_router",

@@ -40,9 +40,9 @@ def test_explain_the_release_formats_names_the_kernels_that_read_them(capsys):
                  "native", "--no-refusals"]) == 0
     lines = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines() if "/" in ln.split(" -> ")[0]}
     for site in ("mla+moe/attn.o_proj", "mla.reuse+moe/attn.qkv_a_proj"):
-        assert "-> gemm.fp8_w8a16_triton" in lines[site] and "weight_format=fp8-block-128" in lines[site]
-    # q_b: the plain FP8 gemm behind the q_a norm site (its norm-prologue variant measured slower: NORM_MAX_M 0)
-    assert "-> gemm.fp8_w8a16_triton" in lines["mla+moe/attn.q_b_proj"]
+        assert "-> gemm.fp8_w8a16_mma" in lines[site] and "weight_format=fp8-block-128" in lines[site]
+    # q_b: the plain FP8 gemm behind the q_a norm site (the Triton norm-prologue variant measured slower: NORM_MAX_M 0)
+    assert "-> gemm.fp8_w8a16_mma" in lines["mla+moe/attn.q_b_proj"]
     assert "-> moe.experts.fp8_triton" in lines["mla+moe/moe.experts"]
     assert "weight_format=fp8-block-128" in lines["mla+moe/attn.qkv_a_proj"]
     assert "weight_format" not in lines["mla+moe/attn.qkv_a_proj.plain"] and "N=32" in lines["mla+moe/attn.qkv_a_proj.plain"]

@@ -1,0 +1,161 @@
+"""gemm.fp8_w8a16_mma: decode gemms over block-FP8 weights on the mma.sync kernel of gemm_small_m.py (CuTe DSL).
+
+``y[M, N] = x[M, K] @ deq(W)[N, K]^T (+ residual)`` for M <= 64, W a :class:`QuantizedWeight` in
+``fp8-block-128`` (fp32 scale per 128 x 128: GLM-5.3) or ``fp8-block-32`` (ue8m0 per 32 x 32: DeepSeek-V4.1-Flash's
+dense weights), or their ``/rows`` forms (one scale per row: ``quant.layout.row_scaled``).
+
+The Triton block-FP8 kernels (``gemm_fp8_triton.py``) put a 64-row ``wgmma`` tile and a shared-memory pipeline on a
+decode gemm and measured 14-27% of the FP8 roofline on the H200 (session 32), slower than bf16 cuBLAS over twice
+the bytes. This one is the bf16 small-M / split-K kernel's weight stream - every lane one 16-byte load per weight
+row straight into registers, no shared memory, K split over warps and a cluster - at half the bytes per value:
+a 16-byte load now holds 16 e4m3 values, decoded to bf16 in registers (``ptx.e4m3x4_to_bf16x2``: byte permutes,
+shifts and masks, one bf16x2 multiply per pair; exact) and fed to four ``m16n8k16`` bf16 MMAs. So the numerics
+are the reference's (W8A16: no activation rounding), and the per-value cost is a handful of integer operations,
+not a conversion instruction.
+
+Scales: fp32 block scales multiply each 64-wide chunk's partial sums per row (a chunk sits inside one 128-wide
+block); ue8m0 scales are powers of two and join the decode's multiplier (2^(e - 7): exact while e <= 134, which
+real checkpoints satisfy - DeepSeek-V4.1's sit near 117; the wrapper refuses others, naming the Triton kernel).
+Static shapes; the first call on a weight checks its codes (no NaN) and scales once, eagerly, before any capture.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from latency_specialized.contract import Implementation, OpContext, Support
+from latency_specialized.errors import UserError
+from latency_specialized.kernels.gemm_common import grid_cap
+from latency_specialized.kernels.gemm_small_m import (SMEM_LIMIT, TARGET_WARPS, Fp8Scales, MmaConfig, _pow2_at_most,
+                                                      compile_mma)
+from latency_specialized.kernels.triton_common import quantized_weight_refusal
+from latency_specialized.quant.checkpoint_io import QuantizedWeight
+
+NAME = "gemm.fp8_w8a16_mma"
+FORMATS = ("fp8-block-128", "fp8-block-32")
+MAX_M = 64
+MAX_CLUSTER = 8
+MIN_UE8M0, MAX_UE8M0 = 10, 134
+"""ue8m0 bytes decoded exactly: the decode multiplies by the bf16 2^(e - 7), a finite bf16 up to e = 134; below 10
+the products leave the normal range (as the Triton kernel's ``MIN_UE8M0``)."""
+E4M3_NAN = (0x7F, 0xFF)
+
+_checked: set[tuple] = set()
+
+
+def default_config(n: int, k: int, m: int) -> MmaConfig:
+    """Heuristic where no measured table entry exists: the bf16 kernel's rule (enough warps in flight for HBM, at
+    least 2 chunks per warp) over 64-wide chunks, K split over warps first, then over a cluster."""
+    nt = max(1, math.ceil(m / 8))
+    mt = 2 if nt >= 4 else 1
+    chunks = k // 64
+    tiles = math.ceil(n / (16 * mt))
+    need = max(1.0, TARGET_WARPS / tiles)
+    wk = _pow2_at_most(min(need, max(1, chunks // 2)), min(8, SMEM_LIMIT // (4 * mt * nt * 32 * 4)))
+    sk = _pow2_at_most(min(need / wk, max(1, chunks // (2 * wk))), MAX_CLUSTER)
+    per = math.ceil(chunks / (wk * sk))
+    return MmaConfig(nt=nt, mt=mt, wk=wk, sk=sk, cb=max(1, min(4 if mt == 1 else 2, per)))
+
+
+def fp8_parts(w: QuantizedWeight, what: str) -> tuple[torch.Tensor, torch.Tensor, Fp8Scales]:
+    """(codes [N, K] uint8, scales [N / rows, K / cols] fp32 or uint8, scale layout) of a block-FP8 weight; its
+    codes and ue8m0 scales are checked once per weight (eagerly: call once before a graph capture)."""
+    from latency_specialized.quant.codecs import as_bytes
+
+    if not isinstance(w, QuantizedWeight):
+        raise UserError(f"{what}: takes a QuantizedWeight in {' / '.join(FORMATS)} (got {type(w).__name__}); bf16 "
+                        "weights go to the bf16 gemms (the site's weight_format attribute must be unset)")
+    if w.fmt.name.split("/")[0] not in FORMATS or w.weight.dim() != 2:
+        raise UserError(f"{what}: expected one [N, K] block-FP8 matrix ({', '.join(FORMATS)}), got {w.fmt.name} "
+                        f"codes {tuple(w.weight.shape)}")
+    q = as_bytes(w.weight)
+    ue8m0 = w.fmt.scale == "ue8m0"
+    s = as_bytes(w.scale) if ue8m0 else w.scale.float()
+    key = (q.data_ptr(), s.data_ptr(), tuple(q.shape))
+    if key not in _checked:
+        nan = int(((q == E4M3_NAN[0]) | (q == E4M3_NAN[1])).sum())
+        if nan:
+            raise UserError(f"{what} ({w.name}): {nan} e4m3 NaN codes in the weight: requantize the checkpoint")
+        if ue8m0:
+            lo, hi = int(s.min()), int(s.max())
+            if lo < MIN_UE8M0 or hi > MAX_UE8M0:
+                raise UserError(f"{what} ({w.name}): ue8m0 scale bytes span {lo}..{hi}; this kernel decodes "
+                                f"{MIN_UE8M0}..{MAX_UE8M0} exactly: use gemm.fp8_w8a16_triton (10..246) or "
+                                "gemm.reference")
+        _checked.add(key)
+    return q, s.contiguous(), Fp8Scales(ue8m0=ue8m0, block=tuple(w.fmt.block))
+
+
+def _check(x: torch.Tensor, q: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor | None,
+           out_dtype: torch.dtype | None) -> tuple[int, int, int]:
+    """The bf16 kernels' argument checks (``gemm_common.check_gemm_args``) over the codes' [N, K] shape; (M, N, K)."""
+    from latency_specialized.kernels.gemm_common import check_gemm_args
+
+    if q.dim() != 2 or not q.is_contiguous() or q.data_ptr() % 16 or q.shape[1] % 64:
+        raise UserError(f"{NAME}: the codes must be a contiguous, 16-byte aligned [N, K] with K % 64 == 0 (got "
+                        f"{tuple(q.shape)}): use gemm.fp8_w8a16_triton")
+    return check_gemm_args(x, torch.empty(q.shape, dtype=torch.bfloat16, device="meta"), residual, out, kmult=64,
+                           out_dtype=out_dtype)
+
+
+def gemm_fp8_mma(x: torch.Tensor, weight: QuantizedWeight, *, residual: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                 config: MmaConfig | None = None) -> torch.Tensor:
+    """y = x @ deq(weight)^T (+ residual) (contract: ``ops.gemm.gemm_reference``), weights e4m3 -> bf16 in registers.
+
+    Parameters
+    ----------
+    x : [M, K] bf16, M <= 64, K % 64 == 0 (rows contiguous).
+    weight : QuantizedWeight [N, K] in fp8-block-128 / fp8-block-32 (or their /rows forms).
+    residual : optional [M, N] bf16 added before the single rounding.
+    out : optional [M, N] destination (unit column stride; bf16, or fp32 with ``out_dtype=torch.float32``).
+    config : kernel choices; default: :func:`default_config`.
+    """
+    from latency_specialized.kernels.gemm_common import check_gemm_args, fp32_output
+
+    q, s, scales = fp8_parts(weight, NAME)
+    fp32 = fp32_output(NAME, x, out_dtype, residual)
+    m, n, k = _check(x, q, residual, out, out_dtype)
+    if m > MAX_M:
+        raise UserError(f"{NAME} serves M<={MAX_M} (got M={m}): use gemm.reference")
+    config = config or default_config(n, k, m)
+    if m > 8 * config.nt or config.smem_bytes() > SMEM_LIMIT or config.sk > MAX_CLUSTER:
+        raise UserError(f"{NAME}: config {config.label()} cannot serve M={m} (serves M<={8 * config.nt}, needs "
+                        f"{config.smem_bytes()} B of shared memory, cluster {config.sk} <= {MAX_CLUSTER})")
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32 if fp32 else x.dtype, device=x.device)
+    fn = compile_mma(k, config, residual is not None, out_fp32=fp32, fp8=scales)
+    fn(x, q, residual if residual is not None else out, out, s, grid_cap(x.device, config.ctas_per_sm))
+    return out
+
+
+def _supports(ctx: OpContext) -> Support:
+    from latency_specialized.kernels.compile_cache import cute_available
+    from latency_specialized.kernels.triton_common import arch_number
+
+    if (arch_number(ctx.arch) or 0) != 90:
+        return f"a CuTe DSL kernel verified on sm_90 (H200) only (bf16x2 multiplies of sm_90), not {ctx.arch}"
+    fmt = ctx.attr("weight_format")
+    if fmt not in FORMATS:
+        return f"weights {fmt or 'bf16'}: reads block-FP8 weights ({', '.join(FORMATS)})"
+    if ctx.dtype != "bfloat16":
+        return f"dtype {ctx.dtype} (bf16 activations only)"
+    if ctx.tokens > MAX_M:
+        return f"serves M<={MAX_M} (M={ctx.tokens})"
+    if ctx.dim("K") % 64:
+        return f"needs K % 64 == 0 (K={ctx.dim('K')}): gemm.fp8_w8a16_triton serves"
+    if ctx.attr("out_dtype") not in (None, "bfloat16", "float32") or (ctx.attr("out_dtype") == "float32"
+                                                                     and ctx.attr("residual")):
+        return f"writes bf16, or fp32 without a residual (out_dtype={ctx.attr('out_dtype')})"
+    return cute_available()
+
+
+IMPLEMENTATIONS = [
+    Implementation("gemm", NAME, gemm_fp8_mma, _supports, priority=30, strided_out=True,
+                   description="block-FP8 weights (fp8-block-128 / -32) decoded to bf16 in registers straight from "
+                               "16-byte loads, mma.sync m16n8k16, K split over warps and a cluster, M<=64"),
+]
+
+__all__ = ["FORMATS", "IMPLEMENTATIONS", "MAX_M", "NAME", "default_config", "fp8_parts", "gemm_fp8_mma"]

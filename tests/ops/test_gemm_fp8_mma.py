@@ -1,0 +1,165 @@
+"""CPU tests of ``gemm.fp8_w8a16_mma`` (the block-FP8 variant of the CuTe DSL mma.sync kernel): the integer e4m3 ->
+bf16 decode it runs, emulated bit for bit over every code; offline sm_90 compiles and what their PTX holds; the
+weight checks and the dispatch. The numerics on the GPU: ``test_gemm_fp8_mma_gpu.py``."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import pytest
+import torch
+
+from latency_specialized.errors import UserError
+from latency_specialized.kernels import gemm_fp8_mma as f8m
+from latency_specialized.kernels.compile_cache import cute_available
+from latency_specialized.quant.checkpoint_io import QuantizedWeight
+from latency_specialized.quant.formats import QuantFormat
+
+needs_cute = pytest.mark.skipif(cute_available() is not True, reason="nvidia-cutlass-dsl not installed")
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    return sum(pool[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
+
+
+def _bf16(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", (bits & 0xFFFF) << 16))[0]
+
+
+def _decode_word(word: int, mult_bits: int) -> list[float]:
+    """``ptx.e4m3x4_to_bf16x2`` step by step (the PTX's instructions on Python ints); bf16 x bf16 of a power of two
+    is exact, so a float product stands for ``mul.rn.bf16x2``."""
+    out = []
+    for sel in (0x1404, 0x3424):
+        r = _prmt(word, 0, sel)
+        v = (r & 0x80008000) | ((r >> 4) & 0x07F007F0)
+        out += [_bf16(v) * _bf16(mult_bits), _bf16(v >> 16) * _bf16(mult_bits)]
+    return out
+
+
+def test_integer_decode_equals_e4m3_for_every_code():
+    codes = torch.arange(256, dtype=torch.uint8)
+    want = codes.view(torch.float8_e4m3fn).float().tolist()
+    for base in range(0, 256, 4):
+        word = base | (base + 1) << 8 | (base + 2) << 16 | (base + 3) << 24
+        got = _decode_word(word, 0x7B80)  # 2^120
+        for i, g in enumerate(got):
+            c = base + i
+            if c & 0x7F == 0x7F:
+                assert abs(g) == 480.0  # NaN codes: finite - the wrapper refuses weights holding them
+            else:
+                assert g == want[c] and (struct.pack("<f", g)[3] >> 7) == (c >> 7), hex(c)  # signed zeros too
+
+
+@pytest.mark.parametrize("e", [f8m.MIN_UE8M0, 117, 127, f8m.MAX_UE8M0])
+def test_ue8m0_multiplier_folds_the_block_scale_exactly(e):
+    v = (e + 120) << 7
+    mult = (v | v << 16) & 0xFFFF
+    codes = [0x01, 0x07, 0x08, 0x38, 0x7E, 0x81, 0xFE, 0x00]
+    for i in range(0, len(codes), 4):
+        word = sum(c << (8 * j) for j, c in enumerate(codes[i:i + 4]))
+        got = _decode_word(word, mult)
+        want = [float(torch.tensor([c], dtype=torch.uint8).view(torch.float8_e4m3fn).float()) * 2.0 ** (e - 127)
+                for c in codes[i:i + 4]]
+        assert got == want
+
+
+def _weight(fmt: str, N: int = 64, K: int = 128, scale_byte: int = 117, code: int = 0x38) -> QuantizedWeight:
+    f = QuantFormat.get(fmt)
+    q = torch.full((N, K), code, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    r, c = f.block
+    shape = (-(-N // r), -(-K // c))
+    s = (torch.full(shape, scale_byte, dtype=torch.uint8).view(torch.float8_e8m0fnu) if f.scale == "ue8m0"
+         else torch.full(shape, 0.5))
+    return QuantizedWeight(f, (N, K), q, s, name=f"t{code}.weight")
+
+
+def test_weight_checks_refuse_nan_codes_and_undecodable_scales():
+    q, s, sc = f8m.fp8_parts(_weight("fp8-block-128"), "t")
+    assert q.dtype == torch.uint8 and s.dtype == torch.float32 and sc.block == (128, 128) and not sc.ue8m0
+    with pytest.raises(UserError, match="NaN codes"):
+        f8m.fp8_parts(_weight("fp8-block-128", code=0x7F), "t")
+    for bad in (f8m.MIN_UE8M0 - 1, f8m.MAX_UE8M0 + 1):
+        with pytest.raises(UserError, match="gemm.fp8_w8a16_triton"):
+            f8m.fp8_parts(_weight("fp8-block-32", scale_byte=bad), "t")
+    q, s, sc = f8m.fp8_parts(_weight("fp8-block-32", scale_byte=f8m.MAX_UE8M0), "t")
+    assert s.dtype == torch.uint8 and sc.ue8m0 and sc.block == (32, 32)
+    with pytest.raises(UserError, match="QuantizedWeight"):
+        f8m.fp8_parts(torch.zeros(4, 64), "t")
+
+
+def test_supports_names_what_it_needs():
+    from latency_specialized.ops.registry import make_context
+
+    def ctx(**kw):
+        base = dict(arch="sm_90a", dtype="bfloat16", tokens=4, dims={"N": 6144, "K": 2048},
+                    attrs={"weight_format": "fp8-block-128"})
+        base.update(kw)
+        return make_context("gemm", **base)
+
+    assert "sm_90" in f8m._supports(ctx(arch="cpu")) and "sm_90" in f8m._supports(ctx(arch="sm_100"))
+    assert "bf16" in f8m._supports(ctx(attrs={}))
+    assert "M<=64" in f8m._supports(ctx(tokens=65))
+    assert "K % 64" in f8m._supports(ctx(dims={"N": 64, "K": 96}))
+    assert "bf16 activations" in f8m._supports(ctx(dtype="float32"))
+    if cute_available() is True:
+        assert f8m._supports(ctx()) is True
+        assert f8m._supports(ctx(attrs={"weight_format": "fp8-block-32"})) is True
+
+
+@pytest.mark.parametrize("N,K,M", [(6144, 2048, 1), (4096, 1280, 1), (6144, 4096, 16), (32768, 1280, 4),
+                                   (2624, 6144, 64), (200, 320, 3)])
+def test_default_config_serves_m_and_fits(N, K, M):
+    from latency_specialized.kernels.gemm_small_m import SMEM_LIMIT
+
+    cfg = f8m.default_config(N, K, M)
+    assert 8 * cfg.nt >= M and cfg.smem_bytes() <= SMEM_LIMIT and cfg.sk <= f8m.MAX_CLUSTER
+    assert K // 64 >= cfg.wk * cfg.sk  # every warp of the split has a chunk
+
+
+@pytest.fixture(scope="module")
+def sm90():
+    old = {k: os.environ.get(k) for k in ("CUTE_DSL_ARCH", "LS_KERNEL_CACHE_DIR")}
+    os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+    os.environ.pop("LS_KERNEL_CACHE_DIR", None)
+    yield
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+WEIGHT_LOAD = "ld.global.nc.L1::no_allocate.L2::256B.v4.b32"
+
+
+@needs_cute
+@pytest.mark.parametrize("ue8m0,block", [(False, (128, 128)), (True, (32, 32)), (False, (1, 128)), (True, (1, 32))])
+def test_fp8_variant_compiles_to_decode_plus_mma_without_spills(sm90, ue8m0, block):
+    """Per warp and 64-wide chunk: one 16-byte load per weight row (g, g + 8), 8 bf16x2 multiplies per row, 4 MMAs
+    per n-tile; no local memory; the first batch of weight loads issued before the PDL wait."""
+    from latency_specialized.kernels.gemm_common import ptx_of
+    from latency_specialized.kernels.gemm_small_m import Fp8Scales, MmaConfig, compile_mma
+
+    K, cfg = 2048, MmaConfig(nt=2, wk=4, cb=4)
+    p = ptx_of(compile_mma(K, cfg, True, fp8=Fp8Scales(ue8m0, block)))
+    chunks = K // 64 // cfg.wk
+    assert "ld.local" not in p and "st.local" not in p
+    assert p.count(WEIGHT_LOAD) == 2 * chunks
+    assert p.count("mul.rn.bf16x2") == 2 * 8 * chunks
+    assert p.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 4 * cfg.nt * chunks
+    assert p[:p.index("griddepcontrol.wait")].count(WEIGHT_LOAD) == 2 * cfg.cb
+    # fp32 scales: each chunk's sums scaled into the accumulators; ue8m0: none (folded into the decode)
+    assert ("ld.global.b8" in p) == ue8m0 and ("ld.global.b32" in p) != ue8m0
+
+
+@needs_cute
+def test_fp8_variant_refuses_layouts_it_cannot_scale(sm90):
+    from latency_specialized.kernels.gemm_small_m import Fp8Scales, MmaConfig, compile_mma
+
+    for k, sc in ((2016, Fp8Scales(False, (128, 128))), (2048, Fp8Scales(False, (128, 32))),
+                  (2048, Fp8Scales(True, (8, 32)))):
+        with pytest.raises(ValueError, match="not compiled"):
+            compile_mma(k, MmaConfig(), False, fp8=sc)
