@@ -20,7 +20,7 @@ import torch
 
 from latency_specialized.errors import UserError
 from latency_specialized.kernels import gemm_fp8_mma as f8m
-from latency_specialized.kernels.gemm_small_m import MmaConfig
+from latency_specialized.kernels.gemm_small_m import SMEM_LIMIT, MmaConfig
 from latency_specialized.ops.gemm import gemm_reference
 from latency_specialized.quant.checkpoint_io import QuantizedWeight, quantize_weight
 from latency_specialized.quant.layout import row_scaled
@@ -65,7 +65,7 @@ def _configs(N: int, K: int, M: int) -> dict[str, MmaConfig | None]:
     if K // 64 >= 8:
         out["cluster4"] = replace(base, wk=2, sk=4, cb=2)
         out["warps8"] = replace(base, wk=8, sk=1, cb=1)
-    return out
+    return {k: c for k, c in out.items() if c is None or c.smem_bytes() <= SMEM_LIMIT}  # 8 warps x 64 rows do not fit
 
 
 @pytest.mark.parametrize("M", [1, 3, 8, 16, 33, 64])
