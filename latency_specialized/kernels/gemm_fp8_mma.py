@@ -46,17 +46,32 @@ _checked: set[tuple] = set()
 
 
 def default_config(n: int, k: int, m: int) -> MmaConfig:
-    """Heuristic where no measured table entry exists: the bf16 kernel's rule (enough warps in flight for HBM, at
-    least 2 chunks per warp) over 64-wide chunks, K split over warps first, then over a cluster."""
+    """Measured launch config (``TUNING``) where one exists, else the heuristic: the bf16 kernel's rule (enough warps
+    in flight for HBM, at least 2 chunks per warp) over 64-wide chunks, with twice its warp target at one m-tile, K
+    split over warps only (a cluster split lost in every cell measured) and 4 chunks per batch."""
+    if (n, k, m) in TUNING:
+        return TUNING[(n, k, m)]
     nt = max(1, math.ceil(m / 8))
     mt = 2 if nt >= 4 else 1
     chunks = k // 64
     tiles = math.ceil(n / (16 * mt))
-    need = max(1.0, TARGET_WARPS / tiles)
+    need = max(1.0, TARGET_WARPS * (2 if mt == 1 else 1) / tiles)
     wk = _pow2_at_most(min(need, max(1, chunks // 2)), min(8, SMEM_LIMIT // (4 * mt * nt * 32 * 4)))
-    sk = _pow2_at_most(min(need / wk, max(1, chunks // (2 * wk))), MAX_CLUSTER)
-    per = math.ceil(chunks / (wk * sk))
-    return MmaConfig(nt=nt, mt=mt, wk=wk, sk=sk, cb=max(1, min(4 if mt == 1 else 2, per)))
+    return MmaConfig(nt=nt, mt=mt, wk=wk, sk=1, cb=max(1, min(4, math.ceil(chunks / wk))))
+
+
+TUNING: dict[tuple[int, int, int], MmaConfig] = {
+    # H200, session 33 (benchmarks/results/h200/session33/ops_gemm_fp8.md: the best of the heuristic + MMA_SWEEP)
+    (6144, 2048, 16): MmaConfig(nt=2, mt=1, wk=4, sk=1, cb=8),      # GLM-5.3 TP8 q_b + wq_b: 6.30 us (w8 c4 7.29)
+    (32768, 1280, 1): MmaConfig(nt=1, mt=1, wk=4, sk=1, cb=4),      # DeepSeek-V4.1 TP1 wq_b: 15.17 (w1 15.72)
+    (32768, 1280, 4): MmaConfig(nt=1, mt=1, wk=1, sk=1, cb=4),      # 15.88 (w4 16.10)
+    (32768, 1280, 16): MmaConfig(nt=2, mt=1, wk=1, sk=1, cb=4),     # 17.98 (w8 18.21)
+    (32768, 1280, 64): MmaConfig(nt=8, mt=2, wk=2, sk=1, cb=2),     # 29.81 (w4 c4 35.23)
+}
+"""(N, K, M) -> the launch config measured fastest on the H200; the heuristic elsewhere. The heuristic reproduces the
+measured best at GLM-5.3 TP8 q_b M = 1 / 4 (8 warps along K: 5.51 / 5.41 us against 6.73 / 6.68 with the bf16 rule's 4),
+TP4 o_proj M = 1 / 4 / 16 (9.36 / 9.48 / 10.86 against 13.24 / 13.48 / 15.57) and both at M = 64 (4 warps, no
+cluster, 4 chunks: 28.66 / 15.99 against 34.58 / 20.06)."""
 
 
 def fp8_parts(w: QuantizedWeight, what: str) -> tuple[torch.Tensor, torch.Tensor, Fp8Scales]:

@@ -163,3 +163,12 @@ def test_fp8_variant_refuses_layouts_it_cannot_scale(sm90):
                   (2048, Fp8Scales(True, (8, 32)))):
         with pytest.raises(ValueError, match="not compiled"):
             compile_mma(k, MmaConfig(), False, fp8=sc)
+
+
+def test_measured_table_and_heuristic_keep_k_split_inside_the_cta():
+    """Session 33 (H200): a cluster split of K lost in every cell measured, so neither the table nor the heuristic
+    uses one; each table entry serves its M."""
+    for (N, K, M), cfg in f8m.TUNING.items():
+        assert cfg.sk == 1 and 8 * cfg.nt >= M and f8m.default_config(N, K, M) == cfg
+    assert all(f8m.default_config(N, K, M).sk == 1 for N in (64, 6144, 32768) for K in (128, 2048, 7168)
+               for M in (1, 5, 16, 40, 64))
