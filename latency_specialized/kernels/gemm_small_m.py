@@ -56,9 +56,15 @@ class MmaConfig:
     """0: one CTA (cluster) per tile. k > 0: persistent - at most k CTAs per SM walk the tiles, with
     registers capped so 2k fit: room for the next kernel's PDL prologue."""
 
+    fp8_pairs: str = "bytes"
+    """FP8 weights only: how a lane's e4m3 words decode into bf16 pairs. "bytes": pairs of adjacent codes (two byte
+    permutes per word); "split": codes 0, 2 | 1, 3 of each word (no permutes: fewer integer instructions per weight)
+    with the activations permuted to match (2 permutes per word pair and n-tile)."""
+
     def label(self) -> str:
         cap = f"g{self.ctas_per_sm}" if self.ctas_per_sm else ""
-        return f"n{self.nt}m{self.mt}w{self.wk}s{self.sk}c{self.cb}{cap}{'p' if self.pdl else ''}"
+        pairs = "x" if self.fp8_pairs == "split" else ""
+        return f"n{self.nt}m{self.mt}w{self.wk}s{self.sk}c{self.cb}{cap}{pairs}{'p' if self.pdl else ''}"
 
     def smem_bytes(self) -> int:
         """Shared memory of the cross-warp reduction (f32 [wk][4*mt*nt][32]); 0 without one."""
@@ -96,6 +102,7 @@ def _kernel_class():
             self.k, self.cfg, self.residual = k, cfg, residual
             self.fp8 = fp8                                    # None: bf16 weights; else e4m3 codes + scales
             self.kc = 64 if fp8 is not None else 32           # K per chunk: one 16-byte load per row and lane
+            self.split_pairs = fp8 is not None and cfg.fp8_pairs == "split"
             self.chunks = k // self.kc
             self.parts = cfg.wk * cfg.sk
             self.per_part = -(-self.chunks // self.parts)    # chunks each warp walks
@@ -209,11 +216,15 @@ def _kernel_class():
                         for i in cutlass.range_constexpr(XL):
                             words += P.ld_act_if(x_rows[nt] + off + 16 * i, pred)
                         xv.append(words)
+                    xpairs = []
+                    if cutlass.const_expr(FP8 and self.split_pairs):
+                        xpairs = [[P.pair_even_odd(xv[nt][2 * i], xv[nt][2 * i + 1]) for i in range(4)]
+                                  for nt in range(NT)]
                     for mt in cutlass.range_constexpr(MT):
                         lo = wv[(j, 2 * mt)]
                         hi = wv[(j, 2 * mt + 1)]
                         if cutlass.const_expr(FP8):
-                            self.fp8_chunk(acc, lo, hi, xv, sv[j], mt)
+                            self.fp8_chunk(acc, lo, hi, xv, xpairs, sv[j], mt)
                         else:
                             for nt in cutlass.range_constexpr(NT):
                                 base = (mt * NT + nt) * 4
@@ -273,25 +284,34 @@ def _kernel_class():
                     out.append(scl[rows[r] // rb, chunk * 64 // kb])
             return out
 
-        def fp8_chunk(self, acc: list, lo: list, hi: list, xv: list, sc: list, mt: int) -> None:
+        def fp8_chunk(self, acc: list, lo: list, hi: list, xv: list, xpairs: list, sc: list, mt: int) -> None:
             """One 64-wide chunk of an m-tile: lane (g, t) holds K = 16t .. 16t + 15 of rows g (``lo``) and g + 8
             (``hi``) as 4 words of 4 e4m3 each; word i, decoded to two bf16x2 (K 4i, 4i+1 | 4i+2, 4i+3), feeds mma
             i with the same K of the activations (words 2i, 2i + 1 of the lane's 16 bf16): the K permutation of
             the bf16 kernel at twice the values per load. fp32 scales: each chunk's sums start at zero and are
-            scaled per row into the accumulators; ue8m0: the scale is in the decode's multiplier."""
+            scaled per row into the accumulators; ue8m0: the scale is in the decode's multiplier. ``split_pairs``:
+            the weights decode to pairs (4i, 4i + 2 | 4i + 1, 4i + 3) and ``xpairs`` holds the activations in that
+            order - the same dot products, fewer integer instructions where weights outnumber activations."""
             NT = self.cfg.nt
             ue = self.fp8.ue8m0
             bias = Int32(0x7B807B80)             # bf16x2 of 2^120: the decode leaves values 2^-120 too small
             m_lo = sc[2 * mt] if ue else bias
             m_hi = sc[2 * mt + 1] if ue else bias
-            dl = [P.e4m3x4_to_bf16x2(lo[i], m_lo) for i in range(4)]
-            dh = [P.e4m3x4_to_bf16x2(hi[i], m_hi) for i in range(4)]
+            if self.split_pairs:
+                # weights paired (0, 2 | 1, 3) without byte permutes; the activations permuted to match
+                dl = [P.e4m3x4_to_bf16x2_split(lo[i], m_lo) for i in range(4)]
+                dh = [P.e4m3x4_to_bf16x2_split(hi[i], m_hi) for i in range(4)]
+            else:
+                dl = [P.e4m3x4_to_bf16x2(lo[i], m_lo) for i in range(4)]
+                dh = [P.e4m3x4_to_bf16x2(hi[i], m_hi) for i in range(4)]
             for nt in range(NT):
                 base = (mt * NT + nt) * 4
                 c = acc[base:base + 4] if ue else [Float32(0.0)] * 4
                 for i in range(4):
-                    c = P.mma_bf16_16816([dl[i][0], dh[i][0], dl[i][1], dh[i][1]], [xv[nt][2 * i], xv[nt][2 * i + 1]],
-                                         c)
+                    xb = xv[nt][2 * i:2 * i + 2]
+                    if self.split_pairs:
+                        xb = xpairs[nt][i]
+                    c = P.mma_bf16_16816([dl[i][0], dh[i][0], dl[i][1], dh[i][1]], xb, c)
                 for q in range(4):
                     # accumulator q: q // 2 picks row g or g + 8
                     acc[base + q] = c[q] if ue else acc[base + q] + c[q] * (sc[2 * mt + q // 2])

@@ -39,18 +39,59 @@ def _decode_word(word: int, mult_bits: int) -> list[float]:
     return out
 
 
-def test_integer_decode_equals_e4m3_for_every_code():
+def _decode_word_split(word: int, mult_bits: int) -> list[float]:
+    """``ptx.e4m3x4_to_bf16x2_split`` step by step: [byte 0, byte 2, byte 1, byte 3] (the even pair, then the odd)."""
+    odd = (word & 0x80008000) | ((word & 0x7F007F00) >> 4)
+    even = (((word * 256) & 0xFFFFFFFF) & 0x80008000) | (((word & 0x007F007F) * 16) & 0xFFFFFFFF)
+    m = _bf16(mult_bits)
+    return [_bf16(even) * m, _bf16(even >> 16) * m, _bf16(odd) * m, _bf16(odd >> 16) * m]
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_integer_decode_equals_e4m3_for_every_code(split):
     codes = torch.arange(256, dtype=torch.uint8)
     want = codes.view(torch.float8_e4m3fn).float().tolist()
     for base in range(0, 256, 4):
         word = base | (base + 1) << 8 | (base + 2) << 16 | (base + 3) << 24
-        got = _decode_word(word, 0x7B80)  # 2^120
-        for i, g in enumerate(got):
+        got = _decode_word_split(word, 0x7B80) if split else _decode_word(word, 0x7B80)  # 2^120
+        order = (0, 2, 1, 3) if split else (0, 1, 2, 3)
+        for i, g in zip(order, got):
             c = base + i
             if c & 0x7F == 0x7F:
                 assert abs(g) == 480.0  # NaN codes: finite - the wrapper refuses weights holding them
             else:
                 assert g == want[c] and (struct.pack("<f", g)[3] >> 7) == (c >> 7), hex(c)  # signed zeros too
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_fragment_mapping_of_a_chunk_computes_the_dot_products(split):
+    """One warp's 64-wide chunk of a 16-row tile, lane by lane as the kernel builds it (16-byte loads at K = 16t of
+    rows g and g + 8, the decode's pairs, the activations' words - permuted with ``split`` - into four m16n8k16
+    fragments, PTX's fragment layout), equals W[16, 64] @ x[8, 64]^T."""
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 256, (16, 64), generator=g, dtype=torch.int64)
+    codes[(codes & 0x7F) == 0x7F] = 0x38
+    w = codes.to(torch.uint8).view(torch.float8_e4m3fn).double()
+    x = torch.randn(8, 64, generator=g, dtype=torch.float64).bfloat16().double()
+    got = torch.zeros(16, 8, dtype=torch.float64)
+    for i in range(4):  # mma i
+        A = torch.zeros(16, 16, dtype=torch.float64)
+        B = torch.zeros(16, 8, dtype=torch.float64)
+        for lane in range(32):
+            gi, t = lane // 4, lane % 4
+            for row in (gi, gi + 8):
+                b = codes[row, 16 * t + 4 * i:16 * t + 4 * i + 4].tolist()
+                word = b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24
+                v = _decode_word_split(word, 0x7B80) if split else _decode_word(word, 0x7B80)
+                # registers: pair 0 -> logical K (2t, 2t + 1), pair 1 -> (2t + 8, 2t + 9)
+                A[row, 2 * t:2 * t + 2] = torch.tensor(v[:2], dtype=torch.float64)
+                A[row, 2 * t + 8:2 * t + 10] = torch.tensor(v[2:], dtype=torch.float64)
+            xs = x[gi, 16 * t + 4 * i:16 * t + 4 * i + 4]  # the lane's words 2i, 2i + 1 (token gi)
+            xs = xs[[0, 2, 1, 3]] if split else xs        # pair_even_odd
+            B[2 * t:2 * t + 2, gi] = xs[:2]
+            B[2 * t + 8:2 * t + 10, gi] = xs[2:]
+        got += A @ B
+    assert torch.allclose(got, w @ x.t(), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("e", [f8m.MIN_UE8M0, 117, 127, f8m.MAX_UE8M0])
@@ -140,6 +181,8 @@ WEIGHT_LOAD = "ld.global.nc.L1::no_allocate.L2::256B.v4.b32"
 def test_fp8_variant_compiles_to_decode_plus_mma_without_spills(sm90, ue8m0, block):
     """Per warp and 64-wide chunk: one 16-byte load per weight row (g, g + 8), 8 bf16x2 multiplies per row, 4 MMAs
     per n-tile; no local memory; the first batch of weight loads issued before the PDL wait."""
+    from dataclasses import replace
+
     from latency_specialized.kernels.gemm_common import ptx_of
     from latency_specialized.kernels.gemm_small_m import Fp8Scales, MmaConfig, compile_mma
 
@@ -153,6 +196,12 @@ def test_fp8_variant_compiles_to_decode_plus_mma_without_spills(sm90, ue8m0, blo
     assert p[:p.index("griddepcontrol.wait")].count(WEIGHT_LOAD) == 2 * cfg.cb
     # fp32 scales: each chunk's sums scaled into the accumulators; ue8m0: none (folded into the decode)
     assert ("ld.global.b8" in p) == ue8m0 and ("ld.global.b32" in p) != ue8m0
+    # "bytes" pairing: 2 byte permutes per weight word; "split": none on the weights, 2 per activation word pair and
+    # n-tile instead
+    assert p.count("prmt.b32") == chunks * 2 * 4 * 2
+    ps = ptx_of(compile_mma(K, replace(cfg, fp8_pairs="split"), True, fp8=Fp8Scales(ue8m0, block)))
+    assert ps.count("prmt.b32") == chunks * 4 * 2 * cfg.nt and ps.count("mul.rn.bf16x2") == 2 * 8 * chunks
+    assert "ld.local" not in ps and replace(cfg, fp8_pairs="split").label() == "n2m1w4s1c4xp"
 
 
 @needs_cute

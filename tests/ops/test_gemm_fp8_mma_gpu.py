@@ -3,7 +3,7 @@
 Shapes: GLM-5.3 shards in fp8-block-128 (TP8 o_proj [6144, 2048], the fused q_a + kv_a [2624, 6144]), DeepSeek-V4.1-
 Flash in fp8-block-32 (TP8 wq_b [4096, 1280], TP4 wo_b [5120, 2048]), both formats' ``/rows`` forms (one scale per
 row: ``quant.layout.row_scaled``) and odd ones ([200, 320], [72, 192]); M 1, 3, 8, 16, 33, 64; the heuristic
-config, a cluster split of K and 8 warps along K.
+config, the same with the "split" pairing of the decode, a cluster split of K and 8 warps along K.
 
 Every case: fresh random codes and scales (rows of different magnitudes), outputs poisoned with NaN inside a wider
 tensor (strided rows) and checked fully written and nothing outside touched, against the dequantising reference at
@@ -61,7 +61,7 @@ def _configs(N: int, K: int, M: int) -> dict[str, MmaConfig | None]:
     from dataclasses import replace
 
     base = f8m.default_config(N, K, M)
-    out: dict[str, MmaConfig | None] = {"default": None}
+    out: dict[str, MmaConfig | None] = {"default": None, "split_pairs": replace(base, fp8_pairs="split")}
     if K // 64 >= 8:
         out["cluster4"] = replace(base, wk=2, sk=4, cb=2)
         out["warps8"] = replace(base, wk=8, sk=1, cb=1)
