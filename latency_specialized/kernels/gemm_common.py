@@ -257,6 +257,12 @@ def ptx() -> SimpleNamespace:
             "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False, asm_dialect=0)
         return [Float32(llvm.extractvalue(ir.F32Type.get(), st, [i])) for i in range(4)]
 
+    def _asm2(ptx_str: str, a, b) -> list:
+        """Two 32-bit words out of two 32-bit words in ($2, $3 -> $0, $1), pure (no side effects)."""
+        st = llvm.inline_asm(struct(2, i32t()), [_v(a, Int32), _v(b, Int32)], ptx_str, "=r,=r,r,r",
+                             has_side_effects=False, asm_dialect=0)
+        return [Int32(llvm.extractvalue(i32t(), st, [i])) for i in range(2)]
+
     def e4m3x4_to_bf16x2(word, mult) -> list:
         """Four e4m3 codes (one 32-bit word, byte 0 lowest) -> two bf16x2 words (bytes 0, 1 | 2, 3; the lower
         byte in the low half), each value times ``mult`` (a bf16x2 word, both halves alike).
@@ -268,17 +274,14 @@ def ptx() -> SimpleNamespace:
         subnormal bf16 of the same scaled value). ``mult`` = 2^120 (x a power-of-two block scale) restores it,
         exactly, with one bf16x2 multiply per pair. The NaN codes (0x7F / 0xFF) decode as +-480: callers
         refuse weights holding them."""
-        st = llvm.inline_asm(
-            struct(2, i32t()), [_v(word, Int32), _v(mult, Int32)],
+        return _asm2(
             "{\n .reg .b32 z, r0, r1, s0, s1;\n mov.b32 z, 0;\n"
             " prmt.b32 r0, $2, z, 0x1404;\n prmt.b32 r1, $2, z, 0x3424;\n"
             " shr.b32 s0, r0, 4;\n shr.b32 s1, r1, 4;\n"
             " and.b32 s0, s0, 0x07F007F0;\n and.b32 s1, s1, 0x07F007F0;\n"
             " and.b32 r0, r0, 0x80008000;\n and.b32 r1, r1, 0x80008000;\n"
             " or.b32 r0, r0, s0;\n or.b32 r1, r1, s1;\n"
-            " mul.rn.bf16x2 $0, r0, $3;\n mul.rn.bf16x2 $1, r1, $3;\n}",
-            "=r,=r,r,r", has_side_effects=False, asm_dialect=0)
-        return [Int32(llvm.extractvalue(i32t(), st, [i])) for i in range(2)]
+            " mul.rn.bf16x2 $0, r0, $3;\n mul.rn.bf16x2 $1, r1, $3;\n}", word, mult)
 
     def e4m3x4_to_bf16x2_split(word, mult) -> list:
         """Four e4m3 codes (one 32-bit word) -> two bf16x2 words: bytes 0, 2 (the even pair) and bytes 1, 3 (the
@@ -289,25 +292,18 @@ def ptx() -> SimpleNamespace:
         IMAD, the FMA pipe) against about 8.7 - and the activations take the permutation instead
         (``pair_even_odd``: 2 permutes per activation word pair and n-tile), cheaper while a lane decodes more
         weight words than it permutes activation words (n-tiles <= 2 x m-tiles)."""
-        st = llvm.inline_asm(
-            struct(2, i32t()), [_v(word, Int32), _v(mult, Int32)],
+        return _asm2(
             "{\n .reg .b32 m1, t1, m2, t2, s2, o1, o2;\n"
             " and.b32 m1, $2, 0x7F007F00;\n shr.b32 t1, m1, 4;\n"
             " and.b32 o1, $2, 0x80008000;\n or.b32 o1, o1, t1;\n"
             " and.b32 m2, $2, 0x007F007F;\n mul.lo.u32 t2, m2, 16;\n"
             " mul.lo.u32 s2, $2, 256;\n and.b32 s2, s2, 0x80008000;\n or.b32 o2, s2, t2;\n"
-            " mul.rn.bf16x2 $0, o2, $3;\n mul.rn.bf16x2 $1, o1, $3;\n}",
-            "=r,=r,r,r", has_side_effects=False, asm_dialect=0)
-        return [Int32(llvm.extractvalue(i32t(), st, [i])) for i in range(2)]
+            " mul.rn.bf16x2 $0, o2, $3;\n mul.rn.bf16x2 $1, o1, $3;\n}", word, mult)
 
     def pair_even_odd(w0, w1) -> list:
         """Two packed bf16x2 words (values 0, 1 | 2, 3) -> (0, 2 | 1, 3): the activations' side of
         :func:`e4m3x4_to_bf16x2_split`'s pairing (two byte permutes)."""
-        st = llvm.inline_asm(
-            struct(2, i32t()), [_v(w0, Int32), _v(w1, Int32)],
-            "prmt.b32 $0, $2, $3, 0x5410;\n prmt.b32 $1, $2, $3, 0x7632;", "=r,=r,r,r",
-            has_side_effects=False, asm_dialect=0)
-        return [Int32(llvm.extractvalue(i32t(), st, [i])) for i in range(2)]
+        return _asm2("prmt.b32 $0, $2, $3, 0x5410;\n prmt.b32 $1, $2, $3, 0x7632;", w0, w1)
 
     def smem_addr(ptr) -> Int32:
         """32-bit shared-window address of a shared-memory cute pointer."""

@@ -148,28 +148,11 @@ def test_fp8_decoding_of_every_code_under_edge_scales_is_exact(fmt):
     """Every finite e4m3 code (+-0, subnormals, +-448) under extreme scales (ue8m0: the decodable range's ends,
     ``MIN_UE8M0`` / ``MAX_UE8M0``): x = one-hot rows read the weight back through the kernel (W8A16, fp32 output),
     equal to the codec's dequantised values."""
-    from latency_specialized.quant.formats import QuantFormat
+    from fp8_edge import every_code_weight, read_back
 
-    f = QuantFormat.get(fmt)
-    r, c = f.block
-    codes = torch.arange(256, device=DEV, dtype=torch.uint8)
-    codes = codes[(codes & 0x7F) != 0x7F]  # no NaN codes
-    K = 256
-    N = 4 * r
-    w = codes.repeat(N * K // codes.numel() + 1)[: N * K].view(N, K).contiguous()
-    nb, kb = N // r, K // c
-    if fmt == "fp8-block-32":
-        sc = torch.tensor([f8_kernel.MIN_UE8M0, 100, 127, f8_kernel.MAX_UE8M0], device=DEV, dtype=torch.uint8)
-        scale = sc.repeat_interleave(nb // 4).view(nb, 1).expand(nb, kb).contiguous().view(torch.float8_e8m0fnu)
-    else:
-        sc = torch.tensor([1e-30, 3.7e-3, 1.0, 6.5e30], device=DEV)
-        scale = sc.repeat_interleave(nb // 4).view(nb, 1).expand(nb, kb).contiguous()
-    q = QuantizedWeight(f, (N, K), w.view(torch.float8_e4m3fn), scale, name="edge.weight")
+    q = every_code_weight(fmt, (f8_kernel.MIN_UE8M0, 100, 127, f8_kernel.MAX_UE8M0))
     ref = q.dequantize()
-    got = torch.empty(N, K, device=DEV)
-    eye = torch.eye(K, device=DEV, dtype=torch.bfloat16)
-    for i in range(0, K, 64):  # 64 one-hot tokens at a time: y[m, n] = W[n, i + m]
-        got[:, i:i + 64] = f8.gemm_fp8_w8a16(eye[i:i + 64], q, out_dtype=torch.float32).t()
+    got = read_back(f8.gemm_fp8_w8a16, q)
     finite = torch.isfinite(ref)
     assert torch.equal(got[finite], ref[finite])
 

@@ -4,7 +4,6 @@ weight checks and the dispatch. The numerics on the GPU: ``test_gemm_fp8_mma_gpu
 
 from __future__ import annotations
 
-import os
 import struct
 
 import pytest
@@ -158,19 +157,6 @@ def test_default_config_serves_m_and_fits(N, K, M):
     cfg = f8m.default_config(N, K, M)
     assert 8 * cfg.nt >= M and cfg.smem_bytes() <= SMEM_LIMIT and cfg.sk <= f8m.MAX_CLUSTER
     assert K // 64 >= cfg.wk * cfg.sk  # every warp of the split has a chunk
-
-
-@pytest.fixture(scope="module")
-def sm90():
-    old = {k: os.environ.get(k) for k in ("CUTE_DSL_ARCH", "LS_KERNEL_CACHE_DIR")}
-    os.environ["CUTE_DSL_ARCH"] = "sm_90a"
-    os.environ.pop("LS_KERNEL_CACHE_DIR", None)
-    yield
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 WEIGHT_LOAD = "ld.global.nc.L1::no_allocate.L2::256B.v4.b32"

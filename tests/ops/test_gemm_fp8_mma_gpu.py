@@ -15,6 +15,8 @@ refused with the fix named.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -58,8 +60,6 @@ def shape(request):
 
 
 def _configs(N: int, K: int, M: int) -> dict[str, MmaConfig | None]:
-    from dataclasses import replace
-
     base = f8m.default_config(N, K, M)
     out: dict[str, MmaConfig | None] = {"default": None, "split_pairs": replace(base, fp8_pairs="split")}
     if K // 64 >= 8:
@@ -102,30 +102,14 @@ def test_fp8_mma_decoding_of_every_code_under_edge_scales_is_exact(fmt):
     """Every finite e4m3 code (+-0, subnormals, +-448) under extreme scales (ue8m0: ``MIN_UE8M0`` / ``MAX_UE8M0``,
     the decodable range's ends; fp32 1e-30 .. 6.5e30): one-hot tokens read the weight back (fp32 output), equal to
     the codec's dequantised values."""
-    from latency_specialized.quant.formats import QuantFormat
+    from fp8_edge import every_code_weight, read_back
 
-    f = QuantFormat.get(fmt)
-    r, c = f.block
-    codes = torch.arange(256, device=DEV, dtype=torch.uint8)
-    codes = codes[(codes & 0x7F) != 0x7F]  # no NaN codes
-    K = 256
-    N = 4 * r
-    w = codes.repeat(N * K // codes.numel() + 1)[: N * K].view(N, K).contiguous()
-    nb, kb = N // r, K // c
-    if fmt == "fp8-block-32":
-        sc = torch.tensor([f8m.MIN_UE8M0, 100, 127, f8m.MAX_UE8M0], device=DEV, dtype=torch.uint8)
-        scale = sc.repeat_interleave(nb // 4).view(nb, 1).expand(nb, kb).contiguous().view(torch.float8_e8m0fnu)
-    else:
-        sc = torch.tensor([1e-30, 3.7e-3, 1.0, 6.5e30], device=DEV)
-        scale = sc.repeat_interleave(nb // 4).view(nb, 1).expand(nb, kb).contiguous()
-    q = QuantizedWeight(f, (N, K), w.view(torch.float8_e4m3fn), scale, name=f"edge-{fmt}.weight")
+    q = every_code_weight(fmt, (f8m.MIN_UE8M0, 100, 127, f8m.MAX_UE8M0))
     ref = q.dequantize()
-    got = torch.empty(N, K, device=DEV)
-    eye = torch.eye(K, device=DEV, dtype=torch.bfloat16)
-    for i in range(0, K, 64):  # 64 one-hot tokens at a time: y[m, n] = W[n, i + m]
-        got[:, i:i + 64] = f8m.gemm_fp8_mma(eye[i:i + 64], q, out_dtype=torch.float32).t()
-    finite = torch.isfinite(ref)
-    assert finite.all() and torch.equal(got, ref)
+    for pairs in ("bytes", "split"):
+        got = read_back(lambda x, w, **kw: f8m.gemm_fp8_mma(
+            x, w, config=replace(f8m.default_config(w.shape[0], w.shape[1], x.shape[0]), fp8_pairs=pairs), **kw), q)
+        assert torch.isfinite(ref).all() and torch.equal(got, ref), pairs
 
 
 def test_fp8_mma_refuses_nan_codes_and_undecodable_scales():

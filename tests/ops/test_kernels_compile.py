@@ -4,7 +4,6 @@ plan) and the host-side helpers behave. Runs in CI (no GPU); ~30-60 s, dominated
 """
 
 import json
-import os
 
 import pytest
 import torch
@@ -14,20 +13,6 @@ from latency_specialized.kernels.compile_cache import cute_available
 from latency_specialized.ops.registry import make_context
 
 needs_cute = pytest.mark.skipif(cute_available() is not True, reason="nvidia-cutlass-dsl not installed")
-
-
-@pytest.fixture(scope="module")
-def sm90(tmp_path_factory):
-    """Compile for sm_90a with the disk tier off (fresh compiles keep their PTX)."""
-    old = {k: os.environ.get(k) for k in ("CUTE_DSL_ARCH", "LS_KERNEL_CACHE_DIR")}
-    os.environ["CUTE_DSL_ARCH"] = "sm_90a"
-    os.environ.pop("LS_KERNEL_CACHE_DIR", None)
-    yield
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 def _ptx(compiled) -> str:
