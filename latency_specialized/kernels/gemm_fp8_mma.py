@@ -28,9 +28,8 @@ import torch
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
 from latency_specialized.kernels.gemm_common import grid_cap
-from latency_specialized.kernels.gemm_small_m import (SMEM_LIMIT, TARGET_WARPS, Fp8Scales, MmaConfig, _pow2_at_most,
-                                                      compile_mma)
-from latency_specialized.kernels.triton_common import quantized_weight_refusal
+from latency_specialized.kernels.gemm_small_m import (SMEM_LIMIT, TARGET_WARPS, Fp8Scales, MmaConfig, compile_mma,
+                                                      pow2_at_most)
 from latency_specialized.quant.checkpoint_io import QuantizedWeight
 
 NAME = "gemm.fp8_w8a16_mma"
@@ -56,7 +55,7 @@ def default_config(n: int, k: int, m: int) -> MmaConfig:
     chunks = k // 64
     tiles = math.ceil(n / (16 * mt))
     need = max(1.0, TARGET_WARPS * (2 if mt == 1 else 1) / tiles)
-    wk = _pow2_at_most(min(need, max(1, chunks // 2)), min(8, SMEM_LIMIT // (4 * mt * nt * 32 * 4)))
+    wk = pow2_at_most(min(need, max(1, chunks // 2)), min(8, SMEM_LIMIT // (4 * mt * nt * 32 * 4)))
     return MmaConfig(nt=nt, mt=mt, wk=wk, sk=1, cb=max(1, min(4, math.ceil(chunks / wk))))
 
 

@@ -373,7 +373,7 @@ def compile_mma(k: int, cfg: MmaConfig, residual: bool, out_fp32: bool = False, 
     return compile_cache.cached_compile("gemm.cutedsl_mma", key, build)
 
 
-def _pow2_at_most(x: float, cap: int) -> int:
+def pow2_at_most(x: float, cap: int) -> int:
     p = 1
     while p * 2 <= min(x, cap):
         p *= 2
@@ -390,8 +390,8 @@ def default_config(n: int, k: int, m: int, *, sk_max: int = 1) -> MmaConfig:
     chunks = k // 32
     tiles = math.ceil(n / (16 * mt))
     need = max(1.0, TARGET_WARPS / tiles)
-    wk = _pow2_at_most(min(need, max(1, chunks // 2)), min(8, SMEM_LIMIT // (4 * mt * nt * 32 * 4)))
-    sk = _pow2_at_most(min(need / wk, max(1, chunks // (2 * wk))), sk_max) if sk_max > 1 else 1
+    wk = pow2_at_most(min(need, max(1, chunks // 2)), min(8, SMEM_LIMIT // (4 * mt * nt * 32 * 4)))
+    sk = pow2_at_most(min(need / wk, max(1, chunks // (2 * wk))), sk_max) if sk_max > 1 else 1
     per = math.ceil(chunks / (wk * sk))
     cb = min(4 if mt == 1 else 2, per)
     return MmaConfig(nt=nt, mt=mt, wk=wk, sk=sk, cb=max(1, cb))
