@@ -5,8 +5,8 @@ Method as ``ops_bench_moe_kda.time_graph``: one CUDA graph calls the gemm over `
 per call, each variant captured twice. Per shape and M, in one process on the same inputs:
 
 * ``mma[cfg]``: ours, the CuTe DSL mma.sync kernel (``kernels/gemm_fp8_mma.py``), its heuristic and ``MMA_SWEEP``;
-* ``w8a16[cfg]`` / ``w8a8[cfg]``: ours in Triton (``kernels/gemm_fp8_triton.py``) per launch config (the heuristic default
-  and a sweep of tile width, split-K and stages), each checked against the dequantising reference first
+* ``w8a16[cfg]`` / ``w8a8[cfg]``: ours in Triton (``kernels/gemm_fp8_triton.py``) per launch config (the heuristic
+  default and a sweep of tile width, split-K and stages), each checked against the dequantising reference first
   (``rel_err``; W8A8 within e4m3's error);
 * ``peer-humming``: vLLM 0.33's humming block-FP8 linear (W8A16; ``bench/peers/humming_fp8.py``), 128 x 128 only;
 * ``stock``: the stand-in for vLLM's CUTLASS block-FP8 W8A8 path (``bench/stock/fp8_block.py``), 128 x 128 only;

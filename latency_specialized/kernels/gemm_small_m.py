@@ -144,8 +144,8 @@ def _kernel_class():
                 self.tile_body(x, w, res, y, scl, n, m, buf, bx, False)
 
         @cute.jit
-        def tile_body(self, x: cute.Tensor, w: cute.Tensor, res: cute.Tensor, y: cute.Tensor, scl: cute.Tensor, n: Int32,
-                      m: Int32, buf, tile: Int32, again: cutlass.Boolean):
+        def tile_body(self, x: cute.Tensor, w: cute.Tensor, res: cute.Tensor, y: cute.Tensor, scl: cute.Tensor,
+                      n: Int32, m: Int32, buf, tile: Int32, again: cutlass.Boolean):
             cfg = self.cfg
             K: cutlass.Constexpr = self.k
             MT: cutlass.Constexpr = cfg.mt
