@@ -6,7 +6,8 @@
   are deselected, not skipped - the driver runs the cases in a child process (``tests/interpret.py``).
 * Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``): each worker uses one torch thread
   (``OMP_NUM_THREADS=1`` for its children too), so two workers do not oversubscribe two cores; tests that
-  share a module-scoped fixture stay on one worker (``xdist_group`` = their file), the matrix's TP>1 cells
+  share a module-scoped fixture stay on one worker (``xdist_group`` = their file; so do the multi-process GPU
+  worlds of ``tests/comm``), the matrix's TP>1 cells
   share one gloo pool per TP (group ``gloo-tpN``), and the interpreter drivers (long child runs) are
   scheduled first.
 """
@@ -72,6 +73,8 @@ def _xdist_layout(config, items) -> None:
         group = None
         if cell is not None and getattr(cell, "tp", 1) > 1:
             group = f"gloo-tp{cell.tp}"
+        elif item.nodeid.startswith("tests/comm/") and item.get_closest_marker("gpu") is not None:
+            group = item.nodeid.split("::")[0]  # one multi-process GPU world at a time per file
         else:
             info = getattr(item, "_fixtureinfo", None)
             defs = info.name2fixturedefs.values() if info is not None else ()

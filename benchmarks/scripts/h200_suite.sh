@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The whole `pytest -m gpu` suite on one H200, as pytest-xdist runs whose workers share the GPU: the
 # cross-model matrix file with its cells spread over MATRIX_WORKERS (--dist load: it is the longest file by
-# far), every other file whole per worker (--dist loadfile) over WORKERS. Together they are every test
-# `pytest -m gpu` collects. Logs + junit files under $OUT, counts at the end.
+# far), every other test over WORKERS with --dist loadgroup (REST_DIST): tests spread one by one except those
+# tests/conftest.py groups (a module-scoped fixture's file, tests/comm's multi-process worlds) - session 33's
+# `--dist loadfile` run hit 470 s behind one file (DeepSeek-V4.1's quantized generate tests: 342 s of the 1,310 s
+# of test time in session 32's junit). Together they are every test `pytest -m gpu` collects. Logs + junit files
+# under $OUT, counts at the end.
 #   on the device, after `bash .device/cute-a/stash.sh` on the same machine (carry .device/cute-b and .whl:
 #   the .whl folder must hold pytest-xdist and execnet):
 #   source scripts/device_env.sh && bash benchmarks/scripts/h200_suite.sh
@@ -30,7 +33,7 @@ if [ "$PART" != rest ]; then
   m=$!
 fi
 if [ "$PART" != matrix ]; then
-  timeout "${SUITE_S:-560}" python3 -m pytest -m gpu --ignore="$MATRIX" -n "${WORKERS:-8}" --dist loadfile -q -rfE \
+  timeout "${SUITE_S:-560}" python3 -m pytest -m gpu --ignore="$MATRIX" -n "${WORKERS:-8}" --dist "${REST_DIST:-loadgroup}" -q -rfE \
     -p no:cacheprovider --junitxml="$OUT/junit.xml" > "$OUT/gpu_suite.log" 2>&1 &
   o=$!
 fi
