@@ -8,7 +8,8 @@ per call, each variant captured twice. Per shape and M, in one process on the sa
 * ``w8a16[cfg]`` / ``w8a8[cfg]``: ours in Triton (``kernels/gemm_fp8_triton.py``) per launch config (the heuristic
   default and a sweep of tile width, split-K and stages), each checked against the dequantising reference first
   (``rel_err``; W8A8 within e4m3's error);
-* ``peer-humming``: vLLM 0.33's humming block-FP8 linear (W8A16; ``bench/peers/humming_fp8.py``), 128 x 128 only;
+* ``peer-humming``: vLLM 0.33's humming block-FP8 linear (W8A16; ``bench/peers/humming_fp8.py``): 128 x 128 blocks,
+  and DeepSeek-V4.1's 32 x 32 as MXFP8 (what vLLM serves them as; stock runs Marlin's MXFP8 W8A16 there);
 * ``stock``: the stand-in for vLLM's CUTLASS block-FP8 W8A8 path (``bench/stock/fp8_block.py``), 128 x 128 only;
 * ``bf16-cublas``: cuBLAS over the dequantised bf16 weight (what the loaders ran until now: 2x the bytes).
 
@@ -47,6 +48,9 @@ NORM_BENCH_MAX_M = 16
 SWEEP = dict(block_n=(64, 128), split_k=(1, 2, 4, 8), num_stages=(3, 4))
 """Launch configs timed beside the heuristic default (``--quick``: the default only)."""
 L2_BYTES = 50 * 2 ** 20
+STOCK_MXFP8 = ("stock: Marlin MXFP8 W8A16 (vLLM _C, not loadable here); humming's MXFP8 W8A16 is the peer column")
+"""DeepSeek-V4.1-Flash's 32 x 32 blocks: vLLM 0.33 serves them as MXFP8 and on an H200 runs Marlin's W8A16 kernel
+(``bench/peers/humming_fp8.py``, ``MX_BLOCK``) - no stand-in of it here; the peer column is humming's MXFP8."""
 MMA_SWEEP = ((4, 1, 4), (8, 1, 4), (4, 2, 4), (2, 4, 4), (4, 1, 8), (8, 1, 2), (2, 2, 8))
 """(warps along K, cluster CTAs along K, chunks per batch) of ``gemm.fp8_w8a16_mma`` timed beside its heuristic (its
 m-tiles / n-tiles follow M as the heuristic's do) and the heuristic with the "split" pairing (``MmaConfig.fp8_pairs``);
@@ -90,8 +94,8 @@ def bench_fp8_gemms(shapes: list[str], batches: list[int], *, quick: bool = Fals
         ws = [probe] + _weights(N, K, fmt, copies - 1, g)
         wbytes = probe.nbytes
         bf16 = [w.dequantize(torch.bfloat16) for w in ws]
-        peer, peer_why = _peer(ws) if fmt == "fp8-block-128" else (None, "humming peer: 128x128 blocks only")
-        stock, stock_why = _stock(ws) if fmt == "fp8-block-128" else (None, "stock stand-in: 128x128 blocks only")
+        peer, peer_why = _peer(ws)
+        stock, stock_why = _stock(ws) if fmt == "fp8-block-128" else (None, STOCK_MXFP8)
         for M in batches:
             xs = [torch.randn(M, K, generator=g, device="cuda").bfloat16() for _ in ws]
             outs = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in ws]

@@ -20,3 +20,28 @@ def test_table_has_the_norm_prologue_section_for_gemms_behind_a_norm():
     main = next(line for line in md.splitlines() if line.startswith(f"| {case} | ") and "6.00" in line)
     assert "5.50 (5.50)" in main and "humming unavailable" in main
     assert "| " + case + " | 6.40 | 8.00 |" in md
+
+
+def test_humming_peer_scale_layouts():
+    """The humming peer's scales (no humming needed): GLM-5.3's 128 x 128 fp32 blocks as humming blocks; DeepSeek-V4.1's
+    32 x 32 ue8m0 blocks repeated over their rows into MXFP8's one scale per 32 values of a row (as vLLM loads them);
+    anything else refused with what it takes."""
+    import pytest
+    import torch
+
+    from latency_specialized.bench.peers.humming_fp8 import _scale_config
+    from latency_specialized.errors import UserError
+
+    cfg, s = _scale_config(300, 256, torch.ones(3, 2))
+    assert cfg["weight_scale_type"] == "block" and cfg["weight_scale_group_size_n"] == 128 and s.shape == (3, 2)
+    blocks = torch.tensor([[120, 121], [122, 123]], dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    cfg, s = _scale_config(40, 64, blocks)
+    assert cfg == {"weight_scale_type": "group", "group_size": 32, "scale_dtype": "float8e8m0"}
+    rows = s.view(torch.uint8)
+    assert s.dtype == torch.float8_e8m0fnu and rows.shape == (40, 2)
+    assert rows[:32].eq(torch.tensor([120, 121], dtype=torch.uint8)).all() and rows[32:].eq(
+        torch.tensor([122, 123], dtype=torch.uint8)).all()
+    with pytest.raises(UserError, match="32 x 32"):
+        _scale_config(40, 64, blocks[:1])
+    with pytest.raises(UserError, match="fp32"):
+        _scale_config(40, 64, torch.ones(2, 2, dtype=torch.float16))

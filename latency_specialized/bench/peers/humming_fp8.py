@@ -1,4 +1,5 @@
-"""Peer: vLLM 0.33's humming path for a block-FP8 (128 x 128) linear layer on Hopper, bf16 activations (W8A16).
+"""Peer: vLLM 0.33's humming path for a block-FP8 linear layer on Hopper, bf16 activations (W8A16): 128 x 128 fp32
+blocks (GLM-5.3) and DeepSeek-V4.1-Flash's 32 x 32 ue8m0 blocks as MXFP8 (``MX_BLOCK``).
 
 What it stands for (read in the vllm-0.33.0 wheel; ``NOTES.md`` beside this file)
 --------------------------------------------------------------------------------
@@ -35,9 +36,33 @@ from latency_specialized.bench.peers.humming_mxfp4 import import_humming, hummin
 from latency_specialized.errors import UserError
 
 BLOCK = (128, 128)
+MX_BLOCK = (32, 32)
+"""DeepSeek-V4.1-Flash's dense blocks: vLLM 0.33 serves them as MXFP8 (one ue8m0 per 32 values of a row,
+``ModelOptLinearMethod(kMxfp8Static, kMxfp8Dynamic)``); on an H200 the first of ``_POSSIBLE_MXFP8_KERNELS[CUDA]`` that
+runs is ``MarlinMxfp8LinearKernel`` (W8A16, vLLM's ``_C``: not loadable here); humming's MXFP8 with bf16 activations
+(the same W8A16 numerics) is the peer this bench can run."""
 PAD_N_TO_MULTIPLE = 256
 PAD_K_TO_MULTIPLE = 128
 FEATURE = "vLLM 0.33's HummingFP8ScaledMMLinearKernel (block FP8 linear, bf16 activations) on SM90"
+
+
+def _scale_config(N: int, K: int, scale: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
+    """humming's weight-scale config and scale tensor for the checkpoint's block scales (see ``prepare``)."""
+    if scale.dtype == torch.float32:
+        want = (-(-N // BLOCK[0]), -(-K // BLOCK[1]))
+        if tuple(scale.shape) != want:
+            raise UserError(f"humming fp8 peer: 128 x 128 scales must be fp32 {list(want)}, got {tuple(scale.shape)}")
+        return ({"weight_scale_type": "block", "weight_scale_group_size_n": BLOCK[0],
+                 "weight_scale_group_size": BLOCK[1]}, scale.contiguous())
+    if scale.dtype in (torch.uint8, torch.float8_e8m0fnu):
+        rows, cols = MX_BLOCK
+        want = (-(-N // rows), K // cols)
+        if K % cols or tuple(scale.shape) != want:
+            raise UserError(f"humming fp8 peer: 32 x 32 ue8m0 scales must be {list(want)} with K % 32 == 0, got "
+                            f"{tuple(scale.shape)} (K={K})")
+        per_row = scale.view(torch.uint8).repeat_interleave(rows, 0)[:N].contiguous().view(torch.float8_e8m0fnu)
+        return {"weight_scale_type": "group", "group_size": cols, "scale_dtype": "float8e8m0"}, per_row
+    raise UserError(f"humming fp8 peer: scales must be fp32 (128 x 128) or ue8m0 (32 x 32), got {scale.dtype}")
 
 
 class HummingFp8BlockLinear:
@@ -47,7 +72,9 @@ class HummingFp8BlockLinear:
         self._prepared = False
 
     def prepare(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> "HummingFp8BlockLinear":
-        """weight [N, K] float8_e4m3fn (CUDA); weight_scale_inv [ceil(N/128), ceil(K/128)] fp32."""
+        """weight [N, K] float8_e4m3fn (CUDA); weight_scale_inv [ceil(N/128), ceil(K/128)] fp32 (128 x 128 blocks),
+        or ue8m0 (uint8 / float8_e8m0fnu) [ceil(N/32), K/32] (DeepSeek-V4.1's 32 x 32 blocks: repeated over each
+        block's rows into MXFP8's one scale per 32 values of a row, as vLLM does at load)."""
         import_humming()
         if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or not weight.is_cuda:
             raise UserError(f"humming fp8 peer: weight must be a CUDA [N, K] float8_e4m3fn, got {weight.dtype} "
@@ -55,10 +82,7 @@ class HummingFp8BlockLinear:
         N, K = weight.shape
         if K % 4:
             raise UserError(f"humming fp8 peer: K={K} must be a multiple of 4 (the int32 view of the codes)")
-        want = (-(-N // BLOCK[0]), -(-K // BLOCK[1]))
-        if tuple(weight_scale_inv.shape) != want or weight_scale_inv.dtype != torch.float32:
-            raise UserError(f"humming fp8 peer: weight_scale_inv must be fp32 {list(want)}, got "
-                            f"{weight_scale_inv.dtype} {tuple(weight_scale_inv.shape)}")
+        config, scale = _scale_config(N, K, weight_scale_inv)
         from humming import dtypes
         from humming.forward import humming_forward
         from humming.schema import BaseWeightSchema, HummingInputSchema
@@ -67,12 +91,9 @@ class HummingFp8BlockLinear:
         dev = weight.device
         bf16 = torch.bfloat16
         with torch.cuda.device(dev):
-            schema = BaseWeightSchema.from_config({
-                "quant_method": "humming", "dtype": "float8e4m3",
-                "scale_dtype": dtypes.DataType.from_torch_dtype(torch.float32), "weight_scale_type": "block",
-                "weight_scale_group_size_n": BLOCK[0], "weight_scale_group_size": BLOCK[1]})
-            src = {"weight": weight.contiguous().view(N, -1).view(torch.int32),
-                   "weight_scale": weight_scale_inv.contiguous()}
+            config.setdefault("scale_dtype", dtypes.DataType.from_torch_dtype(scale.dtype))  # as vLLM's configs
+            schema = BaseWeightSchema.from_config({"quant_method": "humming", "dtype": "float8e4m3", **config})
+            src = {"weight": weight.contiguous().view(N, -1).view(torch.int32), "weight_scale": scale}
             hw_schema, conv = schema.convert_humming(tensors=src, shape_n_stacks=[N], shape_k_stacks=[K],
                                                      param_dtype=bf16)
             hi_schema, in_tensors = HummingInputSchema().convert_humming(tensors=src, shape_n_stacks=[N],
