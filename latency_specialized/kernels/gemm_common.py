@@ -300,6 +300,29 @@ def ptx() -> SimpleNamespace:
             " mul.lo.u32 s2, $2, 256;\n and.b32 s2, s2, 0x80008000;\n or.b32 o2, s2, t2;\n"
             " mul.rn.bf16x2 $0, o2, $3;\n mul.rn.bf16x2 $1, o1, $3;\n}", word, mult)
 
+    def e2m1x8_to_bf16x2(word, mult) -> list:
+        """Eight e2m1 codes (one 32-bit word, value n in bits 4n .. 4n + 3: MXFP4's low nibble first) -> four bf16x2
+        words pairing values (0, 4), (1, 5), (2, 6), (3, 7) (the lower value in the low half), times ``mult``.
+
+        A code ``s e1 e0 m`` placed as the bf16 half ``s << 15 | (e1 e0 m) << 6`` is its value x 2^-126, normals and
+        the subnormal 0.5 alike; codes 16 bits apart share every shift, so each pair is two masks, one or two shifts
+        (left shifts as multiplies: ptxas may issue them on the FMA pipe) and an or. ``mult`` = 2^126 x the block
+        scale restores the value exactly."""
+        st = llvm.inline_asm(
+            struct(4, i32t()), [_v(word, Int32), _v(mult, Int32)],
+            "{\n .reg .b32 a, b, c, d, t;\n"
+            " and.b32 a, $4, 0x80008000;\n and.b32 t, $4, 0x70007000;\n shr.b32 t, t, 6;\n or.b32 a, a, t;\n"
+            " mul.lo.u32 b, $4, 16;\n and.b32 b, b, 0x80008000;\n and.b32 t, $4, 0x07000700;\n shr.b32 t, t, 2;\n"
+            " or.b32 b, b, t;\n"
+            " mul.lo.u32 c, $4, 256;\n and.b32 c, c, 0x80008000;\n and.b32 t, $4, 0x00700070;\n"
+            " mul.lo.u32 t, t, 4;\n or.b32 c, c, t;\n"
+            " mul.lo.u32 d, $4, 4096;\n and.b32 d, d, 0x80008000;\n and.b32 t, $4, 0x00070007;\n"
+            " mul.lo.u32 t, t, 64;\n or.b32 d, d, t;\n"
+            " mul.rn.bf16x2 $0, d, $5;\n mul.rn.bf16x2 $1, c, $5;\n mul.rn.bf16x2 $2, b, $5;\n"
+            " mul.rn.bf16x2 $3, a, $5;\n}",
+            "=r,=r,=r,=r,r,r", has_side_effects=False, asm_dialect=0)
+        return [Int32(llvm.extractvalue(i32t(), st, [i])) for i in range(4)]
+
     def pair_even_odd(w0, w1) -> list:
         """Two packed bf16x2 words (values 0, 1 | 2, 3) -> (0, 2 | 1, 3): the activations' side of
         :func:`e4m3x4_to_bf16x2_split`'s pairing (two byte permutes)."""

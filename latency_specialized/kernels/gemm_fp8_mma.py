@@ -27,9 +27,9 @@ import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
-from latency_specialized.kernels.gemm_common import grid_cap
-from latency_specialized.kernels.gemm_small_m import (SMEM_LIMIT, TARGET_WARPS, Fp8Scales, MmaConfig, compile_mma,
-                                                      pow2_at_most)
+from latency_specialized.kernels.gemm_small_m import (SMEM_LIMIT, TARGET_WARPS, MmaConfig, pow2_at_most,
+                                                      run_quantized_mma)
+from latency_specialized.kernels.mma_quant_weights import QuantCoding
 from latency_specialized.quant.checkpoint_io import QuantizedWeight
 
 NAME = "gemm.fp8_w8a16_mma"
@@ -73,7 +73,7 @@ TP4 o_proj M = 1 / 4 / 16 (9.36 / 9.48 / 10.86 against 13.24 / 13.48 / 15.57) an
 cluster, 4 chunks: 28.66 / 15.99 against 34.58 / 20.06)."""
 
 
-def fp8_parts(w: QuantizedWeight, what: str) -> tuple[torch.Tensor, torch.Tensor, Fp8Scales]:
+def fp8_parts(w: QuantizedWeight, what: str) -> tuple[torch.Tensor, torch.Tensor, QuantCoding]:
     """(codes [N, K] uint8, scales [N / rows, K / cols] fp32 or uint8, scale layout) of a block-FP8 weight; its
     codes and ue8m0 scales are checked once per weight (eagerly: call once before a graph capture)."""
     from latency_specialized.quant.codecs import as_bytes
@@ -99,19 +99,7 @@ def fp8_parts(w: QuantizedWeight, what: str) -> tuple[torch.Tensor, torch.Tensor
                                 f"{MIN_UE8M0}..{MAX_UE8M0} exactly: use gemm.fp8_w8a16_triton (10..246) or "
                                 "gemm.reference")
         _checked.add(key)
-    return q, s.contiguous(), Fp8Scales(ue8m0=ue8m0, block=tuple(w.fmt.block))
-
-
-def _check(x: torch.Tensor, q: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor | None,
-           out_dtype: torch.dtype | None) -> tuple[int, int, int]:
-    """The bf16 kernels' argument checks (``gemm_common.check_gemm_args``) over the codes' [N, K] shape; (M, N, K)."""
-    from latency_specialized.kernels.gemm_common import check_gemm_args
-
-    if q.dim() != 2 or not q.is_contiguous() or q.data_ptr() % 16 or q.shape[1] % 64:
-        raise UserError(f"{NAME}: the codes must be a contiguous, 16-byte aligned [N, K] with K % 64 == 0 (got "
-                        f"{tuple(q.shape)}): use gemm.fp8_w8a16_triton")
-    return check_gemm_args(x, torch.empty(q.shape, dtype=torch.bfloat16, device="meta"), residual, out, kmult=64,
-                           out_dtype=out_dtype)
+    return q, s.contiguous(), QuantCoding(ue8m0=ue8m0, block=tuple(w.fmt.block))
 
 
 def gemm_fp8_mma(x: torch.Tensor, weight: QuantizedWeight, *, residual: torch.Tensor | None = None,
@@ -127,22 +115,11 @@ def gemm_fp8_mma(x: torch.Tensor, weight: QuantizedWeight, *, residual: torch.Te
     out : optional [M, N] destination (unit column stride; bf16, or fp32 with ``out_dtype=torch.float32``).
     config : kernel choices; default: :func:`default_config`.
     """
-    from latency_specialized.kernels.gemm_common import check_gemm_args, fp32_output
-
-    q, s, scales = fp8_parts(weight, NAME)
-    fp32 = fp32_output(NAME, x, out_dtype, residual)
-    m, n, k = _check(x, q, residual, out, out_dtype)
-    if m > MAX_M:
-        raise UserError(f"{NAME} serves M<={MAX_M} (got M={m}): use gemm.reference")
-    config = config or default_config(n, k, m)
-    if m > 8 * config.nt or config.smem_bytes() > SMEM_LIMIT or config.sk > MAX_CLUSTER:
-        raise UserError(f"{NAME}: config {config.label()} cannot serve M={m} (serves M<={8 * config.nt}, needs "
-                        f"{config.smem_bytes()} B of shared memory, cluster {config.sk} <= {MAX_CLUSTER})")
-    if out is None:
-        out = torch.empty(m, n, dtype=torch.float32 if fp32 else x.dtype, device=x.device)
-    fn = compile_mma(k, config, residual is not None, out_fp32=fp32, fp8=scales)
-    fn(x, q, residual if residual is not None else out, out, s, grid_cap(x.device, config.ctas_per_sm))
-    return out
+    q, s, coding = fp8_parts(weight, NAME)
+    if x.dim() != 2 or x.shape[-1] % 64:
+        raise UserError(f"{NAME}: x must be [M, K] with K % 64 == 0 (got {tuple(x.shape)}): use gemm.fp8_w8a16_triton")
+    config = config or default_config(q.shape[0], x.shape[-1], x.shape[0])
+    return run_quantized_mma(NAME, x, q, s, coding, residual, out, out_dtype, config, MAX_M, MAX_CLUSTER)
 
 
 def _supports(ctx: OpContext) -> Support:

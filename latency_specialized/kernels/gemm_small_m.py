@@ -29,6 +29,7 @@ from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.kernels import compile_cache
 from latency_specialized.kernels.gemm_common import (check_gemm_args, fp32_output, grid_cap, max_regs, mma_supports,
                                                      refuse_fp32_residual)
+from latency_specialized.kernels.mma_quant_weights import QuantCoding
 
 NAME = "gemm.cutedsl_small_m"
 MAX_M = 16
@@ -74,19 +75,6 @@ class MmaConfig:
 SMEM_LIMIT = 48 * 1024  # stay under the default dynamic shared-memory limit (no opt-in attribute)
 
 
-@dataclass(frozen=True)
-class Fp8Scales:
-    """How e4m3 weight codes are scaled (the FP8 variant of the kernel, ``gemm_fp8_mma.py``; part of the compile key).
-
-    ``ue8m0``: one exponent byte per block (2^(e - 127)), folded into the decode's multiplier; else one fp32
-    multiplier per block, applied to each 64-wide chunk's partial sums. ``block``: (rows, cols) of a block; rows
-    1 or a multiple of 16, cols a multiple of 64 (fp32) or 16 (ue8m0), so that one lane's 16 values of a row
-    share one scale."""
-
-    ue8m0: bool
-    block: tuple[int, int]
-
-
 @functools.cache
 def _kernel_class():
     import cutlass
@@ -94,15 +82,16 @@ def _kernel_class():
     from cutlass import Float32, Int32, Int64
 
     from latency_specialized.kernels.gemm_common import ptx
+    from latency_specialized.kernels.mma_quant_weights import activation_pairs, chunk_mma, chunk_scales
 
     P = ptx()
 
     class MmaGemmKernel:
-        def __init__(self, k: int, cfg: MmaConfig, residual: bool, fp8: "Fp8Scales | None" = None):
+        def __init__(self, k: int, cfg: MmaConfig, residual: bool, coding: QuantCoding | None = None):
             self.k, self.cfg, self.residual = k, cfg, residual
-            self.fp8 = fp8                                    # None: bf16 weights; else e4m3 codes + scales
-            self.kc = 64 if fp8 is not None else 32           # K per chunk: one 16-byte load per row and lane
-            self.split_pairs = fp8 is not None and cfg.fp8_pairs == "split"
+            self.coding = coding                              # None: bf16 weights; else codes + block scales
+            self.kc = coding.chunk if coding is not None else 32  # K per chunk: one 16-byte load per row and lane
+            self.split_pairs = coding is not None and cfg.fp8_pairs == "split"
             self.chunks = k // self.kc
             self.parts = cfg.wk * cfg.sk
             self.per_part = -(-self.chunks // self.parts)    # chunks each warp walks
@@ -163,11 +152,11 @@ def _kernel_class():
             row_base = tile * (16 * MT)
 
             # Row addresses (clamped: rows past N re-read row N-1 and are never stored). A chunk is 64 bytes of
-            # every weight row (32 bf16 or 64 e4m3 values of K) and 2 x KC bytes of every token row.
-            FP8: cutlass.Constexpr = self.fp8 is not None
+            # every weight row (32 bf16, 64 e4m3 or 128 e2m1 values of K) and 2 x KC bytes of every token row.
+            QW: cutlass.Constexpr = self.coding is not None
             KC: cutlass.Constexpr = self.kc
             XL: cutlass.Constexpr = KC // 32                 # 16-byte activation loads per token and chunk
-            ROW_BYTES: cutlass.Constexpr = K if FP8 else 2 * K
+            ROW_BYTES: cutlass.Constexpr = self.coding.row_bytes(K) if QW else 2 * K
             w_rows = []
             w_row_idx = []
             for mt in cutlass.range_constexpr(MT):
@@ -197,9 +186,9 @@ def _kernel_class():
                             wv[(j, r)] = P.ld_weight_if(w_rows[r] + off, ok)
                         else:
                             wv[(j, r)] = P.ld_weight(w_rows[r] + off)
-                    if cutlass.const_expr(FP8):
+                    if cutlass.const_expr(QW):
                         # the chunk's block scales (static data, like the weights: requested before the PDL wait)
-                        sv[j] = self.fp8_scales(scl, w_row_idx, cutlass.min(chunk, self.chunks - 1), t4)
+                        sv[j] = chunk_scales(self.coding, scl, w_row_idx, cutlass.min(chunk, self.chunks - 1), t4)
                 if cutlass.const_expr(j0 == 0 and cfg.pdl):
                     cute.arch.griddepcontrol_wait()
                     cute.arch.griddepcontrol_launch_dependents()
@@ -216,15 +205,12 @@ def _kernel_class():
                         for i in cutlass.range_constexpr(XL):
                             words += P.ld_act_if(x_rows[nt] + off + 16 * i, pred)
                         xv.append(words)
-                    xpairs = []
-                    if cutlass.const_expr(FP8 and self.split_pairs):
-                        xpairs = [[P.pair_even_odd(xv[nt][2 * i], xv[nt][2 * i + 1]) for i in range(4)]
-                                  for nt in range(NT)]
+                    xb = activation_pairs(P, self.coding, xv, self.split_pairs) if QW else []
                     for mt in cutlass.range_constexpr(MT):
                         lo = wv[(j, 2 * mt)]
                         hi = wv[(j, 2 * mt + 1)]
-                        if cutlass.const_expr(FP8):
-                            self.fp8_chunk(acc, lo, hi, xv, xpairs, sv[j], mt)
+                        if cutlass.const_expr(QW):
+                            chunk_mma(P, self.coding, acc, lo, hi, xb, sv[j], mt, NT, self.split_pairs)
                         else:
                             for nt in cutlass.range_constexpr(NT):
                                 base = (mt * NT + nt) * 4
@@ -266,56 +252,6 @@ def _kernel_class():
                 if cutlass.const_expr(SK > 1):
                     P.cluster_sync()  # peers keep their shared memory until every read is done
 
-        def fp8_scales(self, scl: cute.Tensor, rows: list, chunk, t4) -> list:
-            """Per m-tile and row half (g, g + 8) of this lane: the fp32 block scale of the chunk (applied to the
-            chunk's partial sums), or the bf16x2 multiplier 2^(e - 7) built from the ue8m0 byte of this lane's 16
-            values (applied in the decode: 2^-127 x 2^120 - the decode's bias - times 2^e, exact)."""
-            rb, kb = self.fp8.block
-            out = []
-            for r in range(len(rows)):
-                if r % 2 and rb % 16 == 0:          # rows g and g + 8 of a 16-row tile share the scale row
-                    out.append(out[-1])
-                    continue
-                if self.fp8.ue8m0:
-                    e = scl[rows[r] // rb, (chunk * 64 + t4 * 16) // kb].to(Int32)
-                    v = (e + 120) << 7
-                    out.append(v | (v << 16))
-                else:
-                    out.append(scl[rows[r] // rb, chunk * 64 // kb])
-            return out
-
-        def fp8_chunk(self, acc: list, lo: list, hi: list, xv: list, xpairs: list, sc: list, mt: int) -> None:
-            """One 64-wide chunk of an m-tile: lane (g, t) holds K = 16t .. 16t + 15 of rows g (``lo``) and g + 8
-            (``hi``) as 4 words of 4 e4m3 each; word i, decoded to two bf16x2 (K 4i, 4i+1 | 4i+2, 4i+3), feeds mma
-            i with the same K of the activations (words 2i, 2i + 1 of the lane's 16 bf16): the K permutation of
-            the bf16 kernel at twice the values per load. fp32 scales: each chunk's sums start at zero and are
-            scaled per row into the accumulators; ue8m0: the scale is in the decode's multiplier. ``split_pairs``:
-            the weights decode to pairs (4i, 4i + 2 | 4i + 1, 4i + 3) and ``xpairs`` holds the activations in that
-            order - the same dot products, fewer integer instructions where weights outnumber activations."""
-            NT = self.cfg.nt
-            ue = self.fp8.ue8m0
-            bias = Int32(0x7B807B80)             # bf16x2 of 2^120: the decode leaves values 2^-120 too small
-            m_lo = sc[2 * mt] if ue else bias
-            m_hi = sc[2 * mt + 1] if ue else bias
-            if self.split_pairs:
-                # weights paired (0, 2 | 1, 3) without byte permutes; the activations permuted to match
-                dl = [P.e4m3x4_to_bf16x2_split(lo[i], m_lo) for i in range(4)]
-                dh = [P.e4m3x4_to_bf16x2_split(hi[i], m_hi) for i in range(4)]
-            else:
-                dl = [P.e4m3x4_to_bf16x2(lo[i], m_lo) for i in range(4)]
-                dh = [P.e4m3x4_to_bf16x2(hi[i], m_hi) for i in range(4)]
-            for nt in range(NT):
-                base = (mt * NT + nt) * 4
-                c = acc[base:base + 4] if ue else [Float32(0.0)] * 4
-                for i in range(4):
-                    xb = xv[nt][2 * i:2 * i + 2]
-                    if self.split_pairs:
-                        xb = xpairs[nt][i]
-                    c = P.mma_bf16_16816([dl[i][0], dh[i][0], dl[i][1], dh[i][1]], xb, c)
-                for q in range(4):
-                    # accumulator q: q // 2 picks row g or g + 8
-                    acc[base + q] = c[q] if ue else acc[base + q] + c[q] * (sc[2 * mt + q // 2])
-
         @cute.jit
         def store(self, y: cute.Tensor, res: cute.Tensor, n: Int32, m: Int32, row_base: Int32, g: Int32,
                   t4: Int32, f: Int32, v: Float32):
@@ -334,16 +270,16 @@ def _kernel_class():
     return MmaGemmKernel
 
 
-def compile_mma(k: int, cfg: MmaConfig, residual: bool, out_fp32: bool = False, fp8: Fp8Scales | None = None):
-    """Compiled kernel for (K, config, residual, output dtype, weight format); M and N are dynamic. ``out_fp32``:
+def compile_mma(k: int, cfg: MmaConfig, residual: bool, out_fp32: bool = False, coding: QuantCoding | None = None):
+    """Compiled kernel for (K, config, residual, output dtype, weight coding); M and N are dynamic. ``out_fp32``:
     the fp32 sums are stored unrounded (router logits); the unused residual operand then has the output's type,
-    so the output buffer stands in for it. ``fp8``: the weight is e4m3 codes [N, K] (uint8) with block scales
-    (the ``s`` operand, [ceil(N / rows), ceil(K / cols)] fp32 or uint8); bf16 weights take x as an unused ``s``."""
+    so the output buffer stands in for it. ``coding``: the weight is codes [N, coding.row_bytes(K)] (uint8) with
+    block scales (the ``s`` operand, [ceil(N / rows), ceil(K / cols)] fp32 or uint8); bf16 weights take x as an
+    unused ``s``."""
     refuse_fp32_residual(out_fp32, residual)
-    if fp8 is not None and (k % 64 or not (fp8.block[0] == 1 or fp8.block[0] % 16 == 0)
-                            or fp8.block[1] % (16 if fp8.ue8m0 else 64)):
-        raise ValueError(f"FP8 mma kernel: K % 64 == 0 and blocks of 1 or 16n rows x {16 if fp8.ue8m0 else 64}n "
-                         f"columns (got K={k}, block {fp8.block}): not compiled")
+    why = coding.refusal(k) if coding is not None else None
+    if why:
+        raise ValueError(f"quantized mma kernel: {why}: not compiled")
 
     def build(arch: str):
         import cutlass
@@ -354,22 +290,22 @@ def compile_mma(k: int, cfg: MmaConfig, residual: bool, out_fp32: bool = False, 
         m, n = cute.sym_int(), cute.sym_int()
         bf = cutlass.BFloat16
         yt = cutlass.Float32 if out_fp32 else bf
-        if fp8 is None:
+        if coding is None:
             w, scales = fake_rows(bf, n, k), fake_rows(bf, m, k)
         else:
-            w = fake_rows(cutlass.Uint8, n, k)
-            scales = fake_rows(cutlass.Uint8 if fp8.ue8m0 else cutlass.Float32, cute.sym_int(), cute.sym_int(),
-                               align=1 if fp8.ue8m0 else 4)
+            w = fake_rows(cutlass.Uint8, n, coding.row_bytes(k))
+            scales = fake_rows(cutlass.Uint8 if coding.ue8m0 else cutlass.Float32, cute.sym_int(), cute.sym_int(),
+                               align=1 if coding.ue8m0 else 4)
         args = (fake_rows(bf, m, k), w, fake_strided_rows(yt, m, n), fake_strided_rows(yt, m, n), scales, 1,
                 fake_stream())
-        return cute.compile(_kernel_class()(k, cfg, residual, fp8), *args,
+        return cute.compile(_kernel_class()(k, cfg, residual, coding), *args,
                             options=compile_options(arch, max_regs(32 * cfg.wk, cfg.ctas_per_sm)))
 
     # "strided_out": residual/out take a dynamic row stride (artifacts cached before that differ); "s": the scale
     # operand (a dummy for bf16 weights)
     key = (k, residual, "strided_out", "s") + (("out_fp32",) if out_fp32 else ()) + tuple(sorted(asdict(cfg).items()))
-    if fp8 is not None:
-        key += (("fp8", fp8.ue8m0, fp8.block),)
+    if coding is not None:
+        key += (("coding", coding.element, coding.ue8m0, coding.block),)
     return compile_cache.cached_compile("gemm.cutedsl_mma", key, build)
 
 
@@ -412,6 +348,33 @@ def run_mma(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
         out = torch.empty(m, n, dtype=torch.float32 if fp32 else x.dtype, device=x.device)
     fn = compile_mma(k, config, residual is not None, out_fp32=fp32)
     fn(x, weight, residual if residual is not None else out, out, x, grid_cap(x.device, config.ctas_per_sm))
+    return out
+
+
+def run_quantized_mma(name: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, coding: QuantCoding,
+                      residual: torch.Tensor | None, out: torch.Tensor | None, out_dtype: torch.dtype | None,
+                      config: MmaConfig, max_m: int, max_cluster: int = 8) -> torch.Tensor:
+    """The quantized variants' call (``gemm_fp8_mma``, ``gemm_q4_mma``): the bf16 kernels' argument checks over the
+    logical [N, K] of ``codes`` ([N, coding.row_bytes(K)] uint8, contiguous, 16-byte aligned), the config's limits,
+    then the kernel. ``config``: already chosen for (N, K, M)."""
+    from latency_specialized.errors import UserError
+
+    fp32 = fp32_output(name, x, out_dtype, residual)
+    k = x.shape[-1]
+    if codes.dim() != 2 or not codes.is_contiguous() or codes.data_ptr() % 16 or codes.shape[1] != coding.row_bytes(k):
+        raise UserError(f"{name}: the codes must be a contiguous, 16-byte aligned [N, {coding.row_bytes(k)}] for "
+                        f"x {tuple(x.shape)} (got {tuple(codes.shape)})")
+    m, n, k = check_gemm_args(x, torch.empty(codes.shape[0], k, dtype=torch.bfloat16, device="meta"), residual, out,
+                              kmult=coding.chunk, out_dtype=out_dtype)
+    if m > max_m:
+        raise UserError(f"{name} serves M<={max_m} (got M={m}): use gemm.reference")
+    if m > 8 * config.nt or config.smem_bytes() > SMEM_LIMIT or config.sk > max_cluster:
+        raise UserError(f"{name}: config {config.label()} cannot serve M={m} (serves M<={8 * config.nt}, needs "
+                        f"{config.smem_bytes()} B of shared memory, cluster {config.sk} <= {max_cluster})")
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32 if fp32 else x.dtype, device=x.device)
+    fn = compile_mma(k, config, residual is not None, out_fp32=fp32, coding=coding)
+    fn(x, codes, residual if residual is not None else out, out, scales, grid_cap(x.device, config.ctas_per_sm))
     return out
 
 

@@ -27,3 +27,31 @@ def graph_replay(fn) -> torch.cuda.CUDAGraph:
     g.replay()
     torch.cuda.synchronize()
     return g
+
+
+def quantized_rows(name: str, N: int, K: int, fmt: str, device: str = "cuda"):
+    """A random [N, K] weight whose rows span two decades of magnitude, stored as ``fmt`` (QuantizedWeight)."""
+    from latency_specialized.quant.checkpoint_io import quantize_weight
+
+    g = seeded_generator(name, device)
+    w = torch.randn(N, K, generator=g, device=device) * K ** -0.5
+    return quantize_weight(f"{name}.weight", w * torch.logspace(-1, 1, N, device=device).unsqueeze(1), fmt)
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+def check_gemm_into_poisoned_slice(gemm, x: torch.Tensor, w, r: torch.Tensor, ref: torch.Tensor, tol: float,
+                                   **kw) -> torch.Tensor:
+    """``gemm(x, w, residual=r, out=<a NaN-poisoned column slice of a wider tensor>, **kw)``: written in place, fully,
+    nothing outside touched, within ``tol`` of ``ref``, and bit-identical when called again (deterministic)."""
+    M, N = r.shape
+    wide = torch.full((M, N + 16), float("nan"), device=r.device, dtype=torch.bfloat16)
+    out = wide[:, 8:8 + N]
+    y = gemm(x, w, residual=r, out=out, **kw)
+    assert y.data_ptr() == out.data_ptr() and torch.isfinite(y).all(), kw
+    assert wide[:, :8].isnan().all() and wide[:, 8 + N:].isnan().all(), kw
+    assert rel_err(y, ref) <= tol, (kw, rel_err(y, ref))
+    assert torch.equal(gemm(x, w, residual=r, **kw), y), kw
+    return y

@@ -23,7 +23,7 @@ from latency_specialized.kernels.triton_fp8 import quantize_activations_referenc
 from latency_specialized.ops.gemm import gemm_reference
 from latency_specialized.quant.checkpoint_io import QuantizedWeight, quantize_weight
 
-from gpu_helpers import graph_replay, seeded_generator
+from gpu_helpers import graph_replay, quantized_rows, seeded_generator
 
 pytestmark = pytest.mark.gpu
 
@@ -50,10 +50,7 @@ def _rel(y, ref):
 
 @pytest.fixture(scope="module", params=list(SHAPES))
 def shape(request):
-    N, K, fmt = SHAPES[request.param]
-    g = seeded_generator(request.param)
-    w = torch.randn(N, K, generator=g, device=DEV) * K ** -0.5 * torch.logspace(-1, 1, N, device=DEV).unsqueeze(1)
-    return request.param, quantize_weight(f"{request.param}.weight", w, fmt)
+    return request.param, quantized_rows(request.param, *SHAPES[request.param])
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))

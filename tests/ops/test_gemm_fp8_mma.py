@@ -14,17 +14,9 @@ from latency_specialized.kernels import gemm_fp8_mma as f8m
 from latency_specialized.kernels.compile_cache import cute_available
 from latency_specialized.quant.checkpoint_io import QuantizedWeight
 from latency_specialized.quant.formats import QuantFormat
+from mma_emulation import bf16 as _bf16, prmt as _prmt
 
 needs_cute = pytest.mark.skipif(cute_available() is not True, reason="nvidia-cutlass-dsl not installed")
-
-
-def _prmt(a: int, b: int, sel: int) -> int:
-    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
-    return sum(pool[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
-
-
-def _bf16(bits: int) -> float:
-    return struct.unpack("<f", struct.pack("<I", (bits & 0xFFFF) << 16))[0]
 
 
 def _decode_word(word: int, mult_bits: int) -> list[float]:
@@ -170,10 +162,11 @@ def test_fp8_variant_compiles_to_decode_plus_mma_without_spills(sm90, ue8m0, blo
     from dataclasses import replace
 
     from latency_specialized.kernels.gemm_common import ptx_of
-    from latency_specialized.kernels.gemm_small_m import Fp8Scales, MmaConfig, compile_mma
+    from latency_specialized.kernels.gemm_small_m import MmaConfig, compile_mma
+    from latency_specialized.kernels.mma_quant_weights import QuantCoding
 
     K, cfg = 2048, MmaConfig(nt=2, wk=4, cb=4)
-    p = ptx_of(compile_mma(K, cfg, True, fp8=Fp8Scales(ue8m0, block)))
+    p = ptx_of(compile_mma(K, cfg, True, coding=QuantCoding(ue8m0, block)))
     chunks = K // 64 // cfg.wk
     assert "ld.local" not in p and "st.local" not in p
     assert p.count(WEIGHT_LOAD) == 2 * chunks
@@ -185,19 +178,20 @@ def test_fp8_variant_compiles_to_decode_plus_mma_without_spills(sm90, ue8m0, blo
     # "bytes" pairing: 2 byte permutes per weight word; "split": none on the weights, 2 per activation word pair and
     # n-tile instead
     assert p.count("prmt.b32") == chunks * 2 * 4 * 2
-    ps = ptx_of(compile_mma(K, replace(cfg, fp8_pairs="split"), True, fp8=Fp8Scales(ue8m0, block)))
+    ps = ptx_of(compile_mma(K, replace(cfg, fp8_pairs="split"), True, coding=QuantCoding(ue8m0, block)))
     assert ps.count("prmt.b32") == chunks * 4 * 2 * cfg.nt and ps.count("mul.rn.bf16x2") == 2 * 8 * chunks
     assert "ld.local" not in ps and replace(cfg, fp8_pairs="split").label() == "n2m1w4s1c4xp"
 
 
 @needs_cute
 def test_fp8_variant_refuses_layouts_it_cannot_scale(sm90):
-    from latency_specialized.kernels.gemm_small_m import Fp8Scales, MmaConfig, compile_mma
+    from latency_specialized.kernels.gemm_small_m import MmaConfig, compile_mma
+    from latency_specialized.kernels.mma_quant_weights import QuantCoding
 
-    for k, sc in ((2016, Fp8Scales(False, (128, 128))), (2048, Fp8Scales(False, (128, 32))),
-                  (2048, Fp8Scales(True, (8, 32)))):
+    for k, sc in ((2016, QuantCoding(False, (128, 128))), (2048, QuantCoding(False, (128, 32))),
+                  (2048, QuantCoding(True, (8, 32)))):
         with pytest.raises(ValueError, match="not compiled"):
-            compile_mma(k, MmaConfig(), False, fp8=sc)
+            compile_mma(k, MmaConfig(), False, coding=sc)
 
 
 def test_measured_table_and_heuristic_keep_k_split_inside_the_cta():

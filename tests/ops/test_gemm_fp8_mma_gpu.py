@@ -24,10 +24,10 @@ from latency_specialized.errors import UserError
 from latency_specialized.kernels import gemm_fp8_mma as f8m
 from latency_specialized.kernels.gemm_small_m import SMEM_LIMIT, MmaConfig
 from latency_specialized.ops.gemm import gemm_reference
-from latency_specialized.quant.checkpoint_io import QuantizedWeight, quantize_weight
+from latency_specialized.quant.checkpoint_io import QuantizedWeight
 from latency_specialized.quant.layout import row_scaled
 
-from gpu_helpers import graph_replay, seeded_generator
+from gpu_helpers import check_gemm_into_poisoned_slice, graph_replay, quantized_rows, rel_err, seeded_generator
 
 pytestmark = pytest.mark.gpu
 
@@ -46,16 +46,10 @@ TOL = 1.0 / 128
 """max |diff| / max |ref| against a reference with the same inputs: one bf16 output rounding, fp32 sums reordered."""
 
 
-def _rel(y, ref):
-    return float((y.float() - ref.float()).abs().max() / ref.float().abs().max())
-
-
 @pytest.fixture(scope="module", params=list(SHAPES))
 def shape(request):
     N, K, fmt, rows = SHAPES[request.param]
-    g = seeded_generator(request.param)
-    w = torch.randn(N, K, generator=g, device=DEV) * K ** -0.5 * torch.logspace(-1, 1, N, device=DEV).unsqueeze(1)
-    q = quantize_weight(f"{request.param}.weight", w, fmt)
+    q = quantized_rows(request.param, N, K, fmt)
     return request.param, row_scaled(q) if rows else q
 
 
@@ -76,16 +70,10 @@ def test_fp8_mma_gemm_matches_the_reference(shape, M):
     x = torch.randn(M, K, generator=g, device=DEV).bfloat16()
     r = torch.randn(M, N, generator=g, device=DEV).bfloat16()
     ref = gemm_reference(x, w, residual=r)
-    for label, cfg in _configs(N, K, M).items():
-        wide = torch.full((M, N + 16), float("nan"), device=DEV, dtype=torch.bfloat16)
-        out = wide[:, 8:8 + N]
-        y = f8m.gemm_fp8_mma(x, w, residual=r, out=out, config=cfg)
-        assert y.data_ptr() == out.data_ptr() and torch.isfinite(y).all(), label
-        assert wide[:, :8].isnan().all() and wide[:, 8 + N:].isnan().all(), label
-        assert _rel(y, ref) <= TOL, (label, _rel(y, ref))
-        assert torch.equal(f8m.gemm_fp8_mma(x, w, residual=r, config=cfg), y), label  # deterministic
+    for cfg in _configs(N, K, M).values():
+        check_gemm_into_poisoned_slice(f8m.gemm_fp8_mma, x, w, r, ref, TOL, config=cfg)
     y32 = f8m.gemm_fp8_mma(x, w, out_dtype=torch.float32)
-    assert y32.dtype == torch.float32 and _rel(y32, gemm_reference(x.float(), w)) <= 1e-5
+    assert y32.dtype == torch.float32 and rel_err(y32, gemm_reference(x.float(), w)) <= 1e-5
     # graph replay == eager, bit for bit
     x2 = torch.randn_like(x)
     eager = f8m.gemm_fp8_mma(x2, w, residual=r)
