@@ -17,8 +17,9 @@ copy atoms give the first only indirectly and have no form of the second.
 from __future__ import annotations
 
 import functools
+import weakref
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -65,6 +66,26 @@ def check_gemm_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
             raise UserError(f"gemm: {name} must be a [{m}, {n}] {want} tensor with unit column stride and a "
                             f"16-byte aligned base, got {tuple(t.shape)} {t.dtype} stride {tuple(t.stride())}")
     return m, n, k
+
+
+_CHECKED: dict[int, set] = {}
+"""id(codes tensor) -> tags checked; an entry leaves with its tensor (``weakref.finalize``), before the id can be
+reused (tensors compare elementwise, so a WeakKeyDictionary cannot hold them)."""
+
+
+def check_once(codes: torch.Tensor, tag: tuple, check: Callable[[], None]) -> None:
+    """Run ``check`` (which raises on a bad weight) the first time ``codes`` - the stored tensor object of a quantized
+    weight - is seen with ``tag`` (the kernel, its scales' address, the range checked: one weight may serve several
+    kernels). Keyed weakly on the tensor object, not its address: a freed weight's entries go with it, so a new
+    weight allocated at the same address is checked again. The checks read the weight on the host: call once
+    eagerly, before a graph capture."""
+    seen = _CHECKED.get(id(codes))
+    if seen is None:
+        seen = _CHECKED[id(codes)] = set()
+        weakref.finalize(codes, _CHECKED.pop, id(codes), None)
+    if tag not in seen:
+        check()
+        seen.add(tag)
 
 
 def fp32_output(name: str, x: torch.Tensor, out_dtype: torch.dtype | None, residual: torch.Tensor | None) -> bool:

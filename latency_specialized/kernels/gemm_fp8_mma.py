@@ -27,6 +27,7 @@ import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
+from latency_specialized.kernels.gemm_common import check_once
 from latency_specialized.kernels.gemm_small_m import (SMEM_LIMIT, TARGET_WARPS, MmaConfig, pow2_at_most,
                                                       run_quantized_mma)
 from latency_specialized.kernels.mma_quant_weights import QuantCoding
@@ -40,9 +41,6 @@ MIN_UE8M0, MAX_UE8M0 = 10, 134
 """ue8m0 bytes decoded exactly: the decode multiplies by the bf16 2^(e - 7), a finite bf16 up to e = 134; below 10
 the products leave the normal range (as the Triton kernel's ``MIN_UE8M0``)."""
 E4M3_NAN = (0x7F, 0xFF)
-
-_checked: set[tuple] = set()
-
 
 def default_config(n: int, k: int, m: int) -> MmaConfig:
     """Measured launch config (``TUNING``) where one exists, else the heuristic: the bf16 kernel's rule (enough warps
@@ -87,8 +85,8 @@ def fp8_parts(w: QuantizedWeight, what: str) -> tuple[torch.Tensor, torch.Tensor
     q = as_bytes(w.weight)
     ue8m0 = w.fmt.scale == "ue8m0"
     s = as_bytes(w.scale) if ue8m0 else w.scale.float()
-    key = (q.data_ptr(), s.data_ptr(), tuple(q.shape))
-    if key not in _checked:
+
+    def check() -> None:
         nan = int(((q == E4M3_NAN[0]) | (q == E4M3_NAN[1])).sum())
         if nan:
             raise UserError(f"{what} ({w.name}): {nan} e4m3 NaN codes in the weight: requantize the checkpoint")
@@ -98,7 +96,8 @@ def fp8_parts(w: QuantizedWeight, what: str) -> tuple[torch.Tensor, torch.Tensor
                 raise UserError(f"{what} ({w.name}): ue8m0 scale bytes span {lo}..{hi}; this kernel decodes "
                                 f"{MIN_UE8M0}..{MAX_UE8M0} exactly: use gemm.fp8_w8a16_triton (10..246) or "
                                 "gemm.reference")
-        _checked.add(key)
+
+    check_once(w.weight, (NAME, s.data_ptr()), check)
     return q, s.contiguous(), QuantCoding(ue8m0=ue8m0, block=tuple(w.fmt.block))
 
 

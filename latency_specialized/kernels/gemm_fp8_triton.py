@@ -23,6 +23,7 @@ import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
+from latency_specialized.kernels.gemm_common import check_once
 from latency_specialized.kernels.triton_common import quantized_weight_refusal
 from latency_specialized.quant.checkpoint_io import QuantizedWeight
 
@@ -85,9 +86,6 @@ TUNING: dict[tuple[str, int, int, int], Fp8GemmConfig] = {
 heuristic elsewhere. The DeepSeek rows step 32 wide (the scale block: ``block_k`` None) - faster there than the
 128-wide steps with the power-of-two scales folded into the tile (8.5 vs 12.3 us at M = 1)."""
 
-_checked: set[tuple] = set()
-
-
 def _kernel_parts(w: QuantizedWeight, what: str) -> tuple[torch.Tensor, torch.Tensor, int, tuple[int, int]]:
     """(codes [N, K], scales [N/r, K/c] fp32 or uint8, scale kind, scale block) of a block-FP8 weight, its ue8m0
     scales range-checked once per weight."""
@@ -104,14 +102,15 @@ def _kernel_parts(w: QuantizedWeight, what: str) -> tuple[torch.Tensor, torch.Te
     q = as_bytes(w.weight)
     if w.fmt.scale == "ue8m0":
         s, kind = as_bytes(w.scale), k.SCALE_UE8M0
-        key = (q.data_ptr(), s.data_ptr(), tuple(q.shape))
-        if key not in _checked:
+
+        def check() -> None:
             lo, hi = int(s.min()), int(s.max())
             if lo < k.MIN_UE8M0 or hi > k.MAX_UE8M0:
                 raise UserError(f"{what} ({w.name}): ue8m0 scale bytes span {lo}..{hi}; the kernel decodes "
                                 f"{k.MIN_UE8M0}..{k.MAX_UE8M0} exactly (2^-117..2^119): use gemm.reference or "
                                 "requantize the checkpoint")
-            _checked.add(key)
+
+        check_once(w.weight, ("triton-fp8", s.data_ptr()), check)
     else:
         s, kind = w.scale if w.scale.dtype == torch.float32 else w.scale.float(), k.SCALE_FP32
     return q, s.contiguous(), kind, tuple(w.fmt.block)  # type: ignore[return-value]

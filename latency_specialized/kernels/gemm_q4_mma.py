@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from latency_specialized.errors import UserError
+from latency_specialized.kernels.gemm_common import check_once
 from latency_specialized.kernels.gemm_small_m import MmaConfig, run_quantized_mma
 from latency_specialized.kernels.mma_quant_weights import QuantCoding
 from latency_specialized.quant.checkpoint_io import QuantizedWeight
@@ -27,9 +28,6 @@ MIN_UE8M0, MAX_UE8M0 = 2, 128
 MAX_M = 64
 CODING = QuantCoding(ue8m0=True, block=(1, 32), element="e2m1")
 
-_checked: set[tuple] = set()
-
-
 def mxfp4_parts(w: QuantizedWeight, what: str = NAME) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed codes [N, K/2] uint8, scales [N, K/32] uint8) of an MXFP4 matrix; its scale bytes are range-checked
     once per weight (eagerly: call once before a graph capture)."""
@@ -39,13 +37,14 @@ def mxfp4_parts(w: QuantizedWeight, what: str = NAME) -> tuple[torch.Tensor, tor
         raise UserError(f"{what}: takes one [N, K] QuantizedWeight in {' / '.join(FORMATS)} (got "
                         f"{getattr(getattr(w, 'fmt', None), 'name', type(w).__name__)})")
     q, s = as_bytes(w.weight), as_bytes(w.scale)
-    key = (q.data_ptr(), s.data_ptr(), tuple(q.shape))
-    if key not in _checked:
+
+    def check() -> None:
         lo, hi = int(s.min()), int(s.max())
         if lo < MIN_UE8M0 or hi > MAX_UE8M0:
             raise UserError(f"{what} ({w.name}): ue8m0 scale bytes span {lo}..{hi}; this kernel decodes "
                             f"{MIN_UE8M0}..{MAX_UE8M0} exactly: use the reference or requantize the checkpoint")
-        _checked.add(key)
+
+    check_once(w.weight, (NAME, s.data_ptr()), check)
     return q.contiguous(), s.contiguous()
 
 

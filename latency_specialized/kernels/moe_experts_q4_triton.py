@@ -21,6 +21,7 @@ import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
+from latency_specialized.kernels.gemm_common import check_once
 from latency_specialized.kernels.triton_common import quantized_experts_refusal
 from latency_specialized.quant.checkpoint_io import QuantizedWeight
 from latency_specialized.quant.codecs import as_bytes
@@ -41,9 +42,6 @@ Kimi K3 TP8 MXFP4 (benchmarks/results/h200/ops_moe_experts_q4_mxfp4_tp8.md): gat
 down 32 rows were the best of the swept ones, each alone."""
 GROUPED_TUNING = dict(block_n=128, num_warps=8, num_stages=4)
 """Launch constants of the grouped GEMMs (the best of the swept ones at 4-64 tokens, same results file)."""
-
-_checked: set[tuple] = set()
-
 
 def _kernel_parts(w: QuantizedWeight, what: str, max_ue8m0: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                          int, int]:
@@ -68,13 +66,14 @@ def _kernel_parts(w: QuantizedWeight, what: str, max_ue8m0: int) -> tuple[torch.
             raise UserError(f"{what}: NVFP4 needs one fp32 global scale per expert ([E]), got "
                             f"{None if w.global_scale is None else tuple(w.global_scale.shape)}")
         gs = w.global_scale.float().contiguous()
-    key = (q.data_ptr(), s.data_ptr(), tuple(q.shape), max_ue8m0)
-    if key not in _checked:
+
+    def check() -> None:
         if kind == k.SCALE_UE8M0 and int(s.max()) > max_ue8m0:
             raise UserError(f"{what} ({w.name}): ue8m0 scale byte {int(s.max())} > {max_ue8m0} (a scale above "
                             f"2^{max_ue8m0 - 127}): the 4-bit kernels do not take it; use the reference "
                             "(moe.experts.reference) or requantize the checkpoint")
-        _checked.add(key)
+
+    check_once(w.weight, ("q4-experts", s.data_ptr(), max_ue8m0), check)
     return q, s, gs, kind, group
 
 

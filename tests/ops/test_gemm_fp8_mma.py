@@ -201,3 +201,23 @@ def test_measured_table_and_heuristic_keep_k_split_inside_the_cta():
         assert cfg.sk == 1 and 8 * cfg.nt >= M and f8m.default_config(N, K, M) == cfg
     assert all(f8m.default_config(N, K, M).sk == 1 for N in (64, 6144, 32768) for K in (128, 2048, 7168)
                for M in (1, 5, 16, 40, 64))
+
+
+def test_weight_checks_run_once_per_weight_object_and_kernel():
+    """The checks are cached on the weight's tensor object (weakly): again for the same weight - nothing read; a
+    weight freed and another allocated in its place - checked again, whatever its address; the same weight under
+    another kernel's tag - checked for that kernel too."""
+    from latency_specialized.kernels.gemm_common import check_once
+
+    calls = []
+    w = torch.zeros(4, 64, dtype=torch.uint8)
+    check_once(w, ("a", 1), lambda: calls.append("a"))
+    check_once(w, ("a", 1), lambda: calls.append("a again"))
+    check_once(w, ("b", 1), lambda: calls.append("b"))
+    assert calls == ["a", "b"]
+    del w
+    w2 = torch.zeros(4, 64, dtype=torch.uint8)
+    check_once(w2, ("a", 1), lambda: calls.append("new weight"))
+    assert calls[-1] == "new weight"
+    with pytest.raises(UserError, match="NaN"):  # a bad weight is refused every time, never cached as checked
+        f8m.fp8_parts(_weight("fp8-block-128", code=0xFF), "t")
