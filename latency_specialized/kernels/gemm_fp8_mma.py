@@ -21,15 +21,13 @@ Static shapes; the first call on a weight checks its codes (no NaN) and scales o
 
 from __future__ import annotations
 
-import math
 
 import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
 from latency_specialized.kernels.gemm_common import check_once
-from latency_specialized.kernels.gemm_small_m import (SMEM_LIMIT, TARGET_WARPS, MmaConfig, pow2_at_most,
-                                                      run_quantized_mma)
+from latency_specialized.kernels.gemm_small_m import MmaConfig, quantized_config, run_quantized_mma
 from latency_specialized.kernels.mma_quant_weights import QuantCoding
 from latency_specialized.quant.checkpoint_io import QuantizedWeight
 
@@ -43,18 +41,9 @@ the products leave the normal range (as the Triton kernel's ``MIN_UE8M0``)."""
 E4M3_NAN = (0x7F, 0xFF)
 
 def default_config(n: int, k: int, m: int) -> MmaConfig:
-    """Measured launch config (``TUNING``) where one exists, else the heuristic: the bf16 kernel's rule (enough warps
-    in flight for HBM, at least 2 chunks per warp) over 64-wide chunks, with twice its warp target at one m-tile, K
-    split over warps only (a cluster split lost in every cell measured) and 4 chunks per batch."""
-    if (n, k, m) in TUNING:
-        return TUNING[(n, k, m)]
-    nt = max(1, math.ceil(m / 8))
-    mt = 2 if nt >= 4 else 1
-    chunks = k // 64
-    tiles = math.ceil(n / (16 * mt))
-    need = max(1.0, TARGET_WARPS * (2 if mt == 1 else 1) / tiles)
-    wk = pow2_at_most(min(need, max(1, chunks // 2)), min(8, SMEM_LIMIT // (4 * mt * nt * 32 * 4)))
-    return MmaConfig(nt=nt, mt=mt, wk=wk, sk=1, cb=max(1, min(4, math.ceil(chunks / wk))))
+    """Measured launch config (``TUNING``) where one exists, else ``gemm_small_m.quantized_config`` over 64-wide
+    chunks."""
+    return TUNING.get((n, k, m)) or quantized_config(n, k // 64, m)
 
 
 TUNING: dict[tuple[int, int, int], MmaConfig] = {
@@ -84,7 +73,7 @@ def fp8_parts(w: QuantizedWeight, what: str) -> tuple[torch.Tensor, torch.Tensor
                         f"codes {tuple(w.weight.shape)}")
     q = as_bytes(w.weight)
     ue8m0 = w.fmt.scale == "ue8m0"
-    s = as_bytes(w.scale) if ue8m0 else w.scale.float()
+    s = (as_bytes(w.scale) if ue8m0 else w.scale.float()).contiguous()
 
     def check() -> None:
         nan = int(((q == E4M3_NAN[0]) | (q == E4M3_NAN[1])).sum())
@@ -98,7 +87,7 @@ def fp8_parts(w: QuantizedWeight, what: str) -> tuple[torch.Tensor, torch.Tensor
                                 "gemm.reference")
 
     check_once(w.weight, (NAME, s.data_ptr()), check)
-    return q, s.contiguous(), QuantCoding(ue8m0=ue8m0, block=tuple(w.fmt.block))
+    return q, s, QuantCoding(ue8m0=ue8m0, block=tuple(w.fmt.block))
 
 
 def gemm_fp8_mma(x: torch.Tensor, weight: QuantizedWeight, *, residual: torch.Tensor | None = None,

@@ -16,7 +16,7 @@ import torch
 
 from latency_specialized.errors import UserError
 from latency_specialized.kernels.gemm_common import check_once
-from latency_specialized.kernels.gemm_small_m import MmaConfig, run_quantized_mma
+from latency_specialized.kernels.gemm_small_m import MmaConfig, quantized_config, run_quantized_mma
 from latency_specialized.kernels.mma_quant_weights import QuantCoding
 from latency_specialized.quant.checkpoint_io import QuantizedWeight
 
@@ -49,11 +49,9 @@ def mxfp4_parts(w: QuantizedWeight, what: str = NAME) -> tuple[torch.Tensor, tor
 
 
 def default_config(n: int, k: int, m: int) -> MmaConfig:
-    """The FP8 kernel's heuristic (``gemm_fp8_mma.default_config``) over 128-wide chunks (its K argument scaled so the
-    chunk count matches)."""
-    from latency_specialized.kernels.gemm_fp8_mma import default_config as fp8_default
-
-    return fp8_default(n, k // 2, m)
+    """``gemm_small_m.quantized_config`` over 128-wide chunks (no measured table yet: the FP8 kernel's ``TUNING`` is
+    for its own shapes)."""
+    return quantized_config(n, k // CODING.chunk, m)
 
 
 def gemm_mxfp4_mma(x: torch.Tensor, weight: QuantizedWeight, *, residual: torch.Tensor | None = None,

@@ -351,6 +351,18 @@ def run_mma(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
     return out
 
 
+def quantized_config(n: int, chunks: int, m: int) -> MmaConfig:
+    """Launch heuristic of the quantized variants (FP8, MXFP4) for ``chunks`` 64-byte chunks per row: the bf16 rule
+    (enough warps in flight for HBM, at least 2 chunks per warp) with twice its warp target at one m-tile, K split
+    over warps only (a cluster split lost in every cell measured on the H200, session 33) and 4 chunks per batch."""
+    nt = max(1, math.ceil(m / 8))
+    mt = 2 if nt >= 4 else 1
+    tiles = math.ceil(n / (16 * mt))
+    need = max(1.0, TARGET_WARPS * (2 if mt == 1 else 1) / tiles)
+    wk = pow2_at_most(min(need, max(1, chunks // 2)), min(8, SMEM_LIMIT // (4 * mt * nt * 32 * 4)))
+    return MmaConfig(nt=nt, mt=mt, wk=wk, sk=1, cb=max(1, min(4, math.ceil(chunks / wk))))
+
+
 def run_quantized_mma(name: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, coding: QuantCoding,
                       residual: torch.Tensor | None, out: torch.Tensor | None, out_dtype: torch.dtype | None,
                       config: MmaConfig, max_m: int, max_cluster: int = 8) -> torch.Tensor:
