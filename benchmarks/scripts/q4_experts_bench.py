@@ -18,12 +18,17 @@ def main() -> None:
     p.add_argument("--batch", default="1,2,4,8,16,32,64")
     p.add_argument("--fmt", default="mxfp4")
     p.add_argument("--gemv-max-tokens", type=int, default=16)
-    p.add_argument("--quick", action="store_true", help="default variants only")
+    p.add_argument("--quick", action="store_true", help="default variants only (Triton); mma: --mma-variants")
+    p.add_argument("--mma-variants", default=None,
+                   help="comma-separated names of ops_bench_q4.MMA_VARIANTS to run (default: all; 'none': skip)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     if a.quick:
         ops_bench_q4.GEMV_VARIANTS = {"default": {}}
         ops_bench_q4.GROUPED_VARIANTS = {"default": {}}
+    if a.mma_variants:
+        names = [] if a.mma_variants == "none" else a.mma_variants.split(",")
+        ops_bench_q4.MMA_VARIANTS = {n: ops_bench_q4.MMA_VARIANTS[n] for n in names}
     t0 = time.perf_counter()
     rows = []
     for b in a.batch.split(","):  # results written after every batch: a cut-off run keeps what it measured

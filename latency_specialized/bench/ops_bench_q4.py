@@ -6,6 +6,8 @@ variant captured twice). Per batch, in one process on the same inputs:
 
 * ``q4-gemv[...]`` / ``q4-grouped[...]``: ours (``kernels/moe_experts_q4_triton.py``) per launch variant,
   each checked against the dequantising reference before it is timed (``rel_err`` in ``extra``);
+* ``mma[...]``: ours on the mma.sync kernel (``kernels/moe_experts_mma.py``, MXFP4 only) per ``MMA_VARIANTS``
+  entry (launch configs over the heuristic's, group mode), checked the same way;
 * ``bf16-ours``: our bf16 experts over the same weights dequantised (what the loaders ran until now);
 * ``peer-humming``: stock vLLM 0.33's MXFP4 MoE on Hopper (``bench/peers/humming_mxfp4.py``), where the
   package is importable; otherwise a row saying why.
@@ -39,6 +41,18 @@ GROUPED_VARIANTS: dict[str, dict[str, Any]] = {
     "n64w4s3": dict(block_n=64, num_warps=4, num_stages=3),
 }
 """Launch variants of the grouped GEMMs (merged over ``GROUPED_TUNING``)."""
+MMA_VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "pdl": dict(gate_up=dict(pdl=True), down=dict(pdl=True)),
+    "gu4": dict(gate_up=dict(wk=4)),
+    "gu2c2": dict(gate_up=dict(wk=2, cb=2)),
+    "dn2": dict(down=dict(wk=2)),
+    "dnmt2": dict(down=dict(mt=2)),
+    "route": dict(aligned=False),
+    "aligned": dict(aligned=True),
+}
+"""Variants of the mma experts: fields replaced in the heuristic's (gate_up, down) ``MmaConfig`` and the group mode
+(default: ``moe_experts_mma.MIN_TOKENS_ALIGNED``)."""
 
 
 def random_q4_experts(E: int, N: int, K: int, fmt: str, g: torch.Generator, dev: str = "cuda") -> QuantizedWeight:
@@ -108,6 +122,9 @@ def bench_q4_experts(tp: int, batches: list[int], *, fmt: str = "mxfp4", rotatio
         if M >= 2:
             for vname, v in GROUPED_VARIANTS.items():
                 plans.append((f"q4-grouped[{vname}]", q4.experts_q4_grouped, 5, {"grouped": v}))
+        if f.scale == "ue8m0":
+            for vname, v in MMA_VARIANTS.items():
+                plans.append(_mma_plan(vname, v, M, k, E, K, I, N))
         for name, fn, kernels, tuning in plans:
             rows.append(_time_q4(name, fn, kernels, tuning, xs, routes, w13, w2, outs, ref, case, nbytes, rotations))
             log(f"{case} {name}: {rows[-1].us} us, roofline {rows[-1].roofline_frac:.2f}, {rows[-1].notes or ''}"
@@ -121,6 +138,30 @@ def bench_q4_experts(tp: int, batches: list[int], *, fmt: str = "mxfp4", rotatio
                                int(distinct * bf16_expert_bytes + act_bytes), rotations))
         log(f"{case} bf16-ours: {rows[-1].us} us {rows[-1].notes}")
     return rows
+
+
+def mma_variant_configs(v: dict, M: int, k: int, E: int, K: int, I: int, N: int):
+    """(gate_up config, down config, aligned) of an ``MMA_VARIANTS`` entry at a step of M tokens."""
+    from dataclasses import replace
+
+    from latency_specialized.kernels import moe_experts_mma as mm
+
+    aligned = v.get("aligned", M >= mm.MIN_TOKENS_ALIGNED)
+    c13, c2 = mm.default_configs(M, k, E, K, I, N, aligned)
+    return replace(c13, **v.get("gate_up", {})), replace(c2, **v.get("down", {})), aligned
+
+
+def _mma_plan(vname: str, v: dict, M: int, k: int, E: int, K: int, I: int, N: int) -> tuple[str, Callable, int, dict]:
+    """One ``MMA_VARIANTS`` entry as a plan row: the wrapper with its configs and group mode bound; kernels: align (in
+    aligned mode), gate_up, down, route sum."""
+    from latency_specialized.kernels import moe_experts_mma as mm
+
+    c13, c2, aligned = mma_variant_configs(v, M, k, E, K, I, N)
+
+    def fn(*args, **kw):
+        return mm.experts_mxfp4_mma(*args, configs=(c13, c2), aligned=aligned, **kw)
+
+    return (f"mma[{vname}]", fn, 3 + aligned, {"mma": dict(gate_up=c13.label(), down=c2.label(), aligned=aligned)})
 
 
 def _time_q4(name, fn, kernels, tuning, xs, routes, w13, w2, outs, ref, case, nbytes, rotations) -> Row:

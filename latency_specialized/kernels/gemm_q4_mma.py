@@ -28,13 +28,14 @@ MIN_UE8M0, MAX_UE8M0 = 2, 128
 MAX_M = 64
 CODING = QuantCoding(ue8m0=True, block=(1, 32), element="e2m1")
 
-def mxfp4_parts(w: QuantizedWeight, what: str = NAME) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed codes [N, K/2] uint8, scales [N, K/32] uint8) of an MXFP4 matrix; its scale bytes are range-checked
-    once per weight (eagerly: call once before a graph capture)."""
+def mxfp4_parts(w: QuantizedWeight, what: str = NAME, stacked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed codes [N, K/2] uint8, scales [N, K/32] uint8) of an MXFP4 matrix - ``stacked``: of experts, [E, N, K/2]
+    and [E, N, K/32]; its scale bytes are range-checked once per weight (eagerly: call once before a graph
+    capture)."""
     from latency_specialized.quant.codecs import as_bytes
 
-    if not isinstance(w, QuantizedWeight) or w.fmt.name not in FORMATS or w.weight.dim() != 2:
-        raise UserError(f"{what}: takes one [N, K] QuantizedWeight in {' / '.join(FORMATS)} (got "
+    if not isinstance(w, QuantizedWeight) or w.fmt.name not in FORMATS or w.weight.dim() != 2 + stacked:
+        raise UserError(f"{what}: takes one {'[E, N, K]' if stacked else '[N, K]'} QuantizedWeight in {' / '.join(FORMATS)} (got "
                         f"{getattr(getattr(w, 'fmt', None), 'name', type(w).__name__)})")
     q, s = as_bytes(w.weight), as_bytes(w.scale)
 

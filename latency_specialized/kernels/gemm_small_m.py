@@ -82,7 +82,6 @@ def _kernel_class():
     from cutlass import Float32, Int32, Int64
 
     from latency_specialized.kernels.gemm_common import ptx
-    from latency_specialized.kernels.mma_quant_weights import activation_pairs, chunk_mma, chunk_scales
 
     P = ptx()
 
@@ -171,54 +170,7 @@ def _kernel_class():
                 x_ok.append(Int32(tok < m))
                 x_rows.append(x.iterator.toint() + Int64(cutlass.min(tok, m - 1)) * (2 * K) + Int64(t4) * (16 * XL))
 
-            acc = [Float32(0.0) for _ in range(F)]
-            for j0 in cutlass.range_constexpr(0, self.per_part, cfg.cb):
-                js = list(range(j0, min(j0 + cfg.cb, self.per_part)))
-                wv = {}
-                sv = {}
-                for j in js:
-                    chunk = part + self.parts * j
-                    off = Int64(chunk) * 64
-                    last = self.ragged and j == self.per_part - 1
-                    ok = Int32(chunk < self.chunks)
-                    for r in cutlass.range_constexpr(2 * MT):
-                        if cutlass.const_expr(last):
-                            wv[(j, r)] = P.ld_weight_if(w_rows[r] + off, ok)
-                        else:
-                            wv[(j, r)] = P.ld_weight(w_rows[r] + off)
-                    if cutlass.const_expr(QW):
-                        # the chunk's block scales (static data, like the weights: requested before the PDL wait)
-                        sv[j] = chunk_scales(self.coding, scl, w_row_idx, cutlass.min(chunk, self.chunks - 1), t4)
-                if cutlass.const_expr(j0 == 0 and cfg.pdl):
-                    cute.arch.griddepcontrol_wait()
-                    cute.arch.griddepcontrol_launch_dependents()
-                for j in js:
-                    chunk = part + self.parts * j
-                    off = Int64(chunk) * (2 * KC)
-                    last = self.ragged and j == self.per_part - 1
-                    xv = []
-                    for nt in cutlass.range_constexpr(NT):
-                        pred = x_ok[nt]
-                        if cutlass.const_expr(last):
-                            pred = pred & Int32(chunk < self.chunks)
-                        words = []
-                        for i in cutlass.range_constexpr(XL):
-                            words += P.ld_act_if(x_rows[nt] + off + 16 * i, pred)
-                        xv.append(words)
-                    xb = activation_pairs(P, self.coding, xv, self.split_pairs) if QW else []
-                    for mt in cutlass.range_constexpr(MT):
-                        lo = wv[(j, 2 * mt)]
-                        hi = wv[(j, 2 * mt + 1)]
-                        if cutlass.const_expr(QW):
-                            chunk_mma(P, self.coding, acc, lo, hi, xb, sv[j], mt, NT, self.split_pairs)
-                        else:
-                            for nt in cutlass.range_constexpr(NT):
-                                base = (mt * NT + nt) * 4
-                                c = acc[base:base + 4]
-                                c = P.mma_bf16_16816([lo[0], hi[0], lo[1], hi[1]], [xv[nt][0], xv[nt][1]], c)
-                                c = P.mma_bf16_16816([lo[2], hi[2], lo[3], hi[3]], [xv[nt][2], xv[nt][3]], c)
-                                for q in cutlass.range_constexpr(4):
-                                    acc[base + q] = c[q]
+            acc = accumulate_chunks(self, P, scl, w_rows, w_row_idx, x_rows, x_ok, part, t4, cfg.pdl)
 
             if cutlass.const_expr(WK * SK == 1):
                 for f in cutlass.range_constexpr(F):
@@ -268,6 +220,77 @@ def _kernel_class():
                 y[tok, row] = out.to(y.element_type)
 
     return MmaGemmKernel
+
+
+
+def accumulate_chunks(kern, P, scl, w_rows: list, w_row_idx: list, x_rows: list, x_ok: list, part, t4,
+                      pdl_wait: bool) -> list:
+    """The K loop of one warp (trace time; plain Python, unrolled): its share of the chunks (``part``, ``part +
+    parts``, ...) of every weight row address in ``w_rows`` (2 per m-tile: rows g, g + 8, already offset by the lane's
+    16 bytes; ``t4`` = lane % 4) against the token rows ``x_rows`` (one per n-tile, masked by ``x_ok``), ``cb`` chunks of weight loads in
+    flight at a time. ``w_row_idx``: the rows' indices into the block scales (quantized weights). ``pdl_wait``: issue
+    the PDL wait (and release the dependents) after the first batch of weight loads - where nothing before it reads
+    what the previous kernel writes. Returns the fp32 accumulators (slot (mt x NT + nt) x 4 + q)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Int64
+
+    from latency_specialized.kernels.mma_quant_weights import activation_pairs, chunk_mma, chunk_scales
+
+    cfg = kern.cfg
+    MT, NT = cfg.mt, cfg.nt
+    QW = kern.coding is not None
+    KC = kern.kc
+    XL = KC // 32                 # 16-byte activation loads per token and chunk
+    acc = [Float32(0.0) for _ in range(kern.frag)]
+    for j0 in range(0, kern.per_part, cfg.cb):
+        js = list(range(j0, min(j0 + cfg.cb, kern.per_part)))
+        wv = {}
+        sv = {}
+        for j in js:
+            chunk = part + kern.parts * j
+            off = Int64(chunk) * 64
+            last = kern.ragged and j == kern.per_part - 1
+            ok = Int32(chunk < kern.chunks)
+            for r in range(2 * MT):
+                if last:
+                    wv[(j, r)] = P.ld_weight_if(w_rows[r] + off, ok)
+                else:
+                    wv[(j, r)] = P.ld_weight(w_rows[r] + off)
+            if QW:
+                # the chunk's block scales (static data, like the weights: requested before the PDL wait)
+                sv[j] = chunk_scales(kern.coding, scl, w_row_idx, cutlass.min(chunk, kern.chunks - 1), t4)
+        if j0 == 0 and pdl_wait:
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+        for j in js:
+            chunk = part + kern.parts * j
+            off = Int64(chunk) * (2 * KC)
+            last = kern.ragged and j == kern.per_part - 1
+            xv = []
+            for nt in range(NT):
+                pred = x_ok[nt]
+                if last:
+                    pred = pred & Int32(chunk < kern.chunks)
+                words = []
+                for i in range(XL):
+                    words += P.ld_act_if(x_rows[nt] + off + 16 * i, pred)
+                xv.append(words)
+            xb = activation_pairs(P, kern.coding, xv, kern.split_pairs) if QW else []
+            for mt in range(MT):
+                lo = wv[(j, 2 * mt)]
+                hi = wv[(j, 2 * mt + 1)]
+                if QW:
+                    chunk_mma(P, kern.coding, acc, lo, hi, xb, sv[j], mt, NT, kern.split_pairs)
+                else:
+                    for nt in range(NT):
+                        base = (mt * NT + nt) * 4
+                        c = acc[base:base + 4]
+                        c = P.mma_bf16_16816([lo[0], hi[0], lo[1], hi[1]], [xv[nt][0], xv[nt][1]], c)
+                        c = P.mma_bf16_16816([lo[2], hi[2], lo[3], hi[3]], [xv[nt][2], xv[nt][3]], c)
+                        for q in range(4):
+                            acc[base + q] = c[q]
+    return acc
 
 
 def compile_mma(k: int, cfg: MmaConfig, residual: bool, out_fp32: bool = False, coding: QuantCoding | None = None):

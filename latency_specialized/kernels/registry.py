@@ -23,6 +23,7 @@ KERNEL_MODULES: tuple[str, ...] = (
     "latency_specialized.kernels.moe_experts",
     "latency_specialized.kernels.moe_experts_triton",
     "latency_specialized.kernels.moe_experts_q4_triton",
+    "latency_specialized.kernels.moe_experts_mma",
     "latency_specialized.kernels.moe_experts_fp8_triton",
     "latency_specialized.kernels.moe_finalize_triton",
     "latency_specialized.kernels.kda_decode",

@@ -237,6 +237,14 @@ def down_words(h, weights, ids, q, s, gs, out, *, scale_kind: int, group: int, p
         if not direct:
             out.copy_(yp.view(M, top_k, N))
         return
+    route_sum(yp, weights, out)
+
+
+def route_sum(yp: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> None:
+    """out[m] = sum_j weights[m, j] x yp[m x top_k + j] in fp32, routes in order j = 0 .. top_k - 1, rounded once.
+    yp [M x top_k, N] (unit column stride); weights [M, top_k] fp32 contiguous; out [M, N] (unit column stride)."""
+    M, top_k = weights.shape
+    N = yp.shape[1]
     _route_sum_kernel[(M, triton.cdiv(N, 1024))](yp, weights, out, N, yp.stride(0), out.stride(0), TOPK=top_k,
                                                  BLOCK=1024, num_warps=4)
 

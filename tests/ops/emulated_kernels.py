@@ -97,3 +97,76 @@ def emulate_mma(monkeypatch) -> None:
     monkeypatch.setattr(gemm_small_m, "compile_mma", compile_emulated)
     monkeypatch.setattr(gemm_small_m, "grid_cap", lambda device, ctas_per_sm: 1 << 30 if ctas_per_sm <= 0 else
                         ctas_per_sm * 2)  # a 2-SM device: persistent CTAs walk several tiles
+
+
+class EmulatedExpertsStage:
+    """Stands in for ``moe_experts_mma.compile_stage``'s kernel: ``(x, w, scl, out, ids, sorted_ids, block_expert,
+    num_padded, groups, stream)``; grid (tiles, groups), block 32 x wk, as ``MmaExpertsKernel.__call__``."""
+
+    launches: list = []
+
+    def __init__(self, ptx: str, st, cfg):
+        self.ptx, self.st, self.cfg = ptx, st, cfg
+
+    def __call__(self, x, w, scl, out, ids, sorted_ids, block_expert, num_padded, groups, stream) -> None:
+        mem = Memory()
+        st, cfg = self.st, self.cfg
+        tiles = st.rows // 2 // 16 if st.stage == "gate_up" else -(-st.rows // (16 * cfg.mt))
+        ax, aw, asc = mem.put(x), mem.put(w), mem.put(scl)
+        o = StridedRows(mem, out)
+        a_ids, a_sorted, a_blk, a_np = (mem.put(t) for t in (ids, sorted_ids, block_expert, num_padded))
+        emu = Emulator(self.ptx, mem, smem_bytes=max(cfg.smem_bytes(), 16))
+        emu.launch((tiles, groups, 1),
+                   [tensor_param(ax, (x.shape[0],)), tensor_param(aw, (w.shape[0],)), tensor_param(asc, (scl.shape[0],)),
+                    o.param(), tensor_param(a_ids, (ids.shape[0],)), tensor_param(a_sorted, (sorted_ids.shape[0],)),
+                    tensor_param(a_blk, (block_expert.shape[0],)), tensor_param(a_np)],
+                   block=(32 * cfg.wk, 1, 1))
+        o.read_back()
+        EmulatedExpertsStage.launches.append((st, cfg, groups, emu.steps))
+
+
+def align_like_triton(ids: torch.Tensor, buf):
+    """``triton_moe.moe_align``'s layout in torch: pairs grouped by expert (ascending, pairs in order), each run
+    padded to ``block_m`` with the sentinel T; entries past ``num_padded`` filled with values that would address
+    far outside any buffer (a kernel that reads them fails in the emulator)."""
+    flat = ids.reshape(-1).tolist()
+    T, bm = len(flat), buf.sizes.block_m
+    sorted_ids, experts = [], []
+    for e in sorted(set(flat)):
+        run = [p for p, x in enumerate(flat) if x == e]
+        run += [T] * (-len(run) % bm)
+        sorted_ids += run
+        experts += [e] * (len(run) // bm)
+    buf.sorted_ids.fill_(1 << 30)
+    buf.expert_ids.fill_(1 << 24)
+    buf.sorted_ids[:len(sorted_ids)] = torch.tensor(sorted_ids, dtype=torch.int32)
+    buf.expert_ids[:len(experts)] = torch.tensor(experts, dtype=torch.int32)
+    buf.num_padded.fill_(len(sorted_ids))
+    return buf
+
+
+def route_sum_torch(yp: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> None:
+    """``triton_q4.route_sum`` in torch (fp32, routes in order)."""
+    M, k = weights.shape
+    acc = torch.zeros(M, yp.shape[1])
+    for j in range(k):
+        acc += weights[:, j:j + 1] * yp.view(M, k, -1)[:, j].float()
+    out.copy_(acc.to(out.dtype))
+
+
+def emulate_experts(monkeypatch) -> None:
+    """Route ``moe_experts_mma``'s kernels to the emulator; its Triton helpers (align, route sum) to torch."""
+    from latency_specialized.kernels import moe_experts_mma, triton_moe, triton_q4
+    from latency_specialized.kernels.dsl_common import ptx_of
+
+    sm90a_fresh_compiles(monkeypatch)
+    real = moe_experts_mma.compile_stage
+
+    def compile_emulated(st, cfg):
+        ptx = ptx_of(real(st, cfg))
+        assert ptx, "a fresh compile keeps its PTX (disk tier off)"
+        return EmulatedExpertsStage(ptx, st, cfg)
+
+    monkeypatch.setattr(moe_experts_mma, "compile_stage", compile_emulated)
+    monkeypatch.setattr(triton_moe, "moe_align", align_like_triton)
+    monkeypatch.setattr(triton_q4, "route_sum", route_sum_torch)

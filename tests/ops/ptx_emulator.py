@@ -27,6 +27,7 @@ import math
 import re
 import struct
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import numpy as np
 import torch
@@ -137,6 +138,11 @@ class Instr:
     op: str
     args: list
     text: str
+    head: str = ""
+    mods: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.head, *self.mods = self.op.split(".")
 
 
 @dataclass
@@ -343,8 +349,7 @@ class Emulator:
                 if p == ins.neg:
                     t.pc += 1
                     continue
-            op = ins.op
-            head = op.split(".")[0]
+            head = ins.head
             if head in ("ret", "exit"):
                 t.done = True
                 return
@@ -365,7 +370,7 @@ class Emulator:
 
     def _execute(self, t: Thread, ins: Instr, head: str) -> None:  # noqa: C901 (one dispatch)
         op, a = ins.op, ins.args
-        mods = op.split(".")[1:]
+        mods = ins.mods
         ty = mods[-1] if mods else "b32"
         bits = _bits(ty)
         R = t.regs
@@ -378,6 +383,8 @@ class Emulator:
             return self._load(t, ins, mods)
         if head == "st":
             return self._store(t, ins, mods)
+        if head == "cvt" and op == "cvt.sat.f32.f32":
+            return self._float(t, ins, head, mods)
         if head == "cvt":
             return self._cvt(t, ins, mods)
         if head == "setp":
@@ -467,8 +474,19 @@ class Emulator:
             return 0.0 * math.copysign(1.0, v) if ftz and v != 0 and abs(v) < 1.1754943508222875e-38 else v
 
         x = [flush(v) for v in x]
+        mode = next((m for m in mods if m in ("rm", "rp", "rz")), None)
+        if mode and head in ("add", "sub", "mul", "fma", "mad") and all(math.isfinite(v) for v in x):
+            e = [Fraction(v) for v in x]
+            exact = {"add": lambda: e[0] + e[1], "sub": lambda: e[0] - e[1], "mul": lambda: e[0] * e[1]}.get(
+                head, lambda: e[0] * e[1] + e[2])()
+            R[a[0]] = f32_bits(flush(_round_directed(exact, mode)))
+            return
         with np.errstate(all="ignore"):
-            if head == "add":
+            if head == "copysign":  # d = b with the sign of a
+                r = math.copysign(x[1], x[0])
+            elif head == "cvt":
+                r = 0.0 if math.isnan(x[0]) else min(max(x[0], 0.0), 1.0)
+            elif head == "add":
                 r = fround(np.float64(x[0]) + x[1])
             elif head == "sub":
                 r = fround(np.float64(x[0]) - x[1])
@@ -597,6 +615,8 @@ class Emulator:
         space = self._space(mods)
         pname, addr = self.addr(t, a[1])
         n = width * vec
+        if space != "param" and addr % n:
+            raise MemoryError(f"misaligned {n}-byte load at {addr:#x}: {ins.text}")
         if space == "param":
             raw = self.param[pname][addr:addr + n]
             if len(raw) != n:
@@ -625,6 +645,8 @@ class Emulator:
                         for s in srcs)
         _, addr = self.addr(t, a[0])
         space = self._space(mods)
+        if addr % len(data):
+            raise MemoryError(f"misaligned {len(data)}-byte store at {addr:#x}: {ins.text}")
         if space == "shared":
             if addr < 0 or addr + len(data) > len(self.smem):
                 raise MemoryError(f"shared memory write at {addr} + {len(data)} past {len(self.smem)} bytes")
@@ -699,6 +721,19 @@ def _bits(ty: str) -> int:
         return 32
     n = int(m.group(1))
     return 32 if ty.endswith("x2") else n
+
+
+def _round_directed(x: Fraction, mode: str) -> float:
+    """The exact value ``x`` rounded to fp32 toward -inf ("rm"), +inf ("rp") or zero ("rz")."""
+    r = np.float32(float(x))
+    if not np.isfinite(r):
+        return float(r)
+    down = mode == "rm" or (mode == "rz" and x > 0)
+    if down and Fraction(float(r)) > x:
+        r = np.nextafter(r, np.float32(-np.inf))
+    elif not down and Fraction(float(r)) < x:
+        r = np.nextafter(r, np.float32(np.inf))
+    return float(r)
 
 
 def _round_bf16(x: float) -> int:

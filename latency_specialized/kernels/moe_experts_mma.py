@@ -1,0 +1,421 @@
+"""moe.experts.mxfp4_mma: routed experts over MXFP4 weights on the mma.sync kernel (issue 24; ``NOTES_q4.md``).
+
+The weight stream is the MXFP4 gemm's (``gemm_q4_mma``): each lane's 16-byte load of a weight row is 32 e2m1 values
+of one scale block, decoded to bf16 in registers and fed to ``m16n8k16`` MMAs with the weights as the A operand
+(16 rows per m-tile) and up to 8 routing pairs as B - the K loop is ``gemm_small_m.accumulate_chunks`` itself. What
+differs is where rows and tokens come from, and the epilogues:
+
+``gate_up`` grid (I / 16, groups): CTA (tile, group) reads 16 gate rows and the same 16 rows of up (I further down
+    the expert's [2I, K]) as its two m-tiles, so a lane holds gate and up sums of the same (row, pair) and applies
+    the GLU in registers (``gated_act.gated_act_fn``, the dense kernels' definition); h[pair, i] in bf16.
+``down`` grid (N / (16 mt), groups): the expert's down rows against the group's h rows; each route's output, rounded
+    to bf16 (as the reference rounds it), to row ``pair`` of a [M x top_k, N] result, weighted and summed by
+    ``triton_q4.route_sum`` (fp32, routes in order) unless ``per_route``.
+
+A group is one expert and up to 8 of its (token, route) pairs:
+  * "route" mode: group = pair (B column 0; the others masked). Every selected expert read once per route - at
+    batch 1 each expert once, with no routing kernel before it;
+  * "aligned" mode (from ``MIN_TOKENS_ALIGNED`` tokens): ``triton_moe.moe_align``'s runs of 8 pairs per expert
+    (groups past ``num_padded`` return at once), so an expert chosen by several tokens is read once per 8.
+
+Numerics are the reference's (``ops.moe.experts_reference``): gate / up sums rounded to bf16, the activation in
+fp32, h rounded, each route's output rounded, routing weights applied in fp32. MXFP4 scale bytes 2..128 (the
+gemm's exact range) are checked once per weight, eagerly. No host sync after that first call, fixed grids:
+graph capturable. PDL is off by default (``MmaConfig.pdl``): ``gate_up`` then waits before reading the ids, and
+``down`` after its first weight loads.
+"""
+
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from latency_specialized.contract import Implementation, OpContext, Support
+from latency_specialized.errors import UserError
+from latency_specialized.kernels.gemm_q4_mma import CODING, mxfp4_parts
+from latency_specialized.kernels.gemm_small_m import SMEM_LIMIT, TARGET_WARPS, MmaConfig, pow2_at_most
+from latency_specialized.quant.checkpoint_io import QuantizedWeight
+from latency_specialized.spec import ActivationSpec
+
+NAME = "moe.experts.mxfp4_mma"
+FORMATS = ("mxfp4", "mxfp4-deepseek")
+COLS = 8
+"""Routing pairs per group: one n-tile of the MMA."""
+MIN_TOKENS_ALIGNED = 16
+"""Tokens per step from which groups are ``moe_align``'s runs (an align launch, fewer expert reads) instead of single
+routes. Not yet measured: at Kimi K3's 896 experts and top-16, 16 tokens' 256 routes share ~13% of their experts."""
+MAX_TOKENS = 64
+"""The decode regime this kernel is built for (``moe.experts.q4_grouped_triton`` serves larger steps)."""
+
+
+@dataclass(frozen=True)
+class ExpertsStage:
+    """One of the two kernels, statically (part of the compile key)."""
+
+    stage: str
+    """"gate_up" or "down"."""
+    k: int
+    """Reduction width: K (gate_up) or I (down); a multiple of 128."""
+    rows: int
+    """Weight rows per expert: 2I (gate_up) or N (down); multiples of 16."""
+    top_k: int
+    aligned: bool
+    """Groups are ``moe_align`` runs of ``COLS`` pairs (else one route each)."""
+    ids64: bool = False
+    """The routing ids are int64 (else int32)."""
+    act: str = ""
+    """gate_up's GLU: "situ_glu" or "swiglu"."""
+    beta: float = 0.0
+    beta_lin: float = 0.0
+    clamp: float = 0.0
+    """SwiGLU clamp (0: none)."""
+
+    @property
+    def out_width(self) -> int:
+        return self.rows // 2 if self.stage == "gate_up" else self.rows
+
+
+@functools.cache
+def _kernel_class():
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Int64
+
+    from latency_specialized.kernels.gated_act import ActVariant, gated_act_fn
+    from latency_specialized.kernels.gemm_common import ptx
+    from latency_specialized.kernels.gemm_small_m import accumulate_chunks
+
+    P = ptx()
+
+    class MmaExpertsKernel:
+        def __init__(self, st: ExpertsStage, cfg: MmaConfig):
+            self.st, self.cfg = st, cfg
+            # what accumulate_chunks reads of a kernel
+            self.k, self.coding, self.kc, self.split_pairs = st.k, CODING, CODING.chunk, False
+            self.chunks = st.k // CODING.chunk
+            self.parts = cfg.wk
+            self.per_part = -(-self.chunks // self.parts)
+            self.ragged = self.chunks % self.parts != 0
+            self.frag = 4 * cfg.mt * cfg.nt
+            self.glu = st.stage == "gate_up"
+            # gate_up: one 16-row tile of the intermediate width, its gate and up rows as the two m-tiles
+            self.tiles = st.rows // 2 // 16 if self.glu else -(-st.rows // (16 * cfg.mt))
+            if self.glu:
+                self.act = gated_act_fn(ActVariant(st.rows // 2, "bf16", st.act, st.beta, st.beta_lin, st.clamp))
+
+        @cute.jit
+        def __call__(self, x: cute.Tensor, w: cute.Tensor, scl: cute.Tensor, out: cute.Tensor, ids: cute.Tensor,
+                     sorted_ids: cute.Tensor, block_expert: cute.Tensor, num_padded: cute.Tensor, groups: Int32,
+                     stream):
+            self.kernel(x, w, scl, out, ids, sorted_ids, block_expert, num_padded).launch(
+                grid=[self.tiles, groups, 1], block=[32 * self.cfg.wk, 1, 1], stream=stream, use_pdl=self.cfg.pdl)
+
+        @cute.kernel
+        def kernel(self, x: cute.Tensor, w: cute.Tensor, scl: cute.Tensor, out: cute.Tensor, ids: cute.Tensor,
+                   sorted_ids: cute.Tensor, block_expert: cute.Tensor, num_padded: cute.Tensor):
+            tile, group, _ = cute.arch.block_idx()
+            buf = None
+            if cutlass.const_expr(self.cfg.wk > 1):
+                smem = cutlass.memory.SmemAllocator()
+                buf = smem.allocate_tensor(Float32, cute.make_layout(self.cfg.wk * self.frag * 32), byte_alignment=16)
+            if cutlass.const_expr(self.cfg.pdl and self.glu):
+                # the ids (and the align tables) are the previous kernels' output: nothing is read before them
+                cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_launch_dependents()
+            pairs = ids.shape[0]
+            if cutlass.const_expr(self.st.aligned):
+                if group * (COLS * self.cfg.nt) < num_padded[0]:
+                    self.group_body(x, w, scl, out, sorted_ids, block_expert[group], pairs, tile, group, buf)
+            else:
+                self.group_body(x, w, scl, out, sorted_ids, ids[group].to(Int32), pairs, tile, group, buf)
+
+        @cute.jit
+        def pair_of(self, sorted_ids: cute.Tensor, group: Int32, pairs: Int32, col: Int32):
+            """(pair, 1/0 valid) of B column ``col`` of the group; an invalid column names pair 0 (never stored,
+            its loads masked)."""
+            pair = Int32(0)
+            ok = Int32(0)
+            if cutlass.const_expr(self.st.aligned):
+                p = sorted_ids[group * (COLS * self.cfg.nt) + col]
+                ok = Int32(p < pairs)
+                pair = cutlass.min(p, pairs - 1)
+            else:
+                ok = Int32(col == 0)
+                pair = group
+            return pair, ok
+
+        @cute.jit
+        def group_body(self, x: cute.Tensor, w: cute.Tensor, scl: cute.Tensor, out: cute.Tensor,
+                       sorted_ids: cute.Tensor, expert: Int32, pairs: Int32, tile: Int32, group: Int32, buf):
+            cfg = self.cfg
+            st = self.st
+            MT: cutlass.Constexpr = cfg.mt
+            NT: cutlass.Constexpr = cfg.nt
+            WK: cutlass.Constexpr = cfg.wk
+            F: cutlass.Constexpr = self.frag
+            K: cutlass.Constexpr = st.k
+            ROWS: cutlass.Constexpr = st.rows
+            XL: cutlass.Constexpr = CODING.chunk // 32
+            tid, _, _ = cute.arch.thread_idx()
+            lane = tid % 32
+            warp = tid // 32
+            g = lane // 4
+            t4 = lane % 4
+
+            # the expert's rows within the stacked [E x rows, K / 2] codes (and [E x rows, K / 32] scales)
+            w_rows = []
+            w_row_idx = []
+            for mt in cutlass.range_constexpr(MT):
+                for half in cutlass.range_constexpr(2):
+                    local = self.local_row(tile, mt, half, g)
+                    row = expert * ROWS + local
+                    w_row_idx.append(row)
+                    w_rows.append(w.iterator.toint() + Int64(row) * (K // 2) + Int64(t4) * 16)
+            # B column g of each n-tile: its pair's activation row (gate_up: the token's x; down: the pair's h)
+            x_rows = []
+            x_ok = []
+            for nt in cutlass.range_constexpr(NT):
+                pair, ok = self.pair_of(sorted_ids, group, pairs, 8 * nt + g)
+                row = pair
+                if cutlass.const_expr(self.glu):
+                    row = pair // st.top_k
+                x_ok.append(ok)
+                x_rows.append(x.iterator.toint() + Int64(row) * (2 * K) + Int64(t4) * (16 * XL))
+
+            acc = accumulate_chunks(self, P, scl, w_rows, w_row_idx, x_rows, x_ok, warp, t4,
+                                    cfg.pdl and not self.glu)
+
+            # slots finished together: gate and up of one (row, pair), or one down sum
+            G: cutlass.Constexpr = F // 2 if self.glu else F
+            if cutlass.const_expr(WK == 1):
+                for f in cutlass.range_constexpr(G):
+                    up = acc[f + G] if self.glu else acc[f]
+                    self.store(out, sorted_ids, group, pairs, tile, g, t4, Int32(f), acc[f], up)
+            else:
+                # partial tiles through shared memory ([warp][slot][lane]), summed in warp order: deterministic
+                for f in cutlass.range_constexpr(F):
+                    buf[(warp * F + f) * 32 + lane] = acc[f]
+                cute.arch.sync_threads()
+                for i in cutlass.range_constexpr(-(-G // WK)):
+                    f = warp + i * WK
+                    if f < G:
+                        s = Float32(0.0)
+                        u = Float32(0.0)
+                        for src in cutlass.range_constexpr(WK):
+                            s = s + buf[(src * F + f) * 32 + lane]
+                            if cutlass.const_expr(self.glu):
+                                u = u + buf[(src * F + f + G) * 32 + lane]
+                        self.store(out, sorted_ids, group, pairs, tile, g, t4, f, s, u)
+
+        def local_row(self, tile, mt: int, half: int, g):
+            """Row (within the expert) of m-tile ``mt``'s half ``half`` for lane group ``g``."""
+            if self.glu:  # gate rows, then the same rows of up
+                return mt * (self.st.rows // 2) + tile * 16 + 8 * half + g
+            return cutlass.min(tile * (16 * self.cfg.mt) + 16 * mt + 8 * half + g, Int32(self.st.rows - 1))
+
+        @cute.jit
+        def store(self, out: cute.Tensor, sorted_ids: cute.Tensor, group: Int32, pairs: Int32, tile: Int32,
+                  g: Int32, t4: Int32, f: Int32, v: Float32, up: Float32):
+            # accumulator slot f = (mt*NT + nt)*4 + q: q>>1 picks row g or g+8, q&1 the column pair
+            q = f % 4
+            nt = (f // 4) % self.cfg.nt
+            mt = f // (4 * self.cfg.nt)
+            pair, ok = self.pair_of(sorted_ids, group, pairs, 8 * nt + 2 * t4 + (q % 2))
+            if cutlass.const_expr(self.glu):
+                i = tile * 16 + g + 8 * (q // 2)
+                if ok != 0:
+                    gate = v.to(cutlass.BFloat16).to(Float32)
+                    lin = up.to(cutlass.BFloat16).to(Float32)
+                    out[pair, i] = self.act(gate, lin).to(out.element_type)
+            else:
+                row = tile * (16 * self.cfg.mt) + 16 * mt + g + 8 * (q // 2)
+                if ok != 0 and row < self.st.rows:
+                    out[pair, row] = v.to(out.element_type)
+
+    return MmaExpertsKernel
+
+
+def compile_stage(st: ExpertsStage, cfg: MmaConfig):
+    """The compiled kernel of one stage; the pair count, expert count and group count are dynamic."""
+    from latency_specialized.kernels import compile_cache
+
+    def build(arch: str):
+        import cutlass
+        import cutlass.cute as cute
+
+        from latency_specialized.kernels.gemm_common import (compile_options, fake_rows, fake_stream,
+                                                             fake_strided_rows, fake_vec, max_regs)
+
+        bf, u8, i32 = cutlass.BFloat16, cutlass.Uint8, cutlass.Int32
+        rows = cute.sym_int()
+        args = (fake_rows(bf, cute.sym_int(), st.k), fake_rows(u8, rows, st.k // 2),
+                fake_rows(u8, cute.sym_int(), st.k // 32, align=1), fake_strided_rows(bf, cute.sym_int(), st.out_width),
+                fake_vec(cutlass.Int64 if st.ids64 else i32, cute.sym_int(), align=4),
+                fake_vec(i32, cute.sym_int(), align=4), fake_vec(i32, cute.sym_int(), align=4),
+                fake_vec(i32, 1, align=4), 1, fake_stream())
+        return cute.compile(_kernel_class()(st, cfg), *args, options=compile_options(arch, max_regs(32 * cfg.wk, 0)))
+
+    key = tuple(sorted(vars(st).items())) + tuple(sorted(vars(cfg).items()))
+    return compile_cache.cached_compile(NAME, key, build)
+
+
+def stage_config(tiles: int, groups: int, chunks: int, mt: int) -> MmaConfig:
+    """Launch heuristic (``gemm_small_m.quantized_config``'s rule over the tiles of every group): enough warps in
+    flight for HBM, at least 2 chunks per warp, 4 chunks of loads per batch. Not yet measured."""
+    need = max(1.0, TARGET_WARPS * 2 / max(1, tiles * groups))
+    wk = pow2_at_most(min(need, max(1, chunks // 2)), min(8, SMEM_LIMIT // (4 * mt * 32 * 4)))
+    return MmaConfig(nt=1, mt=mt, wk=wk, sk=1, cb=max(1, min(4, math.ceil(chunks / wk))), pdl=False)
+
+
+def groups_of(M: int, top_k: int, experts: int, aligned: bool) -> int:
+    """Grid groups: one per route, or ``moe_align``'s block bound (runs of ``COLS`` pairs; unused ones return)."""
+    from latency_specialized.kernels.triton_moe import AlignSizes
+
+    return AlignSizes(M * top_k, experts, COLS).max_blocks if aligned else M * top_k
+
+
+def default_configs(M: int, top_k: int, experts: int, K: int, I: int, N: int, aligned: bool
+                    ) -> tuple[MmaConfig, MmaConfig]:
+    """(gate_up, down) launch choices of :func:`stage_config` for a step of M tokens."""
+    groups = groups_of(M, top_k, experts, aligned)
+    return stage_config(I // 16, groups, K // 128, 2), stage_config(N // 16, groups, I // 128, 1)
+
+
+def expert_parts(w: QuantizedWeight, what: str) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(codes [E x rows, K / 2], ue8m0 scales [E x rows, K / 32], E, rows) of stacked MXFP4 experts (scales checked
+    once per weight: ``gemm_q4_mma.mxfp4_parts``)."""
+    if not isinstance(w, QuantizedWeight) or w.weight.dim() != 3:
+        raise UserError(f"{what}: takes experts stacked as a [E, rows, K] QuantizedWeight (got "
+                        f"{type(w).__name__}{'' if not isinstance(w, QuantizedWeight) else tuple(w.weight.shape)})")
+    E, rows = w.weight.shape[:2]
+    q, s = mxfp4_parts(w, what, stacked=True)
+    return q.view(E * rows, -1), s.view(E * rows, -1), E, rows
+
+
+_dummies: dict = {}
+
+
+def _no_table(device: torch.device) -> torch.Tensor:
+    """A one-element int32 tensor for the align tables in "route" mode (read by no instruction)."""
+    t = _dummies.get(device)
+    if t is None:
+        t = _dummies[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return t
+
+
+_align: dict = {}
+
+
+def _align_buffers(pairs: int, experts: int, device: torch.device):
+    from latency_specialized.kernels import triton_moe as moe_k
+
+    key = (pairs, experts, device)
+    if key not in _align:
+        _align[key] = moe_k.AlignBuffers.allocate(moe_k.AlignSizes(pairs, experts, COLS), device)
+    return _align[key]
+
+
+def _stage_args(activation: ActivationSpec) -> dict:
+    """gate_up's GLU (``ActivationSpec`` kinds: SwiGLU with an optional clamp, SiTU-GLU)."""
+    if activation.kind == "swiglu":
+        return dict(act="swiglu", clamp=float(activation.clamp or 0.0))
+    return dict(act="situ_glu", beta=float(activation.beta), beta_lin=float(activation.beta_lin))
+
+
+def experts_mxfp4_mma(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor, w_gate_up: QuantizedWeight,
+                      w_down: QuantizedWeight, activation: ActivationSpec, *, per_route: bool = False,
+                      out: torch.Tensor | None = None, configs: tuple[MmaConfig, MmaConfig] | None = None,
+                      aligned: bool | None = None) -> torch.Tensor:
+    """Routed experts (contract: ``ops.moe.experts_reference``) over MXFP4 weights on tensor cores.
+
+    Parameters
+    ----------
+    x : [M, K] bf16, M <= ``MAX_TOKENS``, K % 128 == 0.
+    weights : [M, top_k] routing weights (fp32 or bf16; ignored with ``per_route``).
+    ids : [M, top_k] int32 / int64 expert ids.
+    w_gate_up : QuantizedWeight [E, 2I, K] (gate rows, then up rows), mxfp4 / mxfp4-deepseek; I % 128 == 0.
+    w_down : QuantizedWeight [E, N, I], the same format; N % 16 == 0.
+    per_route : every route's expert output, unweighted ([M, top_k, N]), instead of the combination.
+    out : optional [M, N] ([M, top_k, N]) destination, unit stride in N.
+    configs : (gate_up, down) launch choices; default :func:`default_configs`.
+    aligned : groups from ``moe_align`` (True) or one per route (False); default: from ``MIN_TOKENS_ALIGNED`` tokens.
+    """
+    from latency_specialized.kernels import triton_moe as moe_k
+    from latency_specialized.kernels import triton_q4
+    from latency_specialized.kernels.moe_experts_triton import route_rows
+
+    q13, s13, E, two_i = expert_parts(w_gate_up, NAME)
+    q2, s2, E2, N = expert_parts(w_down, NAME)
+    M, K = x.shape
+    I = two_i // 2
+    top_k = ids.shape[-1]
+    if x.dtype != torch.bfloat16 or ids.shape[0] != M or E2 != E:
+        raise UserError(f"{NAME}: x [M, K] bf16, ids [M, top_k], one expert count (x {tuple(x.shape)} {x.dtype}, "
+                        f"ids {tuple(ids.shape)}, experts {E} / {E2})")
+    if K % 128 or I % 128 or N % 16 or tuple(w_down.weight.shape[1:]) != (N, I // 2) or q13.shape[1] != K // 2:
+        raise UserError(f"{NAME}: needs K, I multiples of 128 and N of 16 with w_gate_up [E, 2I, K], w_down [E, N, I] "
+                        f"(x {tuple(x.shape)}, w_gate_up {tuple(w_gate_up.shape)}, w_down {tuple(w_down.shape)})")
+    if M > MAX_TOKENS:
+        raise UserError(f"{NAME} serves up to {MAX_TOKENS} tokens (got {M}): use moe.experts.q4_grouped_triton")
+    T = M * top_k
+    x = x.contiguous()
+    flat = ids.reshape(-1).contiguous()
+    if flat.dtype not in (torch.int32, torch.int64):
+        raise UserError(f"{NAME}: ids must be int32 or int64 (got {flat.dtype})")
+    aligned = M >= MIN_TOKENS_ALIGNED if aligned is None else aligned
+    groups = groups_of(M, top_k, E, aligned)
+    if aligned:
+        buf = moe_k.moe_align(ids, _align_buffers(T, E, x.device))
+        tables = (buf.sorted_ids, buf.expert_ids, buf.num_padded)
+    else:
+        tables = (_no_table(x.device),) * 3
+    common = dict(top_k=top_k, aligned=aligned, ids64=flat.dtype == torch.int64)
+    st13 = ExpertsStage("gate_up", K, two_i, **common, **_stage_args(activation))
+    st2 = ExpertsStage("down", I, N, **common)
+    cfg13, cfg2 = configs or default_configs(M, top_k, E, K, I, N, aligned)
+    if cfg13.mt != 2 or cfg13.nt != 1 or cfg2.nt != 1 or cfg13.sk != 1 or cfg2.sk != 1:
+        raise UserError(f"{NAME}: configs need nt = 1, sk = 1 and mt = 2 for gate_up (got {cfg13.label()}, "
+                        f"{cfg2.label()})")
+    stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
+    h = torch.empty(T, I, device=x.device, dtype=x.dtype)
+    compile_stage(st13, cfg13)(x, q13, s13, h, flat, *tables, groups, stream)
+    shape = (M, top_k, N) if per_route else (M, N)
+    y = out if out is not None else torch.empty(shape, device=x.device, dtype=x.dtype)
+    if tuple(y.shape) != shape or y.stride(-1) != 1:
+        raise UserError(f"{NAME}: out {tuple(y.shape)} must be {list(shape)} with unit stride in N")
+    yp, direct = route_rows(y) if per_route else (torch.empty(T, N, device=x.device, dtype=x.dtype), False)
+    compile_stage(st2, cfg2)(h, q2, s2, yp, flat, *tables, groups, stream)
+    if per_route:
+        if not direct:
+            y.copy_(yp.view(M, top_k, N))
+        return y
+    w = weights.reshape(M, top_k)
+    triton_q4.route_sum(yp, w.contiguous() if w.dtype == torch.float32 else w.float().contiguous(), y)
+    return y
+
+
+def _supports(ctx: OpContext) -> Support:
+    from latency_specialized.kernels.compile_cache import cute_available
+    from latency_specialized.kernels.triton_common import quantized_experts_refusal
+
+    why = quantized_experts_refusal(ctx, NAME, FORMATS, "MXFP4", min_sm=90)
+    if why:
+        return why
+    if ctx.dim("K") % 128 or ctx.dim("N") % 128:
+        return f"K={ctx.dim('K')} and I={ctx.dim('N')} must be multiples of 128 (one 16-byte load: 32 codes a lane)"
+    if ctx.tokens > MAX_TOKENS:
+        return f"{ctx.tokens} tokens: serves up to {MAX_TOKENS} (moe.experts.q4_grouped_triton beyond)"
+    return cute_available()
+
+
+IMPLEMENTATIONS = [
+    Implementation("moe.experts", NAME, experts_mxfp4_mma, _supports, priority=15,
+                   description="MXFP4 experts decoded to bf16 in registers on mma.sync (gemm_q4_mma's weight stream):"
+                               " gate|up with the GLU epilogue, down per route, weighted route sum; not yet timed on a"
+                               " GPU, so below the Triton 4-bit kernels"),
+]
+
+__all__ = ["COLS", "ExpertsStage", "IMPLEMENTATIONS", "MAX_TOKENS", "MIN_TOKENS_ALIGNED", "NAME", "compile_stage",
+           "default_configs", "experts_mxfp4_mma", "expert_parts", "groups_of", "stage_config"]

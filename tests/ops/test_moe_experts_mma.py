@@ -1,0 +1,163 @@
+"""CPU tests of the MXFP4 routed experts on the mma.sync kernel (``kernels/moe_experts_mma.py``): both kernels'
+sm_90a PTX executed by the emulator (``ptx_emulator.py``) through the public wrapper - route and aligned groups,
+SiTU-GLU and SwiGLU (clamped), int32 / int64 ids, K split over warps, rows past N, an expert chosen by every token,
+per-route rows and the weighted combination - against the dequantising reference; what the PTX holds; the
+refusals. GPU: ``test_moe_experts_mma_gpu.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from latency_specialized.errors import UserError
+from latency_specialized.kernels import moe_experts_mma as mm
+from latency_specialized.kernels.compile_cache import cute_available
+from latency_specialized.kernels.gemm_small_m import MmaConfig
+from latency_specialized.ops.moe import experts_reference
+from latency_specialized.quant.checkpoint_io import quantize_weight
+from latency_specialized.spec import ActivationSpec
+
+from emulated_kernels import EmulatedExpertsStage, emulate_experts
+
+needs_cute = pytest.mark.skipif(cute_available() is not True, reason="nvidia-cutlass-dsl not installed")
+
+SITU = ActivationSpec(kind="situ_glu", beta=4, beta_lin=25)
+SWIGLU = ActivationSpec(kind="swiglu", clamp=3.0)
+TOL = 1.0 / 64
+"""Max error over max |reference|: the kernel rounds where the reference does; fp32 sums in another order may move a
+gate / up value across a bf16 rounding boundary."""
+
+
+def _case(seed: int, M: int, *, E=6, k=2, K=128, I=128, N=48, same=False, fmt="mxfp4", ids_dtype=torch.int32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).bfloat16()
+    w13 = quantize_weight("experts.w13", torch.randn(E, 2 * I, K, generator=g) * K ** -0.5, fmt)
+    w2 = quantize_weight("experts.w2", torch.randn(E, N, I, generator=g) * I ** -0.5, fmt)
+    logits = torch.randn(1 if same else M, E, generator=g)
+    ids = logits.topk(k, dim=-1).indices.expand(M, k).contiguous().to(ids_dtype)
+    w = torch.rand(M, k, generator=g) + 0.05
+    return x, (w / w.sum(-1, keepdim=True)).contiguous(), ids, w13, w2
+
+
+def _rel(y, ref) -> float:
+    return float((y.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+CASES = {  # label: (M, case kwargs, activation, configs or None)
+    "b1-situ": (1, {}, SITU, None),
+    "b3-swiglu-int64": (3, dict(ids_dtype=torch.int64, fmt="mxfp4-deepseek"), SWIGLU, None),
+    "b2-warps2-ragged": (2, dict(K=384), SITU, (MmaConfig(nt=1, mt=2, wk=2, cb=1, pdl=False),
+                                                MmaConfig(nt=1, mt=2, wk=1, cb=1, pdl=False))),
+    "b16-aligned": (16, dict(k=3, N=32), SITU, None),
+    "b17-aligned-same-pdl": (17, dict(same=True, K=256), SWIGLU, (MmaConfig(nt=1, mt=2, wk=2, cb=2, pdl=True),
+                                                              MmaConfig(nt=1, mt=1, wk=1, cb=1, pdl=True))),
+}
+
+
+@needs_cute
+@pytest.mark.parametrize("label", list(CASES))
+def test_mxfp4_mma_experts_match_the_reference_in_the_emulator(monkeypatch, label):
+    emulate_experts(monkeypatch)
+    M, kw, act, configs = CASES[label]
+    x, w, ids, w13, w2 = _case(len(label), M, **kw)
+    ref_rows = experts_reference(x, None, ids, w13, w2, act, per_route=True)
+    rows = torch.full_like(ref_rows, float("nan"))
+    got = mm.experts_mxfp4_mma(x, None, ids, w13, w2, act, per_route=True, out=rows, configs=configs)
+    assert got.data_ptr() == rows.data_ptr() and torch.isfinite(rows).all()
+    assert _rel(rows, ref_rows) <= TOL, _rel(rows, ref_rows)
+    assert (rows != ref_rows).float().mean() <= 0.01  # the reference's roundings: equal but for a rare boundary
+    ref = experts_reference(x, w, ids, w13, w2, act)
+    y = mm.experts_mxfp4_mma(x, w, ids, w13, w2, act, configs=configs)
+    assert _rel(y, ref) <= TOL, _rel(y, ref)
+    st, cfg, groups, _ = EmulatedExpertsStage.launches[-1]
+    assert st.stage == "down" and st.aligned == (M >= mm.MIN_TOKENS_ALIGNED)
+    assert groups == (M * ids.shape[1] if not st.aligned else groups)
+
+
+@needs_cute
+def test_kimi_tp8_stages_compile_to_the_gemm_weight_stream_without_spills(sm90):
+    """Kimi K3 TP8 rank shapes (K = N = 3584, I = 384), batch 1's configs: per warp and 128-wide chunk, one 16-byte
+    load per weight row (2 per m-tile), 16 bf16x2 multiplies per row and 8 MMAs per m-tile - the MXFP4 gemm's stream;
+    the GLU epilogue in registers; no local memory."""
+    from latency_specialized.kernels.gemm_common import ptx_of
+
+    K, I, N = 3584, 384, 3584
+    cfg13, cfg2 = mm.default_configs(1, 16, 896, K, I, N, aligned=False)
+    assert (cfg13.mt, cfg13.wk, cfg2.mt, cfg2.wk) == (2, 8, 1, 1)
+    load = "ld.global.nc.L1::no_allocate.L2::256B.v4.b32"
+    for st, cfg in ((mm.ExpertsStage("gate_up", K, 2 * I, 16, False, act="situ_glu", beta=4, beta_lin=25), cfg13),
+                    (mm.ExpertsStage("down", I, N, 16, False), cfg2)):
+        p = ptx_of(mm.compile_stage(st, cfg))
+        per_warp = -(-(st.k // 128) // cfg.wk)
+        assert "ld.local" not in p and "st.local" not in p, st.stage
+        assert p.count(load) == 2 * cfg.mt * per_warp, st.stage
+        assert p.count("mul.rn.bf16x2") == 2 * cfg.mt * 16 * per_warp, st.stage
+        assert p.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 8 * cfg.mt * per_warp, st.stage
+        # stores: gate_up's 4 (gate, up) slot pairs split over its 8 reducing warps: 1; down's 4 slots, of which the
+        # odd columns can never be a route's own column 0 (compiled out): 2
+        assert p.count("st.global.b16") == {"gate_up": 1, "down": 2}[st.stage], st.stage
+
+
+def _mx(E, rows, K, fmt="mxfp4"):
+    return quantize_weight("w", torch.randn(E, rows, K) * K ** -0.5, fmt)
+
+
+def test_refusals_name_the_fix():
+    x = torch.randn(2, 128).bfloat16()
+    ids = torch.zeros(2, 2, dtype=torch.int32)
+    w13, w2 = _mx(3, 256, 128), _mx(3, 32, 128)
+    with pytest.raises(UserError, match="multiples of 128"):
+        mm.experts_mxfp4_mma(x, None, ids, _mx(3, 2 * 64, 128), _mx(3, 32, 64), SITU, per_route=True)
+    with pytest.raises(UserError, match="q4_grouped_triton"):
+        mm.experts_mxfp4_mma(torch.randn(65, 128).bfloat16(), None, torch.zeros(65, 2, dtype=torch.int32), w13, w2,
+                             SITU, per_route=True)
+    with pytest.raises(UserError, match="stacked"):
+        mm.experts_mxfp4_mma(x, None, ids, w13.dequantize(), w2, SITU, per_route=True)
+    with pytest.raises(UserError, match="mxfp4"):
+        mm.experts_mxfp4_mma(x, None, ids, _mx(3, 256, 128, "nvfp4"), w2, SITU, per_route=True)
+    with pytest.raises(UserError, match="nt = 1"):
+        mm.experts_mxfp4_mma(x, None, ids, w13, w2, SITU, per_route=True,
+                             configs=(MmaConfig(nt=1, mt=1), MmaConfig(nt=1)))
+    bad = _mx(3, 256, 128)
+    bad.scale.view(torch.uint8)[0, 0, 0] = 1  # 2^-126: below the exact range
+    with pytest.raises(UserError, match="requantize"):
+        mm.experts_mxfp4_mma(x, None, ids, bad, w2, SITU, per_route=True)
+
+
+def test_dispatch_keeps_the_triton_kernels_first_until_timed():
+    """Registered for MXFP4 sites on sm_90 up to 64 tokens, below the Triton 4-bit kernels (priority 20) until an
+    H200 run times it; refuses NVFP4, other archs, widths off 128 and larger steps, saying why."""
+    from latency_specialized.contract import make_context
+    from latency_specialized.plugins import get_registry
+
+    impls = {i.name: i for i in get_registry().implementations.family("moe.experts")}
+    ours = impls[mm.NAME]
+    assert ours.priority < impls["moe.experts.q4_gemv_triton"].priority
+
+    def ctx(tokens=1, fmt="mxfp4", arch="sm_90a", K=3584, N=384):
+        return make_context("moe.experts", arch=arch, dtype="bfloat16", tokens=tokens,
+                            dims=dict(E=896, topk=16, N=N, K=K), attrs={"activation": "situ_glu",
+                                                                        "weight_format": fmt})
+
+    if cute_available() is True:
+        assert ours.supports(ctx()) is True
+    assert "128" in str(ours.supports(ctx(N=64 + 128)))
+    assert "64" in str(ours.supports(ctx(tokens=65)))
+    assert ours.supports(ctx(fmt="nvfp4")) is not True
+    assert ours.supports(ctx(arch="sm_80")) is not True
+
+
+def test_bench_variants_make_configs_the_wrapper_takes():
+    """``ops_bench_q4.MMA_VARIANTS`` at Kimi K3 TP8 shapes: every variant's configs pass the wrapper's checks (nt 1,
+    gate_up mt 2, shared memory within the limit) at batch 1, 16 and 64."""
+    from latency_specialized.bench import ops_bench_q4 as b
+    from latency_specialized.kernels.gemm_small_m import SMEM_LIMIT
+
+    for name, v in b.MMA_VARIANTS.items():
+        for M in (1, 16, 64):
+            c13, c2, aligned = b.mma_variant_configs(v, M, 16, 896, 3584, 384, 3584)
+            assert aligned == v.get("aligned", M >= mm.MIN_TOKENS_ALIGNED)
+            assert c13.mt == 2 and c13.nt == c2.nt == 1 and max(c13.smem_bytes(), c2.smem_bytes()) <= SMEM_LIMIT
