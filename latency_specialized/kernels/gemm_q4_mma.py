@@ -35,7 +35,8 @@ def mxfp4_parts(w: QuantizedWeight, what: str = NAME, stacked: bool = False) -> 
     from latency_specialized.quant.codecs import as_bytes
 
     if not isinstance(w, QuantizedWeight) or w.fmt.name not in FORMATS or w.weight.dim() != 2 + stacked:
-        raise UserError(f"{what}: takes one {'[E, N, K]' if stacked else '[N, K]'} QuantizedWeight in {' / '.join(FORMATS)} (got "
+        shape = "[E, N, K]" if stacked else "[N, K]"
+        raise UserError(f"{what}: takes one {shape} QuantizedWeight in {' / '.join(FORMATS)} (got "
                         f"{getattr(getattr(w, 'fmt', None), 'name', type(w).__name__)})")
     q, s = as_bytes(w.weight), as_bytes(w.scale)
 

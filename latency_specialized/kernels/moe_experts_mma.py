@@ -47,6 +47,8 @@ MIN_TOKENS_ALIGNED = 16
 """Tokens per step from which groups are ``moe_align``'s runs (an align launch, fewer expert reads) instead of single
 routes. Not yet measured: at Kimi K3's 896 experts and top-16, 16 tokens' 256 routes share ~13% of their experts."""
 MAX_TOKENS = 64
+MAX_SUM_WARPS = 16
+"""``down_sum``'s warps per CTA at most (a warp per route; more routes take turns)."""
 """The decode regime this kernel is built for (``moe.experts.q4_grouped_triton`` serves larger steps)."""
 
 
@@ -55,7 +57,8 @@ class ExpertsStage:
     """One of the two kernels, statically (part of the compile key)."""
 
     stage: str
-    """"gate_up" or "down"."""
+    """"gate_up", "down" (each route's row) or "down_sum" (route mode: a CTA per token and row tile, a warp per route,
+    the routes weighted and summed in the kernel)."""
     k: int
     """Reduction width: K (gate_up) or I (down); a multiple of 128."""
     rows: int
@@ -76,6 +79,13 @@ class ExpertsStage:
     def out_width(self) -> int:
         return self.rows // 2 if self.stage == "gate_up" else self.rows
 
+    def refusal(self) -> str | None:
+        if self.stage not in ("gate_up", "down", "down_sum"):
+            return f"stage {self.stage!r}"
+        if self.stage == "down_sum" and self.aligned:
+            return "down_sum serves route groups (a CTA per token), not aligned ones"
+        return None
+
 
 @functools.cache
 def _kernel_class():
@@ -95,7 +105,10 @@ def _kernel_class():
             # what accumulate_chunks reads of a kernel
             self.k, self.coding, self.kc, self.split_pairs = st.k, CODING, CODING.chunk, False
             self.chunks = st.k // CODING.chunk
-            self.parts = cfg.wk
+            self.summed = st.stage == "down_sum"
+            # down_sum: each warp takes whole routes (routes w, w + wk, ...), every chunk of each
+            self.parts = 1 if self.summed else cfg.wk
+            self.routes_per_warp = -(-st.top_k // cfg.wk)
             self.per_part = -(-self.chunks // self.parts)
             self.ragged = self.chunks % self.parts != 0
             self.frag = 4 * cfg.mt * cfg.nt
@@ -107,14 +120,15 @@ def _kernel_class():
 
         @cute.jit
         def __call__(self, x: cute.Tensor, w: cute.Tensor, scl: cute.Tensor, out: cute.Tensor, ids: cute.Tensor,
-                     sorted_ids: cute.Tensor, block_expert: cute.Tensor, num_padded: cute.Tensor, groups: Int32,
-                     stream):
-            self.kernel(x, w, scl, out, ids, sorted_ids, block_expert, num_padded).launch(
+                     sorted_ids: cute.Tensor, block_expert: cute.Tensor, num_padded: cute.Tensor,
+                     route_weights: cute.Tensor, groups: Int32, stream):
+            self.kernel(x, w, scl, out, ids, sorted_ids, block_expert, num_padded, route_weights).launch(
                 grid=[self.tiles, groups, 1], block=[32 * self.cfg.wk, 1, 1], stream=stream, use_pdl=self.cfg.pdl)
 
         @cute.kernel
         def kernel(self, x: cute.Tensor, w: cute.Tensor, scl: cute.Tensor, out: cute.Tensor, ids: cute.Tensor,
-                   sorted_ids: cute.Tensor, block_expert: cute.Tensor, num_padded: cute.Tensor):
+                   sorted_ids: cute.Tensor, block_expert: cute.Tensor, num_padded: cute.Tensor,
+                   route_weights: cute.Tensor):
             tile, group, _ = cute.arch.block_idx()
             buf = None
             if cutlass.const_expr(self.cfg.wk > 1):
@@ -125,7 +139,9 @@ def _kernel_class():
                 cute.arch.griddepcontrol_wait()
                 cute.arch.griddepcontrol_launch_dependents()
             pairs = ids.shape[0]
-            if cutlass.const_expr(self.st.aligned):
+            if cutlass.const_expr(self.summed):
+                self.token_body(x, w, scl, out, ids, route_weights, tile, group, buf)
+            elif cutlass.const_expr(self.st.aligned):
                 if group * (COLS * self.cfg.nt) < num_padded[0]:
                     self.group_body(x, w, scl, out, sorted_ids, block_expert[group], pairs, tile, group, buf)
             else:
@@ -151,12 +167,10 @@ def _kernel_class():
                        sorted_ids: cute.Tensor, expert: Int32, pairs: Int32, tile: Int32, group: Int32, buf):
             cfg = self.cfg
             st = self.st
-            MT: cutlass.Constexpr = cfg.mt
             NT: cutlass.Constexpr = cfg.nt
             WK: cutlass.Constexpr = cfg.wk
             F: cutlass.Constexpr = self.frag
             K: cutlass.Constexpr = st.k
-            ROWS: cutlass.Constexpr = st.rows
             XL: cutlass.Constexpr = CODING.chunk // 32
             tid, _, _ = cute.arch.thread_idx()
             lane = tid % 32
@@ -164,15 +178,7 @@ def _kernel_class():
             g = lane // 4
             t4 = lane % 4
 
-            # the expert's rows within the stacked [E x rows, K / 2] codes (and [E x rows, K / 32] scales)
-            w_rows = []
-            w_row_idx = []
-            for mt in cutlass.range_constexpr(MT):
-                for half in cutlass.range_constexpr(2):
-                    local = self.local_row(tile, mt, half, g)
-                    row = expert * ROWS + local
-                    w_row_idx.append(row)
-                    w_rows.append(w.iterator.toint() + Int64(row) * (K // 2) + Int64(t4) * 16)
+            w_rows, w_row_idx = self.expert_rows(w, expert, tile, g, t4)
             # B column g of each n-tile: its pair's activation row (gate_up: the token's x; down: the pair's h)
             x_rows = []
             x_ok = []
@@ -209,6 +215,70 @@ def _kernel_class():
                                 u = u + buf[(src * F + f + G) * 32 + lane]
                         self.store(out, sorted_ids, group, pairs, tile, g, t4, f, s, u)
 
+        def expert_rows(self, w: cute.Tensor, expert, tile, g, t4) -> tuple[list, list]:
+            """(addresses of this lane's 16 bytes of the weight rows, their indices into the scales): rows g, g + 8 of
+            every m-tile, within the expert's [rows, K / 2] of the stacked codes (trace time)."""
+            w_rows = []
+            w_row_idx = []
+            for mt in range(self.cfg.mt):
+                for half in range(2):
+                    row = expert * self.st.rows + self.local_row(tile, mt, half, g)
+                    w_row_idx.append(row)
+                    w_rows.append(w.iterator.toint() + Int64(row) * (self.st.k // 2) + Int64(t4) * 16)
+            return w_rows, w_row_idx
+
+        @cute.jit
+        def token_body(self, x: cute.Tensor, w: cute.Tensor, scl: cute.Tensor, out: cute.Tensor, ids: cute.Tensor,
+                       route_weights: cute.Tensor, tile: Int32, token: Int32, buf):
+            """down_sum: out[token, rows of the tile] = sum over the token's routes of weight x bf16(h @ W_down^T).
+            Warp w takes routes w, w + WK, ... (all their chunks: one batch of loads per route); each route's sums
+            are rounded to bf16 (as the reference rounds each expert output) and weighted in fp32; the warps' sums
+            are added in warp order (deterministic). Only B column 0 (the route's own h row) is live."""
+            cfg = self.cfg
+            TOPK: cutlass.Constexpr = self.st.top_k
+            WK: cutlass.Constexpr = cfg.wk
+            F: cutlass.Constexpr = self.frag
+            K: cutlass.Constexpr = self.st.k
+            tid, _, _ = cute.arch.thread_idx()
+            lane = tid % 32
+            warp = tid // 32
+            g = lane // 4
+            t4 = lane % 4
+            sums = [Float32(0.0) for _ in range(F)]
+            for r in cutlass.range_constexpr(self.routes_per_warp):
+                j = warp + r * WK
+                live = Int32(j < TOPK)
+                pair = token * TOPK + cutlass.min(j, TOPK - 1)
+                w_rows, w_row_idx = self.expert_rows(w, ids[pair].to(Int32), tile, g, t4)
+                x_rows = [x.iterator.toint() + Int64(pair) * (2 * K) + Int64(t4) * (16 * (CODING.chunk // 32))]
+                acc = accumulate_chunks(self, P, scl, w_rows, w_row_idx, x_rows, [Int32(g == 0) & live], Int32(0),
+                                        t4, cfg.pdl and r == 0)
+                wt = route_weights[pair] * live.to(Float32)
+                for f in cutlass.range_constexpr(F):
+                    sums[f] = sums[f] + acc[f].to(cutlass.BFloat16).to(Float32) * wt
+            if cutlass.const_expr(WK == 1):
+                for f in cutlass.range_constexpr(F):
+                    self.store_sum(out, token, tile, g, t4, Int32(f), sums[f])
+            else:
+                for f in cutlass.range_constexpr(F):
+                    buf[(warp * F + f) * 32 + lane] = sums[f]
+                cute.arch.sync_threads()
+                for i in cutlass.range_constexpr(-(-F // WK)):
+                    f = warp + i * WK
+                    if f < F:
+                        s = Float32(0.0)
+                        for src in cutlass.range_constexpr(WK):
+                            s = s + buf[(src * F + f) * 32 + lane]
+                        self.store_sum(out, token, tile, g, t4, f, s)
+
+        @cute.jit
+        def store_sum(self, out: cute.Tensor, token: Int32, tile: Int32, g: Int32, t4: Int32, f: Int32, v: Float32):
+            # slot f = mt*4 + q (NT = 1): q>>1 picks row g or g+8, q&1 the column; column 0 is the route's
+            q = f % 4
+            row = tile * (16 * self.cfg.mt) + 16 * (f // 4) + g + 8 * (q // 2)
+            if t4 == 0 and q % 2 == 0 and row < self.st.rows:
+                out[token, row] = v.to(out.element_type)
+
         def local_row(self, tile, mt: int, half: int, g):
             """Row (within the expert) of m-tile ``mt``'s half ``half`` for lane group ``g``."""
             if self.glu:  # gate rows, then the same rows of up
@@ -241,6 +311,10 @@ def compile_stage(st: ExpertsStage, cfg: MmaConfig):
     """The compiled kernel of one stage; the pair count, expert count and group count are dynamic."""
     from latency_specialized.kernels import compile_cache
 
+    why = st.refusal()
+    if why:
+        raise ValueError(f"{NAME}: {why}: not compiled")
+
     def build(arch: str):
         import cutlass
         import cutlass.cute as cute
@@ -254,7 +328,7 @@ def compile_stage(st: ExpertsStage, cfg: MmaConfig):
                 fake_rows(u8, cute.sym_int(), st.k // 32, align=1), fake_strided_rows(bf, cute.sym_int(), st.out_width),
                 fake_vec(cutlass.Int64 if st.ids64 else i32, cute.sym_int(), align=4),
                 fake_vec(i32, cute.sym_int(), align=4), fake_vec(i32, cute.sym_int(), align=4),
-                fake_vec(i32, 1, align=4), 1, fake_stream())
+                fake_vec(i32, 1, align=4), fake_vec(cutlass.Float32, cute.sym_int(), align=4), 1, fake_stream())
         return cute.compile(_kernel_class()(st, cfg), *args, options=compile_options(arch, max_regs(32 * cfg.wk, 0)))
 
     key = tuple(sorted(vars(st).items())) + tuple(sorted(vars(cfg).items()))
@@ -276,11 +350,20 @@ def groups_of(M: int, top_k: int, experts: int, aligned: bool) -> int:
     return AlignSizes(M * top_k, experts, COLS).max_blocks if aligned else M * top_k
 
 
-def default_configs(M: int, top_k: int, experts: int, K: int, I: int, N: int, aligned: bool
-                    ) -> tuple[MmaConfig, MmaConfig]:
-    """(gate_up, down) launch choices of :func:`stage_config` for a step of M tokens."""
+def summed(aligned: bool, per_route: bool) -> bool:
+    """Whether the down stage is ``down_sum`` (route groups, combined output)."""
+    return not aligned and not per_route
+
+
+def default_configs(M: int, top_k: int, experts: int, K: int, I: int, N: int, aligned: bool,
+                    per_route: bool = False) -> tuple[MmaConfig, MmaConfig]:
+    """(gate_up, down) launch choices for a step of M tokens: :func:`stage_config`'s; ``down_sum`` takes a warp per
+    route (all of a route's chunks in one batch of loads)."""
     groups = groups_of(M, top_k, experts, aligned)
-    return stage_config(I // 16, groups, K // 128, 2), stage_config(N // 16, groups, I // 128, 1)
+    gate_up = stage_config(I // 16, groups, K // 128, 2)
+    if summed(aligned, per_route):
+        return gate_up, MmaConfig(nt=1, mt=1, wk=min(top_k, MAX_SUM_WARPS), cb=min(4, I // 128), pdl=False)
+    return gate_up, stage_config(N // 16, groups, I // 128, 1)
 
 
 def expert_parts(w: QuantizedWeight, what: str) -> tuple[torch.Tensor, torch.Tensor, int, int]:
@@ -297,11 +380,12 @@ def expert_parts(w: QuantizedWeight, what: str) -> tuple[torch.Tensor, torch.Ten
 _dummies: dict = {}
 
 
-def _no_table(device: torch.device) -> torch.Tensor:
-    """A one-element int32 tensor for the align tables in "route" mode (read by no instruction)."""
-    t = _dummies.get(device)
+def _no_table(device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """A one-element tensor for an operand a stage does not read (the align tables in "route" mode, the routing
+    weights outside ``down_sum``)."""
+    t = _dummies.get((device, dtype))
     if t is None:
-        t = _dummies[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        t = _dummies[(device, dtype)] = torch.zeros(1, dtype=dtype, device=device)
     return t
 
 
@@ -373,26 +457,32 @@ def experts_mxfp4_mma(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.
         tables = (_no_table(x.device),) * 3
     common = dict(top_k=top_k, aligned=aligned, ids64=flat.dtype == torch.int64)
     st13 = ExpertsStage("gate_up", K, two_i, **common, **_stage_args(activation))
-    st2 = ExpertsStage("down", I, N, **common)
-    cfg13, cfg2 = configs or default_configs(M, top_k, E, K, I, N, aligned)
-    if cfg13.mt != 2 or cfg13.nt != 1 or cfg2.nt != 1 or cfg13.sk != 1 or cfg2.sk != 1:
-        raise UserError(f"{NAME}: configs need nt = 1, sk = 1 and mt = 2 for gate_up (got {cfg13.label()}, "
-                        f"{cfg2.label()})")
+    st2 = ExpertsStage("down_sum" if summed(aligned, per_route) else "down", I, N, **common)
+    cfg13, cfg2 = configs or default_configs(M, top_k, E, K, I, N, aligned, per_route)
+    if cfg13.mt != 2 or cfg13.nt != 1 or cfg2.nt != 1 or cfg13.sk != 1 or cfg2.sk != 1 or cfg2.wk > 32:
+        raise UserError(f"{NAME}: configs need nt = 1, sk = 1, mt = 2 for gate_up and at most 32 warps (got "
+                        f"{cfg13.label()}, {cfg2.label()})")
     stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
     h = torch.empty(T, I, device=x.device, dtype=x.dtype)
-    compile_stage(st13, cfg13)(x, q13, s13, h, flat, *tables, groups, stream)
+    no_weights = _no_table(x.device, torch.float32)
+    compile_stage(st13, cfg13)(x, q13, s13, h, flat, *tables, no_weights, groups, stream)
     shape = (M, top_k, N) if per_route else (M, N)
     y = out if out is not None else torch.empty(shape, device=x.device, dtype=x.dtype)
     if tuple(y.shape) != shape or y.stride(-1) != 1:
         raise UserError(f"{NAME}: out {tuple(y.shape)} must be {list(shape)} with unit stride in N")
+    if st2.stage == "down_sum":
+        w = weights.reshape(-1)
+        w = w.contiguous() if w.dtype == torch.float32 else w.float().contiguous()
+        compile_stage(st2, cfg2)(h, q2, s2, y, flat, *tables, w, M, stream)
+        return y
     yp, direct = route_rows(y) if per_route else (torch.empty(T, N, device=x.device, dtype=x.dtype), False)
-    compile_stage(st2, cfg2)(h, q2, s2, yp, flat, *tables, groups, stream)
+    compile_stage(st2, cfg2)(h, q2, s2, yp, flat, *tables, no_weights, groups, stream)
     if per_route:
         if not direct:
             y.copy_(yp.view(M, top_k, N))
         return y
     w = weights.reshape(M, top_k)
-    triton_q4.route_sum(yp, w.contiguous() if w.dtype == torch.float32 else w.float().contiguous(), y)
+    triton_q4.route_sum(yp, w.contiguous() if w.dtype == torch.float32 else w.float().contiguous(), y)  # aligned
     return y
 
 

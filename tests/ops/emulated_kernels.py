@@ -1,5 +1,5 @@
-"""The mma.sync kernel family run on the CPU through the PTX emulator (``ptx_emulator.py``): ``emulate_mma(monkeypatch)``
-makes ``gemm_small_m.compile_mma`` hand back a callable that launches the kernel's sm_90a PTX in the emulator on CPU
+"""The mma.sync kernel family run on the CPU through the PTX emulator (``ptx_emulator.py``):
+``emulate_mma(monkeypatch)`` makes ``gemm_small_m.compile_mma`` hand back a callable that launches the kernel's sm_90a PTX in the emulator on CPU
 tensors, so the public wrappers (``gemm_small_m``, ``gemm_fp8_mma``, ``gemm_q4_mma``) run end to end - argument
 checks, config choice, the kernel - on this machine.
 
@@ -101,25 +101,30 @@ def emulate_mma(monkeypatch) -> None:
 
 class EmulatedExpertsStage:
     """Stands in for ``moe_experts_mma.compile_stage``'s kernel: ``(x, w, scl, out, ids, sorted_ids, block_expert,
-    num_padded, groups, stream)``; grid (tiles, groups), block 32 x wk, as ``MmaExpertsKernel.__call__``."""
+    num_padded, route_weights, groups, stream)``; grid (tiles, groups), block 32 x wk, as
+    ``MmaExpertsKernel.__call__``."""
 
     launches: list = []
 
     def __init__(self, ptx: str, st, cfg):
         self.ptx, self.st, self.cfg = ptx, st, cfg
 
-    def __call__(self, x, w, scl, out, ids, sorted_ids, block_expert, num_padded, groups, stream) -> None:
+    def __call__(self, x, w, scl, out, ids, sorted_ids, block_expert, num_padded, route_weights, groups, stream
+                 ) -> None:
         mem = Memory()
         st, cfg = self.st, self.cfg
         tiles = st.rows // 2 // 16 if st.stage == "gate_up" else -(-st.rows // (16 * cfg.mt))
         ax, aw, asc = mem.put(x), mem.put(w), mem.put(scl)
         o = StridedRows(mem, out)
-        a_ids, a_sorted, a_blk, a_np = (mem.put(t) for t in (ids, sorted_ids, block_expert, num_padded))
+        a_ids, a_sorted, a_blk, a_np, a_w = (mem.put(t) for t in (ids, sorted_ids, block_expert, num_padded,
+                                                                   route_weights))
         emu = Emulator(self.ptx, mem, smem_bytes=max(cfg.smem_bytes(), 16))
         emu.launch((tiles, groups, 1),
-                   [tensor_param(ax, (x.shape[0],)), tensor_param(aw, (w.shape[0],)), tensor_param(asc, (scl.shape[0],)),
+                   [tensor_param(ax, (x.shape[0],)), tensor_param(aw, (w.shape[0],)),
+                    tensor_param(asc, (scl.shape[0],)),
                     o.param(), tensor_param(a_ids, (ids.shape[0],)), tensor_param(a_sorted, (sorted_ids.shape[0],)),
-                    tensor_param(a_blk, (block_expert.shape[0],)), tensor_param(a_np)],
+                    tensor_param(a_blk, (block_expert.shape[0],)), tensor_param(a_np),
+                    tensor_param(a_w, (route_weights.shape[0],))],
                    block=(32 * cfg.wk, 1, 1))
         o.read_back()
         EmulatedExpertsStage.launches.append((st, cfg, groups, emu.steps))

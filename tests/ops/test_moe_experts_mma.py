@@ -1,8 +1,8 @@
-"""CPU tests of the MXFP4 routed experts on the mma.sync kernel (``kernels/moe_experts_mma.py``): both kernels'
+"""CPU tests of the MXFP4 routed experts on the mma.sync kernel (``kernels/moe_experts_mma.py``): the kernels'
 sm_90a PTX executed by the emulator (``ptx_emulator.py``) through the public wrapper - route and aligned groups,
-SiTU-GLU and SwiGLU (clamped), int32 / int64 ids, K split over warps, rows past N, an expert chosen by every token,
-per-route rows and the weighted combination - against the dequantising reference; what the PTX holds; the
-refusals. GPU: ``test_moe_experts_mma_gpu.py``.
+SiTU-GLU and SwiGLU (clamped), int32 / int64 ids, K split over warps (ragged), rows past N, an expert chosen by every
+token, per-route rows and the weighted combination (``down_sum``: a warp per route, more routes than warps) - against
+the dequantising reference; what the PTX holds; the refusals. GPU: ``test_moe_experts_mma_gpu.py``.
 """
 
 from __future__ import annotations
@@ -48,7 +48,9 @@ def _rel(y, ref) -> float:
 
 CASES = {  # label: (M, case kwargs, activation, configs or None)
     "b1-situ": (1, {}, SITU, None),
-    "b3-swiglu-int64": (3, dict(ids_dtype=torch.int64, fmt="mxfp4-deepseek"), SWIGLU, None),
+    "b3-swiglu-int64-routes-ragged": (3, dict(k=3, ids_dtype=torch.int64, fmt="mxfp4-deepseek"), SWIGLU,
+                                      (MmaConfig(nt=1, mt=2, wk=1, cb=4, pdl=False),
+                                       MmaConfig(nt=1, mt=1, wk=2, cb=1, pdl=False))),
     "b2-warps2-ragged": (2, dict(K=384), SITU, (MmaConfig(nt=1, mt=2, wk=2, cb=1, pdl=False),
                                                 MmaConfig(nt=1, mt=2, wk=1, cb=1, pdl=False))),
     "b16-aligned": (16, dict(k=3, N=32), SITU, None),
@@ -73,32 +75,36 @@ def test_mxfp4_mma_experts_match_the_reference_in_the_emulator(monkeypatch, labe
     y = mm.experts_mxfp4_mma(x, w, ids, w13, w2, act, configs=configs)
     assert _rel(y, ref) <= TOL, _rel(y, ref)
     st, cfg, groups, _ = EmulatedExpertsStage.launches[-1]
-    assert st.stage == "down" and st.aligned == (M >= mm.MIN_TOKENS_ALIGNED)
-    assert groups == (M * ids.shape[1] if not st.aligned else groups)
+    assert st.aligned == (M >= mm.MIN_TOKENS_ALIGNED)
+    # route groups: the combined output from down_sum (a CTA per token and row tile), no route-sum kernel
+    assert (st.stage, groups) == (("down", groups) if st.aligned else ("down_sum", M))
 
 
 @needs_cute
 def test_kimi_tp8_stages_compile_to_the_gemm_weight_stream_without_spills(sm90):
     """Kimi K3 TP8 rank shapes (K = N = 3584, I = 384), batch 1's configs: per warp and 128-wide chunk, one 16-byte
     load per weight row (2 per m-tile), 16 bf16x2 multiplies per row and 8 MMAs per m-tile - the MXFP4 gemm's stream;
-    the GLU epilogue in registers; no local memory."""
+    gate_up's GLU in registers, down_sum's 16 warps one route each (all 3 chunks), the per-route down; no local
+    memory."""
     from latency_specialized.kernels.gemm_common import ptx_of
 
-    K, I, N = 3584, 384, 3584
-    cfg13, cfg2 = mm.default_configs(1, 16, 896, K, I, N, aligned=False)
-    assert (cfg13.mt, cfg13.wk, cfg2.mt, cfg2.wk) == (2, 8, 1, 1)
+    K, I, N, k = 3584, 384, 3584, 16
+    cfg13, cfg_sum = mm.default_configs(1, k, 896, K, I, N, aligned=False)
+    _, cfg_rows = mm.default_configs(1, k, 896, K, I, N, aligned=False, per_route=True)
+    assert (cfg13.mt, cfg13.wk, cfg_sum.wk, cfg_rows.wk) == (2, 8, 16, 1)
     load = "ld.global.nc.L1::no_allocate.L2::256B.v4.b32"
-    for st, cfg in ((mm.ExpertsStage("gate_up", K, 2 * I, 16, False, act="situ_glu", beta=4, beta_lin=25), cfg13),
-                    (mm.ExpertsStage("down", I, N, 16, False), cfg2)):
+    stages = ((mm.ExpertsStage("gate_up", K, 2 * I, k, False, act="situ_glu", beta=4, beta_lin=25), cfg13, 4, 1),
+              (mm.ExpertsStage("down_sum", I, N, k, False), cfg_sum, 3, 1),
+              (mm.ExpertsStage("down", I, N, k, False), cfg_rows, 3, 2))
+    # (stage, config, chunks per warp, stores: gate_up's 4 (gate, up) slot pairs over 8 reducing warps, down_sum's 4
+    # slots over 16; down's 4 slots of which the odd columns can never be a route's column 0, compiled out)
+    for st, cfg, per_warp, stores in stages:
         p = ptx_of(mm.compile_stage(st, cfg))
-        per_warp = -(-(st.k // 128) // cfg.wk)
         assert "ld.local" not in p and "st.local" not in p, st.stage
         assert p.count(load) == 2 * cfg.mt * per_warp, st.stage
         assert p.count("mul.rn.bf16x2") == 2 * cfg.mt * 16 * per_warp, st.stage
         assert p.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 8 * cfg.mt * per_warp, st.stage
-        # stores: gate_up's 4 (gate, up) slot pairs split over its 8 reducing warps: 1; down's 4 slots, of which the
-        # odd columns can never be a route's own column 0 (compiled out): 2
-        assert p.count("st.global.b16") == {"gate_up": 1, "down": 2}[st.stage], st.stage
+        assert p.count("st.global.b16") == stores, st.stage
 
 
 def _mx(E, rows, K, fmt="mxfp4"):

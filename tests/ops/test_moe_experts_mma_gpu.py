@@ -3,7 +3,8 @@
 Shapes: Kimi K3 at TP8 (896 experts, top-16, K = N = 3584, expert width 384, SiTU-GLU) and a DeepSeek-V4.1-like
 one in mxfp4-deepseek (256 experts, top-6, 4096, width 256, SwiGLU clamped); tokens 1, 3, 8, 13 (single routes),
 16, 33, 64 (``moe_align`` runs), the same experts for every token (one expert, many pairs), int64 ids; per-route
-rows and the weighted combination; the heuristic configs and 2 / 4 warps along K with PDL on.
+rows and the weighted combination (``down_sum`` at single routes: a warp per route, or 4 warps taking turns); the
+heuristic configs and 2 / 4 warps along K with PDL on.
 
 Every case: fresh random codes and scales, NaN-poisoned outputs checked fully written, against the dequantising
 reference on the routed experts only at bf16 tolerance; deterministic; CUDA-graph replay equals eager bit for bit.
@@ -71,6 +72,11 @@ def test_mxfp4_mma_experts_match_the_dequantising_reference(model, M, same, ids6
     # both group modes at the same step agree with the reference
     other = mm.experts_mxfp4_mma(x, w, ids, w13, w2, cfg["act"], aligned=M < mm.MIN_TOKENS_ALIGNED)
     assert _rel(other, ref) <= REL_TOL
+    if M < mm.MIN_TOKENS_ALIGNED:  # down_sum with several routes per warp, PDL on
+        c13, c2 = mm.default_configs(M, cfg["k"], cfg["E"], cfg["K"], cfg["I"], cfg["K"], False)
+        y4 = mm.experts_mxfp4_mma(x, w, ids, w13, w2, cfg["act"],
+                                  configs=(replace(c13, pdl=True), replace(c2, wk=4, pdl=True)))
+        assert _rel(y4, ref) <= REL_TOL
 
 
 @pytest.mark.parametrize("M", [1, 16])
@@ -84,7 +90,7 @@ def test_mxfp4_mma_experts_per_route_rows_and_configs(model, M):
 
     ref = experts_reference(x, None, local, _selected(w13, uniq), _selected(w2, uniq), cfg["act"], per_route=True)
     base13, base2 = mm.default_configs(M, cfg["k"], cfg["E"], cfg["K"], cfg["I"], cfg["K"],
-                                       M >= mm.MIN_TOKENS_ALIGNED)
+                                       M >= mm.MIN_TOKENS_ALIGNED, per_route=True)
     for configs in (None, (replace(base13, wk=2, cb=2, pdl=True), replace(base2, wk=2, cb=1, pdl=True)),
                     (replace(base13, wk=4), replace(base2, mt=2))):
         rows = torch.full((M, cfg["k"], cfg["K"]), float("nan"), device=DEV, dtype=torch.bfloat16)
