@@ -75,3 +75,24 @@ def test_mxfp4_mma_kernel_in_the_emulator(monkeypatch, fmt, label):
     y32 = q4m.gemm_mxfp4_mma(x, w, out_dtype=torch.float32, config=cfg)
     assert rel_err(y32, gemm_reference(x.float(), w)) <= 1e-5
     assert EmulatedMma.launches and EmulatedMma.launches[-1][2] == q4m.CODING
+
+
+def test_mxfp4_mma_reads_every_code_back_exactly_under_edge_scales_in_the_emulator(monkeypatch):
+    """The GPU test's exactness check on the CPU: every e2m1 code (+-0, the subnormal +-0.5, +-6) in every nibble
+    position, under ue8m0 ``MIN_UE8M0`` / 100 / 127 / ``MAX_UE8M0`` (rows in four groups); one-hot tokens read the
+    weight back (fp32 output) equal to the codec's dequantised values."""
+    from latency_specialized.kernels import gemm_q4_mma as q4m
+    from latency_specialized.quant.checkpoint_io import QuantizedWeight
+    from latency_specialized.quant.formats import QuantFormat
+
+    emulate_mma(monkeypatch)
+    N, K = 16, 128
+    i = torch.arange(N * K, dtype=torch.int64)
+    nib = ((i + i // 8) % 16).to(torch.uint8).view(N, K)  # every code in every nibble position of a word
+    packed = (nib[:, 0::2] | (nib[:, 1::2] << 4)).contiguous()
+    sc = torch.tensor([q4m.MIN_UE8M0, 100, 127, q4m.MAX_UE8M0], dtype=torch.uint8)
+    scale = sc.repeat_interleave(N // 4).view(N, 1).expand(N, K // 32).contiguous()
+    q = QuantizedWeight(QuantFormat.get("mxfp4"), (N, K), packed, scale, name="edge-q4-emulated.weight")
+    eye = torch.eye(K, dtype=torch.bfloat16)
+    got = torch.cat([q4m.gemm_mxfp4_mma(eye[i:i + 64], q, out_dtype=torch.float32).t() for i in (0, 64)], dim=1)
+    assert torch.equal(got, q.dequantize())
