@@ -4,7 +4,8 @@
 
 Compiles the kernels' PTX with the ptxas Triton ships (PTX ``.version`` lowered to 8.4, which that ptxas reads;
 the instructions are the same), disassembles with its nvdisasm, and reports per kernel: SASS instructions per
-thread (straight-line code: every warp runs all of it), registers (cuobjdump), the warps of a Kimi K3 TP8 step,
+thread (straight-line code: every warp runs all of it), registers (cuobjdump) and the CTAs an SM holds with them
+(waves of the grid), the warps of a Kimi K3 TP8 step,
 and the time an H200 needs just to issue them (132 SMs x 4 schedulers x 1.98 GHz, one warp-instruction per
 scheduler and cycle: a lower bound) next to the time of its bytes at 4.3 TB/s. A model, not a measurement.
 """
@@ -71,11 +72,16 @@ def main() -> None:
                 warps = ctas * cfg.wk
                 issue_us = per_thread * warps / ISSUE_PER_S * 1e6
                 bytes_us = distinct * expert_bytes[part] / HBM * 1e6
+                threads = 32 * cfg.wk
+                per_sm = min(65536 // (regs * threads), 2048 // threads, 32)  # resident CTAs (registers, threads)
+                waves = ctas / (132 * per_sm)
                 rows.append(dict(M=M, stage=st.stage, config=cfg.label(), sass_per_thread=per_thread, regs=regs,
-                                 warps=warps, issue_bound_us=round(issue_us, 2), bytes_us=round(bytes_us, 2),
+                                 ctas_per_sm=per_sm, waves=round(waves, 2), warps=warps,
+                                 issue_bound_us=round(issue_us, 2), bytes_us=round(bytes_us, 2),
                                  top=dict(ops.most_common(12))))
                 print(f"M={M:3d} {st.stage:8s} {cfg.label():16s} SASS/thread {per_thread:6d} regs {regs:3d} "
-                      f"warps {warps:7d} issue >= {issue_us:7.2f} us  bytes {bytes_us:7.2f} us")
+                      f"CTAs/SM {per_sm:2d} waves {waves:5.2f} warps {warps:7d} issue >= {issue_us:7.2f} us  "
+                      f"bytes {bytes_us:7.2f} us")
                 print("    " + ", ".join(f"{o}:{c}" for o, c in ops.most_common(14)))
     if a.out:
         os.makedirs(a.out, exist_ok=True)

@@ -44,15 +44,18 @@ GROUPED_VARIANTS: dict[str, dict[str, Any]] = {
 MMA_VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
     "pdl": dict(gate_up=dict(pdl=True), down=dict(pdl=True)),
-    "gu4": dict(gate_up=dict(wk=4)),
+    "gu8": dict(gate_up=dict(wk=8)),
+    "gu4c2": dict(gate_up=dict(wk=4, cb=2)),
     "gu2c2": dict(gate_up=dict(wk=2, cb=2)),
+    "dn16c1": dict(down=dict(wk=16, cb=1)),
+    "dn16mt2": dict(down=dict(wk=16, mt=2)),
     "dn2": dict(down=dict(wk=2)),
     "dnmt2": dict(down=dict(mt=2)),
     "route": dict(aligned=False),
     "aligned": dict(aligned=True),
 }
 """Variants of the mma experts: fields replaced in the heuristic's (gate_up, down) ``MmaConfig`` and the group mode
-(default: ``moe_experts_mma.MIN_TOKENS_ALIGNED``)."""
+(default: ``moe_experts_mma.MIN_TOKENS_ALIGNED``). "down" is ``down_sum`` at route groups (warps = routes at once)."""
 
 
 def random_q4_experts(E: int, N: int, K: int, fmt: str, g: torch.Generator, dev: str = "cuda") -> QuantizedWeight:

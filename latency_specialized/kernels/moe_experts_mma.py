@@ -47,8 +47,10 @@ MIN_TOKENS_ALIGNED = 16
 """Tokens per step from which groups are ``moe_align``'s runs (an align launch, fewer expert reads) instead of single
 routes. Not yet measured: at Kimi K3's 896 experts and top-16, 16 tokens' 256 routes share ~13% of their experts."""
 MAX_TOKENS = 64
-MAX_SUM_WARPS = 16
-"""``down_sum``'s warps per CTA at most (a warp per route; more routes take turns)."""
+MAX_SUM_WARPS = 8
+"""``down_sum``'s warps per CTA at most (a warp per route; more routes take turns). Offline sm_90a SASS, Kimi K3 TP8
+batch 1 (a route's 3 chunks of loads at once): 16 warps take 91 registers - one 512-thread CTA per SM, 1.7 waves of
+the 224 CTAs; 8 warps take 80 - three CTAs per SM, one wave."""
 """The decode regime this kernel is built for (``moe.experts.q4_grouped_triton`` serves larger steps)."""
 
 
@@ -190,8 +192,9 @@ def _kernel_class():
                 x_ok.append(ok)
                 x_rows.append(x.iterator.toint() + Int64(row) * (2 * K) + Int64(t4) * (16 * XL))
 
-            acc = accumulate_chunks(self, P, scl, w_rows, w_row_idx, x_rows, x_ok, warp, t4,
-                                    cfg.pdl and not self.glu)
+            # the wait after the first batch of weight loads: PDL's (down), and a fence that keeps ptxas from sinking
+            # those loads into the math (it returns at once in a grid launched without PDL)
+            acc = accumulate_chunks(self, P, scl, w_rows, w_row_idx, x_rows, x_ok, warp, t4, True)
 
             # slots finished together: gate and up of one (row, pair), or one down sum
             G: cutlass.Constexpr = F // 2 if self.glu else F
@@ -252,7 +255,7 @@ def _kernel_class():
                 w_rows, w_row_idx = self.expert_rows(w, ids[pair].to(Int32), tile, g, t4)
                 x_rows = [x.iterator.toint() + Int64(pair) * (2 * K) + Int64(t4) * (16 * (CODING.chunk // 32))]
                 acc = accumulate_chunks(self, P, scl, w_rows, w_row_idx, x_rows, [Int32(g == 0) & live], Int32(0),
-                                        t4, cfg.pdl and r == 0)
+                                        t4, r == 0)  # the wait: PDL's, and a fence (see group_body)
                 wt = route_weights[pair] * live.to(Float32)
                 for f in cutlass.range_constexpr(F):
                     sums[f] = sums[f] + acc[f].to(cutlass.BFloat16).to(Float32) * wt
@@ -337,9 +340,12 @@ def compile_stage(st: ExpertsStage, cfg: MmaConfig):
 
 def stage_config(tiles: int, groups: int, chunks: int, mt: int) -> MmaConfig:
     """Launch heuristic (``gemm_small_m.quantized_config``'s rule over the tiles of every group): enough warps in
-    flight for HBM, at least 2 chunks per warp, 4 chunks of loads per batch. Not yet measured."""
+    flight for HBM, at least 2 chunks per warp, 4 chunks of loads per batch - at most 4 warps along K with two m-tiles
+    (offline sm_90a SASS, Kimi K3 TP8 batch 1: 8 warps x 2 m-tiles x 4 chunks of loads take 127 registers, two CTAs
+    per SM and 1.45 waves; 4 warps take 168, three CTAs per SM of 128 threads, one wave). Not yet measured."""
     need = max(1.0, TARGET_WARPS * 2 / max(1, tiles * groups))
-    wk = pow2_at_most(min(need, max(1, chunks // 2)), min(8, SMEM_LIMIT // (4 * mt * 32 * 4)))
+    cap = min(4 if mt == 2 else 8, SMEM_LIMIT // (4 * mt * 32 * 4))
+    wk = pow2_at_most(min(need, max(1, chunks // 2)), cap)
     return MmaConfig(nt=1, mt=mt, wk=wk, sk=1, cb=max(1, min(4, math.ceil(chunks / wk))), pdl=False)
 
 
@@ -358,7 +364,7 @@ def summed(aligned: bool, per_route: bool) -> bool:
 def default_configs(M: int, top_k: int, experts: int, K: int, I: int, N: int, aligned: bool,
                     per_route: bool = False) -> tuple[MmaConfig, MmaConfig]:
     """(gate_up, down) launch choices for a step of M tokens: :func:`stage_config`'s; ``down_sum`` takes a warp per
-    route (all of a route's chunks in one batch of loads)."""
+    route up to ``MAX_SUM_WARPS`` (more routes take turns), all of a route's chunks in one batch of loads."""
     groups = groups_of(M, top_k, experts, aligned)
     gate_up = stage_config(I // 16, groups, K // 128, 2)
     if summed(aligned, per_route):

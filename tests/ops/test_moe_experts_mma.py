@@ -84,24 +84,27 @@ def test_mxfp4_mma_experts_match_the_reference_in_the_emulator(monkeypatch, labe
 def test_kimi_tp8_stages_compile_to_the_gemm_weight_stream_without_spills(sm90):
     """Kimi K3 TP8 rank shapes (K = N = 3584, I = 384), batch 1's configs: per warp and 128-wide chunk, one 16-byte
     load per weight row (2 per m-tile), 16 bf16x2 multiplies per row and 8 MMAs per m-tile - the MXFP4 gemm's stream;
-    gate_up's GLU in registers, down_sum's 16 warps one route each (all 3 chunks), the per-route down; no local
-    memory."""
+    gate_up's GLU in registers, down_sum's 8 warps two routes each (all 3 chunks of a route at once), the per-route
+    down; no local memory."""
     from latency_specialized.kernels.gemm_common import ptx_of
 
     K, I, N, k = 3584, 384, 3584, 16
     cfg13, cfg_sum = mm.default_configs(1, k, 896, K, I, N, aligned=False)
     _, cfg_rows = mm.default_configs(1, k, 896, K, I, N, aligned=False, per_route=True)
-    assert (cfg13.mt, cfg13.wk, cfg_sum.wk, cfg_rows.wk) == (2, 8, 16, 1)
+    assert (cfg13.mt, cfg13.wk, cfg13.cb, cfg_sum.wk, cfg_sum.cb, cfg_rows.wk) == (2, 4, 4, 8, 3, 1)
     load = "ld.global.nc.L1::no_allocate.L2::256B.v4.b32"
-    stages = ((mm.ExpertsStage("gate_up", K, 2 * I, k, False, act="situ_glu", beta=4, beta_lin=25), cfg13, 4, 1),
-              (mm.ExpertsStage("down_sum", I, N, k, False), cfg_sum, 3, 1),
+    stages = ((mm.ExpertsStage("gate_up", K, 2 * I, k, False, act="situ_glu", beta=4, beta_lin=25), cfg13, 7, 1),
+              (mm.ExpertsStage("down_sum", I, N, k, False), cfg_sum, 2 * 3, 1),
               (mm.ExpertsStage("down", I, N, k, False), cfg_rows, 3, 2))
-    # (stage, config, chunks per warp, stores: gate_up's 4 (gate, up) slot pairs over 8 reducing warps, down_sum's 4
-    # slots over 16; down's 4 slots of which the odd columns can never be a route's column 0, compiled out)
+    # (stage, config, chunks per warp (down_sum: 2 routes of 3), stores: gate_up's 4 (gate, up) slot pairs over 4
+    # reducing warps, down_sum's 4 slots over 8; down's 4 slots of which the odd columns can never be a route's
+    # column 0, compiled out)
     for st, cfg, per_warp, stores in stages:
         p = ptx_of(mm.compile_stage(st, cfg))
         assert "ld.local" not in p and "st.local" not in p, st.stage
         assert p.count(load) == 2 * cfg.mt * per_warp, st.stage
+        # the first batch of weight loads ahead of the wait (PDL's, and a fence against ptxas sinking them)
+        assert p[:p.index("griddepcontrol.wait")].count(load) == 2 * cfg.mt * cfg.cb, st.stage
         assert p.count("mul.rn.bf16x2") == 2 * cfg.mt * 16 * per_warp, st.stage
         assert p.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 8 * cfg.mt * per_warp, st.stage
         assert p.count("st.global.b16") == stores, st.stage
