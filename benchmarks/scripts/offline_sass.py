@@ -13,34 +13,11 @@ scheduler and cycle: a lower bound) next to the time of its bytes at 4.3 TB/s. A
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
-import re
-import subprocess
-import tempfile
 
 ISSUE_PER_S = 132 * 4 * 1.98e9
 HBM = 4.3e12
-
-
-def sass_of(ptx: str, workdir: str, tag: str) -> tuple[collections.Counter, int]:
-    import triton
-
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    src, cubin = os.path.join(workdir, f"{tag}.ptx"), os.path.join(workdir, f"{tag}.cubin")
-    with open(src, "w") as f:
-        f.write(re.sub(r"\.version \d+\.\d+", ".version 8.4", ptx))
-    subprocess.run([f"{tools}/ptxas", "-arch=sm_90a", "-O3", src, "-o", cubin], check=True)
-    text = subprocess.run([f"{tools}/nvdisasm", "-c", cubin], capture_output=True, text=True, check=True).stdout
-    ops: collections.Counter = collections.Counter()
-    for line in text.splitlines():
-        m = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
-        if m:
-            ops[m.group(1)] += 1
-    usage = subprocess.run([f"{tools}/cuobjdump", "--dump-resource-usage", cubin], capture_output=True,
-                           text=True).stdout
-    return ops, int(re.search(r"REG:(\d+)", usage).group(1))
 
 
 def main() -> None:
@@ -49,6 +26,7 @@ def main() -> None:
     from latency_specialized.kernels import moe_experts_mma as mm
     from latency_specialized.kernels.dsl_common import ptx_of
     from latency_specialized.quant.formats import QuantFormat
+    from latency_specialized.testing.offline_sass import sass_of
 
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default=None)
@@ -57,32 +35,32 @@ def main() -> None:
     fmt = QuantFormat.get("mxfp4")
     expert_bytes = {"gate_up": fmt.nbytes((2 * I, K)), "down": fmt.nbytes((N, I))}
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for M, aligned, distinct in ((1, False, 16), (64, True, 610)):
-            c13, c2 = mm.default_configs(M, k, E, K, I, N, aligned)
-            live = M * k if not aligned else int(distinct * 1.02)  # aligned: blocks ~ distinct experts (+ runs > 8)
-            down = "down" if aligned else "down_sum"
-            for st, cfg, ctas, part in (
-                    (mm.ExpertsStage("gate_up", K, 2 * I, k, aligned, act="situ_glu", beta=4, beta_lin=25), c13,
-                     (I // 16) * live, "gate_up"),
-                    (mm.ExpertsStage(down, I, N, k, aligned), c2, (N // (16 * c2.mt)) * (M if not aligned else live),
-                     "down")):
-                ops, regs = sass_of(ptx_of(mm.compile_stage(st, cfg)), tmp, f"{st.stage}_{M}")
-                per_thread = sum(ops.values())
-                warps = ctas * cfg.wk
-                issue_us = per_thread * warps / ISSUE_PER_S * 1e6
-                bytes_us = distinct * expert_bytes[part] / HBM * 1e6
-                threads = 32 * cfg.wk
-                per_sm = min(65536 // (regs * threads), 2048 // threads, 32)  # resident CTAs (registers, threads)
-                waves = ctas / (132 * per_sm)
-                rows.append(dict(M=M, stage=st.stage, config=cfg.label(), sass_per_thread=per_thread, regs=regs,
-                                 ctas_per_sm=per_sm, waves=round(waves, 2), warps=warps,
-                                 issue_bound_us=round(issue_us, 2), bytes_us=round(bytes_us, 2),
-                                 top=dict(ops.most_common(12))))
-                print(f"M={M:3d} {st.stage:8s} {cfg.label():16s} SASS/thread {per_thread:6d} regs {regs:3d} "
-                      f"CTAs/SM {per_sm:2d} waves {waves:5.2f} warps {warps:7d} issue >= {issue_us:7.2f} us  "
-                      f"bytes {bytes_us:7.2f} us")
-                print("    " + ", ".join(f"{o}:{c}" for o, c in ops.most_common(14)))
+    for M, aligned, distinct in ((1, False, 16), (64, True, 610)):
+        c13, c2 = mm.default_configs(M, k, E, K, I, N, aligned)
+        live = M * k if not aligned else int(distinct * 1.02)  # aligned: blocks ~ distinct experts (+ runs > 8)
+        down = "down" if aligned else "down_sum"
+        for st, cfg, ctas, part in (
+                (mm.ExpertsStage("gate_up", K, 2 * I, k, aligned, act="situ_glu", beta=4, beta_lin=25), c13,
+                 (I // 16) * live, "gate_up"),
+                (mm.ExpertsStage(down, I, N, k, aligned), c2, (N // (16 * c2.mt)) * (M if not aligned else live),
+                 "down")):
+            sass = sass_of(ptx_of(mm.compile_stage(st, cfg)))
+            ops, regs = sass.ops, sass.regs
+            per_thread = sum(ops.values())
+            warps = ctas * cfg.wk
+            issue_us = per_thread * warps / ISSUE_PER_S * 1e6
+            bytes_us = distinct * expert_bytes[part] / HBM * 1e6
+            threads = 32 * cfg.wk
+            per_sm = min(65536 // (regs * threads), 2048 // threads, 32)  # resident CTAs (registers, threads)
+            waves = ctas / (132 * per_sm)
+            rows.append(dict(M=M, stage=st.stage, config=cfg.label(), sass_per_thread=per_thread, regs=regs,
+                             ctas_per_sm=per_sm, waves=round(waves, 2), warps=warps,
+                             issue_bound_us=round(issue_us, 2), bytes_us=round(bytes_us, 2),
+                             top=dict(ops.most_common(12))))
+            print(f"M={M:3d} {st.stage:8s} {cfg.label():16s} SASS/thread {per_thread:6d} regs {regs:3d} "
+                  f"CTAs/SM {per_sm:2d} waves {waves:5.2f} warps {warps:7d} issue >= {issue_us:7.2f} us  "
+                  f"bytes {bytes_us:7.2f} us")
+            print("    " + ", ".join(f"{o}:{c}" for o, c in ops.most_common(14)))
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "offline_sass_q4_experts.json"), "w") as f:

@@ -178,7 +178,8 @@ def ptx() -> SimpleNamespace:
     # Weights are streamed exactly once per call: non-coherent path, no L1 allocation (keeps L1 for
     # the activations that every warp re-reads), 256-byte L2 prefetch so DRAM sees long bursts.
     # The asm is marked side-effecting so LLVM keeps program order: weight loads stay ahead of
-    # griddepcontrol.wait and activation loads stay behind it.
+    # griddepcontrol.wait and activation loads stay behind it - in PTX; ptxas may still hoist the wait above
+    # non-coherent loads (see ld_weight_coherent).
     def ld_weight(addr) -> list:
         return _asm4("ld.global.nc.L1::no_allocate.L2::256B.v4.b32 {$0,$1,$2,$3}, [$4];",
                      [_v(addr, Int64)], "=r,=r,=r,=r,l")
@@ -193,10 +194,18 @@ def ptx() -> SimpleNamespace:
                      " mov.b32 $2, 0;\n mov.b32 $3, 0;\n @p ld.global.nc.v4.b32 {$0,$1,$2,$3}, [$4];\n}",
                      [_v(addr, Int64), _v(pred, Int32)], "=r,=r,=r,=r,l,r")
 
-    def ld_weight_if(addr, pred) -> list:
+    def ld_weight_coherent(addr) -> list:
+        """``ld_weight`` through the coherent path: ptxas (12.9, sm_90a) hoists ``griddepcontrol.wait`` above
+        ``ld.global.nc`` loads - the weights a kernel requests before its PDL wait would wait too - but keeps it
+        behind coherent ones (``tests/ops/test_pdl_load_order.py``)."""
+        return _asm4("ld.global.L1::no_allocate.L2::256B.v4.b32 {$0,$1,$2,$3}, [$4];",
+                     [_v(addr, Int64)], "=r,=r,=r,=r,l")
+
+    def ld_weight_if(addr, pred, coherent: bool = False) -> list:
+        space = "global" if coherent else "global.nc"
         return _asm4("{\n .reg .pred p;\n setp.ne.b32 p, $5, 0;\n mov.b32 $0, 0;\n mov.b32 $1, 0;\n"
                      " mov.b32 $2, 0;\n mov.b32 $3, 0;\n"
-                     " @p ld.global.nc.L1::no_allocate.L2::256B.v4.b32 {$0,$1,$2,$3}, [$4];\n}",
+                     f" @p ld.{space}.L1::no_allocate.L2::256B.v4.b32 {{$0,$1,$2,$3}}, [$4];\n}}",
                      [_v(addr, Int64), _v(pred, Int32)], "=r,=r,=r,=r,l,r")
 
     def ld_plain_if(addr, pred) -> list:

@@ -57,6 +57,11 @@ class MmaConfig:
     """0: one CTA (cluster) per tile. k > 0: persistent - at most k CTAs per SM walk the tiles, with
     registers capped so 2k fit: room for the next kernel's PDL prologue."""
 
+    prefetch: bool = False
+    """The first batch of weight loads (before the PDL wait) through the coherent path: ptxas hoists the wait above
+    non-coherent loads, so with them the weights are requested only once the previous kernel is done (offline SASS,
+    ``tests/ops/test_pdl_load_order.py``). Off where the H200 timings were taken with the default (session 33)."""
+
     fp8_pairs: str = "bytes"
     """FP8 weights only: how a lane's e4m3 words decode into bf16 pairs. "bytes": pairs of adjacent codes (two byte
     permutes per word); "split": codes 0, 2 | 1, 3 of each word (no permutes: fewer integer instructions per weight)
@@ -65,7 +70,8 @@ class MmaConfig:
     def label(self) -> str:
         cap = f"g{self.ctas_per_sm}" if self.ctas_per_sm else ""
         pairs = "x" if self.fp8_pairs == "split" else ""
-        return f"n{self.nt}m{self.mt}w{self.wk}s{self.sk}c{self.cb}{cap}{pairs}{'p' if self.pdl else ''}"
+        pre = "f" if self.prefetch else ""
+        return f"n{self.nt}m{self.mt}w{self.wk}s{self.sk}c{self.cb}{cap}{pairs}{pre}{'p' if self.pdl else ''}"
 
     def smem_bytes(self) -> int:
         """Shared memory of the cross-warp reduction (f32 [wk][4*mt*nt][32]); 0 without one."""
@@ -252,9 +258,12 @@ def accumulate_chunks(kern, P, scl, w_rows: list, w_row_idx: list, x_rows: list,
             off = Int64(chunk) * 64
             last = kern.ragged and j == kern.per_part - 1
             ok = Int32(chunk < kern.chunks)
+            early = j0 == 0 and pdl_wait and cfg.prefetch  # kept ahead of the wait by ptxas (MmaConfig.prefetch)
             for r in range(2 * MT):
                 if last:
-                    wv[(j, r)] = P.ld_weight_if(w_rows[r] + off, ok)
+                    wv[(j, r)] = P.ld_weight_if(w_rows[r] + off, ok, early)
+                elif early:
+                    wv[(j, r)] = P.ld_weight_coherent(w_rows[r] + off)
                 else:
                     wv[(j, r)] = P.ld_weight(w_rows[r] + off)
             if QW:

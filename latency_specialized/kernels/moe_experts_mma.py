@@ -193,7 +193,8 @@ def _kernel_class():
                 x_rows.append(x.iterator.toint() + Int64(row) * (2 * K) + Int64(t4) * (16 * XL))
 
             # the wait after the first batch of weight loads: PDL's (down), and a fence that keeps ptxas from sinking
-            # those loads into the math (it returns at once in a grid launched without PDL)
+            # those loads into the math (it returns at once in a grid launched without PDL); with
+            # MmaConfig.prefetch (the default here) ptxas keeps them ahead of it
             acc = accumulate_chunks(self, P, scl, w_rows, w_row_idx, x_rows, x_ok, warp, t4, True)
 
             # slots finished together: gate and up of one (row, pair), or one down sum
@@ -346,7 +347,7 @@ def stage_config(tiles: int, groups: int, chunks: int, mt: int) -> MmaConfig:
     need = max(1.0, TARGET_WARPS * 2 / max(1, tiles * groups))
     cap = min(4 if mt == 2 else 8, SMEM_LIMIT // (4 * mt * 32 * 4))
     wk = pow2_at_most(min(need, max(1, chunks // 2)), cap)
-    return MmaConfig(nt=1, mt=mt, wk=wk, sk=1, cb=max(1, min(4, math.ceil(chunks / wk))), pdl=False)
+    return MmaConfig(nt=1, mt=mt, wk=wk, sk=1, cb=max(1, min(4, math.ceil(chunks / wk))), pdl=False, prefetch=True)
 
 
 def groups_of(M: int, top_k: int, experts: int, aligned: bool) -> int:
@@ -368,7 +369,8 @@ def default_configs(M: int, top_k: int, experts: int, K: int, I: int, N: int, al
     groups = groups_of(M, top_k, experts, aligned)
     gate_up = stage_config(I // 16, groups, K // 128, 2)
     if summed(aligned, per_route):
-        return gate_up, MmaConfig(nt=1, mt=1, wk=min(top_k, MAX_SUM_WARPS), cb=min(4, I // 128), pdl=False)
+        return gate_up, MmaConfig(nt=1, mt=1, wk=min(top_k, MAX_SUM_WARPS), cb=min(4, I // 128), pdl=False,
+                                  prefetch=True)
     return gate_up, stage_config(N // 16, groups, I // 128, 1)
 
 

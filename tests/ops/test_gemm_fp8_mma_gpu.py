@@ -55,7 +55,8 @@ def shape(request):
 
 def _configs(N: int, K: int, M: int) -> dict[str, MmaConfig | None]:
     base = f8m.default_config(N, K, M)
-    out: dict[str, MmaConfig | None] = {"default": None, "split_pairs": replace(base, fp8_pairs="split")}
+    out: dict[str, MmaConfig | None] = {"default": None, "split_pairs": replace(base, fp8_pairs="split"),
+                                        "prefetch": replace(base, prefetch=True)}
     if K // 64 >= 8:
         out["cluster4"] = replace(base, wk=2, sk=4, cb=2)
         out["warps8"] = replace(base, wk=8, sk=1, cb=1)

@@ -48,7 +48,7 @@ def test_mxfp4_mma_gemm_matches_the_reference(shape, M):
     r = torch.randn(M, N, generator=g, device=DEV).bfloat16()
     ref = gemm_reference(x, w, residual=r)
     base = q4m.default_config(N, K, M)
-    configs = {"default": None}
+    configs = {"default": None, "prefetch": replace(base, prefetch=True)}
     if K // 128 >= 8 and replace(base, wk=8).smem_bytes() <= 48 * 1024:
         configs["warps8"] = replace(base, wk=8, cb=1)
     for cfg in configs.values():
