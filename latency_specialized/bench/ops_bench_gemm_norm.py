@@ -62,13 +62,15 @@ def gemm_variant_configs(n: int, k: int, m: int, quick: bool = False) -> list[tu
             cfgs += [c for c in (GemvConfig(k_split=2), GemvConfig(k_split=4), GemvConfig(warps=8, k_split=4),
                                  GemvConfig(warps=8, k_split=4, batch=4, lookahead=1))
                      if c.splits(k)]
-        out += [(gemm_gemv.NAME, c) for c in (cfgs[:1] if quick else cfgs)]
+        # the first batches through the coherent path, so that they really precede the PDL wait in SASS
+        cfgs += [dataclasses.replace(c, prefetch=True) for c in cfgs[:2]]
+        out += [(gemm_gemv.NAME, c) for c in (cfgs[:1] + cfgs[-2:-1] if quick else cfgs)]
     if k % 32:
         return out
     chunks = k // 32
     if m <= gemm_small_m.MAX_M:
         base = gemm_small_m.default_config(n, k, m)
-        cfgs = [base]
+        cfgs = [base, dataclasses.replace(base, prefetch=True)]
         alt_wk = base.wk * 2 if base.wk * 2 <= min(8, chunks) else base.wk // 2
         if alt_wk >= 1 and alt_wk != base.wk:
             per = math.ceil(chunks / alt_wk)
@@ -79,7 +81,7 @@ def gemm_variant_configs(n: int, k: int, m: int, quick: bool = False) -> list[tu
             cfgs.append(dataclasses.replace(base, cb=8))
         elif base.wk * base.sk > 1:   # short K: persistent CTAs, room for the next kernel's prologue
             cfgs.append(dataclasses.replace(base, ctas_per_sm=1))
-        out += [(gemm_small_m.NAME, c) for c in (cfgs[:1] if quick else cfgs)]
+        out += [(gemm_small_m.NAME, c) for c in (cfgs[:2] if quick else cfgs)]
     if m <= gemm_splitk.MAX_M:
         nt = max(1, math.ceil(m / 8))
         mt = 2 if nt >= 4 else 1

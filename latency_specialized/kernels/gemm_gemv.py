@@ -69,6 +69,11 @@ class GemvConfig:
     """Batches requested ahead of the one being multiplied (0: a warp waits for each batch in turn;
     L: L more batches in flight, and L + 1 issued before the PDL wait)."""
 
+    prefetch: bool = False
+    """The batches requested before the PDL wait through the coherent path: ptxas hoists the wait above non-coherent
+    loads (offline SASS: with the default, the wait comes first and no weight is requested before it;
+    ``tests/ops/test_pdl_load_order.py``). Off where the H200 timings were taken with the default."""
+
     k_split: int = 1
     """Warps per output row group, each streaming 1/k_split of K (K a multiple of 256 x k_split): k_split x
     more loads in flight for projections with few rows (router, latent down/up: N <= ~1000 rows leave most
@@ -83,7 +88,8 @@ class GemvConfig:
         cap = f"g{self.ctas_per_sm}" if self.ctas_per_sm else ""
         ahead = f"a{self.lookahead}" if self.lookahead else ""
         ks = f"k{self.k_split}" if self.k_split > 1 else ""
-        return f"r{self.rows_per_warp}w{self.warps}b{self.batch}{ahead}{cap}{ks}{'p' if self.pdl else ''}"
+        pre = "f" if self.prefetch else ""
+        return f"r{self.rows_per_warp}w{self.warps}b{self.batch}{ahead}{cap}{ks}{pre}{'p' if self.pdl else ''}"
 
 
 @functools.cache
@@ -172,20 +178,24 @@ def _kernel_class():
             its_here = self.iters // KS            # 16-byte vectors per lane in this warp's part of K
             batches = [list(range(b0, min(b0 + B, its_here))) for b0 in range(0, its_here, B)]
 
-            def issue(its):
+            def issue(its, early=False):
                 wv = {}
                 for rs in streams:
                     for i in its:
                         addr = w_base[rs] + Int64(i * 512)
                         if cutlass.const_expr(i == self.full):
-                            wv[(rs, i)] = P.ld_weight_if(addr, tail_ok)
+                            wv[(rs, i)] = P.ld_weight_if(addr, tail_ok, early)
+                        elif cutlass.const_expr(early):
+                            wv[(rs, i)] = P.ld_weight_coherent(addr)
                         else:
                             wv[(rs, i)] = P.ld_weight(addr)
                 return wv
 
             # batches 0..L are requested before the PDL wait; then batch j + L is requested just
-            # before batch j is multiplied (program order is kept: the loads are side-effecting asm)
-            pending = {j: issue(batches[j]) for j in range(min(L + 1, len(batches)))}
+            # before batch j is multiplied (program order is kept: the loads are side-effecting asm;
+            # ptxas keeps the early ones ahead of the wait only if coherent: GemvConfig.prefetch)
+            early = self.cfg.pdl and self.cfg.prefetch
+            pending = {j: issue(batches[j], early) for j in range(min(L + 1, len(batches)))}
             if cutlass.const_expr(self.cfg.pdl):
                 cute.arch.griddepcontrol_wait()
                 cute.arch.griddepcontrol_launch_dependents()

@@ -77,7 +77,8 @@ def _gemv_cfgs():
 
     return (GemvConfig(rows_per_warp=1), GemvConfig(rows_per_warp=2, pdl=False),
             GemvConfig(rows_per_warp=2, lookahead=1), GemvConfig(batch=4, lookahead=2),
-            GemvConfig(k_split=2), GemvConfig(warps=8, rows_per_warp=2, k_split=4, batch=4))
+            GemvConfig(k_split=2), GemvConfig(warps=8, rows_per_warp=2, k_split=4, batch=4),
+            GemvConfig(rows_per_warp=2, lookahead=1, prefetch=True))
 
 
 def _small_m_cfgs(m, n, k):

@@ -86,3 +86,18 @@ def test_mxfp4_experts_issue_their_first_batch_ahead_of_the_wait(sm90):
         before, _ = _loads_before_wait(order)
         assert before == 2 * cfg.mt * cfg.cb, (st.stage, before)
         assert order.index("ACQBULK") < next(i for i, op in enumerate(order) if op.startswith("HMMA"))
+
+
+@needs_cute
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_gemv_batches_ahead_of_the_wait_only_with_prefetch(sm90, prefetch):
+    """The CuTe DSL GEMV requests batches 0..L before its wait: in SASS only with ``GemvConfig.prefetch`` (a K with
+    a ragged tail, lookahead 1: 2 batches of 8 vectors per row)."""
+    from latency_specialized.kernels.dsl_common import ptx_of
+    from latency_specialized.kernels.gemm_gemv import GemvConfig, compile_gemv
+    from latency_specialized.testing.offline_sass import sass_of
+
+    cfg = GemvConfig(lookahead=1, prefetch=prefetch)
+    before, total = _loads_before_wait(sass_of(ptx_of(compile_gemv(7168 + 256, 1, cfg, False))).order)
+    assert total > 2 * cfg.batch
+    assert before == (2 * cfg.batch if prefetch else 0), (before, total)
