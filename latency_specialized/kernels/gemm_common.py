@@ -353,6 +353,18 @@ def ptx() -> SimpleNamespace:
             "=r,=r,=r,=r,r,r", has_side_effects=False, asm_dialect=0)
         return [Int32(llvm.extractvalue(i32t(), st, [i])) for i in range(4)]
 
+    def e4m3_scale_to_bf16x2(byte) -> Int32:
+        """An e4m3 scale byte (NVFP4's per-16 scale) -> bf16x2 holding its value x 2^62 in both halves: the e2m1
+        decode's multiplier (its 2^126, less the 2^64 that the kernels put back with the fp32 global scale: with the
+        whole 2^126 a scale above 4 would overflow bf16). Exact for every finite e4m3, subnormals included: the byte's
+        bits placed as fp16 are its value x 2^-8, and fp16 -> fp32 -> bf16 keeps all 4 significant bits."""
+        return Int32(llvm.inline_asm(
+            i32t(), [_v(byte, Int32)],
+            "{\n .reg .b32 t, u;\n .reg .b16 h;\n .reg .f32 f;\n"
+            " and.b32 t, $1, 0x7F;\n shl.b32 t, t, 7;\n and.b32 u, $1, 0x80;\n shl.b32 u, u, 8;\n or.b32 t, t, u;\n"
+            " cvt.u16.u32 h, t;\n cvt.f32.f16 f, h;\n mul.f32 f, f, 0f62800000;\n cvt.rn.bf16x2.f32 $0, f, f;\n}",
+            "=r,r", has_side_effects=False, asm_dialect=0))
+
     def pair_even_odd(w0, w1) -> list:
         """Two packed bf16x2 words (values 0, 1 | 2, 3) -> (0, 2 | 1, 3): the activations' side of
         :func:`e4m3x4_to_bf16x2_split`'s pairing (two byte permutes)."""

@@ -268,7 +268,7 @@ def accumulate_chunks(kern, P, scl, w_rows: list, w_row_idx: list, x_rows: list,
                     wv[(j, r)] = P.ld_weight(w_rows[r] + off)
             if QW:
                 # the chunk's block scales (static data, like the weights: requested before the PDL wait)
-                sv[j] = chunk_scales(kern.coding, scl, w_row_idx, cutlass.min(chunk, kern.chunks - 1), t4)
+                sv[j] = chunk_scales(P, kern.coding, scl, w_row_idx, cutlass.min(chunk, kern.chunks - 1), t4)
         if j0 == 0 and pdl_wait:
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
@@ -326,8 +326,9 @@ def compile_mma(k: int, cfg: MmaConfig, residual: bool, out_fp32: bool = False, 
             w, scales = fake_rows(bf, n, k), fake_rows(bf, m, k)
         else:
             w = fake_rows(cutlass.Uint8, n, coding.row_bytes(k))
-            scales = fake_rows(cutlass.Uint8 if coding.ue8m0 else cutlass.Float32, cute.sym_int(), cute.sym_int(),
-                               align=1 if coding.ue8m0 else 4)
+            byte_scales = coding.ue8m0 or coding.nvfp4
+            scales = fake_rows(cutlass.Uint8 if byte_scales else cutlass.Float32, cute.sym_int(), cute.sym_int(),
+                               align=1 if byte_scales else 4)
         args = (fake_rows(bf, m, k), w, fake_strided_rows(yt, m, n), fake_strided_rows(yt, m, n), scales, 1,
                 fake_stream())
         return cute.compile(_kernel_class()(k, cfg, residual, coding), *args,

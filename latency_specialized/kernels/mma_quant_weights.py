@@ -20,6 +20,10 @@ from typing import Any
 
 E4M3_BIAS_MULT = 0x7B807B80
 """bf16x2 of 2^120: the e4m3 decode leaves values 2^-120 too small (bf16's exponent bias 127 against e4m3's 7)."""
+NVFP4_LOG2_OFFSET = 64
+"""NVFP4's weights enter the MMAs as value x e4m3 scale x 2^-64 (``ptx.e4m3_scale_to_bf16x2``): the kernels
+multiply their fp32 sums by the global scale x 2^64."""
+NVFP4_UNDO = float(2 ** NVFP4_LOG2_OFFSET)
 
 
 @dataclass(frozen=True)
@@ -27,14 +31,25 @@ class QuantCoding:
     """How the weight codes of a quantized gemm are stored and scaled.
 
     ``element``: "e4m3" (one byte a value) or "e2m1" (two values a byte, the low nibble first). ``ue8m0``: one
-    exponent byte per block (2^(e - 127)), folded into the decode's multiplier; else (e4m3 only) one fp32 multiplier
-    per block, applied to each chunk's partial sums. ``block``: (rows, cols) of a block; rows 1 or a multiple of
-    16; cols such that one lane's values of a row share one scale (fp32: a multiple of 64; ue8m0: of 16 for e4m3, 32
-    for e2m1)."""
+    exponent byte per block (2^(e - 127)), folded into the decode's multiplier; else one fp32 multiplier per block
+    for e4m3 codes, applied to each chunk's partial sums - or, for e2m1 codes, NVFP4: one e4m3 scale byte per 16
+    values of a row (block (1, 16): two per lane load, each folded into the multiplier of its two words; the sums
+    come out x 2^-64 / the global scale, ``NVFP4_LOG2_OFFSET``). ``block``: (rows, cols) of a block; rows 1 or a
+    multiple of 16; cols such that one lane's values of a row share one scale (fp32: a multiple of 64; ue8m0: of 16
+    for e4m3, 32 for e2m1)."""
 
     ue8m0: bool
     block: tuple[int, int]
     element: str = "e4m3"
+
+    @property
+    def nvfp4(self) -> bool:
+        return self.element == "e2m1" and not self.ue8m0
+
+    @property
+    def scales_in_decode(self) -> bool:
+        """The block scales ride in the decode's multiplier (else they scale each chunk's fp32 sums)."""
+        return self.ue8m0 or self.nvfp4
 
     @property
     def values_per_lane(self) -> int:
@@ -54,8 +69,10 @@ class QuantCoding:
         rows, cols = self.block
         if self.element not in ("e4m3", "e2m1"):
             return f"element {self.element!r} (e4m3 or e2m1)"
-        if self.element == "e2m1" and not self.ue8m0:
-            return "e2m1 codes need ue8m0 scales (MXFP4)"
+        if self.nvfp4:
+            return None if k % self.chunk == 0 and self.block == (1, 16) else (
+                f"NVFP4 (e2m1 codes, e4m3 scales) takes block (1, 16) and K % {self.chunk} == 0 (got {self.block}, "
+                f"K={k})")
         if k % self.chunk:
             return f"K % {self.chunk} != 0 (K={k})"
         if not (rows == 1 or rows % 16 == 0):
@@ -66,10 +83,10 @@ class QuantCoding:
         return None
 
 
-def chunk_scales(coding: QuantCoding, scl: Any, rows: list, chunk: Any, t4: Any) -> list:
+def chunk_scales(P: Any, coding: QuantCoding, scl: Any, rows: list, chunk: Any, t4: Any) -> list:
     """Per m-tile row half (rows g, g + 8 of this lane): the fp32 block scale of the chunk, or the bf16x2 multiplier
     of the ue8m0 byte of this lane's values - 2^(e - 7) for e4m3 (2^(e - 127) x the decode's 2^120), 2^(e - 1) for
-    e2m1 (x its 2^126)."""
+    e2m1 (x its 2^126) - or NVFP4's two (one per 16 values: e4m3 scale x 2^62)."""
     from cutlass import Int32
 
     rb, kb = coding.block
@@ -78,7 +95,10 @@ def chunk_scales(coding: QuantCoding, scl: Any, rows: list, chunk: Any, t4: Any)
         if r % 2 and rb % 16 == 0:  # rows g and g + 8 of a 16-row tile share the scale row
             out.append(out[-1])
             continue
-        if coding.ue8m0:
+        if coding.nvfp4:  # the lane's 32 values: two blocks of 16, words 0-1 and 2-3
+            col = (chunk * coding.chunk + t4 * coding.values_per_lane) // kb
+            out.append([P.e4m3_scale_to_bf16x2(scl[rows[r], col + h].to(Int32)) for h in range(2)])
+        elif coding.ue8m0:
             e = scl[rows[r] // rb, (chunk * coding.chunk + t4 * coding.values_per_lane) // kb].to(Int32)
             v = (e + (120 if coding.element == "e4m3" else 126)) << 7
             out.append(v | (v << 16))
@@ -113,14 +133,18 @@ def chunk_mma(P: Any, coding: QuantCoding, acc: list, lo: list, hi: list, xb: li
     q // 2 the row half). fp32 block scales: the chunk's sums start at zero and are scaled per row into ``acc``."""
     from cutlass import Float32, Int32
 
-    ue = coding.ue8m0
+    ue = coding.scales_in_decode
     bias = Int32(E4M3_BIAS_MULT)
     m_lo = sc[2 * mt] if ue else bias
     m_hi = sc[2 * mt + 1] if ue else bias
     if coding.element == "e2m1":
-        # word i -> pairs (0, 4), (1, 5), (2, 6), (3, 7): MMA 2i takes the first two, 2i + 1 the others
-        dl = [p for i in range(4) for p in _pairs2(P.e2m1x8_to_bf16x2(lo[i], m_lo))]
-        dh = [p for i in range(4) for p in _pairs2(P.e2m1x8_to_bf16x2(hi[i], m_hi))]
+        # word i -> pairs (0, 4), (1, 5), (2, 6), (3, 7): MMA 2i takes the first two, 2i + 1 the others; NVFP4:
+        # words 0-1 and 2-3 have their own scale
+        def mult(m, i):
+            return m[i // 2] if coding.nvfp4 else m
+
+        dl = [p for i in range(4) for p in _pairs2(P.e2m1x8_to_bf16x2(lo[i], mult(m_lo, i)))]
+        dh = [p for i in range(4) for p in _pairs2(P.e2m1x8_to_bf16x2(hi[i], mult(m_hi, i)))]
     else:
         dec = P.e4m3x4_to_bf16x2_split if split_pairs else P.e4m3x4_to_bf16x2
         dl = [dec(lo[i], m_lo) for i in range(4)]
@@ -139,4 +163,5 @@ def _pairs2(four: list) -> list:
     return [(four[0], four[1]), (four[2], four[3])]
 
 
-__all__ = ["E4M3_BIAS_MULT", "QuantCoding", "activation_pairs", "chunk_mma", "chunk_scales"]
+__all__ = ["E4M3_BIAS_MULT", "NVFP4_LOG2_OFFSET", "NVFP4_UNDO", "QuantCoding", "activation_pairs", "chunk_mma",
+           "chunk_scales"]

@@ -1,4 +1,5 @@
-"""moe.experts.mxfp4_mma: routed experts over MXFP4 weights on the mma.sync kernel (issue 24; ``NOTES_q4.md``).
+"""moe.experts.q4_mma: routed experts over 4-bit weights (MXFP4, NVFP4) on the mma.sync kernel (issue 24;
+``NOTES_q4.md``).
 
 The weight stream is the MXFP4 gemm's (``gemm_q4_mma``): each lane's 16-byte load of a weight row is 32 e2m1 values
 of one scale block, decoded to bf16 in registers and fed to ``m16n8k16`` MMAs with the weights as the A operand
@@ -20,7 +21,10 @@ A group is one expert and up to 8 of its (token, route) pairs:
 
 Numerics are the reference's (``ops.moe.experts_reference``): gate / up sums rounded to bf16, the activation in
 fp32, h rounded, each route's output rounded, routing weights applied in fp32. MXFP4 scale bytes 2..128 (the
-gemm's exact range) are checked once per weight, eagerly. No host sync after that first call, fixed grids:
+gemm's exact range) are checked once per weight, eagerly. NVFP4 (Muse Spark): each e4m3 scale (per 16 values, two
+per lane load) rides in its words' decode multiplier as scale x 2^62, so the sums come out x 2^-64; the expert's
+fp32 global scale x 2^64 multiplies them before any rounding (``mma_quant_weights.NVFP4_LOG2_OFFSET``); NaN scale
+bytes are refused. No host sync after that first call, fixed grids:
 graph capturable. PDL is off by default (``MmaConfig.pdl``): ``gate_up`` then waits before reading the ids, and
 ``down`` after its first weight loads.
 """
@@ -34,13 +38,17 @@ import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
+from latency_specialized.kernels.gemm_common import check_once
 from latency_specialized.kernels.gemm_q4_mma import CODING, mxfp4_parts
+from latency_specialized.kernels.mma_quant_weights import NVFP4_UNDO, QuantCoding
 from latency_specialized.kernels.gemm_small_m import SMEM_LIMIT, TARGET_WARPS, MmaConfig, pow2_at_most
 from latency_specialized.quant.checkpoint_io import QuantizedWeight
 from latency_specialized.spec import ActivationSpec
 
-NAME = "moe.experts.mxfp4_mma"
-FORMATS = ("mxfp4", "mxfp4-deepseek")
+NAME = "moe.experts.q4_mma"
+FORMATS = ("mxfp4", "mxfp4-deepseek", "nvfp4")
+NVFP4_CODING = QuantCoding(ue8m0=False, block=(1, 16), element="e2m1")
+"""NVFP4 in the mma decode: e4m3 scale per 16 values (two per lane load), the fp32 global scale on the sums."""
 COLS = 8
 """Routing pairs per group: one n-tile of the MMA."""
 MIN_TOKENS_ALIGNED = 16
@@ -76,6 +84,12 @@ class ExpertsStage:
     beta_lin: float = 0.0
     clamp: float = 0.0
     """SwiGLU clamp (0: none)."""
+    nvfp4: bool = False
+    """NVFP4 weights (e4m3 scales per 16, an fp32 global scale per expert); else MXFP4."""
+
+    @property
+    def coding(self) -> QuantCoding:
+        return NVFP4_CODING if self.nvfp4 else CODING
 
     @property
     def out_width(self) -> int:
@@ -105,7 +119,7 @@ def _kernel_class():
         def __init__(self, st: ExpertsStage, cfg: MmaConfig):
             self.st, self.cfg = st, cfg
             # what accumulate_chunks reads of a kernel
-            self.k, self.coding, self.kc, self.split_pairs = st.k, CODING, CODING.chunk, False
+            self.k, self.coding, self.kc, self.split_pairs = st.k, st.coding, CODING.chunk, False
             self.chunks = st.k // CODING.chunk
             self.summed = st.stage == "down_sum"
             # down_sum: each warp takes whole routes (routes w, w + wk, ...), every chunk of each
@@ -123,14 +137,14 @@ def _kernel_class():
         @cute.jit
         def __call__(self, x: cute.Tensor, w: cute.Tensor, scl: cute.Tensor, out: cute.Tensor, ids: cute.Tensor,
                      sorted_ids: cute.Tensor, block_expert: cute.Tensor, num_padded: cute.Tensor,
-                     route_weights: cute.Tensor, groups: Int32, stream):
-            self.kernel(x, w, scl, out, ids, sorted_ids, block_expert, num_padded, route_weights).launch(
+                     route_weights: cute.Tensor, global_scale: cute.Tensor, groups: Int32, stream):
+            self.kernel(x, w, scl, out, ids, sorted_ids, block_expert, num_padded, route_weights, global_scale).launch(
                 grid=[self.tiles, groups, 1], block=[32 * self.cfg.wk, 1, 1], stream=stream, use_pdl=self.cfg.pdl)
 
         @cute.kernel
         def kernel(self, x: cute.Tensor, w: cute.Tensor, scl: cute.Tensor, out: cute.Tensor, ids: cute.Tensor,
                    sorted_ids: cute.Tensor, block_expert: cute.Tensor, num_padded: cute.Tensor,
-                   route_weights: cute.Tensor):
+                   route_weights: cute.Tensor, global_scale: cute.Tensor):
             tile, group, _ = cute.arch.block_idx()
             buf = None
             if cutlass.const_expr(self.cfg.wk > 1):
@@ -142,12 +156,14 @@ def _kernel_class():
                 cute.arch.griddepcontrol_launch_dependents()
             pairs = ids.shape[0]
             if cutlass.const_expr(self.summed):
-                self.token_body(x, w, scl, out, ids, route_weights, tile, group, buf)
+                self.token_body(x, w, scl, out, ids, route_weights, global_scale, tile, group, buf)
             elif cutlass.const_expr(self.st.aligned):
                 if group * (COLS * self.cfg.nt) < num_padded[0]:
-                    self.group_body(x, w, scl, out, sorted_ids, block_expert[group], pairs, tile, group, buf)
+                    self.group_body(x, w, scl, out, sorted_ids, global_scale, block_expert[group], pairs, tile, group,
+                                    buf)
             else:
-                self.group_body(x, w, scl, out, sorted_ids, ids[group].to(Int32), pairs, tile, group, buf)
+                self.group_body(x, w, scl, out, sorted_ids, global_scale, ids[group].to(Int32), pairs, tile, group,
+                                buf)
 
         @cute.jit
         def pair_of(self, sorted_ids: cute.Tensor, group: Int32, pairs: Int32, col: Int32):
@@ -166,7 +182,8 @@ def _kernel_class():
 
         @cute.jit
         def group_body(self, x: cute.Tensor, w: cute.Tensor, scl: cute.Tensor, out: cute.Tensor,
-                       sorted_ids: cute.Tensor, expert: Int32, pairs: Int32, tile: Int32, group: Int32, buf):
+                       sorted_ids: cute.Tensor, global_scale: cute.Tensor, expert: Int32, pairs: Int32, tile: Int32,
+                       group: Int32, buf):
             cfg = self.cfg
             st = self.st
             NT: cutlass.Constexpr = cfg.nt
@@ -196,6 +213,7 @@ def _kernel_class():
             # those loads into the math (it returns at once in a grid launched without PDL); with
             # MmaConfig.prefetch (the default here) ptxas keeps them ahead of it
             acc = accumulate_chunks(self, P, scl, w_rows, w_row_idx, x_rows, x_ok, warp, t4, True)
+            acc = self.undo_offset(acc, global_scale, expert)
 
             # slots finished together: gate and up of one (row, pair), or one down sum
             G: cutlass.Constexpr = F // 2 if self.glu else F
@@ -219,6 +237,13 @@ def _kernel_class():
                                 u = u + buf[(src * F + f + G) * 32 + lane]
                         self.store(out, sorted_ids, group, pairs, tile, g, t4, f, s, u)
 
+        def undo_offset(self, acc: list, global_scale, expert) -> list:
+            """NVFP4: the sums x the expert's fp32 global scale x 2^64 (``NVFP4_LOG2_OFFSET``); MXFP4: as they are."""
+            if not self.st.nvfp4:
+                return acc
+            gsm = global_scale[expert] * Float32(NVFP4_UNDO)
+            return [a * gsm for a in acc]
+
         def expert_rows(self, w: cute.Tensor, expert, tile, g, t4) -> tuple[list, list]:
             """(addresses of this lane's 16 bytes of the weight rows, their indices into the scales): rows g, g + 8 of
             every m-tile, within the expert's [rows, K / 2] of the stacked codes (trace time)."""
@@ -233,7 +258,7 @@ def _kernel_class():
 
         @cute.jit
         def token_body(self, x: cute.Tensor, w: cute.Tensor, scl: cute.Tensor, out: cute.Tensor, ids: cute.Tensor,
-                       route_weights: cute.Tensor, tile: Int32, token: Int32, buf):
+                       route_weights: cute.Tensor, global_scale: cute.Tensor, tile: Int32, token: Int32, buf):
             """down_sum: out[token, rows of the tile] = sum over the token's routes of weight x bf16(h @ W_down^T).
             Warp w takes routes w, w + WK, ... (all their chunks: one batch of loads per route); each route's sums
             are rounded to bf16 (as the reference rounds each expert output) and weighted in fp32; the warps' sums
@@ -253,10 +278,12 @@ def _kernel_class():
                 j = warp + r * WK
                 live = Int32(j < TOPK)
                 pair = token * TOPK + cutlass.min(j, TOPK - 1)
-                w_rows, w_row_idx = self.expert_rows(w, ids[pair].to(Int32), tile, g, t4)
+                expert = ids[pair].to(Int32)
+                w_rows, w_row_idx = self.expert_rows(w, expert, tile, g, t4)
                 x_rows = [x.iterator.toint() + Int64(pair) * (2 * K) + Int64(t4) * (16 * (CODING.chunk // 32))]
                 acc = accumulate_chunks(self, P, scl, w_rows, w_row_idx, x_rows, [Int32(g == 0) & live], Int32(0),
                                         t4, r == 0)  # the wait: PDL's, and a fence (see group_body)
+                acc = self.undo_offset(acc, global_scale, expert)
                 wt = route_weights[pair] * live.to(Float32)
                 for f in cutlass.range_constexpr(F):
                     sums[f] = sums[f] + acc[f].to(cutlass.BFloat16).to(Float32) * wt
@@ -329,10 +356,11 @@ def compile_stage(st: ExpertsStage, cfg: MmaConfig):
         bf, u8, i32 = cutlass.BFloat16, cutlass.Uint8, cutlass.Int32
         rows = cute.sym_int()
         args = (fake_rows(bf, cute.sym_int(), st.k), fake_rows(u8, rows, st.k // 2),
-                fake_rows(u8, cute.sym_int(), st.k // 32, align=1), fake_strided_rows(bf, cute.sym_int(), st.out_width),
+                fake_rows(u8, cute.sym_int(), st.k // st.coding.block[1], align=1), fake_strided_rows(bf, cute.sym_int(), st.out_width),
                 fake_vec(cutlass.Int64 if st.ids64 else i32, cute.sym_int(), align=4),
                 fake_vec(i32, cute.sym_int(), align=4), fake_vec(i32, cute.sym_int(), align=4),
-                fake_vec(i32, 1, align=4), fake_vec(cutlass.Float32, cute.sym_int(), align=4), 1, fake_stream())
+                fake_vec(i32, 1, align=4), fake_vec(cutlass.Float32, cute.sym_int(), align=4),
+                fake_vec(cutlass.Float32, cute.sym_int(), align=4), 1, fake_stream())
         return cute.compile(_kernel_class()(st, cfg), *args, options=compile_options(arch, max_regs(32 * cfg.wk, 0)))
 
     key = tuple(sorted(vars(st).items())) + tuple(sorted(vars(cfg).items()))
@@ -374,15 +402,35 @@ def default_configs(M: int, top_k: int, experts: int, K: int, I: int, N: int, al
     return gate_up, stage_config(N // 16, groups, I // 128, 1)
 
 
-def expert_parts(w: QuantizedWeight, what: str) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """(codes [E x rows, K / 2], ue8m0 scales [E x rows, K / 32], E, rows) of stacked MXFP4 experts (scales checked
-    once per weight: ``gemm_q4_mma.mxfp4_parts``)."""
+def expert_parts(w: QuantizedWeight, what: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, int]:
+    """(codes [E x rows, K / 2], scale bytes [E x rows, K / block], fp32 global scales [E] (NVFP4) or None, E, rows)
+    of stacked 4-bit experts; their scales are checked once per weight (MXFP4: ``gemm_q4_mma.mxfp4_parts``'s exact
+    ue8m0 range; NVFP4: no NaN scale byte, one finite global scale per expert)."""
+    from latency_specialized.quant.codecs import as_bytes
+
     if not isinstance(w, QuantizedWeight) or w.weight.dim() != 3:
         raise UserError(f"{what}: takes experts stacked as a [E, rows, K] QuantizedWeight (got "
                         f"{type(w).__name__}{'' if not isinstance(w, QuantizedWeight) else tuple(w.weight.shape)})")
     E, rows = w.weight.shape[:2]
-    q, s = mxfp4_parts(w, what, stacked=True)
-    return q.view(E * rows, -1), s.view(E * rows, -1), E, rows
+    if w.fmt.name != "nvfp4":
+        q, s = mxfp4_parts(w, what, stacked=True)
+        return q.view(E * rows, -1), s.view(E * rows, -1), None, E, rows
+    q, s = as_bytes(w.weight).contiguous(), as_bytes(w.scale).contiguous()
+    gs = w.global_scale
+    if gs is None or gs.numel() != E:
+        raise UserError(f"{what} ({w.name}): NVFP4 experts need one fp32 global scale per expert ([{E}]), got "
+                        f"{None if gs is None else tuple(gs.shape)}: gate and up joined with differing global scales "
+                        "are refused at load (quant.layout)")
+    gs = gs.float().contiguous()
+
+    def check() -> None:
+        if bool(((s & 0x7F) == 0x7F).any()):
+            raise UserError(f"{what} ({w.name}): NaN e4m3 scale bytes: the checkpoint is damaged - requantize it")
+        if not bool(torch.isfinite(gs).all()):
+            raise UserError(f"{what} ({w.name}): a non-finite global scale: requantize the checkpoint")
+
+    check_once(w.weight, (NAME, s.data_ptr()), check)
+    return q.view(E * rows, -1), s.view(E * rows, -1), gs, E, rows
 
 
 _dummies: dict = {}
@@ -416,18 +464,19 @@ def _stage_args(activation: ActivationSpec) -> dict:
     return dict(act="situ_glu", beta=float(activation.beta), beta_lin=float(activation.beta_lin))
 
 
-def experts_mxfp4_mma(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor, w_gate_up: QuantizedWeight,
+def experts_q4_mma(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor, w_gate_up: QuantizedWeight,
                       w_down: QuantizedWeight, activation: ActivationSpec, *, per_route: bool = False,
                       out: torch.Tensor | None = None, configs: tuple[MmaConfig, MmaConfig] | None = None,
                       aligned: bool | None = None) -> torch.Tensor:
-    """Routed experts (contract: ``ops.moe.experts_reference``) over MXFP4 weights on tensor cores.
+    """Routed experts (contract: ``ops.moe.experts_reference``) over MXFP4 / NVFP4 weights on tensor cores.
 
     Parameters
     ----------
     x : [M, K] bf16, M <= ``MAX_TOKENS``, K % 128 == 0.
     weights : [M, top_k] routing weights (fp32 or bf16; ignored with ``per_route``).
     ids : [M, top_k] int32 / int64 expert ids.
-    w_gate_up : QuantizedWeight [E, 2I, K] (gate rows, then up rows), mxfp4 / mxfp4-deepseek; I % 128 == 0.
+    w_gate_up : QuantizedWeight [E, 2I, K] (gate rows, then up rows), mxfp4 / mxfp4-deepseek / nvfp4 (one global
+        scale per expert); I % 128 == 0.
     w_down : QuantizedWeight [E, N, I], the same format; N % 16 == 0.
     per_route : every route's expert output, unweighted ([M, top_k, N]), instead of the combination.
     out : optional [M, N] ([M, top_k, N]) destination, unit stride in N.
@@ -438,8 +487,10 @@ def experts_mxfp4_mma(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.
     from latency_specialized.kernels import triton_q4
     from latency_specialized.kernels.moe_experts_triton import route_rows
 
-    q13, s13, E, two_i = expert_parts(w_gate_up, NAME)
-    q2, s2, E2, N = expert_parts(w_down, NAME)
+    q13, s13, g13, E, two_i = expert_parts(w_gate_up, NAME)
+    q2, s2, g2, E2, N = expert_parts(w_down, NAME)
+    if w_gate_up.fmt.name != w_down.fmt.name and "nvfp4" in (w_gate_up.fmt.name, w_down.fmt.name):
+        raise UserError(f"{NAME}: w_gate_up is {w_gate_up.fmt.name} but w_down is {w_down.fmt.name}")
     M, K = x.shape
     I = two_i // 2
     top_k = ids.shape[-1]
@@ -463,7 +514,7 @@ def experts_mxfp4_mma(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.
         tables = (buf.sorted_ids, buf.expert_ids, buf.num_padded)
     else:
         tables = (_no_table(x.device),) * 3
-    common = dict(top_k=top_k, aligned=aligned, ids64=flat.dtype == torch.int64)
+    common = dict(top_k=top_k, aligned=aligned, ids64=flat.dtype == torch.int64, nvfp4=g13 is not None)
     st13 = ExpertsStage("gate_up", K, two_i, **common, **_stage_args(activation))
     st2 = ExpertsStage("down_sum" if summed(aligned, per_route) else "down", I, N, **common)
     cfg13, cfg2 = configs or default_configs(M, top_k, E, K, I, N, aligned, per_route)
@@ -473,7 +524,9 @@ def experts_mxfp4_mma(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.
     stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
     h = torch.empty(T, I, device=x.device, dtype=x.dtype)
     no_weights = _no_table(x.device, torch.float32)
-    compile_stage(st13, cfg13)(x, q13, s13, h, flat, *tables, no_weights, groups, stream)
+    g13 = no_weights if g13 is None else g13
+    g2 = no_weights if g2 is None else g2
+    compile_stage(st13, cfg13)(x, q13, s13, h, flat, *tables, no_weights, g13, groups, stream)
     shape = (M, top_k, N) if per_route else (M, N)
     y = out if out is not None else torch.empty(shape, device=x.device, dtype=x.dtype)
     if tuple(y.shape) != shape or y.stride(-1) != 1:
@@ -481,10 +534,10 @@ def experts_mxfp4_mma(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.
     if st2.stage == "down_sum":
         w = weights.reshape(-1)
         w = w.contiguous() if w.dtype == torch.float32 else w.float().contiguous()
-        compile_stage(st2, cfg2)(h, q2, s2, y, flat, *tables, w, M, stream)
+        compile_stage(st2, cfg2)(h, q2, s2, y, flat, *tables, w, g2, M, stream)
         return y
     yp, direct = route_rows(y) if per_route else (torch.empty(T, N, device=x.device, dtype=x.dtype), False)
-    compile_stage(st2, cfg2)(h, q2, s2, yp, flat, *tables, no_weights, groups, stream)
+    compile_stage(st2, cfg2)(h, q2, s2, yp, flat, *tables, no_weights, g2, groups, stream)
     if per_route:
         if not direct:
             y.copy_(yp.view(M, top_k, N))
@@ -498,7 +551,7 @@ def _supports(ctx: OpContext) -> Support:
     from latency_specialized.kernels.compile_cache import cute_available
     from latency_specialized.kernels.triton_common import quantized_experts_refusal
 
-    why = quantized_experts_refusal(ctx, NAME, FORMATS, "MXFP4", min_sm=90)
+    why = quantized_experts_refusal(ctx, NAME, FORMATS, "4-bit e2m1 (MXFP4 / NVFP4)", min_sm=90)
     if why:
         return why
     if ctx.dim("K") % 128 or ctx.dim("N") % 128:
@@ -509,11 +562,11 @@ def _supports(ctx: OpContext) -> Support:
 
 
 IMPLEMENTATIONS = [
-    Implementation("moe.experts", NAME, experts_mxfp4_mma, _supports, priority=15,
-                   description="MXFP4 experts decoded to bf16 in registers on mma.sync (gemm_q4_mma's weight stream):"
+    Implementation("moe.experts", NAME, experts_q4_mma, _supports, priority=15,
+                   description="MXFP4 / NVFP4 experts decoded to bf16 in registers on mma.sync (gemm_q4_mma's stream):"
                                " gate|up with the GLU epilogue, down per route, weighted route sum; not yet timed on a"
                                " GPU, so below the Triton 4-bit kernels"),
 ]
 
 __all__ = ["COLS", "ExpertsStage", "IMPLEMENTATIONS", "MAX_TOKENS", "MIN_TOKENS_ALIGNED", "NAME", "compile_stage",
-           "default_configs", "experts_mxfp4_mma", "expert_parts", "groups_of", "stage_config"]
+           "default_configs", "experts_q4_mma", "expert_parts", "groups_of", "stage_config"]

@@ -101,7 +101,7 @@ def emulate_mma(monkeypatch) -> None:
 
 class EmulatedExpertsStage:
     """Stands in for ``moe_experts_mma.compile_stage``'s kernel: ``(x, w, scl, out, ids, sorted_ids, block_expert,
-    num_padded, route_weights, groups, stream)``; grid (tiles, groups), block 32 x wk, as
+    num_padded, route_weights, global_scale, groups, stream)``; grid (tiles, groups), block 32 x wk, as
     ``MmaExpertsKernel.__call__``."""
 
     launches: list = []
@@ -109,22 +109,22 @@ class EmulatedExpertsStage:
     def __init__(self, ptx: str, st, cfg):
         self.ptx, self.st, self.cfg = ptx, st, cfg
 
-    def __call__(self, x, w, scl, out, ids, sorted_ids, block_expert, num_padded, route_weights, groups, stream
-                 ) -> None:
+    def __call__(self, x, w, scl, out, ids, sorted_ids, block_expert, num_padded, route_weights, global_scale,
+                 groups, stream) -> None:
         mem = Memory()
         st, cfg = self.st, self.cfg
         tiles = st.rows // 2 // 16 if st.stage == "gate_up" else -(-st.rows // (16 * cfg.mt))
         ax, aw, asc = mem.put(x), mem.put(w), mem.put(scl)
         o = StridedRows(mem, out)
-        a_ids, a_sorted, a_blk, a_np, a_w = (mem.put(t) for t in (ids, sorted_ids, block_expert, num_padded,
-                                                                   route_weights))
+        a_ids, a_sorted, a_blk, a_np, a_w, a_gs = (mem.put(t) for t in (ids, sorted_ids, block_expert, num_padded,
+                                                                         route_weights, global_scale))
         emu = Emulator(self.ptx, mem, smem_bytes=max(cfg.smem_bytes(), 16))
         emu.launch((tiles, groups, 1),
                    [tensor_param(ax, (x.shape[0],)), tensor_param(aw, (w.shape[0],)),
                     tensor_param(asc, (scl.shape[0],)),
                     o.param(), tensor_param(a_ids, (ids.shape[0],)), tensor_param(a_sorted, (sorted_ids.shape[0],)),
                     tensor_param(a_blk, (block_expert.shape[0],)), tensor_param(a_np),
-                    tensor_param(a_w, (route_weights.shape[0],))],
+                    tensor_param(a_w, (route_weights.shape[0],)), tensor_param(a_gs, (global_scale.shape[0],))],
                    block=(32 * cfg.wk, 1, 1))
         o.read_back()
         EmulatedExpertsStage.launches.append((st, cfg, groups, emu.steps))

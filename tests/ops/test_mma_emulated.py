@@ -98,3 +98,28 @@ def test_mxfp4_mma_reads_every_code_back_exactly_under_edge_scales_in_the_emulat
     eye = torch.eye(K, dtype=torch.bfloat16)
     got = torch.cat([q4m.gemm_mxfp4_mma(eye[i:i + 64], q, out_dtype=torch.float32).t() for i in (0, 64)], dim=1)
     assert torch.equal(got, q.dequantize())
+
+
+def test_nvfp4_coding_reads_every_code_back_exactly_under_edge_e4m3_scales_in_the_emulator(monkeypatch):
+    """NVFP4 in the mma kernel (``QuantCoding(ue8m0=False, block=(1, 16), element="e2m1")``: two e4m3 scales per
+    lane load folded into the decode's multiplier): every code in every nibble position under the e4m3 scale bytes
+    0x01 (the smallest subnormal, 2^-9), 0x07, 0x08 (the smallest normal), 0x38 (1.0), 0x7E (448, the largest) - one
+    per 16-value block, so a lane's two blocks differ; one-hot tokens read value x scale x 2^-64 back exactly."""
+    from latency_specialized.kernels.gemm_small_m import quantized_config, run_quantized_mma
+    from latency_specialized.kernels.mma_quant_weights import NVFP4_UNDO, QuantCoding
+    from latency_specialized.quant.codecs import e2m1_decode
+
+    emulate_mma(monkeypatch)
+    coding = QuantCoding(ue8m0=False, block=(1, 16), element="e2m1")
+    N, K = 16, 128
+    i = torch.arange(N * K, dtype=torch.int64)
+    nib = ((i + i // 8) % 16).to(torch.uint8).view(N, K)
+    packed = (nib[:, 0::2] | (nib[:, 1::2] << 4)).contiguous()
+    edge = torch.tensor([0x01, 0x07, 0x08, 0x38, 0x7E], dtype=torch.uint8)
+    scale = edge[torch.arange(N * K // 16) % 5].view(N, K // 16).contiguous()
+    want = (e2m1_decode(nib) * scale.view(torch.float8_e4m3fn).float().repeat_interleave(16, dim=1))
+    eye = torch.eye(K, dtype=torch.bfloat16)
+    cfg = quantized_config(N, K // coding.chunk, 64)
+    got = torch.cat([run_quantized_mma("nvfp4-test", eye[j:j + 64], packed, scale, coding, None, None, torch.float32,
+                                       cfg, 64).t() for j in (0, 64)], dim=1)
+    assert torch.equal(got.double() * NVFP4_UNDO, want.double())

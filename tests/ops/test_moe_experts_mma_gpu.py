@@ -1,7 +1,8 @@
-"""GPU tests of the MXFP4 routed experts on the mma.sync kernel (``moe.experts.mxfp4_mma``).
+"""GPU tests of the MXFP4 routed experts on the mma.sync kernel (``moe.experts.q4_mma``).
 
-Shapes: Kimi K3 at TP8 (896 experts, top-16, K = N = 3584, expert width 384, SiTU-GLU) and a DeepSeek-V4.1-like
-one in mxfp4-deepseek (256 experts, top-6, 4096, width 256, SwiGLU clamped); tokens 1, 3, 8, 13 (single routes),
+Shapes: Kimi K3 at TP8 (896 experts, top-16, K = N = 3584, expert width 384, SiTU-GLU), a DeepSeek-V4.1-like
+one in mxfp4-deepseek (256 experts, top-6, 4096, width 256, SwiGLU clamped) and Muse Spark at TP8 in NVFP4 (256
+experts, top-8, 4096, width 512: e4m3 scales per 16, a global scale per expert); tokens 1, 3, 8, 13 (single routes),
 16, 33, 64 (``moe_align`` runs), the same experts for every token (one expert, many pairs), int64 ids; per-route
 rows and the weighted combination (``down_sum`` at single routes: a warp per route, or 4 warps taking turns); the
 heuristic configs and 2 / 4 warps along K with PDL on.
@@ -31,7 +32,8 @@ DEV = "cuda"
 SITU = ActivationSpec(kind="situ_glu", beta=4, beta_lin=25)
 SWIGLU = ActivationSpec(kind="swiglu", clamp=7.0)
 MODELS = {"kimi_tp8": dict(E=896, k=16, K=3584, I=384, fmt="mxfp4", act=SITU),
-          "dsv4_like": dict(E=256, k=6, K=4096, I=256, fmt="mxfp4-deepseek", act=SWIGLU)}
+          "dsv4_like": dict(E=256, k=6, K=4096, I=256, fmt="mxfp4-deepseek", act=SWIGLU),
+          "muse_tp8_nvfp4": dict(E=256, k=8, K=4096, I=512, fmt="nvfp4", act=SWIGLU)}
 REL_TOL = 1.5e-2
 """Max |ours - reference| over max |reference| (as the Triton 4-bit experts' tests): the reference rounds at the
 same points; sums in another order can move a value across a bf16 rounding boundary."""
@@ -59,28 +61,28 @@ def _rel(y, ref):
 
 @pytest.mark.parametrize("M,same,ids64", [(1, False, False), (3, False, True), (8, True, False), (13, False, False),
                                           (16, False, False), (33, True, True), (64, False, False)])
-def test_mxfp4_mma_experts_match_the_dequantising_reference(model, M, same, ids64):
+def test_q4_mma_experts_match_the_dequantising_reference(model, M, same, ids64):
     cfg, w13, w2 = model
     g = seeded_generator(f"mma-{M}-{same}-{ids64}")
     x = torch.randn(M, cfg["K"], generator=g, device=DEV).bfloat16()
     w, ids = _routing(M, cfg["E"], cfg["k"], g, same, torch.int64 if ids64 else torch.int32)
     ref = reference_selected(x, w, ids, w13, w2, cfg["act"])
     y = torch.full((M, cfg["K"]), float("nan"), device=DEV, dtype=torch.bfloat16)
-    mm.experts_mxfp4_mma(x, w, ids, w13, w2, cfg["act"], out=y)
+    mm.experts_q4_mma(x, w, ids, w13, w2, cfg["act"], out=y)
     assert torch.isfinite(y).all() and _rel(y, ref) <= REL_TOL, _rel(y, ref)
-    assert torch.equal(mm.experts_mxfp4_mma(x, w, ids, w13, w2, cfg["act"]), y)  # deterministic
+    assert torch.equal(mm.experts_q4_mma(x, w, ids, w13, w2, cfg["act"]), y)  # deterministic
     # both group modes at the same step agree with the reference
-    other = mm.experts_mxfp4_mma(x, w, ids, w13, w2, cfg["act"], aligned=M < mm.MIN_TOKENS_ALIGNED)
+    other = mm.experts_q4_mma(x, w, ids, w13, w2, cfg["act"], aligned=M < mm.MIN_TOKENS_ALIGNED)
     assert _rel(other, ref) <= REL_TOL
     if M < mm.MIN_TOKENS_ALIGNED:  # down_sum with several routes per warp, PDL on
         c13, c2 = mm.default_configs(M, cfg["k"], cfg["E"], cfg["K"], cfg["I"], cfg["K"], False)
-        y4 = mm.experts_mxfp4_mma(x, w, ids, w13, w2, cfg["act"],
+        y4 = mm.experts_q4_mma(x, w, ids, w13, w2, cfg["act"],
                                   configs=(replace(c13, pdl=True), replace(c2, wk=4, pdl=True)))
         assert _rel(y4, ref) <= REL_TOL
 
 
 @pytest.mark.parametrize("M", [1, 16])
-def test_mxfp4_mma_experts_per_route_rows_and_configs(model, M):
+def test_q4_mma_experts_per_route_rows_and_configs(model, M):
     cfg, w13, w2 = model
     g = seeded_generator(f"mma-rows-{M}")
     x = torch.randn(M, cfg["K"], generator=g, device=DEV).bfloat16()
@@ -94,22 +96,22 @@ def test_mxfp4_mma_experts_per_route_rows_and_configs(model, M):
     for configs in (None, (replace(base13, wk=2, cb=2, pdl=True), replace(base2, wk=2, cb=1, pdl=True)),
                     (replace(base13, wk=4), replace(base2, mt=2))):
         rows = torch.full((M, cfg["k"], cfg["K"]), float("nan"), device=DEV, dtype=torch.bfloat16)
-        mm.experts_mxfp4_mma(x, None, ids, w13, w2, cfg["act"], per_route=True, out=rows, configs=configs)
+        mm.experts_q4_mma(x, None, ids, w13, w2, cfg["act"], per_route=True, out=rows, configs=configs)
         assert torch.isfinite(rows).all() and _rel(rows, ref) <= REL_TOL, (configs, _rel(rows, ref))
 
 
 @pytest.mark.parametrize("M", [1, 3, 64])
-def test_mxfp4_mma_experts_graph_replay_equals_eager(model, M):
+def test_q4_mma_experts_graph_replay_equals_eager(model, M):
     cfg, w13, w2 = model
     g = seeded_generator(f"mma-graph-{M}")
     x = torch.randn(M, cfg["K"], generator=g, device=DEV).bfloat16()
     w, ids = _routing(M, cfg["E"], cfg["k"], g)
     x2 = torch.randn_like(x)
     w2_, ids2 = _routing(M, cfg["E"], cfg["k"], g)
-    eager = mm.experts_mxfp4_mma(x2, w2_, ids2, w13, w2, cfg["act"])
+    eager = mm.experts_q4_mma(x2, w2_, ids2, w13, w2, cfg["act"])
     xs, ws, iss = x.clone(), w.clone(), ids.clone()
     out = torch.full((M, cfg["K"]), float("nan"), device=DEV, dtype=torch.bfloat16)
-    graph = graph_replay(lambda: mm.experts_mxfp4_mma(xs, ws, iss, w13, w2, cfg["act"], out=out))
+    graph = graph_replay(lambda: mm.experts_q4_mma(xs, ws, iss, w13, w2, cfg["act"], out=out))
     xs.copy_(x2)
     ws.copy_(w2_)
     iss.copy_(ids2)
