@@ -6,7 +6,7 @@ variant captured twice). Per batch, in one process on the same inputs:
 
 * ``q4-gemv[...]`` / ``q4-grouped[...]``: ours (``kernels/moe_experts_q4_triton.py``) per launch variant,
   each checked against the dequantising reference before it is timed (``rel_err`` in ``extra``);
-* ``mma[...]``: ours on the mma.sync kernel (``kernels/moe_experts_mma.py``, MXFP4 only) per ``MMA_VARIANTS``
+* ``mma[...]``: ours on the mma.sync kernel (``kernels/moe_experts_mma.py``, MXFP4 and NVFP4) per ``MMA_VARIANTS``
   entry (launch configs over the heuristic's, group mode), checked the same way;
 * ``bf16-ours``: our bf16 experts over the same weights dequantised (what the loaders ran until now);
 * ``peer-humming``: stock vLLM 0.33's MXFP4 MoE on Hopper (``bench/peers/humming_mxfp4.py``), where the
@@ -125,7 +125,7 @@ def bench_q4_experts(tp: int, batches: list[int], *, fmt: str = "mxfp4", rotatio
         if M >= 2:
             for vname, v in GROUPED_VARIANTS.items():
                 plans.append((f"q4-grouped[{vname}]", q4.experts_q4_grouped, 5, {"grouped": v}))
-        if f.scale == "ue8m0":
+        if K % 128 == 0 and I % 128 == 0:  # the mma kernels' widths (MXFP4 and NVFP4)
             for vname, v in MMA_VARIANTS.items():
                 plans.append(_mma_plan(vname, v, M, k, E, K, I, N))
         for name, fn, kernels, tuning in plans:
