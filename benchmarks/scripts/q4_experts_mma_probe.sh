@@ -19,3 +19,16 @@ tail -1 "$R/tests.log"
 timeout "${BENCH_S:-300}" python3 benchmarks/scripts/q4_experts_bench.py --tp 8 --batch "${BATCH:-1,4,8,16,64}" \
   --fmt mxfp4 ${QUICK:+--quick} ${MMA_VARIANTS:+--mma-variants "$MMA_VARIANTS"} --out "$R" > "$R/bench.log" 2>&1
 echo "bench rc=$? $(( $(date +%s) - t0 )) s"; grep -h "^| " "$R/ops_moe_experts_q4_mxfp4_tp8.md" | cut -d'|' -f2-9 | head -80
+# NVFP4 (Muse Spark's format) at the same shapes: ours only (no peer wired for NVFP4)
+if [ "${NVFP4:-1}" = 1 ]; then
+  timeout "${NV_S:-150}" python3 benchmarks/scripts/q4_experts_bench.py --tp 8 --batch "${NV_BATCH:-1,8,64}" \
+    --fmt nvfp4 --quick --mma-variants default --out "$R" > "$R/bench_nvfp4.log" 2>&1
+  echo "nvfp4 bench rc=$? $(( $(date +%s) - t0 )) s"; grep -h "^| " "$R/ops_moe_experts_q4_nvfp4_tp8.md" | cut -d'|' -f2-9 | head -20
+fi
+# the Kimi K3 layers with MXFP4 experts: the Triton 4-bit kernels (baseline) against q4_mma (LAYER=1)
+if [ "${LAYER:-0}" = 1 ]; then
+  timeout "${LAYER_S:-400}" python3 -m latency_specialized.cli bench --model kimi_k3 --tp 8 --experts mxfp4 \
+    --batch "${LAYER_BATCH:-1,8,64}" --out "$R" --ab triton \
+    --ab mma:latency_specialized.kernels.moe_experts_q4_triton.ENABLED=False > "$R/layer_ab.log" 2>&1
+  echo "layer A/B rc=$? $(( $(date +%s) - t0 )) s"; tail -30 "$R/layer_ab.log"
+fi

@@ -33,6 +33,9 @@ FORMATS = ("mxfp4", "mxfp4-deepseek", "nvfp4")
 """``weight_format`` values served (the e2m1 formats)."""
 MIN_TOKENS_GROUPED = 8
 """Tokens per step from which the grouped tensor-core path serves (below: the gemv path)."""
+ENABLED = True
+"""False: both implementations refuse every site (an A/B switch: ``bench --ab mma:latency_specialized.kernels.
+moe_experts_q4_triton.ENABLED=False`` runs the layers on ``moe.experts.q4_mma``, registered below these until timed)."""
 GROUPED_BLOCK_K = 128
 """K step of the grouped GEMMs: K and I must be multiples of it."""
 GEMV_TUNING: dict = {"gate_up": dict(block_i=4, block_w=128, num_warps=4),
@@ -182,6 +185,8 @@ def experts_q4_grouped(x: torch.Tensor, weights: torch.Tensor | None, ids: torch
 
 
 def _common(ctx: OpContext, name: str, min_sm: int | None) -> Support:
+    if not ENABLED:
+        return f"{name}: switched off (moe_experts_q4_triton.ENABLED = False)"
     why = quantized_experts_refusal(ctx, name, FORMATS, "4-bit e2m1", min_sm=min_sm)
     if why:
         return why

@@ -178,3 +178,20 @@ def test_bench_variants_make_configs_the_wrapper_takes():
             c13, c2, aligned = b.mma_variant_configs(v, M, 16, 896, 3584, 384, 3584)
             assert aligned == v.get("aligned", M >= mm.MIN_TOKENS_ALIGNED)
             assert c13.mt == 2 and c13.nt == c2.nt == 1 and max(c13.smem_bytes(), c2.smem_bytes()) <= SMEM_LIMIT
+
+
+def test_ab_switch_hands_the_sites_to_the_mma_kernel(monkeypatch):
+    """``moe_experts_q4_triton.ENABLED = False`` (what ``bench --ab`` sets) makes the plan pick ``q4_mma`` on sm_90."""
+    from latency_specialized.contract import make_context
+    from latency_specialized.kernels import moe_experts_q4_triton as q4
+    from latency_specialized.plugins import get_registry
+
+    ctx = make_context("moe.experts", arch="sm_90a", dtype="bfloat16", tokens=1, dims=dict(E=896, topk=16, N=384,
+                       K=3584), attrs={"activation": "situ_glu", "weight_format": "mxfp4"})
+    impls = get_registry().implementations
+    assert impls.select(ctx)[0].name == q4.NAME_GEMV
+    monkeypatch.setattr(q4, "ENABLED", False)
+    chosen, refusals = impls.select(ctx)
+    assert any(n == q4.NAME_GEMV and "ENABLED" in why for n, why in refusals)
+    if cute_available() is True:
+        assert chosen.name == mm.NAME
