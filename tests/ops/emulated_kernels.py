@@ -175,3 +175,47 @@ def emulate_experts(monkeypatch) -> None:
     monkeypatch.setattr(moe_experts_mma, "compile_stage", compile_emulated)
     monkeypatch.setattr(triton_moe, "moe_align", align_like_triton)
     monkeypatch.setattr(triton_q4, "route_sum", route_sum_torch)
+
+
+class EmulatedGemv:
+    """Stands in for ``gemm_gemv.compile_gemv``'s plain kernel (no GLU, split or norm): ``(x, w, res, y, cap, gain,
+    eps)``; grid min(row groups, cap), block 32 x warps, as ``GemvKernel.__call__``."""
+
+    def __init__(self, ptx: str, cfg):
+        self.ptx, self.cfg = ptx, cfg
+
+    def __call__(self, x, w, res, y, cap, gain, eps) -> None:
+        import struct
+
+        mem = Memory()
+        cfg = self.cfg
+        n = w.shape[0]
+        groups = -(-n // (cfg.warps // cfg.k_split * cfg.rows_per_warp))
+        ax, aw, ag = mem.put(x), mem.put(w), mem.put(gain)
+        out = StridedRows(mem, y)
+        r = out if res is y else StridedRows(mem, res)
+        emu = Emulator(self.ptx, mem)
+        emu.launch((min(groups, cap), 1, 1), [tensor_param(ax), tensor_param(aw, (n,)), r.param(), out.param(), n,
+                                              groups, tensor_param(ag), struct.pack("<f", eps)],
+                   block=(32 * cfg.warps, 1, 1))
+        out.read_back()
+
+
+def emulate_gemv(monkeypatch) -> None:
+    """Route ``gemm_gemv.compile_gemv`` (plain projections) to the emulator."""
+    from latency_specialized.kernels import gemm_gemv
+    from latency_specialized.kernels.dsl_common import ptx_of
+
+    sm90a_fresh_compiles(monkeypatch)
+    real = gemm_gemv.compile_gemv
+
+    def compile_emulated(k, m, cfg, residual, out_fp32=False, glu=None, split=False, norm=False):
+        if glu is not None or split or norm:
+            raise NotImplementedError("only the plain GEMV is emulated")
+        ptx = ptx_of(real(k, m, cfg, residual, out_fp32=out_fp32))
+        assert ptx, "a fresh compile keeps its PTX (disk tier off)"
+        return EmulatedGemv(ptx, cfg)
+
+    monkeypatch.setattr(gemm_gemv, "compile_gemv", compile_emulated)
+    monkeypatch.setattr(gemm_gemv, "grid_cap", lambda device, ctas_per_sm: 1 << 30 if ctas_per_sm <= 0 else
+                        ctas_per_sm * 2)

@@ -123,3 +123,30 @@ def test_nvfp4_coding_reads_every_code_back_exactly_under_edge_e4m3_scales_in_th
     got = torch.cat([run_quantized_mma("nvfp4-test", eye[j:j + 64], packed, scale, coding, None, None, torch.float32,
                                        cfg, 64).t() for j in (0, 64)], dim=1)
     assert torch.equal(got.double() * NVFP4_UNDO, want.double())
+
+
+GEMV_CONFIGS = {  # label: (M, GemvConfig fields)
+    "m1-default": (1, {}),
+    "m3-rows2": (3, dict(rows_per_warp=2)),
+    "m1-lookahead-prefetch": (1, dict(batch=1, lookahead=1, prefetch=True)),
+    "m2-ksplit2": (2, dict(k_split=2)),
+    "m1-persistent": (1, dict(ctas_per_sm=1)),
+}
+
+
+@pytest.mark.parametrize("label", list(GEMV_CONFIGS))
+def test_gemv_kernel_runs_in_the_emulator(monkeypatch, label):
+    """The CuTe DSL GEMV (GPU-verified; ``GemvConfig.prefetch`` new this session, run nowhere else yet): K with a
+    ragged tail of 16-byte vectors (2 full lane steps + 5 vectors), rows past N, residual, into a poisoned slice."""
+    from latency_specialized.kernels import gemm_gemv
+    from latency_specialized.kernels.gemm_gemv import GemvConfig
+
+    from emulated_kernels import emulate_gemv
+
+    emulate_gemv(monkeypatch)
+    M, fields = GEMV_CONFIGS[label]
+    N, K = 37, 8 * (32 * 2 + 5) if "ksplit" not in label else 512
+    x, r = _inputs("gemv" + label, M, N, K)
+    w = (torch.randn(N, K, generator=seeded_generator(label + "gw", "cpu")) * K ** -0.5).bfloat16()
+    ref = gemm_reference(x, w, residual=r)
+    check_gemm_into_poisoned_slice(gemm_gemv.gemm_gemv, x, w, r, ref, 1 / 128, config=GemvConfig(**fields))
