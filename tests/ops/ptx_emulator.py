@@ -23,6 +23,7 @@ each), then its dynamic strides (int64, 8-byte aligned) - which :func:`tensor_pa
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import re
 import struct
@@ -713,6 +714,7 @@ class Emulator:
                 t.regs[dst[1]] = ok
 
 
+@functools.lru_cache(maxsize=None)
 def _bits(ty: str) -> int:
     if ty == "pred":
         return 32
@@ -737,11 +739,13 @@ def _round_directed(x: Fraction, mode: str) -> float:
 
 
 def _round_bf16(x: float) -> int:
+    """x (a float64) rounded to fp32, then to bf16 bits (nearest even; overflow to inf)."""
     if math.isnan(x):
         return 0x7FC0
-    with np.errstate(over="ignore"):
-        return f32_to_bf16(struct.unpack("<I", struct.pack("<f", float(np.float64(x).astype(np.float32))))[0]) \
-            if abs(x) < 3.5e38 or math.isinf(x) else (0x7F80 if x > 0 else 0xFF80)
+    if abs(x) > 3.4028234663852886e38 and not math.isinf(x):  # past fp32's largest finite: numpy rounds it
+        with np.errstate(over="ignore"):
+            return f32_to_bf16(struct.unpack("<I", np.float32(x).tobytes())[0])
+    return f32_to_bf16(struct.unpack("<I", struct.pack("<f", x))[0])
 
 
 def _prmt(a: int, b: int, sel: int) -> int:
