@@ -47,6 +47,7 @@ MMA_VARIANTS: dict[str, dict[str, Any]] = {
     "gu8": dict(gate_up=dict(wk=8)),
     "gu4c2": dict(gate_up=dict(wk=4, cb=2)),
     "gu2c2": dict(gate_up=dict(wk=2, cb=2)),
+    "gu_c2a1": dict(gate_up=dict(cb=2, lookahead=1)),
     "dn16c1": dict(down=dict(wk=16, cb=1)),
     "dn16mt2": dict(down=dict(wk=16, mt=2)),
     "dn2": dict(down=dict(wk=2)),

@@ -62,6 +62,12 @@ class MmaConfig:
     non-coherent loads, so with them the weights are requested only once the previous kernel is done (offline SASS,
     ``tests/ops/test_pdl_load_order.py``). Off where the H200 timings were taken with the default (session 33)."""
 
+    lookahead: int = 0
+    """L > 0: batches 0..L requested before the PDL wait, then batch j + L just before batch j is multiplied, all
+    through the coherent path and each behind a ``griddepcontrol.wait`` that returns at once - a fence: without it
+    ptxas sinks the later batches' loads into the math (offline SASS: one or two loads in flight after the first
+    batch). L + 1 batches of registers."""
+
     fp8_pairs: str = "bytes"
     """FP8 weights only: how a lane's e4m3 words decode into bf16 pairs. "bytes": pairs of adjacent codes (two byte
     permutes per word); "split": codes 0, 2 | 1, 3 of each word (no permutes: fewer integer instructions per weight)
@@ -71,7 +77,9 @@ class MmaConfig:
         cap = f"g{self.ctas_per_sm}" if self.ctas_per_sm else ""
         pairs = "x" if self.fp8_pairs == "split" else ""
         pre = "f" if self.prefetch else ""
-        return f"n{self.nt}m{self.mt}w{self.wk}s{self.sk}c{self.cb}{cap}{pairs}{pre}{'p' if self.pdl else ''}"
+        ahead = f"a{self.lookahead}" if self.lookahead else ""
+        return (f"n{self.nt}m{self.mt}w{self.wk}s{self.sk}c{self.cb}{ahead}{cap}{pairs}{pre}"
+                f"{'p' if self.pdl else ''}")
 
     def smem_bytes(self) -> int:
         """Shared memory of the cross-warp reduction (f32 [wk][4*mt*nt][32]); 0 without one."""
@@ -233,10 +241,12 @@ def accumulate_chunks(kern, P, scl, w_rows: list, w_row_idx: list, x_rows: list,
                       pdl_wait: bool) -> list:
     """The K loop of one warp (trace time; plain Python, unrolled): its share of the chunks (``part``, ``part +
     parts``, ...) of every weight row address in ``w_rows`` (2 per m-tile: rows g, g + 8, already offset by the lane's
-    16 bytes; ``t4`` = lane % 4) against the token rows ``x_rows`` (one per n-tile, masked by ``x_ok``), ``cb`` chunks of weight loads in
-    flight at a time. ``w_row_idx``: the rows' indices into the block scales (quantized weights). ``pdl_wait``: issue
-    the PDL wait (and release the dependents) after the first batch of weight loads - where nothing before it reads
-    what the previous kernel writes. Returns the fp32 accumulators (slot (mt x NT + nt) x 4 + q)."""
+    16 bytes; ``t4`` = lane % 4) against the token rows ``x_rows`` (one per n-tile, masked by ``x_ok``), in batches of
+    ``cb`` chunks of weight loads. ``w_row_idx``: the rows' indices into the block scales (quantized weights).
+    ``pdl_wait``: issue the PDL wait (and release the dependents) after the first batch of weight loads - where
+    nothing before it reads what the previous kernel writes. ``cfg.lookahead`` = L > 0: batches 0..L are requested
+    before the wait, then batch j + L just before batch j is multiplied, each behind a fence (see ``MmaConfig``).
+    Returns the fp32 accumulators (slot (mt x NT + nt) x 4 + q)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64
@@ -248,17 +258,17 @@ def accumulate_chunks(kern, P, scl, w_rows: list, w_row_idx: list, x_rows: list,
     QW = kern.coding is not None
     KC = kern.kc
     XL = KC // 32                 # 16-byte activation loads per token and chunk
+    L = cfg.lookahead
     acc = [Float32(0.0) for _ in range(kern.frag)]
-    for j0 in range(0, kern.per_part, cfg.cb):
-        js = list(range(j0, min(j0 + cfg.cb, kern.per_part)))
-        wv = {}
-        sv = {}
+    wv = {}
+    sv = {}
+
+    def issue(js: list, early: bool) -> None:
         for j in js:
             chunk = part + kern.parts * j
             off = Int64(chunk) * 64
             last = kern.ragged and j == kern.per_part - 1
             ok = Int32(chunk < kern.chunks)
-            early = j0 == 0 and pdl_wait and cfg.prefetch  # kept ahead of the wait by ptxas (MmaConfig.prefetch)
             for r in range(2 * MT):
                 if last:
                     wv[(j, r)] = P.ld_weight_if(w_rows[r] + off, ok, early)
@@ -269,9 +279,8 @@ def accumulate_chunks(kern, P, scl, w_rows: list, w_row_idx: list, x_rows: list,
             if QW:
                 # the chunk's block scales (static data, like the weights: requested before the PDL wait)
                 sv[j] = chunk_scales(P, kern.coding, scl, w_row_idx, cutlass.min(chunk, kern.chunks - 1), t4)
-        if j0 == 0 and pdl_wait:
-            cute.arch.griddepcontrol_wait()
-            cute.arch.griddepcontrol_launch_dependents()
+
+    def compute(js: list) -> None:
         for j in js:
             chunk = part + kern.parts * j
             off = Int64(chunk) * (2 * KC)
@@ -299,6 +308,32 @@ def accumulate_chunks(kern, P, scl, w_rows: list, w_row_idx: list, x_rows: list,
                         c = P.mma_bf16_16816([lo[2], hi[2], lo[3], hi[3]], [xv[nt][2], xv[nt][3]], c)
                         for q in range(4):
                             acc[base + q] = c[q]
+
+    batches = [list(range(j0, min(j0 + cfg.cb, kern.per_part))) for j0 in range(0, kern.per_part, cfg.cb)]
+    if L == 0:
+        for b, js in enumerate(batches):
+            # the first batch kept ahead of the wait by ptxas only through the coherent path (MmaConfig.prefetch)
+            issue(js, b == 0 and pdl_wait and cfg.prefetch)
+            if b == 0 and pdl_wait:
+                cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_launch_dependents()
+            compute(js)
+        return acc
+    # lookahead: coherent loads, each later batch behind a fence (a wait that returns at once: ptxas keeps coherent
+    # loads ahead of it instead of sinking them into the math)
+    for b in range(min(L + 1, len(batches))):
+        issue(batches[b], True)
+    if pdl_wait:
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+    for b, js in enumerate(batches):
+        if b >= 1 and b + L < len(batches):
+            issue(batches[b + L], True)
+            cute.arch.griddepcontrol_wait()
+        compute(js)
+        for j in js:  # let the registers go
+            for r in range(2 * MT):
+                wv.pop((j, r))
     return acc
 
 

@@ -4,7 +4,7 @@ MXFP4 (``gemm_q4_mma``, not yet run on a GPU). Each case: NaN-poisoned column sl
 and nothing outside touched (``gpu_helpers.check_gemm_into_poisoned_slice``), against the dequantising reference;
 ragged N (rows past N masked), odd M, K split over warps (shared-memory reduction; 3 warps: a ragged split), two
 m-tiles and two n-tiles, a persistent grid walking several tiles, the first batch of weights through the coherent
-path (``MmaConfig.prefetch``). Every access bounds-checked by the emulator.
+path (``MmaConfig.prefetch``), batches requested ahead behind fences (``MmaConfig.lookahead``). Every access bounds-checked by the emulator.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(cute_available() is not True, reason="nvidia-cut
 CONFIGS = {  # label: (M, config)
     "m5-w2": (5, MmaConfig(nt=1, wk=2, cb=2)),
     "m4-w2-prefetch-ragged": (4, MmaConfig(nt=1, wk=3, cb=2, prefetch=True)),
+    "m2-w1-lookahead2": (2, MmaConfig(nt=1, wk=1, cb=1, lookahead=2)),
     "m3-w1-persistent": (3, MmaConfig(nt=1, wk=1, cb=4, ctas_per_sm=1)),
     "m13-mt2-nt2-w2": (13, MmaConfig(nt=2, mt=2, wk=2, cb=1)),
 }
