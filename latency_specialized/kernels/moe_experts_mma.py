@@ -521,12 +521,12 @@ def experts_q4_mma(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Ten
     if cfg13.mt != 2 or cfg13.nt != 1 or cfg2.nt != 1 or cfg13.sk != 1 or cfg2.sk != 1 or cfg2.wk > 32:
         raise UserError(f"{NAME}: configs need nt = 1, sk = 1, mt = 2 for gate_up and at most 32 warps (got "
                         f"{cfg13.label()}, {cfg2.label()})")
-    stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
     h = torch.empty(T, I, device=x.device, dtype=x.dtype)
     no_weights = _no_table(x.device, torch.float32)
     g13 = no_weights if g13 is None else g13
     g2 = no_weights if g2 is None else g2
-    compile_stage(st13, cfg13)(x, q13, s13, h, flat, *tables, no_weights, g13, groups, stream)
+    # (no stream argument: the compiled call takes torch's current stream, gemm_common.fake_stream)
+    compile_stage(st13, cfg13)(x, q13, s13, h, flat, *tables, no_weights, g13, groups)
     shape = (M, top_k, N) if per_route else (M, N)
     y = out if out is not None else torch.empty(shape, device=x.device, dtype=x.dtype)
     if tuple(y.shape) != shape or y.stride(-1) != 1:
@@ -534,10 +534,10 @@ def experts_q4_mma(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Ten
     if st2.stage == "down_sum":
         w = weights.reshape(-1)
         w = w.contiguous() if w.dtype == torch.float32 else w.float().contiguous()
-        compile_stage(st2, cfg2)(h, q2, s2, y, flat, *tables, w, g2, M, stream)
+        compile_stage(st2, cfg2)(h, q2, s2, y, flat, *tables, w, g2, M)
         return y
     yp, direct = route_rows(y) if per_route else (torch.empty(T, N, device=x.device, dtype=x.dtype), False)
-    compile_stage(st2, cfg2)(h, q2, s2, yp, flat, *tables, no_weights, g2, groups, stream)
+    compile_stage(st2, cfg2)(h, q2, s2, yp, flat, *tables, no_weights, g2, groups)
     if per_route:
         if not direct:
             y.copy_(yp.view(M, top_k, N))

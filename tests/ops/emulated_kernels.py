@@ -23,6 +23,18 @@ def sm90a_fresh_compiles(monkeypatch) -> None:
     os.environ.pop("LS_KERNEL_CACHE_DIR", None)
 
 
+def check_binding(real_fn, *args) -> None:
+    """The compiled kernel itself takes the call's arguments: on CPU tensors its TVM-FFI wrapper binds them all and
+    then refuses argument #0's device - a wrong argument count fails as a TypeError instead (the stream, say, is
+    never passed: the call takes torch's current one)."""
+    try:
+        real_fn(*args)
+    except ValueError as e:
+        assert "argument #0" in str(e), str(e)[:300]
+        return
+    raise AssertionError("the compiled kernel ran on CPU tensors?")
+
+
 class StridedRows:
     """A [rows, cols] view with unit column stride placed in emulator memory over its whole row span (so a column
     slice of a wider tensor keeps its row stride), read back into the view after a launch."""
@@ -54,10 +66,12 @@ class EmulatedMma:
 
     launches: list = []
 
-    def __init__(self, ptx: str, k: int, cfg, coding):
-        self.ptx, self.k, self.cfg, self.coding = ptx, k, cfg, coding
+    def __init__(self, ptx: str, k: int, cfg, coding, real_fn=None):
+        self.ptx, self.k, self.cfg, self.coding, self.real_fn = ptx, k, cfg, coding, real_fn
 
     def __call__(self, x, w, res, y, scl, cap) -> None:
+        if self.real_fn is not None:
+            check_binding(self.real_fn, x, w, res, y, scl, cap)
         mem = Memory()
         m, n = x.shape[0], w.shape[0]
         rows = 16 * self.cfg.mt
@@ -92,7 +106,7 @@ def emulate_mma(monkeypatch) -> None:
         fn = real(k, cfg, residual, out_fp32=out_fp32, coding=coding)
         ptx = ptx_of(fn)
         assert ptx, "a fresh compile keeps its PTX (disk tier off)"
-        return EmulatedMma(ptx, k, cfg, coding)
+        return EmulatedMma(ptx, k, cfg, coding, fn)
 
     monkeypatch.setattr(gemm_small_m, "compile_mma", compile_emulated)
     monkeypatch.setattr(gemm_small_m, "grid_cap", lambda device, ctas_per_sm: 1 << 30 if ctas_per_sm <= 0 else
@@ -101,16 +115,20 @@ def emulate_mma(monkeypatch) -> None:
 
 class EmulatedExpertsStage:
     """Stands in for ``moe_experts_mma.compile_stage``'s kernel: ``(x, w, scl, out, ids, sorted_ids, block_expert,
-    num_padded, route_weights, global_scale, groups, stream)``; grid (tiles, groups), block 32 x wk, as
+    num_padded, route_weights, global_scale, groups)`` (the stream is torch's current one); grid (tiles, groups),
+    block 32 x wk, as
     ``MmaExpertsKernel.__call__``."""
 
     launches: list = []
 
-    def __init__(self, ptx: str, st, cfg):
-        self.ptx, self.st, self.cfg = ptx, st, cfg
+    def __init__(self, ptx: str, st, cfg, real_fn=None):
+        self.ptx, self.st, self.cfg, self.real_fn = ptx, st, cfg, real_fn
 
     def __call__(self, x, w, scl, out, ids, sorted_ids, block_expert, num_padded, route_weights, global_scale,
-                 groups, stream) -> None:
+                 groups) -> None:
+        if self.real_fn is not None:
+            check_binding(self.real_fn, x, w, scl, out, ids, sorted_ids, block_expert, num_padded, route_weights,
+                          global_scale, groups)
         mem = Memory()
         st, cfg = self.st, self.cfg
         tiles = st.rows // 2 // 16 if st.stage == "gate_up" else -(-st.rows // (16 * cfg.mt))
@@ -168,9 +186,10 @@ def emulate_experts(monkeypatch) -> None:
     real = moe_experts_mma.compile_stage
 
     def compile_emulated(st, cfg):
-        ptx = ptx_of(real(st, cfg))
+        fn = real(st, cfg)
+        ptx = ptx_of(fn)
         assert ptx, "a fresh compile keeps its PTX (disk tier off)"
-        return EmulatedExpertsStage(ptx, st, cfg)
+        return EmulatedExpertsStage(ptx, st, cfg, fn)
 
     monkeypatch.setattr(moe_experts_mma, "compile_stage", compile_emulated)
     monkeypatch.setattr(triton_moe, "moe_align", align_like_triton)
@@ -181,12 +200,14 @@ class EmulatedGemv:
     """Stands in for ``gemm_gemv.compile_gemv``'s plain kernel (no GLU, split or norm): ``(x, w, res, y, cap, gain,
     eps)``; grid min(row groups, cap), block 32 x warps, as ``GemvKernel.__call__``."""
 
-    def __init__(self, ptx: str, cfg):
-        self.ptx, self.cfg = ptx, cfg
+    def __init__(self, ptx: str, cfg, real_fn=None):
+        self.ptx, self.cfg, self.real_fn = ptx, cfg, real_fn
 
     def __call__(self, x, w, res, y, cap, gain, eps) -> None:
         import struct
 
+        if self.real_fn is not None:
+            check_binding(self.real_fn, x, w, res, y, cap, gain, eps)
         mem = Memory()
         cfg = self.cfg
         n = w.shape[0]
@@ -212,9 +233,10 @@ def emulate_gemv(monkeypatch) -> None:
     def compile_emulated(k, m, cfg, residual, out_fp32=False, glu=None, split=False, norm=False):
         if glu is not None or split or norm:
             raise NotImplementedError("only the plain GEMV is emulated")
-        ptx = ptx_of(real(k, m, cfg, residual, out_fp32=out_fp32))
+        fn = real(k, m, cfg, residual, out_fp32=out_fp32)
+        ptx = ptx_of(fn)
         assert ptx, "a fresh compile keeps its PTX (disk tier off)"
-        return EmulatedGemv(ptx, cfg)
+        return EmulatedGemv(ptx, cfg, fn)
 
     monkeypatch.setattr(gemm_gemv, "compile_gemv", compile_emulated)
     monkeypatch.setattr(gemm_gemv, "grid_cap", lambda device, ctas_per_sm: 1 << 30 if ctas_per_sm <= 0 else
