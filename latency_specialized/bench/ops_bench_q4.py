@@ -51,7 +51,7 @@ MMA_VARIANTS: dict[str, dict[str, Any]] = {
     "dn16c1": dict(down=dict(wk=16, cb=1)),
     "dn16mt2": dict(down=dict(wk=16, mt=2)),
     "dn2": dict(down=dict(wk=2)),
-    "dnmt2": dict(down=dict(mt=2)),
+    "dnmt1": dict(down=dict(mt=1)),
     "route": dict(aligned=False),
     "aligned": dict(aligned=True),
 }

@@ -93,14 +93,14 @@ def test_kimi_tp8_stages_compile_to_the_gemm_weight_stream_without_spills(sm90):
     K, I, N, k = 3584, 384, 3584, 16
     cfg13, cfg_sum = mm.default_configs(1, k, 896, K, I, N, aligned=False)
     _, cfg_rows = mm.default_configs(1, k, 896, K, I, N, aligned=False, per_route=True)
-    assert (cfg13.mt, cfg13.wk, cfg13.cb, cfg_sum.wk, cfg_sum.cb, cfg_rows.wk) == (2, 4, 4, 8, 3, 1)
+    assert (cfg13.mt, cfg13.wk, cfg13.cb, cfg_sum.wk, cfg_sum.cb, cfg_rows.wk, cfg_rows.mt) == (2, 4, 4, 8, 3, 1, 2)
     load = re.compile(r"ld\.global(\.nc)?\.L1::no_allocate\.L2::256B\.v4\.b32")  # the first batch: coherent
     stages = ((mm.ExpertsStage("gate_up", K, 2 * I, k, False, act="situ_glu", beta=4, beta_lin=25), cfg13, 7, 1),
               (mm.ExpertsStage("down_sum", I, N, k, False), cfg_sum, 2 * 3, 1),
-              (mm.ExpertsStage("down", I, N, k, False), cfg_rows, 3, 2))
+              (mm.ExpertsStage("down", I, N, k, False), cfg_rows, 3, 4))
     # (stage, config, chunks per warp (down_sum: 2 routes of 3), stores: gate_up's 4 (gate, up) slot pairs over 4
-    # reducing warps, down_sum's 4 slots over 8; down's 4 slots of which the odd columns can never be a route's
-    # column 0, compiled out)
+    # reducing warps, down_sum's 4 slots over 8; down's 8 slots (2 m-tiles) of which the odd columns can never be a
+    # route's column 0, compiled out)
     for st, cfg, per_warp, stores in stages:
         p = ptx_of(mm.compile_stage(st, cfg))
         assert "ld.local" not in p and "st.local" not in p, st.stage
