@@ -60,17 +60,18 @@ TP4 o_proj M = 1 / 4 / 16 (9.36 / 9.48 / 10.86 against 13.24 / 13.48 / 15.57) an
 cluster, 4 chunks: 28.66 / 15.99 against 34.58 / 20.06)."""
 
 
-def fp8_parts(w: QuantizedWeight, what: str) -> tuple[torch.Tensor, torch.Tensor, QuantCoding]:
-    """(codes [N, K] uint8, scales [N / rows, K / cols] fp32 or uint8, scale layout) of a block-FP8 weight; its
-    codes and ue8m0 scales are checked once per weight (eagerly: call once before a graph capture)."""
+def fp8_parts(w: QuantizedWeight, what: str, stacked: bool = False) -> tuple[torch.Tensor, torch.Tensor, QuantCoding]:
+    """(codes [N, K] uint8, scales [N / rows, K / cols] fp32 or uint8, scale layout) of a block-FP8 weight -
+    ``stacked``: of experts, [E, N, K] and [E, N / rows, K / cols]; its codes and ue8m0 scales are checked once per
+    weight (eagerly: call once before a graph capture)."""
     from latency_specialized.quant.codecs import as_bytes
 
     if not isinstance(w, QuantizedWeight):
         raise UserError(f"{what}: takes a QuantizedWeight in {' / '.join(FORMATS)} (got {type(w).__name__}); bf16 "
                         "weights go to the bf16 gemms (the site's weight_format attribute must be unset)")
-    if w.fmt.name.split("/")[0] not in FORMATS or w.weight.dim() != 2:
-        raise UserError(f"{what}: expected one [N, K] block-FP8 matrix ({', '.join(FORMATS)}), got {w.fmt.name} "
-                        f"codes {tuple(w.weight.shape)}")
+    if w.fmt.name.split("/")[0] not in FORMATS or w.weight.dim() != 2 + stacked:
+        raise UserError(f"{what}: expected {'experts [E, N, K]' if stacked else 'one [N, K] matrix'} in block FP8 "
+                        f"({', '.join(FORMATS)}), got {w.fmt.name} codes {tuple(w.weight.shape)}")
     q = as_bytes(w.weight)
     ue8m0 = w.fmt.scale == "ue8m0"
     s = (as_bytes(w.scale) if ue8m0 else w.scale.float()).contiguous()

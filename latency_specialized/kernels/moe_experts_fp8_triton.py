@@ -25,6 +25,10 @@ from latency_specialized.spec import ActivationSpec
 NAME = "moe.experts.fp8_triton"
 NAME_A8 = "moe.experts.fp8_w8a8_triton"
 FORMATS = ("fp8-block-128",)
+ENABLED = True
+"""False: both implementations refuse every site (an A/B switch: ``bench --ab mma:latency_specialized.kernels.
+moe_experts_fp8_triton.ENABLED=False`` runs GLM-5.3's FP8 experts on ``moe.experts.q4_mma``, registered below these
+until timed)."""
 """``weight_format`` values served."""
 TUNING = dict(block_n=64, num_warps=4, num_stages=3)
 """Launch constants of the two GEMMs (not yet swept on the H200: the values of the bf16 fused MoE's smallest tiles)."""
@@ -105,10 +109,14 @@ def _experts(x, weights, ids, w_gate_up, w_down, activation, per_route, out, a8:
 
 
 def _supports(ctx: OpContext) -> Support:
+    if not ENABLED:
+        return f"{NAME}: switched off (moe_experts_fp8_triton.ENABLED = False)"
     return quantized_experts_refusal(ctx, NAME, FORMATS, "block-FP8", min_sm=89) or True
 
 
 def _supports_a8(ctx: OpContext) -> Support:
+    if not ENABLED:
+        return f"{NAME_A8}: switched off (moe_experts_fp8_triton.ENABLED = False)"
     return quantized_experts_refusal(ctx, NAME_A8, FORMATS, "block-FP8", min_sm=89) or True
 
 

@@ -46,7 +46,9 @@ from latency_specialized.quant.checkpoint_io import QuantizedWeight
 from latency_specialized.spec import ActivationSpec
 
 NAME = "moe.experts.q4_mma"
-FORMATS = ("mxfp4", "mxfp4-deepseek", "nvfp4")
+FORMATS = ("mxfp4", "mxfp4-deepseek", "nvfp4", "fp8-block-128")
+"""``weight_format`` values served: the 4-bit ones and GLM-5.3's block FP8 (also its "/rows" layout: one scale
+row per weight row, where a joined gate | up put a 128-row block across the seam)."""
 NVFP4_CODING = QuantCoding(ue8m0=False, block=(1, 16), element="e2m1")
 """NVFP4 in the mma decode: e4m3 scale per 16 values (two per lane load), the fp32 global scale on the sums."""
 COLS = 8
@@ -84,11 +86,19 @@ class ExpertsStage:
     beta_lin: float = 0.0
     clamp: float = 0.0
     """SwiGLU clamp (0: none)."""
-    nvfp4: bool = False
-    """NVFP4 weights (e4m3 scales per 16, an fp32 global scale per expert); else MXFP4."""
+    weights: str = "mxfp4"
+    """"mxfp4" (ue8m0 per 32), "nvfp4" (e4m3 per 16 and an fp32 global scale per expert) or "fp8" (e4m3 codes,
+    fp32 block scales of ``fp8_block``)."""
+    fp8_block: tuple[int, int] = (128, 128)
+
+    @property
+    def nvfp4(self) -> bool:
+        return self.weights == "nvfp4"
 
     @property
     def coding(self) -> QuantCoding:
+        if self.weights == "fp8":
+            return QuantCoding(ue8m0=False, block=self.fp8_block)
         return NVFP4_CODING if self.nvfp4 else CODING
 
     @property
@@ -100,7 +110,11 @@ class ExpertsStage:
             return f"stage {self.stage!r}"
         if self.stage == "down_sum" and self.aligned:
             return "down_sum serves route groups (a CTA per token), not aligned ones"
-        return None
+        if self.weights not in ("mxfp4", "nvfp4", "fp8"):
+            return f"weights {self.weights!r}"
+        if self.rows % self.coding.block[0]:
+            return f"{self.rows} rows per expert cut a {self.coding.block[0]}-row scale block"
+        return self.coding.refusal(self.k)
 
 
 @functools.cache
@@ -119,8 +133,8 @@ def _kernel_class():
         def __init__(self, st: ExpertsStage, cfg: MmaConfig):
             self.st, self.cfg = st, cfg
             # what accumulate_chunks reads of a kernel
-            self.k, self.coding, self.kc, self.split_pairs = st.k, st.coding, CODING.chunk, False
-            self.chunks = st.k // CODING.chunk
+            self.k, self.coding, self.kc, self.split_pairs = st.k, st.coding, st.coding.chunk, False
+            self.chunks = st.k // st.coding.chunk
             self.summed = st.stage == "down_sum"
             # down_sum: each warp takes whole routes (routes w, w + wk, ...), every chunk of each
             self.parts = 1 if self.summed else cfg.wk
@@ -190,7 +204,7 @@ def _kernel_class():
             WK: cutlass.Constexpr = cfg.wk
             F: cutlass.Constexpr = self.frag
             K: cutlass.Constexpr = st.k
-            XL: cutlass.Constexpr = CODING.chunk // 32
+            XL: cutlass.Constexpr = self.kc // 32
             tid, _, _ = cute.arch.thread_idx()
             lane = tid % 32
             warp = tid // 32
@@ -253,7 +267,8 @@ def _kernel_class():
                 for half in range(2):
                     row = expert * self.st.rows + self.local_row(tile, mt, half, g)
                     w_row_idx.append(row)
-                    w_rows.append(w.iterator.toint() + Int64(row) * (self.st.k // 2) + Int64(t4) * 16)
+                    w_rows.append(w.iterator.toint() + Int64(row) * self.coding.row_bytes(self.st.k)
+                                  + Int64(t4) * 16)
             return w_rows, w_row_idx
 
         @cute.jit
@@ -280,7 +295,7 @@ def _kernel_class():
                 pair = token * TOPK + cutlass.min(j, TOPK - 1)
                 expert = ids[pair].to(Int32)
                 w_rows, w_row_idx = self.expert_rows(w, expert, tile, g, t4)
-                x_rows = [x.iterator.toint() + Int64(pair) * (2 * K) + Int64(t4) * (16 * (CODING.chunk // 32))]
+                x_rows = [x.iterator.toint() + Int64(pair) * (2 * K) + Int64(t4) * (16 * (self.kc // 32))]
                 acc = accumulate_chunks(self, P, scl, w_rows, w_row_idx, x_rows, [Int32(g == 0) & live], Int32(0),
                                         t4, r == 0)  # the wait: PDL's, and a fence (see group_body)
                 acc = self.undo_offset(acc, global_scale, expert)
@@ -355,8 +370,11 @@ def compile_stage(st: ExpertsStage, cfg: MmaConfig):
 
         bf, u8, i32 = cutlass.BFloat16, cutlass.Uint8, cutlass.Int32
         rows = cute.sym_int()
-        args = (fake_rows(bf, cute.sym_int(), st.k), fake_rows(u8, rows, st.k // 2),
-                fake_rows(u8, cute.sym_int(), st.k // st.coding.block[1], align=1), fake_strided_rows(bf, cute.sym_int(), st.out_width),
+        coding = st.coding
+        byte_scales = coding.ue8m0 or coding.nvfp4
+        args = (fake_rows(bf, cute.sym_int(), st.k), fake_rows(u8, rows, coding.row_bytes(st.k)),
+                fake_rows(u8 if byte_scales else cutlass.Float32, cute.sym_int(), st.k // coding.block[1],
+                          align=1 if byte_scales else 4), fake_strided_rows(bf, cute.sym_int(), st.out_width),
                 fake_vec(cutlass.Int64 if st.ids64 else i32, cute.sym_int(), align=4),
                 fake_vec(i32, cute.sym_int(), align=4), fake_vec(i32, cute.sym_int(), align=4),
                 fake_vec(i32, 1, align=4), fake_vec(cutlass.Float32, cute.sym_int(), align=4),
@@ -391,31 +409,39 @@ def summed(aligned: bool, per_route: bool) -> bool:
 
 
 def default_configs(M: int, top_k: int, experts: int, K: int, I: int, N: int, aligned: bool,
-                    per_route: bool = False) -> tuple[MmaConfig, MmaConfig]:
+                    per_route: bool = False, chunk: int = 128) -> tuple[MmaConfig, MmaConfig]:
     """(gate_up, down) launch choices for a step of M tokens: :func:`stage_config`'s; ``down_sum`` takes a warp per
-    route up to ``MAX_SUM_WARPS`` (more routes take turns), all of a route's chunks in one batch of loads."""
+    route up to ``MAX_SUM_WARPS`` (more routes take turns), all of a route's chunks in one batch of loads (at most 4).
+    ``chunk``: K per 64-byte chunk of a row (128 for 4-bit codes, 64 for FP8)."""
     groups = groups_of(M, top_k, experts, aligned)
-    gate_up = stage_config(I // 16, groups, K // 128, 2)
+    gate_up = stage_config(I // 16, groups, K // chunk, 2)
     if summed(aligned, per_route):
-        return gate_up, MmaConfig(nt=1, mt=1, wk=min(top_k, MAX_SUM_WARPS), cb=min(4, I // 128), pdl=False,
+        return gate_up, MmaConfig(nt=1, mt=1, wk=min(top_k, MAX_SUM_WARPS), cb=min(4, I // chunk), pdl=False,
                                   prefetch=True)
     # down: two m-tiles (32 rows) a warp - offline SASS at 64 tokens: 10% fewer issue slots than one, half the CTAs
-    return gate_up, stage_config(-(-N // 32), groups, I // 128, 2)
+    return gate_up, stage_config(-(-N // 32), groups, I // chunk, 2)
 
 
-def expert_parts(w: QuantizedWeight, what: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, int]:
-    """(codes [E x rows, K / 2], scale bytes [E x rows, K / block], fp32 global scales [E] (NVFP4) or None, E, rows)
-    of stacked 4-bit experts; their scales are checked once per weight (MXFP4: ``gemm_q4_mma.mxfp4_parts``'s exact
-    ue8m0 range; NVFP4: no NaN scale byte, one finite global scale per expert)."""
+def expert_parts(w: QuantizedWeight, what: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, int,
+                                                         dict]:
+    """(codes [E x rows, bytes per row], scales [E x rows / block rows, K / block cols] (bytes, or fp32 for FP8),
+    fp32 global scales [E] (NVFP4) or None, E, rows, the ``ExpertsStage`` fields of the format) of stacked experts;
+    checked once per weight (MXFP4: ``gemm_q4_mma.mxfp4_parts``'s exact ue8m0 range; NVFP4: no NaN scale byte, one
+    finite global scale per expert; FP8: ``gemm_fp8_mma.fp8_parts``, no NaN code)."""
+    from latency_specialized.kernels.gemm_fp8_mma import fp8_parts
     from latency_specialized.quant.codecs import as_bytes
 
     if not isinstance(w, QuantizedWeight) or w.weight.dim() != 3:
         raise UserError(f"{what}: takes experts stacked as a [E, rows, K] QuantizedWeight (got "
                         f"{type(w).__name__}{'' if not isinstance(w, QuantizedWeight) else tuple(w.weight.shape)})")
     E, rows = w.weight.shape[:2]
+    if w.fmt.name.split("/")[0] == "fp8-block-128":
+        q, s, coding = fp8_parts(w, what, stacked=True)
+        return (q.reshape(E * rows, -1), s.reshape(-1, s.shape[-1]), None, E, rows,
+                dict(weights="fp8", fp8_block=tuple(coding.block)))
     if w.fmt.name != "nvfp4":
         q, s = mxfp4_parts(w, what, stacked=True)
-        return q.view(E * rows, -1), s.view(E * rows, -1), None, E, rows
+        return q.view(E * rows, -1), s.view(E * rows, -1), None, E, rows, dict(weights="mxfp4")
     q, s = as_bytes(w.weight).contiguous(), as_bytes(w.scale).contiguous()
     gs = w.global_scale
     if gs is None or gs.numel() != E:
@@ -431,7 +457,7 @@ def expert_parts(w: QuantizedWeight, what: str) -> tuple[torch.Tensor, torch.Ten
             raise UserError(f"{what} ({w.name}): a non-finite global scale: requantize the checkpoint")
 
     check_once(w.weight, (NAME, s.data_ptr()), check)
-    return q.view(E * rows, -1), s.view(E * rows, -1), gs, E, rows
+    return q.view(E * rows, -1), s.view(E * rows, -1), gs, E, rows, dict(weights="nvfp4")
 
 
 _dummies: dict = {}
@@ -488,9 +514,9 @@ def experts_q4_mma(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Ten
     from latency_specialized.kernels import triton_q4
     from latency_specialized.kernels.moe_experts_triton import route_rows
 
-    q13, s13, g13, E, two_i = expert_parts(w_gate_up, NAME)
-    q2, s2, g2, E2, N = expert_parts(w_down, NAME)
-    if w_gate_up.fmt.name != w_down.fmt.name and "nvfp4" in (w_gate_up.fmt.name, w_down.fmt.name):
+    q13, s13, g13, E, two_i, fmt13 = expert_parts(w_gate_up, NAME)
+    q2, s2, g2, E2, N, fmt2 = expert_parts(w_down, NAME)
+    if fmt13["weights"] != fmt2["weights"]:
         raise UserError(f"{NAME}: w_gate_up is {w_gate_up.fmt.name} but w_down is {w_down.fmt.name}")
     M, K = x.shape
     I = two_i // 2
@@ -498,7 +524,7 @@ def experts_q4_mma(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Ten
     if x.dtype != torch.bfloat16 or ids.shape[0] != M or E2 != E:
         raise UserError(f"{NAME}: x [M, K] bf16, ids [M, top_k], one expert count (x {tuple(x.shape)} {x.dtype}, "
                         f"ids {tuple(ids.shape)}, experts {E} / {E2})")
-    if K % 128 or I % 128 or N % 16 or tuple(w_down.weight.shape[1:]) != (N, I // 2) or q13.shape[1] != K // 2:
+    if K % 128 or I % 128 or N % 16 or w_down.shape[1:] != (N, I) or w_gate_up.shape[2] != K:
         raise UserError(f"{NAME}: needs K, I multiples of 128 and N of 16 with w_gate_up [E, 2I, K], w_down [E, N, I] "
                         f"(x {tuple(x.shape)}, w_gate_up {tuple(w_gate_up.shape)}, w_down {tuple(w_down.shape)})")
     if M > MAX_TOKENS:
@@ -515,10 +541,14 @@ def experts_q4_mma(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Ten
         tables = (buf.sorted_ids, buf.expert_ids, buf.num_padded)
     else:
         tables = (_no_table(x.device),) * 3
-    common = dict(top_k=top_k, aligned=aligned, ids64=flat.dtype == torch.int64, nvfp4=g13 is not None)
-    st13 = ExpertsStage("gate_up", K, two_i, **common, **_stage_args(activation))
-    st2 = ExpertsStage("down_sum" if summed(aligned, per_route) else "down", I, N, **common)
-    cfg13, cfg2 = configs or default_configs(M, top_k, E, K, I, N, aligned, per_route)
+    common = dict(top_k=top_k, aligned=aligned, ids64=flat.dtype == torch.int64)
+    st13 = ExpertsStage("gate_up", K, two_i, **common, **fmt13, **_stage_args(activation))
+    st2 = ExpertsStage("down_sum" if summed(aligned, per_route) else "down", I, N, **common, **fmt2)
+    for st in (st13, st2):
+        why = st.refusal()
+        if why:
+            raise UserError(f"{NAME}: {st.stage} cannot take these weights ({why}): use moe.experts.reference")
+    cfg13, cfg2 = configs or default_configs(M, top_k, E, K, I, N, aligned, per_route, st13.coding.chunk)
     if cfg13.mt != 2 or cfg13.nt != 1 or cfg2.nt != 1 or cfg13.sk != 1 or cfg2.sk != 1 or cfg2.wk > 32:
         raise UserError(f"{NAME}: configs need nt = 1, sk = 1, mt = 2 for gate_up and at most 32 warps (got "
                         f"{cfg13.label()}, {cfg2.label()})")

@@ -1,6 +1,7 @@
 """CPU tests of the MXFP4 routed experts on the mma.sync kernel (``kernels/moe_experts_mma.py``): the kernels'
 sm_90a PTX executed by the emulator (``ptx_emulator.py``) through the public wrapper - route and aligned groups,
-SiTU-GLU and SwiGLU (clamped), MXFP4 and NVFP4 (e4m3 scales per 16, a global scale per expert), int32 / int64 ids,
+SiTU-GLU and SwiGLU (clamped), MXFP4, NVFP4 (e4m3 scales per 16, a global scale per expert) and block FP8 (128 x 128
+fp32 scales), int32 / int64 ids,
 K split over warps (ragged), rows past N, an expert chosen by every token, per-route rows and the weighted combination (``down_sum``: a warp per route, more routes than warps) - against
 the dequantising reference; what the PTX holds; the refusals. GPU: ``test_moe_experts_mma_gpu.py``.
 """
@@ -56,6 +57,8 @@ CASES = {  # label: (M, case kwargs, activation, configs or None)
                                                 MmaConfig(nt=1, mt=2, wk=1, cb=1, pdl=False))),
     "b16-aligned-nvfp4": (16, dict(k=3, N=32, fmt="nvfp4"), SITU, None),
     "b1-nvfp4-swiglu": (1, dict(k=3, N=32, fmt="nvfp4"), SWIGLU, None),
+    "b2-fp8-swiglu": (2, dict(N=128, fmt="fp8-block-128"), SWIGLU, None),
+    "b16-aligned-fp8": (16, dict(k=2, N=128, fmt="fp8-block-128"), SITU, None),
     "b17-aligned-same-pdl": (17, dict(same=True, K=256), SWIGLU, (MmaConfig(nt=1, mt=2, wk=2, cb=2, pdl=True),
                                                               MmaConfig(nt=1, mt=1, wk=1, cb=1, pdl=True))),
 }
@@ -129,8 +132,11 @@ def test_refusals_name_the_fix():
         mm.experts_q4_mma(x, None, ids, w13.dequantize(), w2, SITU, per_route=True)
     with pytest.raises(UserError, match="nvfp4"):
         mm.experts_q4_mma(x, None, ids, _mx(3, 256, 128, "nvfp4"), w2, SITU, per_route=True)  # formats mixed
-    with pytest.raises(UserError, match="mxfp4"):
+    with pytest.raises(UserError, match="fp8-block-128"):  # formats mixed
         mm.experts_q4_mma(x, None, ids, _mx(3, 256, 128, "fp8-block-128"), w2, SITU, per_route=True)
+    with pytest.raises(UserError, match="scale block"):  # 96 down rows cut a 128-row FP8 scale block
+        mm.experts_q4_mma(x, None, ids, _mx(3, 256, 128, "fp8-block-128"), _mx(3, 96, 128, "fp8-block-128"), SITU,
+                          per_route=True)
     nan = _mx(3, 256, 128, "nvfp4")
     nan.scale.view(torch.uint8)[1, 2, 3] = 0x7F
     with pytest.raises(UserError, match="NaN"):
@@ -145,8 +151,9 @@ def test_refusals_name_the_fix():
 
 
 def test_dispatch_keeps_the_triton_kernels_first_until_timed():
-    """Registered for MXFP4 / NVFP4 sites on sm_90 up to 64 tokens, below the Triton 4-bit kernels (priority 20) until
-    an H200 run times it; refuses FP8 experts, other archs, widths off 128 and larger steps, saying why."""
+    """Registered for MXFP4 / NVFP4 / block-FP8 (128 x 128) sites on sm_90 up to 64 tokens, below the Triton kernels
+    (priority 20) until an H200 run times it; refuses other formats, archs, widths off 128 and larger steps, saying
+    why."""
     from latency_specialized.contract import make_context
     from latency_specialized.plugins import get_registry
 
@@ -160,10 +167,10 @@ def test_dispatch_keeps_the_triton_kernels_first_until_timed():
                                                                         "weight_format": fmt})
 
     if cute_available() is True:
-        assert ours.supports(ctx()) is True and ours.supports(ctx(fmt="nvfp4")) is True
+        assert all(ours.supports(ctx(fmt=f)) is True for f in ("mxfp4", "nvfp4", "fp8-block-128"))
     assert "128" in str(ours.supports(ctx(N=64 + 128)))
     assert "64" in str(ours.supports(ctx(tokens=65)))
-    assert ours.supports(ctx(fmt="fp8-block-128")) is not True
+    assert "fp8-block-32" in str(ours.supports(ctx(fmt="fp8-block-32")))
     assert ours.supports(ctx(arch="sm_80")) is not True
 
 

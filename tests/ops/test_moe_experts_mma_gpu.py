@@ -2,7 +2,8 @@
 
 Shapes: Kimi K3 at TP8 (896 experts, top-16, K = N = 3584, expert width 384, SiTU-GLU), a DeepSeek-V4.1-like
 one in mxfp4-deepseek (256 experts, top-6, 4096, width 256, SwiGLU clamped) and Muse Spark at TP8 in NVFP4 (256
-experts, top-8, 4096, width 512: e4m3 scales per 16, a global scale per expert); tokens 1, 3, 8, 13 (single routes),
+experts, top-8, 4096, width 512: e4m3 scales per 16, a global scale per expert), GLM-5.3 at TP8 in block FP8 (64 of
+its 256 experts, top-8, 6144, width 256, 128 x 128 fp32 scales); tokens 1, 3, 8, 13 (single routes),
 16, 33, 64 (``moe_align`` runs), the same experts for every token (one expert, many pairs), int64 ids; per-route
 rows and the weighted combination (``down_sum`` at single routes: a warp per route, or 4 warps taking turns); the
 heuristic configs and 2 / 4 warps along K with PDL on.
@@ -33,7 +34,8 @@ SITU = ActivationSpec(kind="situ_glu", beta=4, beta_lin=25)
 SWIGLU = ActivationSpec(kind="swiglu", clamp=7.0)
 MODELS = {"kimi_tp8": dict(E=896, k=16, K=3584, I=384, fmt="mxfp4", act=SITU),
           "dsv4_like": dict(E=256, k=6, K=4096, I=256, fmt="mxfp4-deepseek", act=SWIGLU),
-          "muse_tp8_nvfp4": dict(E=256, k=8, K=4096, I=512, fmt="nvfp4", act=SWIGLU)}
+          "muse_tp8_nvfp4": dict(E=256, k=8, K=4096, I=512, fmt="nvfp4", act=SWIGLU),
+          "glm_tp8_fp8": dict(E=64, k=8, K=6144, I=256, fmt="fp8-block-128", act=SWIGLU)}
 REL_TOL = 1.5e-2
 """Max |ours - reference| over max |reference| (as the Triton 4-bit experts' tests): the reference rounds at the
 same points; sums in another order can move a value across a bf16 rounding boundary."""
@@ -43,6 +45,13 @@ same points; sums in another order can move a value across a bf16 rounding bound
 def model(request):
     cfg = MODELS[request.param]
     g = seeded_generator(request.param)
+    if cfg["fmt"].startswith("fp8"):  # random block-FP8 experts, quantized by the codec (64 of GLM-5.3's 256)
+        from latency_specialized.quant.checkpoint_io import quantize_weight
+
+        def fp8(E, N, K):
+            return quantize_weight("experts.w", torch.randn(E, N, K, generator=g, device=DEV) * K ** -0.5, cfg["fmt"])
+
+        return cfg, fp8(cfg["E"], 2 * cfg["I"], cfg["K"]), fp8(cfg["E"], cfg["K"], cfg["I"])
     w13 = random_q4_experts(cfg["E"], 2 * cfg["I"], cfg["K"], cfg["fmt"], g)
     w2 = random_q4_experts(cfg["E"], cfg["K"], cfg["I"], cfg["fmt"], g)
     return cfg, w13, w2
