@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 24 on the H200, one call: the MXFP4 mma kernels - the gemm (gemm_q4_mma) and the routed experts on it
-# (moe.experts.q4_mma) - their GPU tests, then the 4-bit experts bench at Kimi K3 TP8 (ours: mma per MMA_VARIANTS
+# (moe.experts.mma) - their GPU tests, then the 4-bit experts bench at Kimi K3 TP8 (ours: mma per MMA_VARIANTS
 # entry, the Triton 4-bit paths; humming's MXFP4 MoE as stock runs it; our bf16 experts), results after every batch.
 # After `bash .device/cute-a/stash.sh` (carry .device/cute-a), carrying .device/cute-b and .whl (humming):
 #   source scripts/device_env.sh && bash benchmarks/scripts/q4_experts_mma_probe.sh      # results under $OUT/q4mma

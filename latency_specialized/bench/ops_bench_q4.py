@@ -163,7 +163,7 @@ def _mma_plan(vname: str, v: dict, M: int, k: int, E: int, K: int, I: int, N: in
     c13, c2, aligned = mma_variant_configs(v, M, k, E, K, I, N)
 
     def fn(*args, **kw):
-        return mm.experts_q4_mma(*args, configs=(c13, c2), aligned=aligned, **kw)
+        return mm.experts_mma(*args, configs=(c13, c2), aligned=aligned, **kw)
 
     return (f"mma[{vname}]", fn, 3 + aligned, {"mma": dict(gate_up=c13.label(), down=c2.label(), aligned=aligned)})
 

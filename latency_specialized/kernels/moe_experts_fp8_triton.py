@@ -27,7 +27,7 @@ NAME_A8 = "moe.experts.fp8_w8a8_triton"
 FORMATS = ("fp8-block-128",)
 ENABLED = True
 """False: both implementations refuse every site (an A/B switch: ``bench --ab mma:latency_specialized.kernels.
-moe_experts_fp8_triton.ENABLED=False`` runs GLM-5.3's FP8 experts on ``moe.experts.q4_mma``, registered below these
+moe_experts_fp8_triton.ENABLED=False`` runs GLM-5.3's FP8 experts on ``moe.experts.mma``, registered below these
 until timed)."""
 """``weight_format`` values served."""
 TUNING = dict(block_n=64, num_warps=4, num_stages=3)

@@ -1,4 +1,4 @@
-"""moe.experts.q4_mma: routed experts over 4-bit weights (MXFP4, NVFP4) on the mma.sync kernel (issue 24;
+"""moe.experts.mma: routed experts over quantized weights (MXFP4, NVFP4, block FP8) on the mma.sync kernel (issue 24;
 ``NOTES_q4.md``).
 
 The weight stream is the MXFP4 gemm's (``gemm_q4_mma``): each lane's 16-byte load of a weight row is 32 e2m1 values
@@ -45,7 +45,7 @@ from latency_specialized.kernels.gemm_small_m import SMEM_LIMIT, TARGET_WARPS, M
 from latency_specialized.quant.checkpoint_io import QuantizedWeight
 from latency_specialized.spec import ActivationSpec
 
-NAME = "moe.experts.q4_mma"
+NAME = "moe.experts.mma"
 FORMATS = ("mxfp4", "mxfp4-deepseek", "nvfp4", "fp8-block-128")
 """``weight_format`` values served: the 4-bit ones and GLM-5.3's block FP8 (also its "/rows" layout: one scale
 row per weight row, where a joined gate | up put a 128-row block across the seam)."""
@@ -491,7 +491,7 @@ def _stage_args(activation: ActivationSpec) -> dict:
     return dict(act="situ_glu", beta=float(activation.beta), beta_lin=float(activation.beta_lin))
 
 
-def experts_q4_mma(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor, w_gate_up: QuantizedWeight,
+def experts_mma(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor, w_gate_up: QuantizedWeight,
                       w_down: QuantizedWeight, activation: ActivationSpec, *, per_route: bool = False,
                       out: torch.Tensor | None = None, configs: tuple[MmaConfig, MmaConfig] | None = None,
                       aligned: bool | None = None) -> torch.Tensor:
@@ -593,11 +593,11 @@ def _supports(ctx: OpContext) -> Support:
 
 
 IMPLEMENTATIONS = [
-    Implementation("moe.experts", NAME, experts_q4_mma, _supports, priority=15,
+    Implementation("moe.experts", NAME, experts_mma, _supports, priority=15,
                    description="MXFP4 / NVFP4 experts decoded to bf16 in registers on mma.sync (gemm_q4_mma's stream):"
                                " gate|up with the GLU epilogue, down per route, weighted route sum; not yet timed on a"
                                " GPU, so below the Triton 4-bit kernels"),
 ]
 
 __all__ = ["COLS", "ExpertsStage", "IMPLEMENTATIONS", "MAX_TOKENS", "MIN_TOKENS_ALIGNED", "NAME", "compile_stage",
-           "default_configs", "experts_q4_mma", "expert_parts", "groups_of", "stage_config"]
+           "default_configs", "experts_mma", "expert_parts", "groups_of", "stage_config"]

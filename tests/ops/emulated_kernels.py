@@ -1,7 +1,9 @@
-"""The mma.sync kernel family run on the CPU through the PTX emulator (``ptx_emulator.py``):
-``emulate_mma(monkeypatch)`` makes ``gemm_small_m.compile_mma`` hand back a callable that launches the kernel's sm_90a PTX in the emulator on CPU
+"""CuTe DSL kernels run on the CPU through the PTX emulator (``ptx_emulator.py``): ``emulate_mma(monkeypatch)``
+makes ``gemm_small_m.compile_mma`` hand back a callable that launches the kernel's sm_90a PTX in the emulator on CPU
 tensors, so the public wrappers (``gemm_small_m``, ``gemm_fp8_mma``, ``gemm_q4_mma``) run end to end - argument
-checks, config choice, the kernel - on this machine.
+checks, config choice, the kernel - on this machine; ``emulate_experts`` and ``emulate_gemv`` do the same for
+``moe_experts_mma`` and the GEMV. Each launch first binds its arguments to the real compiled kernel
+(:func:`check_binding`).
 
 The launch mirrors the kernel's host function (``MmaGemmKernel.__call__``): grid (min(tiles, cap), sk, 1), block
 32 x wk, parameters (x, w, res, y, scl, n, m, tiles) packed as the PTX declares them.

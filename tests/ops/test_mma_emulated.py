@@ -4,7 +4,8 @@ MXFP4 (``gemm_q4_mma``, not yet run on a GPU). Each case: NaN-poisoned column sl
 and nothing outside touched (``gpu_helpers.check_gemm_into_poisoned_slice``), against the dequantising reference;
 ragged N (rows past N masked), odd M, K split over warps (shared-memory reduction; 3 warps: a ragged split), two
 m-tiles and two n-tiles, a persistent grid walking several tiles, the first batch of weights through the coherent
-path (``MmaConfig.prefetch``), batches requested ahead behind fences (``MmaConfig.lookahead``). Every access bounds-checked by the emulator.
+path (``MmaConfig.prefetch``), batches requested ahead behind fences (``MmaConfig.lookahead``). Every access
+bounds-checked by the emulator. Also the CuTe DSL GEMV and NVFP4 decoding.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""CPU tests of the MXFP4 routed experts on the mma.sync kernel (``kernels/moe_experts_mma.py``): the kernels'
+"""CPU tests of the quantized routed experts on the mma.sync kernel (``kernels/moe_experts_mma.py``): the kernels'
 sm_90a PTX executed by the emulator (``ptx_emulator.py``) through the public wrapper - route and aligned groups,
 SiTU-GLU and SwiGLU (clamped), MXFP4, NVFP4 (e4m3 scales per 16, a global scale per expert) and block FP8 (128 x 128
-fp32 scales), int32 / int64 ids,
-K split over warps (ragged), rows past N, an expert chosen by every token, per-route rows and the weighted combination (``down_sum``: a warp per route, more routes than warps) - against
-the dequantising reference; what the PTX holds; the refusals. GPU: ``test_moe_experts_mma_gpu.py``.
+fp32 scales), int32 / int64 ids, K split over warps (ragged), rows past N, an expert chosen by every token, per-route
+rows and the weighted combination (``down_sum``: a warp per route, more routes than warps) - against the
+dequantising reference; what the PTX holds; the refusals. GPU: ``test_moe_experts_mma_gpu.py``.
 """
 
 from __future__ import annotations
@@ -66,18 +66,18 @@ CASES = {  # label: (M, case kwargs, activation, configs or None)
 
 @needs_cute
 @pytest.mark.parametrize("label", list(CASES))
-def test_q4_mma_experts_match_the_reference_in_the_emulator(monkeypatch, label):
+def test_mma_experts_match_the_reference_in_the_emulator(monkeypatch, label):
     emulate_experts(monkeypatch)
     M, kw, act, configs = CASES[label]
     x, w, ids, w13, w2 = _case(len(label), M, **kw)
     ref_rows = experts_reference(x, None, ids, w13, w2, act, per_route=True)
     rows = torch.full_like(ref_rows, float("nan"))
-    got = mm.experts_q4_mma(x, None, ids, w13, w2, act, per_route=True, out=rows, configs=configs)
+    got = mm.experts_mma(x, None, ids, w13, w2, act, per_route=True, out=rows, configs=configs)
     assert got.data_ptr() == rows.data_ptr() and torch.isfinite(rows).all()
     assert _rel(rows, ref_rows) <= TOL, _rel(rows, ref_rows)
     assert (rows != ref_rows).float().mean() <= 0.01  # the reference's roundings: equal but for a rare boundary
     ref = experts_reference(x, w, ids, w13, w2, act)
-    y = mm.experts_q4_mma(x, w, ids, w13, w2, act, configs=configs)
+    y = mm.experts_mma(x, w, ids, w13, w2, act, configs=configs)
     assert _rel(y, ref) <= TOL, _rel(y, ref)
     st, cfg, groups, _ = EmulatedExpertsStage.launches[-1]
     assert st.aligned == (M >= mm.MIN_TOKENS_ALIGNED)
@@ -124,30 +124,30 @@ def test_refusals_name_the_fix():
     ids = torch.zeros(2, 2, dtype=torch.int32)
     w13, w2 = _mx(3, 256, 128), _mx(3, 32, 128)
     with pytest.raises(UserError, match="multiples of 128"):
-        mm.experts_q4_mma(x, None, ids, _mx(3, 2 * 64, 128), _mx(3, 32, 64), SITU, per_route=True)
+        mm.experts_mma(x, None, ids, _mx(3, 2 * 64, 128), _mx(3, 32, 64), SITU, per_route=True)
     with pytest.raises(UserError, match="q4_grouped_triton"):
-        mm.experts_q4_mma(torch.randn(65, 128).bfloat16(), None, torch.zeros(65, 2, dtype=torch.int32), w13, w2,
+        mm.experts_mma(torch.randn(65, 128).bfloat16(), None, torch.zeros(65, 2, dtype=torch.int32), w13, w2,
                              SITU, per_route=True)
     with pytest.raises(UserError, match="stacked"):
-        mm.experts_q4_mma(x, None, ids, w13.dequantize(), w2, SITU, per_route=True)
+        mm.experts_mma(x, None, ids, w13.dequantize(), w2, SITU, per_route=True)
     with pytest.raises(UserError, match="nvfp4"):
-        mm.experts_q4_mma(x, None, ids, _mx(3, 256, 128, "nvfp4"), w2, SITU, per_route=True)  # formats mixed
+        mm.experts_mma(x, None, ids, _mx(3, 256, 128, "nvfp4"), w2, SITU, per_route=True)  # formats mixed
     with pytest.raises(UserError, match="fp8-block-128"):  # formats mixed
-        mm.experts_q4_mma(x, None, ids, _mx(3, 256, 128, "fp8-block-128"), w2, SITU, per_route=True)
+        mm.experts_mma(x, None, ids, _mx(3, 256, 128, "fp8-block-128"), w2, SITU, per_route=True)
     with pytest.raises(UserError, match="scale block"):  # 96 down rows cut a 128-row FP8 scale block
-        mm.experts_q4_mma(x, None, ids, _mx(3, 256, 128, "fp8-block-128"), _mx(3, 96, 128, "fp8-block-128"), SITU,
+        mm.experts_mma(x, None, ids, _mx(3, 256, 128, "fp8-block-128"), _mx(3, 96, 128, "fp8-block-128"), SITU,
                           per_route=True)
     nan = _mx(3, 256, 128, "nvfp4")
     nan.scale.view(torch.uint8)[1, 2, 3] = 0x7F
     with pytest.raises(UserError, match="NaN"):
-        mm.experts_q4_mma(x, None, ids, nan, _mx(3, 32, 128, "nvfp4"), SITU, per_route=True)
+        mm.experts_mma(x, None, ids, nan, _mx(3, 32, 128, "nvfp4"), SITU, per_route=True)
     with pytest.raises(UserError, match="nt = 1"):
-        mm.experts_q4_mma(x, None, ids, w13, w2, SITU, per_route=True,
+        mm.experts_mma(x, None, ids, w13, w2, SITU, per_route=True,
                              configs=(MmaConfig(nt=1, mt=1), MmaConfig(nt=1)))
     bad = _mx(3, 256, 128)
     bad.scale.view(torch.uint8)[0, 0, 0] = 1  # 2^-126: below the exact range
     with pytest.raises(UserError, match="requantize"):
-        mm.experts_q4_mma(x, None, ids, bad, w2, SITU, per_route=True)
+        mm.experts_mma(x, None, ids, bad, w2, SITU, per_route=True)
 
 
 def test_dispatch_keeps_the_triton_kernels_first_until_timed():
@@ -188,7 +188,8 @@ def test_bench_variants_make_configs_the_wrapper_takes():
 
 
 def test_ab_switch_hands_the_sites_to_the_mma_kernel(monkeypatch):
-    """``moe_experts_q4_triton.ENABLED = False`` (what ``bench --ab`` sets) makes the plan pick ``q4_mma`` on sm_90."""
+    """``moe_experts_q4_triton.ENABLED = False`` (what ``bench --ab`` sets) makes the plan pick ``moe.experts.mma``
+    on sm_90."""
     from latency_specialized.contract import make_context
     from latency_specialized.kernels import moe_experts_q4_triton as q4
     from latency_specialized.plugins import get_registry

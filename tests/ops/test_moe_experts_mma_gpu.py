@@ -1,4 +1,4 @@
-"""GPU tests of the MXFP4 routed experts on the mma.sync kernel (``moe.experts.q4_mma``).
+"""GPU tests of the MXFP4 routed experts on the mma.sync kernel (``moe.experts.mma``).
 
 Shapes: Kimi K3 at TP8 (896 experts, top-16, K = N = 3584, expert width 384, SiTU-GLU), a DeepSeek-V4.1-like
 one in mxfp4-deepseek (256 experts, top-6, 4096, width 256, SwiGLU clamped) and Muse Spark at TP8 in NVFP4 (256
@@ -70,28 +70,28 @@ def _rel(y, ref):
 
 @pytest.mark.parametrize("M,same,ids64", [(1, False, False), (3, False, True), (8, True, False), (13, False, False),
                                           (16, False, False), (33, True, True), (64, False, False)])
-def test_q4_mma_experts_match_the_dequantising_reference(model, M, same, ids64):
+def test_mma_experts_match_the_dequantising_reference(model, M, same, ids64):
     cfg, w13, w2 = model
     g = seeded_generator(f"mma-{M}-{same}-{ids64}")
     x = torch.randn(M, cfg["K"], generator=g, device=DEV).bfloat16()
     w, ids = _routing(M, cfg["E"], cfg["k"], g, same, torch.int64 if ids64 else torch.int32)
     ref = reference_selected(x, w, ids, w13, w2, cfg["act"])
     y = torch.full((M, cfg["K"]), float("nan"), device=DEV, dtype=torch.bfloat16)
-    mm.experts_q4_mma(x, w, ids, w13, w2, cfg["act"], out=y)
+    mm.experts_mma(x, w, ids, w13, w2, cfg["act"], out=y)
     assert torch.isfinite(y).all() and _rel(y, ref) <= REL_TOL, _rel(y, ref)
-    assert torch.equal(mm.experts_q4_mma(x, w, ids, w13, w2, cfg["act"]), y)  # deterministic
+    assert torch.equal(mm.experts_mma(x, w, ids, w13, w2, cfg["act"]), y)  # deterministic
     # both group modes at the same step agree with the reference
-    other = mm.experts_q4_mma(x, w, ids, w13, w2, cfg["act"], aligned=M < mm.MIN_TOKENS_ALIGNED)
+    other = mm.experts_mma(x, w, ids, w13, w2, cfg["act"], aligned=M < mm.MIN_TOKENS_ALIGNED)
     assert _rel(other, ref) <= REL_TOL
     if M < mm.MIN_TOKENS_ALIGNED:  # down_sum with several routes per warp, PDL on
         c13, c2 = mm.default_configs(M, cfg["k"], cfg["E"], cfg["K"], cfg["I"], cfg["K"], False)
-        y4 = mm.experts_q4_mma(x, w, ids, w13, w2, cfg["act"],
+        y4 = mm.experts_mma(x, w, ids, w13, w2, cfg["act"],
                                   configs=(replace(c13, pdl=True), replace(c2, wk=4, pdl=True)))
         assert _rel(y4, ref) <= REL_TOL
 
 
 @pytest.mark.parametrize("M", [1, 16])
-def test_q4_mma_experts_per_route_rows_and_configs(model, M):
+def test_mma_experts_per_route_rows_and_configs(model, M):
     cfg, w13, w2 = model
     g = seeded_generator(f"mma-rows-{M}")
     x = torch.randn(M, cfg["K"], generator=g, device=DEV).bfloat16()
@@ -105,22 +105,22 @@ def test_q4_mma_experts_per_route_rows_and_configs(model, M):
     for configs in (None, (replace(base13, wk=2, cb=2, pdl=True), replace(base2, wk=2, cb=1, pdl=True)),
                     (replace(base13, wk=4), replace(base2, mt=2))):
         rows = torch.full((M, cfg["k"], cfg["K"]), float("nan"), device=DEV, dtype=torch.bfloat16)
-        mm.experts_q4_mma(x, None, ids, w13, w2, cfg["act"], per_route=True, out=rows, configs=configs)
+        mm.experts_mma(x, None, ids, w13, w2, cfg["act"], per_route=True, out=rows, configs=configs)
         assert torch.isfinite(rows).all() and _rel(rows, ref) <= REL_TOL, (configs, _rel(rows, ref))
 
 
 @pytest.mark.parametrize("M", [1, 3, 64])
-def test_q4_mma_experts_graph_replay_equals_eager(model, M):
+def test_mma_experts_graph_replay_equals_eager(model, M):
     cfg, w13, w2 = model
     g = seeded_generator(f"mma-graph-{M}")
     x = torch.randn(M, cfg["K"], generator=g, device=DEV).bfloat16()
     w, ids = _routing(M, cfg["E"], cfg["k"], g)
     x2 = torch.randn_like(x)
     w2_, ids2 = _routing(M, cfg["E"], cfg["k"], g)
-    eager = mm.experts_q4_mma(x2, w2_, ids2, w13, w2, cfg["act"])
+    eager = mm.experts_mma(x2, w2_, ids2, w13, w2, cfg["act"])
     xs, ws, iss = x.clone(), w.clone(), ids.clone()
     out = torch.full((M, cfg["K"]), float("nan"), device=DEV, dtype=torch.bfloat16)
-    graph = graph_replay(lambda: mm.experts_q4_mma(xs, ws, iss, w13, w2, cfg["act"], out=out))
+    graph = graph_replay(lambda: mm.experts_mma(xs, ws, iss, w13, w2, cfg["act"], out=out))
     xs.copy_(x2)
     ws.copy_(w2_)
     iss.copy_(ids2)
