@@ -47,7 +47,7 @@ def sass_of(ptx: str) -> Sass:
     ops: collections.Counter = collections.Counter()
     order = []
     for line in text.splitlines():
-        m = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)", line)
+        m = re.search(r"/\*[0-9a-f]{4,6}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)", line)
         if m:
             ops[m.group(1)] += 1
             order.append(m.group(1) + m.group(2))
