@@ -50,35 +50,31 @@ def test_bf16_mma_kernel_runs_in_the_emulator_as_on_the_gpu(monkeypatch, label):
                                                               "gemm.cutedsl_small_m"), x, w, r, ref, 1 / 128)
 
 
-@pytest.mark.parametrize("fmt", ["fp8-block-128", "fp8-block-32"])
-@pytest.mark.parametrize("label", list(CONFIGS))
-def test_fp8_mma_kernel_in_the_emulator(monkeypatch, fmt, label):
-    from latency_specialized.kernels import gemm_fp8_mma as f8
+QUANTIZED = {"fp8-block-128": ("gemm_fp8_mma", "gemm_fp8_mma", 256),
+             "fp8-block-32": ("gemm_fp8_mma", "gemm_fp8_mma", 256),
+             "mxfp4": ("gemm_q4_mma", "gemm_mxfp4_mma", 512),
+             "mxfp4-deepseek": ("gemm_q4_mma", "gemm_mxfp4_mma", 512)}
+"""format: (kernel module, wrapper, K)."""
 
+
+@pytest.mark.parametrize("fmt", list(QUANTIZED))
+@pytest.mark.parametrize("label", list(CONFIGS))
+def test_quantized_mma_kernels_in_the_emulator(monkeypatch, fmt, label):
+    """Block FP8 (GPU-verified) and MXFP4 (not yet run on a GPU), bf16 and fp32 outputs."""
+    import importlib
+
+    module, wrapper, K = QUANTIZED[fmt]
+    gemm = getattr(importlib.import_module(f"latency_specialized.kernels.{module}"), wrapper)
     emulate_mma(monkeypatch)
     M, cfg = CONFIGS[label]
-    N, K = 40, 256
+    N = 40
     w = quantized_rows(f"{label}{fmt}", N, K, fmt, device="cpu")
     x, r = _inputs(label + fmt, M, N, K)
     ref = gemm_reference(x, w, residual=r)
-    check_gemm_into_poisoned_slice(f8.gemm_fp8_mma, x, w, r, ref, 1 / 128, config=cfg)
-
-
-@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp4-deepseek"])
-@pytest.mark.parametrize("label", list(CONFIGS))
-def test_mxfp4_mma_kernel_in_the_emulator(monkeypatch, fmt, label):
-    from latency_specialized.kernels import gemm_q4_mma as q4m
-
-    emulate_mma(monkeypatch)
-    M, cfg = CONFIGS[label]
-    N, K = 40, 512
-    w = quantized_rows(f"{label}{fmt}", N, K, fmt, device="cpu")
-    x, r = _inputs(label + fmt, M, N, K)
-    ref = gemm_reference(x, w, residual=r)
-    check_gemm_into_poisoned_slice(q4m.gemm_mxfp4_mma, x, w, r, ref, 1 / 128, config=cfg)
-    y32 = q4m.gemm_mxfp4_mma(x, w, out_dtype=torch.float32, config=cfg)
+    check_gemm_into_poisoned_slice(gemm, x, w, r, ref, 1 / 128, config=cfg)
+    y32 = gemm(x, w, out_dtype=torch.float32, config=cfg)
     assert rel_err(y32, gemm_reference(x.float(), w)) <= 1e-5
-    assert EmulatedMma.launches and EmulatedMma.launches[-1][2] == q4m.CODING
+    assert EmulatedMma.launches[-1][2].element == ("e2m1" if fmt.startswith("mx") else "e4m3")
 
 
 def test_mxfp4_mma_reads_every_code_back_exactly_under_edge_scales_in_the_emulator(monkeypatch):
