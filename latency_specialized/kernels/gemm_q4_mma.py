@@ -1,8 +1,7 @@
 """MXFP4 weights on the mma.sync kernel (``gemm_small_m.py`` with ``QuantCoding(element="e2m1")``): the building
-block of the fast 4-bit routed experts (issue 24; ``NOTES_q4.md``, session 33). Not registered in an op family yet:
-no model has a dense MXFP4 projection, and the experts kernel that will route to it (per selected expert, gate | up
-with the GLU epilogue, down, then ``moe_finalize_triton``) is the next step - this module is what it calls per
-expert, tested and timed on its own first.
+block of the quantized routed experts (``moe_experts_mma.py``, which take its coding and weight checks; issue 24,
+``NOTES_q4.md``). Not registered in the gemm family: no model has a dense MXFP4 projection; the matrix form is
+tested (and timed, ``benchmarks/scripts/q4_mma_bench.py``) on its own.
 
 A lane's 16-byte load of a row holds 32 e2m1 values (one MXFP4 scale block: one ue8m0 byte per row and chunk); each
 32-bit word decodes to four bf16x2 pairs (values n, n + 4) by shifts and masks (``ptx.e2m1x8_to_bf16x2``), the

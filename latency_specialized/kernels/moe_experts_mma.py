@@ -1,14 +1,17 @@
 """moe.experts.mma: routed experts over quantized weights (MXFP4, NVFP4, block FP8) on the mma.sync kernel (issue 24;
 ``NOTES_q4.md``).
 
-The weight stream is the MXFP4 gemm's (``gemm_q4_mma``): each lane's 16-byte load of a weight row is 32 e2m1 values
-of one scale block, decoded to bf16 in registers and fed to ``m16n8k16`` MMAs with the weights as the A operand
-(16 rows per m-tile) and up to 8 routing pairs as B - the K loop is ``gemm_small_m.accumulate_chunks`` itself. What
-differs is where rows and tokens come from, and the epilogues:
+The weight stream is the quantized gemms' (``gemm_q4_mma``, ``gemm_fp8_mma``): each lane's 16-byte load of a weight
+row is decoded to bf16 in registers (32 e2m1 values of one or two scale blocks, or 16 e4m3 values) and fed to
+``m16n8k16`` MMAs with the weights as the A operand (16 rows per m-tile) and up to 8 routing pairs as B - the K loop
+is ``gemm_small_m.accumulate_chunks`` itself. What differs is where rows and tokens come from, and the epilogues:
 
 ``gate_up`` grid (I / 16, groups): CTA (tile, group) reads 16 gate rows and the same 16 rows of up (I further down
     the expert's [2I, K]) as its two m-tiles, so a lane holds gate and up sums of the same (row, pair) and applies
     the GLU in registers (``gated_act.gated_act_fn``, the dense kernels' definition); h[pair, i] in bf16.
+``down_sum`` grid (N / 16, tokens), single-route groups and the combined output: a warp per route (more routes take
+    turns), each route's sums rounded to bf16 and weighted in fp32, the warps added in order - batch 1 is two
+    launches.
 ``down`` grid (N / (16 mt), groups): the expert's down rows against the group's h rows; each route's output, rounded
     to bf16 (as the reference rounds it), to row ``pair`` of a [M x top_k, N] result, weighted and summed by
     ``triton_q4.route_sum`` (fp32, routes in order) unless ``per_route``.
@@ -20,13 +23,14 @@ A group is one expert and up to 8 of its (token, route) pairs:
     (groups past ``num_padded`` return at once), so an expert chosen by several tokens is read once per 8.
 
 Numerics are the reference's (``ops.moe.experts_reference``): gate / up sums rounded to bf16, the activation in
-fp32, h rounded, each route's output rounded, routing weights applied in fp32. MXFP4 scale bytes 2..128 (the
-gemm's exact range) are checked once per weight, eagerly. NVFP4 (Muse Spark): each e4m3 scale (per 16 values, two
-per lane load) rides in its words' decode multiplier as scale x 2^62, so the sums come out x 2^-64; the expert's
-fp32 global scale x 2^64 multiplies them before any rounding (``mma_quant_weights.NVFP4_LOG2_OFFSET``); NaN scale
-bytes are refused. No host sync after that first call, fixed grids:
-graph capturable. PDL is off by default (``MmaConfig.pdl``): ``gate_up`` then waits before reading the ids, and
-``down`` after its first weight loads.
+fp32, h rounded, each route's output rounded, routing weights applied in fp32. Scales are checked once per weight,
+eagerly: MXFP4 bytes 2..128 (the gemm's exact range); NVFP4 (Muse Spark) - each e4m3 scale (per 16 values, two per
+lane load) rides in its words' decode multiplier as scale x 2^62, so the sums come out x 2^-64 and the expert's fp32
+global scale x 2^64 multiplies them before any rounding (``mma_quant_weights.NVFP4_LOG2_OFFSET``), NaN scale bytes
+refused; block FP8 (GLM-5.3) - the FP8 gemm's decode and per-chunk fp32 scales, NaN codes refused, an expert's rows
+a whole number of scale blocks. No host sync after that first call, fixed grids: graph capturable. PDL is off by
+default (``MmaConfig.pdl``): ``gate_up`` then waits before reading the ids, the down stages after their first weight
+loads (which go through the coherent path, ``MmaConfig.prefetch``, so that ptxas keeps them ahead of the wait).
 """
 
 
