@@ -64,6 +64,11 @@ def _routing(M, E, k, g, same=False, ids_dtype=torch.int32):
     return (w / w.sum(-1, keepdim=True)).contiguous(), ids
 
 
+def _chunk(cfg) -> int:
+    """K per 64-byte chunk of a weight row: 128 for 4-bit codes, 64 for FP8."""
+    return 64 if cfg["fmt"].startswith("fp8") else 128
+
+
 def _rel(y, ref):
     return float((y.float() - ref.float()).abs().max() / ref.float().abs().max())
 
@@ -84,7 +89,7 @@ def test_mma_experts_match_the_dequantising_reference(model, M, same, ids64):
     other = mm.experts_mma(x, w, ids, w13, w2, cfg["act"], aligned=M < mm.MIN_TOKENS_ALIGNED)
     assert _rel(other, ref) <= REL_TOL
     if M < mm.MIN_TOKENS_ALIGNED:  # down_sum with several routes per warp, PDL on
-        c13, c2 = mm.default_configs(M, cfg["k"], cfg["E"], cfg["K"], cfg["I"], cfg["K"], False)
+        c13, c2 = mm.default_configs(M, cfg["k"], cfg["E"], cfg["K"], cfg["I"], cfg["K"], False, chunk=_chunk(cfg))
         y4 = mm.experts_mma(x, w, ids, w13, w2, cfg["act"],
                                   configs=(replace(c13, pdl=True), replace(c2, wk=4, pdl=True)))
         assert _rel(y4, ref) <= REL_TOL
@@ -101,7 +106,7 @@ def test_mma_experts_per_route_rows_and_configs(model, M):
 
     ref = experts_reference(x, None, local, _selected(w13, uniq), _selected(w2, uniq), cfg["act"], per_route=True)
     base13, base2 = mm.default_configs(M, cfg["k"], cfg["E"], cfg["K"], cfg["I"], cfg["K"],
-                                       M >= mm.MIN_TOKENS_ALIGNED, per_route=True)
+                                       M >= mm.MIN_TOKENS_ALIGNED, per_route=True, chunk=_chunk(cfg))
     for configs in (None, (replace(base13, wk=2, cb=2, pdl=True), replace(base2, wk=2, cb=1, pdl=True)),
                     (replace(base13, wk=4), replace(base2, mt=2))):
         rows = torch.full((M, cfg["k"], cfg["K"]), float("nan"), device=DEV, dtype=torch.bfloat16)
