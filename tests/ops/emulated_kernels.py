@@ -11,8 +11,6 @@ The launch mirrors the kernel's host function (``MmaGemmKernel.__call__``): grid
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ptx_emulator import Emulator, Memory, tensor_param
@@ -22,7 +20,6 @@ def sm90a_fresh_compiles(monkeypatch) -> None:
     """Compile for sm_90a with the disk tier off (a fresh compile keeps its PTX)."""
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     monkeypatch.delenv("LS_KERNEL_CACHE_DIR", raising=False)
-    os.environ.pop("LS_KERNEL_CACHE_DIR", None)
 
 
 def check_binding(real_fn, *args) -> None:

@@ -97,9 +97,6 @@ class Memory:
         self._next += (len(data) + (1 << 20)) // (1 << 16) * (1 << 16) + (1 << 20)
         return base
 
-    def alloc(self, nbytes: int) -> int:
-        return self.put_bytes(bytearray(nbytes))
-
     def _find(self, addr: int, n: int) -> tuple[bytearray, int]:
         i = bisect.bisect_right(self._bases, addr) - 1
         if i >= 0:
@@ -234,9 +231,6 @@ class Emulator:
         self.smem_bytes = smem_bytes
         self.max_steps = max_steps
         self.steps = 0
-        self.ops = {}
-        for ins in self.k.code:
-            self.ops.setdefault(ins.op.split(".")[0], 0)
 
     # -- launch
     def launch(self, grid: tuple[int, int, int], params: list[bytes | int], block: tuple[int, int, int] | None = None
@@ -696,7 +690,7 @@ class Emulator:
             max_lane = (lane & seg) | (cval & ~seg & 0x1F)
             min_lane = lane & seg
             if mode == "idx":
-                j, ok = min_lane | (b & ~seg & 0x1F), None
+                j = min_lane | (b & ~seg & 0x1F)
                 ok = j <= max_lane
             elif mode == "up":
                 j = lane - b
