@@ -33,8 +33,12 @@ if [ "$PART" != rest ]; then
   m=$!
 fi
 if [ "$PART" != matrix ]; then
-  timeout "${SUITE_S:-560}" python3 -m pytest -m gpu --ignore="$MATRIX" -n "${WORKERS:-8}" --dist "${REST_DIST:-loadgroup}" -q -rfE \
-    -p no:cacheprovider --junitxml="$OUT/junit.xml" > "$OUT/gpu_suite.log" 2>&1 &
+  # -v here too: session 35's run hit the limit with 4 failures and an error the -q log could not name;
+  # REST_PATHS (default: all of tests/) splits the rest over calls, e.g. "tests/ops" then "tests/models tests/comm ..."
+  # shellcheck disable=SC2086
+  timeout "${SUITE_S:-560}" python3 -m pytest -m gpu ${REST_PATHS:-tests} --ignore="$MATRIX" -n "${WORKERS:-8}" \
+    --dist "${REST_DIST:-loadgroup}" -v -rfE -p no:cacheprovider --junitxml="$OUT/junit.xml" \
+    > "$OUT/gpu_suite.log" 2>&1 &
   o=$!
 fi
 if [ "$PART" != rest ]; then wait $m; rm=$?; fi
@@ -43,5 +47,5 @@ echo "suite ($PART): matrix rc=$rm, the rest rc=$ro, after $(( $(date +%s) - t0 
 for f in "$OUT/gpu_suite_matrix.log" "$OUT/gpu_suite.log"; do
   [ -f "$f" ] || continue
   grep -hE "^(FAILED|ERROR)| FAILED | ERROR " "$f" | cut -c1-200 | sort -u | head -30
-  echo "$(basename "$f"): $(tail -1 "$f")"
+  echo "$(basename "$f"): $(tail -1 "$f") ($(grep -c " PASSED " "$f") PASSED lines)"
 done

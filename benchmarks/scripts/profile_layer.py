@@ -8,6 +8,7 @@ kernels sorted by device time per replay, and writes the table as JSON.
     python benchmarks/scripts/profile_layer.py --batches 1,8,64 --layers 2 --out $OUT/profile.json
     python benchmarks/scripts/profile_layer.py --kind mla --context 4096 --batches 1 --out $OUT/profile_mla.json
     python benchmarks/scripts/profile_layer.py --kind kda --batches 1 --spec-tokens 7 --routing shared --out $OUT/p.json
+    python benchmarks/scripts/profile_layer.py --kind kda --batches 1,8 --experts mxfp4 --out $OUT/p_mxfp4.json
 
 ``--spec-tokens k`` (k > 0) profiles ours' verification program of k draft tokens (rows = batch x (1 + k)), built as
 ``bench --spec-tokens`` builds it (``layer_bench.build_spec_ours``); stock is not profiled then.
@@ -27,8 +28,8 @@ import torch
 
 def _short(name: str) -> str:
     name = re.sub(r"\(.*", "", name)
-    for key in ("GateUpKernel", "DownKernel", "RouterKernel", "Gemv", "SmallM", "SplitK", "AttnRes", "RMSNorm",
-                "Kda", "KDA", "MlpAct", "Situ", "Lamport", "TwoStage"):
+    for key in ("MmaExpertsKernel", "GateUpKernel", "DownKernel", "RouterKernel", "Gemv", "SmallM", "SplitK",
+                "AttnRes", "RMSNorm", "Kda", "KDA", "MlpAct", "Situ", "Lamport", "TwoStage"):
         if key.lower() in name.lower():
             return key + ":" + name[:70]
     return name[:90]
@@ -100,6 +101,8 @@ def main() -> None:
     ap.add_argument("--spec-tokens", type=int, default=0, help="draft tokens of ours' verification steps (0: plain)")
     ap.add_argument("--routing", default="random", help="ours' MoE routing, as bench --routing "
                     "(random, shared, scaled:X)")
+    ap.add_argument("--experts", default=None, help="routed experts kept in this format in both variants, as bench "
+                    "--experts (e.g. mxfp4: ours' 4-bit kernels, stock's MXFP4 MoE)")
     ap.add_argument("--timeline", action="store_true",
                     help="also print one replay's kernels in order of their end, with each one's marginal cost")
     args = ap.parse_args()
@@ -113,12 +116,14 @@ def main() -> None:
     kimi = args.model == "kimi_k3"
     mla = args.kind == "mla" or (not kimi and adapter.bench_kinds()[args.kind].context)
     ctx = (args.context,) if mla else ()
-    kw = dict(say=print, contexts=ctx, **({"routing": args.routing} if args.routing != "random" else {}))
+    kw = dict(say=print, contexts=ctx, **({"routing": args.routing} if args.routing != "random" else {}),
+              **({"experts": args.experts} if args.experts else {}))
     if args.spec_tokens:
         ours = build_spec_ours(adapter, full, args.tp, args.kind, args.layers, batches, dev, args.spec_tokens, **kw)
     else:
         ours = adapter.layer_bench().build_ours(full, args.tp, args.kind, args.layers, batches, dev, **kw)
-    tag = f"{args.kind}" + (f"_k{args.spec_tokens}" if args.spec_tokens else "")
+    tag = (args.kind + (f"_k{args.spec_tokens}" if args.spec_tokens else "")
+           + (f"_{args.experts}" if args.experts else ""))
     result = {}
     for b in batches:
         o_k, _ = ours.variants(b, *ctx)

@@ -54,8 +54,8 @@ STOCK_MXFP8 = ("stock: Marlin MXFP8 W8A16 (vLLM _C, not loadable here); humming'
 MMA_SWEEP = ((4, 1, 4), (8, 1, 4), (4, 2, 4), (2, 4, 4), (4, 1, 8), (8, 1, 2), (2, 2, 8))
 """(warps along K, cluster CTAs along K, chunks per batch) of ``gemm.fp8_w8a16_mma`` timed beside its heuristic (its
 m-tiles / n-tiles follow M as the heuristic's do), the heuristic with the "split" pairing (``MmaConfig.fp8_pairs``) and
-with ``MmaConfig.prefetch`` (its first batch of weights ahead of the PDL wait in SASS too); swept even with ``--quick``
-(the kernel is new)."""
+with ``MmaConfig.prefetch`` flipped (its first batch of weights ahead of the PDL wait in SASS, or not; on by default
+since session 35); swept even with ``--quick`` (the kernel is new)."""
 REL_TOL = {"mma": 1e-2, "w8a16": 1e-2, "w8a8": 6e-2, "peer-humming": 1e-2, "stock": 6e-2, "bf16-cublas": 1e-2}
 
 
@@ -143,7 +143,7 @@ def _mma_configs(N: int, K: int, M: int) -> list[Any]:
     from latency_specialized.kernels.gemm_small_m import SMEM_LIMIT
 
     base = default_config(N, K, M)
-    out: list[Any] = [None, replace(base, fp8_pairs="split"), replace(base, prefetch=True)]
+    out: list[Any] = [None, replace(base, fp8_pairs="split"), replace(base, prefetch=not base.prefetch)]
     for wk, sk, cb in MMA_SWEEP:
         cfg = replace(base, wk=wk, sk=sk, cb=cb)
         if cfg != base and cfg.smem_bytes() <= SMEM_LIMIT and sk <= MAX_CLUSTER and K // 64 >= wk * sk:

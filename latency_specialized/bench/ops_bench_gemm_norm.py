@@ -62,15 +62,16 @@ def gemm_variant_configs(n: int, k: int, m: int, quick: bool = False) -> list[tu
             cfgs += [c for c in (GemvConfig(k_split=2), GemvConfig(k_split=4), GemvConfig(warps=8, k_split=4),
                                  GemvConfig(warps=8, k_split=4, batch=4, lookahead=1))
                      if c.splits(k)]
-        # the first batches through the coherent path, so that they really precede the PDL wait in SASS
-        cfgs += [dataclasses.replace(c, prefetch=True) for c in cfgs[:2]]
+        # twins with the other PDL prologue (prefetch: the first batches through the coherent path, so that they
+        # really precede the PDL wait in SASS; the default since session 35)
+        cfgs += [dataclasses.replace(c, prefetch=not c.prefetch) for c in cfgs[:2]]
         out += [(gemm_gemv.NAME, c) for c in (cfgs[:1] + cfgs[-2:-1] if quick else cfgs)]
     if k % 32:
         return out
     chunks = k // 32
     if m <= gemm_small_m.MAX_M:
         base = gemm_small_m.default_config(n, k, m)
-        cfgs = [base, dataclasses.replace(base, prefetch=True)]
+        cfgs = [base, dataclasses.replace(base, prefetch=not base.prefetch)]
         alt_wk = base.wk * 2 if base.wk * 2 <= min(8, chunks) else base.wk // 2
         if alt_wk >= 1 and alt_wk != base.wk:
             per = math.ceil(chunks / alt_wk)

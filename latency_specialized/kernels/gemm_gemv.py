@@ -69,10 +69,11 @@ class GemvConfig:
     """Batches requested ahead of the one being multiplied (0: a warp waits for each batch in turn;
     L: L more batches in flight, and L + 1 issued before the PDL wait)."""
 
-    prefetch: bool = False
+    prefetch: bool = True
     """The batches requested before the PDL wait through the coherent path: ptxas hoists the wait above non-coherent
-    loads (offline SASS: with the default, the wait comes first and no weight is requested before it;
-    ``tests/ops/test_pdl_load_order.py``). Off where the H200 timings were taken with the default."""
+    loads (offline SASS: without it the wait comes first and no weight is requested before it;
+    ``tests/ops/test_pdl_load_order.py``). On by default since the H200 timed both (``NOTES.md``, session 35); only
+    weights are read before the wait."""
 
     k_split: int = 1
     """Warps per output row group, each streaming 1/k_split of K (K a multiple of 256 x k_split): k_split x

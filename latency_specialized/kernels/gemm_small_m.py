@@ -57,10 +57,11 @@ class MmaConfig:
     """0: one CTA (cluster) per tile. k > 0: persistent - at most k CTAs per SM walk the tiles, with
     registers capped so 2k fit: room for the next kernel's PDL prologue."""
 
-    prefetch: bool = False
+    prefetch: bool = True
     """The first batch of weight loads (before the PDL wait) through the coherent path: ptxas hoists the wait above
     non-coherent loads, so with them the weights are requested only once the previous kernel is done (offline SASS,
-    ``tests/ops/test_pdl_load_order.py``). Off where the H200 timings were taken with the default (session 33)."""
+    ``tests/ops/test_pdl_load_order.py``). On by default since the H200 timed both (``NOTES.md``, session 35); only
+    weights - constant over the step - are read before the wait."""
 
     lookahead: int = 0
     """L > 0: batches 0..L requested before the PDL wait, then batch j + L just before batch j is multiplied, all

@@ -25,11 +25,11 @@ from latency_specialized.spec import ActivationSpec
 NAME = "moe.experts.fp8_triton"
 NAME_A8 = "moe.experts.fp8_w8a8_triton"
 FORMATS = ("fp8-block-128",)
+"""``weight_format`` values served."""
 ENABLED = True
 """False: both implementations refuse every site (an A/B switch: ``bench --ab mma:latency_specialized.kernels.
-moe_experts_fp8_triton.ENABLED=False`` runs GLM-5.3's FP8 experts on ``moe.experts.mma``, registered below these
+moe_experts_fp8_triton.ENABLED=False`` runs GLM-5.3's FP8 experts on ``moe.experts.mma_fp8``, registered below these
 until timed)."""
-"""``weight_format`` values served."""
 TUNING = dict(block_n=64, num_warps=4, num_stages=3)
 """Launch constants of the two GEMMs (not yet swept on the H200: the values of the bf16 fused MoE's smallest tiles)."""
 

@@ -50,7 +50,14 @@ from latency_specialized.quant.checkpoint_io import QuantizedWeight
 from latency_specialized.spec import ActivationSpec
 
 NAME = "moe.experts.mma"
+NAME_FP8 = "moe.experts.mma_fp8"
+"""The same kernels registered for block-FP8 experts apart: timed on the H200 for the 4-bit formats only, so the FP8
+registration stays below ``moe.experts.fp8_triton`` until it is."""
+ENABLED = True
+"""A/B switch: ``bench --ab triton:latency_specialized.kernels.moe_experts_mma.ENABLED=False`` runs the layers on the
+Triton experts kernels this one outranks."""
 FORMATS = ("mxfp4", "mxfp4-deepseek", "nvfp4", "fp8-block-128")
+FORMATS_Q4 = ("mxfp4", "mxfp4-deepseek", "nvfp4")
 """``weight_format`` values served: the 4-bit ones and GLM-5.3's block FP8 (also its "/rows" layout: one scale
 row per weight row, where a joined gate | up put a 128-row block across the seam)."""
 NVFP4_CODING = QuantCoding(ue8m0=False, block=(1, 16), element="e2m1")
@@ -393,11 +400,27 @@ def stage_config(tiles: int, groups: int, chunks: int, mt: int) -> MmaConfig:
     """Launch heuristic (``gemm_small_m.quantized_config``'s rule over the tiles of every group): enough warps in
     flight for HBM, at least 2 chunks per warp, 4 chunks of loads per batch - at most 4 warps along K with two m-tiles
     (offline sm_90a SASS, Kimi K3 TP8 batch 1: 8 warps x 2 m-tiles x 4 chunks of loads take 127 registers, two CTAs
-    per SM and 1.45 waves; 4 warps take 168, three CTAs per SM of 128 threads, one wave). Not yet measured."""
+    per SM and 1.45 waves; 4 warps take 168, three CTAs per SM of 128 threads, one wave). The ``down`` stage's
+    (aligned groups); on the H200 it lost to :func:`gate_up_config` for ``gate_up``."""
     need = max(1.0, TARGET_WARPS * 2 / max(1, tiles * groups))
     cap = min(4 if mt == 2 else 8, SMEM_LIMIT // (4 * mt * 32 * 4))
     wk = pow2_at_most(min(need, max(1, chunks // 2)), cap)
     return MmaConfig(nt=1, mt=mt, wk=wk, sk=1, cb=max(1, min(4, math.ceil(chunks / wk))), pdl=False, prefetch=True)
+
+
+GATE_UP_WARPS_K = 4
+GATE_UP_BATCH = 2
+
+
+def gate_up_config(chunks: int) -> MmaConfig:
+    """``gate_up``'s launch at any batch: ``GATE_UP_WARPS_K`` warps along K (fewer where a warp would get under 2
+    chunks), ``GATE_UP_BATCH`` chunks of loads a batch. Chosen on the H200 over :func:`stage_config`'s occupancy rule
+    (which drops to one warp along K once the groups alone fill the GPU): faster at every batch measured, 1-64 tokens
+    (``NOTES_q4.md``) - the K split keeps each CTA's 64 bytes x 16 rows short, fewer loads in flight a warp take fewer
+    registers and leave room for more CTAs per SM."""
+    wk = pow2_at_most(max(1, chunks // 2), GATE_UP_WARPS_K)
+    return MmaConfig(nt=1, mt=2, wk=wk, sk=1, cb=max(1, min(GATE_UP_BATCH, -(-chunks // wk))), pdl=False,
+                     prefetch=True)
 
 
 def groups_of(M: int, top_k: int, experts: int, aligned: bool) -> int:
@@ -414,11 +437,12 @@ def summed(aligned: bool, per_route: bool) -> bool:
 
 def default_configs(M: int, top_k: int, experts: int, K: int, I: int, N: int, aligned: bool,
                     per_route: bool = False, chunk: int = 128) -> tuple[MmaConfig, MmaConfig]:
-    """(gate_up, down) launch choices for a step of M tokens: :func:`stage_config`'s; ``down_sum`` takes a warp per
-    route up to ``MAX_SUM_WARPS`` (more routes take turns), all of a route's chunks in one batch of loads (at most 4).
-    ``chunk``: K per 64-byte chunk of a row (128 for 4-bit codes, 64 for FP8)."""
+    """(gate_up, down) launch choices for a step of M tokens: :func:`gate_up_config`; :func:`stage_config`'s for
+    ``down``, while ``down_sum`` takes a warp per route up to ``MAX_SUM_WARPS`` (more routes take turns), all of a
+    route's chunks in one batch of loads (at most 4). The down choices held against the variants tried on the H200
+    (``bench.ops_bench_q4.MMA_VARIANTS``). ``chunk``: K per 64-byte chunk of a row (128 for 4-bit codes, 64 for FP8)."""
     groups = groups_of(M, top_k, experts, aligned)
-    gate_up = stage_config(I // 16, groups, K // chunk, 2)
+    gate_up = gate_up_config(K // chunk)
     if summed(aligned, per_route):
         return gate_up, MmaConfig(nt=1, mt=1, wk=min(top_k, MAX_SUM_WARPS), cb=min(4, I // chunk), pdl=False,
                                   prefetch=True)
@@ -582,26 +606,40 @@ def experts_mma(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor
     return y
 
 
-def _supports(ctx: OpContext) -> Support:
+def _refusal(ctx: OpContext, name: str, formats: tuple[str, ...], what: str) -> Support:
     from latency_specialized.kernels.compile_cache import cute_available
     from latency_specialized.kernels.triton_common import quantized_experts_refusal
 
-    why = quantized_experts_refusal(ctx, NAME, FORMATS, "4-bit e2m1 (MXFP4 / NVFP4)", min_sm=90)
+    if not ENABLED:
+        return f"{name}: switched off (moe_experts_mma.ENABLED = False)"
+    why = quantized_experts_refusal(ctx, name, formats, what, min_sm=90)
     if why:
         return why
     if ctx.dim("K") % 128 or ctx.dim("N") % 128:
         return f"K={ctx.dim('K')} and I={ctx.dim('N')} must be multiples of 128 (one 16-byte load: 32 codes a lane)"
     if ctx.tokens > MAX_TOKENS:
-        return f"{ctx.tokens} tokens: serves up to {MAX_TOKENS} (moe.experts.q4_grouped_triton beyond)"
+        return f"{ctx.tokens} tokens: serves up to {MAX_TOKENS} (the Triton experts kernels beyond)"
     return cute_available()
 
 
+def _supports_q4(ctx: OpContext) -> Support:
+    return _refusal(ctx, NAME, FORMATS_Q4, "4-bit e2m1 (MXFP4 / NVFP4)")
+
+
+def _supports_fp8(ctx: OpContext) -> Support:
+    return _refusal(ctx, NAME_FP8, ("fp8-block-128",), "block FP8 (128 x 128)")
+
+
 IMPLEMENTATIONS = [
-    Implementation("moe.experts", NAME, experts_mma, _supports, priority=15,
+    Implementation("moe.experts", NAME, experts_mma, _supports_q4, priority=25,
                    description="MXFP4 / NVFP4 experts decoded to bf16 in registers on mma.sync (gemm_q4_mma's stream):"
-                               " gate|up with the GLU epilogue, down per route, weighted route sum; not yet timed on a"
-                               " GPU, so below the Triton 4-bit kernels"),
+                               " gate|up with the GLU epilogue, down per route, weighted route sum; above the Triton"
+                               " 4-bit kernels, which it beats on the H200 at 1-64 tokens"),
+    Implementation("moe.experts", NAME_FP8, experts_mma, _supports_fp8, priority=15,
+                   description="block-FP8 experts on the same mma.sync kernels (gemm_fp8_mma's decode); not yet timed"
+                               " on a GPU for FP8, so below moe.experts.fp8_triton"),
 ]
 
-__all__ = ["COLS", "ExpertsStage", "IMPLEMENTATIONS", "MAX_TOKENS", "MIN_TOKENS_ALIGNED", "NAME", "compile_stage",
-           "default_configs", "experts_mma", "expert_parts", "groups_of", "stage_config"]
+__all__ = ["COLS", "ENABLED", "ExpertsStage", "FORMATS", "FORMATS_Q4", "GATE_UP_BATCH", "GATE_UP_WARPS_K",
+           "IMPLEMENTATIONS", "MAX_TOKENS", "MIN_TOKENS_ALIGNED", "NAME", "NAME_FP8", "compile_stage",
+           "default_configs", "experts_mma", "expert_parts", "gate_up_config", "groups_of", "stage_config"]

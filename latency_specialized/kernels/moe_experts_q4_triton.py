@@ -34,8 +34,8 @@ FORMATS = ("mxfp4", "mxfp4-deepseek", "nvfp4")
 MIN_TOKENS_GROUPED = 8
 """Tokens per step from which the grouped tensor-core path serves (below: the gemv path)."""
 ENABLED = True
-"""False: both implementations refuse every site (an A/B switch: ``bench --ab mma:latency_specialized.kernels.
-moe_experts_q4_triton.ENABLED=False`` runs the layers on ``moe.experts.mma``, registered below these until timed)."""
+"""False: both implementations refuse every site (an A/B switch). ``moe.experts.mma`` outranks them where it serves
+(up to 64 tokens, K and I multiples of 128); ``moe_experts_mma.ENABLED=False`` hands those sites back to these."""
 GROUPED_BLOCK_K = 128
 """K step of the grouped GEMMs: K and I must be multiples of it."""
 GEMV_TUNING: dict = {"gate_up": dict(block_i=4, block_w=128, num_warps=4),

@@ -15,6 +15,7 @@ from latency_specialized.kernels.compile_cache import cute_available
 from latency_specialized.quant.checkpoint_io import QuantizedWeight
 from latency_specialized.quant.formats import QuantFormat
 from mma_emulation import bf16 as _bf16, prmt as _prmt
+from ptx_patterns import loads_before_wait, weight_loads
 
 needs_cute = pytest.mark.skipif(cute_available() is not True, reason="nvidia-cutlass-dsl not installed")
 
@@ -151,9 +152,6 @@ def test_default_config_serves_m_and_fits(N, K, M):
     assert K // 64 >= cfg.wk * cfg.sk  # every warp of the split has a chunk
 
 
-WEIGHT_LOAD = "ld.global.nc.L1::no_allocate.L2::256B.v4.b32"
-
-
 @needs_cute
 @pytest.mark.parametrize("ue8m0,block", [(False, (128, 128)), (True, (32, 32)), (False, (1, 128)), (True, (1, 32))])
 def test_fp8_variant_compiles_to_decode_plus_mma_without_spills(sm90, ue8m0, block):
@@ -169,10 +167,10 @@ def test_fp8_variant_compiles_to_decode_plus_mma_without_spills(sm90, ue8m0, blo
     p = ptx_of(compile_mma(K, cfg, True, coding=QuantCoding(ue8m0, block)))
     chunks = K // 64 // cfg.wk
     assert "ld.local" not in p and "st.local" not in p
-    assert p.count(WEIGHT_LOAD) == 2 * chunks
+    assert weight_loads(p) == 2 * chunks
     assert p.count("mul.rn.bf16x2") == 2 * 8 * chunks
     assert p.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 4 * cfg.nt * chunks
-    assert p[:p.index("griddepcontrol.wait")].count(WEIGHT_LOAD) == 2 * cfg.cb
+    assert loads_before_wait(p) == 2 * cfg.cb
     # fp32 scales: each chunk's sums scaled into the accumulators; ue8m0: none (folded into the decode)
     assert ("ld.global.b8" in p) == ue8m0 and ("ld.global.b32" in p) != ue8m0
     # "bytes" pairing: 2 byte permutes per weight word; "split": none on the weights, 2 per activation word pair and
@@ -180,7 +178,7 @@ def test_fp8_variant_compiles_to_decode_plus_mma_without_spills(sm90, ue8m0, blo
     assert p.count("prmt.b32") == chunks * 2 * 4 * 2
     ps = ptx_of(compile_mma(K, replace(cfg, fp8_pairs="split"), True, coding=QuantCoding(ue8m0, block)))
     assert ps.count("prmt.b32") == chunks * 4 * 2 * cfg.nt and ps.count("mul.rn.bf16x2") == 2 * 8 * chunks
-    assert "ld.local" not in ps and replace(cfg, fp8_pairs="split").label() == "n2m1w4s1c4xp"
+    assert "ld.local" not in ps and replace(cfg, fp8_pairs="split").label() == "n2m1w4s1c4xfp"
 
 
 @needs_cute

@@ -16,6 +16,7 @@ from latency_specialized.kernels.compile_cache import cute_available
 from latency_specialized.quant.checkpoint_io import QuantizedWeight
 from latency_specialized.quant.formats import QuantFormat
 from mma_emulation import decode_e2m1_word, e2m1
+from ptx_patterns import loads_before_wait, weight_loads
 
 needs_cute = pytest.mark.skipif(cute_available() is not True, reason="nvidia-cutlass-dsl not installed")
 
@@ -99,9 +100,8 @@ def test_e2m1_variant_compiles_to_decode_plus_mma_without_spills(sm90):
     K, cfg = 7168, MmaConfig(nt=1, wk=8, cb=4)
     p = ptx_of(compile_mma(K, cfg, False, coding=q4m.CODING))
     chunks = K // 128 // cfg.wk
-    load = "ld.global.nc.L1::no_allocate.L2::256B.v4.b32"
     assert "ld.local" not in p and "st.local" not in p
-    assert p.count(load) == 2 * chunks and p[:p.index("griddepcontrol.wait")].count(load) == 2 * cfg.cb
+    assert weight_loads(p) == 2 * chunks and loads_before_wait(p) == 2 * cfg.cb
     assert p.count("mul.rn.bf16x2") == 2 * 16 * chunks
     assert p.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 8 * cfg.nt * chunks
     assert p.count("prmt.b32") == 16 * cfg.nt * chunks

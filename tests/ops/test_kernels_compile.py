@@ -12,6 +12,8 @@ from latency_specialized.errors import UserError
 from latency_specialized.kernels.compile_cache import cute_available
 from latency_specialized.ops.registry import make_context
 
+from ptx_patterns import WEIGHT_LOAD, last_weight_load, loads_before_wait, weight_loads
+
 needs_cute = pytest.mark.skipif(cute_available() is not True, reason="nvidia-cutlass-dsl not installed")
 
 
@@ -24,20 +26,17 @@ def _ptx(compiled) -> str:
     return p
 
 
-WEIGHT_LOAD = "ld.global.nc.L1::no_allocate.L2::256B.v4.b32"
-
-
 # ------------------------------------------------------------------------------- compiles
 @needs_cute
 def test_gemv_compiles_to_16_byte_streaming_loads(sm90):
     from latency_specialized.kernels.gemm_gemv import GemvConfig, compile_gemv
 
     p = _ptx(compile_gemv(1536, 1, GemvConfig(), False))
-    assert p.count(WEIGHT_LOAD) == 1536 // 8 // 32        # one 16-B weight load per lane per 512 B of row
+    assert weight_loads(p) == 1536 // 8 // 32               # one 16-B weight load per lane per 512 B of row
     assert "ld.global.nc.v4.b32" in p                       # activations: 16 B, L1-cached
     assert "shfl.sync.bfly" in p and "griddepcontrol.wait" in p
-    # the PDL prologue: every weight load of the first batch is issued before the wait
-    assert p.index("griddepcontrol.wait") > p.rindex(WEIGHT_LOAD)
+    # the PDL prologue: every weight load of the first batch is issued before the wait, coherent (prefetch)
+    assert p.index("griddepcontrol.wait") > last_weight_load(p) and loads_before_wait(p) == 1536 // 8 // 32
     # ragged K (448 = 56 vectors: 1 full round + a predicated tail), two tokens, residual epilogue
     p2 = _ptx(compile_gemv(448, 2, GemvConfig(rows_per_warp=2, pdl=False), True))
     assert "@p ld.global.nc.L1::no_allocate" in p2 and "griddepcontrol" not in p2
@@ -50,9 +49,9 @@ def test_gemv_lookahead_issues_more_batches_before_the_wait(sm90):
 
     for cfg, pre in ((GemvConfig(), 8), (GemvConfig(lookahead=1), 16), (GemvConfig(batch=4, lookahead=2), 12)):
         p = _ptx(compile_gemv(7168, 1, cfg, False))
-        assert p.count(WEIGHT_LOAD) == 7168 // 8 // 32, cfg.label()
-        assert p[:p.index("griddepcontrol.wait")].count(WEIGHT_LOAD) == pre, cfg.label()
-    assert GemvConfig(lookahead=2).label() == "r1w4b8a2p"
+        assert weight_loads(p) == 7168 // 8 // 32, cfg.label()
+        assert loads_before_wait(p) == pre, cfg.label()
+    assert GemvConfig(lookahead=2).label() == "r1w4b8a2fp"
 
 
 @needs_cute
@@ -63,9 +62,9 @@ def test_gemv_k_split_streams_a_part_of_k_per_warp(sm90):
 
     for ks in (2, 4):
         p = _ptx(compile_gemv(7168, 1, GemvConfig(k_split=ks), False))
-        assert p.count(WEIGHT_LOAD) == 7168 // 8 // 32 // ks and p.count("bar.sync") == 1
+        assert weight_loads(p) == 7168 // 8 // 32 // ks and p.count("bar.sync") == 1
     assert "bar.sync" not in _ptx(compile_gemv(7168, 1, GemvConfig(), False))
-    assert GemvConfig(k_split=4).label() == "r1w4b8k4p"
+    assert GemvConfig(k_split=4).label() == "r1w4b8k4fp"
     assert default_config(560, 7168, 1).k_split == 4 and default_config(896, 3584, 2).k_split == 2
     assert default_config(6288, 7168, 1).k_split == 1 and default_config(1000, 448, 3).k_split == 1
     for bad, k in ((GemvConfig(k_split=4), 3584), (GemvConfig(warps=6, k_split=4), 7168),
@@ -82,7 +81,7 @@ def test_gemv_glu_epilogue_streams_gate_and_up_rows(sm90):
 
     var = ActVariant(256, "bfloat16", "situ_glu", beta=4.0, beta_lin=25.0)
     p = _ptx(compile_gemv(7168, 1, GemvConfig(), False, glu=var))
-    assert p.count(WEIGHT_LOAD) == 2 * 7168 // 8 // 32
+    assert weight_loads(p) == 2 * 7168 // 8 // 32
     assert "cvt.rn.bf16x2.f32" in p and "ex2.approx" in p and p.count("st.global.b16") == 1
     with pytest.raises(ValueError, match="GLU"):
         compile_gemv(7168, 1, GemvConfig(), True, glu=var)
@@ -106,7 +105,7 @@ def test_gemv_split_stores_fp32_head_rows_and_rounded_tail_rows(sm90):
     from latency_specialized.kernels.gemm_gemv import GemvConfig, compile_gemv
 
     p = _ptx(compile_gemv(7168, 2, GemvConfig(), False, out_fp32=True, split=True))
-    assert p.count(WEIGHT_LOAD) == 7168 // 8 // 32                # one stream per row
+    assert weight_loads(p) == 7168 // 8 // 32                   # one stream per row
     assert p.count("st.global.b32") == 2 and p.count("st.global.b16") == 2  # per token: one of each kind
     assert "cvt.rn.bf16" in p                                   # only the tail rows round
     with pytest.raises(ValueError, match="split"):
@@ -125,7 +124,7 @@ def test_gemv_norm_prologue_reduces_the_row_then_rounds_the_normed_x(sm90):
     plain = _ptx(compile_gemv(1536, 2, GemvConfig(rows_per_warp=2), False))
     assert p.count("rsqrt") == 2 and "rsqrt" not in plain                 # one per token
     assert p.count("cvt.rn.bf16x2.f32") >= 2 * 1536 // 2 // 32             # normed x rounded per pair
-    assert p.count(WEIGHT_LOAD) == plain.count(WEIGHT_LOAD)                # the weight stream is unchanged
+    assert weight_loads(p) == weight_loads(plain)                          # the weight stream is unchanged
     assert p.index("griddepcontrol.wait") < p.index("rsqrt")                # x is read after the PDL wait
     with pytest.raises(ValueError, match="norm prologue"):
         compile_gemv(1536, 1, GemvConfig(), False, out_fp32=True, split=True, norm=True)
@@ -150,11 +149,11 @@ def test_small_m_compiles_to_mma_sync_with_register_fragments(sm90):
 
     p = _ptx(compile_mma(1536, MmaConfig(nt=2, wk=4, cb=4), True))
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in p
-    assert WEIGHT_LOAD in p and "ld.global.nc.v4.b32" in p
+    assert weight_loads(p) and "ld.global.nc.v4.b32" in p
     assert "bar.sync" in p                                   # warps' partial tiles meet in shared memory
     assert "ldmatrix" not in p                               # fragments come straight from global loads
     # 48 chunks over 4 warps = 12 per warp, 2 rows each, 2 mma per chunk and n-tile
-    assert p.count(WEIGHT_LOAD) == 12 * 2 and p.count("mma.sync") == 12 * 2 * 2
+    assert weight_loads(p) == 12 * 2 and p.count("mma.sync") == 12 * 2 * 2
 
 
 @needs_cute

@@ -99,8 +99,8 @@ def test_fp8_sites_go_to_the_fp8_experts_and_others_refuse():
     assert _HAVE_TRITON
     for tokens in (1, 7, 8, 64):
         ok = {n for n, i in by_name.items() if i.supports(_ctx(tokens)) is True and not i.is_reference}
-        # and the mma experts (moe_experts_mma: FP8 too, registered below until timed) where the DSL is installed
-        assert ok - {"moe.experts.mma"} == {f8.NAME, f8.NAME_A8}, (tokens, ok)
+        # and the mma experts' FP8 registration (moe.experts.mma_fp8, below until timed) where the DSL is installed
+        assert ok - {"moe.experts.mma_fp8"} == {f8.NAME, f8.NAME_A8}, (tokens, ok)
         assert impls.select(_ctx(tokens))[0].name == f8.NAME  # W8A16 first until the H200 says otherwise
     assert "fp8-block-128" in by_name["moe.experts.q4_gemv_triton"].supports(_ctx(1))
     assert "bf16 expert weights only" in by_name["moe.experts.triton_fused"].supports(_ctx(16))

@@ -96,7 +96,7 @@ def test_kimi_tp8_stages_compile_to_the_gemm_weight_stream_without_spills(sm90):
     K, I, N, k = 3584, 384, 3584, 16
     cfg13, cfg_sum = mm.default_configs(1, k, 896, K, I, N, aligned=False)
     _, cfg_rows = mm.default_configs(1, k, 896, K, I, N, aligned=False, per_route=True)
-    assert (cfg13.mt, cfg13.wk, cfg13.cb, cfg_sum.wk, cfg_sum.cb, cfg_rows.wk, cfg_rows.mt) == (2, 4, 4, 8, 3, 1, 2)
+    assert (cfg13.mt, cfg13.wk, cfg13.cb, cfg_sum.wk, cfg_sum.cb, cfg_rows.wk, cfg_rows.mt) == (2, 4, 2, 8, 3, 1, 2)
     load = re.compile(r"ld\.global(\.nc)?\.L1::no_allocate\.L2::256B\.v4\.b32")  # the first batch: coherent
     stages = ((mm.ExpertsStage("gate_up", K, 2 * I, k, False, act="situ_glu", beta=4, beta_lin=25), cfg13, 7, 1),
               (mm.ExpertsStage("down_sum", I, N, k, False), cfg_sum, 2 * 3, 1),
@@ -150,16 +150,18 @@ def test_refusals_name_the_fix():
         mm.experts_mma(x, None, ids, bad, w2, SITU, per_route=True)
 
 
-def test_dispatch_keeps_the_triton_kernels_first_until_timed():
-    """Registered for MXFP4 / NVFP4 / block-FP8 (128 x 128) sites on sm_90 up to 64 tokens, below the Triton kernels
-    (priority 20) until an H200 run times it; refuses other formats, archs, widths off 128 and larger steps, saying
-    why."""
+def test_dispatch_puts_the_4bit_registration_first_and_fp8_below_until_timed():
+    """``moe.experts.mma`` serves MXFP4 / NVFP4 sites on sm_90 up to 64 tokens above the Triton 4-bit kernels (timed
+    on the H200); ``moe.experts.mma_fp8`` serves block-FP8 (128 x 128) sites below ``moe.experts.fp8_triton``. Each
+    refuses other formats, archs, widths off 128 and larger steps, saying why."""
     from latency_specialized.contract import make_context
     from latency_specialized.plugins import get_registry
 
     impls = {i.name: i for i in get_registry().implementations.family("moe.experts")}
-    ours = impls[mm.NAME]
-    assert ours.priority < impls["moe.experts.q4_gemv_triton"].priority
+    ours, ours_fp8 = impls[mm.NAME], impls[mm.NAME_FP8]
+    assert ours.priority > impls["moe.experts.q4_gemv_triton"].priority
+    assert ours.priority > impls["moe.experts.q4_grouped_triton"].priority
+    assert ours_fp8.priority < impls["moe.experts.fp8_triton"].priority
 
     def ctx(tokens=1, fmt="mxfp4", arch="sm_90a", K=3584, N=384):
         return make_context("moe.experts", arch=arch, dtype="bfloat16", tokens=tokens,
@@ -167,11 +169,26 @@ def test_dispatch_keeps_the_triton_kernels_first_until_timed():
                                                                         "weight_format": fmt})
 
     if cute_available() is True:
-        assert all(ours.supports(ctx(fmt=f)) is True for f in ("mxfp4", "nvfp4", "fp8-block-128"))
-    assert "128" in str(ours.supports(ctx(N=64 + 128)))
-    assert "64" in str(ours.supports(ctx(tokens=65)))
-    assert "fp8-block-32" in str(ours.supports(ctx(fmt="fp8-block-32")))
-    assert ours.supports(ctx(arch="sm_80")) is not True
+        assert all(ours.supports(ctx(fmt=f)) is True for f in ("mxfp4", "mxfp4-deepseek", "nvfp4"))
+        assert ours_fp8.supports(ctx(fmt="fp8-block-128")) is True
+    assert "fp8-block-128" in str(ours.supports(ctx(fmt="fp8-block-128")))
+    assert "mxfp4" in str(ours_fp8.supports(ctx(fmt="mxfp4")))
+    for impl in (ours, ours_fp8):
+        fmt = "mxfp4" if impl is ours else "fp8-block-128"
+        assert "128" in str(impl.supports(ctx(fmt=fmt, N=64 + 128)))
+        assert "64" in str(impl.supports(ctx(fmt=fmt, tokens=65)))
+        assert "fp8-block-32" in str(impl.supports(ctx(fmt="fp8-block-32")))
+        assert impl.supports(ctx(fmt=fmt, arch="sm_80")) is not True
+
+
+def test_gate_up_takes_the_measured_launch_at_every_batch():
+    """``gate_up``: 4 warps along K and 2 chunks of loads a batch at Kimi K3 TP8 shapes, 1-64 tokens (the H200's
+    choice over ``stage_config``); fewer warps where K holds under 2 chunks a warp."""
+    for M in (1, 4, 8, 16, 64):
+        c13, _ = mm.default_configs(M, 16, 896, 3584, 384, 3584, M >= mm.MIN_TOKENS_ALIGNED)
+        assert (c13.wk, c13.cb, c13.mt) == (mm.GATE_UP_WARPS_K, mm.GATE_UP_BATCH, 2), (M, c13.label())
+    assert (mm.gate_up_config(4).wk, mm.gate_up_config(4).cb) == (2, 2)
+    assert (mm.gate_up_config(1).wk, mm.gate_up_config(1).cb) == (1, 1)
 
 
 def test_bench_variants_make_configs_the_wrapper_takes():
@@ -187,9 +204,9 @@ def test_bench_variants_make_configs_the_wrapper_takes():
             assert c13.mt == 2 and c13.nt == c2.nt == 1 and max(c13.smem_bytes(), c2.smem_bytes()) <= SMEM_LIMIT
 
 
-def test_ab_switch_hands_the_sites_to_the_mma_kernel(monkeypatch):
-    """``moe_experts_q4_triton.ENABLED = False`` (what ``bench --ab`` sets) makes the plan pick ``moe.experts.mma``
-    on sm_90."""
+def test_ab_switch_hands_the_sites_back_to_the_triton_kernels(monkeypatch):
+    """``moe_experts_mma.ENABLED = False`` (what ``bench --ab`` sets) makes the plan pick the Triton 4-bit kernels on
+    sm_90, and the refusal names the switch."""
     from latency_specialized.contract import make_context
     from latency_specialized.kernels import moe_experts_q4_triton as q4
     from latency_specialized.plugins import get_registry
@@ -197,9 +214,9 @@ def test_ab_switch_hands_the_sites_to_the_mma_kernel(monkeypatch):
     ctx = make_context("moe.experts", arch="sm_90a", dtype="bfloat16", tokens=1, dims=dict(E=896, topk=16, N=384,
                        K=3584), attrs={"activation": "situ_glu", "weight_format": "mxfp4"})
     impls = get_registry().implementations
-    assert impls.select(ctx)[0].name == q4.NAME_GEMV
-    monkeypatch.setattr(q4, "ENABLED", False)
-    chosen, refusals = impls.select(ctx)
-    assert any(n == q4.NAME_GEMV and "ENABLED" in why for n, why in refusals)
     if cute_available() is True:
-        assert chosen.name == mm.NAME
+        assert impls.select(ctx)[0].name == mm.NAME
+    monkeypatch.setattr(mm, "ENABLED", False)
+    chosen, refusals = impls.select(ctx)
+    assert any(n == mm.NAME and "ENABLED" in why for n, why in refusals)
+    assert chosen.name == q4.NAME_GEMV

@@ -139,12 +139,13 @@ def test_every_fast_experts_implementation_is_covered():
     from latency_specialized.plugins import get_registry
 
     from latency_specialized.kernels.moe_experts_fp8_triton import NAME as FP8, NAME_A8 as FP8_A8
+    from latency_specialized.kernels.moe_experts_mma import NAME as MMA, NAME_FP8 as MMA_FP8
     from latency_specialized.kernels.moe_experts_q4_triton import NAME_GEMV, NAME_GROUPED
 
     # the 4-bit and FP8 experts take quantized weights: their per-route mode is tested in
-    # test_moe_experts_q4_gpu.py / test_moe_experts_fp8_gpu.py
+    # test_moe_experts_q4_gpu.py / test_moe_experts_fp8_gpu.py / test_moe_experts_mma_gpu.py
     fast = {i.name for i in get_registry().implementations.family("moe.experts") if not i.is_reference}
-    assert fast - {NAME_GEMV, NAME_GROUPED, FP8, FP8_A8} <= {name for name, _ in EXPERT_IMPLS}, fast
+    assert fast - {NAME_GEMV, NAME_GROUPED, FP8, FP8_A8, MMA, MMA_FP8} <= {name for name, _ in EXPERT_IMPLS}, fast
 
 
 @pytest.mark.parametrize("M", TOKENS)

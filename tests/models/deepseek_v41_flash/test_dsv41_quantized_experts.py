@@ -59,11 +59,11 @@ def test_checkpoint_experts_are_kept_as_stored_and_generate_the_same_tokens(tmp_
 @pytest.mark.parametrize("batch", [1, 8])
 def test_medium_model_runs_its_fp4_experts_on_the_4bit_kernels_in_one_graph(batch, capsys):
     """On a GPU the medium model with FP4 experts: every decode step replayed from a CUDA graph, the experts on the
-    4-bit kernels, the same tokens as eagerly (numerics vs the dequantising reference: the matrix cells and
-    tests/ops/test_moe_experts_q4_gpu.py)."""
+    mma 4-bit kernels, the same tokens as eagerly (numerics vs the dequantising reference: the matrix cells and
+    tests/ops/test_moe_experts_mma_gpu.py)."""
     base = ["generate", "--model", "deepseek_v41_flash", "--size", "medium", "--batch", str(batch), "--max-tokens", "8",
             "--prompt-ids", "1,40,41,42", "--show-plan", "--experts", "native"]
-    generate_in_one_graph(base, "moe.experts.q4_gemv_triton" if batch < 8 else "moe.experts.q4_grouped_triton", capsys)
+    generate_in_one_graph(base, "moe.experts.mma", capsys)  # K 1024, I 256: the mma kernel's 128-wide steps
 
 
 def test_checkpoint_dense_projections_kept_fp8_where_every_part_is(tmp_path, capsys):

@@ -13,6 +13,8 @@ from latency_specialized import hardware, quant
 from latency_specialized.adapter_contract import SpecBoundAdapter
 from latency_specialized.cli import main
 from latency_specialized.errors import UserError
+from latency_specialized.kernels import moe_experts_mma as experts_mma
+from latency_specialized.kernels.compile_cache import cute_available
 from latency_specialized.ops.plan import build_plan
 from latency_specialized.plugins import get_registry
 from latency_specialized.quant import layout
@@ -75,12 +77,18 @@ def test_spec_and_sites_carry_the_kept_format():
     with pytest.raises(UserError, match="scale groups"):  # tiny: 32-wide experts, TP 2 leaves 16
         adapter.spec("tiny").with_expert_format("mxfp4").shard(2)
     reg = get_registry().implementations
-    for batch, want in ((1, "moe.experts.q4_gemv_triton"), (8, "moe.experts.q4_grouped_triton")):
-        plan = build_plan(SpecBoundAdapter(adapter, spec), reg, hardware.for_arch("sm_90"), tp=1, batch=batch,
-                          dtype="bfloat16", variant="medium")
-        experts = [c for c in plan.choices if c.site.name.endswith("moe.experts")]
-        assert experts and all(c.site.ctx.attr("weight_format") == "mxfp4" for c in experts)
-        assert {c.impl.name for c in experts} == {want}
+    # the mma experts where the CuTe DSL is installed (as on the H200), else the Triton 4-bit kernels; and those with
+    # the mma kernel switched off (bench --ab)
+    for mma_on in (True, False):
+        for batch, triton_impl in ((1, "moe.experts.q4_gemv_triton"), (8, "moe.experts.q4_grouped_triton")):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(experts_mma, "ENABLED", mma_on)
+                plan = build_plan(SpecBoundAdapter(adapter, spec), reg, hardware.for_arch("sm_90"), tp=1,
+                                  batch=batch, dtype="bfloat16", variant="medium")
+            experts = [c for c in plan.choices if c.site.name.endswith("moe.experts")]
+            assert experts and all(c.site.ctx.attr("weight_format") == "mxfp4" for c in experts)
+            want = experts_mma.NAME if mma_on and cute_available() is True else triton_impl
+            assert {c.impl.name for c in experts} == {want}
 
 
 def test_checkpoint_experts_are_kept_as_stored_and_generate_the_same_tokens(tmp_path, capsys):
@@ -122,11 +130,10 @@ def test_experts_native_refusals(tmp_path, capsys):
 @pytest.mark.parametrize("batch", [1, 8])
 def test_medium_model_runs_its_mxfp4_experts_on_the_4bit_kernels_in_one_graph(batch, capsys):
     """On a GPU the medium model with MXFP4 experts: every decode step replayed from a CUDA graph, the
-    experts on the 4-bit kernels, the same tokens as eagerly. (The kernels' numerics against the
-    dequantising reference: tests/ops/test_moe_experts_q4_gpu.py; program vs reference: the matrix's
+    experts on the mma 4-bit kernels, the same tokens as eagerly. (The kernels' numerics against the
+    dequantising reference: tests/ops/test_moe_experts_mma_gpu.py; program vs reference: the matrix's
     -mxfp4 cells. A bf16 run of ``--size medium`` is another model - unquantized random weights.)"""
     base = ["generate", "--model", "kimi_k3", "--size", "medium", "--batch", str(batch), "--max-tokens", "8",
             "--prompt-ids", "1,40,41,42", "--show-plan", "--experts", "native"]
-    out = generate_in_one_graph(base, "moe.experts.q4_gemv_triton" if batch < 8 else "moe.experts.q4_grouped_triton",
-                                capsys)
+    out = generate_in_one_graph(base, experts_mma.NAME, capsys)
     assert re.search(r"reference 0 \| unserved 0", out), out[-800:]
