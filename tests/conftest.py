@@ -9,12 +9,16 @@
   share a module-scoped fixture stay on one worker (``xdist_group`` = their file; so do the multi-process GPU
   worlds of ``tests/comm``), the matrix's TP>1 cells
   share one gloo pool per TP (group ``gloo-tpN``), and the interpreter drivers (long child runs) are
-  scheduled first.
+  scheduled first; then the GPU tests that took longest on the H200 (``tests/gpu_durations.json``, from the
+  committed junit files by ``benchmarks/scripts/gpu_durations.py``), longest first, so that no worker starts one
+  near the end of a time-boxed device call.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -59,13 +63,22 @@ def _route_interpreter_tests(config, items) -> None:
         items[:] = [item for item in items if item.get_closest_marker(absent) is None]
 
 
+def _gpu_seconds() -> dict[str, float]:
+    """H200 seconds of the long GPU tests by node id (``tests/gpu_durations.json``; empty where it is missing)."""
+    path = Path(__file__).with_name("gpu_durations.json")
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def _xdist_layout(config, items) -> None:
-    """Interpreter drivers first (the longest single tests); ``xdist_group`` marks (used by
-    ``--dist loadgroup``) for the tests that share a module-scoped fixture (by file) and for the matrix's
-    TP>1 program cells (one gloo pool per TP and group). Order and marks are the same in every worker."""
+    """Interpreter drivers first (the longest single tests), then the long GPU tests, longest first;
+    ``xdist_group`` marks (used by ``--dist loadgroup``) for the tests that share a module-scoped fixture (by file)
+    and for the matrix's TP>1 program cells (one gloo pool per TP and group). Order and marks are the same in every
+    worker."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
-    items.sort(key=lambda item: item.get_closest_marker(DRIVER) is None)  # stable: the rest keep their order
+    seconds = _gpu_seconds()
+    # stable: the rest keep their order
+    items.sort(key=lambda item: (item.get_closest_marker(DRIVER) is None, -seconds.get(item.nodeid, 0.0)))
     for item in items:
         if item.get_closest_marker("xdist_group") is not None:
             continue

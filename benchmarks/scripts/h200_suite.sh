@@ -28,8 +28,10 @@ rm=skipped; ro=skipped
 if [ "$PART" != rest ]; then
   # -v: one PASSED/FAILED line per cell as it ends, so a run the timeout kills still names its failures;
   # MATRIX_K (a -k expression, e.g. "ctx8 or ctx40" / "ctx32768 or ctx131072") splits the cells over calls
+  # --maxschedchunk 1: one cell at a time per worker, so the long cells tests/conftest.py puts first spread over the
+  # workers (xdist's default hands each worker a run of consecutive cells to start with)
   timeout "${SUITE_S:-560}" python3 -m pytest -m gpu "$MATRIX" ${MATRIX_K:+-k "$MATRIX_K"} -n "${MATRIX_WORKERS:-4}" \
-    --dist load -v -rfE -p no:cacheprovider --junitxml="$OUT/junit_matrix.xml" > "$OUT/gpu_suite_matrix.log" 2>&1 &
+    --dist load --maxschedchunk 1 -v -rfE -p no:cacheprovider --junitxml="$OUT/junit_matrix.xml" > "$OUT/gpu_suite_matrix.log" 2>&1 &
   m=$!
 fi
 if [ "$PART" != matrix ]; then

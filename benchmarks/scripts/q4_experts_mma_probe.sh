@@ -5,7 +5,8 @@
 # After `bash .device/cute-a/stash.sh` (carry .device/cute-a), carrying .device/cute-b and .whl (humming):
 #   source scripts/device_env.sh && bash benchmarks/scripts/q4_experts_mma_probe.sh      # results under $OUT/q4mma
 # Env: TEST_S (tests' limit), BENCH_S, BATCH (default 1,4,8,16,64), MMA_VARIANTS (names or all), QUICK=1 (Triton
-# default variants only), TESTS=0 (bench only: the whole suite ran the tests).
+# default variants only), TESTS=0 (bench only: the whole suite ran the tests), LAYER=1 (the layer A/B), PROFILE=1
+# (the layer per kernel).
 set -o pipefail
 R=${OUT:-/tmp/ls_out}/q4mma; mkdir -p "$R"
 export LS_KERNEL_CACHE_DIR=${LS_KERNEL_CACHE_DIR:-/tmp/ls_kcache} CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
@@ -34,4 +35,11 @@ if [ "${LAYER:-0}" = 1 ]; then
     --batch "${LAYER_BATCH:-1,8,64}" --out "$R" --ab mma \
     --ab triton:latency_specialized.kernels.moe_experts_mma.ENABLED=False > "$R/layer_ab.log" 2>&1
   echo "layer A/B rc=$? $(( $(date +%s) - t0 )) s"; tail -30 "$R/layer_ab.log"
+fi
+# per-kernel device time of the Kimi K3 KDA layer with MXFP4 experts, ours and stock (PROFILE=1; the experts' two
+# stages apart in the timeline)
+if [ "${PROFILE:-0}" = 1 ]; then
+  timeout "${PROFILE_S:-240}" python3 benchmarks/scripts/profile_layer.py --kind kda --batches "${PROFILE_BATCH:-1,8}" \
+    --experts mxfp4 --timeline --out "$R/profile_kda_mxfp4.json" > "$R/profile_kda_mxfp4.txt" 2>&1
+  echo "profile rc=$? $(( $(date +%s) - t0 )) s"; grep -E "^=== |MmaExperts" "$R/profile_kda_mxfp4.txt" | head -30
 fi

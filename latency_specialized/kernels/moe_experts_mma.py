@@ -416,8 +416,9 @@ def gate_up_config(chunks: int) -> MmaConfig:
     """``gate_up``'s launch at any batch: ``GATE_UP_WARPS_K`` warps along K (fewer where a warp would get under 2
     chunks), ``GATE_UP_BATCH`` chunks of loads a batch. Chosen on the H200 over :func:`stage_config`'s occupancy rule
     (which drops to one warp along K once the groups alone fill the GPU): faster at every batch measured, 1-64 tokens
-    (``NOTES_q4.md``) - the K split keeps each CTA's 64 bytes x 16 rows short, fewer loads in flight a warp take fewer
-    registers and leave room for more CTAs per SM."""
+    (``NOTES_q4.md``). Why, as read from the offline SASS rather than measured: more warps per group keep more of a
+    group's rows in flight at once, and 2 chunks of loads a batch instead of 4 take fewer registers, leaving room for
+    more CTAs per SM."""
     wk = pow2_at_most(max(1, chunks // 2), GATE_UP_WARPS_K)
     return MmaConfig(nt=1, mt=2, wk=wk, sk=1, cb=max(1, min(GATE_UP_BATCH, -(-chunks // wk))), pdl=False,
                      prefetch=True)
@@ -556,7 +557,8 @@ def experts_mma(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor
         raise UserError(f"{NAME}: needs K, I multiples of 128 and N of 16 with w_gate_up [E, 2I, K], w_down [E, N, I] "
                         f"(x {tuple(x.shape)}, w_gate_up {tuple(w_gate_up.shape)}, w_down {tuple(w_down.shape)})")
     if M > MAX_TOKENS:
-        raise UserError(f"{NAME} serves up to {MAX_TOKENS} tokens (got {M}): use moe.experts.q4_grouped_triton")
+        raise UserError(f"{NAME} serves up to {MAX_TOKENS} tokens (got {M}): use moe.experts.q4_grouped_triton "
+                        "(4-bit weights) or moe.experts.fp8_triton (block FP8)")
     T = M * top_k
     x = x.contiguous()
     flat = ids.reshape(-1).contiguous()

@@ -1,0 +1,44 @@
+"""``tests/gpu_durations.json`` (the long GPU tests, started first by ``tests/conftest.py``): every node id names a
+test function that exists, with its GPU marker, so the file cannot silently go stale; and the ordering puts them first,
+longest first, after the interpreter drivers."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_listed_test_exists_and_is_a_gpu_test():
+    listed = json.loads((ROOT / "tests" / "gpu_durations.json").read_text())
+    assert listed and all(isinstance(v, (int, float)) and v > 0 for v in listed.values())
+    for node in listed:
+        path, name = node.split("::")
+        func = name.split("[")[0]
+        source = (ROOT / path).read_text()
+        tree = ast.parse(source)
+        defs = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        assert func in defs, f"{node}: no such test (renamed? rerun benchmarks/scripts/gpu_durations.py)"
+        assert "gpu" in source and ("cuda" in name or "mark.gpu" in source), node
+
+
+def test_long_gpu_tests_are_ordered_first_longest_first(monkeypatch):
+    import tests.conftest as conftest
+
+    monkeypatch.setattr(conftest, "_gpu_seconds", lambda: {"b::long": 50.0, "c::longer": 90.0})
+
+    class Item(SimpleNamespace):
+        def get_closest_marker(self, name):
+            return self.markers.get(name)
+
+        def add_marker(self, mark):
+            self.markers[mark.name] = mark
+
+    items = [Item(nodeid=n, markers={}, keywords={}) for n in ("a::short", "b::long", "c::longer", "d::driver")]
+    items[3].markers[conftest.DRIVER] = object()  # any marker object: the layout asks only whether there is one
+    config = SimpleNamespace(pluginmanager=SimpleNamespace(hasplugin=lambda name: name == "xdist"))
+    conftest._xdist_layout(config, items)
+    assert [i.nodeid for i in items] == ["d::driver", "c::longer", "b::long", "a::short"]
