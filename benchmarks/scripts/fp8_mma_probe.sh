@@ -6,6 +6,8 @@
 # expert load (benchmarks/scripts/q4_mma_bench.py).
 # After `bash .device/cute-a/stash.sh` (carry .device/cute-a), carrying .device/cute-b and .whl:
 #   source scripts/device_env.sh && bash benchmarks/scripts/fp8_mma_probe.sh        # results under $OUT/fp8mma
+# Env: EXPERTS=1 also times GLM-5.3's block-FP8 experts (benchmarks/scripts/fp8_experts_bench.py:
+# moe.experts.mma_fp8 vs the Triton FP8 experts), Q4=0 skips the MXFP4 kernel.
 set -o pipefail
 R=${OUT:-/tmp/ls_out}/fp8mma; mkdir -p "$R"
 export LS_KERNEL_CACHE_DIR=${LS_KERNEL_CACHE_DIR:-/tmp/ls_kcache} CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
@@ -26,4 +28,10 @@ echo "fp8 gemm rc=$? $(( $(date +%s) - t0 )) s"; grep -h "^| " "$R/ops_gemm_fp8.
 if [ "${Q4:-1}" = 1 ]; then
   timeout "${Q4_S:-120}" python3 benchmarks/scripts/q4_mma_bench.py --out "$R" > "$R/q4_mma.log" 2>&1
   echo "q4 mma rc=$? $(( $(date +%s) - t0 )) s"; grep -h "^| " "$R/q4_mma.md" | head -12
+fi
+# GLM-5.3's block-FP8 experts at TP8: moe.experts.mma_fp8 against the Triton FP8 experts (EXPERTS=1)
+if [ "${EXPERTS:-0}" = 1 ]; then
+  timeout "${EXPERTS_S:-200}" python3 benchmarks/scripts/fp8_experts_bench.py --tp 8 --batch "${EXPERTS_BATCH:-1,8,64}" \
+    --out "$R" > "$R/fp8_experts.log" 2>&1
+  echo "fp8 experts rc=$? $(( $(date +%s) - t0 )) s"; grep -h "^| " "$R/ops_moe_experts_fp8_glm53_tp8.md" | head -20
 fi
