@@ -20,7 +20,7 @@ import time
 import torch
 
 from latency_specialized.bench.ops_bench_moe_kda import Row, routing, twice, write_rows
-from latency_specialized.bench.ops_bench_q4 import reference_selected
+from latency_specialized.bench.ops_bench_q4 import reference_selected, rel_err
 from latency_specialized.quant.checkpoint_io import quantize_weight
 from latency_specialized.quant.formats import QuantFormat
 from latency_specialized.spec import ActivationSpec
@@ -74,7 +74,7 @@ def bench(tp: int, M: int, seed: int, rotations: int = 8, log=print) -> list[Row
         try:
             outs[0].fill_(float("nan"))
             fn(xs[0], routes[0][0], routes[0][1], w13, w2, act, out=outs[0])
-            err = float((outs[0].float() - ref.float()).abs().max() / ref.float().abs().max())
+            err = rel_err(outs[0], ref)
             if not err < 2e-2:  # W8A8's activation rounding stays well inside this; a wrong kernel does not
                 rows.append(Row("moe.experts", case, name, [], 0, nbytes, notes=f"wrong: rel err {err:.3g}"))
                 continue

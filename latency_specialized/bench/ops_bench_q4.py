@@ -89,7 +89,8 @@ def reference_selected(x, weights, ids, w13: QuantizedWeight, w2: QuantizedWeigh
     return experts_reference(x, weights, local, _selected(w13, uniq), _selected(w2, uniq), activation)
 
 
-def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |y - ref| over max |ref| (the bench's check before timing)."""
     return float((y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
 
 
@@ -182,7 +183,7 @@ def _time_q4(name, fn, kernels, tuning, xs, routes, w13, w2, outs, ref, case, nb
         q4.GROUPED_TUNING.update(tuning.get("grouped", {}))
         outs[0].fill_(float("nan"))
         fn(xs[0], routes[0][0], routes[0][1], w13, w2, SITU, out=outs[0])
-        err = _rel_err(outs[0], ref)
+        err = rel_err(outs[0], ref)
         extra: dict[str, Any] = dict(rel_err=round(err, 5), **{k: v for d in tuning.values() for k, v in d.items()})
         if not err < 2e-2:
             return Row("moe.experts", case, name, [], kernels, nbytes, notes=f"wrong: rel err {err:.3g}", extra=extra)
@@ -218,7 +219,7 @@ def _time_bf16(M, xs, routes, w13, w2, outs, ref, case, nbytes, rotations) -> Ro
                 cute_experts(xs[r], w, ids, b13, b2, SITU, out=outs[r], workspace=wss[r])
 
         step(0)
-        err = _rel_err(outs[0], ref)
+        err = rel_err(outs[0], ref)
         row = Row("moe.experts", case, name, twice(step, rotations), 5 if use_triton else 2, nbytes,
                   extra=dict(rel_err=round(err, 5)))
     except Exception as e:  # noqa: BLE001 - reported in the table
@@ -247,7 +248,7 @@ def _time_peer(peer, xs, routes, outs, ref, case, nbytes, rotations) -> Row:
     try:
         ids32 = [ids.to(torch.int32) for _, ids in routes]
         y = peer(xs[0], routes[0][0], ids32[0])
-        err = _rel_err(y, ref)
+        err = rel_err(y, ref)
 
         def step(r):
             peer(xs[r], routes[r][0], ids32[r], out=outs[r])
@@ -280,5 +281,5 @@ def write(rows: list[Row], out_dir: str, stem: str = "ops_moe_experts_q4") -> No
     write_rows(rows, out_dir, stem, to_markdown_q4)
 
 
-__all__ = ["bench_q4_experts", "random_q4_experts", "reference_selected", "write", "GEMV_VARIANTS",
+__all__ = ["bench_q4_experts", "random_q4_experts", "reference_selected", "rel_err", "write", "GEMV_VARIANTS",
            "GROUPED_VARIANTS"]

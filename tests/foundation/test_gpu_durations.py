@@ -12,17 +12,24 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _marks_gpu(node: ast.AST) -> bool:
+    """Whether an expression (a decorator, a ``pytestmark`` value) names ``pytest.mark.gpu``."""
+    return any(isinstance(n, ast.Attribute) and n.attr == "gpu" for n in ast.walk(node))
+
+
 def test_every_listed_test_exists_and_is_a_gpu_test():
     listed = json.loads((ROOT / "tests" / "gpu_durations.json").read_text())
     assert listed and all(isinstance(v, (int, float)) and v > 0 for v in listed.values())
     for node in listed:
         path, name = node.split("::")
         func = name.split("[")[0]
-        source = (ROOT / path).read_text()
-        tree = ast.parse(source)
-        defs = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        tree = ast.parse((ROOT / path).read_text())
+        defs = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
         assert func in defs, f"{node}: no such test (renamed? rerun benchmarks/scripts/gpu_durations.py)"
-        assert "gpu" in source and ("cuda" in name or "mark.gpu" in source), node
+        module_mark = any(isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in n.targets)
+                          and _marks_gpu(n.value) for n in tree.body)
+        # a GPU test: the module's or the function's gpu mark, or a cell of the CUDA axis (the matrix)
+        assert module_mark or any(_marks_gpu(d) for d in defs[func].decorator_list) or name.endswith("-cuda]"), node
 
 
 def test_long_gpu_tests_are_ordered_first_longest_first(monkeypatch):
