@@ -51,8 +51,14 @@ bf16 tensor-core dots.
 ``num_splits`` is chosen on the host from static shapes only (``choose_num_splits``: batch, KV heads,
 block-table capacity or window, SM count): nothing reads ``seq_lens`` on the host, nothing syncs, so
 the call captures into a CUDA graph and replays for any ``seq_lens``/``slot_mapping``/cache contents.
-Workspaces are ``torch.empty`` per call (the graph's pool under capture). No PDL (see
-``mla_decode_triton.PDL`` for why it stays off until tested with an early-triggering producer).
+Workspaces are ``torch.empty`` per call (the graph's pool under capture).
+
+**The merge launched early (``MERGE_PDL``, sm_90+).** The split kernel itself launches as any kernel (its q comes
+from the previous kernel). The merge launches with PDL: each split program lets it launch once it has stored
+its partials (``gdc_launch_dependents`` after its last store), so the merge's programs take only the SM room the
+split kernel's tail leaves, load the sinks and wait (``gdc_wait``) for the split kernel to finish before reading
+a partial; the merge in turn lets the next kernel launch. What it saves is the merge's launch latency behind
+the split kernel (``mla_decode_triton.MERGE_PDL``, the same pattern).
 
 Triton is imported lazily (kernels built on first use, per ``TRITON_INTERPRET`` setting), so this
 module imports on machines without Triton and ``supports()`` names what is missing.
@@ -67,8 +73,8 @@ import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
-from latency_specialized.hardware import sm_count
-from latency_specialized.kernels.triton_common import head_dim_refusal, triton_gpu_refusal
+from latency_specialized.hardware import capability, sm_count
+from latency_specialized.kernels.triton_common import head_dim_refusal, triton_gpu_refusal, triton_has_gdc
 
 NAME = "attention.gqa.triton_splitkv"
 
@@ -93,6 +99,8 @@ MERGE_S_TILE = 64
 NUM_WARPS = 4
 NUM_STAGES = 3
 MERGE_WARPS = 4
+MERGE_PDL = True
+"""The merge launched with PDL behind split programs that trigger it at their end (``late_merge_pdl``)."""
 _STORE_NEW = True
 """Tests only: False leaves the fused write's stores out, which shows that no program reads the new
 token from memory (the interpreter runs programs one after another, so it cannot show a race)."""
@@ -107,9 +115,10 @@ def _kernels(interpret: bool):
     del interpret  # the cache key only
     # defined here, not at import (no triton import on machines without it); Triton resolves the
     # names a kernel uses through its module globals: hence tl as a global
-    global tl
+    global tl, tlc
     import triton
     import triton.language as tl
+    import triton.language.extra.cuda as tlc
 
     @triton.jit
     def split_kernel(q, k_cache, v_cache, k_new, v_new, slots, block_table, seq_lens, sinks, out, lse_out,
@@ -119,7 +128,7 @@ def _kernels(interpret: bool):
                      G: tl.constexpr, D: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr,
                      MIN_CHUNK: tl.constexpr, FUSED_WRITE: tl.constexpr, DIRECT: tl.constexpr,
                      HAS_SINKS: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
-                     STORE_NEW: tl.constexpr, HAS_LSE: tl.constexpr):
+                     STORE_NEW: tl.constexpr, HAS_LSE: tl.constexpr, TRIGGER_END: tl.constexpr):
         # grid (M, KV, num_splits). DOT_F32 (the interpreter only, whose bf16 tl.dot is wrong): the dots'
         # operands, rounded to the cache dtype as on the GPU, are widened to fp32 for an IEEE dot.
         # Masks from comparisons only (the interpreter mishandles & of a vector and a scalar mask): a
@@ -213,14 +222,21 @@ def _kernels(interpret: bool):
             tl.store(ws_l + base + offs_g, l_i)
             a_ok = offs_g < tl.where(start < end, G, 0)
             tl.store(ws_acc + (base + offs_g[:, None]) * D + offs_d[None, :], acc, mask=a_ok[:, None])
+        if TRIGGER_END:  # the merge (launched with PDL) may start once every program got here
+            tlc.gdc_launch_dependents()
 
     @triton.jit
     def merge_kernel(ws_acc, ws_m, ws_l, sinks, out, lse_out, num_splits, s_wb, s_wh, s_ws, s_ob, s_oh, s_lb,
                      G: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr, S_TILE: tl.constexpr,
-                     HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr):
+                     HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, PDL: tl.constexpr):
         # grid (M, Hq): head h of row b from the splits of its KV head's programs
         b = tl.program_id(0)
         h = tl.program_id(1)
+        if HAS_SINKS:  # a weight: read before the wait (PDL)
+            snk = tl.load(sinks + h).to(tl.float32) * 1.4426950408889634
+        if PDL:  # the partials come from the split kernel
+            tlc.gdc_wait()
+            tlc.gdc_launch_dependents()
         kh = h // G
         g = h % G
         base = b * s_wb + kh * s_wh + g
@@ -234,7 +250,6 @@ def _kernels(interpret: bool):
         m_max = tl.where(any_used, m_max, 0.0)
         denom = tl.sum(tl.where(used, tl.exp2(m_s - m_max) * l_s, 0.0), 0)
         if HAS_SINKS:
-            snk = tl.load(sinks + h).to(tl.float32) * 1.4426950408889634
             m_t = tl.maximum(m_max, snk)
             denom = denom * tl.exp2(m_max - m_t) + tl.exp2(snk - m_t)
             m_max = m_t
@@ -316,6 +331,15 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def late_merge_pdl(device: torch.device, num_splits: int) -> bool:
+    """Whether the merge launches with PDL, triggered by the split programs at their end: ``MERGE_PDL``, a merge
+    at all (more than one split), compiled (not the interpreter), an sm_90+ GPU, a Triton with grid dependency
+    control."""
+    if not MERGE_PDL or num_splits <= 1 or _interpreting() or device.type != "cuda":
+        return False
+    return capability(device)[0] >= 9 and triton_has_gdc()
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -434,6 +458,7 @@ def gqa_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     prec = "ieee" if k_cache.dtype == torch.float32 or dot_f32 else "tf32"
     direct = num_splits == 1
     bg = block_g(G)
+    late = late_merge_pdl(q.device, num_splits)
     lse_t, s_lb = (lse, lse.stride(0)) if lse is not None else (y, 0)   # unused pointer without lse (constexpr)
     if direct:
         ws_acc = ws_m = ws_l = y   # unused (constexpr branch)
@@ -450,13 +475,13 @@ def gqa_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         bt.stride(0), y.stride(0), y.stride(1), s_lb, *sw,
         G=G, D=D, BG=bg, BN=block_n(D, k_cache.element_size()), MIN_CHUNK=MIN_CHUNK, FUSED_WRITE=fused,
         DIRECT=direct, HAS_SINKS=sinks is not None, PREC=prec, DOT_F32=dot_f32, STORE_NEW=_STORE_NEW,
-        HAS_LSE=lse is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        HAS_LSE=lse is not None, TRIGGER_END=late, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if not direct:
         s_pad = _next_pow2(num_splits)
         kernels["merge"][(M, Hq)](
             ws_acc, ws_m, ws_l, sk, y, lse_t, num_splits, *sw, y.stride(0), y.stride(1), s_lb,
             G=G, D=D, S_PAD=s_pad, S_TILE=min(MERGE_S_TILE, s_pad), HAS_SINKS=sinks is not None,
-            HAS_LSE=lse is not None, num_warps=MERGE_WARPS)
+            HAS_LSE=lse is not None, PDL=late, num_warps=MERGE_WARPS, **({"launch_pdl": True} if late else {}))
     return y
 
 

@@ -3,6 +3,7 @@ Triton installed, an activation dtype it handles. Each kernel then checks its ow
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 
@@ -69,5 +70,18 @@ def head_dim_refusal(D: int, lo: int, hi: int) -> str | None:
     return None
 
 
+@functools.cache
+def triton_has_gdc() -> bool:
+    """Triton's grid dependency control (``tl.extra.cuda.gdc_wait`` / ``gdc_launch_dependents``) and its
+    ``launch_pdl`` launch option (Triton >= 3.3): what programmatic dependent launch needs."""
+    try:
+        import triton.language.extra.cuda as tlc
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return (hasattr(tlc, "gdc_wait") and hasattr(tlc, "gdc_launch_dependents")
+            and "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}))
+
+
 __all__ = ["DTYPES", "arch_number", "head_dim_refusal", "quantized_experts_refusal", "quantized_weight_refusal",
-           "triton_gpu_refusal"]
+           "triton_gpu_refusal", "triton_has_gdc"]

@@ -402,3 +402,52 @@ def test_host_code_never_reads_device_values():
             if isinstance(a, ast.Name) and a.id in tensors:
                 bad.append(f"{f.id}({a.id}) at line {node.lineno}")
     assert not bad, bad
+
+
+def test_merge_pdl_only_behind_a_split_kernel_on_sm90(gk, monkeypatch):
+    """The merge launches with PDL (the split programs trigger it at their end) only where there is a merge,
+    compiled, on sm_90+ with Triton's grid dependency control, and ``MERGE_PDL`` on."""
+    monkeypatch.setattr(gk, "_interpreting", lambda: False)
+    monkeypatch.setattr(gk, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(gk, "triton_has_gdc", lambda: True)
+    gpu = torch.device("cuda", 0)
+    assert gk.late_merge_pdl(gpu, 16) and not gk.late_merge_pdl(gpu, 1)
+    assert not gk.late_merge_pdl(torch.device("cpu"), 16)
+    monkeypatch.setattr(gk, "capability", lambda device: (8, 0))
+    assert not gk.late_merge_pdl(gpu, 16)                         # griddepcontrol needs sm_90
+    monkeypatch.setattr(gk, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(gk, "triton_has_gdc", lambda: False)
+    assert not gk.late_merge_pdl(gpu, 16)
+    monkeypatch.setattr(gk, "triton_has_gdc", lambda: True)
+    monkeypatch.setattr(gk, "MERGE_PDL", False)
+    assert not gk.late_merge_pdl(gpu, 16)
+    monkeypatch.setattr(gk, "_interpreting", lambda: True)
+    monkeypatch.setattr(gk, "MERGE_PDL", True)
+    assert not gk.late_merge_pdl(gpu, 16)
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_pdl_launches_compile_for_hopper(gk, monkeypatch, late):
+    """With the merge launched early, the split kernel triggers it after its stores and the merge launches with
+    ``launch_pdl`` and waits; every launch (sinks, LSE, window; bf16 Muse Spark TP8 widths) builds for sm_90 on
+    the CPU (``tests/triton_offline.py``: recorded, not run). Without it, neither."""
+    import os
+
+    from tests.triton_offline import compile_for_hopper, recorded_launches
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("compiles only where triton was imported without the interpreter")
+    monkeypatch.setattr(gk, "late_merge_pdl", lambda device, num_splits: late and num_splits > 1)
+    M, Hq, KV, D, bs, d = 3, 16, 2, 64, 16, torch.bfloat16
+    kc, vc = torch.zeros(8, bs, KV, D, dtype=d), torch.zeros(8, bs, KV, D, dtype=d)
+    q, k, v = torch.randn(M, Hq, D).to(d), torch.randn(M, KV, D).to(d), torch.randn(M, KV, D).to(d)
+    table = torch.arange(6, dtype=torch.int32).view(M, 2)
+    lens, slots = torch.tensor([5, 20, 0], dtype=torch.int32), torch.tensor([4, 35, -1])
+    with recorded_launches() as launches:
+        gk.gqa_decode_triton(q, kc, vc, table, lens, k=k, v=v, slot_mapping=slots, sinks=torch.zeros(Hq),
+                             lse=torch.empty(M, Hq), window=8, num_splits=4)
+    by_name = {fn.fn.__name__: kw for fn, _, kw in launches}
+    assert set(by_name) == {"split_kernel", "merge_kernel"}
+    assert by_name["split_kernel"]["TRIGGER_END"] is late and by_name["merge_kernel"]["PDL"] is late
+    assert by_name["merge_kernel"].get("launch_pdl", False) is late and "launch_pdl" not in by_name["split_kernel"]
+    assert compile_for_hopper(launches) == {}
