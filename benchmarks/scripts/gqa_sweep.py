@@ -1,6 +1,9 @@
 """Sweep the GQA split-KV kernel's launch constants on the GPU (H200): median us per call of each variant at
 the cells that matter (tests/ops/test_gqa_triton_gpu.py's timing method: CUDA graphs, inputs rotated past the
-L2, median of groups). Writes one JSON row per (variant, cell) to argv[1]."""
+L2, median of groups). Writes one JSON row per (variant, cell) to argv[1].
+
+argv[2] picks the sweep: ``tiles`` (session 19's: waves, stages, warps, tile bytes; the default) or ``merge`` (the
+merge's launch and shape: ``MERGE_PDL``, ``EARLY_TRIGGER``, ``MERGE_D_BLOCK``, the first variant the baseline)."""
 
 from __future__ import annotations
 
@@ -11,17 +14,26 @@ import sys
 import latency_specialized.kernels.gqa_decode_triton as gk
 from tests.ops.test_gqa_triton_gpu import MUSE_TP8, _time_cell
 
-CELLS = [(8, 32768, None), (64, 32768, None), (1, 32768, None), (1, 4096, None), (8, 32768, 2048)]
-VARIANTS = {"WAVES": (2, 8), "NUM_STAGES": (2, 3, 4), "NUM_WARPS": (4, 8), "TILE_BYTES": (8192, 16384)}
+SWEEPS = {
+    "tiles": dict(cells=[(8, 32768, None), (64, 32768, None), (1, 32768, None), (1, 4096, None), (8, 32768, 2048)],
+                  variants={"WAVES": (2, 8), "NUM_STAGES": (2, 3, 4), "NUM_WARPS": (4, 8),
+                            "TILE_BYTES": (8192, 16384)}),
+    "merge": dict(cells=[(8, 32768, None), (16, 32768, None), (64, 32768, None), (1, 32768, None), (1, 131072, None),
+                         (1, 4096, None), (8, 32768, 2048)],
+                  variants={"MERGE_PDL": (False, True), "EARLY_TRIGGER": (False, True), "MERGE_D_BLOCK": (0, 16)}),
+}
 
 
-def main(out: str) -> None:
+def main(out: str, sweep: str = "tiles") -> None:
+    cells, variants = SWEEPS[sweep]["cells"], SWEEPS[sweep]["variants"]
     rows = []
-    keys = list(VARIANTS)
-    for combo in itertools.product(*VARIANTS.values()):
+    keys = list(variants)
+    for combo in itertools.product(*variants.values()):
+        if sweep == "merge" and combo[1] and not combo[0]:
+            continue   # the early trigger only means something with the merge launched by PDL
         for k, v in zip(keys, combo):
             setattr(gk, k, v)
-        for batch, ctx, window in CELLS:
+        for batch, ctx, window in cells:
             r = _time_cell(MUSE_TP8, batch, ctx, window, groups=7)
             row = dict(zip(keys, combo), batch=batch, context=ctx, window=window or 0, us=r["us"],
                        roofline=r["roofline"], splits=gk.choose_num_splits(batch, 2, gk.span(ctx, window), 132))
@@ -32,4 +44,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

@@ -101,6 +101,14 @@ NUM_STAGES = 3
 MERGE_WARPS = 4
 MERGE_PDL = True
 """The merge launched with PDL behind split programs that trigger it at their end (``late_merge_pdl``)."""
+EARLY_TRIGGER = False
+"""With ``MERGE_PDL``: the split programs trigger the merge's launch as they start instead of after their stores,
+so its programs are resident and waiting when the last split ends. Safe either way (the merge's ``gdc_wait``
+waits for the whole split grid); off until the H200 A/B (``gqa_sweep.py``) says it pays."""
+MERGE_D_BLOCK = 0
+"""Head-dim columns per merge program (0: the whole head): grid (M, Hq, D / MERGE_D_BLOCK), each program reading
+``MERGE_S_TILE x D / MERGE_D_BLOCK`` splits a step, so a merge over many splits (batch 1: 132) takes fewer
+dependent rounds of L2 reads on more SMs. Off until the H200 A/B says it pays."""
 _STORE_NEW = True
 """Tests only: False leaves the fused write's stores out, which shows that no program reads the new
 token from memory (the interpreter runs programs one after another, so it cannot show a race)."""
@@ -128,7 +136,8 @@ def _kernels(interpret: bool):
                      G: tl.constexpr, D: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr,
                      MIN_CHUNK: tl.constexpr, FUSED_WRITE: tl.constexpr, DIRECT: tl.constexpr,
                      HAS_SINKS: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
-                     STORE_NEW: tl.constexpr, HAS_LSE: tl.constexpr, TRIGGER_END: tl.constexpr):
+                     STORE_NEW: tl.constexpr, HAS_LSE: tl.constexpr, TRIGGER_START: tl.constexpr,
+                     TRIGGER_END: tl.constexpr):
         # grid (M, KV, num_splits). DOT_F32 (the interpreter only, whose bf16 tl.dot is wrong): the dots'
         # operands, rounded to the cache dtype as on the GPU, are widened to fp32 for an IEEE dot.
         # Masks from comparisons only (the interpreter mishandles & of a vector and a scalar mask): a
@@ -136,6 +145,8 @@ def _kernels(interpret: bool):
         b = tl.program_id(0)
         kh = tl.program_id(1)
         sp = tl.program_id(2)
+        if TRIGGER_START:  # the merge (launched with PDL) may launch once every program has started
+            tlc.gdc_launch_dependents()
         offs_g = tl.arange(0, BG)
         g_ok = offs_g < G
         offs_d = tl.arange(0, D)
@@ -227,11 +238,12 @@ def _kernels(interpret: bool):
 
     @triton.jit
     def merge_kernel(ws_acc, ws_m, ws_l, sinks, out, lse_out, num_splits, s_wb, s_wh, s_ws, s_ob, s_oh, s_lb,
-                     G: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr, S_TILE: tl.constexpr,
-                     HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, PDL: tl.constexpr):
-        # grid (M, Hq): head h of row b from the splits of its KV head's programs
+                     G: tl.constexpr, D: tl.constexpr, DB: tl.constexpr, S_PAD: tl.constexpr,
+                     S_TILE: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, PDL: tl.constexpr):
+        # grid (M, Hq, D / DB): columns [d0, d0 + DB) of head h of row b from the splits of its KV head's programs
         b = tl.program_id(0)
         h = tl.program_id(1)
+        d0 = tl.program_id(2) * DB
         if HAS_SINKS:  # a weight: read before the wait (PDL)
             snk = tl.load(sinks + h).to(tl.float32) * 1.4426950408889634
         if PDL:  # the partials come from the split kernel
@@ -254,8 +266,8 @@ def _kernels(interpret: bool):
             denom = denom * tl.exp2(m_max - m_t) + tl.exp2(snk - m_t)
             m_max = m_t
         inv = tl.where(any_used, 1.0 / tl.where(denom > 0, denom, 1.0), 0.0)
-        offs_d = tl.arange(0, D)
-        acc = tl.zeros([D], dtype=tl.float32)
+        offs_d = d0 + tl.arange(0, DB)
+        acc = tl.zeros([DB], dtype=tl.float32)
         for s0 in range(0, num_splits, S_TILE):   # splits in order: deterministic
             offs_t = s0 + tl.arange(0, S_TILE)
             t_ok = offs_t < num_splits
@@ -268,8 +280,9 @@ def _kernels(interpret: bool):
             acc += tl.sum(w_t[:, None] * part, 0)
         tl.store(out + b * s_ob + h * s_oh + offs_d, (acc * inv).to(out.dtype.element_ty))
         if HAS_LSE:  # natural log of the denominator (sink included); no position and no sink: -inf
-            lse2 = tl.where(denom > 0, m_max + tl.log2(tl.where(denom > 0, denom, 1.0)), float("-inf"))
-            tl.store(lse_out + b * s_lb + h, lse2 * 0.6931471805599453)
+            if d0 == 0:
+                lse2 = tl.where(denom > 0, m_max + tl.log2(tl.where(denom > 0, denom, 1.0)), float("-inf"))
+                tl.store(lse_out + b * s_lb + h, lse2 * 0.6931471805599453)
 
     @triton.jit
     def write_kernel(k_cache, v_cache, k_new, v_new, slots, block_size, s_cb, s_cs, s_ch,
@@ -331,6 +344,13 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def merge_d_block(head_dim: int) -> int:
+    """Head-dim columns per merge program: ``MERGE_D_BLOCK`` where it is a power of two below ``head_dim``,
+    else the whole head."""
+    db = MERGE_D_BLOCK
+    return db if 0 < db < head_dim and db & (db - 1) == 0 else head_dim
 
 
 def late_merge_pdl(device: torch.device, num_splits: int) -> bool:
@@ -475,12 +495,14 @@ def gqa_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         bt.stride(0), y.stride(0), y.stride(1), s_lb, *sw,
         G=G, D=D, BG=bg, BN=block_n(D, k_cache.element_size()), MIN_CHUNK=MIN_CHUNK, FUSED_WRITE=fused,
         DIRECT=direct, HAS_SINKS=sinks is not None, PREC=prec, DOT_F32=dot_f32, STORE_NEW=_STORE_NEW,
-        HAS_LSE=lse is not None, TRIGGER_END=late, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        HAS_LSE=lse is not None, TRIGGER_START=late and EARLY_TRIGGER, TRIGGER_END=late and not EARLY_TRIGGER,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if not direct:
         s_pad = _next_pow2(num_splits)
-        kernels["merge"][(M, Hq)](
+        db = merge_d_block(D)
+        kernels["merge"][(M, Hq, D // db)](
             ws_acc, ws_m, ws_l, sk, y, lse_t, num_splits, *sw, y.stride(0), y.stride(1), s_lb,
-            G=G, D=D, S_PAD=s_pad, S_TILE=min(MERGE_S_TILE, s_pad), HAS_SINKS=sinks is not None,
+            G=G, D=D, DB=db, S_PAD=s_pad, S_TILE=min(MERGE_S_TILE * (D // db), s_pad), HAS_SINKS=sinks is not None,
             HAS_LSE=lse is not None, PDL=late, num_warps=MERGE_WARPS, **({"launch_pdl": True} if late else {}))
     return y
 

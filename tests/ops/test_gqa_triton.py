@@ -41,7 +41,7 @@ GARBAGE = 2 ** 30
 
 @pytest.mark.interpreter_driver
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=37)
+    run_interpreted(__file__, min_passed=39)
 
 
 @pytest.fixture
@@ -307,6 +307,19 @@ def test_many_splits_past_every_chunk(gk, monkeypatch):
     _check(gk, args, kw, num_splits=11)
 
 
+@interpreted
+@pytest.mark.parametrize("d_block", [4, 8])
+def test_merge_in_column_blocks(gk, monkeypatch, d_block):
+    """The merge split over head-dim columns (``MERGE_D_BLOCK``: grid (M, Hq, D / block), each program its columns
+    of every split, ``MERGE_S_TILE x D / block`` splits a step): the same output, every column written."""
+    _small_tiles(gk, monkeypatch)
+    monkeypatch.setattr(gk, "MERGE_D_BLOCK", d_block)
+    monkeypatch.setattr(gk, "MERGE_S_TILE", 1)
+    assert gk.merge_d_block(16) == d_block and gk.merge_d_block(d_block) == d_block
+    args, kw = _case(1301 + d_block, [70, 3, 0, 41], sinks=True)
+    _check(gk, args, kw, num_splits=7)
+
+
 # ----------------------------------------------------------------------------------- no interpreter needed
 def test_num_splits_rule_is_static():
     from latency_specialized.kernels.gqa_decode_triton import MAX_SPLITS, MIN_CHUNK, choose_num_splits, span
@@ -426,11 +439,19 @@ def test_merge_pdl_only_behind_a_split_kernel_on_sm90(gk, monkeypatch):
     assert not gk.late_merge_pdl(gpu, 16)
 
 
-@pytest.mark.parametrize("late", [False, True])
-def test_pdl_launches_compile_for_hopper(gk, monkeypatch, late):
-    """With the merge launched early, the split kernel triggers it after its stores and the merge launches with
-    ``launch_pdl`` and waits; every launch (sinks, LSE, window; bf16 Muse Spark TP8 widths) builds for sm_90 on
-    the CPU (``tests/triton_offline.py``: recorded, not run). Without it, neither."""
+def test_merge_d_block_rule(gk, monkeypatch):
+    """``MERGE_D_BLOCK`` applies where it is a power of two below the head dim; anything else merges whole heads."""
+    for block, want in ((0, 64), (16, 16), (64, 64), (128, 64), (24, 64)):
+        monkeypatch.setattr(gk, "MERGE_D_BLOCK", block)
+        assert gk.merge_d_block(64) == want, block
+
+
+@pytest.mark.parametrize("late,early", [(False, False), (True, False), (True, True)], ids=["off", "end", "start"])
+def test_pdl_launches_compile_for_hopper(gk, monkeypatch, late, early):
+    """With the merge launched early, the split kernel triggers it after its stores (or, ``EARLY_TRIGGER``, as it
+    starts) and the merge launches with ``launch_pdl`` and waits; every launch (sinks, LSE, window; bf16 Muse Spark
+    TP8 widths; the start-trigger case with the merge in 16-column blocks) builds for sm_90 on the CPU
+    (``tests/triton_offline.py``: recorded, not run). Without it, neither."""
     import os
 
     from tests.triton_offline import compile_for_hopper, recorded_launches
@@ -438,6 +459,8 @@ def test_pdl_launches_compile_for_hopper(gk, monkeypatch, late):
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         pytest.skip("compiles only where triton was imported without the interpreter")
     monkeypatch.setattr(gk, "late_merge_pdl", lambda device, num_splits: late and num_splits > 1)
+    monkeypatch.setattr(gk, "EARLY_TRIGGER", early)
+    monkeypatch.setattr(gk, "MERGE_D_BLOCK", 16 if early else 0)
     M, Hq, KV, D, bs, d = 3, 16, 2, 64, 16, torch.bfloat16
     kc, vc = torch.zeros(8, bs, KV, D, dtype=d), torch.zeros(8, bs, KV, D, dtype=d)
     q, k, v = torch.randn(M, Hq, D).to(d), torch.randn(M, KV, D).to(d), torch.randn(M, KV, D).to(d)
@@ -448,6 +471,7 @@ def test_pdl_launches_compile_for_hopper(gk, monkeypatch, late):
                              lse=torch.empty(M, Hq), window=8, num_splits=4)
     by_name = {fn.fn.__name__: kw for fn, _, kw in launches}
     assert set(by_name) == {"split_kernel", "merge_kernel"}
-    assert by_name["split_kernel"]["TRIGGER_END"] is late and by_name["merge_kernel"]["PDL"] is late
+    assert by_name["split_kernel"]["TRIGGER_END"] is (late and not early) and by_name["merge_kernel"]["PDL"] is late
+    assert by_name["split_kernel"]["TRIGGER_START"] is early and by_name["merge_kernel"]["DB"] == (16 if early else 64)
     assert by_name["merge_kernel"].get("launch_pdl", False) is late and "launch_pdl" not in by_name["split_kernel"]
     assert compile_for_hopper(launches) == {}

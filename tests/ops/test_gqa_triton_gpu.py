@@ -129,6 +129,46 @@ def test_forced_splits(splits, window):
     _check(args, kw, num_splits=splits)
 
 
+@pytest.mark.parametrize("pdl,early,d_block", [(False, False, 0), (True, True, 0), (True, False, 16),
+                                               (True, True, 16)], ids=["nopdl", "early", "d16", "early-d16"])
+@pytest.mark.parametrize("splits", [2, 16, 132])
+def test_merge_variants(monkeypatch, pdl, early, d_block, splits):
+    """The merge's launch variants the A/B times (``gqa_sweep.py merge``): without PDL, triggered as the split
+    programs start (``EARLY_TRIGGER``), in 16-column blocks (``MERGE_D_BLOCK``): the output against the reference;
+    the lse against the one-split call's (no merge: the split kernel normalises); a CUDA graph replay behind
+    the eager call bit-identical to it."""
+    monkeypatch.setattr(gk, "MERGE_PDL", pdl)
+    monkeypatch.setattr(gk, "EARLY_TRIGGER", early)
+    monkeypatch.setattr(gk, "MERGE_D_BLOCK", d_block)
+    lens = [0, 4000, 129, 64, 65, 1, 3000, 2049]
+    args, kw = _case(f"merge-{pdl}-{early}-{d_block}-{splits}", lens, bs=16, **MUSE_TP8)
+    _check(args, kw, num_splits=splits)
+    q, kc, vc, blocks, seq_lens = args
+    M, Hq = len(lens), MUSE_TP8["Hq"]
+    lse_direct, lse = (torch.full((M, Hq), float("nan"), device=DEV) for _ in range(2))
+    gk.gqa_decode_triton(q, kc.clone(), vc.clone(), blocks, seq_lens, num_splits=1, lse=lse_direct, **kw)
+    caches = (kc.clone(), vc.clone())
+    eager = gk.gqa_decode_triton(q, *caches, blocks, seq_lens, num_splits=splits, lse=lse, **kw)
+    torch.cuda.synchronize()
+    fin = torch.isfinite(lse_direct)
+    assert torch.equal(fin, torch.isfinite(lse)) and torch.isneginf(lse[0]).all()
+    torch.testing.assert_close(lse[fin], lse_direct[fin], rtol=1e-5, atol=1e-5)
+    out = torch.full_like(eager, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        gk.gqa_decode_triton(q, *caches, blocks, seq_lens, num_splits=splits, out=out, **kw)   # warm-up
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        gk.gqa_decode_triton(q, *caches, blocks, seq_lens, num_splits=splits, out=out, **kw)
+    out.fill_(float("nan"))
+    torch.cuda._sleep(1_000_000)   # a busy predecessor: the early-launched merge must still wait for the splits
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
 @pytest.mark.parametrize("D", [16, 32, 64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 def test_head_dims_and_dtypes(D, dtype):
