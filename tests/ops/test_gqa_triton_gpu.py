@@ -275,7 +275,10 @@ ROTATE_BYTES = 150e6
 """Input sets rotate until their KV bytes exceed 2.5 x the 60 MB L2 (PERF.md): HBM, not cache."""
 
 
-def _time_cell(shape, batch, context, window, *, bs=16, groups=11):
+def graph_cell(shape, batch, context, window, *, bs=16):
+    """A CUDA graph of the call over ``sets`` input sets rotated past the L2 (distinct caches, tables, q): what
+    ``_time_cell`` times and ``benchmarks/scripts/gqa_profile.py`` profiles. Returns (graph, sets, KV bytes a call,
+    block-table width in blocks, the tensors the graph reads)."""
     Hq, KV, D = shape["Hq"], shape["KV"], shape["D"]
     read = min(context, window) if window else context
     cell_bytes = gk.kv_bytes(batch, read, KV, D)
@@ -310,6 +313,12 @@ def _time_cell(shape, batch, context, window, *, bs=16, groups=11):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         call_all()
+    return graph, sets, cell_bytes, per, (kv, inputs)
+
+
+def _time_cell(shape, batch, context, window, *, bs=16, groups=11):
+    KV = shape["KV"]
+    graph, sets, cell_bytes, per, held = graph_cell(shape, batch, context, window, bs=bs)
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
@@ -326,7 +335,7 @@ def _time_cell(shape, batch, context, window, *, bs=16, groups=11):
     splits = gk.choose_num_splits(batch, KV, gk.span(per * bs, window), sms)
     us = statistics.median(per_call)
     floor = cell_bytes / 4.3e12 * 1e6
-    del graph, inputs, kv
+    del graph, held
     torch.cuda.empty_cache()
     return dict(us=us, runs_us=per_call, floor_us=floor, roofline=floor / us, bytes=cell_bytes, sets=sets,
                 num_splits=splits, kernels=1 if splits == 1 else 2)

@@ -1,0 +1,68 @@
+"""Where a GQA decode call's time goes on the GPU (H200): the split and merge kernels' device time per call under the
+torch profiler (CUPTI sees every kernel node of a graph replay), beside the call's wall time from CUDA events - the
+rest is launch gaps between the graph's nodes. Cells: Muse Spark TP8 full attention at the bars' contexts; variants:
+the module's defaults, then each ``NAME=VALUE`` of argv[2:] in turn, applied on top of those before it.
+
+    python benchmarks/scripts/gqa_profile.py $OUT/gqa_profile.json MERGE_PDL=False MERGE_D_BLOCK=16
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+
+import torch
+
+import latency_specialized.kernels.gqa_decode_triton as gk
+from tests.ops.test_gqa_triton_gpu import MUSE_TP8, graph_cell
+
+CELLS = [(1, 4096), (1, 32768), (1, 131072), (8, 32768), (64, 32768)]
+REPLAYS = 5
+
+
+def profile_cell(batch: int, context: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    graph, sets, cell_bytes, _, held = graph_cell(MUSE_TP8, batch, context, None)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        e0.record()
+        for _ in range(REPLAYS):
+            graph.replay()
+        e1.record()
+        torch.cuda.synchronize()
+    calls = REPLAYS * sets
+    kernels: dict[str, float] = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            name = "split" if "split_kernel" in ev.name else "merge" if "merge_kernel" in ev.name else ev.name[:40]
+            kernels[name] += ev.device_time_total / calls
+    del graph, held
+    torch.cuda.empty_cache()
+    wall = e0.elapsed_time(e1) * 1e3 / calls
+    floor = cell_bytes / 4.3e12 * 1e6
+    return dict(batch=batch, context=context, wall_us=round(wall, 2), floor_us=round(floor, 2),
+                roofline=round(floor / wall, 3), **{f"{k}_us": round(v, 2) for k, v in kernels.items()},
+                gaps_us=round(wall - sum(kernels.values()), 2))
+
+
+def main(out: str, *overrides: str) -> None:
+    rows = []
+    for variant in ("defaults", *overrides):
+        if variant != "defaults":
+            name, value = variant.split("=")
+            setattr(gk, name, {"True": True, "False": False}.get(value, value if not value.isdigit() else int(value)))
+        for batch, context in CELLS:
+            row = dict(variant=variant, **profile_cell(batch, context))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    with open(out, "w") as f:
+        json.dump(rows, f, indent=0)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
