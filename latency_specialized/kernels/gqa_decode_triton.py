@@ -20,8 +20,9 @@ One call, one new token per sequence (``M`` rows, ``Hq`` query heads, ``KV`` key
    dtype** for the tensor-core dot. With one split it normalises (sinks in the denominator) and
    writes ``out``; otherwise ``(acc, m, l)`` go to an fp32 workspace (empty splits store ``m = -inf,
    l = 0``);
-2. **merge kernel**, grid ``(M, Hq)`` (only with more than one split): log-sum-exp weights over the
-   splits, the sink in the denominator, **the one rounding** into ``out``. Rows without a position
+2. **merge kernel**, grid ``(M, Hq, D / MERGE_D_BLOCK)`` (only with more than one split): log-sum-exp weights
+   over the splits, the sink in the denominator, **the one rounding** into ``out``, each program its block of
+   head-dim columns. Rows without a position
    (``seq_lens == 0``) give exact zeros.
 
 **The log-sum-exp (optional, ``lse=``).** Both kernels already hold each row's running max and
@@ -104,11 +105,12 @@ MERGE_PDL = True
 EARLY_TRIGGER = False
 """With ``MERGE_PDL``: the split programs trigger the merge's launch as they start instead of after their stores,
 so its programs are resident and waiting when the last split ends. Safe either way (the merge's ``gdc_wait``
-waits for the whole split grid); off until the H200 A/B (``gqa_sweep.py``) says it pays."""
-MERGE_D_BLOCK = 0
+waits for the whole split grid); off: session 36's A/B (NOTES_gqa.md) was faster with it at batch 1, slower at
+batch 8 with a window - not yet decided."""
+MERGE_D_BLOCK = 16
 """Head-dim columns per merge program (0: the whole head): grid (M, Hq, D / MERGE_D_BLOCK), each program reading
 ``MERGE_S_TILE x D / MERGE_D_BLOCK`` splits a step, so a merge over many splits (batch 1: 132) takes fewer
-dependent rounds of L2 reads on more SMs. Off until the H200 A/B says it pays."""
+dependent rounds of L2 reads on more SMs (NOTES_gqa.md, session 36: faster at batch 1, even from batch 8)."""
 _STORE_NEW = True
 """Tests only: False leaves the fused write's stores out, which shows that no program reads the new
 token from memory (the interpreter runs programs one after another, so it cannot show a race)."""

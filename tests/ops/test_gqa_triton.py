@@ -440,7 +440,9 @@ def test_merge_pdl_only_behind_a_split_kernel_on_sm90(gk, monkeypatch):
 
 
 def test_merge_d_block_rule(gk, monkeypatch):
-    """``MERGE_D_BLOCK`` applies where it is a power of two below the head dim; anything else merges whole heads."""
+    """``MERGE_D_BLOCK`` applies where it is a power of two below the head dim; anything else merges whole heads.
+    The default (16: session 36's A/B, NOTES_gqa.md) splits a 64-wide head in four and leaves a 16-wide one whole."""
+    assert gk.MERGE_D_BLOCK == 16 and gk.merge_d_block(64) == 16 and gk.merge_d_block(16) == 16
     for block, want in ((0, 64), (16, 16), (64, 64), (128, 64), (24, 64)):
         monkeypatch.setattr(gk, "MERGE_D_BLOCK", block)
         assert gk.merge_d_block(64) == want, block
