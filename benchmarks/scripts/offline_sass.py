@@ -1,6 +1,6 @@
 """Offline sm_90a SASS of the MXFP4 mma kernels (no GPU): instruction mix, registers and an issue-bound time.
 
-    python benchmarks/scripts/offline_sass.py [--out DIR]
+    python benchmarks/scripts/offline_sass.py [--out DIR] [--paired]
 
 Compiles the kernels' PTX with the ptxas Triton ships (PTX ``.version`` lowered to 8.4, which that ptxas reads;
 the instructions are the same), disassembles with its nvdisasm, and reports per kernel: SASS instructions per
@@ -30,6 +30,7 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default=None)
+    p.add_argument("--paired", action="store_true", help="the codes in the paired-nibble layout")
     a = p.parse_args()
     K, I, N, k, E = 3584, 384, 3584, 16, 896
     fmt = QuantFormat.get("mxfp4")
@@ -40,10 +41,10 @@ def main() -> None:
         live = M * k if not aligned else int(distinct * 1.02)  # aligned: blocks ~ distinct experts (+ runs > 8)
         down = "down" if aligned else "down_sum"
         for st, cfg, ctas, part in (
-                (mm.ExpertsStage("gate_up", K, 2 * I, k, aligned, act="situ_glu", beta=4, beta_lin=25), c13,
-                 (I // 16) * live, "gate_up"),
-                (mm.ExpertsStage(down, I, N, k, aligned), c2, (N // (16 * c2.mt)) * (M if not aligned else live),
-                 "down")):
+                (mm.ExpertsStage("gate_up", K, 2 * I, k, aligned, act="situ_glu", beta=4, beta_lin=25,
+                                 paired=a.paired), c13, (I // 16) * live, "gate_up"),
+                (mm.ExpertsStage(down, I, N, k, aligned, paired=a.paired), c2,
+                 (N // (16 * c2.mt)) * (M if not aligned else live), "down")):
             sass = sass_of(ptx_of(mm.compile_stage(st, cfg)))
             ops, regs = sass.ops, sass.regs
             per_thread = sum(ops.values())
@@ -63,7 +64,8 @@ def main() -> None:
             print("    " + ", ".join(f"{o}:{c}" for o, c in ops.most_common(14)))
     if a.out:
         os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "offline_sass_q4_experts.json"), "w") as f:
+        name = "offline_sass_q4_experts_paired.json" if a.paired else "offline_sass_q4_experts.json"
+        with open(os.path.join(a.out, name), "w") as f:
             json.dump(rows, f, indent=1)
 
 

@@ -54,9 +54,12 @@ MMA_VARIANTS: dict[str, dict[str, Any]] = {
     "dnmt1": dict(down=dict(mt=1)),
     "route": dict(aligned=False),
     "aligned": dict(aligned=True),
+    "paired": dict(paired=True),
 }
 """Variants of the mma experts: fields replaced in the heuristic's (gate_up, down) ``MmaConfig`` and the group mode
-(default: ``moe_experts_mma.MIN_TOKENS_ALIGNED``). "down" is ``down_sum`` at route groups (warps = routes at once)."""
+(default: ``moe_experts_mma.MIN_TOKENS_ALIGNED``). "down" is ``down_sum`` at route groups (warps = routes at once).
+"paired": the weights rearranged once into the paired-nibble layout (``quant.layout.paired_nibbles``: ~15% fewer
+instructions in the offline SASS), the default configs."""
 
 
 def random_q4_experts(E: int, N: int, K: int, fmt: str, g: torch.Generator, dev: str = "cuda") -> QuantizedWeight:
@@ -161,10 +164,19 @@ def _mma_plan(vname: str, v: dict, M: int, k: int, E: int, K: int, I: int, N: in
     aligned mode), gate_up, down, route sum."""
     from latency_specialized.kernels import moe_experts_mma as mm
 
-    c13, c2, aligned = mma_variant_configs(v, M, k, E, K, I, N)
+    from latency_specialized.quant.layout import paired_nibbles
 
-    def fn(*args, **kw):
-        return mm.experts_mma(*args, configs=(c13, c2), aligned=aligned, **kw)
+    c13, c2, aligned = mma_variant_configs(v, M, k, E, K, I, N)
+    paired: dict = {}   # (id of w13, id of w2) -> their paired forms: rearranged once, outside the timed steps
+
+    def fn(x, weights, ids, w13, w2, activation, **kw):
+        if v.get("paired"):
+            key = (id(w13), id(w2))
+            if key not in paired:
+                paired.clear()
+                paired[key] = (paired_nibbles(w13), paired_nibbles(w2))
+            w13, w2 = paired[key]
+        return mm.experts_mma(x, weights, ids, w13, w2, activation, configs=(c13, c2), aligned=aligned, **kw)
 
     return (f"mma[{vname}]", fn, 3 + aligned, {"mma": dict(gate_up=c13.label(), down=c2.label(), aligned=aligned)})
 

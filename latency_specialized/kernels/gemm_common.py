@@ -353,6 +353,26 @@ def ptx() -> SimpleNamespace:
             "=r,=r,=r,=r,r,r", has_side_effects=False, asm_dialect=0)
         return [Int32(llvm.extractvalue(i32t(), st, [i])) for i in range(4)]
 
+    def e2m1x8_paired_to_bf16x2(word, mult) -> list:
+        """:func:`e2m1x8_to_bf16x2` for codes stored in the paired-nibble layout (``quant.layout.pair_nibbles``):
+        the same four bf16x2 pairs of values (0, 4), (1, 5), (2, 6), (3, 7), from a word whose halves hold their
+        four codes with the bits where the decode wants them - value 0's sign at bit 15 and magnitude at 8-6, value
+        1's three and value 2's six places lower (one shift and one mask a pair, the mask of value 0's pair), value
+        3's in the four bits left (14, 13, 11, 10: three shifts). 11 integer instructions a word instead of ~16."""
+        st = llvm.inline_asm(
+            struct(4, i32t()), [_v(word, Int32), _v(mult, Int32)],
+            "{\n .reg .b32 a, b, c, d, t, u;\n"
+            " and.b32 a, $4, 0x81C081C0;\n"
+            " mul.lo.u32 b, $4, 8;\n and.b32 b, b, 0x81C081C0;\n"
+            " mul.lo.u32 c, $4, 64;\n and.b32 c, c, 0x81C081C0;\n"
+            " mul.lo.u32 d, $4, 2;\n and.b32 d, d, 0x80008000;\n"
+            " shr.b32 t, $4, 5;\n and.b32 t, t, 0x01000100;\n"
+            " shr.b32 u, $4, 4;\n and.b32 u, u, 0x00C000C0;\n or.b32 d, d, t;\n or.b32 d, d, u;\n"
+            " mul.rn.bf16x2 $0, a, $5;\n mul.rn.bf16x2 $1, b, $5;\n mul.rn.bf16x2 $2, c, $5;\n"
+            " mul.rn.bf16x2 $3, d, $5;\n}",
+            "=r,=r,=r,=r,r,r", has_side_effects=False, asm_dialect=0)
+        return [Int32(llvm.extractvalue(i32t(), st, [i])) for i in range(4)]
+
     def e4m3_scale_to_bf16x2(byte) -> Int32:
         """An e4m3 scale byte (NVFP4's per-16 scale) -> bf16x2 holding its value x 2^62 in both halves: the e2m1
         decode's multiplier (its 2^126, less the 2^64 that the kernels put back with the fp32 global scale: with the

@@ -27,15 +27,18 @@ MIN_UE8M0, MAX_UE8M0 = 2, 128
 MAX_M = 64
 CODING = QuantCoding(ue8m0=True, block=(1, 32), element="e2m1")
 
-def mxfp4_parts(w: QuantizedWeight, what: str = NAME, stacked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def mxfp4_parts(w: QuantizedWeight, what: str = NAME, stacked: bool = False,
+                paired: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed codes [N, K/2] uint8, scales [N, K/32] uint8) of an MXFP4 matrix - ``stacked``: of experts, [E, N, K/2]
     and [E, N, K/32]; its scale bytes are range-checked once per weight (eagerly: call once before a graph
-    capture)."""
+    capture). ``paired``: the codes in the paired layout (``<fmt>/pairs``, ``quant.layout.paired_nibbles``), which
+    a caller decoding the checkpoint packing never takes."""
     from latency_specialized.quant.codecs import as_bytes
 
-    if not isinstance(w, QuantizedWeight) or w.fmt.name not in FORMATS or w.weight.dim() != 2 + stacked:
+    names = tuple(f + "/pairs" for f in FORMATS) if paired else FORMATS
+    if not isinstance(w, QuantizedWeight) or w.fmt.name not in names or w.weight.dim() != 2 + stacked:
         shape = "[E, N, K]" if stacked else "[N, K]"
-        raise UserError(f"{what}: takes one {shape} QuantizedWeight in {' / '.join(FORMATS)} (got "
+        raise UserError(f"{what}: takes one {shape} QuantizedWeight in {' / '.join(names)} (got "
                         f"{getattr(getattr(w, 'fmt', None), 'name', type(w).__name__)})")
     q, s = as_bytes(w.weight), as_bytes(w.scale)
 

@@ -374,7 +374,7 @@ def compile_mma(k: int, cfg: MmaConfig, residual: bool, out_fp32: bool = False, 
     # operand (a dummy for bf16 weights)
     key = (k, residual, "strided_out", "s") + (("out_fp32",) if out_fp32 else ()) + tuple(sorted(asdict(cfg).items()))
     if coding is not None:
-        key += (("coding", coding.element, coding.ue8m0, coding.block),)
+        key += (("coding", coding.element, coding.ue8m0, coding.block) + (("paired",) if coding.paired else ()),)
     return compile_cache.cached_compile("gemm.cutedsl_mma", key, build)
 
 

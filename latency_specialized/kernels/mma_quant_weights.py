@@ -41,6 +41,9 @@ class QuantCoding:
     ue8m0: bool
     block: tuple[int, int]
     element: str = "e4m3"
+    paired: bool = False
+    """e2m1 only: the codes are in the paired-nibble layout (``quant.layout.pair_nibbles``), decoded with fewer
+    instructions (``ptx.e2m1x8_paired_to_bf16x2``)."""
 
     @property
     def nvfp4(self) -> bool:
@@ -69,6 +72,8 @@ class QuantCoding:
         rows, cols = self.block
         if self.element not in ("e4m3", "e2m1"):
             return f"element {self.element!r} (e4m3 or e2m1)"
+        if self.paired and self.element != "e2m1":
+            return "the paired-nibble layout is for e2m1 codes"
         if self.nvfp4:
             return None if k % self.chunk == 0 and self.block == (1, 16) else (
                 f"NVFP4 (e2m1 codes, e4m3 scales) takes block (1, 16) and K % {self.chunk} == 0 (got {self.block}, "
@@ -143,8 +148,9 @@ def chunk_mma(P: Any, coding: QuantCoding, acc: list, lo: list, hi: list, xb: li
         def mult(m, i):
             return m[i // 2] if coding.nvfp4 else m
 
-        dl = [p for i in range(4) for p in _pairs2(P.e2m1x8_to_bf16x2(lo[i], mult(m_lo, i)))]
-        dh = [p for i in range(4) for p in _pairs2(P.e2m1x8_to_bf16x2(hi[i], mult(m_hi, i)))]
+        dec4 = P.e2m1x8_paired_to_bf16x2 if coding.paired else P.e2m1x8_to_bf16x2
+        dl = [p for i in range(4) for p in _pairs2(dec4(lo[i], mult(m_lo, i)))]
+        dh = [p for i in range(4) for p in _pairs2(dec4(hi[i], mult(m_hi, i)))]
     else:
         dec = P.e4m3x4_to_bf16x2_split if split_pairs else P.e4m3x4_to_bf16x2
         dl = [dec(lo[i], m_lo) for i in range(4)]

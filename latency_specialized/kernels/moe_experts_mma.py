@@ -36,7 +36,7 @@ loads (which go through the coherent path, ``MmaConfig.prefetch``, so that ptxas
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -56,10 +56,11 @@ registration stays below ``moe.experts.fp8_triton`` until it is."""
 ENABLED = True
 """A/B switch: ``bench --ab triton:latency_specialized.kernels.moe_experts_mma.ENABLED=False`` runs the layers on the
 Triton experts kernels this one outranks."""
-FORMATS = ("mxfp4", "mxfp4-deepseek", "nvfp4", "fp8-block-128")
-FORMATS_Q4 = ("mxfp4", "mxfp4-deepseek", "nvfp4")
-"""``weight_format`` values served: the 4-bit ones and GLM-5.3's block FP8 (also its "/rows" layout: one scale
-row per weight row, where a joined gate | up put a 128-row block across the seam)."""
+FORMATS_Q4 = ("mxfp4", "mxfp4-deepseek", "nvfp4", "mxfp4/pairs", "mxfp4-deepseek/pairs", "nvfp4/pairs")
+FORMATS = (*FORMATS_Q4, "fp8-block-128")
+"""``weight_format`` values served: the 4-bit ones (as checkpoints pack them, or in the paired layout:
+``quant.layout.paired_nibbles``) and GLM-5.3's block FP8 (also its "/rows" layout: one scale row per weight row,
+where a joined gate | up put a 128-row block across the seam)."""
 NVFP4_CODING = QuantCoding(ue8m0=False, block=(1, 16), element="e2m1")
 """NVFP4 in the mma decode: e4m3 scale per 16 values (two per lane load), the fp32 global scale on the sums."""
 COLS = 8
@@ -101,6 +102,8 @@ class ExpertsStage:
     """"mxfp4" (ue8m0 per 32), "nvfp4" (e4m3 per 16 and an fp32 global scale per expert) or "fp8" (e4m3 codes,
     fp32 block scales of ``fp8_block``)."""
     fp8_block: tuple[int, int] = (128, 128)
+    paired: bool = False
+    """4-bit codes in the paired-nibble layout (``quant.layout.pair_nibbles``)."""
 
     @property
     def nvfp4(self) -> bool:
@@ -110,7 +113,7 @@ class ExpertsStage:
     def coding(self) -> QuantCoding:
         if self.weights == "fp8":
             return QuantCoding(ue8m0=False, block=self.fp8_block)
-        return NVFP4_CODING if self.nvfp4 else CODING
+        return replace(NVFP4_CODING if self.nvfp4 else CODING, paired=self.paired)
 
     @property
     def out_width(self) -> int:
@@ -464,13 +467,14 @@ def expert_parts(w: QuantizedWeight, what: str) -> tuple[torch.Tensor, torch.Ten
         raise UserError(f"{what}: takes experts stacked as a [E, rows, K] QuantizedWeight (got "
                         f"{type(w).__name__}{'' if not isinstance(w, QuantizedWeight) else tuple(w.weight.shape)})")
     E, rows = w.weight.shape[:2]
+    paired = w.fmt.packing == "paired"
     if w.fmt.name.split("/")[0] == "fp8-block-128":
         q, s, coding = fp8_parts(w, what, stacked=True)
         return (q.reshape(E * rows, -1), s.reshape(-1, s.shape[-1]), None, E, rows,
                 dict(weights="fp8", fp8_block=tuple(coding.block)))
-    if w.fmt.name != "nvfp4":
-        q, s = mxfp4_parts(w, what, stacked=True)
-        return q.view(E * rows, -1), s.view(E * rows, -1), None, E, rows, dict(weights="mxfp4")
+    if w.fmt.name.removesuffix("/pairs") != "nvfp4":
+        q, s = mxfp4_parts(w, what, stacked=True, paired=paired)
+        return q.view(E * rows, -1), s.view(E * rows, -1), None, E, rows, dict(weights="mxfp4", paired=paired)
     q, s = as_bytes(w.weight).contiguous(), as_bytes(w.scale).contiguous()
     gs = w.global_scale
     if gs is None or gs.numel() != E:
@@ -486,7 +490,7 @@ def expert_parts(w: QuantizedWeight, what: str) -> tuple[torch.Tensor, torch.Ten
             raise UserError(f"{what} ({w.name}): a non-finite global scale: requantize the checkpoint")
 
     check_once(w.weight, (NAME, s.data_ptr()), check)
-    return q.view(E * rows, -1), s.view(E * rows, -1), gs, E, rows, dict(weights="nvfp4")
+    return q.view(E * rows, -1), s.view(E * rows, -1), gs, E, rows, dict(weights="nvfp4", paired=paired)
 
 
 _dummies: dict = {}
@@ -545,7 +549,7 @@ def experts_mma(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor
 
     q13, s13, g13, E, two_i, fmt13 = expert_parts(w_gate_up, NAME)
     q2, s2, g2, E2, N, fmt2 = expert_parts(w_down, NAME)
-    if fmt13["weights"] != fmt2["weights"]:
+    if (fmt13["weights"], fmt13.get("paired")) != (fmt2["weights"], fmt2.get("paired")):
         raise UserError(f"{NAME}: w_gate_up is {w_gate_up.fmt.name} but w_down is {w_down.fmt.name}")
     M, K = x.shape
     I = two_i // 2

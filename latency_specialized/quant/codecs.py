@@ -249,10 +249,57 @@ def fp8_block_quantize(w: torch.Tensor, block: tuple[int, int] = (128, 128), *,
 
 
 # ------------------------------------------------------------------------------------------------ by format
+PAIRED_SLOTS = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (14, 13, 11, 10))
+"""The paired layout: where value j (j = 0..3) of a 16-bit half puts its code's bits (sign, e1, e0, m). Value 0's
+bits sit where a bf16 wants an e2m1 value x 2^-126 (sign 15, magnitude 8-6: one mask), values 1 and 2 three and six
+places lower (a shift and that mask), value 3 in the four bits left (three shifts): ``ptx.e2m1x8_paired_to_bf16x2``.
+Both halves of a 32-bit word alike, so value j and j + 4 decode together as one bf16x2 pair."""
+
+
+def _rearrange_words(codes: torch.Tensor, moves) -> torch.Tensor:
+    """``codes`` (one-byte tensor, rows of whole 32-bit words) with each word's bits moved by ``moves`` ((from, to)
+    bit pairs), in slices of ~4M words (int64 temporaries: an expert stack is gigabytes); same shape and dtype."""
+    b = as_bytes(codes)
+    if b.shape[-1] % 4:
+        raise UserError(f"packed e2m1 codes of {b.shape[-1]} bytes a row: the paired layout rearranges whole 32-bit "
+                        "words (8 values), so rows need a multiple of 4 bytes")
+    flat = b.contiguous().view(-1, 4)
+    out = torch.empty_like(flat)
+    step = 1 << 22
+    for lo in range(0, flat.shape[0], step):
+        w = flat[lo:lo + step].to(torch.int64)
+        w = w[:, 0] | (w[:, 1] << 8) | (w[:, 2] << 16) | (w[:, 3] << 24)
+        r = torch.zeros_like(w)
+        for src, dst in moves:
+            r |= ((w >> src) & 1) << dst
+        out[lo:lo + step] = torch.stack([(r >> (8 * i)) & 0xFF for i in range(4)], dim=-1).to(torch.uint8)
+    return out.view(b.shape).view(codes.dtype)
+
+
+def _paired_moves() -> list[tuple[int, int]]:
+    """(checkpoint bit, paired bit) of every bit of a word: value j of half h, code bit (sign, e1, e0, m)."""
+    return [(h + 4 * j + bit, h + pos) for h in (0, 16) for j, slots in enumerate(PAIRED_SLOTS)
+            for bit, pos in zip((3, 2, 1, 0), slots)]
+
+
+def pair_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Packed e2m1 codes (``[..., K/2]`` bytes, low nibble first) rearranged within each 32-bit word into the paired
+    layout (``PAIRED_SLOTS``); same shape and dtype. A bijection: :func:`unpair_codes` undoes it."""
+    return _rearrange_words(codes, _paired_moves())
+
+
+def unpair_codes(codes: torch.Tensor) -> torch.Tensor:
+    """The checkpoint's packing (low nibble first) of codes in the paired layout: the inverse of :func:`pair_codes`."""
+    return _rearrange_words(codes, [(dst, src) for src, dst in _paired_moves()])
+
+
 def dequantize(fmt: QuantFormat | str, weight: torch.Tensor, scale: torch.Tensor,
                global_scale: torch.Tensor | None = None, *, name: str = "weight") -> torch.Tensor:
-    """The fp32 ``[..., N, K]`` of one stored weight of ``fmt`` (tensors as stored, any one-byte dtype)."""
+    """The fp32 ``[..., N, K]`` of one stored weight of ``fmt`` (tensors as stored, any one-byte dtype; e2m1 codes in
+    either packing)."""
     f = QuantFormat.get(fmt)
+    if f.packing == "paired":
+        weight = unpair_codes(weight)
     if f.element == "e2m1" and f.scale == "ue8m0":
         return mxfp4_dequantize(weight, scale, block=f.block[1], name=f"{name} ({f.suffix('scale')})")
     if f.element == "e2m1" and f.scale == "e4m3":
@@ -294,4 +341,4 @@ __all__ = ["E2M1", "E2M1_VALUES", "E2M1_MAX", "E4M3_MAX", "UE8M0_BIAS", "UE8M0_N
            "as_bytes", "unpack_e2m1", "pack_e2m1", "e2m1_decode", "e2m1_encode", "ue8m0_decode", "ue8m0_encode",
            "e4m3_decode", "fp32_scale_decode", "mxfp4_dequantize", "mxfp4_quantize", "nvfp4_global_scale",
            "nvfp4_dequantize", "nvfp4_quantize", "fp8_block_dequantize", "fp8_block_quantize", "dequantize",
-           "quantize"]
+           "quantize", "PAIRED_SLOTS", "pair_codes", "unpair_codes"]

@@ -57,6 +57,10 @@ class QuantFormat:
     """Which models' official checkpoints use it (and for which weights)."""
     source: str
     """Where the layout was checked."""
+    packing: Literal["low-first", "paired"] = "low-first"
+    """e2m1 codes within each 32-bit word: as the checkpoints store them (value n of the word's 8 in bits 4n..4n+3),
+    or rearranged for the mma kernels' decode (``quant.codecs.pair_codes``; the derived ``<name>/pairs`` formats of
+    ``quant.layout.paired_nibbles``)."""
 
     # ------------------------------------------------------------------------------------------- derived
     @property

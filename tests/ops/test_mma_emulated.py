@@ -98,6 +98,39 @@ def test_mxfp4_mma_reads_every_code_back_exactly_under_edge_scales_in_the_emulat
     assert torch.equal(got, q.dequantize())
 
 
+def test_paired_decode_reads_every_code_back_exactly_in_the_emulator(monkeypatch):
+    """The paired-nibble decode (``ptx.e2m1x8_paired_to_bf16x2``, ``QuantCoding(paired=True)``) on codes rearranged by
+    ``quant.codecs.pair_codes``: every e2m1 code in every slot of a word (both halves), under ue8m0 ``MIN_UE8M0`` /
+    100 / 127 / ``MAX_UE8M0``; one-hot tokens read the weight back equal to the original packing's dequantised values.
+    The checkpoint packing's decode on the same rearranged bytes reads other values (the test can fail)."""
+    from dataclasses import replace
+
+    from latency_specialized.kernels import gemm_q4_mma as q4m
+    from latency_specialized.kernels.gemm_small_m import quantized_config, run_quantized_mma
+    from latency_specialized.quant.checkpoint_io import QuantizedWeight
+    from latency_specialized.quant.codecs import pair_codes
+    from latency_specialized.quant.formats import QuantFormat
+
+    emulate_mma(monkeypatch)
+    N, K = 16, 128
+    i = torch.arange(N * K, dtype=torch.int64)
+    nib = ((i + i // 8) % 16).to(torch.uint8).view(N, K)
+    packed = (nib[:, 0::2] | (nib[:, 1::2] << 4)).contiguous()
+    sc = torch.tensor([q4m.MIN_UE8M0, 100, 127, q4m.MAX_UE8M0], dtype=torch.uint8)
+    scale = sc.repeat_interleave(N // 4).view(N, 1).expand(N, K // 32).contiguous()
+    want = QuantizedWeight(QuantFormat.get("mxfp4"), (N, K), packed, scale, name="paired.weight").dequantize()
+    paired = pair_codes(packed)
+    eye = torch.eye(K, dtype=torch.bfloat16)
+    cfg = quantized_config(N, K // q4m.CODING.chunk, 64)
+
+    def read(coding):
+        return torch.cat([run_quantized_mma("paired-test", eye[j:j + 64], paired, scale, coding, None, None,
+                                            torch.float32, cfg, 64).t() for j in (0, 64)], dim=1)
+
+    assert torch.equal(read(replace(q4m.CODING, paired=True)), want)
+    assert not torch.equal(read(q4m.CODING), want)
+
+
 def test_nvfp4_coding_reads_every_code_back_exactly_under_edge_e4m3_scales_in_the_emulator(monkeypatch):
     """NVFP4 in the mma kernel (``QuantCoding(ue8m0=False, block=(1, 16), element="e2m1")``: two e4m3 scales per
     lane load folded into the decode's multiplier): every code in every nibble position under the e4m3 scale bytes

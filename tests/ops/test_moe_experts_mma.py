@@ -33,11 +33,16 @@ TOL = 1.0 / 64
 gate / up value across a bf16 rounding boundary."""
 
 
-def _case(seed: int, M: int, *, E=6, k=2, K=128, I=128, N=48, same=False, fmt="mxfp4", ids_dtype=torch.int32):
+def _case(seed: int, M: int, *, E=6, k=2, K=128, I=128, N=48, same=False, fmt="mxfp4", ids_dtype=torch.int32,
+          paired=False):
+    from latency_specialized.quant.layout import paired_nibbles
+
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(M, K, generator=g).bfloat16()
     w13 = quantize_weight("experts.w13", torch.randn(E, 2 * I, K, generator=g) * K ** -0.5, fmt)
     w2 = quantize_weight("experts.w2", torch.randn(E, N, I, generator=g) * I ** -0.5, fmt)
+    if paired:  # the codes rearranged for the decode (quant.layout.paired_nibbles): the same values
+        w13, w2 = paired_nibbles(w13), paired_nibbles(w2)
     logits = torch.randn(1 if same else M, E, generator=g)
     ids = logits.topk(k, dim=-1).indices.expand(M, k).contiguous().to(ids_dtype)
     w = torch.rand(M, k, generator=g) + 0.05
@@ -61,6 +66,8 @@ CASES = {  # label: (M, case kwargs, activation, configs or None)
     "b16-aligned-fp8": (16, dict(k=2, N=128, fmt="fp8-block-128"), SITU, None),
     "b17-aligned-same-pdl": (17, dict(same=True, K=256), SWIGLU, (MmaConfig(nt=1, mt=2, wk=2, cb=2, pdl=True),
                                                               MmaConfig(nt=1, mt=1, wk=1, cb=1, pdl=True))),
+    "b1-situ-paired": (1, dict(paired=True, K=256), SITU, None),
+    "b16-aligned-nvfp4-paired-swiglu": (16, dict(k=3, N=32, fmt="nvfp4", paired=True), SWIGLU, None),
 }
 
 
@@ -80,7 +87,7 @@ def test_mma_experts_match_the_reference_in_the_emulator(monkeypatch, label):
     y = mm.experts_mma(x, w, ids, w13, w2, act, configs=configs)
     assert _rel(y, ref) <= TOL, _rel(y, ref)
     st, cfg, groups, _ = EmulatedExpertsStage.launches[-1]
-    assert st.aligned == (M >= mm.MIN_TOKENS_ALIGNED)
+    assert st.aligned == (M >= mm.MIN_TOKENS_ALIGNED) and st.coding.paired == kw.get("paired", False)
     # route groups: the combined output from down_sum (a CTA per token and row tile), no route-sum kernel
     assert (st.stage, groups) == (("down", groups) if st.aligned else ("down_sum", M))
 
@@ -202,6 +209,23 @@ def test_bench_variants_make_configs_the_wrapper_takes():
             c13, c2, aligned = b.mma_variant_configs(v, M, 16, 896, 3584, 384, 3584)
             assert aligned == v.get("aligned", M >= mm.MIN_TOKENS_ALIGNED)
             assert c13.mt == 2 and c13.nt == c2.nt == 1 and max(c13.smem_bytes(), c2.smem_bytes()) <= SMEM_LIMIT
+
+
+def test_bench_paired_variant_rearranges_the_weights_once(monkeypatch):
+    """The bench's "paired" variant hands the wrapper the paired-nibble forms of the weights (``<fmt>/pairs``),
+    rearranged on its first call only; the other variants the weights as given."""
+    from latency_specialized.bench import ops_bench_q4 as b
+
+    seen = []
+    monkeypatch.setattr(mm, "experts_mma", lambda x, w, ids, w13, w2, act, **kw: seen.append((w13, w2)))
+    x, w, ids, w13, w2 = _case(7, 1)
+    paired_fn = b._mma_plan("paired", b.MMA_VARIANTS["paired"], 1, 2, 6, 128, 128, 48)[1]
+    for _ in range(2):
+        paired_fn(x, w, ids, w13, w2, SITU)
+    b._mma_plan("default", b.MMA_VARIANTS["default"], 1, 2, 6, 128, 128, 48)[1](x, w, ids, w13, w2, SITU)
+    assert [p13.fmt.name for p13, _ in seen] == ["mxfp4/pairs", "mxfp4/pairs", "mxfp4"]
+    assert seen[0][0] is seen[1][0] and seen[0][1].fmt.name == "mxfp4/pairs" and seen[2][0] is w13
+    assert torch.equal(seen[0][0].dequantize(), w13.dequantize())
 
 
 def test_ab_switch_hands_the_sites_back_to_the_triton_kernels(monkeypatch):

@@ -1,0 +1,83 @@
+"""The paired-nibble layout (``quant.codecs.pair_codes``, ``quant.layout.paired_nibbles``): e2m1 codes rearranged
+within each 32-bit word for the mma kernels' decode. A bijection on every word; the same values through
+``dequantize``; the derived ``<fmt>/pairs`` formats refused by every kernel that reads the checkpoint packing and
+served by the mma experts; cuts and stacks keep it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from latency_specialized.errors import UserError
+from latency_specialized.quant import codecs as qc
+from latency_specialized.quant import layout
+from latency_specialized.quant.checkpoint_io import quantize_weight
+
+
+def _word_bytes(word: int) -> torch.Tensor:
+    return torch.tensor([[(word >> (8 * i)) & 0xFF for i in range(4)]], dtype=torch.uint8)
+
+
+def _word(b: torch.Tensor) -> int:
+    return sum(int(b[0, i]) << (8 * i) for i in range(4))
+
+
+def test_every_code_lands_in_its_slot():
+    """Value j of each half (nibble j, low nibble first) -> its ``PAIRED_SLOTS`` bits (sign, e1, e0, m), by hand:
+    a word holding one code at one position at a time."""
+    for h in (0, 1):
+        for j, slots in enumerate(qc.PAIRED_SLOTS):
+            for code in range(16):
+                got = _word(qc.pair_codes(_word_bytes(code << (16 * h + 4 * j))))
+                want = sum(((code >> bit) & 1) << (16 * h + pos) for bit, pos in zip((3, 2, 1, 0), slots))
+                assert got == want, (h, j, code)
+    assert sorted(p for s in qc.PAIRED_SLOTS for p in s) == list(range(16))   # the four slots fill a half
+
+
+def test_a_bijection_on_random_bytes_and_dtypes(gen):
+    b = torch.randint(0, 256, (3, 5, 64), generator=gen, dtype=torch.uint8)
+    p = qc.pair_codes(b)
+    assert p.shape == b.shape and p.dtype == b.dtype and not torch.equal(p, b)
+    assert torch.equal(qc.unpair_codes(p), b)
+    for dt in (torch.int8, torch.float4_e2m1fn_x2):
+        assert p.view(torch.uint8).equal(qc.pair_codes(b.view(dt)).view(torch.uint8))
+    with pytest.raises(UserError, match="multiple of 4 bytes"):
+        qc.pair_codes(torch.zeros(2, 6, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp4-deepseek", "nvfp4"])
+def test_same_values_and_layout_ops(gen, fmt):
+    w = quantize_weight("experts.w13", torch.randn(3, 32, 128, generator=gen), fmt)
+    p = layout.paired_nibbles(w)
+    assert p.fmt.name == f"{fmt}/pairs" and p.fmt.packing == "paired" and p.scale is w.scale
+    assert torch.equal(p.dequantize(), w.dequantize())
+    # cuts along K on scale blocks, expert slices and stacks move whole words: still the same values
+    assert torch.equal(layout.narrow(p, 2, 32, 64).dequantize(), w.dequantize()[..., 32:96])
+    assert torch.equal(layout.narrow(p, 0, 1, 2).dequantize(), w.dequantize()[1:3])
+    one = layout.paired_nibbles(quantize_weight("experts.0.w1", torch.randn(32, 128, generator=gen), fmt))
+    two = layout.stack([one, one], "experts.w1")
+    assert two.fmt.name == p.fmt.name and torch.equal(two.dequantize()[1], one.dequantize())
+    with pytest.raises(UserError, match="not that"):
+        layout.paired_nibbles(p)
+
+
+def test_refused_where_not_an_e2m1_checkpoint_packing(gen):
+    w = quantize_weight("w", torch.randn(128, 128, generator=gen), "fp8-block-128")
+    with pytest.raises(UserError, match="not that"):
+        layout.paired_nibbles(w)
+
+
+def test_kernels_of_the_checkpoint_packing_refuse_it_and_the_mma_experts_serve_it(gen):
+    """By name: the MXFP4 mma gemm's and the Triton 4-bit experts' weight checks refuse ``/pairs``; the mma experts'
+    formats list it (a plan with paired weights gets them or the reference, never a kernel reading other bits)."""
+    from latency_specialized.kernels import gemm_q4_mma, moe_experts_mma, moe_experts_q4_triton
+
+    p = layout.paired_nibbles(quantize_weight("w", torch.randn(3, 32, 128, generator=gen), "mxfp4"))
+    with pytest.raises(UserError, match="mxfp4/pairs"):
+        gemm_q4_mma.mxfp4_parts(p, stacked=True)
+    q, _ = gemm_q4_mma.mxfp4_parts(p, stacked=True, paired=True)
+    assert torch.equal(q, p.weight)
+    assert "mxfp4/pairs" not in moe_experts_q4_triton.FORMATS
+    assert {"mxfp4/pairs", "mxfp4-deepseek/pairs", "nvfp4/pairs"} <= set(moe_experts_mma.FORMATS_Q4)
+    *_, fields = moe_experts_mma.expert_parts(p, "test")
+    assert fields == dict(weights="mxfp4", paired=True)
