@@ -37,8 +37,12 @@ fi
 if [ "$PART" != matrix ]; then
   # -v here too: session 35's run hit the limit with 4 failures and an error the -q log could not name;
   # REST_PATHS (default: all of tests/) splits the rest over calls, e.g. "tests/ops" then "tests/models tests/comm ..."
+  # WORKERS default: 8 on the H200's 139 GB; fewer on a smaller card (session 36: 12 workers on an 80 GB H100 ran out
+  # of memory in 70 tests) - one worker per 12 GiB, at most 8
+  WORKERS=${WORKERS:-$(python3 -c "import torch; print(max(2, min(8, torch.cuda.get_device_properties(0).total_memory \
+    // (12 * 2 ** 30))))")}
   # shellcheck disable=SC2086
-  timeout "${SUITE_S:-560}" python3 -m pytest -m gpu ${REST_PATHS:-tests} --ignore="$MATRIX" -n "${WORKERS:-8}" \
+  timeout "${SUITE_S:-560}" python3 -m pytest -m gpu ${REST_PATHS:-tests} --ignore="$MATRIX" -n "$WORKERS" \
     --dist "${REST_DIST:-loadgroup}" -v -rfE -p no:cacheprovider --junitxml="$OUT/junit.xml" \
     > "$OUT/gpu_suite.log" 2>&1 &
   o=$!
