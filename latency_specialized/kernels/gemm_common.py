@@ -354,7 +354,7 @@ def ptx() -> SimpleNamespace:
         return [Int32(llvm.extractvalue(i32t(), st, [i])) for i in range(4)]
 
     def e2m1x8_paired_to_bf16x2(word, mult) -> list:
-        """:func:`e2m1x8_to_bf16x2` for codes stored in the paired-nibble layout (``quant.layout.pair_nibbles``):
+        """:func:`e2m1x8_to_bf16x2` for codes stored in the paired-nibble layout (``quant.layout.paired_nibbles``):
         the same four bf16x2 pairs of values (0, 4), (1, 5), (2, 6), (3, 7), from a word whose halves hold their
         four codes with the bits where the decode wants them - value 0's sign at bit 15 and magnitude at 8-6, value
         1's three and value 2's six places lower (one shift and one mask a pair, the mask of value 0's pair), value

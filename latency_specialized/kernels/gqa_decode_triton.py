@@ -22,8 +22,7 @@ One call, one new token per sequence (``M`` rows, ``Hq`` query heads, ``KV`` key
    l = 0``);
 2. **merge kernel**, grid ``(M, Hq, D / MERGE_D_BLOCK)`` (only with more than one split): log-sum-exp weights
    over the splits, the sink in the denominator, **the one rounding** into ``out``, each program its block of
-   head-dim columns. Rows without a position
-   (``seq_lens == 0``) give exact zeros.
+   head-dim columns. Rows without a position (``seq_lens == 0``) give exact zeros.
 
 **The log-sum-exp (optional, ``lse=``).** Both kernels already hold each row's running max and
 denominator; with an ``lse`` destination the program that normalises (the split kernel with one split,
@@ -356,9 +355,9 @@ def merge_d_block(head_dim: int) -> int:
 
 
 def late_merge_pdl(device: torch.device, num_splits: int) -> bool:
-    """Whether the merge launches with PDL, triggered by the split programs at their end: ``MERGE_PDL``, a merge
-    at all (more than one split), compiled (not the interpreter), an sm_90+ GPU, a Triton with grid dependency
-    control."""
+    """Whether the merge launches with PDL, triggered by the split programs at their end (at their start with
+    ``EARLY_TRIGGER``): ``MERGE_PDL``, a merge at all (more than one split), compiled (not the interpreter), an sm_90+
+    GPU, a Triton with grid dependency control."""
     if not MERGE_PDL or num_splits <= 1 or _interpreting() or device.type != "cuda":
         return False
     return capability(device)[0] >= 9 and triton_has_gdc()

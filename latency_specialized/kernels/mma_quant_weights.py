@@ -42,7 +42,7 @@ class QuantCoding:
     block: tuple[int, int]
     element: str = "e4m3"
     paired: bool = False
-    """e2m1 only: the codes are in the paired-nibble layout (``quant.layout.pair_nibbles``), decoded with fewer
+    """e2m1 only: the codes are in the paired-nibble layout (``quant.layout.paired_nibbles``), decoded with fewer
     instructions (``ptx.e2m1x8_paired_to_bf16x2``)."""
 
     @property

@@ -103,7 +103,7 @@ class ExpertsStage:
     fp32 block scales of ``fp8_block``)."""
     fp8_block: tuple[int, int] = (128, 128)
     paired: bool = False
-    """4-bit codes in the paired-nibble layout (``quant.layout.pair_nibbles``)."""
+    """4-bit codes in the paired-nibble layout (``quant.layout.paired_nibbles``)."""
 
     @property
     def nvfp4(self) -> bool:
