@@ -15,6 +15,7 @@ from collections import defaultdict
 import torch
 
 import latency_specialized.kernels.gqa_decode_triton as gk
+from profile_layer import profile   # benchmarks/scripts, this script's directory
 from tests.ops.test_gqa_triton_gpu import MUSE_TP8, graph_cell
 
 CELLS = [(1, 4096), (1, 32768), (1, 131072), (8, 32768), (64, 32768)]
@@ -22,28 +23,14 @@ REPLAYS = 5
 
 
 def profile_cell(batch: int, context: int) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-
     graph, sets, cell_bytes, _, held = graph_cell(MUSE_TP8, batch, context, None)
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        e0.record()
-        for _ in range(REPLAYS):
-            graph.replay()
-        e1.record()
-        torch.cuda.synchronize()
-    calls = REPLAYS * sets
+    per_replay, wall = profile(graph, REPLAYS)   # profile_layer's: kernels' device time and wall per replay
     kernels: dict[str, float] = defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            name = "split" if "split_kernel" in ev.name else "merge" if "merge_kernel" in ev.name else ev.name[:40]
-            kernels[name] += ev.device_time_total / calls
+    for name, (us, _) in per_replay.items():
+        kernels["split" if "split_kernel" in name else "merge" if "merge_kernel" in name else name[:40]] += us / sets
     del graph, held
     torch.cuda.empty_cache()
-    wall = e0.elapsed_time(e1) * 1e3 / calls
+    wall /= sets
     floor = cell_bytes / 4.3e12 * 1e6
     return dict(batch=batch, context=context, wall_us=round(wall, 2), floor_us=round(floor, 2),
                 roofline=round(floor / wall, 3), **{f"{k}_us": round(v, 2) for k, v in kernels.items()},

@@ -170,9 +170,10 @@ def ptx() -> SimpleNamespace:
     def _v(x, cls):
         return cls(x).ir_value()
 
-    def _asm4(ptx_str: str, operands: list, constraints: str) -> list:
+    def _asm4(ptx_str: str, operands: list, constraints: str, pure: bool = False) -> list:
+        """Four 32-bit words out; side-effecting (program order kept: the loads) unless ``pure`` (the decodes)."""
         st = llvm.inline_asm(struct(4, i32t()), operands, ptx_str, constraints,
-                             has_side_effects=True, asm_dialect=0)
+                             has_side_effects=not pure, asm_dialect=0)
         return [Int32(llvm.extractvalue(i32t(), st, [i])) for i in range(4)]
 
     # Weights are streamed exactly once per call: non-coherent path, no L1 allocation (keeps L1 for
@@ -293,6 +294,10 @@ def ptx() -> SimpleNamespace:
                              has_side_effects=False, asm_dialect=0)
         return [Int32(llvm.extractvalue(i32t(), st, [i])) for i in range(2)]
 
+    def _decode4(ptx_str: str, word, mult) -> list:
+        """Four bf16x2 words out of a code word and a multiplier ($4, $5 -> $0 .. $3): the e2m1 decodes."""
+        return _asm4(ptx_str, [_v(word, Int32), _v(mult, Int32)], "=r,=r,=r,=r,r,r", pure=True)
+
     def e4m3x4_to_bf16x2(word, mult) -> list:
         """Four e4m3 codes (one 32-bit word, byte 0 lowest) -> two bf16x2 words (bytes 0, 1 | 2, 3; the lower
         byte in the low half), each value times ``mult`` (a bf16x2 word, both halves alike).
@@ -338,8 +343,7 @@ def ptx() -> SimpleNamespace:
         the subnormal 0.5 alike; codes 16 bits apart share every shift, so each pair is two masks, one or two shifts
         (left shifts as multiplies: ptxas may issue them on the FMA pipe) and an or. ``mult`` = 2^126 x the block
         scale restores the value exactly."""
-        st = llvm.inline_asm(
-            struct(4, i32t()), [_v(word, Int32), _v(mult, Int32)],
+        return _decode4(
             "{\n .reg .b32 a, b, c, d, t;\n"
             " and.b32 a, $4, 0x80008000;\n and.b32 t, $4, 0x70007000;\n shr.b32 t, t, 6;\n or.b32 a, a, t;\n"
             " mul.lo.u32 b, $4, 16;\n and.b32 b, b, 0x80008000;\n and.b32 t, $4, 0x07000700;\n shr.b32 t, t, 2;\n"
@@ -349,9 +353,7 @@ def ptx() -> SimpleNamespace:
             " mul.lo.u32 d, $4, 4096;\n and.b32 d, d, 0x80008000;\n and.b32 t, $4, 0x00070007;\n"
             " mul.lo.u32 t, t, 64;\n or.b32 d, d, t;\n"
             " mul.rn.bf16x2 $0, d, $5;\n mul.rn.bf16x2 $1, c, $5;\n mul.rn.bf16x2 $2, b, $5;\n"
-            " mul.rn.bf16x2 $3, a, $5;\n}",
-            "=r,=r,=r,=r,r,r", has_side_effects=False, asm_dialect=0)
-        return [Int32(llvm.extractvalue(i32t(), st, [i])) for i in range(4)]
+            " mul.rn.bf16x2 $3, a, $5;\n}", word, mult)
 
     def e2m1x8_paired_to_bf16x2(word, mult) -> list:
         """:func:`e2m1x8_to_bf16x2` for codes stored in the paired-nibble layout (``quant.layout.paired_nibbles``):
@@ -359,8 +361,7 @@ def ptx() -> SimpleNamespace:
         four codes with the bits where the decode wants them - value 0's sign at bit 15 and magnitude at 8-6, value
         1's three and value 2's six places lower (one shift and one mask a pair, the mask of value 0's pair), value
         3's in the four bits left (14, 13, 11, 10: three shifts). 11 integer instructions a word instead of ~16."""
-        st = llvm.inline_asm(
-            struct(4, i32t()), [_v(word, Int32), _v(mult, Int32)],
+        return _decode4(
             "{\n .reg .b32 a, b, c, d, t, u;\n"
             " and.b32 a, $4, 0x81C081C0;\n"
             " mul.lo.u32 b, $4, 8;\n and.b32 b, b, 0x81C081C0;\n"
@@ -369,9 +370,7 @@ def ptx() -> SimpleNamespace:
             " shr.b32 t, $4, 5;\n and.b32 t, t, 0x01000100;\n"
             " shr.b32 u, $4, 4;\n and.b32 u, u, 0x00C000C0;\n or.b32 d, d, t;\n or.b32 d, d, u;\n"
             " mul.rn.bf16x2 $0, a, $5;\n mul.rn.bf16x2 $1, b, $5;\n mul.rn.bf16x2 $2, c, $5;\n"
-            " mul.rn.bf16x2 $3, d, $5;\n}",
-            "=r,=r,=r,=r,r,r", has_side_effects=False, asm_dialect=0)
-        return [Int32(llvm.extractvalue(i32t(), st, [i])) for i in range(4)]
+            " mul.rn.bf16x2 $3, d, $5;\n}", word, mult)
 
     def e4m3_scale_to_bf16x2(byte) -> Int32:
         """An e4m3 scale byte (NVFP4's per-16 scale) -> bf16x2 holding its value x 2^62 in both halves: the e2m1
