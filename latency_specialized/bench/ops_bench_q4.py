@@ -52,12 +52,14 @@ MMA_VARIANTS: dict[str, dict[str, Any]] = {
     "dn16mt2": dict(down=dict(wk=16, mt=2)),
     "dn2": dict(down=dict(wk=2)),
     "dnmt1": dict(down=dict(mt=1)),
+    "dn_a1": dict(down=dict(lookahead=1)),
     "route": dict(aligned=False),
     "aligned": dict(aligned=True),
     "paired": dict(paired=True),
 }
 """Variants of the mma experts: fields replaced in the heuristic's (gate_up, down) ``MmaConfig`` and the group mode
-(default: ``moe_experts_mma.MIN_TOKENS_ALIGNED``). "down" is ``down_sum`` at route groups (warps = routes at once).
+(default: ``moe_experts_mma.MIN_TOKENS_ALIGNED``). "down" is ``down_sum`` at route groups (warps = routes at once);
+its lookahead there is routes requested ahead ("dn_a1": every route of a warp before the math, 128 registers).
 "paired": the weights rearranged once into the paired-nibble layout (``quant.layout.paired_nibbles``: ~15% fewer
 instructions in the offline SASS), the default configs."""
 

@@ -238,8 +238,35 @@ def _kernel_class():
 
 
 
+def issue_chunks(kern, P, scl, w_rows: list, w_row_idx: list, part, t4, js: list, early: bool, wv: dict,
+                 sv: dict) -> None:
+    """Request the weight words (into ``wv[(j, row)]``) and block scales (``sv[j]``) of this warp's chunks ``js``
+    (trace time): :func:`accumulate_chunks`'s loads, apart so that a kernel can request several rows' chunks before
+    any of their math (``early``: the coherent path, which ptxas keeps ahead of a fence or the PDL wait)."""
+    import cutlass
+    from cutlass import Int32, Int64
+
+    from latency_specialized.kernels.mma_quant_weights import chunk_scales
+
+    for j in js:
+        chunk = part + kern.parts * j
+        off = Int64(chunk) * 64
+        last = kern.ragged and j == kern.per_part - 1
+        ok = Int32(chunk < kern.chunks)
+        for r in range(2 * kern.cfg.mt):
+            if last:
+                wv[(j, r)] = P.ld_weight_if(w_rows[r] + off, ok, early)
+            elif early:
+                wv[(j, r)] = P.ld_weight_coherent(w_rows[r] + off)
+            else:
+                wv[(j, r)] = P.ld_weight(w_rows[r] + off)
+        if kern.coding is not None:
+            # the chunk's block scales (static data, like the weights: requested before the PDL wait)
+            sv[j] = chunk_scales(P, kern.coding, scl, w_row_idx, cutlass.min(chunk, kern.chunks - 1), t4)
+
+
 def accumulate_chunks(kern, P, scl, w_rows: list, w_row_idx: list, x_rows: list, x_ok: list, part, t4,
-                      pdl_wait: bool) -> list:
+                      pdl_wait: bool, issued: tuple[dict, dict] | None = None) -> list:
     """The K loop of one warp (trace time; plain Python, unrolled): its share of the chunks (``part``, ``part +
     parts``, ...) of every weight row address in ``w_rows`` (2 per m-tile: rows g, g + 8, already offset by the lane's
     16 bytes; ``t4`` = lane % 4) against the token rows ``x_rows`` (one per n-tile, masked by ``x_ok``), in batches of
@@ -247,12 +274,13 @@ def accumulate_chunks(kern, P, scl, w_rows: list, w_row_idx: list, x_rows: list,
     ``pdl_wait``: issue the PDL wait (and release the dependents) after the first batch of weight loads - where
     nothing before it reads what the previous kernel writes. ``cfg.lookahead`` = L > 0: batches 0..L are requested
     before the wait, then batch j + L just before batch j is multiplied, each behind a fence (see ``MmaConfig``).
-    Returns the fp32 accumulators (slot (mt x NT + nt) x 4 + q)."""
+    ``issued``: (words, scales) of every chunk, already requested by the caller (:func:`issue_chunks`; no wait
+    here then, nor lookahead). Returns the fp32 accumulators (slot (mt x NT + nt) x 4 + q)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64
 
-    from latency_specialized.kernels.mma_quant_weights import activation_pairs, chunk_mma, chunk_scales
+    from latency_specialized.kernels.mma_quant_weights import activation_pairs, chunk_mma
 
     cfg = kern.cfg
     MT, NT = cfg.mt, cfg.nt
@@ -261,25 +289,10 @@ def accumulate_chunks(kern, P, scl, w_rows: list, w_row_idx: list, x_rows: list,
     XL = KC // 32                 # 16-byte activation loads per token and chunk
     L = cfg.lookahead
     acc = [Float32(0.0) for _ in range(kern.frag)]
-    wv = {}
-    sv = {}
+    wv, sv = issued if issued is not None else ({}, {})
 
     def issue(js: list, early: bool) -> None:
-        for j in js:
-            chunk = part + kern.parts * j
-            off = Int64(chunk) * 64
-            last = kern.ragged and j == kern.per_part - 1
-            ok = Int32(chunk < kern.chunks)
-            for r in range(2 * MT):
-                if last:
-                    wv[(j, r)] = P.ld_weight_if(w_rows[r] + off, ok, early)
-                elif early:
-                    wv[(j, r)] = P.ld_weight_coherent(w_rows[r] + off)
-                else:
-                    wv[(j, r)] = P.ld_weight(w_rows[r] + off)
-            if QW:
-                # the chunk's block scales (static data, like the weights: requested before the PDL wait)
-                sv[j] = chunk_scales(P, kern.coding, scl, w_row_idx, cutlass.min(chunk, kern.chunks - 1), t4)
+        issue_chunks(kern, P, scl, w_rows, w_row_idx, part, t4, js, early, wv, sv)
 
     def compute(js: list) -> None:
         for j in js:
@@ -311,6 +324,9 @@ def accumulate_chunks(kern, P, scl, w_rows: list, w_row_idx: list, x_rows: list,
                             acc[base + q] = c[q]
 
     batches = [list(range(j0, min(j0 + cfg.cb, kern.per_part))) for j0 in range(0, kern.per_part, cfg.cb)]
+    if issued is not None:
+        compute(list(range(kern.per_part)))
+        return acc
     if L == 0:
         for b, js in enumerate(batches):
             # the first batch kept ahead of the wait by ptxas only through the coherent path (MmaConfig.prefetch)

@@ -139,7 +139,7 @@ def _kernel_class():
 
     from latency_specialized.kernels.gated_act import ActVariant, gated_act_fn
     from latency_specialized.kernels.gemm_common import ptx
-    from latency_specialized.kernels.gemm_small_m import accumulate_chunks
+    from latency_specialized.kernels.gemm_small_m import accumulate_chunks, issue_chunks
 
     P = ptx()
 
@@ -291,27 +291,52 @@ def _kernel_class():
             """down_sum: out[token, rows of the tile] = sum over the token's routes of weight x bf16(h @ W_down^T).
             Warp w takes routes w, w + WK, ... (all their chunks: one batch of loads per route); each route's sums
             are rounded to bf16 (as the reference rounds each expert output) and weighted in fp32; the warps' sums
-            are added in warp order (deterministic). Only B column 0 (the route's own h row) is live."""
+            are added in warp order (deterministic). Only B column 0 (the route's own h row) is live.
+            ``cfg.lookahead`` = L > 0: the weights of routes r + 1 .. r + L are requested before route r's math
+            (coherent loads behind fences, as the gemm's batches ahead): without it, ptxas issues a warp's next
+            route's loads late in the current route's math (offline SASS, session 36) - a second DRAM round trip."""
             cfg = self.cfg
             TOPK: cutlass.Constexpr = self.st.top_k
             WK: cutlass.Constexpr = cfg.wk
             F: cutlass.Constexpr = self.frag
             K: cutlass.Constexpr = self.st.k
+            R: cutlass.Constexpr = self.routes_per_warp
+            L: cutlass.Constexpr = min(cfg.lookahead, R - 1)
             tid, _, _ = cute.arch.thread_idx()
             lane = tid % 32
             warp = tid // 32
             g = lane // 4
             t4 = lane % 4
             sums = [Float32(0.0) for _ in range(F)]
-            for r in cutlass.range_constexpr(self.routes_per_warp):
+            routes = []   # per route: (pair, live, expert, weight rows, their scale rows, requested words / scales)
+
+            def request(r: int) -> None:
                 j = warp + r * WK
                 live = Int32(j < TOPK)
                 pair = token * TOPK + cutlass.min(j, TOPK - 1)
                 expert = ids[pair].to(Int32)
                 w_rows, w_row_idx = self.expert_rows(w, expert, tile, g, t4)
+                issued = None
+                if cutlass.const_expr(L > 0):
+                    issued = ({}, {})
+                    issue_chunks(self, P, scl, w_rows, w_row_idx, Int32(0), t4, list(range(self.per_part)), True,
+                                 *issued)
+                routes.append((pair, live, expert, w_rows, w_row_idx, issued))
+
+            for r in cutlass.range_constexpr(L + 1):
+                request(r)
+            if cutlass.const_expr(L > 0):  # the wait: PDL's, and a fence (see group_body)
+                cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_launch_dependents()
+            for r in cutlass.range_constexpr(R):
+                if cutlass.const_expr(r >= 1 and r + L < R):
+                    request(r + L)
+                    if cutlass.const_expr(L > 0):
+                        cute.arch.griddepcontrol_wait()   # a fence: keeps the coherent loads ahead of the math
+                pair, live, expert, w_rows, w_row_idx, issued = routes[r]
                 x_rows = [x.iterator.toint() + Int64(pair) * (2 * K) + Int64(t4) * (16 * (self.kc // 32))]
                 acc = accumulate_chunks(self, P, scl, w_rows, w_row_idx, x_rows, [Int32(g == 0) & live], Int32(0),
-                                        t4, r == 0)  # the wait: PDL's, and a fence (see group_body)
+                                        t4, r == 0, issued)  # without lookahead the wait: PDL's, and a fence
                 acc = self.undo_offset(acc, global_scale, expert)
                 wt = route_weights[pair] * live.to(Float32)
                 for f in cutlass.range_constexpr(F):

@@ -66,6 +66,10 @@ CASES = {  # label: (M, case kwargs, activation, configs or None)
     "b16-aligned-fp8": (16, dict(k=2, N=128, fmt="fp8-block-128"), SITU, None),
     "b17-aligned-same-pdl": (17, dict(same=True, K=256), SWIGLU, (MmaConfig(nt=1, mt=2, wk=2, cb=2, pdl=True),
                                                               MmaConfig(nt=1, mt=1, wk=1, cb=1, pdl=True))),
+    "b3-down-sum-routes-ahead1": (3, dict(k=5, I=256), SITU, (MmaConfig(nt=1, mt=2, wk=1, cb=2, pdl=False),
+                                                           MmaConfig(nt=1, mt=1, wk=2, cb=2, lookahead=1, pdl=False))),
+    "b2-down-sum-routes-ahead2-pdl": (2, dict(k=6), SWIGLU, (MmaConfig(nt=1, mt=2, wk=1, cb=1, pdl=True),
+                                                           MmaConfig(nt=1, mt=1, wk=2, cb=1, lookahead=2, pdl=True))),
     "b1-situ-paired": (1, dict(paired=True, K=256), SITU, None),
     "b16-aligned-nvfp4-paired-swiglu": (16, dict(k=3, N=32, fmt="nvfp4", paired=True), SWIGLU, None),
 }
@@ -196,6 +200,24 @@ def test_gate_up_takes_the_measured_launch_at_every_batch():
         assert (c13.wk, c13.cb, c13.mt) == (mm.GATE_UP_WARPS_K, mm.GATE_UP_BATCH, 2), (M, c13.label())
     assert (mm.gate_up_config(4).wk, mm.gate_up_config(4).cb) == (2, 2)
     assert (mm.gate_up_config(1).wk, mm.gate_up_config(1).cb) == (1, 1)
+
+
+@needs_cute
+def test_down_sum_routes_ahead_request_every_route_before_the_math(sm90):
+    """``lookahead`` on down_sum (Kimi K3 TP8, batch 1: 8 warps, 2 routes each, 3 chunks a route): all 12 weight
+    loads of a warp's two routes are requested before the PDL wait / fence and so before the first MMA, through the
+    coherent path; without it, only the first route's 6 (offline SASS: ptxas then issues the second route's late)."""
+    from dataclasses import replace
+
+    from latency_specialized.kernels.gemm_common import ptx_of
+    from ptx_patterns import loads_before_wait, weight_loads
+
+    _, cfg = mm.default_configs(1, 16, 896, 3584, 384, 3584, aligned=False)
+    st = mm.ExpertsStage("down_sum", 384, 3584, 16, False)
+    for ahead, before in ((0, 6), (1, 12)):
+        p = ptx_of(mm.compile_stage(st, replace(cfg, lookahead=ahead)))
+        assert weight_loads(p) == 12 and loads_before_wait(p) == before, ahead
+        assert p.index("mma.sync") > p.index("griddepcontrol.wait")
 
 
 def test_bench_variants_make_configs_the_wrapper_takes():
