@@ -67,7 +67,8 @@ class MmaConfig:
     """L > 0: batches 0..L requested before the PDL wait, then batch j + L just before batch j is multiplied, all
     through the coherent path and each behind a ``griddepcontrol.wait`` that returns at once - a fence: without it
     ptxas sinks the later batches' loads into the math (offline SASS: one or two loads in flight after the first
-    batch). L + 1 batches of registers."""
+    batch). L + 1 batches of registers. The experts' route-summing stage (``moe_experts_mma``'s down_sum) counts
+    in routes instead: a warp's routes r + 1 .. r + L requested before route r's math."""
 
     fp8_pairs: str = "bytes"
     """FP8 weights only: how a lane's e4m3 words decode into bf16 pairs. "bytes": pairs of adjacent codes (two byte
