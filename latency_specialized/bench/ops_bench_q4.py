@@ -56,6 +56,7 @@ MMA_VARIANTS: dict[str, dict[str, Any]] = {
     "route": dict(aligned=False),
     "aligned": dict(aligned=True),
     "paired": dict(paired=True),
+    "paired_dn_a1": dict(paired=True, down=dict(lookahead=1)),
 }
 """Variants of the mma experts: fields replaced in the heuristic's (gate_up, down) ``MmaConfig`` and the group mode
 (default: ``moe_experts_mma.MIN_TOKENS_ALIGNED``). "down" is ``down_sum`` at route groups (warps = routes at once);

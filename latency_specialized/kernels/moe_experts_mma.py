@@ -69,11 +69,16 @@ MIN_TOKENS_ALIGNED = 16
 """Tokens per step from which groups are ``moe_align``'s runs (an align launch, fewer expert reads) instead of single
 routes. Not yet measured: at Kimi K3's 896 experts and top-16, 16 tokens' 256 routes share ~13% of their experts."""
 MAX_TOKENS = 64
+"""The decode regime this kernel is built for (``moe.experts.q4_grouped_triton`` serves larger steps)."""
 MAX_SUM_WARPS = 8
 """``down_sum``'s warps per CTA at most (a warp per route; more routes take turns). Offline sm_90a SASS, Kimi K3 TP8
 batch 1 (a route's 3 chunks of loads at once): 16 warps take 91 registers - one 512-thread CTA per SM, 1.7 waves of
 the 224 CTAs; 8 warps take 80 - three CTAs per SM, one wave."""
-"""The decode regime this kernel is built for (``moe.experts.q4_grouped_triton`` serves larger steps)."""
+SUM_ROUTES_AHEAD = 0
+"""``down_sum``'s routes requested ahead (its ``MmaConfig.lookahead``): 1 requests every route of a warp before the
+first MMA (offline SASS: otherwise the second route's loads go out late in the first's math; 128 registers instead of
+80). 0 until an H200 times it: ``bench --ab ahead:latency_specialized.kernels.moe_experts_mma.SUM_ROUTES_AHEAD=1``,
+or the experts bench's ``dn_a1`` variant."""
 
 
 @dataclass(frozen=True)
@@ -474,7 +479,7 @@ def default_configs(M: int, top_k: int, experts: int, K: int, I: int, N: int, al
     gate_up = gate_up_config(K // chunk)
     if summed(aligned, per_route):
         return gate_up, MmaConfig(nt=1, mt=1, wk=min(top_k, MAX_SUM_WARPS), cb=min(4, I // chunk), pdl=False,
-                                  prefetch=True)
+                                  prefetch=True, lookahead=SUM_ROUTES_AHEAD)
     # down: two m-tiles (32 rows) a warp - offline SASS at 64 tokens: 10% fewer issue slots than one, half the CTAs
     return gate_up, stage_config(-(-N // 32), groups, I // chunk, 2)
 
@@ -672,5 +677,6 @@ IMPLEMENTATIONS = [
 ]
 
 __all__ = ["COLS", "ENABLED", "ExpertsStage", "FORMATS", "FORMATS_Q4", "GATE_UP_BATCH", "GATE_UP_WARPS_K",
-           "IMPLEMENTATIONS", "MAX_TOKENS", "MIN_TOKENS_ALIGNED", "NAME", "NAME_FP8", "compile_stage",
-           "default_configs", "experts_mma", "expert_parts", "gate_up_config", "groups_of", "stage_config"]
+           "IMPLEMENTATIONS", "MAX_TOKENS", "MIN_TOKENS_ALIGNED", "NAME", "NAME_FP8", "SUM_ROUTES_AHEAD",
+           "compile_stage", "default_configs", "experts_mma", "expert_parts", "gate_up_config", "groups_of",
+           "stage_config"]

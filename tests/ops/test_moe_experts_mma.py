@@ -220,6 +220,17 @@ def test_down_sum_routes_ahead_request_every_route_before_the_math(sm90):
         assert p.index("mma.sync") > p.index("griddepcontrol.wait")
 
 
+def test_sum_routes_ahead_switch_reaches_down_sum_only(monkeypatch):
+    """``SUM_ROUTES_AHEAD`` (what ``bench --ab`` sets) becomes down_sum's lookahead; the aligned down stage and
+    gate_up keep theirs."""
+    shapes = (16, 896, 3584, 384, 3584)
+    assert mm.SUM_ROUTES_AHEAD == 0 and mm.default_configs(1, *shapes, aligned=False)[1].lookahead == 0
+    monkeypatch.setattr(mm, "SUM_ROUTES_AHEAD", 1)
+    gate_up, down_sum = mm.default_configs(1, *shapes, aligned=False)
+    assert down_sum.lookahead == 1 and gate_up.lookahead == 0
+    assert mm.default_configs(16, *shapes, aligned=True)[1].lookahead == 0
+
+
 def test_bench_variants_make_configs_the_wrapper_takes():
     """``ops_bench_q4.MMA_VARIANTS`` at Kimi K3 TP8 shapes: every variant's configs pass the wrapper's checks (nt 1,
     gate_up mt 2, shared memory within the limit) at batch 1, 16 and 64."""
