@@ -12,6 +12,9 @@
   scheduled first; then the GPU tests that took longest on the H200 (``tests/gpu_durations.json``, from the
   committed junit files by ``benchmarks/scripts/gpu_durations.py``), longest first, so that no worker starts one
   near the end of a time-boxed device call.
+* ``LS_GPU_PEAKS=<dir>`` (``benchmarks/scripts/h200_suite.sh`` sets it): each GPU test's peak of the memory its
+  process holds on the GPU (torch's reserved bytes, fixtures of earlier tests included: what the workers sharing
+  the card compete for) goes to ``<dir>/peaks_<worker>.json``, the data for sizing the suite's workers per card.
 """
 
 from __future__ import annotations
@@ -95,6 +98,30 @@ def _xdist_layout(config, items) -> None:
                 group = item.nodeid.split("::")[0]
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+
+
+_PEAKS: dict[str, float] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    record = bool(os.environ.get("LS_GPU_PEAKS")) and item.get_closest_marker("gpu") is not None \
+        and _cuda_available()
+    if record:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+    yield
+    if record:
+        _PEAKS[item.nodeid] = round(torch.cuda.max_memory_reserved() / 2 ** 30, 2)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    folder = os.environ.get("LS_GPU_PEAKS")
+    if folder and _PEAKS:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        path = Path(folder) / f"peaks_{_XDIST_WORKER or 'main'}.json"
+        path.write_text(json.dumps(dict(sorted(_PEAKS.items(), key=lambda kv: -kv[1])), indent=0))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -20,7 +20,8 @@ import time
 import torch
 
 from latency_specialized.bench.ops_bench_moe_kda import Row, routing, twice, write_rows
-from latency_specialized.bench.ops_bench_q4 import reference_selected, rel_err
+from latency_specialized.bench.ops_bench_q4 import rel_err
+from latency_specialized.ops.moe import experts_reference
 from latency_specialized.quant.checkpoint_io import quantize_weight
 from latency_specialized.quant.formats import QuantFormat
 from latency_specialized.spec import ActivationSpec
@@ -55,7 +56,7 @@ def bench(tp: int, M: int, seed: int, rotations: int = 8, log=print) -> list[Row
     distinct = statistics.mean(len(torch.unique(ids)) for _, ids in routes)
     nbytes = int(distinct * (f.nbytes((2 * I, K)) + f.nbytes((K, I))) + M * K * 2 * 2)
     case = f"glm53 tp{tp} {FMT} M={M} E={E} k={k} K={K} I={I} ({distinct:.0f} distinct experts)"
-    ref = reference_selected(xs[0], routes[0][0], routes[0][1], w13, w2, act)
+    ref = experts_reference(xs[0], routes[0][0], routes[0][1], w13, w2, act)
     outs = [torch.empty(M, K, device=dev, dtype=torch.bfloat16) for _ in range(rotations)]
     b13, b2 = w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16)
     workspaces: dict[int, dict] = {}  # one per rotation's input, as ops_bench_q4 gives the CuTe DSL experts

@@ -21,7 +21,7 @@ PART=${PART:-both}
 mkdir -p "$OUT"
 export LS_KERNEL_CACHE_DIR=${LS_KERNEL_CACHE_DIR:-/tmp/ls_kcache} CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
 export LS_ALLREDUCE_KERNEL_DIR=${LS_ALLREDUCE_KERNEL_DIR:-/tmp/ls_ar} HUMMING_CACHE_DIR=${HUMMING_CACHE_DIR:-/tmp/hcache}
-export PYTHONPATH=$PWD:$PWD/tests/ops${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD:$PWD/tests/ops${PYTHONPATH:+:$PYTHONPATH} LS_GPU_PEAKS=${LS_GPU_PEAKS:-$OUT/peaks}
 MATRIX=tests/models/test_matrix.py
 t0=$(date +%s)
 rm=skipped; ro=skipped
@@ -37,10 +37,11 @@ fi
 if [ "$PART" != matrix ]; then
   # -v here too: session 35's run hit the limit with 4 failures and an error the -q log could not name;
   # REST_PATHS (default: all of tests/) splits the rest over calls, e.g. "tests/ops" then "tests/models tests/comm ..."
-  # WORKERS default: 8 on the H200's 139 GB; fewer on a smaller card (session 36: 12 workers on an 80 GB H100 ran out
-  # of memory in 70 tests) - one worker per 12 GiB, at most 8
+  # WORKERS default: 8 on the H200's 139 GB; fewer on a smaller card (an 80 GB H100 ran out of memory with 12 workers
+  # in session 36 and with 6 in session 37: 143 tests, the MoE ones with Kimi K3's 896 experts) - one worker per
+  # 16 GiB, at most 8; each test's peak memory goes to $OUT/peaks (tests/conftest.py) for a better rule
   WORKERS=${WORKERS:-$(python3 -c "import torch; print(max(2, min(8, torch.cuda.get_device_properties(0).total_memory \
-    // (12 * 2 ** 30))))")}
+    // (16 * 2 ** 30))))")}
   # shellcheck disable=SC2086
   timeout "${SUITE_S:-560}" python3 -m pytest -m gpu ${REST_PATHS:-tests} --ignore="$MATRIX" -n "$WORKERS" \
     --dist "${REST_DIST:-loadgroup}" -v -rfE -p no:cacheprovider --junitxml="$OUT/junit.xml" \

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from latency_specialized.bench.ops_bench_moe_kda import K3, SITU, Row, routing, twice, write_rows
+from latency_specialized.ops.moe import experts_reference
 from latency_specialized.quant.checkpoint_io import QuantizedWeight
 from latency_specialized.quant.formats import QuantFormat
 
@@ -81,20 +82,6 @@ def random_q4_experts(E: int, N: int, K: int, fmt: str, g: torch.Generator, dev:
     return QuantizedWeight(f, (E, N, K), codes, s.to(torch.float8_e4m3fn), gs)
 
 
-def _selected(w: QuantizedWeight, experts: torch.Tensor) -> QuantizedWeight:
-    """The rows of ``experts`` only (a compact copy: the reference dequantises just what was routed)."""
-    gs = w.global_scale[experts] if w.global_scale is not None else None
-    return QuantizedWeight(w.fmt, (len(experts), *w.shape[1:]), w.weight[experts], w.scale[experts], gs)
-
-
-def reference_selected(x, weights, ids, w13: QuantizedWeight, w2: QuantizedWeight, activation) -> torch.Tensor:
-    """``experts_reference`` over the routed experts only (ids remapped to the compact copies)."""
-    from latency_specialized.ops.moe import experts_reference
-
-    uniq, local = torch.unique(ids, return_inverse=True)
-    return experts_reference(x, weights, local, _selected(w13, uniq), _selected(w2, uniq), activation)
-
-
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     """max |y - ref| over max |ref| (the bench's check before timing)."""
     return float((y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
@@ -124,7 +111,7 @@ def bench_q4_experts(tp: int, batches: list[int], *, fmt: str = "mxfp4", rotatio
         act_bytes = M * K * 2 * 2
         nbytes = int(distinct * q4_expert_bytes + act_bytes)
         case = f"tp{tp} {fmt} M={M} E={E} k={k} K={K} I={I} ({distinct:.0f} distinct experts)"
-        ref = reference_selected(xs[0], routes[0][0], routes[0][1], w13, w2, SITU)
+        ref = experts_reference(xs[0], routes[0][0], routes[0][1], w13, w2, SITU)
         outs = [torch.empty(M, N, device=dev, dtype=torch.bfloat16) for _ in range(rotations)]
         plans: list[tuple[str, Callable, int, dict]] = []
         if M <= gemv_max_tokens:
@@ -296,5 +283,5 @@ def write(rows: list[Row], out_dir: str, stem: str = "ops_moe_experts_q4") -> No
     write_rows(rows, out_dir, stem, to_markdown_q4)
 
 
-__all__ = ["bench_q4_experts", "random_q4_experts", "reference_selected", "rel_err", "write", "GEMV_VARIANTS",
+__all__ = ["bench_q4_experts", "random_q4_experts", "rel_err", "write", "GEMV_VARIANTS",
            "GROUPED_VARIANTS"]

@@ -54,6 +54,14 @@ def route_reference(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int,
     return w * router.routed_scaling, ids
 
 
+def _expert_fp32(w: torch.Tensor | QuantizedWeight, e: int) -> torch.Tensor:
+    """Expert ``e`` of an ``[E, N, K]`` weight as fp32 ``[N, K]``; a stored (quantised) weight is dequantised one
+    expert at a time, so the reference never holds every expert's fp32 copy."""
+    if isinstance(w, QuantizedWeight):
+        return w.experts(e).dequantize()[0]
+    return w[e].float()
+
+
 def experts_reference(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor, w_gate_up: torch.Tensor,
                       w_down: torch.Tensor, activation: ActivationSpec, *, per_route: bool = False,
                       out: torch.Tensor | None = None) -> torch.Tensor:
@@ -62,7 +70,8 @@ def experts_reference(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.
     Parameters
     ----------
     x : [M, K]; weights, ids : [M, top_k]; w_gate_up : [E, 2*I, K]; w_down : [E, N, I]. Either weight
-        may be a ``quant.QuantizedWeight`` (4-bit experts kept as stored): it is dequantised here, exactly
+        may be a ``quant.QuantizedWeight`` (4-bit experts kept as stored): it is dequantised here, exactly, one
+        routed expert at a time
         (e2m1 x a power of two or an e4m3 x fp32 product is what the kernels multiply by).
     per_route : return every route's expert output instead of the combination (``weights`` is
         then ignored and may be None). out : optional destination of the result's shape.
@@ -74,10 +83,6 @@ def experts_reference(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.
     expert_{ids[m, j]}(x[m]) (not multiplied by the routing weight), each rounded once to x.dtype
     as the combined form rounds it before weighting.
     """
-    if isinstance(w_gate_up, QuantizedWeight):
-        w_gate_up = w_gate_up.dequantize()
-    if isinstance(w_down, QuantizedWeight):
-        w_down = w_down.dequantize()
     M = x.shape[0]
     top_k = ids.shape[1]
     inter = w_gate_up.shape[1] // 2
@@ -89,9 +94,9 @@ def experts_reference(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.
     for e in torch.unique(ids).tolist():
         rows, slot = (ids == e).nonzero(as_tuple=True)
         xe = x[rows].float()
-        gu = (xe @ w_gate_up[e].float().t()).to(x.dtype).float()
+        gu = (xe @ _expert_fp32(w_gate_up, e).t()).to(x.dtype).float()
         h = gated_activation(gu[:, :inter], gu[:, inter:], activation).to(x.dtype).float()
-        ye = (h @ w_down[e].float().t()).to(x.dtype)
+        ye = (h @ _expert_fp32(w_down, e).t()).to(x.dtype)
         if per_route:
             y[rows, slot] = ye
         else:

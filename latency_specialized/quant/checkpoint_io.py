@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-from latency_specialized.errors import CheckpointError
+from latency_specialized.errors import CheckpointError, UserError
 from latency_specialized.quant import codecs
 from latency_specialized.quant.formats import FORMATS, QuantFormat, Role
 
@@ -119,6 +119,27 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         w = codecs.dequantize(self.fmt, self.weight, self.scale, self.global_scale, name=self.name)
         return w if dtype == torch.float32 else w.to(dtype)
+
+    def experts(self, index: torch.Tensor | int) -> "QuantizedWeight":
+        """The experts ``index`` selects along the leading dimension of an ``[E, N, K]`` weight, as a compact copy
+        of their stored tensors (an int: that one expert, the dimension kept as 1). A reference that dequantises
+        only these holds one expert's fp32 weight instead of every expert's (at Kimi K3's 896 experts the whole
+        dequantised gate_up is ~10 GB: the GPU suite's workers ran out of memory on it)."""
+        if len(self.shape) < 3:
+            raise UserError(f"{self.name}: experts() needs an [E, N, K] weight, got the shape {self.shape}")
+        E = self.shape[0]
+        idx = torch.tensor([index]) if isinstance(index, int) else index
+        idx = idx.to(self.weight.device)
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            # per-expert tensors lead with E; a per-tensor (0-d) scale is shared by every expert
+            if t is None or t.dim() == 0 or t.shape[0] != E:
+                return t
+            return t.view(torch.uint8)[idx].view(t.dtype) if t.element_size() == 1 else t[idx]
+
+        return replace(self, shape=(int(idx.numel()), *self.shape[1:]), weight=pick(self.weight),
+                       scale=pick(self.scale), global_scale=pick(self.global_scale),
+                       input_scale=pick(self.input_scale))
 
     def contiguous(self) -> "QuantizedWeight":
         """Itself with every stored tensor contiguous (what a piece's ``arrange`` asks of any weight), the bytes as

@@ -58,8 +58,9 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """``[..., K/2]`` bytes -> ``[..., K]`` int64 codes; element 2i is the low nibble of byte i."""
-    p = as_bytes(packed).to(torch.int64)
-    return torch.stack([p & 0xF, p >> 4], dim=-1).flatten(-2)
+    p = as_bytes(packed)
+    # the nibbles split as bytes, widened once at the end (not two int64 halves and their stacked copy)
+    return torch.stack([p & 0xF, p >> 4], dim=-1).flatten(-2).to(torch.int64)
 
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from latency_specialized.bench.ops_bench_q4 import reference_selected
 from latency_specialized.kernels.moe_experts_fp8_triton import experts_fp8, experts_fp8_w8a8
+from latency_specialized.ops.moe import experts_reference
 from latency_specialized.quant import layout
 from latency_specialized.quant.checkpoint_io import quantize_weight
 from latency_specialized.spec import ActivationSpec
@@ -71,7 +71,7 @@ def test_fp8_experts_match_the_reference(model, impl, M, same):
     out = torch.full((M, cfg["K"]), float("nan"), device=DEV, dtype=torch.bfloat16)
     y = experts_fp8(x, w, ids, w13, w2, SWIGLU, out=out)
     assert y.data_ptr() == out.data_ptr() and torch.isfinite(y).all()
-    assert _rel(y, reference_selected(x, w, ids, w13, w2, SWIGLU)) < tol
+    assert _rel(y, experts_reference(x, w, ids, w13, w2, SWIGLU)) < tol
     x2 = torch.randn_like(x)
     eager = experts_fp8(x2, w, ids, w13, w2, SWIGLU)
     xs = x.clone()
@@ -83,8 +83,6 @@ def test_fp8_experts_match_the_reference(model, impl, M, same):
 
 
 def test_fp8_experts_per_route_rows(model):
-    from latency_specialized.bench.ops_bench_q4 import _selected
-    from latency_specialized.ops.moe import experts_reference
 
     cfg, w13, w2 = model
     g = seeded_generator("fp8-route")
@@ -93,8 +91,7 @@ def test_fp8_experts_per_route_rows(model):
     rows = torch.full((5, cfg["k"], cfg["K"]), float("nan"), device=DEV, dtype=torch.bfloat16)
     experts_fp8(x, None, ids, w13, w2, SWIGLU, per_route=True, out=rows)
     assert torch.isfinite(rows).all()
-    uniq, local = torch.unique(ids, return_inverse=True)
-    ref = experts_reference(x, w, local, _selected(w13, uniq), _selected(w2, uniq), SWIGLU, per_route=True)
+    ref = experts_reference(x, w, ids, w13, w2, SWIGLU, per_route=True)
     assert _rel(rows, ref) < REL_TOL
 
 

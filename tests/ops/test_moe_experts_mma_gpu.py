@@ -20,7 +20,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from latency_specialized.bench.ops_bench_q4 import random_q4_experts, reference_selected
+from latency_specialized.bench.ops_bench_q4 import random_q4_experts
 from latency_specialized.kernels import moe_experts_mma as mm
 from latency_specialized.ops.moe import experts_reference
 from latency_specialized.spec import ActivationSpec
@@ -80,7 +80,7 @@ def test_mma_experts_match_the_dequantising_reference(model, M, same, ids64):
     g = seeded_generator(f"mma-{M}-{same}-{ids64}")
     x = torch.randn(M, cfg["K"], generator=g, device=DEV).bfloat16()
     w, ids = _routing(M, cfg["E"], cfg["k"], g, same, torch.int64 if ids64 else torch.int32)
-    ref = reference_selected(x, w, ids, w13, w2, cfg["act"])
+    ref = experts_reference(x, w, ids, w13, w2, cfg["act"])
     y = torch.full((M, cfg["K"]), float("nan"), device=DEV, dtype=torch.bfloat16)
     mm.experts_mma(x, w, ids, w13, w2, cfg["act"], out=y)
     assert torch.isfinite(y).all() and _rel(y, ref) <= REL_TOL, _rel(y, ref)
@@ -101,10 +101,7 @@ def test_mma_experts_per_route_rows_and_configs(model, M):
     g = seeded_generator(f"mma-rows-{M}")
     x = torch.randn(M, cfg["K"], generator=g, device=DEV).bfloat16()
     _, ids = _routing(M, cfg["E"], cfg["k"], g)
-    uniq, local = torch.unique(ids, return_inverse=True)
-    from latency_specialized.bench.ops_bench_q4 import _selected
-
-    ref = experts_reference(x, None, local, _selected(w13, uniq), _selected(w2, uniq), cfg["act"], per_route=True)
+    ref = experts_reference(x, None, ids, w13, w2, cfg["act"], per_route=True)
     base13, base2 = mm.default_configs(M, cfg["k"], cfg["E"], cfg["K"], cfg["I"], cfg["K"],
                                        M >= mm.MIN_TOKENS_ALIGNED, per_route=True, chunk=_chunk(cfg))
     for configs in (None, (replace(base13, wk=2, cb=2, pdl=True), replace(base2, wk=2, cb=1, pdl=True)),

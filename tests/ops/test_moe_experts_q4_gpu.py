@@ -15,8 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from latency_specialized.bench.ops_bench_q4 import random_q4_experts, reference_selected
+from latency_specialized.bench.ops_bench_q4 import random_q4_experts
 from latency_specialized.kernels import moe_experts_q4_triton as q4
+from latency_specialized.ops.moe import experts_reference
 from latency_specialized.spec import ActivationSpec
 
 from gpu_helpers import graph_replay, seeded_generator
@@ -61,7 +62,7 @@ def test_q4_experts_match_the_dequantising_reference(model, impl, M, same):
     g = seeded_generator(f"q4-{impl}-{M}-{same}")
     x = torch.randn(M, cfg["K"], generator=g, device=DEV).bfloat16()
     w, ids = _routing(M, cfg["E"], cfg["k"], g, same)
-    ref = reference_selected(x, w, ids, w13, w2, cfg["act"])
+    ref = experts_reference(x, w, ids, w13, w2, cfg["act"])
     out = torch.full((M, cfg["K"]), float("nan"), device=DEV, dtype=torch.bfloat16)
     y = IMPLS[impl](x, w, ids, w13, w2, cfg["act"], out=out)
     assert y.data_ptr() == out.data_ptr() and torch.isfinite(y).all()
@@ -89,11 +90,8 @@ def test_q4_experts_per_route_rows(model, impl, M):
     out = torch.full((M, cfg["k"], cfg["K"]), float("nan"), device=DEV, dtype=torch.bfloat16)
     y = IMPLS[impl](x, None, ids, w13, w2, cfg["act"], per_route=True, out=out)
     assert torch.isfinite(y).all()
-    from latency_specialized.bench.ops_bench_q4 import _selected
-    from latency_specialized.ops.moe import experts_reference
 
-    uniq, local = torch.unique(ids, return_inverse=True)
-    ref = experts_reference(x, w, local, _selected(w13, uniq), _selected(w2, uniq), cfg["act"], per_route=True)
+    ref = experts_reference(x, w, ids, w13, w2, cfg["act"], per_route=True)
     assert _rel(y, ref) < REL_TOL
 
 

@@ -10,10 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from latency_specialized.errors import CheckpointError
+from latency_specialized.errors import CheckpointError, UserError
 from latency_specialized.quant import checkpoint_io as qio
 from latency_specialized.quant import codecs as qc
+from latency_specialized.ops.moe import experts_reference
 from latency_specialized.quant.formats import FORMATS
+from latency_specialized.spec import ActivationSpec
 
 W = "model.layers.1.mlp.experts.3.down_proj.weight"
 B = "model.layers.1.mlp.experts.3.down_proj"
@@ -154,3 +156,35 @@ def test_make_checkpoint_quant_is_passed_or_refused_by_the_declared_formats(caps
     monkeypatch.setattr(type(adapter), "checkpoint_quant_formats", ("nvfp4", "fp8-block"), raising=False)
     line = _one_error_line(capsys, ["make-checkpoint", "kimi_k3", str(tmp_path / "no"), "--quant", "mxfp4"])
     assert line.endswith("use --quant nvfp4 or fp8-block (the quantized formats it supports)")
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_experts_selects_the_stored_rows_of_each_expert(gen, fmt):
+    E, N, K = 5, 64, 128
+    q = qio.quantize_weight("experts.w13", torch.randn(E, N, K, generator=gen), fmt)
+    full = q.dequantize()
+    idx = torch.tensor([4, 1, 1])
+    picked = q.experts(idx)
+    assert picked.shape == (3, N, K) and picked.fmt == q.fmt
+    assert torch.equal(picked.dequantize(), full[idx])
+    one = q.experts(2)
+    assert one.shape == (1, N, K) and torch.equal(one.dequantize(), full[2:3])
+    with pytest.raises(UserError, match=r"experts\(\) needs an \[E, N, K\] weight"):
+        qio.quantize_weight("proj", torch.randn(N, K, generator=gen), fmt).experts(0)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_experts_reference_on_stored_weights_equals_it_on_their_dequantised_copies(gen, fmt):
+    """The reference dequantises a stored weight one routed expert at a time: the same answer as on the whole fp32
+    copy (what it did before), in its combined and per-route forms."""
+    E, K, I, M, k = 6, 64, 32, 5, 2
+    w13 = qio.quantize_weight("experts.w13", torch.randn(E, 2 * I, K, generator=gen) * K ** -0.5, fmt)
+    w2 = qio.quantize_weight("experts.w2", torch.randn(E, K, I, generator=gen) * I ** -0.5, fmt)
+    x = torch.randn(M, K, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)])
+    weights = torch.rand(M, k, generator=gen)
+    act = ActivationSpec(kind="swiglu")
+    for per_route in (False, True):
+        got = experts_reference(x, weights, ids, w13, w2, act, per_route=per_route)
+        want = experts_reference(x, weights, ids, w13.dequantize(), w2.dequantize(), act, per_route=per_route)
+        assert torch.equal(got, want)
