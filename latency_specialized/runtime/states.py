@@ -218,11 +218,19 @@ class ModelStates:
         return torch.tensor([list(s.blocks) for s in slots], dtype=torch.int32,
                             device=device if device is not None else self.device)
 
-    def clone(self) -> "ModelStates":
+    def clone(self, *, paged: bool = True) -> "ModelStates":
         """A deep copy of every tensor (same slots): run two implementations from one starting state. The copy
-        is of this class (a subclass keeps the constructor's arguments) and gets :meth:`copy_history`."""
-        out = type(self)({i: {n: t.clone() for n, t in by.items()} for i, by in self.by_layer.items()}, self.decls,
-                         block_size=self.block_size, slots=self.slots, allocator=None, tp=self.tp)
+        is of this class (a subclass keeps the constructor's arguments) and gets :meth:`copy_history`.
+
+        ``paged=False``: the paged caches are shared, not copied - a snapshot to roll sequences back to with
+        ``copy_sequence(..., paged=False)``, where what the paged caches hold past the rollback point is written
+        again before anything reads it (a verification step's rejected drafts): copying every block of a long
+        history per draft is what made the long-context verification cells slow and large."""
+        def copy(d: StateDecl, t: torch.Tensor) -> torch.Tensor:
+            return t if d.kind == "paged" and not paged else t.clone()
+
+        out = type(self)({i: {n: copy(self.decls[i][n], t) for n, t in by.items()} for i, by in self.by_layer.items()},
+                         self.decls, block_size=self.block_size, slots=self.slots, allocator=None, tp=self.tp)
         self.copy_history(out)
         return out
 
@@ -251,9 +259,11 @@ class ModelStates:
         return ModelStates(out, decls, block_size=self.block_size, slots=self.slots, allocator=self.allocator,
                            tp=self.tp)
 
-    def copy_sequence(self, dst: SeqSlot, src: "ModelStates", src_slot: SeqSlot, tokens: int) -> None:
+    def copy_sequence(self, dst: SeqSlot, src: "ModelStates", src_slot: SeqSlot, tokens: int, *,
+                      paged: bool = True) -> None:
         """Copy one sequence's state from ``src`` (same model and TP): its 'rows' states row by row and the
-        paged blocks holding its first ``tokens`` tokens (a batch of many sequences from a few prefilled ones)."""
+        paged blocks holding its first ``tokens`` tokens (a batch of many sequences from a few prefilled ones);
+        ``paged=False``: the 'rows' states only (a rollback to a ``clone(paged=False)`` snapshot)."""
         if src.block_size != self.block_size:
             raise UserError(f"copy between states of block sizes {src.block_size} and {self.block_size}: use one")
         n_blocks = cdiv(tokens, self.block_size or 1)
@@ -264,19 +274,20 @@ class ModelStates:
             for k in range(n_blocks):
                 a[dst.blocks[k]] = b[src_slot.blocks[k]]
 
-        copy_slot_states(self, src, dst, src_slot, blocks)
+        copy_slot_states(self, src, dst, src_slot, blocks if paged else None)
 
 
 def copy_slot_states(dst: ModelStates, src: ModelStates, dst_slot: SeqSlot, src_slot: SeqSlot,
-                     copy_paged: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+                     copy_paged: Callable[[torch.Tensor, torch.Tensor], None] | None) -> None:
     """One sequence's declared states from ``src`` into ``dst`` (same declarations): the 'rows' states row to
-    row, each paged one by ``copy_paged(dst tensor, src tensor)`` (which tokens go where is the caller's)."""
+    row, each paged one by ``copy_paged(dst tensor, src tensor)`` (which tokens go where is the caller's; None:
+    the paged ones are left as they are)."""
     for layer, by_name in dst.decls.items():
         for name, d in by_name.items():
             a, b = dst.by_layer[layer][name], src.by_layer[layer][name]
             if d.kind == "rows":
                 a[dst_slot.row] = b[src_slot.row]
-            else:
+            elif copy_paged is not None:
                 copy_paged(a, b)
 
 

@@ -197,11 +197,11 @@ def long_cell_bytes(adapter: Any, cell: Cell) -> int:
 
 
 def admission_bytes(adapter: Any, cell: Cell) -> int:
-    """Memory a GPU cell is admitted with (``gpu_share.admitted``): ``long_cell_bytes``, times ``1 + k`` for a
-    verification cell - its reference checks the k + 1 rows of every request, and its peak grows with them
-    (measured in ``ops/attention/NOTES_verify.md``, session 27: a Muse Spark 128K k = 7 cell ran out of memory
-    admitted at the plain estimate). Which cells exist (``LONG_GPU_BYTES``) still follows ``long_cell_bytes``."""
-    return long_cell_bytes(adapter, cell) * (1 + cell.spec_tokens)
+    """Memory a GPU cell is admitted with (``gpu_share.admitted``): ``long_cell_bytes``, verification cells
+    included - their reference rolls back to snapshots of the per-row states only (``ModelStates.clone(paged=
+    False)``), so their peak no longer grows with k (``ops/attention/NOTES_verify.md``, session 37; until then
+    whole-state snapshots per draft made it ~(1 + k) x and the ledger asked for that much)."""
+    return long_cell_bytes(adapter, cell)
 
 
 def _long_cells(adapter: Any, device: str, tps: list[int], spec_options: list[int]) -> list[Cell]:

@@ -230,14 +230,14 @@ def _verify_spec(cell: Any, ref: Any, states: Any, positions: list[int], toks: t
             snaps, want = [], []
             for t in range(T):
                 want.append(ref.decode(states, slots, [positions[b] + t for b in mine], seq[mine, t]))
-                snaps.append(states.clone())
+                snaps.append(states.clone(paged=False))   # later KV slots are written again before any read
             want_t = torch.stack(want, 1)
             err = max(err, (got[mine].double() - want_t.double()).abs().max().item())
             scale = max(scale, want_t.abs().max().item())
             counts = [c + n for c, n in zip(counts, decisive_agreement(got[mine], want_t, rel_tol))]
-            for b in mine:  # the reference back at the accepted prefix (later KV slots are not read again)
+            for b in mine:  # the reference back at the accepted prefix (its per-row states and history)
                 states.copy_sequence(states.slots[b], snaps[accepted[b]], states.slots[b],
-                                     positions[b] + accepted[b] + 1)
+                                     positions[b] + accepted[b] + 1, paged=False)
         digest += float(got.double().sum())
         # the program's greedy token after each accepted prefix (identical on every rank) feeds the next step
         toks = got[torch.arange(B), torch.tensor(accepted)].argmax(-1)

@@ -75,8 +75,8 @@ class ReferenceStates(ModelStates):
 
     seqs: dict[int, SeqCache]
 
-    def copy_sequence(self, dst: SeqSlot, src: "ModelStates", src_slot: SeqSlot, tokens: int) -> None:
-        super().copy_sequence(dst, src, src_slot, tokens)
+    def copy_sequence(self, dst: SeqSlot, src: ModelStates, src_slot: SeqSlot, tokens: int, *, paged: bool = True):
+        super().copy_sequence(dst, src, src_slot, tokens, paged=paged)
         h = src.seqs[src_slot.row]  # type: ignore[attr-defined]
         self.seqs[dst.row] = SeqCache(tokens, *({k: v[:tokens] for k, v in d.items()} for d in (h.kv, h.ckv, h.cgate)))
 

@@ -75,6 +75,27 @@ def test_clone_is_deep_and_keeps_the_slots():
     assert st.layer(0)["k"].abs().sum() > 0
 
 
+def test_rows_only_snapshot_shares_the_paged_caches_and_rolls_back_the_rows():
+    """clone(paged=False) copies the 'rows' states and shares the paged ones; copy_sequence(paged=False) restores
+    one sequence's rows from it and leaves the paged caches as they are (a verification step's rollback)."""
+    st = ModelStates.allocate(model_with_rows(), 2, 8, block_size=4, dtype=torch.float32, shuffle_seed=1)
+    for t in st.tensors():
+        t.normal_()
+    snap = st.clone(paged=False)
+    assert snap.layer(1)["k"] is st.layer(1)["k"] and snap.layer(1)["memory"] is not st.layer(1)["memory"]
+    before = st.layer(1)["memory"].clone()
+    for t in st.tensors():
+        t.add_(1.0)                                     # decoding drafts: every state moves on
+    paged_after = st.layer(1)["k"].clone()
+    a, b = st.slots
+    st.copy_sequence(a, snap, a, 5, paged=False)
+    assert torch.equal(st.layer(1)["memory"][a.row], before[a.row])          # rolled back
+    assert torch.equal(st.layer(1)["memory"][b.row], before[b.row] + 1.0)    # the other sequence untouched
+    assert torch.equal(st.layer(1)["k"], paged_after)                        # paged: as they are
+    full = st.clone()
+    assert full.layer(1)["k"] is not st.layer(1)["k"] and torch.equal(full.layer(1)["k"], st.layer(1)["k"])
+
+
 def test_external_tensors_are_checked_and_used_in_place():
     model = toy_model()
     vllm = {i: torch.randn(2, 5, 8, 2 if i != 2 else 1, 16) for i in range(4)}   # [2, blocks, bs, heads, dim]
