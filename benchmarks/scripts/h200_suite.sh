@@ -13,6 +13,9 @@
 # holds the long-context cells the two no longer fit one 600 s call together, nor the matrix alone: session 23's
 # matrix call ran 271 of its ~288 cells in 560 s on 5 workers; split it with MATRIX_K). SUITE_S (default 560 s,
 # under the device's 600 s per call) bounds each run.
+# At the limit the runs get SIGINT (then SIGKILL 25 s on): pytest stops as after Ctrl-C and still prints its summary
+# (each failure's reason: session 37's rest run, killed outright, named 143 failures and errors but not why) and
+# writes its junit file; --durations lists the slowest tests.
 # Run it alone on the GPU: the matrix's memory ledger (testing/gpu_share.py) admits matrix cells only, and other GPU
 # jobs beside it starve them (session 26: four Muse Spark 128K cells failed beside two long checks, passed alone).
 set -o pipefail
@@ -30,8 +33,8 @@ if [ "$PART" != rest ]; then
   # MATRIX_K (a -k expression, e.g. "ctx8 or ctx40" / "ctx32768 or ctx131072") splits the cells over calls
   # --maxschedchunk 1: one cell at a time per worker, so the long cells tests/conftest.py puts first spread over the
   # workers (xdist's default hands each worker a run of consecutive cells to start with)
-  timeout "${SUITE_S:-560}" python3 -m pytest -m gpu "$MATRIX" ${MATRIX_K:+-k "$MATRIX_K"} -n "${MATRIX_WORKERS:-4}" \
-    --dist load --maxschedchunk 1 -v -rfE -p no:cacheprovider --junitxml="$OUT/junit_matrix.xml" > "$OUT/gpu_suite_matrix.log" 2>&1 &
+  timeout -s INT -k 25 "${SUITE_S:-560}" python3 -m pytest -m gpu "$MATRIX" ${MATRIX_K:+-k "$MATRIX_K"} -n "${MATRIX_WORKERS:-4}" \
+    --dist load --maxschedchunk 1 -v -rfE --durations=20 -p no:cacheprovider --junitxml="$OUT/junit_matrix.xml" > "$OUT/gpu_suite_matrix.log" 2>&1 &
   m=$!
 fi
 if [ "$PART" != matrix ]; then
@@ -43,8 +46,8 @@ if [ "$PART" != matrix ]; then
   WORKERS=${WORKERS:-$(python3 -c "import torch; print(max(2, min(8, torch.cuda.get_device_properties(0).total_memory \
     // (16 * 2 ** 30))))")}
   # shellcheck disable=SC2086
-  timeout "${SUITE_S:-560}" python3 -m pytest -m gpu ${REST_PATHS:-tests} --ignore="$MATRIX" -n "$WORKERS" \
-    --dist "${REST_DIST:-loadgroup}" -v -rfE -p no:cacheprovider --junitxml="$OUT/junit.xml" \
+  timeout -s INT -k 25 "${SUITE_S:-560}" python3 -m pytest -m gpu ${REST_PATHS:-tests} --ignore="$MATRIX" -n "$WORKERS" \
+    --dist "${REST_DIST:-loadgroup}" -v -rfE --durations=30 -p no:cacheprovider --junitxml="$OUT/junit.xml" \
     > "$OUT/gpu_suite.log" 2>&1 &
   o=$!
 fi
