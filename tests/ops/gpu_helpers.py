@@ -29,6 +29,19 @@ def graph_replay(fn) -> torch.cuda.CUDAGraph:
     return g
 
 
+def random_experts(E: int, N: int, K: int, g: torch.Generator, dtype: torch.dtype = torch.bfloat16,
+                   device: str = "cuda") -> torch.Tensor:
+    """``[E, N, K]`` normal weights scaled by ``K ** -0.5``, in ``dtype``, drawn a few experts at a time: the fp32 draw
+    of a whole rank's experts (Kimi K3 TP8's gate_up: 9.9 GB, its down_proj 4.9 GB) beside the result is what ran an
+    H100's suite workers out of memory (session 37)."""
+    out = torch.empty(E, N, K, dtype=dtype, device=device)
+    step = max(1, (256 << 20) // (N * K * 4))     # <= 256 MB of fp32 per draw
+    for e in range(0, E, step):
+        n = min(step, E - e)
+        out[e:e + n] = (torch.randn(n, N, K, generator=g, device=device) * K ** -0.5).to(dtype)
+    return out
+
+
 def quantized_rows(name: str, N: int, K: int, fmt: str, device: str = "cuda"):
     """A random [N, K] weight whose rows span two decades of magnitude, stored as ``fmt`` (QuantizedWeight)."""
     from latency_specialized.quant.checkpoint_io import quantize_weight

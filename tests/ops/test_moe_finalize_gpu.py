@@ -18,7 +18,7 @@ import torch
 from latency_specialized.ops.moe import experts_reference, finalize_reference
 from latency_specialized.spec import ActivationSpec
 
-from gpu_helpers import graph_replay as _graph_replay, seeded_generator as _gen
+from gpu_helpers import graph_replay as _graph_replay, random_experts, seeded_generator as _gen
 
 pytestmark = pytest.mark.gpu
 
@@ -44,9 +44,7 @@ def _impl(name: str):
 def muse_experts():
     """One rank's expert weights (3.2 GB bf16), shared by the module's cases."""
     g = _gen("muse-tp8-experts")
-    w13 = (torch.randn(E, 2 * WIDTH, LATENT, generator=g, device=DEV) * LATENT ** -0.5).bfloat16()
-    w2 = (torch.randn(E, LATENT, WIDTH, generator=g, device=DEV) * WIDTH ** -0.5).bfloat16()
-    return w13, w2
+    return random_experts(E, 2 * WIDTH, LATENT, g), random_experts(E, LATENT, WIDTH, g)
 
 
 def _routing(M, g, *, same_for_all=False):

@@ -17,7 +17,7 @@ from latency_specialized.ops.mlp import mlp_reference
 from latency_specialized.ops.moe import experts_reference, route_reference
 from latency_specialized.spec import ActivationSpec, RouterSpec
 
-from gpu_helpers import graph_replay as _graph_replay, seeded_generator as _gen
+from gpu_helpers import graph_replay as _graph_replay, random_experts, seeded_generator as _gen
 
 pytestmark = pytest.mark.gpu
 
@@ -123,9 +123,7 @@ def _random_routing(M, E, k, g, *, same_for_all=False):
 
 
 def _expert_weights(E, I, K, N, dtype, g):
-    w13 = (torch.randn(E, 2 * I, K, generator=g, device=DEV) * K ** -0.5).to(dtype)
-    w2 = (torch.randn(E, N, I, generator=g, device=DEV) * I ** -0.5).to(dtype)
-    return w13, w2
+    return random_experts(E, 2 * I, K, g, dtype, DEV), random_experts(E, N, I, g, dtype, DEV)
 
 
 EXPERT_CASES = [

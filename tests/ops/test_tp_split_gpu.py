@@ -16,7 +16,7 @@ from latency_specialized.ops.gemm import gemm_reference, gemm_torch
 from latency_specialized.ops.moe import experts_reference
 from latency_specialized.spec import ActivationSpec
 
-from gpu_helpers import graph_replay as _graph_replay, seeded_generator as _gen
+from gpu_helpers import graph_replay as _graph_replay, random_experts, seeded_generator as _gen
 
 pytestmark = pytest.mark.gpu
 
@@ -36,8 +36,7 @@ def test_triton_experts_match_reference_and_replay(M, E, K, I, N, k):
     from latency_specialized.kernels.moe_experts_triton import experts_triton
 
     g = _gen(f"triton-experts-{M}-{E}")
-    w13 = (torch.randn(E, 2 * I, K, generator=g, device=DEV) * K ** -0.5).bfloat16()
-    w2 = (torch.randn(E, N, I, generator=g, device=DEV) * I ** -0.5).bfloat16()
+    w13, w2 = random_experts(E, 2 * I, K, g), random_experts(E, N, I, g)
     x = torch.randn(M, K, generator=g, device=DEV).bfloat16()
     w, ids = _routing(M, E, k, g)
     out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEV)
