@@ -12,6 +12,11 @@
   scheduled first; then the GPU tests that took longest on the H200 (``tests/gpu_durations.json``, from the
   committed junit files by ``benchmarks/scripts/gpu_durations.py``), longest first, so that no worker starts one
   near the end of a time-boxed device call.
+* GPU tests listed in ``tests/gpu_memory.json`` (node id prefix -> GiB) start only once that much fits the memory
+  ledger the matrix cells use (``testing.gpu_share``: half the card, shared by every process on it), and hand their
+  cached memory back after: the suite's workers then share a smaller card without running each other out of memory
+  (an 80 GB H100 did with 6 workers in session 37). The figures: the peaks below where measured, else estimates from
+  the tests' tensor sizes.
 * ``LS_GPU_PEAKS=<dir>`` (``benchmarks/scripts/h200_suite.sh`` sets it): each GPU test's peak of the memory its
   process holds on the GPU (torch's reserved bytes, fixtures of earlier tests included: what the workers sharing
   the card compete for) goes to ``<dir>/peaks_<worker>.json``, the data for sizing the suite's workers per card.
@@ -19,6 +24,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -103,15 +109,38 @@ def _xdist_layout(config, items) -> None:
 _PEAKS: dict[str, float] = {}
 
 
+def _gpu_gib() -> dict[str, float]:
+    """GiB the memory-heavy GPU tests are admitted with, by node id prefix (``tests/gpu_memory.json``)."""
+    path = Path(__file__).with_name("gpu_memory.json")
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _admission_gib(nodeid: str, table: dict[str, float]) -> float:
+    """The longest matching prefix's GiB (0: not a listed test)."""
+    hits = [k for k in table if nodeid.startswith(k)]
+    return float(table[max(hits, key=len)]) if hits else 0.0
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    record = bool(os.environ.get("LS_GPU_PEAKS")) and item.get_closest_marker("gpu") is not None \
-        and _cuda_available()
+    on_gpu = item.get_closest_marker("gpu") is not None and _cuda_available()
+    record = on_gpu and bool(os.environ.get("LS_GPU_PEAKS"))
+    gib = _admission_gib(item.nodeid, _gpu_gib()) if on_gpu else 0.0
+    gate = contextlib.nullcontext()
+    if gib:
+        from latency_specialized.testing.gpu_share import admitted
+
+        gate = admitted(int(gib * 2 ** 30), label=item.nodeid)
     if record:
         import torch
 
         torch.cuda.reset_peak_memory_stats()
-    yield
+    with gate:
+        yield
+        if gib:
+            from latency_specialized.testing.gpu_share import release_cached_memory
+
+            release_cached_memory()
     if record:
         _PEAKS[item.nodeid] = round(torch.cuda.max_memory_reserved() / 2 ** 30, 2)
 

@@ -40,11 +40,13 @@ fi
 if [ "$PART" != matrix ]; then
   # -v here too: session 35's run hit the limit with 4 failures and an error the -q log could not name;
   # REST_PATHS (default: all of tests/) splits the rest over calls, e.g. "tests/ops" then "tests/models tests/comm ..."
-  # WORKERS default: 8 on the H200's 139 GB; fewer on a smaller card (an 80 GB H100 ran out of memory with 12 workers
-  # in session 36 and with 6 in session 37: 143 tests, the MoE ones with Kimi K3's 896 experts) - one worker per
-  # 16 GiB, at most 8; each test's peak memory goes to $OUT/peaks (tests/conftest.py) for a better rule
+  # WORKERS default: 8 on the H200's 139 GB, 6 on an 80 GB H100 - one per 13 GiB, at most 8. The H100 ran out of
+  # memory with 12 workers in session 36 and with 6 in session 37 (143 tests, the MoE ones with Kimi K3's 896
+  # experts); since then the heaviest tests wait for room in the memory ledger (tests/gpu_memory.json), the experts'
+  # reference dequantises one expert at a time and the tests draw expert weights in chunks. Each test's peak memory
+  # goes to $OUT/peaks (tests/conftest.py): the data for the ledger's figures
   WORKERS=${WORKERS:-$(python3 -c "import torch; print(max(2, min(8, torch.cuda.get_device_properties(0).total_memory \
-    // (16 * 2 ** 30))))")}
+    // (13 * 2 ** 30))))")}
   # shellcheck disable=SC2086
   timeout -s INT -k 25 "${SUITE_S:-560}" python3 -m pytest -m gpu ${REST_PATHS:-tests} --ignore="$MATRIX" -n "$WORKERS" \
     --dist "${REST_DIST:-loadgroup}" -v -rfE --durations=30 -p no:cacheprovider --junitxml="$OUT/junit.xml" \

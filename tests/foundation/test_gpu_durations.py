@@ -49,3 +49,63 @@ def test_long_gpu_tests_are_ordered_first_longest_first(monkeypatch):
     config = SimpleNamespace(pluginmanager=SimpleNamespace(hasplugin=lambda name: name == "xdist"))
     conftest._xdist_layout(config, items)
     assert [i.nodeid for i in items] == ["d::driver", "c::longer", "b::long", "a::short"]
+
+
+def test_memory_table_names_existing_gpu_tests_and_the_longest_prefix_wins():
+    """``tests/gpu_memory.json`` (GiB the memory-heavy GPU tests are admitted with): every prefix names an existing
+    test file (and function, where it names one) of GPU tests, with a positive figure; a node id takes the figure of
+    its longest matching prefix, and an unlisted one none."""
+    import tests.conftest as conftest
+
+    table = json.loads((ROOT / "tests" / "gpu_memory.json").read_text())
+    assert table and all(isinstance(v, (int, float)) and v > 0 for v in table.values())
+    for prefix in table:
+        path, _, name = prefix.partition("::")
+        tree = ast.parse((ROOT / path).read_text())
+        module_mark = any(isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in n.targets)
+                          and _marks_gpu(n.value) for n in tree.body)
+        func = name.split("[")[0]
+        defs = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        assert not func or func in defs, f"{prefix}: no such test"
+        assert module_mark or (func and any(_marks_gpu(d) for d in defs[func].decorator_list)), \
+            f"{prefix}: not GPU tests"
+    rule = {"a.py::": 2.0, "a.py::test_x[big": 9.0}
+    assert conftest._admission_gib("a.py::test_x[big-1]", rule) == 9.0
+    assert conftest._admission_gib("a.py::test_x[small]", rule) == 2.0
+    assert conftest._admission_gib("b.py::test_y", rule) == 0.0
+
+
+def test_listed_gpu_tests_run_inside_the_ledger(monkeypatch):
+    """The run-test hook holds a listed GPU test's figure in the memory ledger around its setup, call and teardown,
+    and leaves other tests alone."""
+    import contextlib
+
+    import tests.conftest as conftest
+    from latency_specialized.testing import gpu_share
+
+    events = []
+
+    @contextlib.contextmanager
+    def fake_admitted(nbytes, label=""):
+        events.append(("in", nbytes, label))
+        yield
+        events.append(("out", nbytes, label))
+
+    monkeypatch.setattr(conftest, "_cuda_available", lambda: True)
+    monkeypatch.setattr(conftest, "_gpu_gib", lambda: {"t.py::test_big": 2})
+    monkeypatch.setattr(gpu_share, "admitted", fake_admitted)
+    monkeypatch.setattr(gpu_share, "release_cached_memory", lambda: events.append(("released",)))
+    monkeypatch.delenv("LS_GPU_PEAKS", raising=False)
+
+    class Item(SimpleNamespace):
+        def get_closest_marker(self, name):
+            return object() if name == "gpu" else None
+
+    for nodeid in ("t.py::test_big[1]", "t.py::test_small"):
+        hook = conftest.pytest_runtest_protocol(Item(nodeid=nodeid), None)
+        next(hook)
+        events.append(("ran", nodeid))
+        with contextlib.suppress(StopIteration):
+            next(hook)
+    assert events == [("in", 2 << 30, "t.py::test_big[1]"), ("ran", "t.py::test_big[1]"), ("released",),
+                      ("out", 2 << 30, "t.py::test_big[1]"), ("ran", "t.py::test_small")]
