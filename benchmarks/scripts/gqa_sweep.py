@@ -2,8 +2,10 @@
 the cells that matter (tests/ops/test_gqa_triton_gpu.py's timing method: CUDA graphs, inputs rotated past the
 L2, median of groups). Writes one JSON row per (variant, cell) to argv[1].
 
-argv[2] picks the sweep: ``tiles`` (session 19's: waves, stages, warps, tile bytes; the default) or ``merge`` (the
-merge's launch and shape: ``MERGE_PDL``, ``EARLY_TRIGGER``, ``MERGE_D_BLOCK``, the first variant the baseline)."""
+argv[2] picks the sweep: ``tiles`` (session 19's: waves, stages, warps, tile bytes; the default), ``merge`` (the
+merge's launch and shape: ``MERGE_PDL``, ``EARLY_TRIGGER``, ``MERGE_D_BLOCK``, the first variant the baseline) or
+``waves`` (programs per SM 1-4 x pipeline stages, around batch 8: issue 23's 70% there needs ~1 us of the ~11 us a
+call spends outside streaming - per-program prologue / tail against more, shorter splits and a wider merge)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ SWEEPS = {
     "merge": dict(cells=[(8, 32768, None), (16, 32768, None), (64, 32768, None), (1, 32768, None), (1, 131072, None),
                          (1, 4096, None), (8, 32768, 2048)],
                   variants={"MERGE_PDL": (False, True), "EARLY_TRIGGER": (False, True), "MERGE_D_BLOCK": (0, 16)}),
+    "waves": dict(cells=[(8, 32768, None), (16, 32768, None), (8, 131072, None), (64, 32768, None), (1, 32768, None)],
+                  variants={"WAVES": (2, 1, 3, 4), "NUM_STAGES": (3, 4)}),
 }
 
 
