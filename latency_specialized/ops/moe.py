@@ -70,9 +70,9 @@ def experts_reference(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.
     Parameters
     ----------
     x : [M, K]; weights, ids : [M, top_k]; w_gate_up : [E, 2*I, K]; w_down : [E, N, I]. Either weight
-        may be a ``quant.QuantizedWeight`` (4-bit experts kept as stored): it is dequantised here, exactly, one
-        routed expert at a time
-        (e2m1 x a power of two or an e4m3 x fp32 product is what the kernels multiply by).
+        may be a ``quant.QuantizedWeight`` (4-bit experts kept as stored): it is dequantised here, exactly
+        (e2m1 x a power of two or an e4m3 x fp32 product is what the kernels multiply by), one routed expert at a
+        time.
     per_route : return every route's expert output instead of the combination (``weights`` is
         then ignored and may be None). out : optional destination of the result's shape.
 

@@ -122,9 +122,8 @@ class QuantizedWeight:
 
     def experts(self, index: torch.Tensor | int) -> "QuantizedWeight":
         """The experts ``index`` selects along the leading dimension of an ``[E, N, K]`` weight, as a compact copy
-        of their stored tensors (an int: that one expert, the dimension kept as 1). A reference that dequantises
-        only these holds one expert's fp32 weight instead of every expert's (at Kimi K3's 896 experts the whole
-        dequantised gate_up is ~10 GB: the GPU suite's workers ran out of memory on it)."""
+        of their stored tensors (an int: that one expert, the dimension kept as 1): what a reference dequantises
+        when it must not hold every expert's fp32 copy at once (a rank's whole MoE, dequantised, is gigabytes)."""
         if len(self.shape) < 3:
             raise UserError(f"{self.name}: experts() needs an [E, N, K] weight, got the shape {self.shape}")
         E = self.shape[0]

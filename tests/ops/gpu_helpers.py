@@ -31,9 +31,8 @@ def graph_replay(fn) -> torch.cuda.CUDAGraph:
 
 def random_experts(E: int, N: int, K: int, g: torch.Generator, dtype: torch.dtype = torch.bfloat16,
                    device: str = "cuda") -> torch.Tensor:
-    """``[E, N, K]`` normal weights scaled by ``K ** -0.5``, in ``dtype``, drawn a few experts at a time: the fp32 draw
-    of a whole rank's experts (Kimi K3 TP8's gate_up: 9.9 GB, its down_proj 4.9 GB) beside the result is what ran an
-    H100's suite workers out of memory (session 37)."""
+    """``[E, N, K]`` normal weights scaled by ``K ** -0.5``, in ``dtype``, drawn a few experts at a time: no fp32 draw
+    of a whole rank's experts beside the result (Kimi K3 TP8's gate_up alone would be 9.9 GB of it)."""
     out = torch.empty(E, N, K, dtype=dtype, device=device)
     step = max(1, (256 << 20) // (N * K * 4))     # <= 256 MB of fp32 per draw
     for e in range(0, E, step):
