@@ -61,3 +61,6 @@ for f in "$OUT/gpu_suite_matrix.log" "$OUT/gpu_suite.log"; do
   grep -hE "^(FAILED|ERROR)| FAILED | ERROR " "$f" | cut -c1-200 | sort -u | head -30
   echo "$(basename "$f"): $(tail -1 "$f") ($(grep -c " PASSED " "$f") PASSED lines)"
 done
+# the compile caches the runs filled (CuTe DSL objects, Triton's): whether carrying them to the next machine could
+# pay (the carry limit leaves ~10 MiB beside the CuTe DSL parts and wheels)
+du -sh "$LS_KERNEL_CACHE_DIR" "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" 2>/dev/null
