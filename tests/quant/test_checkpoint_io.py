@@ -11,9 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from latency_specialized.errors import CheckpointError, UserError
+from latency_specialized.ops.moe import experts_reference
 from latency_specialized.quant import checkpoint_io as qio
 from latency_specialized.quant import codecs as qc
-from latency_specialized.ops.moe import experts_reference
+from latency_specialized.quant import layout
 from latency_specialized.quant.formats import FORMATS
 from latency_specialized.spec import ActivationSpec
 
@@ -158,10 +159,17 @@ def test_make_checkpoint_quant_is_passed_or_refused_by_the_declared_formats(caps
     assert line.endswith("use --quant nvfp4 or fp8-block (the quantized formats it supports)")
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_experts_selects_the_stored_rows_of_each_expert(gen, fmt):
+LAYOUTS = [(fmt, derived) for fmt in sorted(FORMATS) for derived in ("stored", "pairs", "rows")
+           if derived != "pairs" or FORMATS[fmt].element == "e2m1"]
+"""Each format as stored and in the derived layouts the kernels read (paired nibbles: e2m1 only; a scale per row)."""
+
+
+@pytest.mark.parametrize("fmt,derived", LAYOUTS)
+def test_experts_selects_the_stored_rows_of_each_expert(gen, fmt, derived):
     E, N, K = 5, 64, 128
     q = qio.quantize_weight("experts.w13", torch.randn(E, N, K, generator=gen), fmt)
+    if derived != "stored":
+        q = layout.paired_nibbles(q) if derived == "pairs" else layout.row_scaled(q)
     full = q.dequantize()
     idx = torch.tensor([4, 1, 1])
     picked = q.experts(idx)
