@@ -44,7 +44,7 @@ if [ "$PART" != matrix ]; then
   # memory with 12 workers in session 36 and with 6 in session 37 (143 tests, the MoE ones with Kimi K3's 896
   # experts); since then the heaviest tests wait for room in the memory ledger (tests/gpu_memory.json), the experts'
   # reference dequantises one expert at a time and the tests draw expert weights in chunks. Each test's peak memory
-  # goes to $OUT/peaks (tests/conftest.py): the data for the ledger's figures
+  # goes to $OUT/gpu_peaks_$PART.json (tests/conftest.py, merged below): the data for the ledger's figures
   WORKERS=${WORKERS:-$(python3 -c "import torch; print(max(2, min(8, torch.cuda.get_device_properties(0).total_memory \
     // (13 * 2 ** 30))))")}
   # shellcheck disable=SC2086
@@ -61,6 +61,18 @@ for f in "$OUT/gpu_suite_matrix.log" "$OUT/gpu_suite.log"; do
   grep -hE "^(FAILED|ERROR)| FAILED | ERROR " "$f" | cut -c1-200 | sort -u | head -30
   echo "$(basename "$f"): $(tail -1 "$f") ($(grep -c " PASSED " "$f") PASSED lines)"
 done
+# one file of every worker's peaks (the device returns at most 8 files from $OUT): node id -> GiB, largest first
+if [ -d "$LS_GPU_PEAKS" ]; then
+  python3 - "$LS_GPU_PEAKS" "$OUT/gpu_peaks_${PART}.json" <<'PY'
+import json, pathlib, sys
+peaks = {}
+for f in sorted(pathlib.Path(sys.argv[1]).glob("peaks_*.json")):
+    peaks.update(json.loads(f.read_text()))
+    f.unlink()
+pathlib.Path(sys.argv[2]).write_text(json.dumps(dict(sorted(peaks.items(), key=lambda kv: -kv[1])), indent=0))
+print(f"peak memory of {len(peaks)} GPU tests -> {sys.argv[2]}")
+PY
+fi
 # the compile caches the runs filled (CuTe DSL objects, Triton's): whether carrying them to the next machine could
 # pay (the carry limit leaves ~10 MiB beside the CuTe DSL parts and wheels)
 du -sh "$LS_KERNEL_CACHE_DIR" "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" 2>/dev/null
