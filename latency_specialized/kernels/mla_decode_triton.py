@@ -725,7 +725,7 @@ def pdl_enabled(device: torch.device, split_programs: int) -> bool:
     a Triton with grid dependency control (``tl.extra.cuda.gdc_wait``)."""
     if not PDL or _interpreting() or device.type != "cuda":
         return False
-    return split_programs <= sm_count(device) and capability(device)[0] >= 9 and _triton_has_gdc()
+    return split_programs <= sm_count(device) and capability(device)[0] >= 9 and triton_has_gdc()
 
 
 def late_merge_pdl(device: torch.device, pdl: bool, tiled: bool) -> bool:
@@ -735,12 +735,7 @@ def late_merge_pdl(device: torch.device, pdl: bool, tiled: bool) -> bool:
     frees, load their W_UV columns and wait; the next kernel (o_proj) may then launch early in turn."""
     if pdl or not tiled or not MERGE_PDL or _interpreting() or device.type != "cuda":
         return False
-    return capability(device)[0] >= 9 and _triton_has_gdc()
-
-
-def _triton_has_gdc() -> bool:
-    """``kernels.triton_common.triton_has_gdc`` (a name of this module: tests patch it)."""
-    return triton_has_gdc()
+    return capability(device)[0] >= 9 and triton_has_gdc()
 
 
 def _pdl_args(on: bool, num_warps: int | None = None) -> dict:

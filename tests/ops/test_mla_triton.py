@@ -340,7 +340,7 @@ def test_pdl_only_for_one_partial_wave_of_split_programs(monkeypatch):
     monkeypatch.setattr(mk, "_interpreting", lambda: False)
     monkeypatch.setattr(mk, "sm_count", lambda device: 132)
     monkeypatch.setattr(mk, "capability", lambda device: (9, 0))
-    monkeypatch.setattr(mk, "_triton_has_gdc", lambda: True)
+    monkeypatch.setattr(mk, "triton_has_gdc", lambda: True)
     gpu = torch.device("cuda", 0)
     assert mk.pdl_enabled(gpu, 68) and mk.pdl_enabled(gpu, 132)
     assert not mk.pdl_enabled(gpu, 136) and not mk.pdl_enabled(gpu, 256)
@@ -348,9 +348,9 @@ def test_pdl_only_for_one_partial_wave_of_split_programs(monkeypatch):
     monkeypatch.setattr(mk, "capability", lambda device: (8, 0))
     assert not mk.pdl_enabled(gpu, 68)                           # griddepcontrol needs sm_90
     monkeypatch.setattr(mk, "capability", lambda device: (9, 0))
-    monkeypatch.setattr(mk, "_triton_has_gdc", lambda: False)
+    monkeypatch.setattr(mk, "triton_has_gdc", lambda: False)
     assert not mk.pdl_enabled(gpu, 68)
-    monkeypatch.setattr(mk, "_triton_has_gdc", lambda: True)
+    monkeypatch.setattr(mk, "triton_has_gdc", lambda: True)
     monkeypatch.setattr(mk, "PDL", False)
     assert not mk.pdl_enabled(gpu, 68)
     assert mk._pdl_args(True, 4) == {"num_warps": 4, "PDL": True, "launch_pdl": True}
@@ -364,7 +364,7 @@ def test_late_merge_pdl_only_behind_a_split_kernel_without_pdl(monkeypatch):
 
     monkeypatch.setattr(mk, "_interpreting", lambda: False)
     monkeypatch.setattr(mk, "capability", lambda device: (9, 0))
-    monkeypatch.setattr(mk, "_triton_has_gdc", lambda: True)
+    monkeypatch.setattr(mk, "triton_has_gdc", lambda: True)
     gpu = torch.device("cuda", 0)
     assert mk.late_merge_pdl(gpu, False, True)
     assert not mk.late_merge_pdl(gpu, True, True) and not mk.late_merge_pdl(gpu, False, False)
