@@ -17,9 +17,11 @@
   cached memory back after: the suite's workers then share a smaller card without running each other out of memory
   (an 80 GB H100 did with 6 workers in session 37). The figures: the peaks below where measured, else estimates from
   the tests' tensor sizes.
-* ``LS_GPU_PEAKS=<dir>`` (``benchmarks/scripts/h200_suite.sh`` sets it): each GPU test's peak of the memory its
-  process holds on the GPU (torch's reserved bytes, fixtures of earlier tests included: what the workers sharing
-  the card compete for) goes to ``<dir>/peaks_<worker>.json``, the data for sizing the suite's workers per card.
+* ``LS_GPU_PEAKS=<dir>`` (``benchmarks/scripts/h200_suite.sh`` sets it): per GPU test, the peak of the memory its
+  process holds on the GPU (``gib``: torch's reserved bytes, fixtures of earlier tests included: what the workers
+  sharing the card compete for), its seconds (``s``, setup to teardown) and the seconds of them spent compiling
+  (``testing.compile_clock``: Triton and CuTe DSL, with counts) go to ``<dir>/peaks_<worker>.json``: the data for
+  sizing the suite's workers per card and for seeing what a cold compile cache costs.
 """
 
 from __future__ import annotations
@@ -106,7 +108,19 @@ def _xdist_layout(config, items) -> None:
             item.add_marker(pytest.mark.xdist_group(group))
 
 
-_PEAKS: dict[str, float] = {}
+_PEAKS: dict[str, dict[str, float]] = {}
+_CLOCK = None
+"""``testing.compile_clock.CompileClock`` of this process once a recorded GPU test ran (``LS_GPU_PEAKS``)."""
+
+
+def _compile_clock():
+    global _CLOCK
+    if _CLOCK is None:
+        from latency_specialized.testing.compile_clock import CompileClock
+
+        _CLOCK = CompileClock()
+        _CLOCK.install()
+    return _CLOCK
 
 
 def _gpu_gib() -> dict[str, float]:
@@ -132,17 +146,25 @@ def pytest_runtest_protocol(item, nextitem):
 
         gate = admitted(int(gib * 2 ** 30), label=item.nodeid)
     if record:
+        import time
+
         import torch
 
+        from latency_specialized.testing.compile_clock import delta
+
         torch.cuda.reset_peak_memory_stats()
+        clock = _compile_clock()
     with gate:
+        if record:  # after the ledger admitted it: the seconds are the test's, not its wait
+            before, t0 = clock.snapshot(), time.perf_counter()
         yield
         if gib:
             from latency_specialized.testing.gpu_share import release_cached_memory
 
             release_cached_memory()
     if record:
-        _PEAKS[item.nodeid] = round(torch.cuda.max_memory_reserved() / 2 ** 30, 2)
+        _PEAKS[item.nodeid] = {"gib": round(torch.cuda.max_memory_reserved() / 2 ** 30, 2),
+                               "s": round(time.perf_counter() - t0, 2), **delta(clock.snapshot(), before)}
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -150,7 +172,7 @@ def pytest_sessionfinish(session, exitstatus):
     if folder and _PEAKS:
         Path(folder).mkdir(parents=True, exist_ok=True)
         path = Path(folder) / f"peaks_{_XDIST_WORKER or 'main'}.json"
-        path.write_text(json.dumps(dict(sorted(_PEAKS.items(), key=lambda kv: -kv[1])), indent=0))
+        path.write_text(json.dumps(_PEAKS, indent=0))
 
 
 def pytest_collection_modifyitems(config, items):

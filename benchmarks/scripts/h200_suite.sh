@@ -15,7 +15,9 @@
 # under the device's 600 s per call) bounds each run.
 # At the limit the runs get SIGINT (then SIGKILL 25 s on): pytest stops as after Ctrl-C and still prints its summary
 # (each failure's reason: session 37's rest run, killed outright, named 143 failures and errors but not why) and
-# writes its junit file; --durations lists the slowest tests.
+# writes its junit file; --durations lists the slowest tests. Then the tests that failed by running out of GPU memory
+# run again on fewer workers in what is left of the call (below), and gpu_suite_report.py summarises the per-test
+# records (peak memory, seconds, compile seconds).
 # Run it alone on the GPU: the matrix's memory ledger (testing/gpu_share.py) admits matrix cells only, and other GPU
 # jobs beside it starve them (session 26: four Muse Spark 128K cells failed beside two long checks, passed alone).
 set -o pipefail
@@ -61,18 +63,30 @@ for f in "$OUT/gpu_suite_matrix.log" "$OUT/gpu_suite.log"; do
   grep -hE "^(FAILED|ERROR)| FAILED | ERROR " "$f" | cut -c1-200 | sort -u | head -30
   echo "$(basename "$f"): $(tail -1 "$f") ($(grep -c " PASSED " "$f") PASSED lines)"
 done
-# one file of every worker's peaks (the device returns at most 8 files from $OUT): node id -> GiB, largest first
+# one file of every worker's records (the device returns at most 8 files from $OUT): node id -> peak GiB, seconds,
+# compile seconds (Triton / CuTe DSL); the summary says how much of the test time was compiling
 if [ -d "$LS_GPU_PEAKS" ]; then
-  python3 - "$LS_GPU_PEAKS" "$OUT/gpu_peaks_${PART}.json" <<'PY'
-import json, pathlib, sys
-peaks = {}
-for f in sorted(pathlib.Path(sys.argv[1]).glob("peaks_*.json")):
-    peaks.update(json.loads(f.read_text()))
-    f.unlink()
-pathlib.Path(sys.argv[2]).write_text(json.dumps(dict(sorted(peaks.items(), key=lambda kv: -kv[1])), indent=0))
-print(f"peak memory of {len(peaks)} GPU tests -> {sys.argv[2]}")
-PY
+  python3 benchmarks/scripts/gpu_suite_report.py merge "$LS_GPU_PEAKS" "$OUT/gpu_peaks_${PART}.json"
 fi
-# the compile caches the runs filled (CuTe DSL objects, Triton's): whether carrying them to the next machine could
-# pay (the carry limit leaves ~10 MiB beside the CuTe DSL parts and wheels)
+# Tests that failed or errored by running out of GPU memory (workers sharing the card; session 37: 143 on an H100)
+# run again on RERUN_WORKERS (default 2) in what is left of CALL_S (default 590 s): their ids go to
+# $OUT/oom_<part>.txt, the rerun's log and junit beside the first run's, so the report can say which passed alone.
+CALL_S=${CALL_S:-590}
+for run in matrix rest; do
+  [ "$run" = matrix ] && junit="$OUT/junit_matrix.xml" || junit="$OUT/junit.xml"
+  [ -f "$junit" ] || continue
+  python3 benchmarks/scripts/gpu_suite_report.py oom "$junit" > "$OUT/oom_$run.txt"
+  n=$(wc -l < "$OUT/oom_$run.txt")
+  if [ "$n" = 0 ]; then rm -f "$OUT/oom_$run.txt"; continue; fi
+  left=$(( CALL_S - ($(date +%s) - t0) - 5 ))
+  echo "$run: $n tests failed by running out of GPU memory; rerun on ${RERUN_WORKERS:-2} workers, ${left} s left"
+  if [ "$left" -lt 30 ]; then echo "  no time left: rerun them from $OUT/oom_$run.txt"; continue; fi
+  mapfile -t ids < "$OUT/oom_$run.txt"
+  LS_GPU_PEAKS='' timeout -s INT -k 10 "$left" python3 -m pytest -m gpu "${ids[@]}" -n "${RERUN_WORKERS:-2}" \
+    --dist loadgroup -v -rfE -p no:cacheprovider --junitxml="$OUT/junit_${run}_rerun.xml" \
+    > "$OUT/gpu_suite_${run}_rerun.log" 2>&1
+  echo "  rerun: $(tail -1 "$OUT/gpu_suite_${run}_rerun.log")"
+done
+# the compile caches the runs filled (CuTe DSL objects, Triton's), for the record: later calls on this machine reuse
+# them; a session's checkout is new and .device/ is not committed, so they cannot reach the next session's machine
 du -sh "$LS_KERNEL_CACHE_DIR" "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" 2>/dev/null
