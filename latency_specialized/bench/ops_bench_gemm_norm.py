@@ -23,19 +23,39 @@ TABLE_MARGIN = 0.03
 
 
 def gemm_shapes(model: str, tps: Iterable[int]) -> dict[tuple[int, int], list[str]]:
-    """Distinct (N, K) of the model's gemm sites per TP shard -> the sites that use them."""
+    """Distinct (N, K) of the model's gemm sites per TP shard -> the sites that use them, the gemms inside other
+    implementations included (``Implementation.inner``: the fused MLP's gate/up and down, named ``site/role``):
+    the planner picks those from the same table, so a shape missing there leaves them on cuBLAS."""
     from latency_specialized.plugins import get_registry
     from latency_specialized.spec import ParallelSpec
 
-    adapter = get_registry().adapter(model)
+    reg = get_registry()
+    adapter = reg.adapter(model)
     spec = adapter.spec("full")
     shapes: dict[tuple[int, int], list[str]] = {}
     for tp in tps:
         for site in adapter.op_sites(spec.shard(tp), ParallelSpec(tp=tp), 1, "sm_90", "bfloat16"):
-            if site.family != "gemm":
-                continue
-            shapes.setdefault((site.ctx.dim("N"), site.ctx.dim("K")), []).append(f"{site.name}@tp{tp}")
+            gemms = [(site.name, site.ctx)] if site.family == "gemm" else []
+            for impl in reg.implementations.family(site.family):
+                if impl.inner is not None and impl.supports(site.ctx) is True:
+                    gemms += [(f"{site.name}/{role}", ctx) for role, ctx in impl.inner(site.ctx)
+                              if ctx.family == "gemm"]
+            for name, ctx in gemms:
+                where = f"{name}@tp{tp}"
+                sites = shapes.setdefault((ctx.dim("N"), ctx.dim("K")), [])
+                if where not in sites:
+                    sites.append(where)
     return shapes
+
+
+def shapes_missing_from_table(model: str, tps: Iterable[int], ms: Iterable[int],
+                              table: dict[str, Any] | None = None) -> tuple[tuple[int, int], ...]:
+    """The model's gemm shapes (``gemm_shapes``) without a measured cell in the dispatch table at one of the token
+    counts ``ms`` (their buckets): the planner serves those by cuBLAS, whatever a kernel would do there."""
+    from latency_specialized.kernels import tuning
+
+    table = table if table is not None else tuning.load_table()
+    return tuple(s for s in sorted(gemm_shapes(model, tps)) if any(tuning.entry(*s, m, table) is None for m in ms))
 
 
 def gemm_variant_configs(n: int, k: int, m: int, quick: bool = False) -> list[tuple[str, Any]]:

@@ -33,7 +33,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=0, help="parallel compile processes (needs $LS_KERNEL_CACHE_DIR)")
     p.add_argument("--quick", action="store_true", help="one config per kernel (smoke run)")
     p.add_argument("--shapes", default="", metavar="N:K,...",
-                   help="gemm: only these of the model's (N, K) shapes (e.g. a new fused projection)")
+                   help="gemm: only these of the model's (N, K) shapes (e.g. a new fused projection); 'missing': "
+                        "the model's shapes the dispatch table has no cell for at one of the --m token counts")
     p.add_argument("--merge-table", action="store_true",
                    help="with --write-table: add/replace the measured cells in the existing table, keep the others")
     return p
@@ -53,9 +54,18 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("bench-ops needs a CUDA GPU and torch sees none: run it where one is visible "
                         "(bench-ops --list needs no GPU)")
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_%d%da" % torch.cuda.get_device_capability())
-    shapes = tuple(tuple(int(v) for v in item.split(":")) for item in args.shapes.split(",") if item.strip())
+    if args.shapes.strip() == "missing":
+        from latency_specialized.bench.ops_bench_gemm_norm import shapes_missing_from_table
+
+        shapes = shapes_missing_from_table(args.model, _ints(args.tp), _ints(args.m))
+        print(f"--shapes missing: {args.model} at TP {args.tp} lacks table cells for "
+              f"{','.join(f'{n}:{k}' for n, k in shapes) or 'no shape'}")
+        if not shapes:
+            return 0
+    else:
+        shapes = tuple(tuple(int(v) for v in item.split(":")) for item in args.shapes.split(",") if item.strip())
     if any(len(s) != 2 for s in shapes):
-        raise UserError(f"--shapes takes N:K pairs separated by commas, got {args.shapes!r}")
+        raise UserError(f"--shapes takes N:K pairs separated by commas (or 'missing'), got {args.shapes!r}")
     if args.merge_table and args.write_table is None:
         raise UserError("--merge-table needs --write-table (the table to merge into)")
     settings = ops_bench.BenchSettings(model=args.model, tps=_ints(args.tp), ms=_ints(args.m), quick=args.quick,

@@ -433,6 +433,23 @@ def test_bench_gemm_cases_cover_the_model_shapes():
         assert cfg.nt * 8 >= 32 and cfg.sk <= 8
 
 
+def test_bench_gemm_shapes_include_the_gemms_inside_other_implementations():
+    """The fused MLP's gate/up and down are planned from the same table as the gemm sites: the bench measures
+    them too (DeepSeek-V4.1-Flash's shared expert at TP8: [2 x 288, 5120] and [5120, 288])."""
+    from latency_specialized.bench.ops_bench_gemm_norm import gemm_shapes, shapes_missing_from_table
+
+    shapes = gemm_shapes("deepseek_v41_flash", (8,))
+    assert any(s.endswith("moe.shared/gate_up@tp8") for s in shapes[(576, 5120)])
+    assert any(s.endswith("moe.shared/down@tp8") for s in shapes[(5120, 288)])
+    cell = {"winner": "gemm.cublas", "times_us": {}, "configs": {}}
+    table = {"entries": {f"{n},{k},{m}": cell for n, k in shapes for m in (1, 2)}}
+    del table["entries"]["576,5120,2"]
+    assert shapes_missing_from_table("deepseek_v41_flash", (8,), (1,), table) == ()
+    assert shapes_missing_from_table("deepseek_v41_flash", (8,), (1, 2), table) == ((576, 5120),)
+    # M 3 is bucket 4, which this table lacks for every shape
+    assert shapes_missing_from_table("deepseek_v41_flash", (8,), (3,), table) == tuple(sorted(shapes))
+
+
 @needs_cute
 def test_persistent_variants_compile(sm90):
     """ctas_per_sm > 0: CTAs loop over row groups / tiles (grid capped at launch)."""
