@@ -21,7 +21,9 @@
   process holds on the GPU (``gib``: torch's reserved bytes, fixtures of earlier tests included: what the workers
   sharing the card compete for), its seconds (``s``, setup to teardown) and the seconds of them spent compiling
   (``testing.compile_clock``: Triton and CuTe DSL, with counts) go to ``<dir>/peaks_<worker>.json``: the data for
-  sizing the suite's workers per card and for seeing what a cold compile cache costs.
+  sizing the suite's workers per card and for seeing what a cold compile cache costs; and every Triton kernel the
+  process compiled to ``<dir>/triton_specs_<worker>.json`` (``testing.triton_specs``: the next machine compiles
+  them on all its cores before the suite starts).
 """
 
 from __future__ import annotations
@@ -113,13 +115,20 @@ _CLOCK = None
 """``testing.compile_clock.CompileClock`` of this process once a recorded GPU test ran (``LS_GPU_PEAKS``)."""
 
 
+_RECORDER = None
+"""``testing.triton_specs.SpecRecorder`` of this process (same condition): the Triton kernels it compiled."""
+
+
 def _compile_clock():
-    global _CLOCK
+    global _CLOCK, _RECORDER
     if _CLOCK is None:
         from latency_specialized.testing.compile_clock import CompileClock
+        from latency_specialized.testing.triton_specs import SpecRecorder
 
         _CLOCK = CompileClock()
         _CLOCK.install()
+        _RECORDER = SpecRecorder()
+        _RECORDER.install()
     return _CLOCK
 
 
@@ -173,6 +182,10 @@ def pytest_sessionfinish(session, exitstatus):
         Path(folder).mkdir(parents=True, exist_ok=True)
         path = Path(folder) / f"peaks_{_XDIST_WORKER or 'main'}.json"
         path.write_text(json.dumps(_PEAKS, indent=0))
+    if folder and _RECORDER is not None and _RECORDER.records:
+        from latency_specialized.testing.triton_specs import save
+
+        save(_RECORDER.values(), Path(folder) / f"triton_specs_{_XDIST_WORKER or 'main'}.json")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,6 +3,7 @@ GPU running out of memory (workers sharing one card), so that those tests run ag
 
     python benchmarks/scripts/gpu_suite_report.py merge PEAKS_DIR OUT.json   # per-worker records -> one file + summary
     python benchmarks/scripts/gpu_suite_report.py oom JUNIT.xml... > ids.txt  # node ids failed / errored by OOM
+    python benchmarks/scripts/gpu_suite_report.py specs PEAKS_DIR OUT.json.gz  # Triton compile records, merged
 
 A record (``tests/conftest.py``, ``LS_GPU_PEAKS``) is ``{node id: {gib, s, triton_s, triton_n, triton_hits, cute_s,
 cute_n}}``. An out-of-memory failure says nothing about the code under test only when the test passes alone: the
@@ -81,6 +82,9 @@ def main(argv: list[str] | None = None) -> None:
     m = sub.add_parser("merge", help="merge the per-worker records of a folder into one file; print a summary")
     m.add_argument("folder", type=Path)
     m.add_argument("out", type=Path)
+    t = sub.add_parser("specs", help="merge the per-worker Triton compile records of a folder into one file")
+    t.add_argument("folder", type=Path)
+    t.add_argument("out", type=Path)
     o = sub.add_parser("oom", help="print the node ids that failed or errored by running out of GPU memory")
     o.add_argument("junit", nargs="+", type=Path)
     args = ap.parse_args(argv)
@@ -91,6 +95,16 @@ def main(argv: list[str] | None = None) -> None:
             f.unlink()
         print(f"records of {len(records)} GPU tests -> {args.out}")
         print(summary(records))
+    elif args.cmd == "specs":
+        from latency_specialized.testing.triton_specs import load, save
+
+        files = sorted(args.folder.glob("triton_specs_*.json"))
+        records = [r for f in files for r in load(f)]
+        save(records, args.out)
+        for f in files:
+            f.unlink()
+        print(f"{len(load(args.out))} Triton compile records ({len(records)} before deduplication) of {len(files)} "
+              f"workers -> {args.out}")
     else:
         ids = oom_failures([p for p in args.junit if p.is_file()])
         sys.stdout.write("".join(f"{i}\n" for i in ids))

@@ -145,3 +145,15 @@ def test_the_protocol_records_memory_seconds_and_compile_time(tmp_path, monkeypa
     conftest.pytest_sessionfinish(None, 0)
     written = json.loads(next(tmp_path.glob("peaks_*.json")).read_text())
     assert written["t.py::test_gpu"] == rec
+
+
+def test_specs_merges_the_workers_triton_records(tmp_path, capsys):
+    from latency_specialized.testing.triton_specs import load, save
+
+    save([{"fn": "m:a", "data": "1"}, {"fn": "m:b", "data": "2"}], tmp_path / "triton_specs_gw0.json")
+    save([{"fn": "m:a", "data": "1"}, {"fn": "m:c", "data": "3"}], tmp_path / "triton_specs_gw1.json")
+    out = tmp_path / "merged.json.gz"
+    report.main(["specs", str(tmp_path), str(out)])
+    assert [r["fn"] for r in load(out)] == ["m:a", "m:b", "m:c"]
+    assert not list(tmp_path.glob("triton_specs_*.json"))
+    assert "3 Triton compile records (4 before deduplication) of 2 workers" in capsys.readouterr().out

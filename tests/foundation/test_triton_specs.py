@@ -1,0 +1,111 @@
+"""Recorded Triton specialisations compile again ahead of a run (``testing.triton_specs``), on the CPU: a record in
+Triton's own serialised form compiles for sm_90 into the on-disk cache, a second compile of it is a cache hit, factory
+kernels resolve, stale records are reported, files round-trip, and the recorder keeps what Triton's hook hands it."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from types import SimpleNamespace
+
+import pytest
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from latency_specialized.testing import triton_specs  # noqa: E402
+
+
+@triton.jit
+def scale_rows(x_ptr, y_ptr, alpha, N: tl.constexpr, DT: tl.constexpr):
+    o = tl.arange(0, N)
+    tl.store(y_ptr + o, (tl.load(x_ptr + o) * alpha).to(DT))
+
+
+def _record(n: int) -> dict[str, str]:
+    """A record as Triton's hook would hand it over for ``scale_rows`` at N = n (16-byte aligned pointers)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import serialize_specialization_data
+
+    target = GPUTarget("cuda", 90, 32)
+    options = make_backend(target).parse_options({"num_warps": 1})
+    extra = {"target": target} if "target" in inspect.signature(serialize_specialization_data).parameters else {}
+    data = serialize_specialization_data(
+        f"{__name__}.scale_rows", {"x_ptr": "*fp32", "y_ptr": "*bf16", "alpha": "fp32", "N": "constexpr",
+                                   "DT": "constexpr"},
+        {(3,): n, (4,): tl.bfloat16}, {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}, options,
+        key=f"k{n}", **extra)
+    return {"fn": f"{__name__}:scale_rows", "data": data}
+
+
+@pytest.fixture
+def triton_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
+    return tmp_path
+
+
+def test_a_record_compiles_into_the_cache_and_then_hits(triton_cache):
+    from triton.backends.compiler import GPUTarget
+
+    target = GPUTarget("cuda", 90, 32)
+    rec = _record(32)
+    assert triton_specs.compile_record(rec, target) is False        # compiled
+    assert any(triton_cache.rglob("*.cubin"))
+    assert triton_specs.compile_record(rec, target) is True         # the same key: a hit
+    compiled, hits, errors = triton_specs.precompile([rec, _record(64)], jobs=1)
+    assert (compiled, hits, errors) == (1, 1, [])
+
+
+def test_stale_records_are_reported_not_raised(triton_cache):
+    bad = dict(_record(16), fn=f"{__name__}:no_such_kernel")
+    late = _record(128)
+    compiled, hits, errors = triton_specs.precompile([bad], jobs=1)
+    assert (compiled, hits) == (0, 0) and errors[0].startswith(f"{__name__}:no_such_kernel: AttributeError")
+    compiled, hits, errors = triton_specs.precompile([late], jobs=1, time_limit_s=-1)
+    assert (compiled, hits) == (0, 0) and errors == [f"{__name__}:scale_rows: not reached (time limit)"]
+
+
+def test_factory_kernels_resolve():
+    from latency_specialized.kernels import gqa_decode_triton
+
+    split = triton_specs.resolve("latency_specialized.kernels.gqa_decode_triton:_kernels.<locals>.split_kernel")
+    assert split is gqa_decode_triton._kernels(False)["split"]
+    assert triton_specs.resolve(f"{__name__}:scale_rows") is scale_rows
+    with pytest.raises(LookupError, match="no such kernel"):
+        triton_specs.resolve("latency_specialized.kernels.gqa_decode_triton:_kernels.<locals>.gone_kernel")
+
+
+def test_files_round_trip_deduplicated(tmp_path):
+    recs = [_record(32), _record(64), _record(32)]
+    for name in ("s.json", "s.json.gz"):
+        triton_specs.save(recs, tmp_path / name)
+        back = triton_specs.load(tmp_path / name)
+        assert len(back) == 2 and {json.loads(r["data"])["constant_vals"][0] for r in back} == {32, 64}
+
+
+def test_the_recorder_keeps_each_specialisation_once_and_chains(monkeypatch):
+    seen = []
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", lambda **kw: seen.append(kw["key"]))
+    import triton.runtime.jit as jit
+
+    monkeypatch.setattr(jit, "serialize_specialization_data", jit.serialize_specialization_data)
+    rec = triton_specs.SpecRecorder()
+    assert rec.install()
+    info = SimpleNamespace(module="m", name="k")
+    for key in ("a", "a", "b"):
+        triton.knobs.runtime.jit_cache_hook(key=key, fn=info, compile={"specialization_data": f"data-{key}"})
+    triton.knobs.runtime.jit_cache_hook(key="c", fn=info, compile={"specialization_data": None})
+    assert rec.values() == [{"fn": "m:k", "data": "data-a"}, {"fn": "m:k", "data": "data-b"}]
+    assert rec.skipped == 1 and seen == ["a", "a", "b", "c"]
+    # Triton's serialiser no longer raises on a value JSON cannot hold (it would fail the launch): None instead
+    extra = {"target": SimpleNamespace()} if "target" in inspect.signature(jit.serialize_specialization_data).parameters \
+        else {}
+    assert jit.serialize_specialization_data("f", {}, {(0,): object()}, {}, SimpleNamespace(), "k", **extra) is None
+
+
+def test_the_toolchain_fingerprint_names_version_key_and_backend():
+    words = triton_specs.toolchain_fingerprint().split()
+    assert words[0] == "triton" and words[1] == triton.__version__ and words[2] == "key" and words[4] == "backend"
+    assert all(len(w) == 16 and int(w, 16) >= 0 for w in (words[3], words[5]))
