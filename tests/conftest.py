@@ -21,9 +21,9 @@
   process holds on the GPU (``gib``: torch's reserved bytes, fixtures of earlier tests included: what the workers
   sharing the card compete for), its seconds (``s``, setup to teardown) and the seconds of them spent compiling
   (``testing.compile_clock``: Triton and CuTe DSL, with counts) go to ``<dir>/peaks_<worker>.json``: the data for
-  sizing the suite's workers per card and for seeing what a cold compile cache costs; and every Triton kernel the
-  process compiled to ``<dir>/triton_specs_<worker>.json`` (``testing.triton_specs``: the next machine compiles
-  them on all its cores before the suite starts).
+  sizing the suite's workers per card and for seeing what a cold compile cache costs; and every Triton and CuTe DSL
+  kernel the process compiled to ``<dir>/compile_records_<worker>.json`` (``testing.compile_records``: the next
+  machine compiles them on all its cores before the suite starts).
 """
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ _CLOCK = None
 
 
 _RECORDER = None
-"""``testing.triton_specs.SpecRecorder`` of this process (same condition): the Triton kernels it compiled."""
+"""``testing.triton_specs.SpecRecorder`` of this process (same condition): the Triton kernels it compiled (and
+``testing.cute_units`` records the CuTe DSL ones)."""
 
 
 def _compile_clock():
@@ -129,6 +130,9 @@ def _compile_clock():
         _CLOCK.install()
         _RECORDER = SpecRecorder()
         _RECORDER.install()
+        from latency_specialized.testing import cute_units
+
+        cute_units.start()
     return _CLOCK
 
 
@@ -182,10 +186,11 @@ def pytest_sessionfinish(session, exitstatus):
         Path(folder).mkdir(parents=True, exist_ok=True)
         path = Path(folder) / f"peaks_{_XDIST_WORKER or 'main'}.json"
         path.write_text(json.dumps(_PEAKS, indent=0))
-    if folder and _RECORDER is not None and _RECORDER.records:
-        from latency_specialized.testing.triton_specs import save
+    if folder and _RECORDER is not None:
+        from latency_specialized.testing import compile_records, cute_units
 
-        save(_RECORDER.values(), Path(folder) / f"triton_specs_{_XDIST_WORKER or 'main'}.json")
+        compile_records.save({"triton": _RECORDER.values(), "cute": cute_units.recorded()},
+                             Path(folder) / f"compile_records_{_XDIST_WORKER or 'main'}.json")
 
 
 def pytest_collection_modifyitems(config, items):

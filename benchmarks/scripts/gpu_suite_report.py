@@ -3,7 +3,7 @@ GPU running out of memory (workers sharing one card), so that those tests run ag
 
     python benchmarks/scripts/gpu_suite_report.py merge PEAKS_DIR OUT.json   # per-worker records -> one file + summary
     python benchmarks/scripts/gpu_suite_report.py oom JUNIT.xml... > ids.txt  # node ids failed / errored by OOM
-    python benchmarks/scripts/gpu_suite_report.py specs PEAKS_DIR OUT.json.gz  # Triton compile records, merged
+    python benchmarks/scripts/gpu_suite_report.py records PEAKS_DIR OUT.json.gz  # the kernels compiled, merged
 
 A record (``tests/conftest.py``, ``LS_GPU_PEAKS``) is ``{node id: {gib, s, triton_s, triton_n, triton_hits, cute_s,
 cute_n}}``. An out-of-memory failure says nothing about the code under test only when the test passes alone: the
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     m = sub.add_parser("merge", help="merge the per-worker records of a folder into one file; print a summary")
     m.add_argument("folder", type=Path)
     m.add_argument("out", type=Path)
-    t = sub.add_parser("specs", help="merge the per-worker Triton compile records of a folder into one file")
+    t = sub.add_parser("records", help="merge the per-worker compile records (Triton, CuTe DSL) of a folder")
     t.add_argument("folder", type=Path)
     t.add_argument("out", type=Path)
     o = sub.add_parser("oom", help="print the node ids that failed or errored by running out of GPU memory")
@@ -95,16 +95,16 @@ def main(argv: list[str] | None = None) -> None:
             f.unlink()
         print(f"records of {len(records)} GPU tests -> {args.out}")
         print(summary(records))
-    elif args.cmd == "specs":
-        from latency_specialized.testing.triton_specs import load, save
+    elif args.cmd == "records":
+        from latency_specialized.testing import compile_records
 
-        files = sorted(args.folder.glob("triton_specs_*.json"))
-        records = [r for f in files for r in load(f)]
-        save(records, args.out)
+        files = sorted(args.folder.glob("compile_records_*.json"))
+        merged = compile_records.merge(compile_records.load(f) for f in files)
+        compile_records.save(merged, args.out)
         for f in files:
             f.unlink()
-        print(f"{len(load(args.out))} Triton compile records ({len(records)} before deduplication) of {len(files)} "
-              f"workers -> {args.out}")
+        print(f"compile records of {len(files)} workers -> {args.out}: "
+              + ", ".join(f"{len(v)} {k}" for k, v in merged.items()))
     else:
         ids = oom_failures([p for p in args.junit if p.is_file()])
         sys.stdout.write("".join(f"{i}\n" for i in ids))

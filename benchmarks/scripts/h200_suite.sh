@@ -29,17 +29,17 @@ export LS_ALLREDUCE_KERNEL_DIR=${LS_ALLREDUCE_KERNEL_DIR:-/tmp/ls_ar} HUMMING_CA
 export PYTHONPATH=$PWD:$PWD/tests/ops${PYTHONPATH:+:$PYTHONPATH} LS_GPU_PEAKS=${LS_GPU_PEAKS:-$OUT/peaks}
 MATRIX=tests/models/test_matrix.py
 t0=$(date +%s)
-# Triton kernels an earlier suite run compiled (tests/triton_specs.json.gz), compiled first on all cores but one
-# into the cache the workers then hit (they would compile them one per worker; session 30 vs 32: a warm Triton cache
-# took the rest part from 2,358 to 1,310 s of test time). Once per machine; PRECOMPILE_S bounds it (default 150 s).
-SPECS=${TRITON_SPECS:-tests/triton_specs.json.gz}
-# Triton's installation fingerprint: where it equals a CPU machine's (the same wheel there), that machine can fill the
-# cache ahead of the session instead (CPU, Triton 3.6.0 cp312: key bd4757a49ddb4e61 backend e962c0edd0b3a4b2)
+# Kernels an earlier suite run compiled (tests/compile_records.json.gz: Triton, CuTe DSL), compiled first on all
+# cores but one into the caches the workers then hit (they would compile them one per worker; session 30 vs 32: a
+# warm Triton cache took the rest part from 2,358 to 1,310 s of test time). Once per machine; PRECOMPILE_S bounds it.
+RECORDS=${COMPILE_RECORDS:-tests/compile_records.json.gz}
+# Triton's installation fingerprint: where it equals a CPU machine's (the same wheel there), that machine could fill
+# the cache ahead of the session instead (Triton 3.6.0 cp312 on the CPU: key bd4757a49ddb4e61 backend e962c0edd0b3a4b2)
 python3 -c "from latency_specialized.testing.triton_specs import toolchain_fingerprint as f; print('toolchain:', f())"
-if [ -f "$SPECS" ] && [ ! -f /tmp/ls_triton_precompiled ]; then
-  timeout -k 10 $(( ${PRECOMPILE_S:-150} + 20 )) python3 benchmarks/scripts/triton_precompile.py "$SPECS" \
-    --jobs $(( $(nproc) - 1 )) --time-limit "${PRECOMPILE_S:-150}" 2>&1 | tail -12
-  touch /tmp/ls_triton_precompiled
+if [ -f "$RECORDS" ] && [ ! -f /tmp/ls_precompiled ]; then
+  timeout -k 10 $(( ${PRECOMPILE_S:-150} + 20 )) python3 benchmarks/scripts/precompile.py "$RECORDS" \
+    --jobs $(( $(nproc) - 1 )) --time-limit "${PRECOMPILE_S:-150}" 2>&1 | tail -16
+  touch /tmp/ls_precompiled
 fi
 limit=$(( ${SUITE_S:-560} - ($(date +%s) - t0) ))   # the runs' limit: SUITE_S from the call's start
 rm=skipped; ro=skipped
@@ -80,9 +80,9 @@ done
 # compile seconds (Triton / CuTe DSL); the summary says how much of the test time was compiling
 if [ -d "$LS_GPU_PEAKS" ]; then
   python3 benchmarks/scripts/gpu_suite_report.py merge "$LS_GPU_PEAKS" "$OUT/gpu_peaks_${PART}.json"
-  # the Triton kernels the workers compiled: commit as tests/triton_specs.json.gz (merged with the other parts') so
-  # that the next machine compiles them up front (below)
-  python3 benchmarks/scripts/gpu_suite_report.py specs "$LS_GPU_PEAKS" "$OUT/triton_specs_${PART}.json.gz"
+  # the kernels the workers compiled (Triton, CuTe DSL): commit as tests/compile_records.json.gz (merged with the
+  # other parts': gpu_suite_report.py records) so that the next machine compiles them up front (below)
+  python3 benchmarks/scripts/gpu_suite_report.py records "$LS_GPU_PEAKS" "$OUT/compile_records_${PART}.json.gz"
 fi
 # Tests that failed or errored by running out of GPU memory (workers sharing the card; session 37: 143 on an H100)
 # run again on RERUN_WORKERS (default 2) in what is left of CALL_S (default 590 s): their ids go to

@@ -264,6 +264,7 @@ def _kernel_class():
     return AttnResKernel
 
 
+@compile_cache.compile_unit
 def compile_attnres(var: AttnResVariant):
     """Compiled kernel for one (N, dtype, sources, out_norm, cluster) variant; M and the source stride are
     dynamic."""

@@ -25,6 +25,7 @@ CUDA process is unsafe) that fill the disk tier; the parent then loads instead o
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import hashlib
 import os
@@ -39,6 +40,12 @@ COMPILE_LOG: list[tuple[str, float]] = []
 """(key description, seconds) of every compile or disk load in this process, for progress/bench output."""
 
 CACHE_DIR_ENV = "LS_KERNEL_CACHE_DIR"
+UNIT_LOG: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] | None = None
+"""While a list (``testing.cute_units`` sets one for a recorded GPU run): the (compile function, args, kwargs) of
+every call of a :func:`compile_unit` function that compiled or loaded a new kernel in this process - what another
+machine needs to compile the same kernels ahead (``precompile``)."""
+_UNIT: contextvars.ContextVar[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]] | None] = \
+    contextvars.ContextVar("ls_compile_unit", default=None)
 
 
 @functools.cache
@@ -142,6 +149,23 @@ def _disk_store(full_key: tuple[Hashable, ...], compiled: Any) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def compile_unit(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Marks a module-level compile function (its arguments: plain values and config dataclasses) whose calls that
+    reach a new kernel are recorded while :data:`UNIT_LOG` is a list; otherwise the call passes straight through."""
+
+    @functools.wraps(fn)
+    def unit(*args: Any, **kwargs: Any) -> Any:
+        if UNIT_LOG is None:
+            return fn(*args, **kwargs)
+        token = _UNIT.set((unit, args, kwargs))
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _UNIT.reset(token)
+
+    return unit
+
+
 def cached_compile(name: str, key: tuple[Hashable, ...], build: Callable[[str], Any]) -> Any:
     """Return the compiled kernel for (name, key, arch), building it with ``build(arch)`` once."""
     arch = target_arch()
@@ -152,6 +176,9 @@ def cached_compile(name: str, key: tuple[Hashable, ...], build: Callable[[str], 
     with _LOCK:
         hit = _CACHE.get(full_key)
         if hit is None:
+            unit = _UNIT.get()
+            if UNIT_LOG is not None and unit is not None:
+                UNIT_LOG.append(unit)
             t0 = time.perf_counter()
             hit = _disk_load(full_key)
             if hit is not None:

@@ -290,6 +290,7 @@ def _kernel_class():
     return GemvKernel
 
 
+@compile_cache.compile_unit
 def compile_gemv(k: int, m: int, cfg: GemvConfig, residual: bool, out_fp32: bool = False, glu=None,
                  split: bool = False, norm: bool = False):
     """Compiled kernel for (K, M, config, residual, output dtype, GLU, split); N is dynamic (one compile per K and M).

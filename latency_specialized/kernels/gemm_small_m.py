@@ -355,6 +355,7 @@ def accumulate_chunks(kern, P, scl, w_rows: list, w_row_idx: list, x_rows: list,
     return acc
 
 
+@compile_cache.compile_unit
 def compile_mma(k: int, cfg: MmaConfig, residual: bool, out_fp32: bool = False, coding: QuantCoding | None = None):
     """Compiled kernel for (K, config, residual, output dtype, weight coding); M and N are dynamic. ``out_fp32``:
     the fp32 sums are stored unrounded (router logits); the unused residual operand then has the output's type,

@@ -101,6 +101,7 @@ def _act_variant(inter: int, dtype: torch.dtype, act: ActivationSpec) -> ActVari
     raise UserError(f"fused MLP kernel: unknown activation {act.kind!r}: use mlp.reference")
 
 
+@compile_cache.compile_unit
 def compile_act(var: ActVariant):
     """Compiled gated-activation kernel for one (I, dtype, activation); M is dynamic."""
 

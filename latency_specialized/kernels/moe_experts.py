@@ -32,7 +32,7 @@ import torch
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
 from latency_specialized.hardware import sm_count
-from latency_specialized.kernels.compile_cache import cached_compile
+from latency_specialized.kernels.compile_cache import cached_compile, compile_unit
 from latency_specialized.kernels.dsl_common import compile_options as _compile_options, ptx_of  # noqa: F401
 from latency_specialized.kernels.dsl_common import sm90_dsl_support
 from latency_specialized.kernels.dsl_common import cutlass_dtype as _cutlass_dtype, dtype_name as _dtype_name
@@ -594,6 +594,7 @@ def _fake(cute, dtype, shape, stride, align=16):
     return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
 
 
+@compile_unit
 def compile_gate_up(cfg: ExpertsConfig):
     # the down kernel's fields do not shape gate_up: one compile (and key) serves every down variant
     cfg = dataclasses.replace(cfg, dn_rows=0, dn_warps=0, dn_trigger=False, per_route=False)
@@ -617,6 +618,7 @@ def compile_gate_up(cfg: ExpertsConfig):
     return cached_compile("moe_experts.gate_up", (cfg,), build)
 
 
+@compile_unit
 def compile_down(cfg: ExpertsConfig):
     def build(arch: str):
         import cutlass

@@ -42,6 +42,7 @@ import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
+from latency_specialized.kernels.compile_cache import compile_unit
 from latency_specialized.kernels.gemm_common import check_once
 from latency_specialized.kernels.gemm_q4_mma import CODING, mxfp4_parts
 from latency_specialized.kernels.mma_quant_weights import NVFP4_UNDO, QuantCoding
@@ -397,6 +398,7 @@ def _kernel_class():
     return MmaExpertsKernel
 
 
+@compile_unit
 def compile_stage(st: ExpertsStage, cfg: MmaConfig):
     """The compiled kernel of one stage; the pair count, expert count and group count are dynamic."""
     from latency_specialized.kernels import compile_cache

@@ -26,7 +26,7 @@ import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
-from latency_specialized.kernels.compile_cache import cached_compile
+from latency_specialized.kernels.compile_cache import cached_compile, compile_unit
 from latency_specialized.kernels.dsl_common import compile_options as _compile_options, ptx_of  # noqa: F401
 from latency_specialized.kernels.dsl_common import sm90_dsl_support
 from latency_specialized.kernels.dsl_common import cutlass_dtype as _cutlass_dtype, dtype_name as _dtype_name
@@ -421,6 +421,7 @@ def _build_kernel_class():
     return RouterKernel
 
 
+@compile_unit
 def _compile(cfg: RouterConfig):
     def build(arch: str):
         import cutlass.cute as cute

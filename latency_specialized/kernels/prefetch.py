@@ -104,6 +104,7 @@ def _kernel_class():
     return PrefetchKernel
 
 
+@compile_cache.compile_unit
 def compile_prefetch(cfg: PrefetchConfig = PrefetchConfig()):
     def build(arch: str):
         import cutlass

@@ -220,6 +220,7 @@ def _kernel_class():
     return RMSNormKernel
 
 
+@compile_cache.compile_unit
 def compile_norm(var: NormVariant, cfg: NormConfig):
     """Compiled kernel for one (N, dtype, flags) variant; the row count M is dynamic."""
 

@@ -14,13 +14,11 @@ A record: ``{"fn": "module:qualname", "data": specialization_data}``. Kernels ma
 
 from __future__ import annotations
 
-import gzip
 import importlib
 import json
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 FACTORY = "_kernels"
@@ -80,19 +78,6 @@ class SpecRecorder:
 
     def values(self) -> list[dict[str, str]]:
         return list(self.records.values())
-
-
-def load(path: Path) -> list[dict[str, str]]:
-    """Records of a file (``.json`` or ``.json.gz``: a list of records)."""
-    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    return json.loads(raw)
-
-
-def save(records: list[dict[str, str]], path: Path) -> None:
-    """Write records, deduplicated, sorted (stable diffs), gzip-compressed for a ``.gz`` path."""
-    uniq = {(r["fn"], r["data"]): r for r in records}
-    body = json.dumps([uniq[k] for k in sorted(uniq)], indent=0).encode()
-    path.write_bytes(gzip.compress(body, mtime=0) if path.suffix == ".gz" else body)
 
 
 def resolve(ref: str) -> Any:

@@ -122,10 +122,15 @@ def test_the_protocol_records_memory_seconds_and_compile_time(tmp_path, monkeypa
     monkeypatch.setattr(conftest, "_gpu_gib", lambda: {})
     monkeypatch.setattr(conftest, "_PEAKS", {})
     monkeypatch.setattr(conftest, "_CLOCK", None)
-    if importlib.util.find_spec("triton") is not None:   # the clock hooks Triton's listener: put it back after
+    monkeypatch.setattr(conftest, "_RECORDER", None)
+    monkeypatch.setattr(compile_cache, "UNIT_LOG", None)
+    if importlib.util.find_spec("triton") is not None:   # the clock and recorder hook Triton: put it back after
         import triton
+        import triton.runtime.jit as jit
 
         monkeypatch.setattr(triton.knobs.compilation, "listener", triton.knobs.compilation.listener)
+        monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", triton.knobs.runtime.jit_cache_hook)
+        monkeypatch.setattr(jit, "serialize_specialization_data", jit.serialize_specialization_data)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 3 << 29)
     monkeypatch.setattr(compile_cache, "COMPILE_LOG", list(compile_cache.COMPILE_LOG))
@@ -145,15 +150,21 @@ def test_the_protocol_records_memory_seconds_and_compile_time(tmp_path, monkeypa
     conftest.pytest_sessionfinish(None, 0)
     written = json.loads(next(tmp_path.glob("peaks_*.json")).read_text())
     assert written["t.py::test_gpu"] == rec
+    from latency_specialized.testing import compile_records
+
+    assert compile_records.load(next(tmp_path.glob("compile_records_*.json"))) == {"triton": [], "cute": []}
 
 
-def test_specs_merges_the_workers_triton_records(tmp_path, capsys):
-    from latency_specialized.testing.triton_specs import load, save
+def test_records_merges_the_workers_compile_records(tmp_path, capsys):
+    from latency_specialized.testing import compile_records
 
-    save([{"fn": "m:a", "data": "1"}, {"fn": "m:b", "data": "2"}], tmp_path / "triton_specs_gw0.json")
-    save([{"fn": "m:a", "data": "1"}, {"fn": "m:c", "data": "3"}], tmp_path / "triton_specs_gw1.json")
+    compile_records.save({"triton": [{"fn": "m:a", "data": "1"}, {"fn": "m:b", "data": "2"}], "cute": []},
+                         tmp_path / "compile_records_gw0.json")
+    compile_records.save({"triton": [{"fn": "m:a", "data": "1"}], "cute": [{"fn": "k:c", "args": [], "kwargs": {}}]},
+                         tmp_path / "compile_records_gw1.json")
     out = tmp_path / "merged.json.gz"
-    report.main(["specs", str(tmp_path), str(out)])
-    assert [r["fn"] for r in load(out)] == ["m:a", "m:b", "m:c"]
-    assert not list(tmp_path.glob("triton_specs_*.json"))
-    assert "3 Triton compile records (4 before deduplication) of 2 workers" in capsys.readouterr().out
+    report.main(["records", str(tmp_path), str(out)])
+    merged = compile_records.load(out)
+    assert [r["fn"] for r in merged["triton"]] == ["m:a", "m:b"] and len(merged["cute"]) == 1
+    assert not list(tmp_path.glob("compile_records_*.json"))
+    assert "compile records of 2 workers" in capsys.readouterr().out

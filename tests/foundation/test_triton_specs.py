@@ -1,6 +1,7 @@
 """Recorded Triton specialisations compile again ahead of a run (``testing.triton_specs``), on the CPU: a record in
 Triton's own serialised form compiles for sm_90 into the on-disk cache, a second compile of it is a cache hit, factory
-kernels resolve, stale records are reported, files round-trip, and the recorder keeps what Triton's hook hands it."""
+kernels resolve, stale records are reported, record files (``testing.compile_records``) round-trip, and the recorder
+keeps what Triton's hook hands it."""
 
 from __future__ import annotations
 
@@ -77,12 +78,17 @@ def test_factory_kernels_resolve():
         triton_specs.resolve("latency_specialized.kernels.gqa_decode_triton:_kernels.<locals>.gone_kernel")
 
 
-def test_files_round_trip_deduplicated(tmp_path):
-    recs = [_record(32), _record(64), _record(32)]
+def test_record_files_round_trip_deduplicated_and_sorted(tmp_path):
+    from latency_specialized.testing import compile_records
+
+    recs = {"triton": [_record(64), _record(32), _record(32)], "cute": [{"fn": "m:f", "args": [1], "kwargs": {}}]}
     for name in ("s.json", "s.json.gz"):
-        triton_specs.save(recs, tmp_path / name)
-        back = triton_specs.load(tmp_path / name)
-        assert len(back) == 2 and {json.loads(r["data"])["constant_vals"][0] for r in back} == {32, 64}
+        compile_records.save(recs, tmp_path / name)
+        back = compile_records.load(tmp_path / name)
+        assert [json.loads(r["data"])["constant_vals"][0] for r in back["triton"]] == [32, 64]
+        assert back["cute"] == recs["cute"]
+    assert compile_records.merge([{"cute": recs["cute"]}, {"triton": [_record(32)]}]) == \
+        {"triton": [_record(32)], "cute": recs["cute"]}
 
 
 def test_the_recorder_keeps_each_specialisation_once_and_chains(monkeypatch):
