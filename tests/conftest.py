@@ -189,6 +189,7 @@ def pytest_sessionfinish(session, exitstatus):
     if folder and _RECORDER is not None:
         from latency_specialized.testing import compile_records, cute_units
 
+        Path(folder).mkdir(parents=True, exist_ok=True)
         compile_records.save({"triton": _RECORDER.values(), "cute": cute_units.recorded()},
                              Path(folder) / f"compile_records_{_XDIST_WORKER or 'main'}.json")
 
