@@ -36,6 +36,8 @@ RECORDS=${COMPILE_RECORDS:-tests/compile_records.json.gz}
 # Triton's installation fingerprint: where it equals a CPU machine's (the same wheel there), that machine could fill
 # the cache ahead of the session instead (Triton 3.6.0 cp312 on the CPU: key bd4757a49ddb4e61 backend e962c0edd0b3a4b2)
 python3 -c "from latency_specialized.testing.triton_specs import toolchain_fingerprint as f; print('toolchain:', f())"
+# the CuTe DSL disk cache's directory: its last part fingerprints the kernel sources and the DSL / TVM-FFI versions
+python3 -c "from latency_specialized.kernels.compile_cache import disk_dir; print('cute cache:', disk_dir())"
 if [ -f "$RECORDS" ] && [ ! -f /tmp/ls_precompiled ]; then
   timeout -k 10 $(( ${PRECOMPILE_S:-150} + 20 )) python3 benchmarks/scripts/precompile.py "$RECORDS" \
     --jobs $(( $(nproc) - 1 )) --time-limit "${PRECOMPILE_S:-150}" 2>&1 | tail -16

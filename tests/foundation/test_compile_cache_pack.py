@@ -1,0 +1,56 @@
+"""Kernel caches packed on one machine serve another (``benchmarks/scripts/compile_cache_pack.py``): a Triton entry
+stripped to its group file, metadata and cubin and moved to another directory is still a cache hit; CuTe DSL objects
+keep their fingerprint directory; the budget keeps the archive small and says what it left out."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("compile_cache_pack", ROOT / "benchmarks/scripts/compile_cache_pack.py")
+pack_mod = importlib.util.module_from_spec(_spec)
+sys.modules["compile_cache_pack"] = pack_mod
+_spec.loader.exec_module(pack_mod)
+
+
+def _use_cache(monkeypatch, path: Path) -> None:
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(path))
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(path))
+
+
+def test_a_packed_cache_is_hit_where_it_is_unpacked(tmp_path, monkeypatch):
+    from triton.backends.compiler import GPUTarget
+
+    from latency_specialized.testing.triton_specs import compile_record
+    from tests.foundation.test_triton_specs import _record
+
+    target = GPUTarget("cuda", 90, 32)
+    _use_cache(monkeypatch, tmp_path / "built")
+    assert [compile_record(_record(n), target) for n in (32, 64)] == [False, False]
+    cute = tmp_path / "kc" / "0123456789abcdef"
+    cute.mkdir(parents=True)
+    (cute / "k1.o").write_bytes(b"object" * 100)
+    archive = tmp_path / "c.tar.xz"
+    report = pack_mod.pack(archive, tmp_path / "built", cute, budget=1 << 20)
+    assert "CuTe DSL objects 1 (+0 over budget), Triton entries 2 (+0 over budget)" in report
+    moved = tmp_path / "elsewhere"
+    assert pack_mod.unpack(archive, moved / "tc", moved / "kc").endswith(f"2 Triton entries -> {moved / 'tc'}")
+    assert (moved / "kc" / "0123456789abcdef" / "k1.o").read_bytes() == b"object" * 100
+    assert not list((moved / "tc").rglob("*.ptx")) and not list((moved / "tc").rglob("*.ttir"))
+    _use_cache(monkeypatch, moved / "tc")
+    assert [compile_record(_record(n), target) for n in (32, 64)] == [True, True]
+
+
+def test_the_budget_leaves_entries_out_and_counts_them(tmp_path):
+    cute = tmp_path / "kc" / "fp"
+    cute.mkdir(parents=True)
+    for i in range(3):
+        (cute / f"k{i}.o").write_bytes(bytes(range(256)) * 64)
+    report = pack_mod.pack(tmp_path / "c.tar.xz", None, cute, budget=1)
+    assert "CuTe DSL objects 0 (+3 over budget)" in report
