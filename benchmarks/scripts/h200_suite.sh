@@ -33,8 +33,8 @@ t0=$(date +%s)
 # cores but one into the caches the workers then hit (they would compile them one per worker; session 30 vs 32: a
 # warm Triton cache took the rest part from 2,358 to 1,310 s of test time). Once per machine; PRECOMPILE_S bounds it.
 RECORDS=${COMPILE_RECORDS:-tests/compile_records.json.gz}
-# Triton's installation fingerprint: where it equals a CPU machine's (the same wheel there), that machine could fill
-# the cache ahead of the session instead (Triton 3.6.0 cp312 on the CPU: key bd4757a49ddb4e61 backend e962c0edd0b3a4b2)
+# Triton's installation fingerprint: where it equals the CPU machine's (scripts/cpu_compile_env.sh prints that one;
+# benchmarks/NOTES_gpu_suite.md), the CPU machine can fill the caches ahead of the session instead
 python3 -c "from latency_specialized.testing.triton_specs import toolchain_fingerprint as f; print('toolchain:', f())"
 # the CuTe DSL disk cache's directory: its last part fingerprints the kernel sources and the DSL / TVM-FFI versions
 python3 -c "from latency_specialized.kernels.compile_cache import disk_dir; print('cute cache:', disk_dir())"
