@@ -37,6 +37,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "the model's shapes the dispatch table has no cell for at one of the --m token counts")
     p.add_argument("--merge-table", action="store_true",
                    help="with --write-table: add/replace the measured cells in the existing table, keep the others")
+    p.add_argument("--compile-records", metavar="PATH", default=None,
+                   help="write the CuTe DSL kernels these cases compile as compile records (testing.compile_records) "
+                        "and stop; needs no GPU: another machine compiles them ahead (benchmarks/scripts/precompile.py)")
     return p
 
 
@@ -50,10 +53,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     import torch
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and args.compile_records is None:
         raise UserError("bench-ops needs a CUDA GPU and torch sees none: run it where one is visible "
-                        "(bench-ops --list needs no GPU)")
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_%d%da" % torch.cuda.get_device_capability())
+                        "(bench-ops --list and --compile-records need no GPU)")
+    if torch.cuda.is_available():
+        os.environ.setdefault("CUTE_DSL_ARCH", "sm_%d%da" % torch.cuda.get_device_capability())
     if args.shapes.strip() == "missing":
         from latency_specialized.bench.ops_bench_gemm_norm import shapes_missing_from_table
 
@@ -70,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--merge-table needs --write-table (the table to merge into)")
     settings = ops_bench.BenchSettings(model=args.model, tps=_ints(args.tp), ms=_ints(args.m), quick=args.quick,
                                        shapes=shapes)
+    if args.compile_records is not None:
+        return _write_compile_records(args, settings)
     out = Path(args.out)
     ops_bench.disk_tier_selftest()
     for note in ops_bench.load_case_modules():
@@ -103,4 +109,21 @@ def run(args: argparse.Namespace) -> int:
             for e in table["entries"].values():
                 won[e["winner"]] = won.get(e["winner"], 0) + 1
             print(f"wrote {path}: {len(table['entries'])} cells, winners {won}")
+    return 0
+
+
+def _write_compile_records(args: argparse.Namespace, settings) -> int:
+    """The compile units of every case of ``--ops`` as CuTe DSL compile records (no case is built or run)."""
+    from latency_specialized.bench import ops_bench
+    from latency_specialized.testing import compile_records, cute_units
+
+    ops_bench.load_case_modules()
+    records = []
+    for family in [f.strip() for f in args.ops.split(",") if f.strip()]:
+        for case_fn in ops_bench.CASES.get(family, ()):
+            for case in case_fn(settings):
+                records += [r for fn, a in case.compile_units if (r := cute_units.record(fn, tuple(a), {}))]
+    compile_records.save({"triton": [], "cute": records}, Path(args.compile_records))
+    print(f"{len(compile_records.load(Path(args.compile_records))['cute'])} CuTe DSL compile records of "
+          f"{args.ops} ({args.model}, TP {args.tp}, M {args.m}) -> {args.compile_records}")
     return 0

@@ -244,7 +244,28 @@ def test_bench_context_with_mla_passes_and_no_gpu_names_a_cuda_gpu(capsys, monke
                     "(bench --compare A.json B.json needs no GPU)")
     line = _error_line(capsys, ["bench-ops", "--ops", "norm"])
     assert line == ("error: bench-ops needs a CUDA GPU and torch sees none: run it where one is visible "
-                    "(bench-ops --list needs no GPU)")
+                    "(bench-ops --list and --compile-records need no GPU)")
+
+
+def test_bench_ops_writes_its_compile_records_without_a_gpu(tmp_path, capsys, monkeypatch):
+    """The gemm cases' CuTe DSL kernels as compile records (one per timed config), units again on reading back."""
+    import torch
+
+    from latency_specialized.bench.ops_bench_gemm_norm import gemm_variant_configs
+    from latency_specialized.testing import compile_records, cute_units
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "r.json.gz"
+    assert main(["bench-ops", "--ops", "gemm", "--model", "kimi_k3", "--tp", "8", "--m", "1,4", "--shapes",
+                 "7168:1536", "--compile-records", str(out)]) == 0
+    recs = compile_records.load(out)
+    # one record per distinct kernel: a GEMV compiles per M, the mma kernels serve every M with one compile
+    distinct = {(impl, cfg, m if impl == "gemm.cutedsl_gemv" else None)
+                for m in (1, 4) for impl, cfg in gemm_variant_configs(7168, 1536, m)}
+    assert recs["triton"] == [] and len(recs["cute"]) == len(distinct)
+    units, stale = cute_units.units(recs["cute"])
+    assert not stale and {fn.__name__ for fn, _ in units} == {"compile_gemv", "compile_mma"}
+    assert "CuTe DSL compile records of gemm (kimi_k3, TP 8, M 1,4)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("extra,context", [([], None), (["--kinds", "mla", "--context", "512"], "512")])
