@@ -5,19 +5,16 @@ Muse Spark normalises every selected expert's output before the routing weight:
 ``experts(..., per_route=True)``'s ``[M, top_k, N]`` rows (at TP > 1 all-reduced first: the norm
 needs each route's full sum).
 
-Grid: one program per token. It loads the gain once, then each of the token's ``top_k`` route rows
-once (the whole row in registers: N <= ``MAX_N``), scales it by the gain and rounds it to the
-activation dtype (input-scaled norm), takes its sum of squares, and adds ``w * r * rsqrt(...)`` to an
-fp32 accumulator; the routes are added in order j = 0 .. top_k-1 (deterministic), rounded once at
-the store. The route loop is unrolled (``TOPK`` constexpr), so every route's loads can be in flight
-before the first reduction.
+Grid: one program per token. It reads the token's ``top_k`` route rows and the gain (whole rows in registers:
+N <= ``MAX_N``), scales each row by the gain and rounds it to the activation dtype (input-scaled norm), takes its
+sum of squares, and sums ``w * r * rsqrt(...)`` over the routes in fp32 (a fixed tree: deterministic), rounded once
+at the store. Where the token's rows fit 16 warps' registers (``ALL_ROUTES_MAX``: Muse Spark's 8 x 4096 do) they are
+one [top_k, N] tile, so every load is issued before the one block reduction; wider tokens loop over the routes, and
+there each row's loads wait for the previous row's reduction (a barrier the compiler does not move loads across:
+one dependent DRAM round trip per route; ``kernels/NOTES.md``, session 38).
 
 Bytes (Muse TP8 rank: N 4096, top-8, bf16): 64 KiB in + 8 KiB out per token; M = 64 moves 4.7 MB
-(~1.1 us at 4.3 TB/s), M = 1 is latency-bound (one program). Prediction, written before any GPU run
-(none yet): ~2 us at M = 1 (one DRAM round trip for the 8 rows in flight, two block reductions per
-route, launch) and ~3 us at M = 64 (64 programs leave half the SMs idle: ~60 % of the bandwidth).
-If M = 1 matters in the layer, the next step is a grid over (token, N tile) with the routes' sums of
-squares exchanged through a cluster (or a two-pass split), not a wider program.
+(~1.1 us at 4.3 TB/s), M = 1 is latency-bound (one program). Measurements: ``kernels/NOTES.md``.
 """
 
 from __future__ import annotations
@@ -45,10 +42,33 @@ def _build():
     @triton.jit
     def finalize_kernel(y_ptr, w_ptr, g_ptr, out_ptr, N, eps, stride_ym, stride_yk, stride_wm, stride_wk,
                         stride_om, TOPK: tl.constexpr, HAS_GAIN: tl.constexpr, GAIN_FIRST: tl.constexpr,
-                        ZERO_CENTERED: tl.constexpr, BLOCK_N: tl.constexpr):
+                        ZERO_CENTERED: tl.constexpr, BLOCK_N: tl.constexpr, ALL_ROUTES: tl.constexpr,
+                        TOPK_P2: tl.constexpr):
         m = tl.program_id(0).to(tl.int64)
         n = tl.arange(0, BLOCK_N)
         nm = n < N
+        if ALL_ROUTES:
+            # every route row in one [TOPK_P2, BLOCK_N] tile: all loads issued before the one reduction (a
+            # barrier: the per-route loop's row j + 1 waits for row j's, one DRAM round trip per route)
+            j = tl.arange(0, TOPK_P2)
+            jm = j < TOPK
+            rows = tl.load(y_ptr + m * stride_ym + j[:, None] * stride_yk + n[None, :],
+                           mask=jm[:, None] & nm[None, :], other=0.0).to(tl.float32)
+            wt = tl.load(w_ptr + m * stride_wm + j * stride_wk, mask=jm, other=0.0).to(tl.float32)
+            if HAS_GAIN:
+                g = tl.load(g_ptr + n, mask=nm, other=0.0).to(tl.float32)
+                if ZERO_CENTERED:
+                    g = g + 1.0
+                if GAIN_FIRST:
+                    rows = (rows * g[None, :]).to(y_ptr.dtype.element_ty).to(tl.float32)
+            inv = 1.0 / tl.sqrt(tl.sum(rows * rows, 1) / N + eps)
+            rows = rows * (wt * inv)[:, None]
+            if HAS_GAIN:
+                if not GAIN_FIRST:
+                    rows = rows * g[None, :]
+            acc = tl.sum(rows, 0)
+            tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=nm)
+            return
         if HAS_GAIN:
             g = tl.load(g_ptr + n, mask=nm, other=0.0).to(tl.float32)
             if ZERO_CENTERED:
@@ -79,9 +99,23 @@ def _get_kernel():
     return _kernel
 
 
+ALL_ROUTES_MAX = 32768
+"""Largest route tile (top_k rounded up to a power of two x BLOCK_N) read at once: 64 fp32 a thread at 16 warps.
+Wider tokens take the per-route loop (one row in registers at a time)."""
+
+
 def _warps(block_n: int) -> int:
     # 16 fp32 per thread per row at N = 4096 with 8 warps: 16-byte loads, a short reduction tree
     return max(1, min(16, block_n // 512))
+
+
+def all_routes(top_k: int, block_n: int) -> bool:
+    """Whether a token's route rows are read as one tile (every load before the reduction) - on 16 warps."""
+    return _next_power_of_2(top_k) * block_n <= ALL_ROUTES_MAX
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def finalize_triton(y: torch.Tensor, weights: torch.Tensor, gain: torch.Tensor | None, eps: float, *,
@@ -119,10 +153,12 @@ def finalize_triton(y: torch.Tensor, weights: torch.Tensor, gain: torch.Tensor |
     if M == 0:
         return o
     block_n = triton.next_power_of_2(N)
+    tile = all_routes(top_k, block_n)
     _get_kernel()[(M,)](y, weights, gain if gain is not None else y, o, N, float(eps),
                         y.stride(0), y.stride(1), weights.stride(0), weights.stride(1), o.stride(0),
                         TOPK=top_k, HAS_GAIN=gain is not None, GAIN_FIRST=bool(gain_before_norm),
-                        ZERO_CENTERED=bool(zero_centered), BLOCK_N=block_n, num_warps=_warps(block_n))
+                        ZERO_CENTERED=bool(zero_centered), BLOCK_N=block_n, ALL_ROUTES=tile,
+                        TOPK_P2=_next_power_of_2(top_k), num_warps=16 if tile else _warps(block_n))
     return o
 
 

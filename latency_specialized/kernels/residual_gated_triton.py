@@ -1,8 +1,8 @@
 """``residual.gated.triton``: one residual join (post-norm, plain or norm-preserving gated add, next
 RMSNorm) in one launch - contract ``ops.residual_gated.gated_join_reference``.
 
-One program per row holds the row (``N`` up to 16384) in registers: it loads the sublayer output and
-the stream once, computes the post norm (none / weightless / weighted / input-scaled), the gate's
+One program per row holds the row (``N`` up to 16384) in registers: it loads the sublayer output, the
+stream, the gains and the gate logits once, all before its first reduction, computes the post norm (none / weightless / weighted / input-scaled), the gate's
 ``alpha, beta`` from the fp32 logits, stores the new stream in its dtype, re-reads nothing, and writes
 the next sublayer's normed input (fp32 math, the stream's store and the output the only roundings,
 as the reference). vLLM 0.33 fuses the same three steps into one boundary kernel. Graph-capturable;
@@ -40,26 +40,36 @@ def _kernel(interpret: bool):
         c = tl.arange(0, BLOCK)
         mask = c < N
         s_ptr = stream + m * N + c
-        s = tl.load(s_ptr, mask=mask, other=0.0).to(tl.float32)
+        # every operand is loaded before the first reduction: a block reduction is a barrier the compiler does not
+        # move loads across, so a load written after one waits a DRAM round trip of its own
+        # (kept in their storage types until used: 16-bit operands take half the registers while they wait)
+        s = tl.load(s_ptr, mask=mask, other=0.0)
         if HAS_Y:
-            b = tl.load(y + m * s_y + c, mask=mask, other=0.0).to(tl.float32)
-            if POST == 3:  # input-scaled: the gain before the norm
-                g = tl.load(pw + c, mask=mask, other=0.0).to(tl.float32)
+            b = tl.load(y + m * s_y + c, mask=mask, other=0.0)
+            if POST >= 2:
+                pg = tl.load(pw + c, mask=mask, other=0.0)
+            if GATE:
+                if SCALAR_GATE:
+                    z = tl.load(gate)
+                else:
+                    z = tl.load(gate + c, mask=mask, other=0.0)
+        if HAS_W:
+            g = tl.load(w + c, mask=mask, other=0.0)
+        s = s.to(tl.float32)
+        if HAS_Y:
+            b = b.to(tl.float32)
+            if POST >= 2:
+                pg = pg.to(tl.float32)
                 if POST_ZC:
-                    g = g + 1.0
-                b = b * g
+                    pg = pg + 1.0
+            if POST == 3:  # input-scaled: the gain before the norm
+                b = b * pg
             if POST != 0:
                 b = b / tl.sqrt(tl.sum(b * b, 0) / N + post_eps)
             if POST == 2:
-                g = tl.load(pw + c, mask=mask, other=0.0).to(tl.float32)
-                if POST_ZC:
-                    g = g + 1.0
-                b = b * g
+                b = b * pg
             if GATE:
-                if SCALAR_GATE:
-                    z = tl.load(gate).to(tl.float32) * inv_t
-                else:
-                    z = tl.load(gate + c, mask=mask, other=0.0).to(tl.float32) * inv_t
+                z = z.to(tl.float32) * inv_t
                 beta = 1.0 / (1.0 + tl.exp(-z))
                 alpha = tl.sqrt(tl.maximum((1.0 / (1.0 + tl.exp(z))) * (1.0 + beta), gate_eps))
                 s = alpha * s + beta * b
@@ -70,7 +80,7 @@ def _kernel(interpret: bool):
             s = s.to(tl.float32)  # the next norm reads the stored (rounded) stream, as the reference
         xn = s / tl.sqrt(tl.sum(s * s, 0) / N + eps)
         if HAS_W:
-            g = tl.load(w + c, mask=mask, other=0.0).to(tl.float32)
+            g = g.to(tl.float32)
             if ZC:
                 g = g + 1.0
             xn = xn * g
@@ -106,7 +116,7 @@ def gated_join_triton(y: torch.Tensor | None, stream: torch.Tensor, weight: torc
         float(gate_eps), HAS_Y=y is not None, POST=POSTS[post], ZC=bool(zero_centered),
         POST_ZC=bool(post_zero_centered), HAS_W=weight is not None, GATE=gate is not None,
         SCALAR_GATE=gate is not None and gate.numel() == 1, BLOCK=triton.next_power_of_2(N),
-        num_warps=8 if N >= 4096 else 4)
+        num_warps=16 if N > 8192 else 8 if N >= 4096 else 4)  # <= 32 fp32 of each of the 5 operands a thread
     return x, stream
 
 

@@ -1,0 +1,77 @@
+"""The one-program-per-row Triton kernels at batch 1 issue every global load before their first block reduction.
+
+A block reduction is a barrier (``BAR.SYNC``) that the compiler does not move a global load across, so a load written
+after one starts only when the reduction is done: one more DRAM round trip, in series. Read off the sm_90a SASS that
+Triton's own ptxas makes (no GPU; ``testing.offline_sass``), at Muse Spark's TP8 shapes, where the H200 profile showed
+the gated joins and the experts' finalize latency-bound at batch 1 (``kernels/NOTES.md``, session 38): every LDG
+before the first BAR, and no spilled registers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its ptxas)")
+
+
+def _launches(call):
+    from tests.triton_offline import recorded_launches
+
+    with recorded_launches() as launches:
+        call()
+    return launches
+
+
+def _loads_then_barriers(launches) -> list[tuple[str, str, int]]:
+    """Per compiled kernel: the global-load / barrier / store sequence (``L`` / ``B`` / ``S``) and its stack bytes."""
+    from latency_specialized.testing.offline_sass import sass_of
+    from tests.triton_offline import ptx_for_hopper, resource_usage
+
+    stacks = resource_usage(launches)
+    out = []
+    for key, ptx in ptx_for_hopper(launches).items():
+        code = "".join("L" if o.startswith("LDG") else "B" if o.startswith("BAR") else "S" if o.startswith("STG")
+                       else "" for o in sass_of(ptx).order)
+        out.append((key, code, stacks[key][1]))
+    return out
+
+
+def _check(launches) -> None:
+    for key, code, stack in _loads_then_barriers(launches):
+        assert "B" in code and "L" not in code[code.index("B"):], (key, code)
+        assert stack == 0, (key, stack)
+
+
+@pytest.mark.parametrize("post", ["weighted", "input_scaled", "weightless", "none"])
+@pytest.mark.parametrize("gate", ["vector", "scalar", None])
+def test_gated_join_loads_every_operand_before_its_first_reduction(post, gate):
+    from latency_specialized.kernels.residual_gated_triton import gated_join_triton
+
+    H = 8192   # Muse Spark's hidden size
+    s, y = torch.randn(1, H).bfloat16(), torch.randn(1, H).bfloat16()
+    w, pw = torch.randn(H).bfloat16(), torch.randn(H).bfloat16()
+    g = {"vector": torch.randn(1, H), "scalar": torch.randn(1), None: None}[gate]
+    _check(_launches(lambda: gated_join_triton(y, s, w, 1e-6, post=post, post_weight=pw, gate=g)))
+
+
+@pytest.mark.parametrize("k,N", [(8, 4096), (6, 4096), (16, 2048)])
+def test_finalize_loads_every_route_before_the_reduction(k, N):
+    from latency_specialized.kernels.moe_finalize_triton import all_routes, finalize_triton
+
+    assert all_routes(k, N)
+    y, w, g = torch.randn(1, k, N).bfloat16(), torch.rand(1, k), torch.randn(N).bfloat16()
+    _check(_launches(lambda: finalize_triton(y, w, g, 1e-6)))
+
+
+def test_the_route_loop_is_what_the_tile_replaces():
+    """The wide-token fallback still loads route j + 1 after route j's reduction (why the tile exists)."""
+    from latency_specialized.kernels.moe_finalize_triton import all_routes, finalize_triton
+
+    k, N = 8, 8192
+    assert not all_routes(k, N)
+    y, w, g = torch.randn(1, k, N).bfloat16(), torch.rand(1, k), torch.randn(N).bfloat16()
+    [(_, code, stack)] = _loads_then_barriers(_launches(lambda: finalize_triton(y, w, g, 1e-6)))
+    assert code.count("B") >= k and "L" in code[code.index("B"):] and stack == 0
