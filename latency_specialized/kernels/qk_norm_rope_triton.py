@@ -42,24 +42,30 @@ def _kernel(interpret: bool):
         a_off = 2 * i if INTERLEAVED else i
         b_off = 2 * i + 1 if INTERLEAVED else i + HALF
         src = qkv + m * s_row + h * D
+        is_q = h < HQ
+        # every load before the reduction (a load written after it waits for it: one more DRAM round trip)
         x1 = tl.load(src + a_off).to(tl.float32)
         x2 = tl.load(src + b_off).to(tl.float32)
-        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D + eps)
-        x1 = x1 * rstd
-        x2 = x2 * rstd
-        is_q = h < HQ
-        if HAS_QW:
-            if is_q:
-                x1 = x1 * tl.load(q_w + a_off).to(tl.float32)
-                x2 = x2 * tl.load(q_w + b_off).to(tl.float32)
+        if HAS_QW:   # both gains read by every head (a few hundred bytes), the head's own chosen below
+            qw1 = tl.load(q_w + a_off).to(tl.float32)
+            qw2 = tl.load(q_w + b_off).to(tl.float32)
         if HAS_KW:
-            if not is_q:
-                x1 = x1 * tl.load(k_w + a_off).to(tl.float32)
-                x2 = x2 * tl.load(k_w + b_off).to(tl.float32)
+            kw1 = tl.load(k_w + a_off).to(tl.float32)
+            kw2 = tl.load(k_w + b_off).to(tl.float32)
         if ROPE:
             ang = tl.load(pos + m).to(tl.float32) * tl.load(inv_freq + i)
             c = tl.cos(ang)
             s = tl.sin(ang)
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D + eps)
+        x1 = x1 * rstd
+        x2 = x2 * rstd
+        if HAS_QW:
+            x1 = tl.where(is_q, x1 * qw1, x1)
+            x2 = tl.where(is_q, x2 * qw2, x2)
+        if HAS_KW:
+            x1 = tl.where(is_q, x1, x1 * kw1)
+            x2 = tl.where(is_q, x2, x2 * kw2)
+        if ROPE:
             y1 = x1 * c - x2 * s
             y2 = x2 * c + x1 * s
         else:

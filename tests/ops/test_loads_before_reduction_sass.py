@@ -4,7 +4,7 @@ A block reduction is a barrier (``BAR.SYNC``) that the compiler does not move a 
 after one starts only when the reduction is done: one more DRAM round trip, in series. Read off the sm_90a SASS that
 Triton's own ptxas makes (no GPU; ``testing.offline_sass``), at Muse Spark's TP8 shapes, where the H200 profile showed
 the gated joins and the experts' finalize latency-bound at batch 1 (``kernels/NOTES.md``, session 38): every LDG
-before the first BAR, and no spilled registers.
+before the first BAR (or, in the one-warp QK norm + RoPE, the first shuffle), and no spilled registers.
 """
 
 from __future__ import annotations
@@ -25,22 +25,24 @@ def _launches(call):
     return launches
 
 
-def _loads_then_barriers(launches) -> list[tuple[str, str, int]]:
-    """Per compiled kernel: the global-load / barrier / store sequence (``L`` / ``B`` / ``S``) and its stack bytes."""
+def _loads_then_barriers(launches, reduction: tuple[str, ...] = ("BAR",)) -> list[tuple[str, str, int]]:
+    """Per compiled kernel: the global-load / reduction / store sequence (``L`` / ``B`` / ``S``) and its stack bytes.
+    ``reduction``: the opcodes that make a reduction wait - a block's barrier; in a one-warp program its shuffles
+    (the shuffles of a block reduction's first, in-warp stage may interleave with loads: nothing waits there)."""
     from latency_specialized.testing.offline_sass import sass_of
     from tests.triton_offline import ptx_for_hopper, resource_usage
 
     stacks = resource_usage(launches)
     out = []
     for key, ptx in ptx_for_hopper(launches).items():
-        code = "".join("L" if o.startswith("LDG") else "B" if o.startswith("BAR") else "S" if o.startswith("STG")
-                       else "" for o in sass_of(ptx).order)
+        code = "".join("L" if o.startswith("LDG") else "B" if o.startswith(reduction) else
+                       "S" if o.startswith("STG") else "" for o in sass_of(ptx).order)
         out.append((key, code, stacks[key][1]))
     return out
 
 
-def _check(launches) -> None:
-    for key, code, stack in _loads_then_barriers(launches):
+def _check(launches, reduction: tuple[str, ...] = ("BAR",)) -> None:
+    for key, code, stack in _loads_then_barriers(launches, reduction):
         assert "B" in code and "L" not in code[code.index("B"):], (key, code)
         assert stack == 0, (key, stack)
 
@@ -75,3 +77,14 @@ def test_the_route_loop_is_what_the_tile_replaces():
     y, w, g = torch.randn(1, k, N).bfloat16(), torch.rand(1, k), torch.randn(N).bfloat16()
     [(_, code, stack)] = _loads_then_barriers(_launches(lambda: finalize_triton(y, w, g, 1e-6)))
     assert code.count("B") >= k and "L" in code[code.index("B"):] and stack == 0
+
+
+@pytest.mark.parametrize("gains", [True, False])
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+def test_qk_norm_rope_loads_gains_and_angles_before_the_norm(gains, style):
+    from latency_specialized.kernels.qk_norm_rope_triton import qk_norm_rope_triton
+
+    qkv = torch.randn(1, (16 + 2 + 2) * 64).bfloat16()   # Muse Spark TP8: 16 query and 2 KV heads of 64
+    w = {"q_weight": torch.randn(64).bfloat16(), "k_weight": torch.randn(64).bfloat16()} if gains else {}
+    _check(_launches(lambda: qk_norm_rope_triton(qkv, 16, 2, 64, 1e-6, positions=torch.zeros(1, dtype=torch.long),
+                                                 inv_freq=torch.rand(32), style=style, **w)), reduction=("SHFL",))
