@@ -11,7 +11,8 @@ V312=${V312:-/tmp/v312}
 CUTE312=${CUTE312:-/tmp/cute312}
 SHARED=${SHARED_DEVICE:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/../shared/device}
 if [ "${1:-}" = --activate ]; then
-  export PY312="$V312/bin/python" PYTHONPATH="$PWD:$CUTE312:$CUTE312/nvidia_cutlass_dsl/dsl_packages" CUTE_DSL_ARCH=sm_90a
+  export PY312="$V312/bin/python" CUTE_DSL_ARCH=sm_90a
+  export PYTHONPATH="$PWD:$CUTE312:$CUTE312/nvidia_cutlass_dsl/dsl_packages"
   return 0 2>/dev/null || exit 0
 fi
 py=$(ls -d "$(pyenv root 2>/dev/null || echo /root/.pyenv)"/versions/3.12.*/bin/python 2>/dev/null | tail -1)

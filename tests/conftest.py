@@ -113,25 +113,22 @@ def _xdist_layout(config, items) -> None:
 _PEAKS: dict[str, dict[str, float]] = {}
 _CLOCK = None
 """``testing.compile_clock.CompileClock`` of this process once a recorded GPU test ran (``LS_GPU_PEAKS``)."""
-
-
 _RECORDER = None
 """``testing.triton_specs.SpecRecorder`` of this process (same condition): the Triton kernels it compiled (and
 ``testing.cute_units`` records the CuTe DSL ones)."""
 
 
-def _compile_clock():
+def _recording_clock():
+    """The compile clock of this process, made with the kernel recorders at the first recorded GPU test."""
     global _CLOCK, _RECORDER
     if _CLOCK is None:
+        from latency_specialized.testing import cute_units
         from latency_specialized.testing.compile_clock import CompileClock
         from latency_specialized.testing.triton_specs import SpecRecorder
 
-        _CLOCK = CompileClock()
+        _CLOCK, _RECORDER = CompileClock(), SpecRecorder()
         _CLOCK.install()
-        _RECORDER = SpecRecorder()
         _RECORDER.install()
-        from latency_specialized.testing import cute_units
-
         cute_units.start()
     return _CLOCK
 
@@ -166,7 +163,7 @@ def pytest_runtest_protocol(item, nextitem):
         from latency_specialized.testing.compile_clock import delta
 
         torch.cuda.reset_peak_memory_stats()
-        clock = _compile_clock()
+        clock = _recording_clock()
     with gate:
         if record:  # after the ledger admitted it: the seconds are the test's, not its wait
             before, t0 = clock.snapshot(), time.perf_counter()

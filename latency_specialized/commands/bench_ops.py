@@ -39,7 +39,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="with --write-table: add/replace the measured cells in the existing table, keep the others")
     p.add_argument("--compile-records", metavar="PATH", default=None,
                    help="write the CuTe DSL kernels these cases compile as compile records (testing.compile_records) "
-                        "and stop; needs no GPU: another machine compiles them ahead (benchmarks/scripts/precompile.py)")
+                        "and stop; needs no GPU: another machine compiles them ahead "
+                        "(benchmarks/scripts/precompile.py)")
     return p
 
 
@@ -112,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_compile_records(args: argparse.Namespace, settings) -> int:
+def _write_compile_records(args: argparse.Namespace, settings: "ops_bench.BenchSettings") -> int:  # noqa: F821
     """The compile units of every case of ``--ops`` as CuTe DSL compile records (no case is built or run)."""
     from latency_specialized.bench import ops_bench
     from latency_specialized.testing import compile_records, cute_units

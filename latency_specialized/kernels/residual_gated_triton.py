@@ -2,7 +2,8 @@
 RMSNorm) in one launch - contract ``ops.residual_gated.gated_join_reference``.
 
 One program per row holds the row (``N`` up to 16384) in registers: it loads the sublayer output, the
-stream, the gains and the gate logits once, all before its first reduction, computes the post norm (none / weightless / weighted / input-scaled), the gate's
+stream, the gains and the gate logits once, all before its first reduction, computes the post norm
+(none / weightless / weighted / input-scaled), the gate's
 ``alpha, beta`` from the fp32 logits, stores the new stream in its dtype, re-reads nothing, and writes
 the next sublayer's normed input (fp32 math, the stream's store and the output the only roundings,
 as the reference). vLLM 0.33 fuses the same three steps into one boundary kernel. Graph-capturable;

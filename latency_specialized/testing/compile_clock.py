@@ -1,9 +1,7 @@
 """Seconds a process spends compiling kernels, for the GPU suite's per-test record.
 
-The GPU suite's time on a fresh machine is mostly compiling: the same H200 tests took 2,358 s of test time with an
-empty Triton cache (session 30's junit) and 1,310 s with a warm one (session 32's). Before the suite is reshaped
-around that (fewer specialisations, a precompile pass over the machine's idle cores), the record says per test how
-much was compiling and of which kind:
+The GPU suite's time on a fresh machine is mostly compiling (``benchmarks/NOTES_gpu_suite.md``); the record says per
+test how much was compiling and of which kind:
 
 * Triton: through ``triton.knobs.compilation.listener`` (Triton >= 3.4): one call per ``triton.compile``, a cache
   hit or a compile with its stage times. The launcher stub a new signature builds (a host C compile) is not in it.
@@ -28,7 +26,6 @@ class CompileClock:
     triton_s: float = 0.0
     triton_n: int = 0
     triton_hits: int = 0
-    installed: bool = False
 
     def on_triton_compile(self, *, times: Any = None, cache_hit: bool = False, **_: Any) -> None:
         """Triton's listener signature (``src, metadata, metadata_group, times, cache_hit``); times in us."""
@@ -58,7 +55,6 @@ class CompileClock:
                 previous(**kw)
 
         comp.listener = listener
-        self.installed = True
         return True
 
     def snapshot(self) -> dict[str, float]:

@@ -106,8 +106,8 @@ def test_the_recorder_keeps_each_specialisation_once_and_chains(monkeypatch):
     assert rec.values() == [{"fn": "m:k", "data": "data-a"}, {"fn": "m:k", "data": "data-b"}]
     assert rec.skipped == 1 and seen == ["a", "a", "b", "c"]
     # Triton's serialiser no longer raises on a value JSON cannot hold (it would fail the launch): None instead
-    extra = {"target": SimpleNamespace()} if "target" in inspect.signature(jit.serialize_specialization_data).parameters \
-        else {}
+    takes_target = "target" in inspect.signature(jit.serialize_specialization_data).parameters
+    extra = {"target": SimpleNamespace()} if takes_target else {}
     assert jit.serialize_specialization_data("f", {}, {(0,): object()}, {}, SimpleNamespace(), "k", **extra) is None
 
 
