@@ -201,7 +201,7 @@ def _kernels(interpret: bool):
     del interpret  # the cache key only
     # the kernels are defined here, not at import (no triton import for machines without it), but
     # Triton resolves the names a kernel uses through its module globals: hence tl as a global
-    global tl, tlc, _split_weights, _merged_columns, _rope_rows
+    global tl, tlc, _split_weights, _merged_columns, _merged_one_tile, _rope_rows
     import triton
     import triton.language as tl
     import triton.language.extra.cuda as tlc
@@ -253,6 +253,38 @@ def _kernels(interpret: bool):
         denom = tl.sum(tl.where(s_ok, tl.exp2(m_s - m_max), 0.0) * l_s, 0)
         inv = tl.where(denom > 0, 1.0 / tl.where(denom > 0, denom, 1.0), 0.0)
         return used, m_max, inv
+
+    @triton.jit
+    def _merged_one_tile(ws_acc, ws_m, ws_l, seq_lens, b, h, num_splits, offs_l, s_wb, s_ws, s_wh, s_mb, s_ms, topk,
+                         BN: tl.constexpr, MIN_CHUNK: tl.constexpr, S_PAD: tl.constexpr, SPARSE: tl.constexpr):
+        # -> (acc, inv) of ``_split_weights`` + ``_merged_columns`` where one tile holds every split (S_TILE >=
+        # S_PAD): every split's m, l and partial columns are loaded at once, masked by the static split count
+        # only, before any reduction - the two-step form loads the partials after the max / denominator
+        # reductions (barriers no load is moved across): one more round trip, in series. Stale workspace past
+        # the used splits is replaced, not multiplied, so it cannot leak NaN. Same sums, same order.
+        offs_s = tl.arange(0, S_PAD)
+        s_in = offs_s < num_splits
+        m_s = tl.load(ws_m + b * s_mb + offs_s * s_ms + h, mask=s_in, other=float("-inf"))
+        l_s = tl.load(ws_l + b * s_mb + offs_s * s_ms + h, mask=s_in, other=0.0)
+        part = tl.load(ws_acc + b * s_wb + offs_s[:, None] * s_ws + h * s_wh + offs_l[None, :],
+                       mask=s_in[:, None], other=0.0)
+        if SPARSE:
+            seq_len = topk
+        else:
+            seq_len = tl.load(seq_lens + b).to(tl.int32)
+        chunk = tl.maximum(tl.cdiv(seq_len, num_splits), MIN_CHUNK)
+        chunk = tl.cdiv(chunk, BN) * BN
+        s_ok = offs_s < tl.cdiv(seq_len, chunk)
+        m_s = tl.where(s_ok, m_s, float("-inf"))
+        l_s = tl.where(s_ok, l_s, 0.0)
+        part = tl.where(s_ok[:, None], part, 0.0)
+        m_max = tl.max(m_s, 0)
+        m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+        w_s = tl.where(s_ok, tl.exp2(m_s - m_max), 0.0)
+        denom = tl.sum(w_s * l_s, 0)
+        inv = tl.where(denom > 0, 1.0 / tl.where(denom > 0, denom, 1.0), 0.0)
+        acc = tl.sum(w_s[:, None] * part, 0)
+        return acc, inv
 
     @triton.jit
     def _merged_columns(ws_acc, ws_m, b, h, used, m_max, offs_l, s_wb, s_ws, s_wh, s_mb, s_ms,
@@ -506,9 +538,13 @@ def _kernels(interpret: bool):
         if PDL:  # the partials come from the split kernel
             tlc.gdc_wait()
             tlc.gdc_launch_dependents()
-        used, m_max, inv = _split_weights(ws_m, ws_l, seq_lens, b, h, num_splits, s_mb, s_ms, topk, BN, MIN_CHUNK,
-                                          S_PAD, SPARSE)
-        acc = _merged_columns(ws_acc, ws_m, b, h, used, m_max, offs_l, s_wb, s_ws, s_wh, s_mb, s_ms, S_TILE, LT)
+        if S_TILE >= S_PAD:
+            acc, inv = _merged_one_tile(ws_acc, ws_m, ws_l, seq_lens, b, h, num_splits, offs_l, s_wb, s_ws, s_wh,
+                                        s_mb, s_ms, topk, BN, MIN_CHUNK, S_PAD, SPARSE)
+        else:
+            used, m_max, inv = _split_weights(ws_m, ws_l, seq_lens, b, h, num_splits, s_mb, s_ms, topk, BN,
+                                              MIN_CHUNK, S_PAD, SPARSE)
+            acc = _merged_columns(ws_acc, ws_m, b, h, used, m_max, offs_l, s_wb, s_ws, s_wh, s_mb, s_ms, S_TILE, LT)
         po = tl.sum(w.to(tl.float32) * (acc * inv)[None, :], 1)                  # [V_PAD] partial o
         row = ((b * H + h) * NLT_PAD) * V_PAD
         tl.store(ws_o + row + lt * V_PAD + offs_v, po)
@@ -880,7 +916,11 @@ def launch_mla_decode(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
         if n_lt > 1:  # small batch: each program merges a latent tile, the last of a head adds the outputs
             lt, v_pad, n_pad = L // n_lt, _next_pow2(v), _next_pow2(n_lt)
             ws_o = torch.empty(B * H * n_pad * v_pad, device=q.device, dtype=torch.float32)
-            tile_args = dict(merge_args, S_TILE=max(1, min(1 << (sp.num_splits.bit_length() - 1), MERGE_TILE // lt)),
+            # every split in one tile where that fits MERGE_TILE (all loads before the reductions:
+            # ``_merged_one_tile``), else the largest power of two <= num_splits a step, as the fused merge
+            one = s_pad * lt <= MERGE_TILE
+            tile_args = dict(merge_args, S_TILE=s_pad if one else max(1, min(1 << (sp.num_splits.bit_length() - 1),
+                                                                              MERGE_TILE // lt)),
                              **(_pdl_args(True, MERGE_WARPS) if late else {}))
             kernels["merge_tiles"][(B, H, n_lt)](
                 sp.ws_acc, sp.ws_m, sp.ws_l, seq_lens, w_uv, g, y, ws_o, count, sp.num_splits, H, v, topk,

@@ -3,8 +3,9 @@
 A block reduction is a barrier (``BAR.SYNC``) that the compiler does not move a global load across, so a load written
 after one starts only when the reduction is done: one more DRAM round trip, in series. Read off the sm_90a SASS that
 Triton's own ptxas makes (no GPU; ``testing.offline_sass``), at Muse Spark's TP8 shapes, where the H200 profile showed
-the gated joins and the experts' finalize latency-bound at batch 1 (``kernels/NOTES.md``, session 38): every LDG
-before the first BAR (or, in the one-warp QK norm + RoPE, the first shuffle), and no spilled registers.
+the gated joins and the experts' finalize latency-bound at batch 1, and in the MLA call's latent-tiled merge at Kimi K3
+and GLM-5.3 TP8 shapes (``kernels/NOTES.md``, session 38): every LDG before the first BAR (or, in the one-warp QK
+norm + RoPE, the first shuffle), and no spilled registers.
 """
 
 from __future__ import annotations
@@ -88,3 +89,27 @@ def test_qk_norm_rope_loads_gains_and_angles_before_the_norm(gains, style):
     w = {"q_weight": torch.randn(64).bfloat16(), "k_weight": torch.randn(64).bfloat16()} if gains else {}
     _check(_launches(lambda: qk_norm_rope_triton(qkv, 16, 2, 64, 1e-6, positions=torch.zeros(1, dtype=torch.long),
                                                  inv_freq=torch.rand(32), style=style, **w)), reduction=("SHFL",))
+
+
+@pytest.mark.parametrize("heads,nope,v", [(12, 128, 128), (8, 192, 256)], ids=["kimi_k3_tp8", "glm53_tp8"])
+def test_mla_latent_tiled_merge_loads_every_split_before_its_reductions(heads, nope, v, monkeypatch):
+    """Batch 1, context 4096 (130 splits): the merge reads every split's m, l and partial columns before the max and
+    the denominator (it read the partials after them: one more round trip in the MLA call's latency chain)."""
+    import latency_specialized.kernels.mla_decode_triton as mla
+
+    monkeypatch.setattr(mla, "sm_count", lambda device: 132)
+    B, L, R, bs, ctx, d = 1, 512, 64, 64, 4096, torch.bfloat16
+    nb = ctx // bs + 1
+    q, kv = torch.randn(B, heads, nope + R).to(d), torch.randn(B, L + R).to(d)
+    args = (q, kv[:, :L], kv[:, L:], torch.zeros(nb, bs, L + R, dtype=d), torch.zeros(B, dtype=torch.long),
+            torch.arange(nb, dtype=torch.int32).repeat(B, 1), torch.full((B,), ctx, dtype=torch.int32),
+            torch.randn(heads * (nope + v), L).to(d))
+    launches = _launches(lambda: mla.mla_decode_triton(*args, qk_nope_head_dim=nope, v_head_dim=v,
+                                                       kv_norm_weight=torch.ones(L, dtype=d)))
+    merge = [x for x in launches if x[0].fn.__name__ == "merge_tiles_kernel"]
+    assert len(merge) == 1 and merge[0][2]["S_TILE"] == merge[0][2]["S_PAD"]
+    [(key, code, stack)] = _loads_then_barriers(merge)
+    # the body: loads, then its reductions, then its partial output's store; what follows the store is the last
+    # arriver's tail, which reads the other programs' outputs after the arrival (it must)
+    body = code[:code.index("S")]
+    assert "B" in body and "L" not in body[body.index("B"):] and stack == 0, (key, code, stack)
