@@ -221,11 +221,22 @@ def _kernels(interpret: bool):
         offs_s = tl.arange(0, S_PAD)
         s_ok = offs_s < num_splits
         base = (m * num_splits + offs_s) * H + h
+        d = cb * BD + tl.arange(0, BD)
+        t_rot = d - (D - R)
+        rot = t_rot >= 0
+        dp = tl.where(rot, d ^ 1, d)
+        # every load before the first reduction (a barrier no load is moved across: the partials and the angle
+        # inputs read after it waited a round trip of their own)
         m_s = tl.load(ws_m + base, mask=s_ok, other=float("-inf"))
         l_s = tl.load(ws_l + base, mask=s_ok, other=0.0)
-        g = tl.max(m_s, 0)
+        part = tl.load(ws_acc + base[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
+        partp = tl.load(ws_acc + base[:, None] * D + dp[None, :], mask=s_ok[:, None], other=0.0)
+        inv = tl.load(inv_freq + tl.maximum(t_rot, 0) // 2, mask=rot, other=0.0)
+        ang = -(tl.load(positions + m).to(tl.float32)) * inv                    # the inverse rotation
         if HAS_SINKS:
             snk = tl.load(sinks + h).to(tl.float32) * 1.4426950408889634
+        g = tl.max(m_s, 0)
+        if HAS_SINKS:
             g = tl.maximum(g, snk)
         g = tl.where(g == float("-inf"), 0.0, g)
         w = tl.exp2(m_s - g)                                   # 0 for empty and padded splits
@@ -233,17 +244,9 @@ def _kernels(interpret: bool):
         if HAS_SINKS:
             denom += tl.exp2(snk - g)                          # the sink: the denominator only
         rcp = tl.where(denom > 0, 1.0 / tl.where(denom > 0, denom, 1.0), 0.0)
-        d = cb * BD + tl.arange(0, BD)
-        t_rot = d - (D - R)
-        rot = t_rot >= 0
-        dp = tl.where(rot, d ^ 1, d)
-        part = tl.load(ws_acc + base[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
-        partp = tl.load(ws_acc + base[:, None] * D + dp[None, :], mask=s_ok[:, None], other=0.0)
         odt = out.dtype.element_ty
         o = (tl.sum(w[:, None] * part, 0) * rcp).to(odt).to(tl.float32)       # the attention's rounding
         op = (tl.sum(w[:, None] * partp, 0) * rcp).to(odt).to(tl.float32)
-        inv = tl.load(inv_freq + tl.maximum(t_rot, 0) // 2, mask=rot, other=0.0)
-        ang = -(tl.load(positions + m).to(tl.float32)) * inv                    # the inverse rotation
         y = o * tl.cos(ang) + op * tl.sin(ang) * tl.where(t_rot % 2 == 0, -1.0, 1.0)
         tl.store(out + m * s_om + h * s_oh + d, y.to(odt))
 

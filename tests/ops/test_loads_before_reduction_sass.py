@@ -113,3 +113,22 @@ def test_mla_latent_tiled_merge_loads_every_split_before_its_reductions(heads, n
     # arriver's tail, which reads the other programs' outputs after the arrival (it must)
     body = code[:code.index("S")]
     assert "B" in body and "L" not in body[body.index("B"):] and stack == 0, (key, code, stack)
+
+
+def test_sparse_mqa_combine_loads_partials_and_angles_before_its_reductions():
+    """DeepSeek-V4.1-Flash TP8, batch 1: the sparse MQA combine reads every split's m, l and partial channels, the
+    sink and the angle inputs before its max / denominator reductions (it read the partials and angles after them).
+    After the first barrier only sin / cos's large-argument path reads its constant table (libdevice)."""
+    import latency_specialized.kernels.sparse_mqa_triton as smq
+    from latency_specialized.testing.offline_sass import sass_of
+    from tests.ops.test_sparse_mqa_triton import DSV4_TP8, make_case
+    from tests.triton_offline import ptx_for_hopper, resource_usage
+
+    args, kw, _ = make_case(801, [1], dtype=torch.bfloat16, sinks=True, norm=True, kv_norm=True, **dict(DSV4_TP8, K=512))
+    combine = [x for x in _launches(lambda: smq.sparse_mqa_decode_triton(*args, **kw))
+               if x[0].fn.__name__ == "combine_kernel"]
+    [(key, ptx)] = ptx_for_hopper(combine).items()
+    order = [o for o in sass_of(ptx).order if o.startswith(("LDG", "BAR"))]
+    late = [o for o in order[order.index(next(o for o in order if o.startswith("BAR"))):] if o.startswith("LDG")]
+    assert len(late) <= 2 and all(o == "LDG.E.CONSTANT" for o in late), (key, order)
+    assert resource_usage(combine)[key][1] == 0
