@@ -106,5 +106,6 @@ for run in matrix rest; do
   echo "  rerun: $(tail -1 "$OUT/gpu_suite_${run}_rerun.log")"
 done
 # the compile caches the runs filled (CuTe DSL objects, Triton's), for the record: later calls on this machine reuse
-# them; a session's checkout is new and .device/ is not committed, so they cannot reach the next session's machine
+# them; the next session's machine gets them from the records instead (precompile above, or built on the CPU machine
+# and carried: scripts/cpu_compile_env.sh, benchmarks/NOTES_gpu_suite.md)
 du -sh "$LS_KERNEL_CACHE_DIR" "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" 2>/dev/null
