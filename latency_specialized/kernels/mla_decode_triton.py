@@ -201,7 +201,7 @@ def _kernels(interpret: bool):
     del interpret  # the cache key only
     # the kernels are defined here, not at import (no triton import for machines without it), but
     # Triton resolves the names a kernel uses through its module globals: hence tl as a global
-    global tl, tlc, _split_weights, _merged_columns, _merged_one_tile, _rope_rows
+    global tl, tlc, _used_splits, _split_weights, _merged_columns, _merged_one_tile, _rope_rows
     import triton
     import triton.language as tl
     import triton.language.extra.cuda as tlc
@@ -230,6 +230,19 @@ def _kernels(interpret: bool):
 
     # the two merges' shared steps (module globals too: kernels resolve the functions they call there)
     @triton.jit
+    def _used_splits(seq_lens, b, num_splits, topk, BN: tl.constexpr, MIN_CHUNK: tl.constexpr,
+                     SPARSE: tl.constexpr):
+        # the splits of row b that held positions (the split kernel's rule); SPARSE: the splits cut the topk
+        # selection slots, the same static count for every row
+        if SPARSE:
+            seq_len = topk
+        else:
+            seq_len = tl.load(seq_lens + b).to(tl.int32)
+        chunk = tl.maximum(tl.cdiv(seq_len, num_splits), MIN_CHUNK)
+        chunk = tl.cdiv(chunk, BN) * BN
+        return tl.cdiv(seq_len, chunk)
+
+    @triton.jit
     def _split_weights(ws_m, ws_l, seq_lens, b, h, num_splits, s_mb, s_ms, topk,
                        BN: tl.constexpr, MIN_CHUNK: tl.constexpr, S_PAD: tl.constexpr, SPARSE: tl.constexpr):
         # -> (used, m_max, inv): the splits that held positions (the split kernel's rule), their common
@@ -237,13 +250,7 @@ def _kernels(interpret: bool):
         # SPARSE: the splits cut the topk selection slots (the same static count for every row), not the
         # context; a split whose slots are all invalid left m = -inf, l = 0, acc = 0 (weight 0 here), and a
         # row with no valid slot at all gets denom 0, so zeros, as a padding row does
-        if SPARSE:
-            seq_len = topk
-        else:
-            seq_len = tl.load(seq_lens + b).to(tl.int32)
-        chunk = tl.maximum(tl.cdiv(seq_len, num_splits), MIN_CHUNK)
-        chunk = tl.cdiv(chunk, BN) * BN
-        used = tl.cdiv(seq_len, chunk)
+        used = _used_splits(seq_lens, b, num_splits, topk, BN, MIN_CHUNK, SPARSE)
         offs_s = tl.arange(0, S_PAD)
         s_ok = offs_s < used
         m_s = tl.load(ws_m + b * s_mb + offs_s * s_ms + h, mask=s_ok, other=float("-inf"))
@@ -268,13 +275,7 @@ def _kernels(interpret: bool):
         l_s = tl.load(ws_l + b * s_mb + offs_s * s_ms + h, mask=s_in, other=0.0)
         part = tl.load(ws_acc + b * s_wb + offs_s[:, None] * s_ws + h * s_wh + offs_l[None, :],
                        mask=s_in[:, None], other=0.0)
-        if SPARSE:
-            seq_len = topk
-        else:
-            seq_len = tl.load(seq_lens + b).to(tl.int32)
-        chunk = tl.maximum(tl.cdiv(seq_len, num_splits), MIN_CHUNK)
-        chunk = tl.cdiv(chunk, BN) * BN
-        s_ok = offs_s < tl.cdiv(seq_len, chunk)
+        s_ok = offs_s < _used_splits(seq_lens, b, num_splits, topk, BN, MIN_CHUNK, SPARSE)
         m_s = tl.where(s_ok, m_s, float("-inf"))
         l_s = tl.where(s_ok, l_s, 0.0)
         part = tl.where(s_ok[:, None], part, 0.0)
