@@ -50,6 +50,8 @@ if [ "$PART" != rest ]; then
   # MATRIX_K (a -k expression, e.g. "ctx8 or ctx40" / "ctx32768 or ctx131072") splits the cells over calls
   # --maxschedchunk 1: one cell at a time per worker, so the long cells tests/conftest.py puts first spread over the
   # workers (xdist's default hands each worker a run of consecutive cells to start with)
+  # MATRIX_WORKERS (default 4): each worker keeps a TP process pool per TP size (~0.9 GiB of CUDA context a rank),
+  # so on an 80 GB card 4 suit the long cells; 6 the short ones (< 1 GiB each; session 39: 258 cells in 362 s)
   timeout -s INT -k 25 "$limit" python3 -m pytest -m gpu "$MATRIX" ${MATRIX_K:+-k "$MATRIX_K"} -n "${MATRIX_WORKERS:-4}" \
     --dist load --maxschedchunk 1 -v -rfE --durations=20 -p no:cacheprovider --junitxml="$OUT/junit_matrix.xml" > "$OUT/gpu_suite_matrix.log" 2>&1 &
   m=$!

@@ -8,6 +8,11 @@ start only while the estimated bytes of the cells running on the GPU, its own in
 ledger is a JSON file under a lock (``fcntl``), so every process on the machine sees it, and entries of dead
 processes are dropped, so a killed worker cannot hold the budget forever. A cell larger than the whole
 budget runs once nothing else is admitted.
+
+The budget is also bounded by what the device has free now plus what the admitted cells hold: memory the
+ledger does not count - CUDA contexts of the workers and of their TP process pools (~0.9 GiB a process on an
+H100; 6 workers' pools are up to 60 processes), other tests' caches - shrinks it (session 39's long matrix on an
+80 GB H100 with 6 workers: 3 cells out of memory beside ~20 GiB of contexts, the ledger at half the card).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 LEDGER_ENV = "LS_GPU_SHARE_LEDGER"
@@ -27,6 +32,8 @@ LEDGER_ENV = "LS_GPU_SHARE_LEDGER"
 BUDGET_ENV = "LS_GPU_SHARE_BYTES"
 """Budget in bytes (default: half the device's memory, the rest left to CUDA contexts, weights, caches)."""
 POLL_S = 0.5
+MARGIN_BYTES = 2**30
+"""Free device memory a cell leaves unclaimed (allocator block rounding, a context that starts meanwhile)."""
 WAIT_NOTE_S = 60.0
 """A waiting cell says so on stderr after this long, and again each period (progress on long runs)."""
 
@@ -42,6 +49,24 @@ def default_budget() -> int:
     import torch
 
     return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory // 2
+
+
+def device_free_bytes() -> int | None:
+    """Free memory of this process's CUDA device now (the driver's figure: other processes' use counted), or None
+    without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.mem_get_info()[0])
+
+
+def room(budget: int, held: int, free: int | None, margin: int | None = None) -> int:
+    """Bytes the admitted cells may hold together: ``budget``, bounded by ``free`` (the device's free memory) plus
+    ``held`` (the admitted cells' estimates, taken as allocated: exact once they are, generous before) less
+    ``margin`` (default ``MARGIN_BYTES``)."""
+    margin = MARGIN_BYTES if margin is None else margin
+    return budget if free is None else min(budget, free + held - margin)
 
 
 def _alive(pid: int) -> bool:
@@ -81,24 +106,29 @@ def held_bytes(path: Path | None = None) -> int:
 
 
 @contextlib.contextmanager
-def admitted(nbytes: int, *, budget: int | None = None, path: Path | None = None,
-             label: str = "") -> Iterator[None]:
-    """Block until ``nbytes`` fits the budget beside the cells admitted now (or nothing else is admitted),
-    hold them while the body runs, and release them after it (also on errors)."""
+def admitted(nbytes: int, *, budget: int | None = None, path: Path | None = None, label: str = "",
+             free_bytes: Callable[[], int | None] = device_free_bytes) -> Iterator[None]:
+    """Block until ``nbytes`` fits the room beside the cells admitted now (or nothing else is admitted),
+    hold them while the body runs, and release them after it (also on errors). The room is ``budget`` bounded by
+    the device's free memory (``room``; ``free_bytes`` returns None without a GPU)."""
     path = path or ledger_path()
     budget = default_budget() if budget is None else budget
     key, t0, noted = uuid.uuid4().hex, time.monotonic(), 0.0
     while True:
+        free = free_bytes()  # read before the lock: the driver call must not hold the other processes up
         with _locked(path) as entries:
             held = sum(int(v[1]) for v in entries.values())
-            if not entries or held + nbytes <= budget:
+            fits = room(budget, held, free)
+            if not entries or held + nbytes <= fits:
                 entries[key] = [os.getpid(), int(nbytes)]
                 break
         waited = time.monotonic() - t0
         if waited - noted >= WAIT_NOTE_S:
             noted = waited
+            free_gib = "-" if free is None else f"{free / 2**30:.1f}"
             print(f"gpu_share: {label or 'a cell'} ({nbytes / 2**30:.1f} GiB) waits for {held / 2**30:.1f} GiB "
-                  f"held of {budget / 2**30:.1f} GiB ({waited:.0f} s)", file=sys.stderr, flush=True)
+                  f"held of {fits / 2**30:.1f} GiB (budget {budget / 2**30:.1f}, device free {free_gib} GiB; "
+                  f"{waited:.0f} s)", file=sys.stderr, flush=True)
         time.sleep(POLL_S)
     try:
         yield
