@@ -201,7 +201,7 @@ def _kernels(interpret: bool):
     del interpret  # the cache key only
     # the kernels are defined here, not at import (no triton import for machines without it), but
     # Triton resolves the names a kernel uses through its module globals: hence tl as a global
-    global tl, tlc, _used_splits, _split_weights, _merged_columns, _merged_one_tile, _rope_rows
+    global tl, tlc, _split_chunk, _used_splits, _split_weights, _merged_columns, _merged_one_tile, _rope_rows
     import triton
     import triton.language as tl
     import triton.language.extra.cuda as tlc
@@ -228,7 +228,14 @@ def _kernels(interpret: bool):
         sn = tl.sin(ang)
         return tl.where(first[None, :], x * c - y * sn, x * c + y * sn)
 
-    # the two merges' shared steps (module globals too: kernels resolve the functions they call there)
+    # the split kernel's and the two merges' shared steps (module globals too: kernels resolve the functions they
+    # call there)
+    @triton.jit
+    def _split_chunk(n_len, num_splits, BN: tl.constexpr, MIN_CHUNK: tl.constexpr):
+        # positions per split: an even share of n_len, at least MIN_CHUNK, rounded up to whole BN tiles
+        chunk = tl.maximum(tl.cdiv(n_len, num_splits), MIN_CHUNK)
+        return tl.cdiv(chunk, BN) * BN
+
     @triton.jit
     def _used_splits(seq_lens, b, num_splits, topk, BN: tl.constexpr, MIN_CHUNK: tl.constexpr,
                      SPARSE: tl.constexpr):
@@ -238,9 +245,7 @@ def _kernels(interpret: bool):
             seq_len = topk
         else:
             seq_len = tl.load(seq_lens + b).to(tl.int32)
-        chunk = tl.maximum(tl.cdiv(seq_len, num_splits), MIN_CHUNK)
-        chunk = tl.cdiv(chunk, BN) * BN
-        return tl.cdiv(seq_len, chunk)
+        return tl.cdiv(seq_len, _split_chunk(seq_len, num_splits, BN, MIN_CHUNK))
 
     @triton.jit
     def _split_weights(ws_m, ws_l, seq_lens, b, h, num_splits, s_mb, s_ms, topk,
@@ -407,8 +412,7 @@ def _kernels(interpret: bool):
             n_len = topk
         else:
             n_len = seq_len
-        chunk = tl.maximum(tl.cdiv(n_len, num_splits), MIN_CHUNK)
-        chunk = tl.cdiv(chunk, BN) * BN
+        chunk = _split_chunk(n_len, num_splits, BN, MIN_CHUNK)
         start = sp * chunk
         end = tl.minimum(start + chunk, n_len)
 

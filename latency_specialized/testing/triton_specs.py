@@ -15,15 +15,13 @@ A record: ``{"fn": "module:qualname", "data": specialization_data}``. Kernels ma
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
-
-FACTORY = "_kernels"
-"""Name of the module-level factory that builds a module's kernels for ``interpret`` (cached), e.g. mla_decode."""
-
 
 @dataclass
 class SpecRecorder:
@@ -81,7 +79,8 @@ class SpecRecorder:
 
 
 def resolve(ref: str) -> Any:
-    """The ``JITFunction`` named ``module:qualname`` (a factory-made kernel through ``module._kernels(False)``)."""
+    """The ``JITFunction`` named ``module:qualname``; a factory-made one through its factory: ``_kernels(False)``
+    (interpret off) making a dict or namespace of kernels, or a factory of no arguments making the kernel."""
     module_name, qualname = ref.split(":", 1)
     module = importlib.import_module(module_name)
     if "<locals>" not in qualname:
@@ -90,11 +89,12 @@ def resolve(ref: str) -> Any:
             obj = getattr(obj, part)
         return obj
     factory = getattr(module, qualname.split(".")[0])
-    made = factory(False)
-    for kernel in (made.values() if isinstance(made, dict) else vars(made).values()):
+    made = factory(False) if inspect.signature(factory).parameters else factory()
+    kernels = [made] if hasattr(made, "fn") else (made.values() if isinstance(made, dict) else vars(made).values())
+    for kernel in kernels:
         if getattr(getattr(kernel, "fn", None), "__qualname__", None) == qualname:
             return kernel
-    raise LookupError(f"{ref}: {module_name}.{FACTORY}(False) makes no such kernel")
+    raise LookupError(f"{ref}: {module_name}.{factory.__name__} makes no such kernel")
 
 
 def compile_record(record: dict[str, str], target: Any) -> bool:
@@ -122,6 +122,11 @@ def compile_record(record: dict[str, str], target: Any) -> bool:
     attrs = dict(zip(map(tuple, obj["attrs_keys"]), obj["attrs_vals"]))
     signature = {k: convert_to_tuple_if_list(v) for k, v in obj["signature"].items()}
     options = {k: tuple(v) if isinstance(v, list) else v for k, v in obj["options"].items()}
+    libs = options.get("extern_libs") or ()
+    if not all(Path(path).is_file() for _, path in libs):
+        # the recording machine's paths (its libdevice): this Triton's own instead - the cache key hashes the
+        # library's content, not its path, so the same Triton release gives the same key
+        options.pop("extern_libs")
     options = make_backend(target).parse_options(options)
     hits: list[bool] = []
     comp = triton.knobs.compilation

@@ -115,3 +115,26 @@ def test_the_toolchain_fingerprint_names_version_key_and_backend():
     words = triton_specs.toolchain_fingerprint().split()
     assert words[0] == "triton" and words[1] == triton.__version__ and words[2] == "key" and words[4] == "backend"
     assert all(len(w) == 16 and int(w, 16) >= 0 for w in (words[3], words[5]))
+
+
+def test_a_no_argument_factory_kernel_resolves():
+    """Stock's FlashMLA cache write is made by ``_cache_kernel()`` (no interpret flag): its records resolve too."""
+    kernel = triton_specs.resolve(
+        "latency_specialized.bench.stock.flashmla:_cache_kernel.<locals>.concat_and_cache_kernel")
+    assert kernel.fn.__qualname__ == "_cache_kernel.<locals>.concat_and_cache_kernel"
+
+
+def test_a_record_from_another_machine_compiles_with_this_tritons_libdevice(triton_cache):
+    """Records carry the recording machine's libdevice path (the device's /opt/torch/...): where it is missing here
+    the record compiles with this Triton's own, into the same cache key (Triton hashes the library's content)."""
+    from triton.backends.compiler import GPUTarget
+
+    target = GPUTarget("cuda", 90, 32)
+    rec = _record(32)
+    assert triton_specs.compile_record(rec, target) is False
+    data = json.loads(rec["data"])
+    libs = data["options"]["extern_libs"]
+    assert libs and all(len(lib) == 2 for lib in libs)
+    data["options"]["extern_libs"] = [[name, "/opt/elsewhere/triton/backends/nvidia/lib/libdevice.10.bc"]
+                                      for name, _ in libs]
+    assert triton_specs.compile_record(dict(rec, data=json.dumps(data)), target) is True   # the same key: a hit

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Compile the kernels the last GPU suite run recorded (tests/compile_records.json.gz) on this CPU machine, with the
+# device's own Triton and CuTe DSL (scripts/cpu_compile_env.sh), and pack the caches into .device/compile_cache.tar.xz
+# for the first device call (benchmarks/NOTES_gpu_suite.md). Session 39: the device's Triton fingerprint and CuTe DSL
+# cache directory equal this machine's, so the suite's workers hit these caches instead of compiling (~900 s of the
+# rest part's test time on the H100). Run it on the commit the suite will run: a kernel's source enters its key.
+#   bash scripts/prepare_device_caches.sh            # JOBS (default 2), LIMIT_S (default 3600), BUDGET_MIB (15)
+# then the first device call, carrying [".device/cute-a", ".device/compile_cache.tar.xz"]:
+#   bash .device/cute-a/stash.sh && python3 benchmarks/scripts/compile_cache_pack.py unpack \
+#     .device/compile_cache.tar.xz --triton ~/.triton/cache --cute /tmp/ls_kcache
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+TRITON_DIR=${TRITON_DIR:-/tmp/ls_triton} KCACHE=${KCACHE:-/tmp/ls_kcache}
+bash scripts/cpu_compile_env.sh
+# shellcheck disable=SC1091
+source scripts/cpu_compile_env.sh --activate
+t0=$(date +%s)
+TRITON_CACHE_DIR=$TRITON_DIR LS_KERNEL_CACHE_DIR=$KCACHE "$PY312" benchmarks/scripts/precompile.py \
+  tests/compile_records.json.gz --jobs "${JOBS:-2}" --time-limit "${LIMIT_S:-3600}"
+fp=$(LS_KERNEL_CACHE_DIR=$KCACHE "$PY312" -c "from latency_specialized.kernels.compile_cache import disk_dir; print(disk_dir())")
+echo "compiled in $(( $(date +%s) - t0 )) s; CuTe DSL cache: $fp (the device prints its own as 'cute cache:')"
+mkdir -p .device
+"$PY312" benchmarks/scripts/compile_cache_pack.py pack .device/compile_cache.tar.xz --triton "$TRITON_DIR" \
+  --cute "$fp" --budget-mib "${BUDGET_MIB:-15}"
