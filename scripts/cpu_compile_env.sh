@@ -19,9 +19,10 @@ py=$(ls -d "$(pyenv root 2>/dev/null || echo /root/.pyenv)"/versions/3.12.*/bin/
 [ -x "$py" ] || { echo "no Python 3.12 here (pyenv versions/3.12.*): the device's wheels are cp312" >&2; exit 2; }
 [ -x "$V312/bin/python" ] || "$py" -m venv "$V312"
 pip="$V312/bin/pip -q --disable-pip-version-check"
-# the device's Triton; torch without its pins (it names another Triton), then what it needs to import
+# the device's Triton; torch without its pins (it names another Triton), then what it and the kernel modules import
+# (pydantic: mlp_fused's configs; the device gets it from .whl)
 $pip install --no-deps triton==3.6.0 torch==2.14.1
-$pip install filelock typing-extensions sympy networkx jinja2 fsspec numpy "setuptools>=77.0.3" \
+$pip install pydantic filelock typing-extensions sympy networkx jinja2 fsspec numpy "setuptools>=77.0.3" \
   "cuda-toolkit[cublas,cudart,cufft,cufile,cupti,curand,cusolver,cusparse,nvjitlink,nvrtc,nvtx]==13.0.3" \
   "cuda-bindings>=13.0.3,<14" nvidia-cudnn-cu13==9.24.0.43 nvidia-cusparselt-cu13==0.8.1 nvidia-nccl-cu13==2.30.7 \
   nvidia-nvshmem-cu13==3.4.5 2>&1 | grep -v "dependency resolver\|requires triton" || true

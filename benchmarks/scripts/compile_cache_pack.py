@@ -45,22 +45,33 @@ def pack(out: Path, triton: Path | None, cute: Path | None, budget: int) -> str:
     if triton is not None and triton.is_dir():
         groups += [("triton", [(f, f"triton/{f.parent.name}/{f.name}") for f in files])
                    for files in triton_entries(triton)]
-    raw = io.BytesIO()
-    packed = 0
+
+    def archive(chosen: list[tuple[str, list[tuple[Path, str]]]]) -> bytes:
+        raw = io.BytesIO()
+        with tarfile.open(fileobj=raw, mode="w") as tar:
+            for _, files in chosen:
+                for path, name in files:
+                    tar.add(path, arcname=name)
+        return lzma.compress(raw.getvalue(), preset=6)
+
     taken = {"cute": 0, "triton": 0}
     left = {"cute": 0, "triton": 0}
-    with tarfile.open(fileobj=raw, mode="w") as tar:
+    data = archive(groups)  # all of it, where it fits: entries compress far better together than alone
+    if len(data) <= budget:
+        for kind, _ in groups:
+            taken[kind] += 1
+    else:
+        chosen, packed = [], 0
         for kind, files in groups:
-            # each entry compressed alone: a little more than its share of the archive, so the budget holds
+            # each entry compressed alone: more than its share of the archive, so the budget holds
             estimate = len(lzma.compress(b"".join(f.read_bytes() for f, _ in files), preset=6)) + 64 * len(files)
             if packed + estimate > budget:
                 left[kind] += 1
                 continue
-            for path, name in files:
-                tar.add(path, arcname=name)
+            chosen.append((kind, files))
             packed += estimate
             taken[kind] += 1
-    data = lzma.compress(raw.getvalue(), preset=6)
+        data = archive(chosen)
     out.write_bytes(data)
     return (f"{out}: {len(data) / 2**20:.1f} MiB, CuTe DSL objects {taken['cute']} (+{left['cute']} over budget), "
             f"Triton entries {taken['triton']} (+{left['triton']} over budget)")

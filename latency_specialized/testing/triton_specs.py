@@ -80,7 +80,7 @@ class SpecRecorder:
 
 def resolve(ref: str) -> Any:
     """The ``JITFunction`` named ``module:qualname``; a factory-made one through its factory: ``_kernels(False)``
-    (interpret off) making a dict or namespace of kernels, or a factory of no arguments making the kernel."""
+    (interpret off) making a dict, namespace or tuple of kernels, or a factory of no arguments making the kernel."""
     module_name, qualname = ref.split(":", 1)
     module = importlib.import_module(module_name)
     if "<locals>" not in qualname:
@@ -90,7 +90,12 @@ def resolve(ref: str) -> Any:
         return obj
     factory = getattr(module, qualname.split(".")[0])
     made = factory(False) if inspect.signature(factory).parameters else factory()
-    kernels = [made] if hasattr(made, "fn") else (made.values() if isinstance(made, dict) else vars(made).values())
+    if hasattr(made, "fn"):
+        kernels: Any = [made]
+    elif isinstance(made, dict):
+        kernels = made.values()
+    else:  # a namespace, or a tuple of kernels (a NamedTuple: kda_verify_triton)
+        kernels = made if isinstance(made, tuple) else vars(made).values()
     for kernel in kernels:
         if getattr(getattr(kernel, "fn", None), "__qualname__", None) == qualname:
             return kernel

@@ -138,3 +138,9 @@ def test_a_record_from_another_machine_compiles_with_this_tritons_libdevice(trit
     data["options"]["extern_libs"] = [[name, "/opt/elsewhere/triton/backends/nvidia/lib/libdevice.10.bc"]
                                       for name, _ in libs]
     assert triton_specs.compile_record(dict(rec, data=json.dumps(data)), target) is True   # the same key: a hit
+
+
+def test_tuple_factory_kernels_resolve():
+    """KDA verify's factory returns a NamedTuple of kernels (no __dict__): its records resolve."""
+    kernel = triton_specs.resolve("latency_specialized.kernels.kda_verify_triton:_kernels.<locals>.kda_accept_kernel")
+    assert kernel.fn.__name__ == "kda_accept_kernel"
