@@ -26,7 +26,9 @@ PART=${PART:-both}
 mkdir -p "$OUT"
 export LS_KERNEL_CACHE_DIR=${LS_KERNEL_CACHE_DIR:-/tmp/ls_kcache} CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
 export LS_ALLREDUCE_KERNEL_DIR=${LS_ALLREDUCE_KERNEL_DIR:-/tmp/ls_ar} HUMMING_CACHE_DIR=${HUMMING_CACHE_DIR:-/tmp/hcache}
-export PYTHONPATH=$PWD:$PWD/tests/ops${PYTHONPATH:+:$PYTHONPATH} LS_GPU_PEAKS=${LS_GPU_PEAKS:-$OUT/peaks}
+# the workers' per-test records: outside $OUT (the device returns at most 8 files; the merged ones go there) and one
+# directory per call, so a second call on the same machine (the long matrix after the short) does not merge the first's
+export PYTHONPATH=$PWD:$PWD/tests/ops${PYTHONPATH:+:$PYTHONPATH} LS_GPU_PEAKS=${LS_GPU_PEAKS:-/tmp/ls_peaks/$PART-$$}
 MATRIX=tests/models/test_matrix.py
 t0=$(date +%s)
 # Kernels an earlier suite run compiled (tests/compile_records.json.gz: Triton, CuTe DSL), compiled first on all
