@@ -17,7 +17,8 @@ source scripts/cpu_compile_env.sh --activate
 t0=$(date +%s)
 TRITON_CACHE_DIR=$TRITON_DIR LS_KERNEL_CACHE_DIR=$KCACHE "$PY312" benchmarks/scripts/precompile.py \
   tests/compile_records.json.gz --jobs "${JOBS:-2}" --time-limit "${LIMIT_S:-3600}"
-fp=$(LS_KERNEL_CACHE_DIR=$KCACHE "$PY312" -c "from latency_specialized.kernels.compile_cache import disk_dir; print(disk_dir())")
+fp=$(LS_KERNEL_CACHE_DIR=$KCACHE "$PY312" -c \
+  "from latency_specialized.kernels.compile_cache import disk_dir; print(disk_dir())")
 echo "compiled in $(( $(date +%s) - t0 )) s; CuTe DSL cache: $fp (the device prints its own as 'cute cache:')"
 mkdir -p .device
 "$PY312" benchmarks/scripts/compile_cache_pack.py pack .device/compile_cache.tar.xz --triton "$TRITON_DIR" \

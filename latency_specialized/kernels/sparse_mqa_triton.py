@@ -259,43 +259,60 @@ def _kernels(interpret: bool):
         pos = tl.load(positions + m)
         d = tl.arange(0, D)
         cdt = c.dtype.element_ty
+        # what the norm and the RoPE read, loaded first: a load written after a block reduction waits for it
+        nw = tl.load(norm_w + d).to(tl.float32)
+        t_rot = d - (D - R)
+        rot = t_rot >= 0
+        inv = tl.load(inv_freq + tl.maximum(t_rot, 0) // 2, mask=rot, other=0.0)
+        slot = tl.load(slots + m).to(tl.int64)
         if RATIO > 1:
             pdt = pending.dtype.element_ty
             srow = tl.load(rows + m).to(tl.int64)
             cur = (pos % P).to(tl.int32)                                                # pending is a ring of P
             cv = tl.load(c + m * s_c + d).to(pdt)                                       # the pending rounding
             cg = tl.load(c + m * s_c + D + d).to(pdt)
+            if RATIO == 2:   # the previous token's row as two [D] vectors: the pool is elementwise (no barrier)
+                prev = pending + srow * s_pr + (((pos - 1) % P + P) % P) * s_pk
+                if not WRITE_ONLY:
+                    pv0 = tl.load(prev + d).to(tl.float32)
+                    pg0 = tl.load(prev + D + d).to(tl.float32)
             tl.store(pending + srow * s_pr + cur * s_pk + d, cv)
             tl.store(pending + srow * s_pr + cur * s_pk + D + d, cg)
             if WRITE_ONLY:   # the write-first launch of a call whose rows pool each other's pending rows
                 return
-            # the group: positions pos - RATIO + 1 .. pos, oldest first (the reference's summation order)
-            k = tl.arange(0, BR)
-            gslot = ((pos - (RATIO - 1) + k) % P + P) % P
-            prow = pending + srow * s_pr + gslot[:, None] * s_pk + d[None, :]
-            old = k < RATIO - 1                                                         # the group's earlier tokens
-            pv = tl.load(prow, mask=old[:, None], other=0.0).to(tl.float32)
-            pg = tl.load(prow + D, mask=old[:, None], other=0.0).to(tl.float32)
-            now = (k == RATIO - 1)[:, None]                                             # this token, from registers
-            pv = tl.where(now, cv.to(tl.float32)[None, :], pv)
-            pg = tl.where(now, cg.to(tl.float32)[None, :], pg)
-            pg = tl.where((k < RATIO)[:, None], pg, float("-inf"))
-            e = tl.exp(pg - tl.max(pg, 0)[None, :])
-            x = tl.sum(e / tl.sum(e, 0)[None, :] * pv, 0).to(pdt).to(cdt).to(tl.float32)
+            if RATIO == 2:
+                # the [RATIO, D] tile's form below, unrolled: same terms, same order (oldest first)
+                pv1 = cv.to(tl.float32)
+                pg1 = cg.to(tl.float32)
+                g_max = tl.maximum(pg0, pg1)
+                e0 = tl.exp(pg0 - g_max)
+                e1 = tl.exp(pg1 - g_max)
+                den = e0 + e1
+                x = (e0 / den * pv0 + e1 / den * pv1).to(pdt).to(cdt).to(tl.float32)
+            else:
+                # the group: positions pos - RATIO + 1 .. pos, oldest first (the reference's summation order)
+                k = tl.arange(0, BR)
+                gslot = ((pos - (RATIO - 1) + k) % P + P) % P
+                prow = pending + srow * s_pr + gslot[:, None] * s_pk + d[None, :]
+                old = k < RATIO - 1                                                     # the group's earlier tokens
+                pv = tl.load(prow, mask=old[:, None], other=0.0).to(tl.float32)
+                pg = tl.load(prow + D, mask=old[:, None], other=0.0).to(tl.float32)
+                now = (k == RATIO - 1)[:, None]                                         # this token, from registers
+                pv = tl.where(now, cv.to(tl.float32)[None, :], pv)
+                pg = tl.where(now, cg.to(tl.float32)[None, :], pg)
+                pg = tl.where((k < RATIO)[:, None], pg, float("-inf"))
+                e = tl.exp(pg - tl.max(pg, 0)[None, :])
+                x = tl.sum(e / tl.sum(e, 0)[None, :] * pv, 0).to(pdt).to(cdt).to(tl.float32)
         else:
             x = tl.load(c + m * s_c + d).to(tl.float32)
         r = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
-        y = (x * r * tl.load(norm_w + d).to(tl.float32)).to(lat.dtype.element_ty)
+        y = (x * r * nw).to(lat.dtype.element_ty)
         tl.store(lat + m * D + d, y)
         # the RoPE partner lives in another thread's registers: read it back from the row just stored
         tl.debug_barrier()
-        t_rot = d - (D - R)
-        rot = t_rot >= 0
         yp = tl.load(lat + m * D + tl.where(rot, d ^ 1, d)).to(tl.float32)
-        inv = tl.load(inv_freq + tl.maximum(t_rot, 0) // 2, mask=rot, other=0.0)
         ang = pos.to(tl.float32) * inv
         z = y.to(tl.float32) * tl.cos(ang) + yp * tl.sin(ang) * tl.where(t_rot % 2 == 0, -1.0, 1.0)
-        slot = tl.load(slots + m).to(tl.int64)
         tl.store(cache + tl.maximum(slot, 0) * D + d, z.to(lat.dtype.element_ty).to(cache.dtype.element_ty),
                  mask=d < tl.where(slot >= 0, D, 0))
 

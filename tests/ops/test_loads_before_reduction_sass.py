@@ -132,3 +132,19 @@ def test_sparse_mqa_combine_loads_partials_and_angles_before_its_reductions():
     late = [o for o in order[order.index(next(o for o in order if o.startswith("BAR"))):] if o.startswith("LDG")]
     assert len(late) <= 2 and all(o == "LDG.E.CONSTANT" for o in late), (key, order)
     assert resource_usage(combine)[key][1] == 0
+
+
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_sparse_mqa_compressor_pools_without_barriers_and_loads_before_its_norm(ratio):
+    """DeepSeek-V4.1-Flash's compressor (D 512, RoPE 64) at batch 1: the ratio-2 pool of two rows is elementwise (it
+    pooled a [2, D] tile with axis-0 reductions: ~30 barriers in series), and the norm gain, the RoPE angles and the
+    cache slot are read up front (they were read after the norm's reduction). Two barriers are left: the norm's
+    reduction, and the one before the RoPE partner is read back from the row just stored."""
+    import re
+
+    import latency_specialized.kernels.sparse_mqa_triton as smq
+    from tests.ops.test_sparse_mqa_triton import make_compress_case
+
+    args, kw, _ = make_compress_case(900, 1, D=512, R=64, ratio=ratio, dtype=torch.bfloat16)
+    [(key, code, stack)] = _loads_then_barriers(_launches(lambda: smq.sparse_mqa_compress_triton(*args, **kw)))
+    assert code.count("B") == 2 and re.fullmatch(r"[LS]*L[LS]*BS+B[LS]+", code), (key, code)
