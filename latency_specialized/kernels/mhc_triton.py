@@ -129,6 +129,14 @@ def _kernel(interpret: bool):
         if done == S - 1:
             sj = tl.arange(0, BS)
             col = tl.arange(0, PW)
+            cij = i[:, None] * N + i[None, :]
+            if HAS_FN:   # the coefficients' scales and biases, read with the records: not after the reductions
+                sc0 = tl.load(scale)
+                sc1 = tl.load(scale + 1)
+                sc2 = tl.load(scale + 2)
+                b_pre = tl.load(base + i)
+                b_post = tl.load(base + N + i)
+                b_comb = tl.load(base + 2 * N + cij)
             acc = tl.zeros([TM, PW], dtype=tl.float32)
             for s0 in range(0, S, BS):   # records in chunk order: the same sums on every run
                 ss = s0 + sj
@@ -158,16 +166,12 @@ def _kernel(interpret: bool):
                 tl.store(optr, xn.to(out.dtype.element_ty), mask=om)
             if HAS_FN:
                 rs = tl.rsqrt(sq / (N * H) + rms_eps)
-                sc0 = tl.load(scale)
-                sc1 = tl.load(scale + 1)
-                sc2 = tl.load(scale + 2)
-                zp = pre_l * rs[:, None] * sc0 + tl.load(base + i)[None, :]
-                zq = post_l * rs[:, None] * sc1 + tl.load(base + N + i)[None, :]
+                zp = pre_l * rs[:, None] * sc0 + b_pre[None, :]
+                zq = post_l * rs[:, None] * sc1 + b_post[None, :]
                 pm = mm[:, None]
                 tl.store(pre_out + m[:, None] * N + i[None, :], 1.0 / (1.0 + tl.exp(-zp)) + hc_eps, mask=pm)
                 tl.store(post_out + m[:, None] * N + i[None, :], post_mult / (1.0 + tl.exp(-zq)), mask=pm)
-                cij = i[:, None] * N + i[None, :]
-                z = comb_l * rs[:, None, None] * sc2 + tl.load(base + 2 * N + cij)[None, :, :]
+                z = comb_l * rs[:, None, None] * sc2 + b_comb[None, :, :]
                 e = tl.exp(z - tl.max(z, axis=2)[:, :, None])
                 cmx = e / tl.sum(e, axis=2)[:, :, None] + hc_eps
                 cmx = cmx / (tl.sum(cmx, axis=1)[:, None, :] + hc_eps)
