@@ -272,7 +272,7 @@ def _kernels(interpret: bool):
             cv = tl.load(c + m * s_c + d).to(pdt)                                       # the pending rounding
             cg = tl.load(c + m * s_c + D + d).to(pdt)
             if RATIO == 2:   # the previous token's row as two [D] vectors: the pool is elementwise (no barrier)
-                # (read in the write-first launch too: Triton 3.6 still generates the code after its return)
+                # (read in the write-first launch too: Triton generates the code after its return)
                 prev = pending + srow * s_pr + (((pos - 1) % P + P) % P) * s_pk
                 pv0 = tl.load(prev + d).to(tl.float32)
                 pg0 = tl.load(prev + D + d).to(tl.float32)
