@@ -61,11 +61,10 @@ def device_free_bytes() -> int | None:
     return int(torch.cuda.mem_get_info()[0])
 
 
-def room(budget: int, held: int, free: int | None, margin: int | None = None) -> int:
+def room(budget: int, held: int, free: int | None, margin: int = MARGIN_BYTES) -> int:
     """Bytes the admitted cells may hold together: ``budget``, bounded by ``free`` (the device's free memory) plus
     ``held`` (the admitted cells' estimates, taken as allocated: exact once they are, generous before) less
-    ``margin`` (default ``MARGIN_BYTES``)."""
-    margin = MARGIN_BYTES if margin is None else margin
+    ``margin``."""
     return budget if free is None else min(budget, free + held - margin)
 
 
