@@ -10,7 +10,8 @@ variant a CUDA graph of ``calls`` back-to-back seams, CUDA events around each re
 replays (``latency_specialized.bench.ops_bench_moe_kda.time_graph``), us per seam:
 
 * ``triton``: ``residual.mhc.triton`` (``kernels/mhc_triton.py``) at its default blocks (``choose_blocks``);
-  with ``--sweep`` also every (rows per program, channels per chunk, warps) of ``SWEEP``;
+  with ``--sweep`` also every (rows per program, channels per chunk, warps) of ``SWEEP``; with ``--pdl`` also
+  ``triton_pdl``, launched with PDL (``mhc_triton.PDL``: each seam of the graph starts while the one before drains);
 * ``reference``: ``mhc_seam_reference`` (torch, about 156 kernels);
 * ``stock``: the stock stand-in (``bench/stock/sparse_mqa_kernels.py``: ``mhc_post_mix`` + ``mhc_pre_norm``,
   2 launches) - middle seams only (it has no first / last form).
@@ -43,7 +44,7 @@ from latency_specialized.ops.residual_mhc import mhc_seam_reference  # noqa: E40
 EPS = 1e-20
 DEVICE = "cuda"
 SWEEP = [(1, 32, 4), (2, 32, 4), (4, 32, 4), (4, 32, 8), (8, 32, 4), (8, 32, 8), (4, 64, 4), (8, 64, 8), (16, 32, 8),
-         (2, 16, 4), (1, 16, 4)]
+         (2, 16, 4), (1, 16, 4), (1, 16, 2), (1, 32, 2), (1, 64, 4), (1, 64, 8)]
 """(block_m, block_h, num_warps) tried by ``--sweep`` (those with block_m > 2 M are skipped)."""
 TOL_X, TOL_COEF = 3e-2, 2e-2
 
@@ -80,10 +81,16 @@ def _kw(d: dict) -> dict:
                 sinkhorn_iters=20)
 
 
-def _ours(**blocks):
+def _ours(pdl: bool = False, **blocks):
+    """Ours at ``blocks``; ``pdl``: launched with PDL (``mhc_triton.PDL`` set around the call, so also inside the
+    capture), i.e. each seam of the graph starts while the one before it drains."""
     def call(d):
-        return mk.mhc_seam_triton(d["streams"], d["fn"], d["scale"], d["base"], d["norm_weight"], EPS, **_kw(d),
-                                  **blocks)
+        was, mk.PDL = mk.PDL, pdl
+        try:
+            return mk.mhc_seam_triton(d["streams"], d["fn"], d["scale"], d["base"], d["norm_weight"], EPS, **_kw(d),
+                                      **blocks)
+        finally:
+            mk.PDL = was
     return call
 
 
@@ -128,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--seams", default="middle,first,last")
     ap.add_argument("--sweep", action="store_true", help="also time every block config of SWEEP")
+    ap.add_argument("--pdl", action="store_true", help="also time ours launched with PDL (triton_pdl)")
     ap.add_argument("--reps", type=int, default=40, help="timed replays per graph (median)")
     ap.add_argument("--rotate-mb", type=float, default=160.0, help="bytes read per graph at least (L2 is 50 MB)")
     ap.add_argument("--max-calls", type=int, default=96, help="seams (distinct input sets) per graph at most")
@@ -145,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             g = torch.Generator(device=DEVICE).manual_seed(1000 * M + len(seam))
             sets = [_set(M, H, n, seam, g) for _ in range(calls)]
             variants = {"triton": _ours()}
+            if a.pdl:
+                variants["triton_pdl"] = _ours(pdl=True)
             if a.sweep:
                 for bm, bh, nw in SWEEP:
                     if bm <= 2 * M:

@@ -40,7 +40,8 @@ import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
-from latency_specialized.kernels.triton_common import triton_gpu_refusal
+from latency_specialized.hardware import capability
+from latency_specialized.kernels.triton_common import triton_gpu_refusal, triton_has_gdc
 
 NAME = "residual.mhc.triton"
 MAX_ROW_BLOCKS = 8192
@@ -49,11 +50,18 @@ MAX_TOKENS = 8192
 """Largest M served (``supports``): at TM >= 1 every row block has its counter."""
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 RECORD_TILE = 8192
-"""Record floats (rows x chunks x record width) the tail loads per step: 256 records of 32 at TM = 1 (one
-step for H = 5120), 32 chunks a step at TM = 8; the last seam's 1-float records: up to 1024 chunks a step."""
+"""Record floats (rows x chunks x record width) the tail loads per step: 256 records of 32 at TM = 1 (one step
+for H = 5120's 80 chunks of 64), 64 chunks a step at TM = 4; the last seam's 1-float records: one step."""
 OUT_TILE = 4096
 """Elements of ``out`` (rows x channels) the tail rescales per step: two steps for a DeepSeek row at TM = 1,
-five at TM = 4, ten at TM = 8. Twice that holds more registers than the body needs (``NOTES_mhc.md``)."""
+five at TM = 4. Twice that holds more registers than the body needs (``NOTES_mhc.md``)."""
+
+PDL = False
+"""Launch the seam with programmatic dependent launch (sm_90+, compiled; ``pdl_enabled``): its programs may start
+while the previous kernel drains, load their fn slice (a weight: the seam's dominant bytes at small M) and wait
+(``gdc_wait``) before reading anything an earlier kernel wrote - streams, y, the coefficients, the counters - or
+writing anything. Off until a layer A/B says otherwise (``NOTES_mhc.md``): early programs can hold SM room that the
+previous kernel's last wave needs, as the MLA kernels' did (``mla_decode_triton.PDL``)."""
 
 _COUNTERS: dict[str, torch.Tensor] = {}
 
@@ -61,9 +69,10 @@ _COUNTERS: dict[str, torch.Tensor] = {}
 @functools.lru_cache(maxsize=2)
 def _kernel(interpret: bool):
     del interpret  # one build per TRITON_INTERPRET setting
-    global tl
+    global tl, tlc
     import triton
     import triton.language as tl
+    import triton.language.extra.cuda as tlc
 
     @triton.jit
     def mhc_seam_kernel(st, y, s_y, post_in, comb_in, pre_in, fn, scale, base, w, out, s_o,
@@ -71,7 +80,7 @@ def _kernel(interpret: bool):
                         rms_eps, hc_eps, post_mult, norm_eps, iters,
                         N: tl.constexpr, CH: tl.constexpr, TM: tl.constexpr, X: tl.constexpr, PW: tl.constexpr,
                         BS: tl.constexpr, BH: tl.constexpr, HAS_Y: tl.constexpr, HAS_PRE: tl.constexpr,
-                        HAS_FN: tl.constexpr, HAS_W: tl.constexpr):
+                        HAS_FN: tl.constexpr, HAS_W: tl.constexpr, PDL: tl.constexpr):
         c = tl.program_id(0)
         rb = tl.program_id(1)
         i = tl.arange(0, N)
@@ -90,6 +99,8 @@ def _kernel(interpret: bool):
             fa = tl.load(fn + xa[:, None].to(tl.int64) * (N * H) + kcol[None, :], mask=kmask[None, :], other=0.0)
             fb = tl.load(fn + (2 * N + xb[:, None]).to(tl.int64) * (N * H) + kcol[None, :], mask=kmask[None, :],
                          other=0.0)
+        if PDL:  # launched early (PDL): fn is a weight; everything below comes from earlier kernels
+            tlc.gdc_wait()
         offs = m[:, None, None] * (N * H) + i[None, :, None] * H + h[None, None, :]          # [TM, N, CH]
         msk = mm[:, None, None] & hm[None, None, :]
         r = tl.load(st + offs, mask=msk, other=0.0).to(tl.float32)
@@ -193,18 +204,25 @@ def _pow2(x: int) -> int:
     return 1 << max(int(x) - 1, 0).bit_length()
 
 
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether the seam launches with PDL: ``PDL``, compiled (not the interpreter), an sm_90+ GPU and a Triton with
+    grid dependency control."""
+    if not PDL or _interpreting() or device.type != "cuda":
+        return False
+    return capability(device)[0] >= 9 and triton_has_gdc()
+
+
 def choose_blocks(M: int, H: int) -> tuple[int, int, int]:
     """``(TM, CH, num_warps)`` from static shapes (graph-safe); the one place with the shape rule.
 
-    32-channel chunks (H = 5120: 160 programs per row block, more than the SMs, each reading 12 KiB of fn).
-    Rows per program: 1 at M = 1, up to 4 through M = 8 (two row blocks at M = 8: two tails of 4 rows run
-    in parallel instead of one of 8, for a second read of fn from L2), 8 above with 8 warps. The register
-    count sets how many programs an SM holds: a TM = 8 tile at 4 warps takes all 255 registers (the
-    projection's [TM, 24, 4 CH] products), at 8 warps few enough for two programs per SM (``NOTES_mhc.md``
-    has the ptxas counts)."""
-    tm = 1 if M <= 1 else min(_pow2(M), 4) if M <= 8 else 8
-    ch = min(32, _pow2(H))
-    return tm, ch, 4 if tm <= 4 else 8
+    64-channel chunks (H = 5120: 80 programs per row block, each reading 24 KiB of fn), 4 warps; one row per
+    program below 16 rows (every row its own block: its own tail, run in parallel with the others', each block
+    reading fn again from L2), 4 rows from 16 (fewer fn re-reads, four rows per tail). Chosen from the H100 sweep
+    of every (TM, CH, warps) of ``mhc_bench.py`` at M = 1-64 (``NOTES_mhc.md``, session 40); the 32-channel,
+    up-to-8-row blocks before were 1.4x (M = 8) to 2x (M = 64) slower."""
+    tm = 1 if M < 16 else 4
+    ch = min(64, _pow2(H))
+    return tm, ch, 4
 
 
 def counter(device: torch.device) -> torch.Tensor:
@@ -320,6 +338,7 @@ def mhc_seam_triton(streams: torch.Tensor, fn: torch.Tensor | None, scale: torch
     bs = min(_pow2(S), max(1, RECORD_TILE // (tm * pw)))
     bh = min(_pow2(H), max(16, OUT_TILE // tm))
     dummy = part
+    pdl = pdl_enabled(dev)
     _kernel(_interpreting())[(S, RB)](
         streams, y if y is not None else streams, y.stride(0) if y is not None else 0,
         post if post is not None else dummy, comb if comb is not None else dummy, pre if pre is not None else dummy,
@@ -329,7 +348,8 @@ def mhc_seam_triton(streams: torch.Tensor, fn: torch.Tensor | None, scale: torch
         new_comb if fn is not None else dummy, part, cnt, M, H, S,
         float(rms_eps), float(hc_eps), float(post_mult), float(norm_eps), int(sinkhorn_iters),
         N=n, CH=ch, TM=tm, X=xk, PW=pw, BS=bs, BH=bh, HAS_Y=y is not None, HAS_PRE=pre is not None,
-        HAS_FN=fn is not None, HAS_W=norm_weight is not None, num_warps=nw)
+        HAS_FN=fn is not None, HAS_W=norm_weight is not None, PDL=pdl, num_warps=nw,
+        **({"launch_pdl": True} if pdl else {}))
     return out, next_pre, new_post, new_comb
 
 
@@ -362,4 +382,4 @@ IMPLEMENTATIONS = [
                                "RMSNorm (no host sync)"),
 ]
 
-__all__ = ["IMPLEMENTATIONS", "MAX_TOKENS", "NAME", "choose_blocks", "counter", "mhc_seam_triton"]
+__all__ = ["IMPLEMENTATIONS", "MAX_TOKENS", "NAME", "PDL", "choose_blocks", "counter", "mhc_seam_triton", "pdl_enabled"]

@@ -277,3 +277,36 @@ def test_hopper_build_spills_no_registers(mk):
         assert "0 bytes spill stores, 0 bytes spill loads" in log, (M, seam, log)
         regs = int(log.split("Used ")[1].split(" registers")[0])
         assert regs * 32 * kw["num_warps"] * (2 if kw["num_warps"] == 8 else 1) <= 65536, (M, seam, regs)
+
+
+@pytest.mark.parametrize("M", [1, 8])
+def test_pdl_wait_follows_the_fn_loads_and_precedes_the_rest(mk, monkeypatch, M):
+    """With ``PDL`` (the sm_90a SASS, offline): the middle seam issues its fn slice (16-byte loads: 24 rows x 4
+    streams x the chunk's channels over the program's threads) before the grid-dependency wait (``ACQBULK``) and no other global access: the
+    streams, y, the coefficients and the counters are read and anything is written only after the previous kernel
+    has finished. Without ``PDL``: no wait at all."""
+    import os
+
+    from latency_specialized.testing.offline_sass import sass_of
+    from tests.triton_offline import ptx_for_hopper, recorded_launches
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("compiles only where triton was imported without the interpreter")
+    orders = {}
+    for pdl in (False, True):
+        monkeypatch.setattr(mk, "pdl_enabled", lambda device, on=pdl: on)
+        with recorded_launches() as launches:
+            d = _inputs(M, M, 4, 5120, torch.bfloat16, **SEAMS["middle"])
+            mk.mhc_seam_triton(d["streams"], d["fn"], d["scale"], d["base"], d["norm_weight"], 1e-20, pre=d["pre"],
+                               y=d["y"], post=d["post"], comb=d["comb"], rms_eps=1e-20)
+        assert launches[0][2].get("launch_pdl", False) == pdl
+        (ptx,) = ptx_for_hopper(launches).values()
+        orders[pdl] = sass_of(ptx).order
+    assert "ACQBULK" not in orders[False]
+    order = orders[True]
+    wait = order.index("ACQBULK")
+    assert order.count("ACQBULK") == 1
+    before = [op for op in order[:wait] if op.startswith(("LDG", "STG", "ATOM", "RED", "LD.", "ST."))]
+    assert before and all(op.startswith("LDG.E.128") for op in before), before
+    _, ch, nw = mk.choose_blocks(M, 5120)
+    assert len(before) == 24 * 4 * ch // (32 * nw * 4), before

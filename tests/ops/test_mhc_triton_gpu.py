@@ -3,7 +3,7 @@
 Every case: fresh random inputs (streams, sublayer output, post, comb, carried pre, fn, base, scale, norm
 weight); the kernel module's ``torch.empty`` poisoned with NaN (``out``, the coefficients, the partial
 records) and ``out=`` NaN-filled; the first seam (no ``y``, no carried pre), a middle one, the last (no
-``fn``); M = 1, 3, 8, 64 (one to eight row blocks), H = 5120, 1024 and 5000 (a partial last chunk); bf16
+``fn``); M = 1, 3, 8, 64 (one to sixteen row blocks), H = 5120, 1024 and 5000 (a partial last chunk); bf16
 and fp32 streams. Compared with ``mhc_seam_reference`` end to end (per-dtype tolerance: a bf16 stream
 element may round one ulp the other way) and, tightly, with the reference fed the streams the kernel
 stored. Graphs: one captured seam replays bit-identically to the eager call for new inputs, twice in a row
@@ -133,10 +133,14 @@ def test_graph_replay_equals_eager_twice(M):
     _close(first[:4], want, own, dtype)
 
 
-def test_captured_chain_of_seams_equals_eager():
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+@pytest.mark.parametrize("M", [1, 8])
+def test_captured_chain_of_seams_equals_eager(monkeypatch, pdl, M):
     """first (attention) -> middle (FFN) -> last seam as a model step runs them, the coefficients of one seam
-    feeding the next, inside one graph: equal to the eager chain, replay after replay."""
-    M, H, dtype = 8, 5120, torch.bfloat16
+    feeding the next, inside one graph: equal to the eager chain (launched without PDL), replay after replay.
+    With ``PDL`` each seam launches early behind the torch kernel that makes its ``y`` (an add reading the seam
+    before): a read of y, the streams or the coefficients ahead of its ``gdc_wait`` would change the bits."""
+    H, dtype = 5120, torch.bfloat16
     a = _inputs("chain-a", M, H, dtype, y=False, pre=False)
     b = _inputs("chain-b", M, H, dtype)
     ys = [b["y"], (torch.randn(M, H, generator=_gen("chain-y", DEV), device=DEV) * 3).to(dtype)]
@@ -156,12 +160,15 @@ def test_captured_chain_of_seams_equals_eager():
         a["streams"].copy_(src)
         res["out"] = chain(a["streams"])
 
+    monkeypatch.setattr(mk, "PDL", pdl)
+    assert mk.pdl_enabled(src.device) == pdl, "PDL asked for but not available (sm_90+, Triton with gdc_wait)"
     g = graph_replay(step)
     outs = []
     for _ in range(2):
         g.replay()
         torch.cuda.synchronize()
         outs.append([t.clone() for t in res["out"]])
+    monkeypatch.setattr(mk, "PDL", False)
     eager = chain(src.clone())
     torch.cuda.synchronize()
     for u, v, w in zip(outs[0], outs[1], eager):
