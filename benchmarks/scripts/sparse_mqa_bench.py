@@ -175,12 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     for flag, const in (("waves", "WAVES"), ("tile_bytes", "TILE_BYTES"), ("num_stages", "NUM_STAGES")):
         if getattr(a, flag) is not None:
             setattr(smq, const, getattr(a, flag))
-    tuning = {k: getattr(smq, k) for k in ("TILE_BYTES", "WAVES", "MAX_SPLITS", "NUM_STAGES", "MIN_BLOCK_H",
+    tuning = {k: getattr(smq, k) for k in ("TILE_BYTES", "SINGLE_ROW_TILE_BYTES", "WAVES", "MAX_SPLITS", "NUM_STAGES", "MIN_BLOCK_H",
                                            "MAX_BLOCK_H", "COMBINE_TILE")}
     H, D, R, W, K, r = a.heads, a.head_dim, a.rope, a.window, a.topk, a.ratio
     inv = rope_inv_freq(10_000.0, R, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    bn = smq.block_n(D, 2)
     t_start = time.time()
     print(f"sparse_mqa_bench: H={H} D={D} R={R} W={W} K={K} ratio={r} context={a.context} {tuning}", flush=True)
     rows_out, failed = [], False
@@ -196,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         calls = max(1, min(a.max_calls, math.ceil(a.rotate_mb * 1e6 / read)))
         rings, caches, sels, bt, seq, pos, srows, q, kv, sinks = _inputs(M, a, calls, g)
         seq_c = (seq // r).to(torch.int32)
-        splits = smq.choose_splits(M, W + K, -(-H // smq.block_h(H)), sms, bn)
+        splits = smq.choose_splits(M, W + K, -(-H // smq.block_h(H)), sms, smq.block_n(D, 2, M))
         # correctness first (outside any graph)
         ring_ref, ring_tri = rings[0].clone(), rings[0].clone()
         want = sparse_mqa_decode_reference(q, kv, pos, srows, seq, ring_ref, caches[0], bt, sels[0], sinks, inv, **kw)

@@ -76,6 +76,10 @@ into head groups that each read the rows again (TP1 / TP2 only)."""
 TILE_BYTES = 32768
 """Bytes of one key tile: ``BLOCK_N = TILE_BYTES / (D x element size)`` slots, clamped to [16, 64] - 32 slots
 of a 512-wide bf16 row (the stock stand-in's tile)."""
+SINGLE_ROW_TILE_BYTES = 16384
+"""``TILE_BYTES`` of a call with one row (batch 1): 16 slots of a 512-wide bf16 row, twice the split programs over
+the row's few slots (a window-only row has 128); at batch 8 the shorter tiles lost (``NOTES_sparse_mqa.md``,
+session 40)."""
 WAVES = 2
 """Target programs per SM when choosing the splits (M x splits x head groups ~ WAVES x SMs, >= 1 tile each)."""
 MAX_SPLITS = 64
@@ -328,9 +332,11 @@ def block_h(heads: int) -> int:
     return min(max(MIN_BLOCK_H, _next_pow2(heads)), MAX_BLOCK_H)
 
 
-def block_n(head_dim: int, element_size: int) -> int:
-    """Key slots per tile (``TILE_BYTES``, clamped to [16, 64])."""
-    return min(max(16, _next_pow2(TILE_BYTES // (head_dim * element_size))), 64)
+def block_n(head_dim: int, element_size: int, rows: int) -> int:
+    """Key slots per tile of a call with ``rows`` rows (``TILE_BYTES``, ``SINGLE_ROW_TILE_BYTES`` for one row;
+    clamped to [16, 64])."""
+    tile = SINGLE_ROW_TILE_BYTES if rows == 1 else TILE_BYTES
+    return min(max(16, _next_pow2(tile // (head_dim * element_size))), 64)
 
 
 def choose_splits(rows: int, slots: int, head_groups: int, sms: int, block: int) -> int:
@@ -395,7 +401,7 @@ def sparse_mqa_decode_triton(q: torch.Tensor, kv: torch.Tensor, positions: torch
     q, kv, window = _unit_last(q), _unit_last(kv), window
     bh = block_h(H)
     groups = -(-H // bh)
-    bn = block_n(D, window.element_size())
+    bn = block_n(D, window.element_size(), M)
     if num_splits is None:
         num_splits = choose_splits(M, T, groups, sm_count(q.device), bn)
     if num_splits < 1:

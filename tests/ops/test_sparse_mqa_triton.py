@@ -443,11 +443,13 @@ def test_compressor_verification_rows_pool_each_others_pending_rows(smq, ratio, 
 def test_splits_are_sized_to_the_rows(smq):
     """``choose_splits``: about WAVES x SMs programs, at least one tile each, never more splits than tiles of the
     W + topk slots (nor MAX_SPLITS)."""
-    bn = smq.block_n(512, 2)
-    assert bn == 32 and smq.block_n(64, 4) == 64 and smq.block_h(8) == 16 and smq.block_h(64) == 32
-    assert smq.choose_splits(1, 640, 1, 132, bn) == 20                 # batch 1: one tile per split
+    bn = smq.block_n(512, 2, 8)
+    assert bn == 32 and smq.block_n(64, 4, 8) == 64 and smq.block_h(8) == 16 and smq.block_h(64) == 32
+    assert smq.block_n(512, 2, 1) == 16 and smq.block_n(64, 4, 1) == 64     # one row: half the tile, clamped
+    assert smq.choose_splits(1, 640, 1, 132, bn) == 20                 # one tile per split
     assert smq.choose_splits(64, 640, 1, 132, bn) == 4                 # SM-bound
     assert smq.choose_splits(1, 128, 1, 132, bn) == 4                  # window only
+    assert smq.choose_splits(1, 640, 1, 132, smq.block_n(512, 2, 1)) == 40   # batch 1's 16-slot tiles
     for M in (1, 3, 8, 64):
         for T in (16, 128, 640, 2176):
             for groups in (1, 2):
