@@ -54,6 +54,11 @@ _NOMINAL: dict[str, Hardware] = {
 
 KNOWN_ARCHS: tuple[str, ...] = tuple(_NOMINAL)
 
+_BANDWIDTH_BY_NAME: tuple[tuple[str, float], ...] = (("H200", 4.3e12), ("H100 NVL", 3.5e12), ("H100", 3.0e12))
+"""Achievable HBM read bandwidth of a device whose name holds the key (first match), where one arch has several
+memory systems: the H200's measured 4.3 TB/s (PERF.md); an H100's ~90% of its datasheet (SXM 3.35, NVL 3.9 TB/s),
+as the other nominal figures. An unlisted device of a listed arch takes the arch's figure."""
+
 
 def for_arch(arch: str) -> Hardware:
     """Nominal hardware of ``arch`` for planning; raises UserError naming the known archs."""
@@ -112,5 +117,22 @@ def probe(device: int | None = None) -> Hardware:
     arch = f"sm_{props.major}{props.minor}"
     nominal = _NOMINAL.get(arch)
     l2 = getattr(props, "L2_cache_size", 0) or (nominal.l2_bytes if nominal else 0)
-    bw = nominal.hbm_bytes_per_s if nominal else 1e12
-    return Hardware(arch, props.name, props.multi_processor_count, int(l2), bw, True)
+    return Hardware(arch, props.name, props.multi_processor_count, int(l2), device_bandwidth(props.name, arch), True)
+
+
+def device_bandwidth(name: str, arch: str) -> float:
+    """Achievable HBM read bandwidth (bytes/s) of a device by its name (``_BANDWIDTH_BY_NAME``), else its arch's
+    nominal figure, else 1 TB/s."""
+    for key, bw in _BANDWIDTH_BY_NAME:
+        if key in name:
+            return bw
+    nominal = _NOMINAL.get(arch)
+    return nominal.hbm_bytes_per_s if nominal else 1e12
+
+
+@functools.cache
+def roofline_bandwidth() -> float:
+    """The bandwidth rooflines divide by: this GPU's (``probe``), or the H200's (sm_90 nominal) where torch sees
+    no GPU - CPU report tests and plans are made for the H200."""
+    hw = probe()
+    return hw.hbm_bytes_per_s if hw.is_gpu else _NOMINAL["sm_90"].hbm_bytes_per_s

@@ -44,13 +44,15 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from latency_specialized.errors import UserError
+from latency_specialized.hardware import roofline_bandwidth
 from latency_specialized.runtime.census import split_communication
 from latency_specialized.runtime.graph_runner import graph_node_counts, new_graph
 from latency_specialized.spec import (GQAAttentionSpec, KDAAttentionSpec, MLAAttentionSpec, ModelSpec, MoESpec,
                                       SparseMQAAttentionSpec)
 
 HBM_BYTES_PER_S = 4.3e12
-"""H200 achievable HBM read bandwidth (PERF.md): the roofline."""
+"""H200 achievable HBM read bandwidth (PERF.md). The rooflines divide by ``hardware.roofline_bandwidth()``: this
+figure on an H200 (and off the GPU), the device's own on another (an H100's ~3.0 TB/s)."""
 
 
 @dataclass(frozen=True)
@@ -248,7 +250,7 @@ def add_stock_roofline(cell: dict[str, Any], full: ModelSpec, tp: int, **bytes_k
     d_stock = r.get("distinct_experts_stock")
     rb = layer_bytes(full, cell["layer_index"], tp, cell["batch"], cell.get("context"),
                      d_stock if d_stock is not None else r.get("distinct_experts"), **bytes_kw)
-    us = rb["total"] / HBM_BYTES_PER_S * 1e6
+    us = rb["total"] / roofline_bandwidth() * 1e6
     cell["roofline_stock"] = {"bytes": rb["total"], "us": us, "distinct_experts": d_stock}
     cell["stock_fraction"] = (us / s["us"]) if s.get("us") else None
     f, sf = cell.get("fraction"), cell["stock_fraction"]
@@ -621,7 +623,7 @@ def add_verify_ratios(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
                    roofline_ratio=(r["us"] / r0["us"]) if (r.get("us") and r0.get("us")) else None)
         br, br0 = r.get("breakdown") or {}, r0.get("breakdown") or {}
         if "routed_experts" in br and "routed_experts" in br0:
-            rec["extra_expert_us"] = (br["routed_experts"] - br0["routed_experts"]) / HBM_BYTES_PER_S * 1e6
+            rec["extra_expert_us"] = (br["routed_experts"] - br0["routed_experts"]) / roofline_bandwidth() * 1e6
         noise = [x for x in (o.get("noise"), bo.get("noise")) if x is not None]
         rec["noise"] = max(noise) if noise else None
         rec["meets_target"] = (rec["ratio"] <= TARGET_VERIFY_RATIO) if rec["ratio"] is not None else None
@@ -843,7 +845,7 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None] = print,
                            "contexts": list(cfg.contexts), "kinds": list(cfg.kinds), "layers": cfg.layers,
                            "spec_tokens": list(ks), "routing": cfg.routing, "experts": cfg.experts,
                            "iters": cfg.iters, "rounds": cfg.rounds, "dtype": cfg.dtype,
-                           "hbm_tb_s": HBM_BYTES_PER_S / 1e12, "comm": "Communication excluded (one GPU).",
+                           "hbm_tb_s": roofline_bandwidth() / 1e12, "comm": "Communication excluded (one GPU).",
                            "seconds": round(time.perf_counter() - t_start, 1)},
                 "kinds": summary, "notes": notes, "cells": add_verify_ratios(cells)}
 
@@ -924,7 +926,7 @@ def _cell(cfg: BenchConfig, full: ModelSpec, bk: Any, kind: str, batch: int, con
     if extra:
         rb = {**{n: v for n, v in rb.items() if n != "total"}, **extra}
         rb["total"] = sum(rb.values())
-    r_us = rb["total"] / HBM_BYTES_PER_S * 1e6
+    r_us = rb["total"] / roofline_bandwidth() * 1e6
     cell = {"kind": kind, "batch": batch, "context": context, "spec_tokens": k, "rows": rows,
             "layer_index": li, "ours": o, "stock": s,
             "roofline": {"bytes": rb["total"], "us": r_us, "breakdown": rb, "distinct_experts": distinct,
@@ -939,7 +941,7 @@ def _cell(cfg: BenchConfig, full: ModelSpec, bk: Any, kind: str, batch: int, con
     if extra:  # stock's floor is the same task's: its tape-free layer_bytes + the tape ours must move
         rs = cell["roofline_stock"]
         rs["bytes"] += sum(extra.values())
-        rs["us"] = rs["bytes"] / HBM_BYTES_PER_S * 1e6
+        rs["us"] = rs["bytes"] / roofline_bandwidth() * 1e6
         cell["stock_fraction"] = (rs["us"] / s["us"]) if s.get("us") else None
         f, sf = cell.get("fraction"), cell["stock_fraction"]
         cell["speedup_per_byte"] = (f / sf) if (f and sf) else None

@@ -13,8 +13,9 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from latency_specialized.hardware import roofline_bandwidth
 
-HBM_BYTES_PER_S = 4.3e12  # H200 achievable read bandwidth (PERF.md); rooflines use it
+HBM_BYTES_PER_S = 4.3e12  # H200 achievable read bandwidth (PERF.md); the settings' default is the device's own
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class BenchSettings:
     """Fewer kernel configs (smoke runs)."""
     shapes: tuple[tuple[int, int], ...] = ()
     """gemm: only these (N, K) of the model's shapes (empty: all of them)."""
-    hbm_bytes_per_s: float = HBM_BYTES_PER_S
+    hbm_bytes_per_s: float = field(default_factory=roofline_bandwidth)
 
 
 @dataclass
