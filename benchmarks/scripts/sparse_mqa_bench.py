@@ -175,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     for flag, const in (("waves", "WAVES"), ("tile_bytes", "TILE_BYTES"), ("num_stages", "NUM_STAGES")):
         if getattr(a, flag) is not None:
             setattr(smq, const, getattr(a, flag))
-    tuning = {k: getattr(smq, k) for k in ("TILE_BYTES", "SINGLE_ROW_TILE_BYTES", "WAVES", "MAX_SPLITS", "NUM_STAGES", "MIN_BLOCK_H",
-                                           "MAX_BLOCK_H", "COMBINE_TILE")}
+    tuning = {k: getattr(smq, k) for k in ("TILE_BYTES", "SINGLE_ROW_TILE_BYTES", "WAVES", "MAX_SPLITS", "NUM_STAGES",
+                                           "MIN_BLOCK_H", "MAX_BLOCK_H", "COMBINE_TILE")}
     H, D, R, W, K, r = a.heads, a.head_dim, a.rope, a.window, a.topk, a.ratio
     inv = rope_inv_freq(10_000.0, R, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count

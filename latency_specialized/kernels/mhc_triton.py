@@ -217,9 +217,9 @@ def choose_blocks(M: int, H: int) -> tuple[int, int, int]:
 
     64-channel chunks (H = 5120: 80 programs per row block, each reading 24 KiB of fn), 4 warps; one row per
     program below 16 rows (every row its own block: its own tail, run in parallel with the others', each block
-    reading fn again from L2), 4 rows from 16 (fewer fn re-reads, four rows per tail). Chosen from the H100 sweep
-    of every (TM, CH, warps) of ``mhc_bench.py`` at M = 1-64 (``NOTES_mhc.md``, session 40); the 32-channel,
-    up-to-8-row blocks before were 1.4x (M = 8) to 2x (M = 64) slower."""
+    reading fn again from L2), 4 rows from 16 (fewer fn re-reads, four rows per tail). Chosen from a sweep of
+    every (TM, CH, warps) of ``mhc_bench.py`` at M = 1-64; the figures and the rule it replaced: ``NOTES_mhc.md``
+    (session 40)."""
     tm = 1 if M < 16 else 4
     ch = min(64, _pow2(H))
     return tm, ch, 4
