@@ -282,9 +282,9 @@ def test_hopper_build_spills_no_registers(mk):
 @pytest.mark.parametrize("M", [1, 8])
 def test_pdl_wait_follows_the_fn_loads_and_precedes_the_rest(mk, monkeypatch, M):
     """With ``PDL`` (the sm_90a SASS, offline): the middle seam issues its fn slice (16-byte loads: 24 rows x 4
-    streams x the chunk's channels over the program's threads) before the grid-dependency wait (``ACQBULK``) and no other global access: the
-    streams, y, the coefficients and the counters are read and anything is written only after the previous kernel
-    has finished. Without ``PDL``: no wait at all."""
+    streams x the chunk's channels over the program's threads) before the grid-dependency wait (``ACQBULK``) and no
+    other global access: the streams, y, the coefficients and the counters are read and anything is written only
+    after the previous kernel has finished. Without ``PDL``: no wait at all."""
     import os
 
     from latency_specialized.testing.offline_sass import sass_of
