@@ -76,9 +76,14 @@ def _set(M: int, H: int, n: int, seam: str, g: torch.Generator) -> dict:
     return d
 
 
+ITERS = 20
+"""Sinkhorn iterations of every variant (DeepSeek-V4.1-Flash's 20; ``--sinkhorn-iters`` sets it: the difference
+to 1 iteration is what the tail's Sinkhorn rounds cost)."""
+
+
 def _kw(d: dict) -> dict:
     return dict(pre=d["pre"], y=d["y"], post=d["post"], comb=d["comb"], rms_eps=EPS, hc_eps=1e-6, post_mult=2.0,
-                sinkhorn_iters=20)
+                sinkhorn_iters=ITERS)
 
 
 def _ours(pdl: bool = False, **blocks):
@@ -104,7 +109,7 @@ def _stock(d):
     w = d["stock"]
     sk.mhc_post_mix(d["streams"], d["y"], d["post"], d["comb"], d["fn"], mix=w["mix"], sqrsum=w["sqrsum"])
     sk.mhc_pre_norm(w["mix"], w["sqrsum"], d["scale"], d["base"], d["streams"], d["pre"], d["norm_weight"],
-                    rms_eps=EPS, hc_eps=1e-6, post_mult=2.0, norm_eps=EPS, iters=20, pre=w["pre"], post=w["post"],
+                    rms_eps=EPS, hc_eps=1e-6, post_mult=2.0, norm_eps=EPS, iters=ITERS, pre=w["pre"], post=w["post"],
                     comb=w["comb"], out=w["out"])
     return w["out"], w["pre"], w["post"], w["comb"]
 
@@ -128,6 +133,7 @@ def _bytes(M: int, H: int, n: int, seam: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global ITERS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/h200", help="where mhc{tag}.{json,md} go")
     ap.add_argument("--batches", default="1,8,64")
@@ -136,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seams", default="middle,first,last")
     ap.add_argument("--sweep", action="store_true", help="also time every block config of SWEEP")
     ap.add_argument("--pdl", action="store_true", help="also time ours launched with PDL (triton_pdl)")
+    ap.add_argument("--sinkhorn-iters", type=int, default=ITERS, help="Sinkhorn iterations (their cost: 20 vs 1)")
     ap.add_argument("--reps", type=int, default=40, help="timed replays per graph (median)")
     ap.add_argument("--rotate-mb", type=float, default=160.0, help="bytes read per graph at least (L2 is 50 MB)")
     ap.add_argument("--max-calls", type=int, default=96, help="seams (distinct input sets) per graph at most")
@@ -143,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bw", type=float, default=4.3e12, help="roofline bandwidth, bytes/s (H200 measured copy)")
     ap.add_argument("--tag", default="", help="suffix of the output file names (sweeps)")
     a = ap.parse_args(argv)
+    ITERS = a.sinkhorn_iters
     H, n = a.hidden, a.streams
     mk.counter(torch.device("cuda", torch.cuda.current_device()))   # the counters, before any capture
     rows, failed = [], False
@@ -187,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, bw=a.bw, rotate_mb=a.rotate_mb,
-                reps=a.reps)
+                reps=a.reps, sinkhorn_iters=ITERS)
     (out / f"mhc{a.tag}.json").write_text(json.dumps(dict(meta=meta, cells=rows), indent=1))
     names = sorted({k for r in rows for k in r["us"]}, key=lambda k: (k != "triton", k != "stock", k))
     md = ["# mHC seam (residual.mhc), us per seam (median, CUDA graph, inputs rotated beyond L2)", "",
