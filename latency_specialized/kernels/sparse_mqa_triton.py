@@ -57,9 +57,9 @@ import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
-from latency_specialized.hardware import sm_count
+from latency_specialized.hardware import capability, sm_count
 from latency_specialized.kernels.ring_window import check_sliding_window
-from latency_specialized.kernels.triton_common import head_dim_refusal, triton_gpu_refusal
+from latency_specialized.kernels.triton_common import head_dim_refusal, triton_gpu_refusal, triton_has_gdc
 
 NAME = "attention.sparse_mqa.triton"
 FALLBACK = "attention.sparse_mqa.torch"
@@ -87,6 +87,11 @@ MAX_SPLITS = 64
 COMBINE_TILE = 4096
 """fp32 partial elements one combine program loads per operand (``splits x BLOCK_D``)."""
 NUM_STAGES = 2
+COMBINE_PDL = False
+"""Launch the combine with PDL (``combine_pdl``) behind split programs that trigger it after their last store: its
+programs load the RoPE angles' inputs and the sinks, then wait (``gdc_wait``) for the split kernel before reading a
+partial - the MLA and GQA merges' pattern (``mla_decode_triton.MERGE_PDL``, ``gqa_decode_triton.MERGE_PDL``). Off
+until a layer A/B on a GPU says it helps (``NOTES_sparse_mqa.md``)."""
 _STORE_NEW = True
 """Tests only: False leaves out the ring store, which shows that no program reads the new row from memory
 (the interpreter runs programs one after another, so it cannot show a race)."""
@@ -105,9 +110,10 @@ def _kernels(interpret: bool):
     del interpret  # the cache key only
     # defined here, not at import (no triton import on machines without it); Triton resolves the names a
     # kernel uses through its module globals: hence tl as a global
-    global tl
+    global tl, tlc
     import triton
     import triton.language as tl
+    import triton.language.extra.cuda as tlc
 
     @triton.jit
     def split_kernel(q, kv, positions, rows, seq_lens, window, cache, block_table, selection, inv_freq, kv_w,
@@ -117,7 +123,7 @@ def _kernels(interpret: bool):
                      D: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
                      NORM_Q: tl.constexpr, NORM_KV: tl.constexpr, HAS_SEL: tl.constexpr, PREC: tl.constexpr,
                      DOT_F32: tl.constexpr,
-                     STORE_NEW: tl.constexpr, WRITE_ONLY: tl.constexpr):
+                     STORE_NEW: tl.constexpr, WRITE_ONLY: tl.constexpr, TRIGGER_END: tl.constexpr):
         # grid (M, num_splits, head groups). Masks from comparisons only (the interpreter mishandles & of a
         # vector and a scalar mask): a scalar condition becomes a bound (offs < where(cond, D, 0)).
         m = tl.program_id(0).to(tl.int64)
@@ -213,11 +219,13 @@ def _kernels(interpret: bool):
         tl.store(ws_m + base, m_i, mask=h_ok)
         tl.store(ws_l + base, l_i, mask=h_ok)
         tl.store(ws_acc + base[:, None] * D + d[None, :], acc, mask=h_ok[:, None])
+        if TRIGGER_END:  # the combine (launched with PDL) may start once every program got here
+            tlc.gdc_launch_dependents()
 
     @triton.jit
     def combine_kernel(ws_acc, ws_m, ws_l, sinks, positions, inv_freq, out, num_splits, H, s_om, s_oh,
                        D: tl.constexpr, R: tl.constexpr, S_PAD: tl.constexpr, BD: tl.constexpr,
-                       HAS_SINKS: tl.constexpr):
+                       HAS_SINKS: tl.constexpr, PDL: tl.constexpr):
         # grid (M, H, D / BD): channels [c BD, (c + 1) BD) of head h of row m
         m = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
@@ -230,15 +238,18 @@ def _kernels(interpret: bool):
         rot = t_rot >= 0
         dp = tl.where(rot, d ^ 1, d)
         # every load before the first reduction (a barrier no load is moved across: the partials and the angle
-        # inputs read after it waited a round trip of their own)
-        m_s = tl.load(ws_m + base, mask=s_ok, other=float("-inf"))
-        l_s = tl.load(ws_l + base, mask=s_ok, other=0.0)
-        part = tl.load(ws_acc + base[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
-        partp = tl.load(ws_acc + base[:, None] * D + dp[None, :], mask=s_ok[:, None], other=0.0)
+        # inputs read after it waited a round trip of their own); the angle inputs and the sinks first: nothing
+        # the split kernel writes, so a combine launched early (PDL) reads them before its wait
         inv = tl.load(inv_freq + tl.maximum(t_rot, 0) // 2, mask=rot, other=0.0)
         ang = -(tl.load(positions + m).to(tl.float32)) * inv                    # the inverse rotation
         if HAS_SINKS:
             snk = tl.load(sinks + h).to(tl.float32) * 1.4426950408889634
+        if PDL:  # the partials come from the split kernel
+            tlc.gdc_wait()
+        m_s = tl.load(ws_m + base, mask=s_ok, other=float("-inf"))
+        l_s = tl.load(ws_l + base, mask=s_ok, other=0.0)
+        part = tl.load(ws_acc + base[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
+        partp = tl.load(ws_acc + base[:, None] * D + dp[None, :], mask=s_ok[:, None], other=0.0)
         g = tl.max(m_s, 0)
         if HAS_SINKS:
             g = tl.maximum(g, snk)
@@ -424,6 +435,8 @@ def sparse_mqa_decode_triton(q: torch.Tensor, kv: torch.Tensor, positions: torch
     prec = "ieee" if window.dtype == torch.float32 or dot_f32 else "tf32"
     kernels = _kernels(interp)
 
+    pdl = combine_pdl(q.device)
+
     def split(grid: tuple[int, int, int], chunk_: int, store: bool, write_only: bool) -> None:
         kernels["split"][grid](
             q, kv, positions, rows, seq_lens, window, cc, bt, sel, rope_inv_freq,
@@ -434,7 +447,8 @@ def sparse_mqa_decode_triton(q: torch.Tensor, kv: torch.Tensor, positions: torch
             bt.stride(0) if has_sel else 0, sel.stride(0) if has_sel else 0,
             D=D, R=R, BH=bh, BN=bn, NORM_Q=q_norm_eps is not None, NORM_KV=kv_norm_weight is not None,
             HAS_SEL=has_sel, PREC=prec, DOT_F32=dot_f32,
-            STORE_NEW=store, WRITE_ONLY=write_only, num_warps=8 if D >= 256 else 4, num_stages=NUM_STAGES)
+            STORE_NEW=store, WRITE_ONLY=write_only, TRIGGER_END=pdl and not write_only,
+            num_warps=8 if D >= 256 else 4, num_stages=NUM_STAGES)
 
     if cross_row_reads:   # every row's ring slot stored (one program per row) before any program reads
         split((M, 1, 1), T, _STORE_NEW, True)
@@ -443,8 +457,17 @@ def sparse_mqa_decode_triton(q: torch.Tensor, kv: torch.Tensor, positions: torch
     bd = max(16, min(D, COMBINE_TILE // s_pad))
     kernels["combine"][(M, H, D // bd)](
         ws_acc, ws_m, ws_l, sinks if sinks is not None else ws_m, positions, rope_inv_freq, out, ns, H,
-        out.stride(0), out.stride(1), D=D, R=R, S_PAD=s_pad, BD=bd, HAS_SINKS=sinks is not None, num_warps=4)
+        out.stride(0), out.stride(1), D=D, R=R, S_PAD=s_pad, BD=bd, HAS_SINKS=sinks is not None, PDL=pdl,
+        num_warps=4, **({"launch_pdl": True} if pdl else {}))
     return out
+
+
+def combine_pdl(device: torch.device) -> bool:
+    """Whether the combine launches with PDL: ``COMBINE_PDL``, compiled (not the interpreter), an sm_90+ GPU and a
+    Triton with grid dependency control."""
+    if not COMBINE_PDL or _interpreting() or device.type != "cuda":
+        return False
+    return capability(device)[0] >= 9 and triton_has_gdc()
 
 
 def _check(q, kv, positions, rows, seq_lens, window, cache, block_table, selection, sinks, rope_inv_freq) -> None:
@@ -567,5 +590,5 @@ IMPLEMENTATIONS = [
                                "compressed-cache write in one launch; pow2 D"),
 ]
 
-__all__ = ["COMPRESS_NAME", "FALLBACK", "IMPLEMENTATIONS", "NAME", "block_h", "block_n", "choose_splits",
-           "sparse_mqa_compress_triton", "sparse_mqa_decode_triton"]
+__all__ = ["COMBINE_PDL", "COMPRESS_NAME", "FALLBACK", "IMPLEMENTATIONS", "NAME", "block_h", "block_n", "choose_splits",
+           "combine_pdl", "sparse_mqa_compress_triton", "sparse_mqa_decode_triton"]

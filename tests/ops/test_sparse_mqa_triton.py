@@ -580,3 +580,31 @@ def test_kernels_compile_for_hopper_without_a_gpu(smq):
             assert "mma" in ptx, const
     assert len(seen) >= 10
     assert {dict(c).get("NORM_KV") for name, c in seen if name == "split_kernel"} == {True, False}
+
+
+def test_combine_pdl_reads_partials_only_after_its_wait(smq, monkeypatch):
+    """With ``COMBINE_PDL`` (offline sm_90a SASS, a batch-1 DeepSeek TP8 call): the split kernel triggers its dependents
+    (``PREEXIT``) after its last store, and the combine - launched with PDL - loads only the RoPE angle inputs and the
+    sinks (3 loads) before its grid-dependency wait (``ACQBULK``), every partial after it. Off: neither."""
+    import os
+
+    from latency_specialized.testing.offline_sass import sass_of
+    from tests.triton_offline import ptx_for_hopper, recorded_launches
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("compiles only where triton was imported without the interpreter")
+    for on in (False, True):
+        monkeypatch.setattr(smq, "combine_pdl", lambda device, on=on: on)
+        with recorded_launches() as launches:
+            args, kw, _ = make_case(801, [1], dtype=torch.bfloat16, sinks=True, norm=True, kv_norm=True,
+                                    **dict(DSV4_TP8, K=512))
+            smq.sparse_mqa_decode_triton(*args, **kw)
+        assert [(fn.fn.__name__, k.get("launch_pdl", False)) for fn, _, k in launches] == [
+            ("split_kernel", False), ("combine_kernel", on)]
+        split, combine = (sass_of(p).order for p in ptx_for_hopper(launches).values())
+        assert ("PREEXIT" in split) == on and ("ACQBULK" in combine) == on
+        if on:
+            assert split.index("PREEXIT") > max(i for i, op in enumerate(split) if op.startswith("STG"))
+            wait = combine.index("ACQBULK")
+            early = sorted(op for op in combine[:wait] if op.startswith(("LDG", "STG")))
+            assert early == ["LDG.E", "LDG.E", "LDG.E.64"], early

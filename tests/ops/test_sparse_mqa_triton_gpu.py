@@ -87,11 +87,18 @@ def test_large_positions():
     check_case(sparse_mqa_decode_triton, args, kw, poisoned, **BF16)
 
 
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "combine_pdl"])
 @pytest.mark.parametrize("topk", [512, 0], ids=["compressed", "window_only"])
 @pytest.mark.parametrize("M", [1, 8, 64])
-def test_graph_replay_equals_eager(M, topk):
+def test_graph_replay_equals_eager(monkeypatch, M, topk, pdl):
     """Capture once on static buffers; new inputs copied in (positions, lengths, rows, selection, ring, cache, q,
-    kv); replay == eager bit for bit, ring included (and both right)."""
+    kv); replay == eager bit for bit, ring included (and both right). With ``COMBINE_PDL`` the captured combine
+    launches early behind the split kernel; the eager calls run without PDL, so a partial read before the combine's
+    wait would show as a difference."""
+    import latency_specialized.kernels.sparse_mqa_triton as smq
+
+    monkeypatch.setattr(smq, "COMBINE_PDL", pdl)
+    assert smq.combine_pdl(torch.device(DEV)) == pdl, "PDL asked for but not available (sm_90+, Triton gdc_wait)"
     per = 34                                   # one block-table width for every case: 4096 // 2 // 64 + 2
     a0, kw, p0 = _case(600 + M, _lens(M, 0), "tp8", K=topk, per=per)
     static = [None if t is None else t.clone() for t in a0]
@@ -102,6 +109,7 @@ def test_graph_replay_equals_eager(M, topk):
         sparse_mqa_decode_triton(*static, out=out, **kw)
 
     graph = graph_replay(call)
+    monkeypatch.setattr(smq, "COMBINE_PDL", False)
     for seed in (1, 2):
         a, kw2, p = _case(seed * 31 + M, _lens(M, seed), "tp8", K=topk, per=per)
         assert kw2 == kw
