@@ -73,8 +73,8 @@ import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
-from latency_specialized.hardware import capability, sm_count
-from latency_specialized.kernels.triton_common import head_dim_refusal, triton_gpu_refusal, triton_has_gdc
+from latency_specialized.hardware import sm_count
+from latency_specialized.kernels.triton_common import head_dim_refusal, pdl_available, pdl_launch, triton_gpu_refusal
 
 NAME = "attention.gqa.triton_splitkv"
 
@@ -358,9 +358,7 @@ def late_merge_pdl(device: torch.device, num_splits: int) -> bool:
     """Whether the merge launches with PDL, triggered by the split programs at their end (at their start with
     ``EARLY_TRIGGER``): ``MERGE_PDL``, a merge at all (more than one split), compiled (not the interpreter), an sm_90+
     GPU, a Triton with grid dependency control."""
-    if not MERGE_PDL or num_splits <= 1 or _interpreting() or device.type != "cuda":
-        return False
-    return capability(device)[0] >= 9 and triton_has_gdc()
+    return MERGE_PDL and num_splits > 1 and pdl_available(device)
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -504,7 +502,7 @@ def gqa_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         kernels["merge"][(M, Hq, D // db)](
             ws_acc, ws_m, ws_l, sk, y, lse_t, num_splits, *sw, y.stride(0), y.stride(1), s_lb,
             G=G, D=D, DB=db, S_PAD=s_pad, S_TILE=min(MERGE_S_TILE * (D // db), s_pad), HAS_SINKS=sinks is not None,
-            HAS_LSE=lse is not None, PDL=late, num_warps=MERGE_WARPS, **({"launch_pdl": True} if late else {}))
+            HAS_LSE=lse is not None, PDL=late, num_warps=MERGE_WARPS, **pdl_launch(late))
     return y
 
 

@@ -40,8 +40,7 @@ import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
-from latency_specialized.hardware import capability
-from latency_specialized.kernels.triton_common import triton_gpu_refusal, triton_has_gdc
+from latency_specialized.kernels.triton_common import pdl_available, pdl_launch, triton_gpu_refusal
 
 NAME = "residual.mhc.triton"
 MAX_ROW_BLOCKS = 8192
@@ -285,9 +284,7 @@ def _pow2(x: int) -> int:
 def pdl_enabled(device: torch.device) -> bool:
     """Whether the seam launches with PDL: ``PDL``, compiled (not the interpreter), an sm_90+ GPU and a Triton with
     grid dependency control."""
-    if not PDL or _interpreting() or device.type != "cuda":
-        return False
-    return capability(device)[0] >= 9 and triton_has_gdc()
+    return PDL and pdl_available(device)
 
 
 def choose_blocks(M: int, H: int) -> tuple[int, int, int]:
@@ -428,7 +425,7 @@ def mhc_seam_triton(streams: torch.Tensor, fn: torch.Tensor | None, scale: torch
         N=n, CH=ch, TM=tm, X=xk, PW=pw, BS=bs, BH=bh, HAS_Y=y is not None, HAS_PRE=pre is not None,
         HAS_FN=fn is not None, HAS_W=norm_weight is not None, PDL=pdl, SCALAR_SK=SCALAR_SINKHORN and n == 4,
         num_warps=nw,
-        **({"launch_pdl": True} if pdl else {}))
+        **pdl_launch(pdl))
     return out, next_pre, new_post, new_comb
 
 

@@ -71,10 +71,10 @@ import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
-from latency_specialized.hardware import capability, sm_count
+from latency_specialized.hardware import sm_count
 from latency_specialized.kernels.mla_common import (check_kv_norm, check_rope, finish_output, latent_widths,
                                                     normed_latent, rotate_pairs, write_new_latents)
-from latency_specialized.kernels.triton_common import triton_gpu_refusal, triton_has_gdc
+from latency_specialized.kernels.triton_common import pdl_available, pdl_launch, triton_gpu_refusal
 
 NAME = "attention.mla.triton_splitkv"
 
@@ -764,9 +764,7 @@ def pdl_enabled(device: torch.device, split_programs: int) -> bool:
     """Whether the kernels launch with PDL: ``PDL``, a split grid of at most one program per SM
     (``split_programs`` = batch x head groups x splits), compiled (not the interpreter), an sm_90+ GPU and
     a Triton with grid dependency control (``tl.extra.cuda.gdc_wait``)."""
-    if not PDL or _interpreting() or device.type != "cuda":
-        return False
-    return split_programs <= sm_count(device) and capability(device)[0] >= 9 and triton_has_gdc()
+    return PDL and pdl_available(device) and split_programs <= sm_count(device)
 
 
 def late_merge_pdl(device: torch.device, pdl: bool, tiled: bool) -> bool:
@@ -774,16 +772,14 @@ def late_merge_pdl(device: torch.device, pdl: bool, tiled: bool) -> bool:
     its grid exceeds one program per SM): ``MERGE_PDL``, and the split programs trigger it at their end, so
     the merge's programs - a grid of at most the SMs - take only the SM room the split kernel's tail
     frees, load their W_UV columns and wait; the next kernel (o_proj) may then launch early in turn."""
-    if pdl or not tiled or not MERGE_PDL or _interpreting() or device.type != "cuda":
-        return False
-    return capability(device)[0] >= 9 and triton_has_gdc()
+    return not pdl and tiled and MERGE_PDL and pdl_available(device)
 
 
 def _pdl_args(on: bool, num_warps: int | None = None) -> dict:
     """Launch keywords: warps (default ``NUM_WARPS``, read per call: sweeps override the module constant), the
     PDL constexpr and Triton's ``launch_pdl`` (only when on)."""
     return dict(num_warps=NUM_WARPS if num_warps is None else num_warps, PDL=on,
-                **({"launch_pdl": True} if on else {}))
+                **pdl_launch(on))
 
 
 def mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,

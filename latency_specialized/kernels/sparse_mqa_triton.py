@@ -57,9 +57,10 @@ import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
-from latency_specialized.hardware import capability, sm_count
+from latency_specialized.hardware import sm_count
 from latency_specialized.kernels.ring_window import check_sliding_window
-from latency_specialized.kernels.triton_common import head_dim_refusal, triton_gpu_refusal, triton_has_gdc
+from latency_specialized.kernels.triton_common import (head_dim_refusal, pdl_available, pdl_launch,
+                                                      triton_gpu_refusal)
 
 NAME = "attention.sparse_mqa.triton"
 FALLBACK = "attention.sparse_mqa.torch"
@@ -458,16 +459,14 @@ def sparse_mqa_decode_triton(q: torch.Tensor, kv: torch.Tensor, positions: torch
     kernels["combine"][(M, H, D // bd)](
         ws_acc, ws_m, ws_l, sinks if sinks is not None else ws_m, positions, rope_inv_freq, out, ns, H,
         out.stride(0), out.stride(1), D=D, R=R, S_PAD=s_pad, BD=bd, HAS_SINKS=sinks is not None, PDL=pdl,
-        num_warps=4, **({"launch_pdl": True} if pdl else {}))
+        num_warps=4, **pdl_launch(pdl))
     return out
 
 
 def combine_pdl(device: torch.device) -> bool:
     """Whether the combine launches with PDL: ``COMBINE_PDL``, compiled (not the interpreter), an sm_90+ GPU and a
     Triton with grid dependency control."""
-    if not COMBINE_PDL or _interpreting() or device.type != "cuda":
-        return False
-    return capability(device)[0] >= 9 and triton_has_gdc()
+    return COMBINE_PDL and pdl_available(device)
 
 
 def _check(q, kv, positions, rows, seq_lens, window, cache, block_table, selection, sinks, rope_inv_freq) -> None:

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import re
+from typing import Any
 
 from latency_specialized.contract import OpContext
+from latency_specialized.hardware import capability
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -83,5 +86,24 @@ def triton_has_gdc() -> bool:
             and "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}))
 
 
-__all__ = ["DTYPES", "arch_number", "head_dim_refusal", "quantized_experts_refusal", "quantized_weight_refusal",
-           "triton_gpu_refusal", "triton_has_gdc"]
+def interpreting() -> bool:
+    """Whether Triton runs kernels under its interpreter (``TRITON_INTERPRET`` set)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def pdl_available(device: Any) -> bool:
+    """Whether a Triton kernel can launch on ``device`` with programmatic dependent launch: compiled (not the
+    interpreter), an sm_90+ CUDA GPU and a Triton with grid dependency control. Each kernel's switch (``PDL``,
+    ``MERGE_PDL``, ...) comes on top."""
+    if interpreting() or device.type != "cuda":
+        return False
+    return capability(device)[0] >= 9 and triton_has_gdc()
+
+
+def pdl_launch(on: bool) -> dict[str, bool]:
+    """Triton's launch keyword for PDL where ``on`` (nothing otherwise: older Triton has no ``launch_pdl``)."""
+    return {"launch_pdl": True} if on else {}
+
+
+__all__ = ["DTYPES", "arch_number", "head_dim_refusal", "interpreting", "pdl_available", "pdl_launch",
+           "quantized_experts_refusal", "quantized_weight_refusal", "triton_gpu_refusal", "triton_has_gdc"]

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from latency_specialized.errors import UserError
+from latency_specialized.kernels import triton_common as tc
 from latency_specialized.ops.attention.gqa import gqa_decode_reference
 from latency_specialized.ops.registry import make_context
 
@@ -420,21 +421,21 @@ def test_host_code_never_reads_device_values():
 def test_merge_pdl_only_behind_a_split_kernel_on_sm90(gk, monkeypatch):
     """The merge launches with PDL (the split programs trigger it at their end) only where there is a merge,
     compiled, on sm_90+ with Triton's grid dependency control, and ``MERGE_PDL`` on."""
-    monkeypatch.setattr(gk, "_interpreting", lambda: False)
-    monkeypatch.setattr(gk, "capability", lambda device: (9, 0))
-    monkeypatch.setattr(gk, "triton_has_gdc", lambda: True)
+    monkeypatch.setattr(tc, "interpreting", lambda: False)
+    monkeypatch.setattr(tc, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(tc, "triton_has_gdc", lambda: True)
     gpu = torch.device("cuda", 0)
     assert gk.late_merge_pdl(gpu, 16) and not gk.late_merge_pdl(gpu, 1)
     assert not gk.late_merge_pdl(torch.device("cpu"), 16)
-    monkeypatch.setattr(gk, "capability", lambda device: (8, 0))
+    monkeypatch.setattr(tc, "capability", lambda device: (8, 0))
     assert not gk.late_merge_pdl(gpu, 16)                         # griddepcontrol needs sm_90
-    monkeypatch.setattr(gk, "capability", lambda device: (9, 0))
-    monkeypatch.setattr(gk, "triton_has_gdc", lambda: False)
+    monkeypatch.setattr(tc, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(tc, "triton_has_gdc", lambda: False)
     assert not gk.late_merge_pdl(gpu, 16)
-    monkeypatch.setattr(gk, "triton_has_gdc", lambda: True)
+    monkeypatch.setattr(tc, "triton_has_gdc", lambda: True)
     monkeypatch.setattr(gk, "MERGE_PDL", False)
     assert not gk.late_merge_pdl(gpu, 16)
-    monkeypatch.setattr(gk, "_interpreting", lambda: True)
+    monkeypatch.setattr(tc, "interpreting", lambda: True)
     monkeypatch.setattr(gk, "MERGE_PDL", True)
     assert not gk.late_merge_pdl(gpu, 16)
 

@@ -37,6 +37,7 @@ import pytest
 import torch
 
 from latency_specialized.errors import UserError
+from latency_specialized.kernels import triton_common as tc
 from latency_specialized.ops.attention.mla import mla_decode_paged, mla_decode_reference, roped
 from latency_specialized.ops.norm import rmsnorm_reference
 from latency_specialized.ops.registry import make_context
@@ -341,20 +342,20 @@ def test_pdl_only_for_one_partial_wave_of_split_programs(monkeypatch):
 
     assert mk.PDL is False
     monkeypatch.setattr(mk, "PDL", True)
-    monkeypatch.setattr(mk, "_interpreting", lambda: False)
+    monkeypatch.setattr(tc, "interpreting", lambda: False)
     monkeypatch.setattr(mk, "sm_count", lambda device: 132)
-    monkeypatch.setattr(mk, "capability", lambda device: (9, 0))
-    monkeypatch.setattr(mk, "triton_has_gdc", lambda: True)
+    monkeypatch.setattr(tc, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(tc, "triton_has_gdc", lambda: True)
     gpu = torch.device("cuda", 0)
     assert mk.pdl_enabled(gpu, 68) and mk.pdl_enabled(gpu, 132)
     assert not mk.pdl_enabled(gpu, 136) and not mk.pdl_enabled(gpu, 256)
     assert not mk.pdl_enabled(torch.device("cpu"), 1)
-    monkeypatch.setattr(mk, "capability", lambda device: (8, 0))
+    monkeypatch.setattr(tc, "capability", lambda device: (8, 0))
     assert not mk.pdl_enabled(gpu, 68)                           # griddepcontrol needs sm_90
-    monkeypatch.setattr(mk, "capability", lambda device: (9, 0))
-    monkeypatch.setattr(mk, "triton_has_gdc", lambda: False)
+    monkeypatch.setattr(tc, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(tc, "triton_has_gdc", lambda: False)
     assert not mk.pdl_enabled(gpu, 68)
-    monkeypatch.setattr(mk, "triton_has_gdc", lambda: True)
+    monkeypatch.setattr(tc, "triton_has_gdc", lambda: True)
     monkeypatch.setattr(mk, "PDL", False)
     assert not mk.pdl_enabled(gpu, 68)
     assert mk._pdl_args(True, 4) == {"num_warps": 4, "PDL": True, "launch_pdl": True}
@@ -366,16 +367,16 @@ def test_late_merge_pdl_only_behind_a_split_kernel_without_pdl(monkeypatch):
     the three kernels do not already, the merge is tiled, MERGE_PDL is on, on sm_90+ with gdc."""
     from latency_specialized.kernels import mla_decode_triton as mk
 
-    monkeypatch.setattr(mk, "_interpreting", lambda: False)
-    monkeypatch.setattr(mk, "capability", lambda device: (9, 0))
-    monkeypatch.setattr(mk, "triton_has_gdc", lambda: True)
+    monkeypatch.setattr(tc, "interpreting", lambda: False)
+    monkeypatch.setattr(tc, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(tc, "triton_has_gdc", lambda: True)
     gpu = torch.device("cuda", 0)
     assert mk.late_merge_pdl(gpu, False, True)
     assert not mk.late_merge_pdl(gpu, True, True) and not mk.late_merge_pdl(gpu, False, False)
     assert not mk.late_merge_pdl(torch.device("cpu"), False, True)
-    monkeypatch.setattr(mk, "capability", lambda device: (8, 0))
+    monkeypatch.setattr(tc, "capability", lambda device: (8, 0))
     assert not mk.late_merge_pdl(gpu, False, True)
-    monkeypatch.setattr(mk, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(tc, "capability", lambda device: (9, 0))
     monkeypatch.setattr(mk, "MERGE_PDL", False)
     assert not mk.late_merge_pdl(gpu, False, True)
 
