@@ -35,6 +35,7 @@ from latency_specialized.hardware import sm_count
 from latency_specialized.kernels.compile_cache import cached_compile, compile_unit
 from latency_specialized.kernels.dsl_common import compile_options as _compile_options, ptx_of  # noqa: F401
 from latency_specialized.kernels.dsl_common import sm90_dsl_support
+from latency_specialized.kernels.moe_addend import Addend, accumulate_target, add_addend, check_addend_use
 from latency_specialized.kernels.dsl_common import cutlass_dtype as _cutlass_dtype, dtype_name as _dtype_name
 from latency_specialized.spec import ActivationSpec
 
@@ -85,6 +86,9 @@ class ExpertsConfig:
     """``down`` lets the next kernel (the latent all-reduce / norm, launched with PDL) launch as soon as every
     ``down`` CTA has started (``griddepcontrol.launch_dependents``); that kernel still waits for ``down``
     to complete before it reads the output."""
+    accumulate: bool = False
+    """``down`` adds its combination into ``y``'s contents, ``y = round(round(sum) + y)`` (``experts(...,
+    addend=...)``: the shared experts' output, no add kernel after the experts; ``kernels/moe_addend.py``)."""
 
     @property
     def gu_passes(self) -> int:
@@ -585,7 +589,10 @@ def _build_down_class():
                         tot = Float32(0.0)
                         for w in cutlass.range_constexpr(W):
                             tot = tot + acc[w, m, r]
-                        y[m, n0 + r] = tot.to(self.dtype)
+                        val = tot.to(self.dtype)
+                        if cutlass.const_expr(cfg.accumulate):  # y holds the addend: one more rounding, as y + a
+                            val = (val.to(Float32) + y[m, n0 + r].to(Float32)).to(self.dtype)
+                        y[m, n0 + r] = val
 
     return DownKernel
 
@@ -597,7 +604,7 @@ def _fake(cute, dtype, shape, stride, align=16):
 @compile_unit
 def compile_gate_up(cfg: ExpertsConfig):
     # the down kernel's fields do not shape gate_up: one compile (and key) serves every down variant
-    cfg = dataclasses.replace(cfg, dn_rows=0, dn_warps=0, dn_trigger=False, per_route=False)
+    cfg = dataclasses.replace(cfg, dn_rows=0, dn_warps=0, dn_trigger=False, per_route=False, accumulate=False)
 
     def build(arch: str):
         import cutlass
@@ -718,10 +725,11 @@ def default_kvec(K: int, max_tokens: int = 1) -> int:
 
 
 def make_config(M: int, K: int, I: int, N: int, top_k: int, dtype: torch.dtype, ids_dtype: torch.dtype,
-                activation: ActivationSpec, sms: int = 132, per_route: bool = False, **tuning: int) -> ExpertsConfig:
+                activation: ActivationSpec, sms: int = 132, per_route: bool = False, accumulate: bool = False,
+                **tuning: int) -> ExpertsConfig:
     """Validated compile key; UserError names what to change. ``sms``: SMs of the GPU (the ``down``
-    grid is sized to one wave of them; 132, an H200's, where there is no GPU). ``per_route``: see
-    ``ExpertsConfig.per_route``."""
+    grid is sized to one wave of them; 132, an H200's, where there is no GPU). ``per_route``, ``accumulate``:
+    see ``ExpertsConfig``."""
     if dtype != torch.bfloat16:
         raise UserError(f"moe experts kernel: dtype {dtype} unsupported (bf16 only); use moe.experts.reference")
     if K % 256 != 0:
@@ -737,7 +745,7 @@ def make_config(M: int, K: int, I: int, N: int, top_k: int, dtype: torch.dtype, 
     cfg = ExpertsConfig(K, I, N, top_k, _dtype_name(dtype), _dtype_name(ids_dtype), activation.kind,
                         float(activation.beta or 0.0), float(activation.beta_lin or 0.0), clamp,
                         bucket, **{**default_tuning(bucket, N, sms, K), "per_route": bool(per_route),
-                                   **tuning})
+                                   "accumulate": bool(accumulate), **tuning})
     if cfg.gu_rows % cfg.gu_warps != 0:
         raise UserError("moe experts kernel: gu_rows must be a multiple of gu_warps")
     if not cfg.per_route and cfg.dn_warps * cfg.max_tokens * cfg.dn_rows * 4 > 160 * 1024:
@@ -748,7 +756,8 @@ def make_config(M: int, K: int, I: int, N: int, top_k: int, dtype: torch.dtype, 
 
 def experts(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor, w_gate_up: torch.Tensor,
             w_down: torch.Tensor, activation: ActivationSpec, *, per_route: bool = False,
-            out: torch.Tensor | None = None, workspace: dict | None = None, **tuning: int) -> torch.Tensor:
+            out: torch.Tensor | None = None, workspace: dict | None = None, addend: Addend = None,
+            **tuning: int) -> torch.Tensor:
     """Routed experts (same contract as ``ops.moe.experts_reference``), two kernels on the current stream.
 
     Parameters
@@ -760,7 +769,8 @@ def experts(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor, w_
     per_route : every route's expert output, unweighted, instead of the combination.
     out : optional [M, N] ([M, top_k, N] with ``per_route``) destination, unit stride in N.
     workspace : optional dict reused across calls (static buffers
-    for CUDA graphs; filled on first use). tuning : gu_warps, gu_rows, dn_warps, dn_rows.
+    for CUDA graphs; filled on first use). addend : [M, N] (or a callable returning it, called after ``gate_up``)
+    that ``down`` adds to the combination (``kernels/moe_addend.py``; the result may go into its memory). tuning : gu_warps, gu_rows, dn_warps, dn_rows.
 
     Returns
     -------
@@ -783,8 +793,9 @@ def experts(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor, w_
         raise UserError("moe experts: expert weights must be contiguous; call .contiguous() once at load time")
     if x.stride(1) != 1 or x.stride(0) % 8 != 0 or x.data_ptr() % 16 != 0:
         x = x.contiguous()
+    check_addend_use(addend, per_route, "moe.experts.cutedsl")
     cfg = make_config(M, K, I, N, top_k, x.dtype, ids.dtype, activation, sms=sm_count(x.device),
-                      per_route=per_route, **tuning)
+                      per_route=per_route, accumulate=addend is not None, **tuning)
     gate_up, down = compile_gate_up(cfg), compile_down(cfg)
     ids_flat = ids.reshape(-1)
     ws = workspace if workspace is not None else {}
@@ -805,10 +816,14 @@ def experts(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor, w_
         if w_flat.dtype != torch.float32:
             w_flat = w_flat.float()
     if not per_route:
-        y = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
         if M == 0:
-            return y
+            return add_addend(out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device),
+                              addend, "moe.experts.cutedsl")
         gate_up(x, ids_flat, w_gate_up, ws["h"], ws["lead"], ws["members"])
+        # the addend (a side stream's join) is resolved only now: the shared experts overlap gate_up
+        y = accumulate_target(addend, out, M, N, x.dtype, "moe.experts.cutedsl")
+        if y is None:
+            y = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
         down(ws["h"], ids_flat, w_flat, ws["lead"], ws["members"], w_down, y)
         return y
     y = out if out is not None else torch.empty(M, top_k, N, dtype=x.dtype, device=x.device)

@@ -18,6 +18,7 @@ import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
+from latency_specialized.kernels.moe_addend import Addend, check_addend_use
 from latency_specialized.kernels.triton_common import quantized_experts_refusal
 from latency_specialized.quant.checkpoint_io import QuantizedWeight
 from latency_specialized.spec import ActivationSpec
@@ -47,29 +48,32 @@ def _parts(w: QuantizedWeight, what: str) -> tuple[torch.Tensor, torch.Tensor, t
 
 def experts_fp8(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor, w_gate_up: QuantizedWeight,
                 w_down: QuantizedWeight, activation: ActivationSpec, *, per_route: bool = False,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, addend: Addend = None) -> torch.Tensor:
     """Routed experts (contract: ``ops.moe.experts_reference``) over block-FP8 weights on the tensor cores.
 
     x [M, K] bf16; weights [M, top_k] fp32 (ignored with ``per_route``); ids [M, top_k] int; w_gate_up:
     QuantizedWeight [E, 2I, K]; w_down: [E, N, I]; out [M, N] ([M, top_k, N] with ``per_route``). Rounding as
-    stock's fused MoE: gate/up, activation and each route's down output to bf16, the weighted rows summed in fp32."""
-    return _experts(x, weights, ids, w_gate_up, w_down, activation, per_route, out, False, NAME)
+    stock's fused MoE: gate/up, activation and each route's down output to bf16, the weighted rows summed in fp32.
+    addend: added by the sum kernel (``kernels/moe_addend.py``)."""
+    return _experts(x, weights, ids, w_gate_up, w_down, activation, per_route, out, False, NAME, addend)
 
 
 def experts_fp8_w8a8(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor, w_gate_up: QuantizedWeight,
                      w_down: QuantizedWeight, activation: ActivationSpec, *, per_route: bool = False,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, addend: Addend = None) -> torch.Tensor:
     """As :func:`experts_fp8`, with the activation rows (the tokens for gate/up, the pairs' activations for down)
     quantized to e4m3 per 128-wide K block in the GEMMs and multiplied on the FP8 tensor cores (stock's W8A8
     block-FP8 MoE numerics; ``triton_fp8.quantize_activations_reference`` is that rounding in torch)."""
-    return _experts(x, weights, ids, w_gate_up, w_down, activation, per_route, out, True, NAME_A8)
+    return _experts(x, weights, ids, w_gate_up, w_down, activation, per_route, out, True, NAME_A8, addend)
 
 
-def _experts(x, weights, ids, w_gate_up, w_down, activation, per_route, out, a8: bool, what: str) -> torch.Tensor:
+def _experts(x, weights, ids, w_gate_up, w_down, activation, per_route, out, a8: bool, what: str,
+             addend: Addend) -> torch.Tensor:
     from latency_specialized.kernels import triton_fp8 as k
     from latency_specialized.kernels import triton_moe as moe_k
-    from latency_specialized.kernels.moe_experts_triton import align_buffers, route_rows
+    from latency_specialized.kernels.moe_experts_triton import align_buffers, route_rows, sum_routes
 
+    check_addend_use(addend, per_route, what)
     q13, s13, b13 = _parts(w_gate_up, what)
     q2, s2, b2 = _parts(w_down, what)
     M, K = x.shape
@@ -104,8 +108,7 @@ def _experts(x, weights, ids, w_gate_up, w_down, activation, per_route, out, a8:
     w_flat = weights.reshape(-1)
     k.moe_gemm_fp8(h, q2, s2, align, top_k, out=yp, a_per_pair=True, scale_block=b2, a8=a8,
                    topk_weights=(w_flat if w_flat.dtype == torch.float32 else w_flat.float()).contiguous(), **TUNING)
-    moe_k.moe_sum(yp, top_k, out=y)
-    return y
+    return sum_routes(yp, top_k, out, addend, x.dtype, what)  # out, not y: without out the addend's memory serves
 
 
 def _supports(ctx: OpContext) -> Support:

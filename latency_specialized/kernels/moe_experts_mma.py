@@ -45,6 +45,7 @@ from latency_specialized.errors import UserError
 from latency_specialized.kernels.compile_cache import compile_unit
 from latency_specialized.kernels.gemm_common import check_once
 from latency_specialized.kernels.gemm_q4_mma import CODING, mxfp4_parts
+from latency_specialized.kernels.moe_addend import Addend, add_addend, check_addend_use
 from latency_specialized.kernels.mma_quant_weights import NVFP4_UNDO, QuantCoding
 from latency_specialized.kernels.gemm_small_m import SMEM_LIMIT, TARGET_WARPS, MmaConfig, pow2_at_most
 from latency_specialized.quant.checkpoint_io import QuantizedWeight
@@ -559,7 +560,7 @@ def _stage_args(activation: ActivationSpec) -> dict:
 def experts_mma(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor, w_gate_up: QuantizedWeight,
                       w_down: QuantizedWeight, activation: ActivationSpec, *, per_route: bool = False,
                       out: torch.Tensor | None = None, configs: tuple[MmaConfig, MmaConfig] | None = None,
-                      aligned: bool | None = None) -> torch.Tensor:
+                      aligned: bool | None = None, addend: Addend = None) -> torch.Tensor:
     """Routed experts (contract: ``ops.moe.experts_reference``) over MXFP4 / NVFP4 weights on tensor cores.
 
     Parameters
@@ -574,6 +575,8 @@ def experts_mma(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor
     out : optional [M, N] ([M, top_k, N]) destination, unit stride in N.
     configs : (gate_up, down) launch choices; default :func:`default_configs`.
     aligned : groups from ``moe_align`` (True) or one per route (False); default: from ``MIN_TOKENS_ALIGNED`` tokens.
+    addend : [M, N] (or a callable returning it) added after the last stage (``kernels/moe_addend.py``: one add
+        kernel; the latent MoE, this kernel's main user, takes its shared experts in ``moe.latent_up``).
     """
     from latency_specialized.kernels import triton_moe as moe_k
     from latency_specialized.kernels import triton_q4
@@ -583,6 +586,7 @@ def experts_mma(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor
     q2, s2, g2, E2, N, fmt2 = expert_parts(w_down, NAME)
     if (fmt13["weights"], fmt13.get("paired")) != (fmt2["weights"], fmt2.get("paired")):
         raise UserError(f"{NAME}: w_gate_up is {w_gate_up.fmt.name} but w_down is {w_down.fmt.name}")
+    check_addend_use(addend, per_route, NAME)
     M, K = x.shape
     I = two_i // 2
     top_k = ids.shape[-1]
@@ -632,7 +636,7 @@ def experts_mma(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor
         w = weights.reshape(-1)
         w = w.contiguous() if w.dtype == torch.float32 else w.float().contiguous()
         compile_stage(st2, cfg2)(h, q2, s2, y, flat, *tables, w, g2, M)
-        return y
+        return add_addend(y, addend, NAME)
     yp, direct = route_rows(y) if per_route else (torch.empty(T, N, device=x.device, dtype=x.dtype), False)
     compile_stage(st2, cfg2)(h, q2, s2, yp, flat, *tables, no_weights, g2, groups)
     if per_route:
@@ -641,7 +645,7 @@ def experts_mma(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor
         return y
     w = weights.reshape(M, top_k)
     triton_q4.route_sum(yp, w.contiguous() if w.dtype == torch.float32 else w.float().contiguous(), y)  # aligned
-    return y
+    return add_addend(y, addend, NAME)
 
 
 def _refusal(ctx: OpContext, name: str, formats: tuple[str, ...], what: str) -> Support:

@@ -21,6 +21,7 @@ import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
+from latency_specialized.kernels.moe_addend import Addend, add_addend, check_addend_use
 from latency_specialized.kernels.gemm_common import check_once
 from latency_specialized.kernels.triton_common import quantized_experts_refusal
 from latency_specialized.quant.checkpoint_io import QuantizedWeight
@@ -110,14 +111,16 @@ def _out(x, M, top_k, N, per_route, out, what):
 
 def experts_q4_gemv(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor, w_gate_up: QuantizedWeight,
                     w_down: QuantizedWeight, activation: ActivationSpec, *, per_route: bool = False,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, addend: Addend = None) -> torch.Tensor:
     """Routed experts (contract: ``ops.moe.experts_reference``) over 4-bit weights, each route's expert read once.
 
     x [M, K] bf16; weights [M, top_k] fp32 (ignored with ``per_route``); ids [M, top_k] int;
     w_gate_up: QuantizedWeight [E, 2I, K]; w_down: QuantizedWeight [E, N, I]; out [M, N] ([M, top_k, N]).
-    Returns [M, N] bf16 (per_route: [M, top_k, N])."""
+    Returns [M, N] bf16 (per_route: [M, top_k, N]). addend: added after the down kernel (``kernels/moe_addend.py``:
+    one add kernel; this path serves buckets above the mma kernel's)."""
     from latency_specialized.kernels import triton_q4 as k
 
+    check_addend_use(addend, per_route, NAME_GEMV)
     q13, s13, g13, kind, group = _kernel_parts(w_gate_up, NAME_GEMV, k.MAX_UE8M0)
     q2, s2, g2, kind2, _ = _kernel_parts(w_down, NAME_GEMV, k.MAX_UE8M0)
     if kind2 != kind:
@@ -132,20 +135,22 @@ def experts_q4_gemv(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Te
     if not per_route:
         w = weights.contiguous() if weights.dtype == torch.float32 else weights.float().contiguous()
     k.down_words(h, w, ids, q2, s2, g2, y, scale_kind=kind, group=group, per_route=per_route, **GEMV_TUNING["down"])
-    return y
+    return y if per_route else add_addend(y, addend, NAME_GEMV)
 
 
 def experts_q4_grouped(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor, w_gate_up: QuantizedWeight,
                        w_down: QuantizedWeight, activation: ActivationSpec, *, per_route: bool = False,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
+                       out: torch.Tensor | None = None, addend: Addend = None) -> torch.Tensor:
     """Routed experts (contract: ``ops.moe.experts_reference``) over 4-bit weights on the tensor cores.
 
     Shapes as :func:`experts_q4_gemv`; K and I multiples of ``GROUPED_BLOCK_K``. Rounding: gate/up, activation
-    and each route's down output to bf16, the weighted route rows to bf16, fp32 sum (stock's fused-MoE order)."""
+    and each route's down output to bf16, the weighted route rows to bf16, fp32 sum (stock's fused-MoE order).
+    addend: added by the sum kernel (``kernels/moe_addend.py``)."""
     from latency_specialized.kernels import triton_moe as moe_k
     from latency_specialized.kernels import triton_q4 as k
-    from latency_specialized.kernels.moe_experts_triton import align_buffers, route_rows
+    from latency_specialized.kernels.moe_experts_triton import align_buffers, route_rows, sum_routes
 
+    check_addend_use(addend, per_route, NAME_GROUPED)
     q13, s13, g13, kind, group = _kernel_parts(w_gate_up, NAME_GROUPED, k.MAX_UE8M0)
     q2, s2, g2, kind2, _ = _kernel_parts(w_down, NAME_GROUPED, k.MAX_UE8M0)
     if kind2 != kind:
@@ -180,8 +185,7 @@ def experts_q4_grouped(x: torch.Tensor, weights: torch.Tensor | None, ids: torch
         w_flat = w_flat.float()
     k.moe_gemm_q4(h, q2, s2, g2, align, top_k, out=yp, a_per_pair=True, scale_kind=kind, group=group,
                   topk_weights=w_flat.contiguous(), **tune)
-    moe_k.moe_sum(yp, top_k, out=y)
-    return y
+    return sum_routes(yp, top_k, out, addend, x.dtype, NAME_GROUPED)  # out, not y: see moe_experts_fp8_triton
 
 
 def _common(ctx: OpContext, name: str, min_sm: int | None) -> Support:

@@ -22,6 +22,7 @@ import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
+from latency_specialized.kernels.moe_addend import Addend, accumulate_target, check_addend_use
 from latency_specialized.spec import ActivationSpec
 
 NAME = "moe.experts.triton_fused"
@@ -55,7 +56,7 @@ def route_rows(y: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 def experts_triton(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor, w_gate_up: torch.Tensor,
                    w_down: torch.Tensor, activation: ActivationSpec, *, per_route: bool = False,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, addend: Addend = None) -> torch.Tensor:
     """Routed experts (contract: ``ops.moe.experts_reference``) with the Triton fused-MoE kernels.
 
     Parameters
@@ -64,6 +65,7 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Ten
     w_gate_up : [E, 2I, K] (gate rows, then up rows); w_down : [E, N, I].
     per_route : every route's expert output, unweighted, instead of the combination.
     out : optional [M, N] ([M, top_k, N] with ``per_route``; unit stride in N).
+    addend : [M, N] (or a callable returning it) that the sum kernel adds (``kernels/moe_addend.py``).
 
     Returns
     -------
@@ -76,6 +78,7 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Ten
 
     if activation.kind not in ("situ_glu", "swiglu"):
         raise UserError(f"{NAME} implements SiTU-GLU and SwiGLU (got {activation.kind}): use moe.experts.cutedsl")
+    check_addend_use(addend, per_route, NAME)
     M, K = x.shape
     top_k = ids.shape[1]
     E, two_i, K2 = w_gate_up.shape
@@ -109,9 +112,20 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Ten
     if w_flat.dtype != torch.float32:
         w_flat = w_flat.float()
     moe_k.moe_gemm(act, w_down, align, top_k, out=yp, a_per_pair=True, topk_weights=w_flat)
-    y = out if out is not None else torch.empty(M, N, device=x.device, dtype=x.dtype)
-    moe_k.moe_sum(yp, top_k, out=y)
-    return y
+    return sum_routes(yp, top_k, out, addend, x.dtype, NAME)
+
+
+def sum_routes(yp: torch.Tensor, top_k: int, out: torch.Tensor | None, addend: Addend, dtype: torch.dtype,
+               what: str) -> torch.Tensor:
+    """The last stage of the Triton fused-MoE paths: ``yp [M*top_k, N]`` (weighted route rows) summed per token into
+    ``out`` (or a new ``[M, N]``), the addend added in the same kernel (resolved here, after the GEMMs)."""
+    from latency_specialized.kernels import triton_moe as moe_k
+
+    M, N = yp.shape[0] // top_k, yp.shape[1]
+    y = accumulate_target(addend, out, M, N, dtype, what)
+    if y is None:
+        y = out if out is not None else torch.empty(M, N, device=yp.device, dtype=dtype)
+    return moe_k.moe_sum(yp, top_k, out=y, accumulate=addend is not None)
 
 
 MIN_TOKENS = 8

@@ -299,20 +299,30 @@ def silu_and_mul(x: torch.Tensor, clamp: float | None = None, *, out: torch.Tens
 
 
 @triton.jit
-def _moe_sum_kernel(x_ptr, out_ptr, N, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+def _moe_sum_kernel(x_ptr, out_ptr, N, TOPK: tl.constexpr, BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < N
+    prior = tl.zeros([BLOCK], dtype=tl.float32)
+    if ACCUMULATE:  # loaded first: its latency overlaps the pairs' loads
+        prior = tl.load(out_ptr + row * N + c, mask=m, other=0.0).to(tl.float32)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOPK):
         acc += tl.load(x_ptr + (row * TOPK + j) * N + c, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + c, acc.to(out_ptr.dtype.element_ty), mask=m)
+    y = acc.to(out_ptr.dtype.element_ty)
+    if ACCUMULATE:  # the sum rounded first, then one more rounding: y + addend as torch adds two bf16 tensors
+        y = (y.to(tl.float32) + prior).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * N + c, y, mask=m)
 
 
-def moe_sum(x: torch.Tensor, top_k: int, *, out: torch.Tensor) -> torch.Tensor:
-    """x [M*k, N] -> out [M, N]: sum over each token's k pairs (fp32 accumulate)."""
+def moe_sum(x: torch.Tensor, top_k: int, *, out: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
+    """x [M*k, N] -> out [M, N]: sum over each token's k pairs (fp32 accumulate). ``accumulate``: ``out`` holds an
+    addend, ``out = round(round(sum) + out)`` (``kernels/moe_addend.py``). ``out`` contiguous."""
     N = x.shape[1]
     M = out.shape[0]
+    if accumulate and (out.stride(-1) != 1 or out.stride(0) != N):
+        raise ValueError(f"moe_sum: accumulate needs a contiguous [M, {N}] out, got strides {out.stride()}")
     BLOCK = 1024
-    _moe_sum_kernel[(M, triton.cdiv(N, BLOCK))](x, out, N, TOPK=top_k, BLOCK=BLOCK, num_warps=4)
+    _moe_sum_kernel[(M, triton.cdiv(N, BLOCK))](x, out, N, TOPK=top_k, BLOCK=BLOCK, ACCUMULATE=bool(accumulate),
+                                                num_warps=4)
     return out

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from latency_specialized.kernels.moe_addend import Addend, add_addend, check_addend_use
 from latency_specialized.ops.activation import gated_activation
 from latency_specialized.ops.registry import Implementation, always
 from latency_specialized.quant.checkpoint_io import QuantizedWeight
@@ -64,7 +65,7 @@ def _expert_fp32(w: torch.Tensor | QuantizedWeight, e: int) -> torch.Tensor:
 
 def experts_reference(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor, w_gate_up: torch.Tensor,
                       w_down: torch.Tensor, activation: ActivationSpec, *, per_route: bool = False,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, addend: Addend = None) -> torch.Tensor:
     """Routed experts over the selected experts only.
 
     Parameters
@@ -75,6 +76,8 @@ def experts_reference(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.
         time.
     per_route : return every route's expert output instead of the combination (``weights`` is
         then ignored and may be None). out : optional destination of the result's shape.
+    addend : [M, N] added to the combination (a plain MoE's shared experts), or a callable returning it (a side
+        stream's join); ``kernels/moe_addend.py`` has the contract (rounding: ``round(round(routed) + addend)``).
 
     Returns
     -------
@@ -83,6 +86,7 @@ def experts_reference(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.
     expert_{ids[m, j]}(x[m]) (not multiplied by the routing weight), each rounded once to x.dtype
     as the combined form rounds it before weighting.
     """
+    check_addend_use(addend, per_route, "moe.experts.reference")
     M = x.shape[0]
     top_k = ids.shape[1]
     inter = w_gate_up.shape[1] // 2
@@ -102,6 +106,8 @@ def experts_reference(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.
         else:
             y.index_add_(0, rows, ye.float() * weights[rows, slot].unsqueeze(-1).float())
     y = y.to(x.dtype)
+    if not per_route:
+        add_addend(y, addend, "moe.experts.reference")
     if out is not None:
         out.copy_(y)
         return out

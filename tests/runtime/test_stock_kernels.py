@@ -41,7 +41,7 @@ DRIVEN_FILES = INTERPRETED_FILES + ("tests/ops/test_mla_triton.py", "tests/ops/t
 @pytest.mark.skipif(not _HAVE_TRITON, reason="needs triton (its interpreter runs the kernels on the CPU)")
 def test_cpu_cases_under_the_interpreter():
     """The stock Triton kernels and the stock KDA+MoE layer on the CPU (Triton interpreter)."""
-    run_interpreted(*INTERPRETED_FILES, min_passed=10)
+    run_interpreted(*INTERPRETED_FILES, min_passed=12)
 
 
 @pytest.mark.skipif(not _HAVE_TRITON, reason="needs triton (its interpreter runs the kernels on the CPU)")
@@ -54,7 +54,7 @@ def test_interpreter_cases_are_collected_only_where_they_run():
     drivers = set(collected_ids(*DRIVEN_FILES, interpreting=False, marks=f"{DRIVER} and not gpu"))
     assert {d.rsplit("::", 1)[1] for d in drivers} == {"test_cpu_cases_under_the_interpreter",
                                                        "test_kernel_cases_under_the_interpreter"}, drivers
-    assert len(cases) >= 65, sorted(cases)                # 55 MLA + 10 stock kernel/layer cases
+    assert len(cases) >= 67, sorted(cases)                # 55 MLA + 12 stock kernel/layer cases
     assert not cases & plain, sorted(cases & plain)       # not collected, so not skipped, in a CPU run
     assert drivers <= plain and not drivers & interp      # a driver in the interpreting child would recurse
     assert interp == (plain - drivers) | cases            # nothing else differs between the two runs
@@ -191,3 +191,28 @@ def test_topk_align_fused_moe_equals_experts_reference(device, M):
     y = torch.full((M, K), float("nan"), dtype=torch.bfloat16, device=device)
     moe_sum(y_pairs, k, out=y)
     torch.testing.assert_close(y.float(), ref.float(), **BF16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("accumulate", [False, True], ids=["plain", "addend"])
+def test_moe_sum_adds_an_addend_after_rounding_the_sum(device, accumulate):
+    """``moe_sum`` (every Triton fused-MoE path's last kernel): the sum over a token's pairs in fp32, in pair order,
+    rounded; with ``accumulate`` its destination holds an addend and gets ``round(round(sum) + addend)`` - what
+    ``y + shared`` gave as a kernel of its own (``kernels/moe_addend.py``). Bit-exact against that order."""
+    from latency_specialized.kernels.triton_moe import moe_sum
+
+    g = _gen(300)
+    M, k, N = 3, 6, 1100                                   # N over one 1024-wide block: a masked tail
+    yp = _rand(M * k, N, gen=g, device=device)
+    addend = _rand(M, N, gen=g, device=device)
+    def rnd(t):  # the interpreter converts fp32 -> bf16 by truncation, the GPU to nearest even
+        return (t.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16) if device == "cpu" \
+            else t.to(torch.bfloat16)
+
+    acc = yp.view(M, k, N)[:, 0].float()
+    for j in range(1, k):
+        acc = acc + yp.view(M, k, N)[:, j].float()
+    want = rnd(rnd(acc).float() + addend.float()) if accumulate else rnd(acc)
+    y = addend.clone() if accumulate else torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=device)
+    assert moe_sum(yp, k, out=y, accumulate=accumulate) is y
+    assert torch.equal(y, want)

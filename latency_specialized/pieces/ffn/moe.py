@@ -36,6 +36,10 @@ from latency_specialized.pieces.ffn.latent_moe import expert_format_attrs, route
 from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl, join, with_stored
 from latency_specialized.spec import ModelSpec, MoESpec
 
+ADD_SHARED_IN_EXPERTS = True
+"""The shared experts' output is the routed experts' ``addend`` (``kernels/moe_addend.py``): their last stage adds
+it, instead of an add kernel after them (A/B: ``--ab add:latency_specialized.pieces.ffn.moe.ADD_SHARED_IN_EXPERTS=
+False``)."""
 SHARED = ("shared.gate_proj", "shared.up_proj", "shared.down_proj")
 """The shared experts' weights (one ``moe.shared`` site: kept in a stored format as a whole)."""
 
@@ -123,12 +127,16 @@ class RoutedMoE:
         if step.tp > 1 and logits.shape[-1] != f.num_experts:  # this rank's experts: gather every rank's
             logits, = step.communicate("moe.all_gather", gather_parts, step.comm, [logits])
         weights, ids = step.op("moe.router")(logits, w.get("router_bias"), f.top_k, f.router)
-        y = step.op("moe.experts")(h, weights, ids, w["w13"], w["w2"], f.activation)
+        experts = step.op("moe.experts")
         if not f.num_shared_experts:
-            return y
-        shared = pending.join() if pending is not None else \
+            return experts(h, weights, ids, w["w13"], w["w2"], f.activation)
+        # the join is handed over uncalled: the experts call it right before the stage that adds it
+        shared = pending.join if pending is not None else \
             step.op("moe.shared")(h, w["shared_gate_up"], w["shared_down"], f.activation)
-        return y + shared
+        if ADD_SHARED_IN_EXPERTS:
+            return experts(h, weights, ids, w["w13"], w["w2"], f.activation, addend=shared)
+        y = experts(h, weights, ids, w["w13"], w["w2"], f.activation)
+        return y + (shared() if callable(shared) else shared)
 
 
 __all__ = ["RoutedMoE"]
