@@ -12,7 +12,7 @@ replays (``latency_specialized.bench.ops_bench_moe_kda.time_graph``), us per sea
 * ``triton``: ``residual.mhc.triton`` (``kernels/mhc_triton.py``) at its default blocks (``choose_blocks``);
   with ``--sweep`` also every (rows per program, channels per chunk, warps) of ``SWEEP``; with ``--pdl`` also
   ``triton_pdl``, launched with PDL (``mhc_triton.PDL``: each seam of the graph starts while the one before drains);
-  with ``--scalar-sinkhorn`` also ``triton_scalar_sk`` (``mhc_triton.SCALAR_SINKHORN``);
+  with ``--out-first`` also ``triton_out_first`` (``mhc_triton.OUT_LOAD_FIRST``);
 * ``reference``: ``mhc_seam_reference`` (torch, about 156 kernels);
 * ``stock``: the stock stand-in (``bench/stock/sparse_mqa_kernels.py``: ``mhc_post_mix`` + ``mhc_pre_norm``,
   2 launches) - middle seams only (it has no first / last form).
@@ -87,18 +87,18 @@ def _kw(d: dict) -> dict:
                 sinkhorn_iters=ITERS)
 
 
-def _ours(pdl: bool = False, scalar_sinkhorn: bool = False, **blocks):
+def _ours(pdl: bool = False, out_first: bool = False, **blocks):
     """Ours at ``blocks``; ``pdl``: launched with PDL (``mhc_triton.PDL`` set around the call, so also inside the
-    capture), i.e. each seam of the graph starts while the one before it drains; ``scalar_sinkhorn``: the tail's
-    Sinkhorn on per-thread values (``mhc_triton.SCALAR_SINKHORN``)."""
+    capture), i.e. each seam of the graph starts while the one before it drains; ``out_first``: the tail's rescale
+    of ``out`` loaded before the coefficients (``mhc_triton.OUT_LOAD_FIRST``)."""
     def call(d):
-        was = mk.PDL, mk.SCALAR_SINKHORN
-        mk.PDL, mk.SCALAR_SINKHORN = pdl, scalar_sinkhorn
+        was = mk.PDL, mk.OUT_LOAD_FIRST
+        mk.PDL, mk.OUT_LOAD_FIRST = pdl, out_first
         try:
             return mk.mhc_seam_triton(d["streams"], d["fn"], d["scale"], d["base"], d["norm_weight"], EPS, **_kw(d),
                                       **blocks)
         finally:
-            mk.PDL, mk.SCALAR_SINKHORN = was
+            mk.PDL, mk.OUT_LOAD_FIRST = was
     return call
 
 
@@ -145,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seams", default="middle,first,last")
     ap.add_argument("--sweep", action="store_true", help="also time every block config of SWEEP")
     ap.add_argument("--pdl", action="store_true", help="also time ours launched with PDL (triton_pdl)")
-    ap.add_argument("--scalar-sinkhorn", action="store_true",
-                    help="also time ours with the per-thread Sinkhorn (triton_scalar_sk)")
+    ap.add_argument("--out-first", action="store_true",
+                    help="also time ours with the tail's out row loaded before the coefficients (triton_out_first)")
     ap.add_argument("--sinkhorn-iters", type=int, default=ITERS, help="Sinkhorn iterations (their cost: 20 vs 1)")
     ap.add_argument("--reps", type=int, default=40, help="timed replays per graph (median)")
     ap.add_argument("--rotate-mb", type=float, default=160.0, help="bytes read per graph at least (L2 is 50 MB)")
@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
             variants = {"triton": _ours()}
             if a.pdl:
                 variants["triton_pdl"] = _ours(pdl=True)
-            if a.scalar_sinkhorn:
-                variants["triton_scalar_sk"] = _ours(scalar_sinkhorn=True)
+            if a.out_first:
+                variants["triton_out_first"] = _ours(out_first=True)
             if a.sweep:
                 for bm, bh, nw in SWEEP:
                     if bm <= 2 * M:

@@ -6,7 +6,7 @@
 # Steps (STEPS, default ab,mhc,q4,b64,glm,tile16):
 #   ab     DeepSeek-V4.1-Flash TP8 window / c2_idx, batch 1 and 8, A/B: base against the shared experts added after
 #          the experts by a kernel of its own (ADD_SHARED_IN_EXPERTS=False, the old way)
-#   mhc    mHC seam alone at DeepSeek-V4.1 shapes: the per-thread Sinkhorn (SCALAR_SINKHORN) beside the vector form,
+#   mhc    mHC seam alone at DeepSeek-V4.1 shapes: the out row loaded before the coefficients (OUT_LOAD_FIRST) beside
 #          and the same with 1 Sinkhorn round (what the tail's 20 rounds cost)
 #   q4     the MXFP4 routed experts at Kimi K3 TP8: the paired-nibble layout beside the checkpoint packing, humming beside
 #   b64    DeepSeek-V4.1-Flash window / c2_idx at batch 64 (session 40's mHC blocks in the layer)
@@ -33,9 +33,9 @@ fi
 if step mhc; then
   mkdir -p "$W/mhc"
   timeout "${MHC_S:-60}" python3 benchmarks/scripts/mhc_bench.py --batches 1,8,64 --seams middle --no-reference \
-    --scalar-sinkhorn --out "$W/mhc" > "$W/mhc/mhc.log" 2>&1; rc=$?
+    --out-first --out "$W/mhc" > "$W/mhc/mhc.log" 2>&1; rc=$?
   timeout "${MHC_S:-60}" python3 benchmarks/scripts/mhc_bench.py --batches 1,8,64 --seams middle --no-reference \
-    --scalar-sinkhorn --sinkhorn-iters 1 --tag _iters1 --out "$W/mhc" >> "$W/mhc/mhc.log" 2>&1
+    --out-first --sinkhorn-iters 1 --tag _iters1 --out "$W/mhc" >> "$W/mhc/mhc.log" 2>&1
   pack mhc "$rc/$?"; grep -h "^| " "$W"/mhc/mhc*.md | head -20
 fi
 if step q4; then

@@ -62,91 +62,30 @@ while the previous kernel drains, load their fn slice (a weight: the seam's domi
 writing anything. Off until a layer A/B says otherwise (``NOTES_mhc.md``): early programs can hold SM room that the
 previous kernel's last wave needs, as the MLA kernels' did (``mla_decode_triton.PDL``)."""
 
-SCALAR_SINKHORN = False
-"""At n = 4 streams, run the tail's Sinkhorn on 16 per-thread values instead of a ``[TM, 4, 4]`` tile whose row and
-column sums are warp shuffles (two dependent shuffles per sum, two sums per round, 20 rounds, after every program
-of the row block has arrived). Off until timed on a GPU (``mhc_bench.py --scalar-sinkhorn``; ``NOTES_mhc.md``)."""
+OUT_LOAD_FIRST = False
+"""At one row (M = 1) of 2-byte channels, at most ``OUT_ROW_TILE`` of them, the tail loads the whole row of ``out``
+(and the norm gain) right after the records' sums and rescales it after the coefficients: the rescale's L2 round
+trips overlap the Sinkhorn rounds instead of following them in two steps. The held row costs registers (ptxas,
+H 5120: 115 -> 187 for the middle seam), so only where the grid is one program per SM anyway. Off until the whole
+GPU suite has run with it (``NOTES_mhc.md``, session 41)."""
+OUT_ROW_TILE = 8192
+"""Most channels of the one-tile rescale (``OUT_LOAD_FIRST``): 64 per thread at 4 warps."""
 
 _COUNTERS: dict[str, torch.Tensor] = {}
+
+
+def out_load_first(M: int, tm: int, H: int, elsize: int) -> bool:
+    """Whether a launch rescales ``out`` in one tile loaded before the coefficients (``OUT_LOAD_FIRST``)."""
+    return OUT_LOAD_FIRST and M == 1 and tm == 1 and elsize == 2 and _pow2(H) <= OUT_ROW_TILE
 
 
 @functools.lru_cache(maxsize=2)
 def _kernel(interpret: bool):
     del interpret  # one build per TRITON_INTERPRET setting
-    global tl, tlc, _softmax4, _div4, _rows4, _sinkhorn4
+    global tl, tlc
     import triton
     import triton.language as tl
     import triton.language.extra.cuda as tlc
-
-    # Sinkhorn of n = 4 on 16 per-thread values (``SCALAR_SINKHORN``): every sum is additions in one thread, no
-    # warp shuffle in the 20 dependent rounds. Same terms as the vector form's; sums pair (a + b) + (c + d); one
-    # reciprocal per sum times its 4 terms (the vector form's fp32 division is that approximate reciprocal and a
-    # multiply per term: 16 instead of 4 per sum here, where every thread holds the whole matrix)
-    @triton.jit
-    def _softmax4(a, b, c, d, eps):
-        mx = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
-        a, b, c, d = tl.exp(a - mx), tl.exp(b - mx), tl.exp(c - mx), tl.exp(d - mx)
-        r = 1.0 / ((a + b) + (c + d))
-        return a * r + eps, b * r + eps, c * r + eps, d * r + eps
-
-    @triton.jit
-    def _div4(a, b, c, d, eps):
-        r = 1.0 / ((a + b) + (c + d) + eps)
-        return a * r, b * r, c * r, d * r
-
-    @triton.jit
-    def _rows4(col, TM: tl.constexpr):
-        """[TM, 4] (rows 0..3 of one column) -> its 4 values as [TM] tensors."""
-        even, odd = tl.split(tl.reshape(col, [TM, 2, 2]))     # rows 2q / 2q + 1
-        r0, r2 = tl.split(even)
-        r1, r3 = tl.split(odd)
-        return r0, r1, r2, r3
-
-    @triton.jit
-    def _sinkhorn4(z, comb_out, m, mm, eps, iters, TM: tl.constexpr):
-        """``z [TM, 4, 4]`` logits -> the Sinkhorn matrix, stored row-major at ``comb_out + 16 m``."""
-        z16 = tl.reshape(z, [TM, 16])                              # flat i * 4 + j
-        e0, e1 = tl.split(tl.reshape(z16, [TM, 8, 2]))             # j even / odd
-        c0, c2 = tl.split(tl.reshape(e0, [TM, 4, 2]))              # columns 0 / 2 as [TM, 4] over rows
-        c1, c3 = tl.split(tl.reshape(e1, [TM, 4, 2]))              # columns 1 / 3
-        x00, x10, x20, x30 = _rows4(c0, TM)
-        x01, x11, x21, x31 = _rows4(c1, TM)
-        x02, x12, x22, x32 = _rows4(c2, TM)
-        x03, x13, x23, x33 = _rows4(c3, TM)
-        x00, x01, x02, x03 = _softmax4(x00, x01, x02, x03, eps)   # rows: softmax + eps
-        x10, x11, x12, x13 = _softmax4(x10, x11, x12, x13, eps)
-        x20, x21, x22, x23 = _softmax4(x20, x21, x22, x23, eps)
-        x30, x31, x32, x33 = _softmax4(x30, x31, x32, x33, eps)
-        x00, x10, x20, x30 = _div4(x00, x10, x20, x30, eps)       # columns
-        x01, x11, x21, x31 = _div4(x01, x11, x21, x31, eps)
-        x02, x12, x22, x32 = _div4(x02, x12, x22, x32, eps)
-        x03, x13, x23, x33 = _div4(x03, x13, x23, x33, eps)
-        for _ in range(iters - 1):
-            x00, x01, x02, x03 = _div4(x00, x01, x02, x03, eps)
-            x10, x11, x12, x13 = _div4(x10, x11, x12, x13, eps)
-            x20, x21, x22, x23 = _div4(x20, x21, x22, x23, eps)
-            x30, x31, x32, x33 = _div4(x30, x31, x32, x33, eps)
-            x00, x10, x20, x30 = _div4(x00, x10, x20, x30, eps)
-            x01, x11, x21, x31 = _div4(x01, x11, x21, x31, eps)
-            x02, x12, x22, x32 = _div4(x02, x12, x22, x32, eps)
-            x03, x13, x23, x33 = _div4(x03, x13, x23, x33, eps)
-        o = comb_out + m * 16
-        tl.store(o + 0, x00, mask=mm)
-        tl.store(o + 1, x01, mask=mm)
-        tl.store(o + 2, x02, mask=mm)
-        tl.store(o + 3, x03, mask=mm)
-        tl.store(o + 4, x10, mask=mm)
-        tl.store(o + 5, x11, mask=mm)
-        tl.store(o + 6, x12, mask=mm)
-        tl.store(o + 7, x13, mask=mm)
-        tl.store(o + 8, x20, mask=mm)
-        tl.store(o + 9, x21, mask=mm)
-        tl.store(o + 10, x22, mask=mm)
-        tl.store(o + 11, x23, mask=mm)
-        tl.store(o + 12, x30, mask=mm)
-        tl.store(o + 13, x31, mask=mm)
-        tl.store(o + 14, x32, mask=mm)
-        tl.store(o + 15, x33, mask=mm)
 
     @triton.jit
     def mhc_seam_kernel(st, y, s_y, post_in, comb_in, pre_in, fn, scale, base, w, out, s_o,
@@ -154,7 +93,7 @@ def _kernel(interpret: bool):
                         rms_eps, hc_eps, post_mult, norm_eps, iters,
                         N: tl.constexpr, CH: tl.constexpr, TM: tl.constexpr, X: tl.constexpr, PW: tl.constexpr,
                         BS: tl.constexpr, BH: tl.constexpr, HAS_Y: tl.constexpr, HAS_PRE: tl.constexpr,
-                        HAS_FN: tl.constexpr, HAS_W: tl.constexpr, PDL: tl.constexpr, SCALAR_SK: tl.constexpr):
+                        HAS_FN: tl.constexpr, HAS_W: tl.constexpr, PDL: tl.constexpr, OUT_FIRST: tl.constexpr):
         c = tl.program_id(0)
         rb = tl.program_id(1)
         i = tl.arange(0, N)
@@ -240,15 +179,23 @@ def _kernel(interpret: bool):
             # the collapse's RMSNorm: h as stored, one rounding of x
             rstd = tl.rsqrt(hsq / H + norm_eps)
             hb = tl.arange(0, BH)
-            for h0 in range(0, H, BH):
-                hh = h0 + hb
-                hk = hh < H
-                optr = out + m[:, None] * s_o + hh[None, :]
-                om = mm[:, None] & hk[None, :]
-                xn = tl.load(optr, mask=om, other=0.0, cache_modifier=".cg").to(tl.float32) * rstd[:, None]
+            if OUT_FIRST:  # the row in one tile, loaded now: the loads are in flight across the coefficients' math
+                hk1 = hb < H
+                optr1 = out + m[:, None] * s_o + hb[None, :]
+                om1 = mm[:, None] & hk1[None, :]
+                xo = tl.load(optr1, mask=om1, other=0.0, cache_modifier=".cg")
                 if HAS_W:
-                    xn = xn * tl.load(w + hh, mask=hk, other=0.0).to(tl.float32)[None, :]
-                tl.store(optr, xn.to(out.dtype.element_ty), mask=om)
+                    wv = tl.load(w + hb, mask=hk1, other=0.0)
+            else:
+                for h0 in range(0, H, BH):
+                    hh = h0 + hb
+                    hk = hh < H
+                    optr = out + m[:, None] * s_o + hh[None, :]
+                    om = mm[:, None] & hk[None, :]
+                    xn = tl.load(optr, mask=om, other=0.0, cache_modifier=".cg").to(tl.float32) * rstd[:, None]
+                    if HAS_W:
+                        xn = xn * tl.load(w + hh, mask=hk, other=0.0).to(tl.float32)[None, :]
+                    tl.store(optr, xn.to(out.dtype.element_ty), mask=om)
             if HAS_FN:
                 rs = tl.rsqrt(sq / (N * H) + rms_eps)
                 zp = pre_l * rs[:, None] * sc0 + b_pre[None, :]
@@ -257,16 +204,18 @@ def _kernel(interpret: bool):
                 tl.store(pre_out + m[:, None] * N + i[None, :], 1.0 / (1.0 + tl.exp(-zp)) + hc_eps, mask=pm)
                 tl.store(post_out + m[:, None] * N + i[None, :], post_mult / (1.0 + tl.exp(-zq)), mask=pm)
                 z = comb_l * rs[:, None, None] * sc2 + b_comb[None, :, :]
-                if SCALAR_SK:
-                    _sinkhorn4(z, comb_out, m, mm, hc_eps, iters, TM)
-                else:
-                    e = tl.exp(z - tl.max(z, axis=2)[:, :, None])
-                    cmx = e / tl.sum(e, axis=2)[:, :, None] + hc_eps
+                e = tl.exp(z - tl.max(z, axis=2)[:, :, None])
+                cmx = e / tl.sum(e, axis=2)[:, :, None] + hc_eps
+                cmx = cmx / (tl.sum(cmx, axis=1)[:, None, :] + hc_eps)
+                for _ in range(iters - 1):
+                    cmx = cmx / (tl.sum(cmx, axis=2)[:, :, None] + hc_eps)
                     cmx = cmx / (tl.sum(cmx, axis=1)[:, None, :] + hc_eps)
-                    for _ in range(iters - 1):
-                        cmx = cmx / (tl.sum(cmx, axis=2)[:, :, None] + hc_eps)
-                        cmx = cmx / (tl.sum(cmx, axis=1)[:, None, :] + hc_eps)
-                    tl.store(comb_out + m[:, None, None] * (N * N) + cij[None, :, :], cmx, mask=mm[:, None, None])
+                tl.store(comb_out + m[:, None, None] * (N * N) + cij[None, :, :], cmx, mask=mm[:, None, None])
+            if OUT_FIRST:
+                xn1 = xo.to(tl.float32) * rstd[:, None]
+                if HAS_W:
+                    xn1 = xn1 * wv.to(tl.float32)[None, :]
+                tl.store(optr1, xn1.to(out.dtype.element_ty), mask=om1)
             # every other program of the row block has arrived: nobody else touches the counter this launch
             tl.store(count + rb, 0)
 
@@ -411,7 +360,8 @@ def mhc_seam_triton(streams: torch.Tensor, fn: torch.Tensor | None, scale: torch
     part = torch.empty(M * S * pw, dtype=torch.float32, device=dev)
     cnt = counter(dev)
     bs = min(_pow2(S), max(1, RECORD_TILE // (tm * pw)))
-    bh = min(_pow2(H), max(16, OUT_TILE // tm))
+    out_first = out_load_first(M, tm, H, out.element_size())
+    bh = _pow2(H) if out_first else min(_pow2(H), max(16, OUT_TILE // tm))
     dummy = part
     pdl = pdl_enabled(dev)
     _kernel(_interpreting())[(S, RB)](
@@ -423,8 +373,8 @@ def mhc_seam_triton(streams: torch.Tensor, fn: torch.Tensor | None, scale: torch
         new_comb if fn is not None else dummy, part, cnt, M, H, S,
         float(rms_eps), float(hc_eps), float(post_mult), float(norm_eps), int(sinkhorn_iters),
         N=n, CH=ch, TM=tm, X=xk, PW=pw, BS=bs, BH=bh, HAS_Y=y is not None, HAS_PRE=pre is not None,
-        HAS_FN=fn is not None, HAS_W=norm_weight is not None, PDL=pdl, SCALAR_SK=SCALAR_SINKHORN and n == 4,
-        num_warps=nw,
+        HAS_FN=fn is not None, HAS_W=norm_weight is not None, PDL=pdl,
+        OUT_FIRST=out_first, num_warps=nw,
         **pdl_launch(pdl))
     return out, next_pre, new_post, new_comb
 

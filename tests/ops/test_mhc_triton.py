@@ -156,14 +156,17 @@ def test_out_eps_iters_and_a_second_call(mk, poisoned):
 
 
 @interpreted
-@pytest.mark.parametrize("seam,M,iters,dtype", [("middle", 1, 20, torch.float32), ("middle", 3, 1, torch.float32),
-                                                ("first", 8, 20, torch.float32), ("middle", 5, 3, torch.bfloat16)])
-def test_scalar_sinkhorn_matches_reference(mk, poisoned, monkeypatch, seam, M, iters, dtype):
-    """``SCALAR_SINKHORN`` (n = 4: the 16 values per thread, split out of the ``[TM, 4, 4]`` tile): the same
-    tolerances against the reference as the vector form, 1 to 20 rounds, one and several rows per block."""
-    monkeypatch.setattr(mk, "SCALAR_SINKHORN", True)
-    _run(mk, _inputs(M * 31 + iters, M, 4, 72, dtype, **SEAMS[seam]), iters=iters)
-    _run(mk, _inputs(M * 37 + iters, M, 4, 72, dtype, **SEAMS[seam]), iters=iters, block_m=2, block_h=8)
+@pytest.mark.parametrize("seam,iters", [("middle", 20), ("first", 3), ("last", 1), ("middle_no_weight", 2),
+                                        ("first_with_fn_carried_pre", 1)])
+def test_out_loaded_first_matches_reference(mk, poisoned, monkeypatch, seam, iters):
+    """``OUT_LOAD_FIRST`` (one row, its 2-byte channels in one tile loaded before the coefficients): the same
+    tolerances against the reference, every seam kind, 1 to 20 rounds; elsewhere (several rows, 4-byte rows, rows
+    wider than one tile) the loop it replaces runs."""
+    monkeypatch.setattr(mk, "OUT_LOAD_FIRST", True)
+    assert mk.out_load_first(1, 1, 72, 2) and not mk.out_load_first(2, 1, 72, 2)
+    assert not mk.out_load_first(1, 1, 72, 4) and not mk.out_load_first(1, 1, mk.OUT_ROW_TILE + 1, 2)
+    _run(mk, _inputs(31 + iters, 1, 4, 72, torch.bfloat16, **SEAMS[seam]), iters=iters, block_h=8)
+    _run(mk, _inputs(37 + iters, 1, 4, 100, torch.bfloat16, **SEAMS[seam]), iters=iters)
 
 
 # ------------------------------------------------------------------ not interpreted
@@ -251,10 +254,13 @@ def test_kernel_compiles_for_hopper_without_a_gpu(mk):
     assert compile_for_hopper(launches) == {}
 
 
-def test_hopper_build_spills_no_registers(mk):
+@pytest.mark.parametrize("out_first", [False, True], ids=["out_loop", "out_loaded_first"])
+def test_hopper_build_spills_no_registers(mk, monkeypatch, out_first):
     """The seams of the sm_90 build above, at every DeepSeek-V4.1-Flash batch of ``choose_blocks``, through
     ptxas with Triton's own flags: no spill, and few enough registers at 8 warps for two programs per SM
-    (the M = 64 grid is about five waves of them; one per SM doubles that)."""
+    (the M = 64 grid is about five waves of them; one per SM doubles that). Also with ``OUT_LOAD_FIRST`` (a
+    whole 5120-channel row of ``out`` and its gain held across the coefficients at M 1 and 8)."""
+    monkeypatch.setattr(mk, "OUT_LOAD_FIRST", out_first)
     import os
     import subprocess
     import tempfile
@@ -287,6 +293,7 @@ def test_hopper_build_spills_no_registers(mk):
                                   src, "-o", src + ".o"], capture_output=True, text=True, check=True).stderr
         assert "0 bytes spill stores, 0 bytes spill loads" in log, (M, seam, log)
         regs = int(log.split("Used ")[1].split(" registers")[0])
+        print(f"registers out_first={out_first} M={M} {seam}: {regs}")
         assert regs * 32 * kw["num_warps"] * (2 if kw["num_warps"] == 8 else 1) <= 65536, (M, seam, regs)
 
 

@@ -97,13 +97,13 @@ def test_matches_reference(poisoned, seam, M, H, dtype):
     assert not mk.counter(s_tri.device).any()
 
 
-@pytest.mark.parametrize("scalar_sinkhorn", [False, True], ids=["vector_sinkhorn", "scalar_sinkhorn"])
+@pytest.mark.parametrize("out_first", [False, True], ids=["out_loop", "out_loaded_first"])
 @pytest.mark.parametrize("M", [1, 8, 64])
-def test_graph_replay_equals_eager_twice(monkeypatch, M, scalar_sinkhorn):
+def test_graph_replay_equals_eager_twice(monkeypatch, M, out_first):
     """A captured seam (streams restored from a copy first: the seam writes them) replays the eager call's
     bits for new inputs copied into its buffers, and a second replay gives the same bits again; both right. Also
-    with ``SCALAR_SINKHORN`` (the tail's Sinkhorn on 16 per-thread values)."""
-    monkeypatch.setattr(mk, "SCALAR_SINKHORN", scalar_sinkhorn)
+    with ``OUT_LOAD_FIRST`` (the tail's rescale of ``out`` loaded before the coefficients, one row per block)."""
+    monkeypatch.setattr(mk, "OUT_LOAD_FIRST", out_first)
     H, dtype = 5120, torch.bfloat16
     d = _inputs(f"graph-{M}", M, H, dtype)
     src = d["streams"].clone()
