@@ -7,6 +7,11 @@ plan picks the measured winner and names why the others were refused, e.g.
 ``cuBLAS faster at N=7168,K=1536,M=32 (9.8 us vs 11.2 us)``. A kernel only wins a cell when it
 beats cuBLAS by more than the table's ``margin`` (run-to-run noise): cuBLAS is kept otherwise.
 
+``bench-ops ... --merge-table`` adds cells to it; each merge is listed under ``merged`` with the environment it was
+measured in. Cells no H200 run has measured may come from another sm_90 card (session 40's 20 DeepSeek-V4.1-Flash
+cells, the shared expert's and the indexer's small gemms, are an H100's: ``merged[-1]``); an H200 run of the same
+cells replaces them.
+
 Table layout::
 
     {"device": ..., "arch": "sm_90", "margin": 0.03, "m_buckets": [1, 2, 4, ...],
