@@ -4,9 +4,11 @@
 # priority order, so a call stopped at the limit keeps the steps before; results tarred per step (the device returns
 # <= 8 files):
 #   source scripts/device_env.sh >/dev/null 2>&1; timeout 575 bash benchmarks/scripts/pending_measurements.sh
-# Steps (STEPS, default dsv,kimi,q4,muse,glm) - session 41's plan for session 42:
+# Steps (STEPS, default dsv,early,kimi,q4,muse,glm) - session 41's plan for session 42:
 #   dsv   DeepSeek-V4.1-Flash TP8 window / c2_idx at batch 1, 8, 64 with stock: the merged gemm cells (the shared
 #         expert's GLU GEMV), the experts' addend and the mHC out row loaded first (predicted 14 kernels at batch 1)
+#   early DeepSeek-V4.1-Flash A/B of the sparse MQA split kernel's first tile requested before its prologue
+#         (sparse_mqa_triton.EARLY_FIRST_TILE), batch 1 and 8
 #   kimi  Kimi K3 TP8 kda / mla at batch 1 and 8 with MXFP4 experts, stock on humming's MXFP4 MoE (not run since 35)
 #   q4    the MXFP4 mma experts at 64 tokens, every variant of ops_bench_q4.MMA_VARIANTS beside humming (session 41:
 #         0.98x the peer on an H100)
@@ -15,7 +17,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/ls_out}
 export LS_KERNEL_CACHE_DIR=${LS_KERNEL_CACHE_DIR:-/tmp/ls_kcache} CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
-STEPS=${STEPS:-dsv,kimi,q4,muse,glm}
+STEPS=${STEPS:-dsv,early,kimi,q4,muse,glm}
 W=$(mktemp -d)
 t0=$(date +%s)
 step() { [[ ",$STEPS," == *",$1,"* ]]; }
@@ -27,6 +29,13 @@ if step dsv; then
   timeout "${DSV_S:-150}" "${BENCH[@]}" --model deepseek_v41_flash --kinds window,c2_idx --batch 1,8,64 \
     --out "$W/dsv" > "$W/dsv/dsv.log" 2>&1
   pack dsv $?; grep -h "^| " "$W"/dsv/*.md | head -14
+fi
+if step early; then
+  mkdir -p "$W/early"
+  timeout "${EARLY_S:-150}" "${BENCH[@]}" --model deepseek_v41_flash --kinds window,c2_idx --batch 1,8 \
+    --out "$W/early" --ab base --ab early:latency_specialized.kernels.sparse_mqa_triton.EARLY_FIRST_TILE=True \
+    > "$W/early/early.log" 2>&1; rc=$?
+  rm -rf "$W/early/ab_runs"; pack early "$rc"; tail -6 "$W/early/early.log"
 fi
 if step kimi; then
   mkdir -p "$W/kimi"

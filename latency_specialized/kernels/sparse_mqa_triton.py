@@ -93,6 +93,12 @@ COMBINE_PDL = False
 programs load the RoPE angles' inputs and the sinks, then wait (``gdc_wait``) for the split kernel before reading a
 partial - the MLA and GQA merges' pattern (``mla_decode_triton.MERGE_PDL``, ``gqa_decode_triton.MERGE_PDL``). Off
 until a layer A/B on a GPU says it helps (``NOTES_sparse_mqa.md``)."""
+EARLY_FIRST_TILE = False
+"""The split kernel requests its first tile's key rows before its prologue (the q norm and RoPE, the new row's norm
+and RoPE) instead of after it: at batch 1 every split program has one tile, so the tile's loads - on compressed slots
+a selection -> block table -> cache chain of three dependent loads - and the prologue's loads and math overlap
+instead of following each other. Off until measured on a GPU and run in the whole suite (``NOTES_sparse_mqa.md``,
+session 41)."""
 _STORE_NEW = True
 """Tests only: False leaves out the ring store, which shows that no program reads the new row from memory
 (the interpreter runs programs one after another, so it cannot show a race)."""
@@ -111,10 +117,53 @@ def _kernels(interpret: bool):
     del interpret  # the cache key only
     # defined here, not at import (no triton import on machines without it); Triton resolves the names a
     # kernel uses through its module globals: hence tl as a global
-    global tl, tlc
+    global tl, tlc, _tile_rows, _attend_tile
     import triton
     import triton.language as tl
     import triton.language.extra.cuda as tlc
+
+    @triton.jit
+    def _tile_rows(t0, slot, seq, vis, seq_c, w_base, s_ws, m, selection, s_sel, block_table, s_bt, block_size, cache,
+                   W, T, d, D: tl.constexpr, BN: tl.constexpr, HAS_SEL: tl.constexpr):
+        """Slots ``t0 .. t0 + BN`` of a row (window ring, then the selection's compressed rows) as stored: ``(rows
+        [BN, D] in the ring's dtype, live [BN], the new row's slot [BN])`` - that slot is never loaded (0 here)."""
+        t = t0 + tl.arange(0, BN)
+        ok = (t < W) & ((seq - 1 - t + W) % W < vis)    # slot t holds one of the last vis positions
+        is_new = ok & (t == slot)
+        kt = tl.load(w_base + t[:, None] * s_ws + d[None, :], mask=(ok & (t != slot))[:, None], other=0.0)
+        if HAS_SEL:
+            j = t - W
+            in_c = (t >= W) & (t < T)
+            idx = tl.load(selection + m * s_sel + j, mask=in_c, other=-1).to(tl.int32)
+            ok_c = in_c & (idx >= 0) & (idx < seq_c)
+            ic = tl.maximum(idx, 0)
+            blk = tl.load(block_table + m * s_bt + ic // block_size, mask=ok_c, other=0).to(tl.int64)
+            crow = blk * block_size + (ic % block_size)
+            kc = tl.load(cache + crow[:, None] * D + d[None, :], mask=ok_c[:, None], other=0.0)
+            kt = tl.where(ok_c[:, None], kc.to(w_base.dtype.element_ty), kt)
+            ok = ok | ok_c
+        return kt, ok, is_new
+
+    @triton.jit
+    def _attend_tile(kt, ok, is_new, kn, qt, m_i, l_i, acc, qk_scale_log2, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+        """One tile of the online softmax: the new row from registers at its slot, scores in log2 units, ``p``
+        rounded to the ring's dtype for the second dot. Returns ``(m_i, l_i, acc)``."""
+        cdt = kt.dtype
+        kt = tl.where(is_new[:, None], kn[None, :], kt)                                # never from memory
+        if DOT_F32:
+            kt = kt.to(tl.float32)
+        sc = tl.dot(qt, tl.trans(kt), input_precision=PREC)                            # [BH, BN]
+        sc = tl.where(ok[None, :], sc * qk_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                          # a tile with no live slot
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(sc - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pc = p.to(cdt)
+        if DOT_F32:
+            pc = pc.to(tl.float32)
+        acc = tl.dot(pc, kt, acc * alpha[:, None], input_precision=PREC)
+        return m_new, l_i, acc
 
     @triton.jit
     def split_kernel(q, kv, positions, rows, seq_lens, window, cache, block_table, selection, inv_freq, kv_w,
@@ -124,7 +173,8 @@ def _kernels(interpret: bool):
                      D: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
                      NORM_Q: tl.constexpr, NORM_KV: tl.constexpr, HAS_SEL: tl.constexpr, PREC: tl.constexpr,
                      DOT_F32: tl.constexpr,
-                     STORE_NEW: tl.constexpr, WRITE_ONLY: tl.constexpr, TRIGGER_END: tl.constexpr):
+                     STORE_NEW: tl.constexpr, WRITE_ONLY: tl.constexpr, TRIGGER_END: tl.constexpr,
+                     EARLY_TILE: tl.constexpr):
         # grid (M, num_splits, head groups). Masks from comparisons only (the interpreter mishandles & of a
         # vector and a scalar mask): a scalar condition becomes a bound (offs < where(cond, D, 0)).
         m = tl.program_id(0).to(tl.int64)
@@ -146,6 +196,17 @@ def _kernels(interpret: bool):
         s_ = tl.sin(ang) * tl.where(t_rot % 2 == 0, -1.0, 1.0)
         qdt = q.dtype.element_ty
         cdt = window.dtype.element_ty
+
+        slot = (pos % W).to(tl.int32)
+        seq_c = seq // ratio
+        vis = tl.minimum(SW, seq)                                                      # positions a row sees
+        start = sp * chunk
+        end = tl.minimum(start + chunk, T)
+        w_base = window + srow * s_wr
+        if EARLY_TILE:  # the first tile's rows requested before the prologue's math: their loads (on compressed
+            # slots a selection -> block table -> cache chain) are in flight while q and the new row are normed
+            kt0, ok0, new0 = _tile_rows(start, slot, seq, vis, seq_c, w_base, s_ws, m, selection, s_sel, block_table,
+                                        s_bt, block_size, cache, W, T, d, D, BN, HAS_SEL)
 
         # the query: weightless RMSNorm and RoPE, each rounded to q's dtype as the unfused ops round them
         q_ptr = q + m * s_qm + offs_h[:, None] * s_qh
@@ -169,52 +230,23 @@ def _kernels(interpret: bool):
             kx = (kx * rk * tl.load(kv_w + d).to(tl.float32)).to(kdt).to(tl.float32)
             kp = (kp * rk * tl.load(kv_w + dp).to(tl.float32)).to(kdt).to(tl.float32)
         kn = (kx * c + kp * s_).to(kv.dtype.element_ty).to(cdt)                        # [D]
-        slot = (pos % W).to(tl.int32)
         if STORE_NEW:
             own = (slot // chunk == sp) & (hg == 0)
             tl.store(window + srow * s_wr + slot * s_ws + d, kn, mask=d < tl.where(own, D, 0))
         if WRITE_ONLY:   # the write-first launch of a call whose rows read each other's new slots
             return
 
-        seq_c = seq // ratio
-        vis = tl.minimum(SW, seq)                                                      # positions a row sees
-        start = sp * chunk
-        end = tl.minimum(start + chunk, T)
         m_i = tl.full([BH], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BH], dtype=tl.float32)
         acc = tl.zeros([BH, D], dtype=tl.float32)
-        w_base = window + srow * s_wr
-        for t0 in range(start, end, BN):
-            t = t0 + tl.arange(0, BN)
-            ok = (t < W) & ((seq - 1 - t + W) % W < vis)    # slot t holds one of the last vis positions
-            is_new = t == slot
-            kt = tl.load(w_base + t[:, None] * s_ws + d[None, :], mask=(ok & (t != slot))[:, None], other=0.0)
-            kt = tl.where((ok & is_new)[:, None], kn[None, :], kt)                     # never from memory
-            if HAS_SEL:
-                j = t - W
-                in_c = (t >= W) & (t < T)
-                idx = tl.load(selection + m * s_sel + j, mask=in_c, other=-1).to(tl.int32)
-                ok_c = in_c & (idx >= 0) & (idx < seq_c)
-                ic = tl.maximum(idx, 0)
-                blk = tl.load(block_table + m * s_bt + ic // block_size, mask=ok_c, other=0).to(tl.int64)
-                crow = blk * block_size + (ic % block_size)
-                kc = tl.load(cache + crow[:, None] * D + d[None, :], mask=ok_c[:, None], other=0.0)
-                kt = tl.where(ok_c[:, None], kc.to(cdt), kt)
-                ok = ok | ok_c
-            if DOT_F32:
-                kt = kt.to(tl.float32)
-            sc = tl.dot(qt, tl.trans(kt), input_precision=PREC)                        # [BH, BN]
-            sc = tl.where(ok[None, :], sc * qk_scale_log2, float("-inf"))             # log2 units
-            m_new = tl.maximum(m_i, tl.max(sc, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                      # a tile with no live slot
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(sc - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            pc = p.to(cdt)
-            if DOT_F32:
-                pc = pc.to(tl.float32)
-            acc = tl.dot(pc, kt, acc * alpha[:, None], input_precision=PREC)
-            m_i = m_new
+        first = start
+        if EARLY_TILE:
+            m_i, l_i, acc = _attend_tile(kt0, ok0, new0, kn, qt, m_i, l_i, acc, qk_scale_log2, PREC, DOT_F32)
+            first = start + BN
+        for t0 in range(first, end, BN):
+            kt, ok, is_new = _tile_rows(t0, slot, seq, vis, seq_c, w_base, s_ws, m, selection, s_sel, block_table,
+                                        s_bt, block_size, cache, W, T, d, D, BN, HAS_SEL)
+            m_i, l_i, acc = _attend_tile(kt, ok, is_new, kn, qt, m_i, l_i, acc, qk_scale_log2, PREC, DOT_F32)
 
         base = (m * num_splits + sp) * H + offs_h
         tl.store(ws_m + base, m_i, mask=h_ok)
@@ -449,6 +481,7 @@ def sparse_mqa_decode_triton(q: torch.Tensor, kv: torch.Tensor, positions: torch
             D=D, R=R, BH=bh, BN=bn, NORM_Q=q_norm_eps is not None, NORM_KV=kv_norm_weight is not None,
             HAS_SEL=has_sel, PREC=prec, DOT_F32=dot_f32,
             STORE_NEW=store, WRITE_ONLY=write_only, TRIGGER_END=pdl and not write_only,
+            EARLY_TILE=EARLY_FIRST_TILE and not write_only,
             num_warps=8 if D >= 256 else 4, num_stages=NUM_STAGES)
 
     if cross_row_reads:   # every row's ring slot stored (one program per row) before any program reads
