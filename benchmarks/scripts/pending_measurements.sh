@@ -7,8 +7,9 @@
 # Steps (STEPS, default dsv,early,kimi,q4,muse,glm) - session 41's plan for session 42:
 #   dsv   DeepSeek-V4.1-Flash TP8 window / c2_idx at batch 1, 8, 64 with stock: the merged gemm cells (the shared
 #         expert's GLU GEMV), the experts' addend and the mHC out row loaded first (predicted 14 kernels at batch 1)
-#   early DeepSeek-V4.1-Flash A/B of the sparse MQA split kernel's first tile requested before its prologue
-#         (sparse_mqa_triton.EARLY_FIRST_TILE), batch 1 and 8
+#   early DeepSeek-V4.1-Flash A/B, batch 1 and 8: the sparse MQA split kernel's first tile requested before its
+#         prologue (sparse_mqa_triton.EARLY_FIRST_TILE); the q_b GEMV with its norm prologue given a 1.5 us credit
+#         over the table's winner (tuning.NORM_SITE_CREDIT_US: attn.q_norm skipped on the index layers at batch 1)
 #   kimi  Kimi K3 TP8 kda / mla at batch 1 and 8 with MXFP4 experts, stock on humming's MXFP4 MoE (not run since 35)
 #   q4    the MXFP4 mma experts at 64 tokens, every variant of ops_bench_q4.MMA_VARIANTS beside humming (session 41:
 #         0.98x the peer on an H100)
@@ -32,9 +33,9 @@ if step dsv; then
 fi
 if step early; then
   mkdir -p "$W/early"
-  timeout "${EARLY_S:-150}" "${BENCH[@]}" --model deepseek_v41_flash --kinds window,c2_idx --batch 1,8 \
+  timeout "${EARLY_S:-200}" "${BENCH[@]}" --model deepseek_v41_flash --kinds window,c2_idx --batch 1,8 \
     --out "$W/early" --ab base --ab early:latency_specialized.kernels.sparse_mqa_triton.EARLY_FIRST_TILE=True \
-    > "$W/early/early.log" 2>&1; rc=$?
+    --ab credit:latency_specialized.kernels.tuning.NORM_SITE_CREDIT_US=1.5 > "$W/early/early.log" 2>&1; rc=$?
   rm -rf "$W/early/ab_runs"; pack early "$rc"; tail -6 "$W/early/early.log"
 fi
 if step kimi; then

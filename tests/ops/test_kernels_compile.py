@@ -289,6 +289,37 @@ def test_plan_picks_the_table_winner(table, monkeypatch):
     assert ("gemm.cutedsl_splitk", "cuBLAS faster at N=7168,K=1536,M=32 (9.8 us vs 11.2 us)") in c.refusals
 
 
+def test_norm_site_credit_hands_the_site_to_the_norm_prologue(monkeypatch):
+    """``NORM_SITE_CREDIT_US``: behind a norm site, the GEMV (norm prologue) serves a cell it lost by less than the
+    credit - the small-M winner then refuses naming why -, not one it lost by more, and nothing changes without a
+    norm site or with the credit at 0 (the default). The set of prologue implementations matches the registry."""
+    from latency_specialized.kernels import gemm_gemv, gemm_small_m, tuning
+    from latency_specialized.plugins import get_registry
+
+    t = {"margin": 0.03, "entries": {
+        "8192,1280,1": {"winner": "gemm.cutedsl_small_m", "times_us": {"gemm.cublas": 7.8, "gemm.cutedsl_gemv": 6.7,
+                                                                        "gemm.cutedsl_small_m": 6.5},
+                        "configs": {"gemm.cutedsl_gemv": {"rows_per_warp": 1}, "gemm.cutedsl_small_m": {"wk": 8}}},
+        "8192,1280,2": {"winner": "gemm.cutedsl_small_m", "times_us": {"gemm.cublas": 7.8, "gemm.cutedsl_gemv": 9.0,
+                                                                        "gemm.cutedsl_small_m": 6.5},
+                        "configs": {"gemm.cutedsl_gemv": {"rows_per_warp": 1}, "gemm.cutedsl_small_m": {"wk": 8}}}}}
+    monkeypatch.setattr(tuning, "load_table", lambda path=None, _t=t: _t)
+    monkeypatch.setattr("latency_specialized.kernels.compile_cache.cute_available", lambda: True)
+
+    def ctx(m, norm):
+        return make_context("gemm", arch="sm_90", dtype="bfloat16", tokens=m, dims={"N": 8192, "K": 1280},
+                            attrs={"norm_site": "attn.q_norm"} if norm else {})
+
+    assert gemm_small_m._supports(ctx(1, True)) is True                           # credit 0: as measured
+    monkeypatch.setattr(tuning, "NORM_SITE_CREDIT_US", 1.5)
+    assert gemm_gemv._supports(ctx(1, True)) is True
+    assert "normalises its input itself" in gemm_small_m._supports(ctx(1, True))
+    assert gemm_small_m._supports(ctx(1, False)) is True                          # no norm site: the winner
+    assert gemm_small_m._supports(ctx(2, True)) is True                           # lost by 2.5 us > the credit
+    prologue = {i.name for i in get_registry().implementations.family("gemm") if i.norm_prologue}
+    assert tuning.NORM_PROLOGUE_IMPLS <= prologue and "gemm.cutedsl_small_m" not in prologue
+
+
 def test_build_gemm_table_keeps_cublas_within_the_noise_margin():
     from latency_specialized.bench.ops_bench_gemm_norm import build_gemm_table
 
