@@ -20,8 +20,9 @@ replays (``latency_specialized.bench.ops_bench_moe_kda.time_graph``), us per sea
 Seams: ``middle`` (fold-in + projection + Sinkhorn + collapse + norm), ``first`` (no fold-in, stream 0)
 and ``last`` (no projection). Each variant is checked first against the reference (max |error| relative
 to the output scale for x, absolute for the coefficients); a failing one is reported and not timed, and
-the script exits 1. Roofline: bytes / ``--bw`` with bytes = fn (24 x 4H x 4) + streams read and written
-(2 x M x 4H x 2) + y and x (2 x M x H x 2) + the norm weight. Writes ``mhc{tag}.json`` and ``.md``.
+the script exits 1. Roofline: bytes / ``--bw`` (default: the GPU's own, ``hardware.roofline_bandwidth``) with
+bytes = fn (24 x 4H x 4) + streams read and written (2 x M x 4H x 2) + y and x (2 x M x H x 2) + the norm weight.
+Writes ``mhc{tag}.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -152,9 +153,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rotate-mb", type=float, default=160.0, help="bytes read per graph at least (L2 is 50 MB)")
     ap.add_argument("--max-calls", type=int, default=96, help="seams (distinct input sets) per graph at most")
     ap.add_argument("--no-reference", action="store_true", help="skip timing the torch reference (slow to capture)")
-    ap.add_argument("--bw", type=float, default=4.3e12, help="roofline bandwidth, bytes/s (H200 measured copy)")
+    ap.add_argument("--bw", type=float, default=None,
+                    help="roofline bandwidth, bytes/s (default: this GPU's, hardware.roofline_bandwidth)")
     ap.add_argument("--tag", default="", help="suffix of the output file names (sweeps)")
     a = ap.parse_args(argv)
+    if a.bw is None:
+        from latency_specialized.hardware import roofline_bandwidth
+
+        a.bw = roofline_bandwidth()
     ITERS = a.sinkhorn_iters
     H, n = a.hidden, a.streams
     mk.counter(torch.device("cuda", torch.cuda.current_device()))   # the counters, before any capture

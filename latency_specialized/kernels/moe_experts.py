@@ -770,7 +770,8 @@ def experts(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor, w_
     out : optional [M, N] ([M, top_k, N] with ``per_route``) destination, unit stride in N.
     workspace : optional dict reused across calls (static buffers
     for CUDA graphs; filled on first use). addend : [M, N] (or a callable returning it, called after ``gate_up``)
-    that ``down`` adds to the combination (``kernels/moe_addend.py``; the result may go into its memory). tuning : gu_warps, gu_rows, dn_warps, dn_rows.
+    that ``down`` adds to the combination (``kernels/moe_addend.py``; the result may go into its memory).
+    tuning : gu_warps, gu_rows, dn_warps, dn_rows.
 
     Returns
     -------
