@@ -95,10 +95,10 @@ def _experts(x, weights, ids, w_gate_up, w_down, activation, per_route, out, a8:
     else:
         moe_k.situ_and_mul(gu, activation.beta, activation.beta_lin, out=h)
     shape = (M, top_k, N) if per_route else (M, N)
-    y = out if out is not None else torch.empty(shape, device=x.device, dtype=x.dtype)
-    if tuple(y.shape) != shape or y.stride(-1) != 1:
-        raise UserError(f"{what}: out {tuple(y.shape)} must be {list(shape)} with unit stride in N")
+    if out is not None and (tuple(out.shape) != shape or out.stride(-1) != 1):
+        raise UserError(f"{what}: out {tuple(out.shape)} must be {list(shape)} with unit stride in N")
     if per_route:
+        y = out if out is not None else torch.empty(shape, device=x.device, dtype=x.dtype)
         yp, direct = route_rows(y)
         k.moe_gemm_fp8(h, q2, s2, align, top_k, out=yp, a_per_pair=True, scale_block=b2, a8=a8, **TUNING)
         if not direct:
@@ -108,7 +108,7 @@ def _experts(x, weights, ids, w_gate_up, w_down, activation, per_route, out, a8:
     w_flat = weights.reshape(-1)
     k.moe_gemm_fp8(h, q2, s2, align, top_k, out=yp, a_per_pair=True, scale_block=b2, a8=a8,
                    topk_weights=(w_flat if w_flat.dtype == torch.float32 else w_flat.float()).contiguous(), **TUNING)
-    return sum_routes(yp, top_k, out, addend, x.dtype, what)  # out, not y: without out the addend's memory serves
+    return sum_routes(yp, top_k, out, addend, x.dtype, what)
 
 
 def _supports(ctx: OpContext) -> Support:

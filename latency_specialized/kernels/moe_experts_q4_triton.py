@@ -172,8 +172,8 @@ def experts_q4_grouped(x: torch.Tensor, weights: torch.Tensor | None, ids: torch
         moe_k.silu_and_mul(gu, act["clamp"], out=h)
     else:
         moe_k.situ_and_mul(gu, act["beta"], act["beta_lin"], out=h)
-    y = _out(x, M, top_k, N, per_route, out, NAME_GROUPED)
     if per_route:
+        y = _out(x, M, top_k, N, per_route, out, NAME_GROUPED)
         yp, direct = route_rows(y)
         k.moe_gemm_q4(h, q2, s2, g2, align, top_k, out=yp, a_per_pair=True, scale_kind=kind, group=group, **tune)
         if not direct:
@@ -185,7 +185,9 @@ def experts_q4_grouped(x: torch.Tensor, weights: torch.Tensor | None, ids: torch
         w_flat = w_flat.float()
     k.moe_gemm_q4(h, q2, s2, g2, align, top_k, out=yp, a_per_pair=True, scale_kind=kind, group=group,
                   topk_weights=w_flat.contiguous(), **tune)
-    return sum_routes(yp, top_k, out, addend, x.dtype, NAME_GROUPED)  # out, not y: see moe_experts_fp8_triton
+    if out is not None:
+        _out(x, M, top_k, N, per_route, out, NAME_GROUPED)   # checks its shape and stride
+    return sum_routes(yp, top_k, out, addend, x.dtype, NAME_GROUPED)
 
 
 def _common(ctx: OpContext, name: str, min_sm: int | None) -> Support:
