@@ -808,9 +808,11 @@ def experts(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor, w_
                   members=torch.empty(mk, cfg.max_tokens, dtype=torch.int32, device=x.device))
         ws.pop("no_weights", None)
     if weights is None:
-        # per_route: the kernel's weights operand is compiled out, but the call still checks its [mk] shape
+        # per_route: the kernel's weights operand is compiled out, but the call still checks its [mk] shape.
+        # Never read, so empty: zeros were a fill kernel per call inside the captured step (programs pass no
+        # workspace), one launch per latent-MoE layer (Muse Spark TP8 batch 1: ~1.3 us with its gap, session 40)
         if "no_weights" not in ws:
-            ws["no_weights"] = torch.zeros(mk, dtype=torch.float32, device=x.device)
+            ws["no_weights"] = torch.empty(mk, dtype=torch.float32, device=x.device)
         w_flat = ws["no_weights"]
     else:
         w_flat = weights.reshape(-1)
