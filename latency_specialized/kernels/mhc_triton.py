@@ -65,9 +65,9 @@ previous kernel's last wave needs, as the MLA kernels' did (``mla_decode_triton.
 OUT_LOAD_FIRST = False
 """At one row (M = 1) of 2-byte channels, at most ``OUT_ROW_TILE`` of them, the tail loads the whole row of ``out``
 (and the norm gain) right after the records' sums and rescales it after the coefficients: the rescale's L2 round
-trips overlap the Sinkhorn rounds instead of following them in two steps. The held row costs registers (ptxas,
-H 5120: 115 -> 187 for the middle seam), so only where the grid is one program per SM anyway. Off until the whole
-GPU suite has run with it (``NOTES_mhc.md``, session 41)."""
+trips overlap the Sinkhorn rounds instead of following them in two steps. The held row costs registers (counts in
+``NOTES_mhc.md``), so only where the grid is one program per SM anyway. Off until the whole GPU suite has run with
+it (``NOTES_mhc.md``, session 41)."""
 OUT_ROW_TILE = 8192
 """Most channels of the one-tile rescale (``OUT_LOAD_FIRST``): 64 per thread at 4 warps."""
 

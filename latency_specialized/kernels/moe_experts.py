@@ -810,7 +810,7 @@ def experts(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor, w_
     if weights is None:
         # per_route: the kernel's weights operand is compiled out, but the call still checks its [mk] shape.
         # Never read, so empty: zeros were a fill kernel per call inside the captured step (programs pass no
-        # workspace), one launch per latent-MoE layer (Muse Spark TP8 batch 1: ~1.3 us with its gap, session 40)
+        # workspace), one launch per latent-MoE layer (``models/muse_spark/NOTES.md``, session 41)
         if "no_weights" not in ws:
             ws["no_weights"] = torch.empty(mk, dtype=torch.float32, device=x.device)
         w_flat = ws["no_weights"]

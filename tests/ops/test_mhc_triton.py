@@ -283,6 +283,7 @@ def test_hopper_build_spills_no_registers(mk, monkeypatch, out_first):
     assert len(launches) == len(cases)
     for (M, seam), (fn, args, kw) in zip(cases, launches):
         sig, const = _signature(fn, args, kw)
+        assert const["OUT_FIRST"] == (out_first and M == 1), (M, seam, const["OUT_FIRST"])
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": kw["num_warps"]})
         with tempfile.TemporaryDirectory() as tmp:

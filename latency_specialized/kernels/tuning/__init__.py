@@ -37,9 +37,8 @@ GEMM_TABLE = Path(__file__).with_name("h200_gemm.json")
 NORM_SITE_CREDIT_US = 0.0
 """At a gemm site behind a norm site (attr ``norm_site``), how many microseconds an implementation with a norm
 prologue (``NORM_PROLOGUE_IMPLS``) may lose to the table's winner and still serve the site: its prologue removes the
-norm kernel, one launch (~1.5-2 us at small M inside a graph; session 40's DeepSeek-V4.1-Flash timeline). 0: the
-measured winner as it is. Off until a layer A/B on a GPU (DeepSeek-V4.1-Flash c2_idx at batch 1: the GEMV with the
-prologue at N 8192, K 1280 measured 6.73 us against the small-M kernel's 6.52, which leaves ``attn.q_norm`` to run)."""
+norm kernel, one launch. 0: the measured winner as it is. Off until a layer A/B on a GPU (the cells it would move and
+what they measured: ``models/deepseek_v41_flash/NOTES.md``, session 41)."""
 NORM_PROLOGUE_IMPLS = frozenset({"gemm.cutedsl_gemv"})
 """The table's implementations registered with ``norm_prologue`` (a test checks this against the registry)."""
 
