@@ -62,12 +62,12 @@ while the previous kernel drains, load their fn slice (a weight: the seam's domi
 writing anything. Off until a layer A/B says otherwise (``NOTES_mhc.md``): early programs can hold SM room that the
 previous kernel's last wave needs, as the MLA kernels' did (``mla_decode_triton.PDL``)."""
 
-OUT_LOAD_FIRST = False
+OUT_LOAD_FIRST = True
 """At one row (M = 1) of 2-byte channels, at most ``OUT_ROW_TILE`` of them, the tail loads the whole row of ``out``
 (and the norm gain) right after the records' sums and rescales it after the coefficients: the rescale's L2 round
 trips overlap the Sinkhorn rounds instead of following them in two steps. The held row costs registers (counts in
-``NOTES_mhc.md``), so only where the grid is one program per SM anyway. Off until the whole GPU suite has run with
-it (``NOTES_mhc.md``, session 41)."""
+``NOTES_mhc.md``), so only where the grid is one program per SM anyway. On since session 42 (layer A/B in
+``NOTES_mhc.md``, session 41)."""
 OUT_ROW_TILE = 8192
 """Most channels of the one-tile rescale (``OUT_LOAD_FIRST``): 64 per thread at 4 warps."""
 
