@@ -37,6 +37,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from latency_specialized.bench.ops_bench_moe_kda import time_graph  # noqa: E402 (after the path set-up)
+from latency_specialized.hardware import roofline_bandwidth  # noqa: E402
 
 
 def _ints(s: str) -> list[int]:
@@ -83,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-calls", type=int, default=32, help="calls (distinct caches) per graph at most")
     ap.add_argument("--paged-limit-gb", type=float, default=8.0, help="skip torch_paged above this fp32 gather")
     ap.add_argument("--no-paged", action="store_true", help="time the Triton kernel only")
-    ap.add_argument("--bw", type=float, default=4.3e12, help="roofline bandwidth, bytes/s (H200 measured copy)")
+    ap.add_argument("--bw", type=float, default=None,
+                    help="roofline bandwidth, bytes/s (default: this device's, hardware.roofline_bandwidth())")
     ap.add_argument("--tag", default="", help="suffix of the output file names (sweeps)")
     ap.add_argument("--capacity", type=int, default=None,
                     help="block-table width in tokens (default: the context): num_splits follows it, the "
@@ -111,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_mla: needs a CUDA GPU", file=sys.stderr)
         return 2
+    a.bw = a.bw or roofline_bandwidth()
 
     from latency_specialized.bench.machine import machine_info
     from latency_specialized.kernels import mla_decode_triton as mk

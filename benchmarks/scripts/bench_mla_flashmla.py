@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_mla  # noqa: E402  (a sibling script: the same inputs)
 
 from latency_specialized.bench.ops_bench_moe_kda import time_graph  # noqa: E402 (after the path set-up)
+from latency_specialized.hardware import roofline_bandwidth  # noqa: E402
 
 TOLERANCE = 2e-2
 SHAPES = {"kimi_k3_tp8": dict(heads=12, nope=128, v=128), "glm53_tp8": dict(heads=8, nope=192, v=256)}
@@ -138,12 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--rotate-mb", type=float, default=200.0)
     ap.add_argument("--max-calls", type=int, default=32)
-    ap.add_argument("--bw", type=float, default=4.3e12, help="roofline bandwidth, bytes/s (H200 measured copy)")
+    ap.add_argument("--bw", type=float, default=None,
+                    help="roofline bandwidth, bytes/s (default: this device's, hardware.roofline_bandwidth())")
     ap.add_argument("--tag", default="")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_mla_flashmla: needs a CUDA GPU", file=sys.stderr)
         return 2
+    a.bw = a.bw or roofline_bandwidth()
     from latency_specialized.bench.machine import machine_info
     from latency_specialized.bench.stock.flashmla import load_flashmla
 

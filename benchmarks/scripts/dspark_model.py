@@ -48,7 +48,6 @@ LABEL = "MODEL, not a measurement"
 REFERENCE_TOK_S = 842.0
 """The single-user decode speed to compare against (issue 25's reference)."""
 DEFAULT_AR = "benchmarks/results/h200x2/allreduce_x2.json"
-HBM_BYTES_PER_S = 4.3e12
 MAX_A = 8
 
 
@@ -221,8 +220,10 @@ def build_model(cells: list[dict[str, Any]], ar: dict[str, Any], shape: dict[str
                       "best_k_interpolated": best["interpolated"] if best else None,
                       "tok_s_k7": a / k7["step_us"] * 1e6 if k7 else None,
                       "vs_reference_best_k": (a / best["step_us"] * 1e6 / reference) if best else None})
+    from latency_specialized.hardware import roofline_bandwidth
+
     head_bytes = shape["vocab"] * shape["hidden"] * 2 / tp
-    head_us = head_bytes / HBM_BYTES_PER_S * 1e6
+    head_us = head_bytes / roofline_bandwidth() * 1e6
     notes = [
         f"{LABEL}: arithmetic over measured pieces; nothing here ran as a whole.",
         f"Per-layer times: ours us/layer of the bench files at batch {batch} (one H200 running one TP{tp} rank's "
@@ -237,8 +238,8 @@ def build_model(cells: list[dict[str, Any]], ar: dict[str, Any], shape: dict[str
         + (f" (incl. {', '.join(f'{n} dense-MLP {kind}' for kind, n in shape['dense_layers'].items())}, counted at "
            "the MoE layer's time: an overestimate)" if shape["dense_layers"] else "") + ".",
         f"Not modelled: the LM head and embedding (the real head reads {head_bytes / 1e6:.0f} MB per rank per step, "
-        f">= {head_us:.0f} us at {HBM_BYTES_PER_S / 1e12} TB/s, plus its all-gather), sampling and the rejection "
-        "sampler, the DSpark drafter" + (f" (here: {draft_us:.0f} us per step added)" if draft_us else
+        f">= {head_us:.0f} us at {roofline_bandwidth() / 1e12:.1f} TB/s, plus its all-gather), sampling and the "
+        "rejection sampler, the DSpark drafter" + (f" (here: {draft_us:.0f} us per step added)" if draft_us else
                                          " (0 us: tok/s is an upper bound for a given a)")
         + ", host work between steps, communication overlapped with compute.",
         "a = mean tokens emitted per verification step (accepted drafts + 1), a <= k + 1. 'best k': the modelled k "

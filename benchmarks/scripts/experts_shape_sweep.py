@@ -4,8 +4,9 @@
 
 Each variant (``ExpertsConfig`` tuning fields) is timed over a CUDA graph of ``--rotations`` calls with
 different random routings (so each call reads other experts: beyond L2), twice, median us per call; the
-roofline counts the distinct experts' gate/up + down bytes of each routing at 4.3 TB/s. Every variant is
-checked against the default's output first (the same arithmetic up to fp32 summation order).
+roofline counts the distinct experts' gate/up + down bytes of each routing at the device's HBM bandwidth
+(``hardware.roofline_bandwidth()``). Every variant is checked against the default's output first (the same
+arithmetic up to fp32 summation order).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import sys
 
 import torch
 
-from latency_specialized.bench.ops_bench_moe_kda import HBM_BYTES_PER_S, routing, time_graph
+from latency_specialized.bench.ops_bench_moe_kda import routing, time_graph
+from latency_specialized.hardware import roofline_bandwidth
 from latency_specialized.spec import ActivationSpec
 
 SHAPES = {
@@ -95,7 +97,7 @@ def main() -> int:
             routes = [routing(M, E, k, g, dev) for _ in range(R)]
             distinct = statistics.mean(len(torch.unique(ids)) for _, ids in routes)
             nbytes = distinct * 3 * I * K * 2 + M * (K + N) * 2
-            roof = nbytes / HBM_BYTES_PER_S * 1e6
+            roof = nbytes / roofline_bandwidth() * 1e6
             ref = None
             for vname, tuning in (VARIANTS_B1 if M == 1 else VARIANTS_MULTI).items():
                 outs = [torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16) for _ in range(R)]
@@ -122,7 +124,8 @@ def main() -> int:
         del w13, w2
         torch.cuda.empty_cache()
     with open(a.out, "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(0), rows=rows), f, indent=1)
+        json.dump(dict(device=torch.cuda.get_device_name(0), roofline_bytes_per_s=roofline_bandwidth(), rows=rows), f,
+                  indent=1)
     return 0
 
 

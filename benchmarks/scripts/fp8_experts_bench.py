@@ -7,8 +7,9 @@ bf16 experts over the same weights dequantised.
 Method as ``ops_bench_q4`` (one CUDA graph per variant running 8 independent routings back to back over expert
 weights beyond the L2, median us per step, two captures; every variant checked against the dequantising reference
 first). Roofline = the distinct selected experts' stored bytes (e4m3 codes + fp32 128 x 128 scales) + activations over
-4.3 TB/s. Writes DIR/ops_moe_experts_fp8_glm53_tp<tp>.{json,md}; no FP8 MoE peer is wired here (stock's block-FP8
-MoE on Hopper is vLLM's Triton fused MoE, which ``fp8_w8a8_triton`` mirrors in numerics, not code).
+the device's HBM bandwidth (``hardware.roofline_bandwidth()``). Writes DIR/ops_moe_experts_fp8_glm53_tp<tp>.{json,md};
+no FP8 MoE peer is wired here (stock's block-FP8 MoE on Hopper is vLLM's Triton fused MoE, which ``fp8_w8a8_triton``
+mirrors in numerics, not code).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from latency_specialized.bench.ops_bench_moe_kda import Row, routing, twice, write_rows
 from latency_specialized.bench.ops_bench_q4 import rel_err
+from latency_specialized.hardware import roofline_bandwidth
 from latency_specialized.ops.moe import experts_reference
 from latency_specialized.quant.checkpoint_io import quantize_weight
 from latency_specialized.quant.formats import QuantFormat
@@ -95,8 +97,9 @@ def to_markdown(rows: list[Row], device: str) -> str:
     """Every variant per case, its roofline fraction and the W8A16 Triton kernel's time over it."""
     lines = [f"# GLM-5.3 block-FP8 routed experts ({device})", "",
              "CUDA-graph replays, median us per step, two captures each; roofline = stored bytes of the distinct "
-             "selected experts + activations over 4.3 TB/s (bf16-ours over the dequantised weights: the same bytes "
-             "counted, so its fraction is not a bf16 roofline). `vs fp8_triton` = W8A16 Triton us / this row's.", "",
+             f"selected experts + activations over {roofline_bandwidth() / 1e12:.1f} TB/s (bf16-ours over the "
+             "dequantised weights: the same bytes counted, so its fraction is not a bf16 roofline). `vs fp8_triton` "
+             "= W8A16 Triton us / this row's.", "",
              "| case | impl | us (run1, run2) | roofline us | roofline frac | vs fp8_triton | rel err | notes |",
              "|---|---|---|---|---|---|---|---|"]
     base = {r.case: r.best_us for r in rows if r.impl.startswith("fp8_triton") and r.us}

@@ -15,6 +15,7 @@ from collections import defaultdict
 import torch
 
 import latency_specialized.kernels.gqa_decode_triton as gk
+from latency_specialized.hardware import roofline_bandwidth
 from profile_layer import profile   # benchmarks/scripts, this script's directory
 from tests.ops.test_gqa_triton_gpu import MUSE_TP8, graph_cell
 
@@ -31,7 +32,7 @@ def profile_cell(batch: int, context: int) -> dict:
     del graph, held
     torch.cuda.empty_cache()
     wall /= sets
-    floor = cell_bytes / 4.3e12 * 1e6
+    floor = cell_bytes / roofline_bandwidth() * 1e6
     return dict(batch=batch, context=context, wall_us=round(wall, 2), floor_us=round(floor, 2),
                 roofline=round(floor / wall, 3), **{f"{k}_us": round(v, 2) for k, v in kernels.items()},
                 gaps_us=round(wall - sum(kernels.values()), 2))

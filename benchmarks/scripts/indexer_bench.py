@@ -34,6 +34,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from latency_specialized.bench.ops_bench_moe_kda import time_graph  # noqa: E402 (after the path set-up)
+from latency_specialized.hardware import roofline_bandwidth  # noqa: E402
 
 
 def _ints(s: str) -> list[int]:
@@ -114,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rotate-mb", type=float, default=200.0, help="bytes read per graph at least (L2 is 50 MB)")
     ap.add_argument("--max-calls", type=int, default=32, help="calls (distinct caches) per graph at most")
     ap.add_argument("--ref-limit-gb", type=float, default=4.0, help="skip the reference above this fp32 gather")
-    ap.add_argument("--bw", type=float, default=4.3e12, help="roofline bandwidth, bytes/s (H200 measured copy)")
+    ap.add_argument("--bw", type=float, default=None,
+                    help="roofline bandwidth, bytes/s (default: this device's, hardware.roofline_bandwidth())")
     ap.add_argument("--tag", default="", help="suffix of the output file names (sweeps)")
     ap.add_argument("--block-t", type=int, default=None, help="BLOCK_T (positions per scoring tile)")
     ap.add_argument("--min-chunk", type=int, default=None, help="MIN_CHUNK")
@@ -126,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("indexer_bench: needs a CUDA GPU", file=sys.stderr)
         return 2
+    a.bw = a.bw or roofline_bandwidth()
 
     from latency_specialized.bench.machine import machine_info
     from latency_specialized.kernels import indexer_triton as ix

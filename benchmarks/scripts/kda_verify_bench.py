@@ -30,7 +30,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from latency_specialized.bench.ops_bench_moe_kda import HBM_BYTES_PER_S, time_graph  # noqa: E402
+from latency_specialized.bench.ops_bench_moe_kda import time_graph  # noqa: E402
+from latency_specialized.hardware import roofline_bandwidth  # noqa: E402
 from latency_specialized.ops.attention.kda_verify import (kda_accept_reference, kda_verify_reference,  # noqa: E402
                                                           tape_shapes)
 
@@ -147,8 +148,8 @@ def main() -> int:
                 if best is not None and name in configs and not note:
                     timed[name] = best
                 row = dict(batch=B, k=k, rows=B * T, variant=name, us=us, bytes=nbytes,
-                           roofline_us=round(nbytes / HBM_BYTES_PER_S * 1e6, 2),
-                           fraction=round(nbytes / HBM_BYTES_PER_S * 1e6 / best, 3) if best else None, note=note,
+                           roofline_us=round(nbytes / roofline_bandwidth() * 1e6, 2),
+                           fraction=round(nbytes / roofline_bandwidth() * 1e6 / best, 3) if best else None, note=note,
                            **errs)
                 if name in configs:
                     row["config"] = dataclasses.asdict(configs[name])
@@ -166,7 +167,8 @@ def main() -> int:
             print(json.dumps(summary), flush=True)
             del x
             torch.cuda.empty_cache()
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, shapes=dict(H=H, D=D, W=W, rank=RANK))
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, shapes=dict(H=H, D=D, W=W, rank=RANK),
+                roofline_bytes_per_s=roofline_bandwidth())
     Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     print(f"wrote {args.out}")
     return 0

@@ -2,7 +2,8 @@
 shape (16 query heads, 2 KV heads x 64 per rank, no window) for contexts 32K / 128K / 1M and batch 1-8.
 
 Timing as ``tests/ops/test_gqa_triton_gpu.py``'s ``_time_cell`` (one CUDA graph of calls over distinct caches so the
-L2 cannot hold them, CUDA events, median); roofline = the KV bytes read once at 4.3 TB/s. Writes JSON + Markdown.
+L2 cannot hold them, CUDA events, median); roofline = the KV bytes read once at the device's HBM bandwidth
+(``hardware.roofline_bandwidth()``). Writes JSON + Markdown.
     PYTHONPATH=.:tests/ops python benchmarks/scripts/long_context_gqa.py --out $OUT/res   (tests/ops: gpu_helpers)
 
 Sweeps: ``--config TAG:CONST=VALUE,...`` (repeatable) sets tuning constants of ``kernels/gqa_decode_triton.py`` (e.g.
@@ -17,6 +18,7 @@ import os
 
 import torch
 
+from latency_specialized.hardware import roofline_bandwidth
 from tests.ops.test_gqa_triton_gpu import MUSE_TP8, _time_cell
 
 
@@ -56,12 +58,13 @@ def _run(args: argparse.Namespace, suffix: str, sets: str) -> None:
     dev = torch.cuda.get_device_name(0)
     with open(os.path.join(args.out, f"long_context_gqa{suffix}.json"), "w") as f:
         json.dump({"device": dev, "torch": torch.__version__, "git": os.environ.get("LS_GIT_COMMIT"),
-                   "shape": MUSE_TP8, "tuning": sets or "defaults",
+                   "shape": MUSE_TP8, "tuning": sets or "defaults", "roofline_bytes_per_s": roofline_bandwidth(),
                    "rows": rows}, f, indent=1)
     lines = [f"# GQA decode at long contexts, Muse Spark TP8 full-attention shape ({dev})", "",
              "`benchmarks/scripts/long_context_gqa.py`: `attention.gqa` Triton split-KV kernel, 16 q heads / 2 KV "
              "heads x 64 per rank, bf16 paged KV (block 16), no window; CUDA graphs over distinct caches, median. "
-             "Roofline: the KV bytes once at 4.3 TB/s." + (f" Tuning: {sets}." if sets else ""), "",
+             f"Roofline: the KV bytes once at {roofline_bandwidth() / 1e12:.1f} TB/s."
+             + (f" Tuning: {sets}." if sets else ""), "",
              "| context | batch | us | floor us | % roofline | splits | kernels |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['context']} | {r['batch']} | {r['us']:.1f} | {r['floor_us']:.1f} | {r['roofline']:.0%} | "
               f"{r['num_splits']} | {r['kernels']} |" for r in rows]

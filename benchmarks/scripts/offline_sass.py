@@ -17,7 +17,7 @@ import json
 import os
 
 ISSUE_PER_S = 132 * 4 * 1.98e9
-HBM = 4.3e12
+HBM = 4.3e12  # the H200's achievable read bandwidth: an offline model of an H200, not of this machine
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """H200: the MXFP4 mma kernel (``kernels/gemm_q4_mma.py``) streaming a Kimi K3 TP8 batch-1 expert load, before the
 experts kernel exists: the 8 selected experts' gate | up stacked ([8 x 2 x 512, 7168]) and their downs side by side
 along K ([7168, 8 x 512]), M 1 / 4 / 16, CUDA-graph replays over copies beyond the L2, median us; beside the 4-bit
-roofline (codes + scales at 4.3 TB/s) and bf16 cuBLAS over the dequantised weights. Writes DIR/q4_mma.{json,md}.
+roofline (codes + scales at the device's HBM bandwidth, ``hardware.roofline_bandwidth()``) and bf16 cuBLAS over the
+dequantised weights. Writes DIR/q4_mma.{json,md}.
 
     python benchmarks/scripts/q4_mma_bench.py --out DIR
 """
@@ -13,17 +14,18 @@ import argparse
 import torch
 
 from latency_specialized.bench.ops_bench_moe_kda import Row, twice, write_rows
+from latency_specialized.hardware import roofline_bandwidth
 
 SHAPES = {"8 experts gate|up": (8 * 1024, 7168), "8 experts down": (7168, 8 * 512)}
 L2_BYTES = 50 * 2 ** 20
-HBM = 4.3e12
 
 
 def _md(rows: list[Row], device: str) -> str:
     lines = [f"# MXFP4 mma kernel, batch-1 expert bytes ({device})", "",
+             f"Roofline: codes + scales at {roofline_bandwidth() / 1e12:.1f} TB/s.", "",
              "| case | impl | us (two captures) | roofline us | frac | notes |", "|---|---|---|---|---|---|"]
     for r in rows:
-        roof = r.bytes / HBM * 1e6
+        roof = r.bytes / roofline_bandwidth() * 1e6
         best = min(r.us) if r.us else 0
         frac = f"{roof / best:.2f}" if best else "-"
         lines.append(f"| {r.case} | {r.impl} | {r.us} | {roof:.2f} | {frac} | {r.notes} {r.extra or ''} |")

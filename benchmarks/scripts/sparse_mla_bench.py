@@ -39,6 +39,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from latency_specialized.bench.ops_bench_moe_kda import time_graph  # noqa: E402 (after the path set-up)
+from latency_specialized.hardware import roofline_bandwidth  # noqa: E402
 
 TOLERANCE = 2e-2
 """Max error relative to the output scale (bf16 against the fp32 reference)."""
@@ -99,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-calls", type=int, default=32, help="calls (distinct caches) per graph at most")
     ap.add_argument("--no-masked", action="store_true", help="skip torch_masked")
     ap.add_argument("--no-dense", action="store_true", help="skip the dense MLA kernel")
-    ap.add_argument("--bw", type=float, default=4.3e12, help="roofline bandwidth, bytes/s (H200 measured copy)")
+    ap.add_argument("--bw", type=float, default=None,
+                    help="roofline bandwidth, bytes/s (default: this device's, hardware.roofline_bandwidth())")
     ap.add_argument("--tag", default="", help="suffix of the output file names (sweeps)")
     ap.add_argument("--block-n", type=int, default=None)
     ap.add_argument("--min-chunk", type=int, default=None)
@@ -111,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("sparse_mla_bench: needs a CUDA GPU", file=sys.stderr)
         return 2
+    a.bw = a.bw or roofline_bandwidth()
 
     from latency_specialized.bench.machine import machine_info
     from latency_specialized.kernels import mla_decode_triton as mk

@@ -50,10 +50,6 @@ from latency_specialized.runtime.graph_runner import graph_node_counts, new_grap
 from latency_specialized.spec import (GQAAttentionSpec, KDAAttentionSpec, MLAAttentionSpec, ModelSpec, MoESpec,
                                       SparseMQAAttentionSpec)
 
-HBM_BYTES_PER_S = 4.3e12
-"""H200 achievable HBM read bandwidth (PERF.md). The rooflines divide by ``hardware.roofline_bandwidth()``: this
-figure on an H200 (and off the GPU), the device's own on another (an H100's ~3.0 TB/s)."""
-
 
 @dataclass(frozen=True)
 class BenchConfig:

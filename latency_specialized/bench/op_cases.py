@@ -15,8 +15,6 @@ from typing import Any, Callable, Iterable
 
 from latency_specialized.hardware import roofline_bandwidth
 
-HBM_BYTES_PER_S = 4.3e12  # H200 achievable read bandwidth (PERF.md); the settings' default is the device's own
-
 
 @dataclass(frozen=True)
 class BenchSettings:

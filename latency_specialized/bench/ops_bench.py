@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 # The case API (what case modules import) lives in bench/op_cases.py, so that the case modules this
 # module loads by name do not import it back; re-exported here.
-from latency_specialized.bench.op_cases import (CASES, HBM_BYTES_PER_S, RUNNERS, BenchSettings, CaseFactory,  # noqa: F401
+from latency_specialized.bench.op_cases import (CASES, RUNNERS, BenchSettings, CaseFactory,  # noqa: F401
                                                 OpCase, Runner, graph_time_us, n_sets, register_cases,
                                                 register_runner)
 

@@ -13,8 +13,8 @@ per call, each variant captured twice. Per shape and M, in one process on the sa
 * ``stock``: the stand-in for vLLM's CUTLASS block-FP8 W8A8 path (``bench/stock/fp8_block.py``), 128 x 128 only;
 * ``bf16-cublas``: cuBLAS over the dequantised bf16 weight (what the loaders ran until now: 2x the bytes).
 
-Each row that cannot run says why. Roofline = stored bytes (codes + scales) + activations + output, over 4.3 TB/s
-(bf16 rows: 2 bytes a weight).
+Each row that cannot run says why. Roofline = stored bytes (codes + scales) + activations + output, over the
+device's HBM bandwidth (``hardware.roofline_bandwidth()``; bf16 rows: 2 bytes a weight).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from latency_specialized.bench.ops_bench_moe_kda import Row, twice, write_rows
+from latency_specialized.hardware import roofline_bandwidth
 
 SHAPES: dict[str, tuple[int, int, str]] = {
     "glm53-tp8 q_a+kv_a": (2624, 6144, "fp8-block-128"),
@@ -233,7 +234,8 @@ def to_markdown(rows: list[Row], device: str) -> str:
     cases = list(dict.fromkeys(r.case for r in rows))
     lines = [f"# Block-FP8 decode gemms ({device})", "",
              "CUDA-graph replays over weight copies beyond the L2, median us per call, two captures each. Roofline = "
-             "stored bytes (e4m3 codes + scales) + activations + output over 4.3 TB/s. Ours: the best launch config "
+             f"stored bytes (e4m3 codes + scales) + activations + output over {roofline_bandwidth() / 1e12:.1f} TB/s. "
+             "Ours: the best launch config "
              "of each path (all configs in the JSON); `default` = the heuristic a plan uses today.", "",
              "| case | roofline us | mma best (default) | w8a16 best (default) | w8a8 best (default) | humming | "
              "stock stand-in | bf16 cuBLAS | best ours frac | best ours vs humming | vs stock |",

@@ -8,9 +8,9 @@ composition (``latency_specialized.bench.stock``: Triton grouped top-k, align + 
 activation + sum, conv + recurrent KDA + gated norm) and the plain-torch references where they are
 graph-capturable, all in the same process on the same inputs.
 
-Roofline = bytes that must move / 4.3 TB/s: the *distinct* selected experts' weights (measured per
-rotation from the actual routing) + activations for the experts; state read + write + conv state
-read + write + inputs/outputs for KDA.
+Roofline = bytes that must move / the device's HBM bandwidth (``hardware.roofline_bandwidth()``): the
+*distinct* selected experts' weights (measured per rotation from the actual routing) + activations for the
+experts; state read + write + conv state read + write + inputs/outputs for KDA.
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ from typing import Any, Callable
 
 import torch
 
+from latency_specialized.hardware import roofline_bandwidth
 from latency_specialized.spec import ActivationSpec, RouterSpec
 
-HBM_BYTES_PER_S = 4.3e12
-"""H200 achievable read bandwidth (PERF.md): the roofline."""
 SITU = ActivationSpec(kind="situ_glu", beta=4, beta_lin=25)
 K3_ROUTER = RouterSpec(score_func="sigmoid")
 EXPERT_VARIANTS: dict[str, dict[str, Any]] = {
@@ -70,7 +69,7 @@ class Row:
 
     @property
     def roofline_us(self) -> float:
-        return self.bytes / HBM_BYTES_PER_S * 1e6
+        return self.bytes / roofline_bandwidth() * 1e6
 
     @property
     def roofline_frac(self) -> float:
@@ -452,7 +451,7 @@ def bench_bandwidth(*, log: Callable[[str], None] = print) -> list[Row]:
     ):
         rots = 8 if "RMW" in name else 1
         us = twice(fn, rots)
-        row = Row("hbm", "H200 bandwidth calibration", name, us, 1, moved,
+        row = Row("hbm", "HBM bandwidth calibration", name, us, 1, moved,
                   extra=dict(tb_per_s=round(moved / min(us) / 1e6, 2)))
         rows.append(row)
         log(f"bandwidth {name}: {us} us -> {moved / min(us) / 1e6:.2f} TB/s")
@@ -462,7 +461,8 @@ def bench_bandwidth(*, log: Callable[[str], None] = print) -> list[Row]:
 # ---------------------------------------------------------------------------------------- reporting
 def to_markdown(rows: list[Row], device: str) -> str:
     lines = [f"# MoE / KDA op benchmarks ({device})", "",
-             "CUDA-graph replays, median us per step, two runs each; roofline = bytes / 4.3 TB/s.",
+             "CUDA-graph replays, median us per step, two runs each; "
+             f"roofline = bytes / {roofline_bandwidth() / 1e12:.1f} TB/s.",
              "`only` rows time one of the two expert kernels alone (diagnostic); `vs stock` compares whole ops.", "",
              "| op | case | impl | us (run1, run2) | kernels | roofline us | roofline frac | vs stock | notes |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -13,7 +13,7 @@ variant captured twice). Per batch, in one process on the same inputs:
   package is importable; otherwise a row saying why.
 
 Roofline = the distinct selected experts' stored bytes (codes + scales: ``QuantFormat.nbytes``; bf16 rows:
-2 bytes a value) + activations, over 4.3 TB/s.
+2 bytes a value) + activations, over the device's HBM bandwidth (``hardware.roofline_bandwidth()``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from latency_specialized.bench.ops_bench_moe_kda import K3, SITU, Row, routing, twice, write_rows
+from latency_specialized.hardware import roofline_bandwidth
 from latency_specialized.ops.moe import experts_reference
 from latency_specialized.quant.checkpoint_io import QuantizedWeight
 from latency_specialized.quant.formats import QuantFormat
@@ -265,7 +266,8 @@ def to_markdown_q4(rows: list[Row], device: str) -> str:
     """One table: every variant per case, its roofline fraction, and the peer's time over ours."""
     lines = [f"# Routed experts over 4-bit weights ({device})", "",
              "CUDA-graph replays, median us per step, two captures each; roofline = stored bytes of the distinct "
-             "selected experts + activations over 4.3 TB/s (bf16 rows: bf16 bytes). `vs peer` = peer us / ours.", "",
+             f"selected experts + activations over {roofline_bandwidth() / 1e12:.1f} TB/s (bf16 rows: bf16 bytes). "
+             "`vs peer` = peer us / ours.", "",
              "| case | impl | us (run1, run2) | kernels | roofline us | roofline frac | vs peer | rel err | notes |",
              "|---|---|---|---|---|---|---|---|---|"]
     peer = {r.case: r.best_us for r in rows if r.impl == "peer-humming" and r.us}

@@ -8,8 +8,9 @@ import json
 import pytest
 
 from latency_specialized.bench import report
-from latency_specialized.bench.layer_bench import HBM_BYTES_PER_S, Measured, layer_bytes, per_layer
+from latency_specialized.bench.layer_bench import Measured, layer_bytes, per_layer
 from latency_specialized.cli import main
+from latency_specialized.hardware import roofline_bandwidth
 from latency_specialized.plugins import get_registry
 
 
@@ -31,8 +32,8 @@ def test_kda_layer_bytes_match_hand_count_at_tp8():
     # PERF.md: ~290 MB -> ~68 us for the BF16 KDA layer at TP8 batch 1 (their count includes
     # replicated-as-stock pieces); ours must be of that order
     assert 120e6 < b["total"] < 320e6
-    us = b["total"] / HBM_BYTES_PER_S * 1e6
-    assert 25 < us < 80
+    us = b["total"] / roofline_bandwidth() * 1e6
+    assert 25 < us < 110  # ~68 us on an H200 (and off the GPU), ~97 us on an H100
     b64 = layer_bytes(full, li, 8, batch=64, context=None, distinct_experts=610)
     assert b64["routed_experts"] / b["routed_experts"] == pytest.approx(610 / 16)
     assert b64["kda_state"] == pytest.approx(64 * b["kda_state"])
