@@ -11,7 +11,7 @@ them to where they land. CuTe DSL: the object files of one fingerprint directory
 (``kernels.compile_cache``), kept under that name - on a machine whose fingerprint differs they are never read.
 ``--budget-mib`` bounds the archive (the first device call carries the CuTe DSL part A, ~33 MiB, beside the tree):
 CuTe DSL objects go first (a few tens of KB each, seconds to compile), then Triton entries until the budget is met;
-what did not fit is counted.
+what did not fit is counted, and with ``--rest FILE`` archived there for a later call (unpacked the same way).
 """
 
 from __future__ import annotations
@@ -38,7 +38,10 @@ def triton_entries(cache: Path) -> list[list[Path]]:
     return out
 
 
-def pack(out: Path, triton: Path | None, cute: Path | None, budget: int) -> str:
+def pack(out: Path, triton: Path | None, cute: Path | None, budget: int, rest: Path | None = None) -> str:
+    """Archive CuTe DSL objects, then Triton entries, into ``out`` up to ``budget`` bytes: all of them where they
+    fit, else the longest prefix that does (found by compressing, since entries compress far better together than
+    alone). ``rest``: a second archive of what did not fit (for the next call, which has room of its own)."""
     groups: list[tuple[str, list[tuple[Path, str]]]] = []
     if cute is not None and cute.is_dir():
         groups += [("cute", [(o, f"cute/{cute.name}/{o.name}")]) for o in sorted(cute.glob("*.o"))]
@@ -54,27 +57,24 @@ def pack(out: Path, triton: Path | None, cute: Path | None, budget: int) -> str:
                     tar.add(path, arcname=name)
         return lzma.compress(raw.getvalue(), preset=6)
 
-    taken = {"cute": 0, "triton": 0}
-    left = {"cute": 0, "triton": 0}
-    data = archive(groups)  # all of it, where it fits: entries compress far better together than alone
-    if len(data) <= budget:
-        for kind, _ in groups:
-            taken[kind] += 1
-    else:
-        chosen, packed = [], 0
-        for kind, files in groups:
-            # each entry compressed alone: more than its share of the archive, so the budget holds
-            estimate = len(lzma.compress(b"".join(f.read_bytes() for f, _ in files), preset=6)) + 64 * len(files)
-            if packed + estimate > budget:
-                left[kind] += 1
-                continue
-            chosen.append((kind, files))
-            packed += estimate
-            taken[kind] += 1
-        data = archive(chosen)
+    n, data = len(groups), archive(groups)
+    while len(data) > budget and n > 0:
+        # shrink the prefix in proportion to the overshoot (a little more, so one or two rounds usually do)
+        n = min(n - 1, int(n * budget / len(data) * 0.97))
+        data = archive(groups[:n])
     out.write_bytes(data)
-    return (f"{out}: {len(data) / 2**20:.1f} MiB, CuTe DSL objects {taken['cute']} (+{left['cute']} over budget), "
-            f"Triton entries {taken['triton']} (+{left['triton']} over budget)")
+
+    def count(chosen: list[tuple[str, list[tuple[Path, str]]]]) -> dict[str, int]:
+        return {k: sum(kind == k for kind, _ in chosen) for k in ("cute", "triton")}
+
+    taken, left = count(groups[:n]), count(groups[n:])
+    report = (f"{out}: {len(data) / 2**20:.1f} MiB, CuTe DSL objects {taken['cute']} (+{left['cute']} over budget), "
+              f"Triton entries {taken['triton']} (+{left['triton']} over budget)")
+    if rest is not None:
+        rest_data = archive(groups[n:])
+        rest.write_bytes(rest_data)
+        report += f"; the rest -> {rest}: {len(rest_data) / 2**20:.1f} MiB"
+    return report
 
 
 def unpack(archive: Path, triton: Path, cute: Path) -> str:
@@ -105,13 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--triton", type=Path, help="Triton cache directory")
     p.add_argument("--cute", type=Path, help="one fingerprint directory of the CuTe DSL disk cache")
     p.add_argument("--budget-mib", type=float, default=15.0)
+    p.add_argument("--rest", type=Path, help="a second archive of what the budget left out")
     u = sub.add_parser("unpack")
     u.add_argument("archive", type=Path)
     u.add_argument("--triton", type=Path, required=True, help="the Triton cache directory to fill")
     u.add_argument("--cute", type=Path, required=True, help="the CuTe DSL disk cache's root ($LS_KERNEL_CACHE_DIR)")
     args = ap.parse_args(argv)
     if args.cmd == "pack":
-        print(pack(args.out, args.triton, args.cute, int(args.budget_mib * 2**20)))
+        print(pack(args.out, args.triton, args.cute, int(args.budget_mib * 2**20), args.rest))
     else:
         print(unpack(args.archive, args.triton.expanduser(), args.cute))
     return 0

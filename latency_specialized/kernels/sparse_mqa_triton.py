@@ -93,12 +93,6 @@ COMBINE_PDL = False
 programs load the RoPE angles' inputs and the sinks, then wait (``gdc_wait``) for the split kernel before reading a
 partial - the MLA and GQA merges' pattern (``mla_decode_triton.MERGE_PDL``, ``gqa_decode_triton.MERGE_PDL``). Off
 until a layer A/B on a GPU says it helps (``NOTES_sparse_mqa.md``)."""
-EARLY_FIRST_TILE = False
-"""The split kernel requests its first tile's key rows before its prologue (the q norm and RoPE, the new row's norm
-and RoPE) instead of after it: at batch 1 every split program has one tile, so the tile's loads - on compressed slots
-a selection -> block table -> cache chain of three dependent loads - and the prologue's loads and math overlap
-instead of following each other. Off until measured on a GPU and run in the whole suite (``NOTES_sparse_mqa.md``,
-session 41)."""
 _STORE_NEW = True
 """Tests only: False leaves out the ring store, which shows that no program reads the new row from memory
 (the interpreter runs programs one after another, so it cannot show a race)."""
@@ -173,8 +167,7 @@ def _kernels(interpret: bool):
                      D: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
                      NORM_Q: tl.constexpr, NORM_KV: tl.constexpr, HAS_SEL: tl.constexpr, PREC: tl.constexpr,
                      DOT_F32: tl.constexpr,
-                     STORE_NEW: tl.constexpr, WRITE_ONLY: tl.constexpr, TRIGGER_END: tl.constexpr,
-                     EARLY_TILE: tl.constexpr):
+                     STORE_NEW: tl.constexpr, WRITE_ONLY: tl.constexpr, TRIGGER_END: tl.constexpr):
         # grid (M, num_splits, head groups). Masks from comparisons only (the interpreter mishandles & of a
         # vector and a scalar mask): a scalar condition becomes a bound (offs < where(cond, D, 0)).
         m = tl.program_id(0).to(tl.int64)
@@ -203,10 +196,6 @@ def _kernels(interpret: bool):
         start = sp * chunk
         end = tl.minimum(start + chunk, T)
         w_base = window + srow * s_wr
-        if EARLY_TILE:  # the first tile's rows requested before the prologue's math: their loads (on compressed
-            # slots a selection -> block table -> cache chain) are in flight while q and the new row are normed
-            kt0, ok0, new0 = _tile_rows(start, slot, seq, vis, seq_c, w_base, s_ws, m, selection, s_sel, block_table,
-                                        s_bt, block_size, cache, W, T, d, D, BN, HAS_SEL)
 
         # the query: weightless RMSNorm and RoPE, each rounded to q's dtype as the unfused ops round them
         q_ptr = q + m * s_qm + offs_h[:, None] * s_qh
@@ -239,11 +228,7 @@ def _kernels(interpret: bool):
         m_i = tl.full([BH], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BH], dtype=tl.float32)
         acc = tl.zeros([BH, D], dtype=tl.float32)
-        first = start
-        if EARLY_TILE:
-            m_i, l_i, acc = _attend_tile(kt0, ok0, new0, kn, qt, m_i, l_i, acc, qk_scale_log2, PREC, DOT_F32)
-            first = start + BN
-        for t0 in range(first, end, BN):
+        for t0 in range(start, end, BN):
             kt, ok, is_new = _tile_rows(t0, slot, seq, vis, seq_c, w_base, s_ws, m, selection, s_sel, block_table,
                                         s_bt, block_size, cache, W, T, d, D, BN, HAS_SEL)
             m_i, l_i, acc = _attend_tile(kt, ok, is_new, kn, qt, m_i, l_i, acc, qk_scale_log2, PREC, DOT_F32)
@@ -481,7 +466,6 @@ def sparse_mqa_decode_triton(q: torch.Tensor, kv: torch.Tensor, positions: torch
             D=D, R=R, BH=bh, BN=bn, NORM_Q=q_norm_eps is not None, NORM_KV=kv_norm_weight is not None,
             HAS_SEL=has_sel, PREC=prec, DOT_F32=dot_f32,
             STORE_NEW=store, WRITE_ONLY=write_only, TRIGGER_END=pdl and not write_only,
-            EARLY_TILE=EARLY_FIRST_TILE and not write_only,
             num_warps=8 if D >= 256 else 4, num_stages=NUM_STAGES)
 
     if cross_row_reads:   # every row's ring slot stored (one program per row) before any program reads

@@ -59,7 +59,7 @@ def test_the_budget_leaves_entries_out_and_counts_them(tmp_path):
 def test_similar_entries_all_fit_where_only_the_whole_archive_fits(tmp_path):
     """Objects that compress well together (kernels of one family are alike) go in whole where the archive fits the
     budget, though each compressed alone would not (session 39's records: 1,454 entries in 10 MiB of a 15 MiB budget,
-    where the per-entry estimate left 216 out); beyond that budget the estimate still drops entries."""
+    where a per-entry estimate left 216 out); below it the longest prefix that fits goes in."""
     import random
 
     cute = tmp_path / "kc" / "fp"
@@ -73,3 +73,25 @@ def test_similar_entries_all_fit_where_only_the_whole_archive_fits(tmp_path):
     assert (tmp_path / "c.tar.xz").stat().st_size <= 3 * alone
     report = pack_mod.pack(tmp_path / "d.tar.xz", None, cute, budget=alone // 2)
     assert "CuTe DSL objects 0 (+8 over budget)" in report
+
+
+def test_what_the_budget_leaves_out_goes_to_the_rest_archive(tmp_path):
+    """``rest``: the entries past the longest prefix that fits (CuTe DSL objects first) go to a second archive, so
+    two calls under the transfer limit carry them all; unpacking both gives every object back."""
+    import random
+
+    cute = tmp_path / "kc" / "fp"
+    cute.mkdir(parents=True)
+    rnd = random.Random(1)
+    blobs = {f"k{i}.o": rnd.randbytes(4000) for i in range(10)}
+    for name, blob in blobs.items():
+        (cute / name).write_bytes(blob)
+    report = pack_mod.pack(tmp_path / "a.tar.xz", None, cute, budget=25000, rest=tmp_path / "b.tar.xz")
+    first = int(report.split("CuTe DSL objects ")[1].split(" ")[0])
+    assert 0 < first < 10 and f"(+{10 - first} over budget)" in report and "the rest ->" in report
+    assert (tmp_path / "a.tar.xz").stat().st_size <= 25000
+    moved = tmp_path / "elsewhere"
+    pack_mod.unpack(tmp_path / "a.tar.xz", moved / "tc", moved / "kc")
+    assert len(list((moved / "kc" / "fp").glob("*.o"))) == first
+    pack_mod.unpack(tmp_path / "b.tar.xz", moved / "tc", moved / "kc")
+    assert {p.name: p.read_bytes() for p in (moved / "kc" / "fp").glob("*.o")} == blobs

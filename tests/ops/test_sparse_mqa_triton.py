@@ -291,28 +291,6 @@ def test_kv_norm_new_row_still_comes_from_registers(smq, monkeypatch):
 
 
 @interpreted
-@pytest.mark.parametrize("M,splits,K,kv_norm", [(1, None, 24, False), (3, 3, 24, True), (8, 1, 0, True),
-                                              (8, None, 24, False)])
-def test_first_tile_requested_before_the_prologue_gives_the_same_bits(smq, monkeypatch, M, splits, K, kv_norm):
-    """``EARLY_FIRST_TILE``: the first tile's rows loaded before the q / kv prologue, the rest of the loop after it.
-    The same online-softmax steps in the same order, so the output equals the default launch's bit for bit (and
-    the reference); one tile per split (``splits`` None at batch 1) and several; window-only and with a selection;
-    the new row still from registers (``_STORE_NEW`` off: nothing reads its slot from memory)."""
-    shape = {k: v for k, v in SMALL.items() if k != "K"}
-    args, kw, poisoned = make_case(1200 + M, LENS[M], K=K, kv_norm=kv_norm, **shape)
-    base = check_case(smq.sparse_mqa_decode_triton, args, kw, poisoned, num_splits=splits)
-    monkeypatch.setattr(smq, "EARLY_FIRST_TILE", True)
-    early = check_case(smq.sparse_mqa_decode_triton, args, kw, poisoned, num_splits=splits)
-    assert torch.equal(early, base)
-    monkeypatch.setattr(smq, "_STORE_NEW", False)
-    q, kv, pos, rows, seq, window, cache, bt, sel, sinks, inv = args
-    unstored = smq.sparse_mqa_decode_triton(q, kv, pos, rows, seq, poisoned[0].clone(),
-                                            None if poisoned[1] is None else poisoned[1].clone(), bt, sel, sinks,
-                                            inv, num_splits=splits, **kw)
-    assert torch.equal(unstored, base)
-
-
-@interpreted
 @pytest.mark.parametrize("k", [3, 7])
 def test_verification_rows_read_each_others_new_ring_slots(smq, monkeypatch, k):
     """A verification step: 2 requests x (1 + k) rows on a ring of window + k rows, ``sliding_window`` = the
@@ -602,42 +580,6 @@ def test_kernels_compile_for_hopper_without_a_gpu(smq):
             assert "mma" in ptx, const
     assert len(seen) >= 10
     assert {dict(c).get("NORM_KV") for name, c in seen if name == "split_kernel"} == {True, False}
-
-
-@pytest.mark.parametrize("K", [512, 0], ids=["selection", "window_only"])
-def test_early_first_tile_loads_ahead_of_the_prologue_without_spills(smq, monkeypatch, K):
-    """``EARLY_FIRST_TILE`` in the offline sm_90a build of a batch-1 DeepSeek TP8 call: more global loads are issued
-    before the prologue's first warp shuffle (its norm) than without - the first tile's rows, on the selection path
-    also its selection and block-table loads - and ptxas spills nothing (249 registers with a selection, 1 program of
-    8 warps per SM as without; session 41)."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-
-    from latency_specialized.testing.offline_sass import sass_of, tools_dir
-    from tests.triton_offline import ptx_for_hopper, recorded_launches
-
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        pytest.skip("compiles only where triton was imported without the interpreter")
-    ahead = {}
-    for on in (False, True):
-        monkeypatch.setattr(smq, "EARLY_FIRST_TILE", on)
-        with recorded_launches() as launches:
-            args, kw, _ = make_case(801, [1], dtype=torch.bfloat16, sinks=True, norm=True, kv_norm=True,
-                                    **dict(DSV4_TP8, K=K))
-            smq.sparse_mqa_decode_triton(*args, **kw)
-        ptx = next(p for k, p in ptx_for_hopper(launches).items() if k.startswith("split_kernel"))
-        order = [o.split(".")[0] for o in sass_of(ptx).order]
-        ahead[on] = order[:order.index("SHFL")].count("LDG")
-        with tempfile.TemporaryDirectory() as tmp:
-            src = os.path.join(tmp, "k.ptx")
-            with open(src, "w") as f:
-                f.write(re.sub(r"\.version \d+\.\d+", ".version 8.4", ptx))
-            log = subprocess.run([f"{tools_dir()}/ptxas", "-arch=sm_90a", "-O3", "-v", src, "-o", src + ".o"],
-                                 capture_output=True, text=True, check=True).stderr
-        assert "0 bytes spill stores, 0 bytes spill loads" in log, (on, log)
-    assert ahead[True] >= ahead[False] + 4, ahead
 
 
 def test_combine_pdl_reads_partials_only_after_its_wait(smq, monkeypatch):

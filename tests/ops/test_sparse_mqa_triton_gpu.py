@@ -87,21 +87,6 @@ def test_large_positions():
     check_case(sparse_mqa_decode_triton, args, kw, poisoned, **BF16)
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("M", [1, 3, 64])
-@pytest.mark.parametrize("topk", [512, 0], ids=["compressed", "window_only"])
-def test_early_first_tile_gives_the_default_bits(monkeypatch, shape, M, topk):
-    """``EARLY_FIRST_TILE`` (the first tile's rows requested before the prologue): right against the reference and
-    bit-equal to the default launch (the same online-softmax steps in the same order), at DeepSeek widths."""
-    import latency_specialized.kernels.sparse_mqa_triton as smq
-
-    args, kw, poisoned = _case(M * 11 + topk, _lens(M, M), shape, K=topk, kv_norm=True)
-    base = check_case(sparse_mqa_decode_triton, args, kw, poisoned, **BF16)
-    monkeypatch.setattr(smq, "EARLY_FIRST_TILE", True)
-    early = check_case(sparse_mqa_decode_triton, args, kw, poisoned, **BF16)
-    assert torch.equal(early, base)
-
-
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "combine_pdl"])
 @pytest.mark.parametrize("topk", [512, 0], ids=["compressed", "window_only"])
 @pytest.mark.parametrize("M", [1, 8, 64])
