@@ -35,8 +35,8 @@ from latency_specialized.hardware import sm_count
 from latency_specialized.kernels.compile_cache import cached_compile, compile_unit
 from latency_specialized.kernels.dsl_common import compile_options as _compile_options, ptx_of  # noqa: F401
 from latency_specialized.kernels.dsl_common import sm90_dsl_support
-from latency_specialized.kernels.moe_addend import Addend, accumulate_target, add_addend, check_addend_use
 from latency_specialized.kernels.dsl_common import cutlass_dtype as _cutlass_dtype, dtype_name as _dtype_name
+from latency_specialized.kernels.moe_addend import Addend, accumulate_target, add_addend, check_addend_use
 from latency_specialized.spec import ActivationSpec
 
 MAX_TOKENS = 256

@@ -21,8 +21,8 @@ import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
-from latency_specialized.kernels.moe_addend import Addend, add_addend, check_addend_use
 from latency_specialized.kernels.gemm_common import check_once
+from latency_specialized.kernels.moe_addend import Addend, add_addend, check_addend_use
 from latency_specialized.kernels.triton_common import quantized_experts_refusal
 from latency_specialized.quant.checkpoint_io import QuantizedWeight
 from latency_specialized.quant.codecs import as_bytes
@@ -158,6 +158,8 @@ def experts_q4_grouped(x: torch.Tensor, weights: torch.Tensor | None, ids: torch
     M, K, I, N, top_k = _shapes(x, ids, q13, q2, NAME_GROUPED)
     if K % GROUPED_BLOCK_K or I % GROUPED_BLOCK_K:
         raise UserError(f"{NAME_GROUPED}: K={K} and I={I} must be multiples of {GROUPED_BLOCK_K}; use {NAME_GEMV}")
+    if out is not None:
+        _out(x, M, top_k, N, per_route, out, NAME_GROUPED)   # its shape and stride checked before any launch
     act = _activation(activation)
     x = x.contiguous()
     T = M * top_k
@@ -185,8 +187,6 @@ def experts_q4_grouped(x: torch.Tensor, weights: torch.Tensor | None, ids: torch
         w_flat = w_flat.float()
     k.moe_gemm_q4(h, q2, s2, g2, align, top_k, out=yp, a_per_pair=True, scale_kind=kind, group=group,
                   topk_weights=w_flat.contiguous(), **tune)
-    if out is not None:
-        _out(x, M, top_k, N, per_route, out, NAME_GROUPED)   # checks its shape and stride
     return sum_routes(yp, top_k, out, addend, x.dtype, NAME_GROUPED)
 
 
