@@ -8,7 +8,8 @@
 #   prof   DeepSeek-V4.1-Flash TP8 window and c2_idx at batch 1: one replay's kernels in order (profile_layer.py
 #          --timeline): where the 92 / 150 us go now (14 / 20 kernels against 31.6 / 32.9 us of bytes on an H100)
 #   gemm   the DeepSeek-V4.1-Flash attention projections at M 1 and 8 on this card (bench-ops --shapes, written to
-#          $OUT only): session 40's H100 timeline had the 18 MB input projection at ~11 us in the layer, the H200
+#          $OUT only; gemm/table.json is the committed table with these cells merged, to adopt or not here): session
+#          40's H100 timeline had the 18 MB input projection at ~11 us in the layer, the H200
 #          cell 6.2 us alone
 #   credit the norm-site credit (tuning.NORM_SITE_CREDIT_US=1.5) on the other models' norm sites at batch 1 and 8
 #          (GLM-5.3 moe, Kimi K3 kda / mla, Muse Spark swa): even on DeepSeek-V4.1-Flash in session 42, one kernel
@@ -35,9 +36,10 @@ if step prof; then
   pack prof 0; grep -h -A3 "^=== " "$W"/prof/*.txt | head -12
 fi
 if step gemm; then
-  mkdir -p "$W/gemm"
+  mkdir -p "$W/gemm"; cp latency_specialized/kernels/tuning/h200_gemm.json "$W/gemm/table.json"
   timeout "${GEMM_S:-150}" python3 -m latency_specialized.cli bench-ops --ops gemm --model deepseek_v41_flash --tp 8 \
-    --m 1,8 --shapes 1792:5120,2848:5120,4096:1280,8192:1280,5120:1024 --out "$W/gemm" > "$W/gemm/gemm.log" 2>&1
+    --m 1,8 --shapes 1792:5120,2848:5120,4096:1280,8192:1280,5120:1024 --out "$W/gemm" \
+    --write-table "$W/gemm/table.json" --merge-table > "$W/gemm/gemm.log" 2>&1
   pack gemm $?; grep -h "^| " "$W"/gemm/*.md | head -24
 fi
 if step credit; then
