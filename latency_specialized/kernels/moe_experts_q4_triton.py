@@ -30,8 +30,9 @@ from latency_specialized.spec import ActivationSpec
 
 NAME_GEMV = "moe.experts.q4_gemv_triton"
 NAME_GROUPED = "moe.experts.q4_grouped_triton"
-FORMATS = ("mxfp4", "mxfp4-deepseek", "nvfp4")
-"""``weight_format`` values served (the e2m1 formats)."""
+FORMATS = ("mxfp4", "mxfp4-deepseek", "nvfp4", "mxfp4/pairs", "mxfp4-deepseek/pairs", "nvfp4/pairs")
+"""``weight_format`` values served: the e2m1 formats as checkpoints pack them, or in the paired layout
+(``quant.layout.paired_nibbles``, the mma kernel's faster decode) so one rearranged copy serves every bucket."""
 MIN_TOKENS_GROUPED = 8
 """Tokens per step from which the grouped tensor-core path serves (below: the gemv path)."""
 ENABLED = True
@@ -49,7 +50,8 @@ GROUPED_TUNING = dict(block_n=128, num_warps=8, num_stages=4)
 
 def _kernel_parts(w: QuantizedWeight, what: str, max_ue8m0: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                          int, int]:
-    """(codes uint8 [E, N, K/2], scales [E, N, K/group], global fp32 [E] or a dummy, scale kind, group);
+    """(codes uint8 [E, N, K/2], scales [E, N, K/group], global fp32 [E] or a dummy, scale kind, group; the
+    packing of the codes is ``w.fmt.packing``, see :func:`_packing`);
     ``max_ue8m0``: the largest ue8m0 byte the calling kernels decode exactly (checked once per weight)."""
     from latency_specialized.kernels import triton_q4 as k
 
@@ -79,6 +81,15 @@ def _kernel_parts(w: QuantizedWeight, what: str, max_ue8m0: int) -> tuple[torch.
 
     check_once(w.weight, ("q4-experts", s.data_ptr(), max_ue8m0), check)
     return q, s, gs, kind, group
+
+
+def _packing(w_gate_up: QuantizedWeight, w_down: QuantizedWeight, what: str) -> dict:
+    """The kernels' ``paired`` argument: both weights in the paired layout or both as checkpoints pack them."""
+    paired = {w_gate_up.fmt.packing == "paired", w_down.fmt.packing == "paired"}
+    if len(paired) != 1:
+        raise UserError(f"{what}: w_gate_up is {w_gate_up.fmt.name} but w_down is {w_down.fmt.name}: rearrange both "
+                        "or neither (quant.layout.paired_nibbles)")
+    return {"paired": paired.pop()}
 
 
 def _activation(activation: ActivationSpec) -> dict:
@@ -125,16 +136,18 @@ def experts_q4_gemv(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Te
     q2, s2, g2, kind2, _ = _kernel_parts(w_down, NAME_GEMV, k.MAX_UE8M0)
     if kind2 != kind:
         raise UserError(f"{NAME_GEMV}: w_gate_up is {w_gate_up.fmt.name} but w_down is {w_down.fmt.name}")
+    packing = _packing(w_gate_up, w_down, NAME_GEMV)
     M, K, I, N, top_k = _shapes(x, ids, q13, q2, NAME_GEMV)
     x, ids = x.contiguous(), ids.contiguous()
     h = torch.empty(M * top_k, I, device=x.device, dtype=x.dtype)
     k.gate_up_words(x, ids, q13, s13, g13, h, scale_kind=kind, group=group, **_activation(activation),
-                    **GEMV_TUNING["gate_up"])
+                    **GEMV_TUNING["gate_up"], **packing)
     y = _out(x, M, top_k, N, per_route, out, NAME_GEMV)
     w = None
     if not per_route:
         w = weights.contiguous() if weights.dtype == torch.float32 else weights.float().contiguous()
-    k.down_words(h, w, ids, q2, s2, g2, y, scale_kind=kind, group=group, per_route=per_route, **GEMV_TUNING["down"])
+    k.down_words(h, w, ids, q2, s2, g2, y, scale_kind=kind, group=group, per_route=per_route, **GEMV_TUNING["down"],
+                 **packing)
     return y if per_route else add_addend(y, addend, NAME_GEMV)
 
 
@@ -155,6 +168,7 @@ def experts_q4_grouped(x: torch.Tensor, weights: torch.Tensor | None, ids: torch
     q2, s2, g2, kind2, _ = _kernel_parts(w_down, NAME_GROUPED, k.MAX_UE8M0)
     if kind2 != kind:
         raise UserError(f"{NAME_GROUPED}: w_gate_up is {w_gate_up.fmt.name} but w_down is {w_down.fmt.name}")
+    packing = _packing(w_gate_up, w_down, NAME_GROUPED)
     M, K, I, N, top_k = _shapes(x, ids, q13, q2, NAME_GROUPED)
     if K % GROUPED_BLOCK_K or I % GROUPED_BLOCK_K:
         raise UserError(f"{NAME_GROUPED}: K={K} and I={I} must be multiples of {GROUPED_BLOCK_K}; use {NAME_GEMV}")
@@ -165,7 +179,7 @@ def experts_q4_grouped(x: torch.Tensor, weights: torch.Tensor | None, ids: torch
     T = M * top_k
     align = align_buffers(T, q13.shape[0], x.device)
     moe_k.moe_align(ids, align)
-    tune = dict(GROUPED_TUNING)
+    tune = dict(GROUPED_TUNING, **packing)
     tune.setdefault("block_k", GROUPED_BLOCK_K)
     gu = torch.empty(T, 2 * I, device=x.device, dtype=x.dtype)
     k.moe_gemm_q4(x, q13, s13, g13, align, top_k, out=gu, a_per_pair=False, scale_kind=kind, group=group, **tune)
@@ -197,7 +211,7 @@ def _common(ctx: OpContext, name: str, min_sm: int | None) -> Support:
     if why:
         return why
     fmt = ctx.attr("weight_format")
-    group = 16 if fmt == "nvfp4" else 32
+    group = 16 if fmt.startswith("nvfp4") else 32
     if ctx.dim("K") % group or ctx.dim("N") % group:
         return f"K={ctx.dim('K')} and I={ctx.dim('N')} must be multiples of the {group}-value scale groups"
     return True

@@ -4,7 +4,9 @@ Weights stay as the checkpoints store them (``quant/formats.py``): packed e2m1 c
 (uint8, the even element in the low nibble) and one scale per ``GROUP`` values along K (``[E, N, K/GROUP]``:
 ue8m0 bytes for MXFP4, GROUP 32; float8_e4m3fn for NVFP4, GROUP 16, times a per-expert fp32 global scale).
 Hopper has no FP4 MMA: codes become fp32 through their fp16 bit pattern (below) and the products run on
-CUDA cores (``gemv``) or, converted to bf16, on the bf16 tensor cores (``grouped``).
+CUDA cores (``gemv``) or, converted to bf16, on the bf16 tensor cores (``grouped``). Every kernel also takes the
+codes in the paired layout (``PAIRED``; ``quant.codecs.PAIRED_SLOTS``, the mma experts' decode): the same words
+with each value's bits elsewhere, so a site whose weights were rearranged once is served at every bucket.
 
 Decoding a code ``c`` (sign bit 3, exponent bits 2-1, mantissa bit 0): the bits ``(c & 7) << 9 | (c & 8)
 << 12`` are an fp16 whose exponent field is e2m1's exponent and whose top mantissa bit is e2m1's mantissa,
@@ -108,13 +110,53 @@ def _code_f16_bits(w, C: tl.constexpr):
 
 
 @triton.jit
-def _word_dot(w, x_ptrs, x_mask):
+def _move_bits(w, SRC: tl.constexpr, DST: tl.constexpr, MASK: tl.constexpr):
+    """The bits of ``w`` at SRC.. moved to DST.. and masked (MASK is in DST's place)."""
+    if DST >= SRC:
+        return (w << (DST - SRC)) & MASK
+    else:
+        return (w >> (SRC - DST)) & MASK
+
+
+@triton.jit
+def _paired_f16_bits(w, C: tl.constexpr):
+    """As :func:`_code_f16_bits` for words in the paired layout (``quant.codecs.PAIRED_SLOTS``): value C = 4 h + j
+    of a word sits in half h (bits 16 h..) with its magnitude bits (e1 e0 m) together at 6 - 3j.. and its sign at
+    15 - 3j for j < 3; value 3's e1 at 13, e0 m at 11-10, sign at 14."""
+    if C % 4 < 3:
+        return _move_bits(w, 16 * (C // 4) + 6 - 3 * (C % 4), 9, 0xE00) | \
+            _move_bits(w, 16 * (C // 4) + 15 - 3 * (C % 4), 15, 0x8000)
+    else:
+        return _move_bits(w, 16 * (C // 4) + 10, 9, 0x600) | _move_bits(w, 16 * (C // 4) + 13, 11, 0x800) | \
+            _move_bits(w, 16 * (C // 4) + 14, 15, 0x8000)
+
+
+@triton.jit
+def _paired_codes(w):
+    """Words in the paired layout ``[R, 1, W]`` int32 -> the e2m1 codes (0..15) of their 8 values ``[R, 8, W]``
+    (value C of word i is logical K position 8 i + C); the shifts as tensors, for the tiled paths."""
+    c = tl.arange(0, 8)[None, :, None]
+    o = 16 * (c // 4)
+    j = c % 4
+    lo_at = tl.where(j == 3, o + 10, o + 6 - 3 * j)      # e0 m: bits 1-0 of the code
+    e1_at = tl.where(j == 3, o + 13, o + 8 - 3 * j)
+    sign_at = tl.where(j == 3, o + 14, o + 15 - 3 * j)
+    return (((w >> sign_at) & 1) << 3) | (((w >> e1_at) & 1) << 2) | ((w >> lo_at) & 3)
+
+
+@triton.jit
+def _word_dot(w, x_ptrs, x_mask, PAIRED: tl.constexpr):
     """sum over the 8 codes of each word of code x activation: w [R, C] int32, x_ptrs [C] -> [R, C] fp32
-    (x_ptrs point at each word's first K position; the activations are fp32 after the load)."""
+    (x_ptrs point at each word's first K position; the activations are fp32 after the load). PAIRED: the words
+    are in the paired layout."""
     part = tl.zeros(w.shape, dtype=tl.float32)
     for c in tl.static_range(8):
         xc = tl.load(x_ptrs + c, mask=x_mask, other=0.0).to(tl.float32)
-        v = _code_f16_bits(w, c).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        if PAIRED:
+            bits = _paired_f16_bits(w, c)
+        else:
+            bits = _code_f16_bits(w, c)
+        v = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         part += v * xc[None, :]
     return part
 
@@ -123,7 +165,8 @@ def _word_dot(w, x_ptrs, x_mask):
 def _gate_up_words_kernel(x_ptr, ids_ptr, q_ptr, s_ptr, gs_ptr, h_ptr, K, I, stride_xm, stride_qe, stride_qn,
                           stride_se, stride_sn, stride_hp, beta, beta_lin, clamp,
                           TOPK: tl.constexpr, ACT: tl.constexpr, CLAMP: tl.constexpr, SCALE: tl.constexpr,
-                          GROUP: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_W: tl.constexpr):
+                          GROUP: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_W: tl.constexpr,
+                          PAIRED: tl.constexpr):
     # q_ptr: codes as int32 words [E, 2I, K/8]; a program holds BLOCK_I gate and up rows, BLOCK_W words each
     p = tl.program_id(0)
     ib = tl.program_id(1)
@@ -147,8 +190,8 @@ def _gate_up_words_kernel(x_ptr, ids_ptr, q_ptr, s_ptr, gs_ptr, h_ptr, K, I, str
         sgrp = (8 * wk[None, :]) // GROUP
         wg = tl.load(qg + wk[None, :], mask=m2, other=0)
         wu = tl.load(qu + wk[None, :], mask=m2, other=0)
-        acc_g += _word_dot(wg, xp, wm) * _scale_f32(tl.load(sg_ + sgrp, mask=m2, other=0), SCALE)
-        acc_u += _word_dot(wu, xp, wm) * _scale_f32(tl.load(su_ + sgrp, mask=m2, other=0), SCALE)
+        acc_g += _word_dot(wg, xp, wm, PAIRED) * _scale_f32(tl.load(sg_ + sgrp, mask=m2, other=0), SCALE)
+        acc_u += _word_dot(wu, xp, wm, PAIRED) * _scale_f32(tl.load(su_ + sgrp, mask=m2, other=0), SCALE)
     tg = tl.sum(acc_g, axis=1)
     tu = tl.sum(acc_u, axis=1)
     if SCALE == 1:
@@ -164,7 +207,7 @@ def _gate_up_words_kernel(x_ptr, ids_ptr, q_ptr, s_ptr, gs_ptr, h_ptr, K, I, str
 @triton.jit
 def _down_words_kernel(h_ptr, ids_ptr, q_ptr, s_ptr, gs_ptr, y_ptr, N, I, stride_hp, stride_qe, stride_qn,
                        stride_se, stride_sn, stride_yp, SCALE: tl.constexpr, GROUP: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PAIRED: tl.constexpr):
     # one program per (pair, BLOCK_N rows): y[p, n] = round(h[p] @ W2[ids[p]][n]^T), the route's own row
     p = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
@@ -181,7 +224,7 @@ def _down_words_kernel(h_ptr, ids_ptr, q_ptr, s_ptr, gs_ptr, y_ptr, N, I, stride
         wm = wk < words
         m2 = nm[:, None] & wm[None, :]
         w = tl.load(qn + wk[None, :], mask=m2, other=0)
-        acc += _word_dot(w, h_ptr + p * stride_hp + 8 * wk, wm) * _scale_f32(
+        acc += _word_dot(w, h_ptr + p * stride_hp + 8 * wk, wm, PAIRED) * _scale_f32(
             tl.load(sn + (8 * wk[None, :]) // GROUP, mask=m2, other=0), SCALE)
     t = tl.sum(acc, axis=1)
     if SCALE == 1:
@@ -202,11 +245,13 @@ def _route_sum_kernel(y_ptr, w_ptr, out_ptr, N, stride_yp, stride_om, TOPK: tl.c
 
 
 def gate_up_words(x, ids, q, s, gs, h, *, scale_kind: int, group: int, act: int, beta: float, beta_lin: float,
-                  clamp: float | None, block_i: int = 4, block_w: int | None = None, num_warps: int = 4) -> None:
+                  clamp: float | None, block_i: int = 4, block_w: int | None = None, num_warps: int = 4,
+                  paired: bool = False) -> None:
     """h[p] = act(x[p // top_k] @ W13[ids[p]]^T) for every routing pair p (codes read as int32 words).
 
-    x [M, K] bf16; ids [M, top_k] int; q [E, 2I, K/2] uint8 (K/2 a multiple of 4); s [E, 2I, K/group] scale bytes
-    (ue8m0 or e4m3 as uint8); gs [E] fp32 (NVFP4 global scales; any tensor for MXFP4); h [M*top_k, I] bf16."""
+    x [M, K] bf16; ids [M, top_k] int; q [E, 2I, K/2] uint8 (K/2 a multiple of 4; ``paired``: in the paired
+    layout); s [E, 2I, K/group] scale bytes (ue8m0 or e4m3 as uint8); gs [E] fp32 (NVFP4 global scales; any tensor
+    for MXFP4); h [M*top_k, I] bf16."""
     M, K = x.shape
     top_k = ids.shape[1]
     I = q.shape[1] // 2
@@ -215,11 +260,11 @@ def gate_up_words(x, ids, q, s, gs, h, *, scale_kind: int, group: int, act: int,
     _gate_up_words_kernel[(M * top_k, triton.cdiv(I, block_i))](
         x, ids, qw, s, gs, h, K, I, x.stride(0), qw.stride(0), qw.stride(1), s.stride(0), s.stride(1), h.stride(0),
         float(beta), float(beta_lin), float(clamp or 0.0), TOPK=top_k, ACT=act, CLAMP=clamp is not None,
-        SCALE=scale_kind, GROUP=group, BLOCK_I=block_i, BLOCK_W=block_w, num_warps=num_warps)
+        SCALE=scale_kind, GROUP=group, BLOCK_I=block_i, BLOCK_W=block_w, PAIRED=paired, num_warps=num_warps)
 
 
 def down_words(h, weights, ids, q, s, gs, out, *, scale_kind: int, group: int, per_route: bool,
-               block_n: int = 16, block_w: int | None = None, num_warps: int = 4) -> None:
+               block_n: int = 16, block_w: int | None = None, num_warps: int = 4, paired: bool = False) -> None:
     """Down projection per route (one program per pair and BLOCK_N rows), then the weighted sum over the routes
     (a third small kernel) unless ``per_route``. h [M*top_k, I]; q uint8 [E, N, I/2]; out [M, N] / [M, top_k, N]."""
     M, top_k = ids.shape
@@ -232,7 +277,8 @@ def down_words(h, weights, ids, q, s, gs, out, *, scale_kind: int, group: int, p
     yp, direct = route_rows(out) if per_route else (torch.empty(T, N, device=h.device, dtype=h.dtype), False)
     _down_words_kernel[(T, triton.cdiv(N, block_n))](
         h, ids, qw, s, gs, yp, N, I, h.stride(0), qw.stride(0), qw.stride(1), s.stride(0), s.stride(1),
-        yp.stride(0), SCALE=scale_kind, GROUP=group, BLOCK_N=block_n, BLOCK_W=block_w, num_warps=num_warps)
+        yp.stride(0), SCALE=scale_kind, GROUP=group, BLOCK_N=block_n, BLOCK_W=block_w, PAIRED=paired,
+        num_warps=num_warps)
     if per_route:
         if not direct:
             out.copy_(yp.view(M, top_k, N))
@@ -255,7 +301,9 @@ def _moe_gemm_q4_kernel(a_ptr, q_ptr, s_ptr, gs_ptr, out_ptr, sorted_ptr, expert
                         topk_w_ptr, N, K, T, stride_am, stride_qe, stride_qn, stride_se, stride_sn, stride_om,
                         TOPK: tl.constexpr, A_PER_PAIR: tl.constexpr, MUL_W: tl.constexpr, SCALE: tl.constexpr,
                         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        UPCAST: tl.constexpr):
+                        UPCAST: tl.constexpr, PAIRED: tl.constexpr):
+    # PAIRED: q_ptr is the codes as int32 words [E, N, K/8] in the paired layout (strides in words); a K step's
+    # tile is decoded value-major (position C of every word, then C + 1, ...) and the activations read in that order
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -263,26 +311,44 @@ def _moe_gemm_q4_kernel(a_ptr, q_ptr, s_ptr, gs_ptr, out_ptr, sorted_ptr, expert
     pair, valid, a_row, expert = tile_pairs(sorted_ptr, expert_ids_ptr, pid_m, T, TOPK, A_PER_PAIR, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
-    kb = tl.arange(0, BLOCK_K // 2)          # byte within the K step
     sg = tl.arange(0, BLOCK_K // GROUP)      # scale group within the K step
-    q_ptrs = q_ptr + expert * stride_qe + n.to(tl.int64)[:, None] * stride_qn + kb[None, :]
     s_ptrs = s_ptr + expert * stride_se + n.to(tl.int64)[:, None] * stride_sn + sg[None, :]
-    a_ptrs = a_ptr + a_row[None, :] * stride_am + 2 * kb[:, None]
+    if PAIRED:
+        kw = tl.arange(0, BLOCK_K // 8)      # word within the K step
+        q_ptrs = q_ptr + expert * stride_qe + n.to(tl.int64)[:, None] * stride_qn + kw[None, :]
+        kk = tl.arange(0, BLOCK_K)           # tile column C x (BLOCK_K / 8) + word -> K position 8 word + C
+        a_ptrs = a_ptr + a_row[None, :] * stride_am + (8 * (kk % (BLOCK_K // 8)) + kk // (BLOCK_K // 8))[:, None]
+    else:
+        kb = tl.arange(0, BLOCK_K // 2)      # byte within the K step
+        q_ptrs = q_ptr + expert * stride_qe + n.to(tl.int64)[:, None] * stride_qn + kb[None, :]
+        a_ptrs = a_ptr + a_row[None, :] * stride_am + 2 * kb[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        q = tl.load(q_ptrs, mask=nm[:, None], other=0).to(tl.int32)
         sc = _scale_f32(tl.load(s_ptrs, mask=nm[:, None], other=0), SCALE)
-        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BLOCK_N, BLOCK_K // GROUP, GROUP // 2]),
-                        [BLOCK_N, BLOCK_K // 2])
-        ae = tl.load(a_ptrs, mask=valid[None, :], other=0.0)
-        ao = tl.load(a_ptrs + 1, mask=valid[None, :], other=0.0)
-        if UPCAST:
-            acc += tl.dot(_code_f32(q & 15) * sc, ae.to(tl.float32))
-            acc += tl.dot(_code_f32(q >> 4) * sc, ao.to(tl.float32))
+        if PAIRED:
+            wv = tl.load(q_ptrs, mask=nm[:, None], other=0)
+            scw = tl.reshape(tl.broadcast_to(sc[:, :, None], [BLOCK_N, BLOCK_K // GROUP, GROUP // 8]),
+                             [BLOCK_N, BLOCK_K // 8])
+            v = tl.reshape(_code_f32(_paired_codes(wv[:, None, :])) * scw[:, None, :], [BLOCK_N, BLOCK_K])
+            a = tl.load(a_ptrs, mask=valid[None, :], other=0.0)
+            if UPCAST:
+                acc += tl.dot(v, a.to(tl.float32))
+            else:
+                acc += tl.dot(v.to(tl.bfloat16), a)
+            q_ptrs += BLOCK_K // 8
         else:
-            acc += tl.dot((_code_f32(q & 15) * sc).to(tl.bfloat16), ae)
-            acc += tl.dot((_code_f32(q >> 4) * sc).to(tl.bfloat16), ao)
-        q_ptrs += BLOCK_K // 2
+            q = tl.load(q_ptrs, mask=nm[:, None], other=0).to(tl.int32)
+            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BLOCK_N, BLOCK_K // GROUP, GROUP // 2]),
+                            [BLOCK_N, BLOCK_K // 2])
+            ae = tl.load(a_ptrs, mask=valid[None, :], other=0.0)
+            ao = tl.load(a_ptrs + 1, mask=valid[None, :], other=0.0)
+            if UPCAST:
+                acc += tl.dot(_code_f32(q & 15) * sc, ae.to(tl.float32))
+                acc += tl.dot(_code_f32(q >> 4) * sc, ao.to(tl.float32))
+            else:
+                acc += tl.dot((_code_f32(q & 15) * sc).to(tl.bfloat16), ae)
+                acc += tl.dot((_code_f32(q >> 4) * sc).to(tl.bfloat16), ao)
+            q_ptrs += BLOCK_K // 2
         s_ptrs += BLOCK_K // GROUP
         a_ptrs += BLOCK_K
     if SCALE == 1:
@@ -295,14 +361,17 @@ def _moe_gemm_q4_kernel(a_ptr, q_ptr, s_ptr, gs_ptr, out_ptr, sorted_ptr, expert
 
 def moe_gemm_q4(a, q, s, gs, align, top_k: int, *, out, a_per_pair: bool, scale_kind: int, group: int,
                 topk_weights=None, block_n: int = 64, block_k: int = 128, num_warps: int = 4,
-                num_stages: int = 3) -> None:
+                num_stages: int = 3, paired: bool = False) -> None:
     """out[pair] = a[row of pair] @ deq(W[expert of pair])^T (x routing weight) over the aligned tiles.
 
-    a [M, K] (token rows) or [M*k, K] (a_per_pair); q [E, N, K/2] uint8; s [E, N, K/group]; gs [E] fp32
-    (NVFP4); out [M*k, N]; align: ``triton_moe.AlignBuffers``; topk_weights [M*k] fp32."""
+    a [M, K] (token rows) or [M*k, K] (a_per_pair); q [E, N, K/2] uint8 (``paired``: in the paired layout);
+    s [E, N, K/group]; gs [E] fp32 (NVFP4); out [M*k, N]; align: ``triton_moe.AlignBuffers``; topk_weights [M*k]
+    fp32."""
     N, K = q.shape[1], q.shape[2] * 2
     if K % block_k:
         raise ValueError(f"moe_gemm_q4: K={K} must be a multiple of block_k={block_k}")
+    if paired:
+        q = q.view(torch.int32)
     sz = align.sizes
     grid = (sz.max_blocks, triton.cdiv(N, block_n))
     _moe_gemm_q4_kernel[grid](a, q, s, gs, out, align.sorted_ids, align.expert_ids, align.num_padded,
@@ -310,38 +379,53 @@ def moe_gemm_q4(a, q, s, gs, align, top_k: int, *, out, a_per_pair: bool, scale_
                               q.stride(0), q.stride(1), s.stride(0), s.stride(1), out.stride(0),
                               TOPK=top_k, A_PER_PAIR=a_per_pair, MUL_W=topk_weights is not None, SCALE=scale_kind,
                               GROUP=group, BLOCK_M=sz.block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=_INTERPRET,
-                              num_warps=num_warps, num_stages=num_stages)
+                              PAIRED=paired, num_warps=num_warps, num_stages=num_stages)
 
 
 # ------------------------------------------------------------------------------------- dequantise
 @triton.jit
 def _dequant_kernel(q_ptr, s_ptr, gs_ptr, out_ptr, N, K, SCALE: tl.constexpr, GROUP: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PAIRED: tl.constexpr):
     e = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
     row = e * N + n.to(tl.int64)
-    for b0 in range(0, K // 2, BLOCK_B):
-        b = b0 + tl.arange(0, BLOCK_B)
-        m = nm[:, None] & (b[None, :] < K // 2)
-        q = tl.load(q_ptr + row[:, None] * (K // 2) + b[None, :], mask=m, other=0).to(tl.int32)
-        s = tl.load(s_ptr + row[:, None] * (K // GROUP) + (2 * b[None, :]) // GROUP, mask=m, other=0)
-        sf = _scale_f32(s, SCALE)
-        lo = _code_f32(q & 15) * sf
-        hi = _code_f32(q >> 4) * sf
-        if SCALE == 1:
-            gsc = tl.load(gs_ptr + e)
-            lo = lo * gsc
-            hi = hi * gsc
-        o = out_ptr + row[:, None] * K + 2 * b[None, :]
-        tl.store(o, lo, mask=m)
-        tl.store(o + 1, hi, mask=m)
+    if PAIRED:  # q_ptr: int32 words in the paired layout, BLOCK_B / 4 of them a step
+        c = tl.arange(0, 8)[None, :, None]
+        for w0 in range(0, K // 8, BLOCK_B // 4):
+            wi = w0 + tl.arange(0, BLOCK_B // 4)
+            m = nm[:, None] & (wi[None, :] < K // 8)
+            wv = tl.load(q_ptr + row[:, None] * (K // 8) + wi[None, :], mask=m, other=0)
+            s = tl.load(s_ptr + row[:, None] * (K // GROUP) + (8 * wi[None, :]) // GROUP, mask=m, other=0)
+            v = _code_f32(_paired_codes(wv[:, None, :])) * _scale_f32(s, SCALE)[:, None, :]
+            if SCALE == 1:
+                v = v * tl.load(gs_ptr + e)
+            tl.store(out_ptr + row[:, None, None] * K + 8 * wi[None, None, :] + c, v, mask=m[:, None, :])
+    else:
+        for b0 in range(0, K // 2, BLOCK_B):
+            b = b0 + tl.arange(0, BLOCK_B)
+            m = nm[:, None] & (b[None, :] < K // 2)
+            q = tl.load(q_ptr + row[:, None] * (K // 2) + b[None, :], mask=m, other=0).to(tl.int32)
+            s = tl.load(s_ptr + row[:, None] * (K // GROUP) + (2 * b[None, :]) // GROUP, mask=m, other=0)
+            sf = _scale_f32(s, SCALE)
+            lo = _code_f32(q & 15) * sf
+            hi = _code_f32(q >> 4) * sf
+            if SCALE == 1:
+                gsc = tl.load(gs_ptr + e)
+                lo = lo * gsc
+                hi = hi * gsc
+            o = out_ptr + row[:, None] * K + 2 * b[None, :]
+            tl.store(o, lo, mask=m)
+            tl.store(o + 1, hi, mask=m)
 
 
-def dequantize_q4(q, s, gs, out, *, scale_kind: int, group: int, block_n: int = 16, block_b: int = 64) -> None:
+def dequantize_q4(q, s, gs, out, *, scale_kind: int, group: int, block_n: int = 16, block_b: int = 64,
+                  paired: bool = False) -> None:
     """out [E, N, K] fp32 = the stored 4-bit weight dequantised with the experts kernels' own decoding.
 
-    q [E, N, K/2] uint8 codes; s [E, N, K/group] scale bytes; gs [E] fp32 global scales (NVFP4)."""
+    q [E, N, K/2] uint8 codes (``paired``: in the paired layout, K/2 a multiple of 4); s [E, N, K/group] scale
+    bytes; gs [E] fp32 global scales (NVFP4)."""
     E, N, K = out.shape
-    _dequant_kernel[(E, triton.cdiv(N, block_n))](q, s, gs, out, N, K, SCALE=scale_kind, GROUP=group,
-                                                  BLOCK_N=block_n, BLOCK_B=block_b, num_warps=4)
+    _dequant_kernel[(E, triton.cdiv(N, block_n))](q.view(torch.int32) if paired else q, s, gs, out, N, K,
+                                                  SCALE=scale_kind, GROUP=group, BLOCK_N=block_n, BLOCK_B=block_b,
+                                                  PAIRED=paired, num_warps=4)

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 
 import pytest
 import torch
@@ -175,6 +176,57 @@ def test_grouped_path_matches_the_reference(fmt, M, same, E):
 
 
 @interpreted
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_paired_layout_decodes_every_code_like_the_checkpoint_packing(fmt):
+    """Every code (all 256 byte values at every byte of a word) in the paired layout (``paired_nibbles``) decodes
+    to the codec's values, scales and global scale applied: the layout moves bits, not values."""
+    from latency_specialized.kernels import triton_q4 as k
+    from latency_specialized.quant.codecs import as_bytes
+    from latency_specialized.quant.layout import paired_nibbles
+
+    g = _gen(7)
+    w = quantize_weight("experts.w13", torch.randn(2, 12, 64, generator=g), fmt)
+    codes = torch.arange(2 * 12 * 32, dtype=torch.int32).remainder(256).to(torch.uint8).view(2, 12, 32)
+    codes = codes[..., torch.randperm(32, generator=g)].contiguous()   # each byte value at several word positions
+    gs = torch.tensor([0.75, 1.25]) if fmt == "nvfp4" else None   # exact products, as the codec's order rounds
+    w = QuantizedWeight(w.fmt, w.shape, codes.view(w.weight.dtype), w.scale, gs)
+    p = paired_nibbles(w)
+    assert p.fmt.packing == "paired" and not torch.equal(as_bytes(p.weight), codes)
+    gs = gs if gs is not None else codes
+    for q, paired in ((w, False), (p, True)):
+        out = torch.full((2, 12, 64), float("nan"))
+        k.dequantize_q4(as_bytes(q.weight), as_bytes(q.scale), gs, out, scale_kind=k.SCALE_UE8M0 if fmt == "mxfp4"
+                        else k.SCALE_E4M3, group=q.fmt.block[1], paired=paired)
+        assert torch.equal(out, w.dequantize()), paired
+
+
+@interpreted
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_both_paths_take_the_paired_layout(fmt):
+    """The gemv path over paired codes gives the checkpoint packing's bits (the same values summed in the same
+    order); the grouped path (its K steps decoded value-major) matches the reference; mixed packings refused."""
+    from latency_specialized.errors import UserError
+    from latency_specialized.kernels.moe_experts_q4_triton import experts_q4_gemv, experts_q4_grouped
+    from latency_specialized.quant.layout import paired_nibbles
+
+    M = 3
+    x, w, ids, w13, w2 = _case(40, M, fmt, K=256, I=128, N=40)
+    p13, p2 = paired_nibbles(w13), paired_nibbles(w2)
+    for fn in (experts_q4_gemv, experts_q4_grouped):
+        out = torch.full((M, 40), float("nan"), dtype=torch.bfloat16)
+        y = fn(x, w, ids, p13, p2, SITU, out=out)
+        assert y is out and torch.isfinite(y).all()
+        assert _rel(y, experts_reference(x, w, ids, w13, w2, SITU)) < INTERP_TOL
+        if fn is experts_q4_gemv:
+            assert torch.equal(y, fn(x, w, ids, w13, w2, SITU))
+        rows = torch.full((M, 3, 40), float("nan"), dtype=torch.bfloat16)
+        fn(x, None, ids, p13, p2, SWIGLU, per_route=True, out=rows)
+        assert _rel(rows, experts_reference(x, w, ids, w13, w2, SWIGLU, per_route=True)) < INTERP_TOL
+        with pytest.raises(UserError, match="rearrange both"):
+            fn(x, w, ids, p13, w2, SITU)
+
+
+@interpreted
 @pytest.mark.parametrize("E,M,k", [(8, 5, 3), (16, 3, 5), (6, 7, 2)])
 def test_align_pads_every_expert_run_and_nothing_else(E, M, k):
     """moe_align over a power-of-two expert count and a pair count that is not one: the padded runs hold
@@ -208,22 +260,25 @@ def test_4bit_kernels_compile_for_hopper_without_a_gpu():
     sig = dict(a_ptr="*bf16", q_ptr="*u8", s_ptr="*u8", gs_ptr="*fp32", out_ptr="*bf16", sorted_ptr="*i32",
                expert_ids_ptr="*i32", num_padded_ptr="*i32", topk_w_ptr="*fp32", N="i32", K="i32", T="i32",
                stride_am="i32", stride_qe="i32", stride_qn="i32", stride_se="i32", stride_sn="i32", stride_om="i32")
-    for scale, group in ((k.SCALE_UE8M0, 32), (k.SCALE_E4M3, 16)):
+    for (scale, group), paired in itertools.product(((k.SCALE_UE8M0, 32), (k.SCALE_E4M3, 16)), (False, True)):
         const = dict(TOPK=16, A_PER_PAIR=False, MUL_W=True, SCALE=scale, GROUP=group, BLOCK_M=16, BLOCK_N=128,
-                     BLOCK_K=128, UPCAST=False)
-        src = ASTSource(fn=k._moe_gemm_q4_kernel, signature={**sig, **{c: "constexpr" for c in const}},
-                        constexprs=const)
+                     BLOCK_K=128, UPCAST=False, PAIRED=paired)
+        src = ASTSource(fn=k._moe_gemm_q4_kernel, signature={**sig, "q_ptr": "*i32" if paired else "*u8",
+                                                             **{c: "constexpr" for c in const}}, constexprs=const)
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=4)).asm["ptx"]
-        assert "wgmma" in ptx
+        assert "wgmma" in ptx, (scale, paired)
     sig = dict(x_ptr="*bf16", ids_ptr="*i32", q_ptr="*i32", s_ptr="*u8", gs_ptr="*fp32", h_ptr="*bf16", K="i32",
                I="i32", stride_xm="i32", stride_qe="i32", stride_qn="i32", stride_se="i32", stride_sn="i32",
                stride_hp="i32", beta="fp32", beta_lin="fp32", clamp="fp32")
-    const = dict(TOPK=16, ACT=k.ACT_SITU, CLAMP=False, SCALE=k.SCALE_UE8M0, GROUP=32, BLOCK_I=4, BLOCK_W=128)
-    src = ASTSource(fn=k._gate_up_words_kernel, signature={**sig, **{c: "constexpr" for c in const}}, constexprs=const)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
-    assert "cvt.f32.f16" in ptx
+    for paired in (False, True):
+        const = dict(TOPK=16, ACT=k.ACT_SITU, CLAMP=False, SCALE=k.SCALE_UE8M0, GROUP=32, BLOCK_I=4, BLOCK_W=128,
+                     PAIRED=paired)
+        src = ASTSource(fn=k._gate_up_words_kernel, signature={**sig, **{c: "constexpr" for c in const}},
+                        constexprs=const)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+        assert "cvt.f32.f16" in ptx
 
 
 @pytest.mark.interpreter_driver
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=17)
+    run_interpreted(__file__, min_passed=21)

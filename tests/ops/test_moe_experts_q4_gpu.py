@@ -95,6 +95,33 @@ def test_q4_experts_per_route_rows(model, impl, M):
     assert _rel(y, ref) < REL_TOL
 
 
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("M", [1, 8, 64])
+def test_q4_experts_take_the_paired_layout(model, impl, M):
+    """The weights rearranged once into the paired layout (``quant.layout.paired_nibbles``, the mma kernel's
+    decode): within the tolerance of the dequantising reference; the gemv path gives the checkpoint packing's bits
+    (same values, same order), the grouped path sums its K steps in another order; graph replay == eager."""
+    from latency_specialized.quant.layout import paired_nibbles
+
+    cfg, w13, w2 = model
+    p13, p2 = paired_nibbles(w13), paired_nibbles(w2)
+    g = seeded_generator(f"q4-paired-{impl}-{M}")
+    x = torch.randn(M, cfg["K"], generator=g, device=DEV).bfloat16()
+    w, ids = _routing(M, cfg["E"], cfg["k"], g)
+    out = torch.full((M, cfg["K"]), float("nan"), device=DEV, dtype=torch.bfloat16)
+    y = IMPLS[impl](x, w, ids, p13, p2, cfg["act"], out=out)
+    assert torch.isfinite(y).all()
+    assert _rel(y, experts_reference(x, w, ids, w13, w2, cfg["act"])) < REL_TOL
+    if impl == "gemv":
+        assert torch.equal(y, IMPLS[impl](x, w, ids, w13, w2, cfg["act"]))
+    eager = y.clone()
+    out.fill_(float("nan"))
+    graph = graph_replay(lambda: IMPLS[impl](x, w, ids, p13, p2, cfg["act"], out=out))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_q4_decoding_edge_codes_and_scales_exact(fmt):
     """Every e2m1 code (+-0, subnormal 0.5, max 6) under extreme scales: the kernel's dequantised weight equals

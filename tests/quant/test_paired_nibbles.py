@@ -1,7 +1,7 @@
 """The paired-nibble layout (``quant.codecs.pair_codes``, ``quant.layout.paired_nibbles``): e2m1 codes rearranged
 within each 32-bit word for the mma kernels' decode. A bijection on every word; the same values through
-``dequantize``; the derived ``<fmt>/pairs`` formats refused by every kernel that reads the checkpoint packing and
-served by the mma experts; cuts and stacks keep it."""
+``dequantize``; the derived ``<fmt>/pairs`` formats refused by every kernel that reads the checkpoint packing only
+and served by the 4-bit experts (mma and Triton); cuts and stacks keep it."""
 
 from __future__ import annotations
 
@@ -67,9 +67,9 @@ def test_refused_where_not_an_e2m1_checkpoint_packing(gen):
         layout.paired_nibbles(w)
 
 
-def test_kernels_of_the_checkpoint_packing_refuse_it_and_the_mma_experts_serve_it(gen):
-    """By name: the MXFP4 mma gemm's and the Triton 4-bit experts' weight checks refuse ``/pairs``; the mma experts'
-    formats list it (a plan with paired weights gets them or the reference, never a kernel reading other bits)."""
+def test_kernels_of_the_checkpoint_packing_refuse_it_and_the_experts_serve_it(gen):
+    """By name: the MXFP4 mma gemm's weight check refuses ``/pairs`` unless told; the 4-bit experts' formats, mma and
+    Triton, list it (every bucket of a paired site has a kernel that reads those bits, or the reference)."""
     from latency_specialized.kernels import gemm_q4_mma, moe_experts_mma, moe_experts_q4_triton
 
     p = layout.paired_nibbles(quantize_weight("w", torch.randn(3, 32, 128, generator=gen), "mxfp4"))
@@ -77,7 +77,7 @@ def test_kernels_of_the_checkpoint_packing_refuse_it_and_the_mma_experts_serve_i
         gemm_q4_mma.mxfp4_parts(p, stacked=True)
     q, _ = gemm_q4_mma.mxfp4_parts(p, stacked=True, paired=True)
     assert torch.equal(q, p.weight)
-    assert "mxfp4/pairs" not in moe_experts_q4_triton.FORMATS
+    assert {"mxfp4/pairs", "mxfp4-deepseek/pairs", "nvfp4/pairs"} <= set(moe_experts_q4_triton.FORMATS)
     assert {"mxfp4/pairs", "mxfp4-deepseek/pairs", "nvfp4/pairs"} <= set(moe_experts_mma.FORMATS_Q4)
     *_, fields = moe_experts_mma.expert_parts(p, "test")
     assert fields == dict(weights="mxfp4", paired=True)
