@@ -20,7 +20,7 @@ whole-checkpoint helpers in :mod:`latency_specialized.quant.checkpoint_io`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -33,6 +33,10 @@ ScaleEncoding = Literal["ue8m0", "e4m3", "fp32"]
 """Block-scale encoding: ue8m0 (a biased power-of-two exponent, 255 = NaN), float8_e4m3fn or float32."""
 Role = Literal["weight", "scale", "global_scale", "input_scale"]
 """The stored tensors of one quantized weight."""
+
+
+PAIRED_SUFFIX = "/pairs"
+"""Name suffix of the paired-layout format derived from an e2m1 one (``quant.layout.paired_nibbles``)."""
 
 
 @dataclass(frozen=True)
@@ -126,10 +130,17 @@ class QuantFormat:
         """The registered format ``name`` (a QuantFormat passes through); UserError listing the names."""
         if isinstance(name, QuantFormat):
             return name
+        base, paired = (name[:-len(PAIRED_SUFFIX)], True) if name.endswith(PAIRED_SUFFIX) else (name, False)
         try:
-            return FORMATS[name]
+            f = FORMATS[base]
         except KeyError:
-            raise UserError(f"unknown quantized format {name!r}: use one of {', '.join(FORMATS)}") from None
+            raise UserError(f"unknown quantized format {name!r}: use one of {', '.join(FORMATS)} (e2m1 ones also "
+                            f"with {PAIRED_SUFFIX})") from None
+        if not paired:
+            return f
+        if f.element != "e2m1":
+            raise UserError(f"{name}: the paired layout rearranges e2m1 codes; {base} is not e2m1")
+        return replace(f, name=name, packing="paired")
 
 
 MXFP4 = QuantFormat(

@@ -18,6 +18,7 @@ import torch
 
 from latency_specialized.errors import UserError
 from latency_specialized.quant.checkpoint_io import QuantizedWeight
+from latency_specialized.quant.formats import PAIRED_SUFFIX, QuantFormat
 
 
 def _bytes_op(op, ts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -102,7 +103,17 @@ def paired_nibbles(q: QuantizedWeight) -> QuantizedWeight:
     if q.fmt.element != "e2m1" or q.fmt.packing != "low-first":
         raise UserError(f"{q.name}: the paired layout rearranges e2m1 codes as checkpoints pack them; "
                         f"{q.fmt.name} is not that")
-    return replace(q, fmt=replace(q.fmt, name=q.fmt.name + "/pairs", packing="paired"), weight=pair_codes(q.weight))
+    return replace(q, fmt=QuantFormat.get(q.fmt.name + PAIRED_SUFFIX), weight=pair_codes(q.weight))
+
+
+def checkpoint_nibbles(q: QuantizedWeight) -> QuantizedWeight:
+    """``q`` as checkpoints pack it: the inverse of :func:`paired_nibbles` (a copy), ``q`` itself if it is not
+    paired - for a consumer that reads only the checkpoint packing (a peer library's kernels)."""
+    from latency_specialized.quant.codecs import unpair_codes
+
+    if q.fmt.packing != "paired":
+        return q
+    return replace(q, fmt=QuantFormat.get(q.fmt.name[:-len(PAIRED_SUFFIX)]), weight=unpair_codes(q.weight))
 
 
 def take_rows(q: QuantizedWeight, index: torch.Tensor) -> QuantizedWeight:

@@ -81,3 +81,28 @@ def test_kernels_of_the_checkpoint_packing_refuse_it_and_the_experts_serve_it(ge
     assert {"mxfp4/pairs", "mxfp4-deepseek/pairs", "nvfp4/pairs"} <= set(moe_experts_mma.FORMATS_Q4)
     *_, fields = moe_experts_mma.expert_parts(p, "test")
     assert fields == dict(weights="mxfp4", paired=True)
+
+
+def test_derived_paired_format_names_resolve_and_the_switch_pairs_e2m1_experts_only(gen, monkeypatch):
+    """``QuantFormat.get('<e2m1 fmt>/pairs')`` is the paired derived format (bytes per value unchanged), refused for
+    FP8; ``latent_moe.arrange_experts`` pairs e2m1 experts under ``PAIR_EXPERT_CODES`` only, and
+    ``checkpoint_nibbles`` undoes it bit for bit."""
+    from latency_specialized.ops.sites import stored_bytes_per_value
+    from latency_specialized.pieces.ffn import latent_moe
+    from latency_specialized.quant.formats import QuantFormat
+
+    f = QuantFormat.get("nvfp4/pairs")
+    assert f.packing == "paired" and f.name == "nvfp4/pairs" and f.block == QuantFormat.get("nvfp4").block
+    assert stored_bytes_per_value("mxfp4/pairs") == stored_bytes_per_value("mxfp4")
+    with pytest.raises(UserError, match="not e2m1"):
+        QuantFormat.get("fp8-block-128/pairs")
+    w13 = quantize_weight("w13", torch.randn(3, 64, 128, generator=gen), "mxfp4-deepseek")
+    w2 = quantize_weight("w2", torch.randn(3, 128, 32, generator=gen), "mxfp4-deepseek")
+    assert latent_moe.arrange_experts(w13, w2) == {"w13": w13, "w2": w2}
+    fp8 = quantize_weight("w", torch.randn(2, 128, 128, generator=gen), "fp8-block-128")
+    monkeypatch.setattr(latent_moe, "PAIR_EXPERT_CODES", True)
+    assert latent_moe.arrange_experts(fp8, fp8)["w13"] is fp8
+    got = latent_moe.arrange_experts(w13, w2)
+    assert got["w13"].fmt.name == "mxfp4-deepseek/pairs" and got["w2"].fmt.packing == "paired"
+    back = layout.checkpoint_nibbles(got["w13"])
+    assert back.fmt == w13.fmt and torch.equal(back.weight.view(torch.uint8), w13.weight.view(torch.uint8))

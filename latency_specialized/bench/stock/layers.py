@@ -55,7 +55,10 @@ def _humming_experts(w13: QuantizedWeight, w2: QuantizedWeight, act: ActivationS
     ours (UserError for another format or activation)."""
     from latency_specialized.bench.peers.humming_mxfp4 import HummingMxfp4MoE
     from latency_specialized.errors import UserError
+    from latency_specialized.quant.layout import checkpoint_nibbles
 
+    # ours may hold them in the paired layout (pieces.ffn.latent_moe.PAIR_EXPERT_CODES): humming reads the checkpoint's
+    w13, w2 = checkpoint_nibbles(w13), checkpoint_nibbles(w2)
     if w13.fmt.name != "mxfp4" or w2.fmt.name != "mxfp4":
         raise UserError(f"stock routed experts kept quantized: MXFP4 only (vLLM 0.33 runs it through humming on "
                         f"Hopper), got {w13.fmt.name}")

@@ -44,6 +44,9 @@ import torch
 from latency_specialized.errors import UserError
 from latency_specialized.ops.sites import SiteBuilder
 from latency_specialized.ops.tp_moe import gather_parts
+from latency_specialized.quant import layout as quant_layout
+from latency_specialized.quant.checkpoint_io import QuantizedWeight
+from latency_specialized.quant.formats import PAIRED_SUFFIX, QuantFormat
 from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl, join
 from latency_specialized.runtime.side_stream import SideStream
 from latency_specialized.spec import ModelSpec, MoESpec, RouterSpec
@@ -63,6 +66,13 @@ layer bench (TP8 shard): batch 2-64 gained 2.7-9 us per layer; batch 1 lost ~1.7
 then starts only after the AttnRes kernel completes instead of early under PDL, and the router waits
 on two branches), so batch 1 keeps them in one stream."""
 
+PAIR_EXPERT_CODES = False
+"""Routed experts kept in an e2m1 format (MXFP4, NVFP4) are rearranged once, when the program arranges its weights,
+into the paired layout (``quant.layout.paired_nibbles``: the mma kernels decode it in fewer instructions; every
+4-bit experts kernel reads it) and their site's ``weight_format`` names ``<fmt>/pairs``. One more copy of ``w2`` per
+layer while the caller's tensors are alive (``w13`` is a joined copy already). Off until a layer A/B on a GPU:
+``--ab paired:latency_specialized.pieces.ffn.latent_moe.PAIR_EXPERT_CODES=True``."""
+
 _ROUTER_DEFAULTS = RouterSpec(score_func="sigmoid")
 
 
@@ -76,10 +86,25 @@ def router_attrs(r: RouterSpec) -> dict[str, Any]:
     return attrs
 
 
+def _paired(fmt: str | None) -> bool:
+    return bool(PAIR_EXPERT_CODES and fmt and QuantFormat.get(fmt).element == "e2m1")
+
+
 def expert_format_attrs(f: MoESpec) -> dict[str, Any]:
-    """The ``moe.experts`` site's ``weight_format`` where the experts stay quantized (``MoESpec.expert_format``):
-    the bf16 implementations refuse such a site, the 4-bit ones take it."""
-    return {"weight_format": f.expert_format} if f.expert_format else {}
+    """The ``moe.experts`` site's ``weight_format`` where the experts stay quantized (``MoESpec.expert_format``,
+    ``/pairs`` appended under ``PAIR_EXPERT_CODES``): the bf16 implementations refuse such a site, the 4-bit ones
+    take it."""
+    if not f.expert_format:
+        return {}
+    return {"weight_format": f.expert_format + (PAIRED_SUFFIX if _paired(f.expert_format) else "")}
+
+
+def arrange_experts(w13: "torch.Tensor | QuantizedWeight", w2: "torch.Tensor | QuantizedWeight") -> dict[str, Any]:
+    """``{"w13", "w2"}`` as the ``moe.experts`` site takes them (:func:`expert_format_attrs`): e2m1 experts in the
+    paired layout under ``PAIR_EXPERT_CODES``, anything else as given."""
+    if isinstance(w13, QuantizedWeight) and isinstance(w2, QuantizedWeight) and _paired(w13.fmt.name):
+        return {"w13": quant_layout.paired_nibbles(w13), "w2": quant_layout.paired_nibbles(w2)}
+    return {"w13": w13, "w2": w2}
 
 
 @functools.lru_cache(maxsize=64)
@@ -231,7 +256,7 @@ class LatentMoE:
         gate_down = torch.cat([w["router"], w["latent_down"]])
         n_gate = w["router"].shape[0]
         out = {"gate_down": gate_down, "gate": gate_down[:n_gate], "down": gate_down[n_gate:],
-               "w13": join([w["experts.w1"], w["experts.w3"]], dim=1), "w2": w["experts.w2"],
+               **arrange_experts(join([w["experts.w1"], w["experts.w3"]], dim=1), w["experts.w2"]),
                "up": w["latent_up"]}
         for name in ("router_bias", "latent_in_norm", "latent_norm", "post_expert_norm"):
             if name in w:

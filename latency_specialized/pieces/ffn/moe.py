@@ -32,7 +32,7 @@ import torch
 from latency_specialized.errors import UserError
 from latency_specialized.ops.sites import SiteBuilder
 from latency_specialized.ops.tp_moe import gather_parts
-from latency_specialized.pieces.ffn.latent_moe import expert_format_attrs, router_attrs
+from latency_specialized.pieces.ffn.latent_moe import arrange_experts, expert_format_attrs, router_attrs
 from latency_specialized.runtime.pieces_api import StateDecl, StepContext, WeightDecl, join, with_stored
 from latency_specialized.spec import ModelSpec, MoESpec
 
@@ -103,8 +103,8 @@ class RoutedMoE:
 
     def arrange(self, w: Mapping[str, torch.Tensor], rank_spec: ModelSpec) -> dict[str, torch.Tensor]:
         out = {"router": w["router"].contiguous(),
-               "w13": join([w["experts.w1"], w["experts.w3"]], dim=1).contiguous(),
-               "w2": w["experts.w2"].contiguous()}
+               **arrange_experts(join([w["experts.w1"], w["experts.w3"]], dim=1).contiguous(),
+                                 w["experts.w2"].contiguous())}
         if "router_bias" in w:
             out["router_bias"] = w["router_bias"]
         if self.spec.num_shared_experts:

@@ -116,6 +116,42 @@ def test_checkpoint_experts_are_kept_as_stored_and_generate_the_same_tokens(tmp_
     assert plain and native == plain
 
 
+def test_paired_expert_codes_switch_rearranges_once_and_keeps_the_tokens(tmp_path, capsys, monkeypatch):
+    """``latent_moe.PAIR_EXPERT_CODES``: the sites name ``mxfp4/pairs`` (served by the 4-bit kernels at every bucket
+    on sm_90), the program binds the experts in the paired layout (the same values), and ``generate`` gives the
+    tokens it gives without the switch; ``checkpoint_nibbles`` (what the stock bench hands humming) undoes it."""
+    from latency_specialized.pieces.ffn import latent_moe
+
+    d = tmp_path / "k3"
+    assert main(["make-checkpoint", "kimi_k3", "--size", "tiny", "--experts", "mxfp4", str(d)]) == 0
+    args = ["generate", "--model", "kimi_k3", "--checkpoint", str(d), "--experts", "native", "--prompt-ids", "5,9,11",
+            "--max-tokens", "6", "--device", "cpu"]
+    assert main(args) == 0
+    plain = ids(capsys.readouterr().out)
+    monkeypatch.setattr(latent_moe, "PAIR_EXPERT_CODES", True)
+    adapter = get_registry().adapter("kimi_k3")
+    spec = adapter.spec("medium").with_expert_format("mxfp4")
+    reg = get_registry().implementations
+    for batch in (1, 8, 64):
+        plan = build_plan(SpecBoundAdapter(adapter, spec), reg, hardware.for_arch("sm_90"), tp=1, batch=batch,
+                          dtype="bfloat16", variant="medium")
+        experts = [c for c in plan.choices if c.site.name.endswith("moe.experts")]
+        assert experts and all(c.site.ctx.attr("weight_format") == "mxfp4/pairs" for c in experts)
+        assert all(c.impl.name != "moe.experts.reference" for c in experts), batch
+    ref = adapter.reference(None, checkpoint=d, dtype="float32", expert_format="native")
+    cpu_plan = build_plan(SpecBoundAdapter(adapter, ref.spec), reg, hardware.for_arch("cpu"), tp=1, batch=1,
+                          dtype="float32", variant="tiny")
+    program = adapter.program(ref.spec, plans=cpu_plan, cache=ref.new_cache(1, 16), reference=ref)
+    ffn = [w["ffn"] for w in program.w_layers if "w13" in w.get("ffn", {})]
+    assert ffn
+    for f in ffn:
+        assert f["w13"].fmt.name == "mxfp4/pairs" and f["w2"].fmt.packing == "paired"
+        back = layout.checkpoint_nibbles(f["w2"])
+        assert back.fmt.name == "mxfp4" and torch.equal(back.dequantize(), f["w2"].dequantize())
+    assert main(args) == 0
+    assert ids(capsys.readouterr().out) == plain
+
+
 def test_experts_native_refusals(tmp_path, capsys):
     d = tmp_path / "bf16"
     assert main(["make-checkpoint", "kimi_k3", "--size", "tiny", str(d)]) == 0
