@@ -4,13 +4,16 @@
 # priority order, so a call stopped at the limit keeps the steps before; results tarred per step (the device returns
 # <= 8 files):
 #   source scripts/device_env.sh >/dev/null 2>&1; timeout 575 bash benchmarks/scripts/pending_measurements.sh
-# Steps (STEPS, default prof,gemm,credit,dsv,q4) - session 42's plan for session 43:
+# Steps (STEPS, default prof,gemm,paired,credit,dsv,q4) - session 42's plan, not run in session 43 (no machine came),
+# with session 43's paired step:
 #   prof   DeepSeek-V4.1-Flash TP8 window and c2_idx at batch 1: one replay's kernels in order (profile_layer.py
 #          --timeline): where the 92 / 150 us go now (14 / 20 kernels against 31.6 / 32.9 us of bytes on an H100)
 #   gemm   the DeepSeek-V4.1-Flash attention projections at M 1 and 8 on this card (bench-ops --shapes, written to
 #          $OUT only; gemm/table.json is the committed table with these cells merged, to adopt or not here): session
 #          40's H100 timeline had the 18 MB input projection at ~11 us in the layer, the H200
 #          cell 6.2 us alone
+#   paired Kimi K3 kda / mla layers with MXFP4 experts at batch 1, 8, 64: the experts in the paired layout
+#          (pieces.ffn.latent_moe.PAIR_EXPERT_CODES, off) against the checkpoint packing, stock on humming beside
 #   credit the norm-site credit (tuning.NORM_SITE_CREDIT_US=1.5) on the other models' norm sites at batch 1 and 8
 #          (GLM-5.3 moe, Kimi K3 kda / mla, Muse Spark swa): even on DeepSeek-V4.1-Flash in session 42, one kernel
 #          fewer on its index layers; on only if no model loses
@@ -20,7 +23,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/ls_out}
 export LS_KERNEL_CACHE_DIR=${LS_KERNEL_CACHE_DIR:-/tmp/ls_kcache} CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
-STEPS=${STEPS:-prof,gemm,credit,dsv,q4}
+STEPS=${STEPS:-prof,gemm,paired,credit,dsv,q4}
 W=$(mktemp -d)
 t0=$(date +%s)
 step() { [[ ",$STEPS," == *",$1,"* ]]; }
@@ -41,6 +44,13 @@ if step gemm; then
     --m 1,8 --shapes 1792:5120,2848:5120,4096:1280,8192:1280,5120:1024 --out "$W/gemm" \
     --write-table "$W/gemm/table.json" --merge-table > "$W/gemm/gemm.log" 2>&1
   pack gemm $?; grep -h "^| " "$W"/gemm/*.md | head -24
+fi
+if step paired; then
+  mkdir -p "$W/paired"
+  timeout "${PAIRED_S:-150}" "${BENCH[@]}" --model kimi_k3 --experts mxfp4 --kinds kda,mla --batch 1,8,64 \
+    --out "$W/paired" --ab base --ab paired:latency_specialized.pieces.ffn.latent_moe.PAIR_EXPERT_CODES=True \
+    > "$W/paired/paired.log" 2>&1; rc=$?
+  rm -rf "$W"/paired/ab_runs; pack paired "$rc"; grep -h "^| [a-z_]* | [0-9]" "$W"/paired/ab.md
 fi
 if step credit; then
   mkdir -p "$W/credit"; rc=0
