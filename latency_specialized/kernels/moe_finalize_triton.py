@@ -13,8 +13,8 @@ one [top_k, N] tile, so every load is issued before the one block reduction; wid
 there each row's loads wait for the previous row's reduction (a barrier the compiler does not move loads across:
 one dependent DRAM round trip per route; ``kernels/NOTES.md``, session 38).
 
-Bytes (Muse TP8 rank: N 4096, top-8, bf16): 64 KiB in + 8 KiB out per token; M = 64 moves 4.7 MB
-(~1.1 us at 4.3 TB/s), M = 1 is latency-bound (one program). Measurements: ``kernels/NOTES.md``.
+Bytes (Muse TP8 rank: N 4096, top-8, bf16): 64 KiB in + 8 KiB out per token; M = 64 moves 4.7 MB (about a
+microsecond of HBM time), M = 1 is latency-bound (one program). Measurements: ``kernels/NOTES.md``.
 """
 
 from __future__ import annotations

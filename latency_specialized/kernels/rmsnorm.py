@@ -2,7 +2,7 @@
 gains, weightless) in one pass.
 
 One read of x (and residual, gate, weight), one write of y (and the new residual h): at batch 64
-and hidden 7168 that is ~3.7 MB, 0.86 us at 4.3 TB/s, so the kernel is all about latency: every
+and hidden 7168 that is ~3.7 MB, about a microsecond of HBM time, so the kernel is all about latency: every
 load a thread will ever make is issued up front (one or two 16-byte vectors per tensor per thread),
 the weights even before ``griddepcontrol.wait`` (they do not depend on the previous kernel), and
 a row is spread over up to 1024 threads - or over a *cluster* of 2-4 CTAs, whose partial sums of
