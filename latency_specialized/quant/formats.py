@@ -136,11 +136,22 @@ class QuantFormat:
         except KeyError:
             raise UserError(f"unknown quantized format {name!r}: use one of {', '.join(FORMATS)} (e2m1 ones also "
                             f"with {PAIRED_SUFFIX})") from None
-        if not paired:
-            return f
-        if f.element != "e2m1":
-            raise UserError(f"{name}: the paired layout rearranges e2m1 codes; {base} is not e2m1")
-        return replace(f, name=name, packing="paired")
+        return f.paired() if paired else f
+
+    def paired(self) -> "QuantFormat":
+        """The derived ``<name>/pairs`` format: e2m1 codes rearranged within each 32-bit word (``packing``); the one
+        place it is built (``get``, ``quant.layout.paired_nibbles``). UserError for a format that is not e2m1 as
+        checkpoints pack it."""
+        if self.element != "e2m1" or self.packing != "low-first":
+            raise UserError(f"{self.name}: the paired layout rearranges e2m1 codes as checkpoints pack them; "
+                            f"{self.name} is not that (not e2m1, or paired already)")
+        return replace(self, name=self.name + PAIRED_SUFFIX, packing="paired")
+
+    def checkpoint_packing(self) -> "QuantFormat":
+        """The format :meth:`paired` derived this one from (itself if it is not paired)."""
+        if self.packing != "paired":
+            return self
+        return replace(self, name=self.name[:-len(PAIRED_SUFFIX)], packing="low-first")
 
 
 MXFP4 = QuantFormat(

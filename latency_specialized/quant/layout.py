@@ -18,7 +18,6 @@ import torch
 
 from latency_specialized.errors import UserError
 from latency_specialized.quant.checkpoint_io import QuantizedWeight
-from latency_specialized.quant.formats import PAIRED_SUFFIX, QuantFormat
 
 
 def _bytes_op(op, ts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -100,10 +99,11 @@ def paired_nibbles(q: QuantizedWeight) -> QuantizedWeight:
     checkpoint packing refuse it by name. Cuts, joins and stacks keep it (they move whole words)."""
     from latency_specialized.quant.codecs import pair_codes
 
-    if q.fmt.element != "e2m1" or q.fmt.packing != "low-first":
-        raise UserError(f"{q.name}: the paired layout rearranges e2m1 codes as checkpoints pack them; "
-                        f"{q.fmt.name} is not that")
-    return replace(q, fmt=QuantFormat.get(q.fmt.name + PAIRED_SUFFIX), weight=pair_codes(q.weight))
+    try:
+        fmt = q.fmt.paired()
+    except UserError as e:
+        raise UserError(f"{q.name}: {e}") from None
+    return replace(q, fmt=fmt, weight=pair_codes(q.weight))
 
 
 def checkpoint_nibbles(q: QuantizedWeight) -> QuantizedWeight:
@@ -113,7 +113,7 @@ def checkpoint_nibbles(q: QuantizedWeight) -> QuantizedWeight:
 
     if q.fmt.packing != "paired":
         return q
-    return replace(q, fmt=QuantFormat.get(q.fmt.name[:-len(PAIRED_SUFFIX)]), weight=unpair_codes(q.weight))
+    return replace(q, fmt=q.fmt.checkpoint_packing(), weight=unpair_codes(q.weight))
 
 
 def take_rows(q: QuantizedWeight, index: torch.Tensor) -> QuantizedWeight:
