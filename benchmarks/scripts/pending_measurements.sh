@@ -13,7 +13,8 @@
 #          40's H100 timeline had the 18 MB input projection at ~11 us in the layer, the H200
 #          cell 6.2 us alone
 #   paired Kimi K3 kda / mla layers with MXFP4 experts at batch 1, 8, 64: the experts in the paired layout
-#          (pieces.ffn.latent_moe.PAIR_EXPERT_CODES, off) against the checkpoint packing, stock on humming beside
+#          (pieces.ffn.latent_moe.PAIR_EXPERT_CODES, on since session 44) against the checkpoint packing, stock on
+#          humming beside
 #   credit the norm-site credit (tuning.NORM_SITE_CREDIT_US=1.5) on the other models' norm sites at batch 1 and 8
 #          (GLM-5.3 moe, Kimi K3 kda / mla, Muse Spark swa): even on DeepSeek-V4.1-Flash in session 42, one kernel
 #          fewer on its index layers; on only if no model loses
@@ -48,7 +49,7 @@ fi
 if step paired; then
   mkdir -p "$W/paired"
   timeout "${PAIRED_S:-150}" "${BENCH[@]}" --model kimi_k3 --experts mxfp4 --kinds kda,mla --batch 1,8,64 \
-    --out "$W/paired" --ab base --ab paired:latency_specialized.pieces.ffn.latent_moe.PAIR_EXPERT_CODES=True \
+    --out "$W/paired" --ab paired --ab checkpoint:latency_specialized.pieces.ffn.latent_moe.PAIR_EXPERT_CODES=False \
     > "$W/paired/paired.log" 2>&1; rc=$?
   rm -rf "$W"/paired/ab_runs; pack paired "$rc"; grep -h "^| [a-z_]* | [0-9]" "$W"/paired/ab.md
 fi

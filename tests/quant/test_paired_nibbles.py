@@ -98,6 +98,7 @@ def test_derived_paired_format_names_resolve_and_the_switch_pairs_e2m1_experts_o
         QuantFormat.get("fp8-block-128/pairs")
     w13 = quantize_weight("w13", torch.randn(3, 64, 128, generator=gen), "mxfp4-deepseek")
     w2 = quantize_weight("w2", torch.randn(3, 128, 32, generator=gen), "mxfp4-deepseek")
+    monkeypatch.setattr(latent_moe, "PAIR_EXPERT_CODES", False)
     assert latent_moe.arrange_experts(w13, w2) == {"w13": w13, "w2": w2}
     fp8 = quantize_weight("w", torch.randn(2, 128, 128, generator=gen), "fp8-block-128")
     monkeypatch.setattr(latent_moe, "PAIR_EXPERT_CODES", True)

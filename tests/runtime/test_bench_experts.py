@@ -44,9 +44,10 @@ def test_mxfp4_cells_bind_quantized_experts_and_count_their_bytes(kind, cpu_benc
                                           steps=40, experts="mxfp4")
     prog = ours.built[2].program
     w13, w2 = prog.w_layers[0]["ffn"]["w13"], prog.w_layers[0]["ffn"]["w2"]
-    assert isinstance(w13, QuantizedWeight) and isinstance(w2, QuantizedWeight) and w13.fmt.name == "mxfp4"
+    # the experts in the paired layout (pieces.ffn.latent_moe.PAIR_EXPERT_CODES), same bytes per value
+    assert isinstance(w13, QuantizedWeight) and isinstance(w2, QuantizedWeight) and w13.fmt.name == "mxfp4/pairs"
     site = next(c for p in prog.plans.values() for c in p.choices if c.site.name.endswith("moe.experts"))
-    assert site.site.ctx.attr("weight_format") == "mxfp4"
+    assert site.site.ctx.attr("weight_format") == "mxfp4/pairs"
     pairs = ours.expert_weights(2)
     assert all(isinstance(a, QuantizedWeight) and isinstance(b, QuantizedWeight) for a, b in pairs)
     cell = _cell(cfg, full, bk, kind, 2, context, ours, lambda s: None, _build_fake_stock, device=cpu)

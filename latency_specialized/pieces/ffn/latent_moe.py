@@ -66,12 +66,13 @@ layer bench (TP8 shard): batch 2-64 gained 2.7-9 us per layer; batch 1 lost ~1.7
 then starts only after the AttnRes kernel completes instead of early under PDL, and the router waits
 on two branches), so batch 1 keeps them in one stream."""
 
-PAIR_EXPERT_CODES = False
+PAIR_EXPERT_CODES = True
 """Routed experts kept in an e2m1 format (MXFP4, NVFP4) are rearranged once, when the program arranges its weights,
 into the paired layout (``quant.layout.paired_nibbles``: the mma kernels decode it in fewer instructions; every
 4-bit experts kernel reads it) and their site's ``weight_format`` names ``<fmt>/pairs``. One more copy of ``w2`` per
-layer while the caller's tensors are alive (``w13`` is a joined copy already). Off until a layer A/B on a GPU:
-``--ab paired:latency_specialized.pieces.ffn.latent_moe.PAIR_EXPERT_CODES=True``."""
+layer while the caller's tensors are alive (``w13`` is a joined copy already). On since session 44 (the layer A/B's
+are in ``kernels/NOTES_q4.md``); the checkpoint packing back for an A/B:
+``--ab checkpoint:latency_specialized.pieces.ffn.latent_moe.PAIR_EXPERT_CODES=False``."""
 
 _ROUTER_DEFAULTS = RouterSpec(score_func="sigmoid")
 

@@ -21,7 +21,7 @@ from latency_specialized.quant import layout
 from latency_specialized.runtime.composed import shard_weight
 from latency_specialized.runtime.pieces_api import WeightDecl
 
-from tests.models.kept_experts import assert_program_binds_kept_experts, generate_in_one_graph, ids
+from tests.models.kept_experts import assert_program_binds_kept_experts, generate_in_one_graph, ids, site_format
 
 
 def _q(shape: tuple[int, ...], fmt: str, seed: int) -> quant.QuantizedWeight:
@@ -86,7 +86,7 @@ def test_spec_and_sites_carry_the_kept_format():
                 plan = build_plan(SpecBoundAdapter(adapter, spec), reg, hardware.for_arch("sm_90"), tp=1,
                                   batch=batch, dtype="bfloat16", variant="medium")
             experts = [c for c in plan.choices if c.site.name.endswith("moe.experts")]
-            assert experts and all(c.site.ctx.attr("weight_format") == "mxfp4" for c in experts)
+            assert experts and all(c.site.ctx.attr("weight_format") == site_format("mxfp4") for c in experts)
             want = experts_mma.NAME if mma_on and cute_available() is True else triton_impl
             assert {c.impl.name for c in experts} == {want}
 
@@ -126,6 +126,7 @@ def test_paired_expert_codes_switch_rearranges_once_and_keeps_the_tokens(tmp_pat
     assert main(["make-checkpoint", "kimi_k3", "--size", "tiny", "--experts", "mxfp4", str(d)]) == 0
     args = ["generate", "--model", "kimi_k3", "--checkpoint", str(d), "--experts", "native", "--prompt-ids", "5,9,11",
             "--max-tokens", "6", "--device", "cpu"]
+    monkeypatch.setattr(latent_moe, "PAIR_EXPERT_CODES", False)
     assert main(args) == 0
     plain = ids(capsys.readouterr().out)
     monkeypatch.setattr(latent_moe, "PAIR_EXPERT_CODES", True)
