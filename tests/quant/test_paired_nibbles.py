@@ -103,6 +103,9 @@ def test_derived_paired_format_names_resolve_and_the_switch_pairs_e2m1_experts_o
     fp8 = quantize_weight("w", torch.randn(2, 128, 128, generator=gen), "fp8-block-128")
     monkeypatch.setattr(latent_moe, "PAIR_EXPERT_CODES", True)
     assert latent_moe.arrange_experts(fp8, fp8)["w13"] is fp8
+    # a derived FP8 form (one scale per row: GLM-5.3's tiny experts, joined along N) passes through as well
+    rows = layout.row_scaled(fp8)
+    assert rows.fmt.name == "fp8-block-128/rows" and latent_moe.arrange_experts(rows, rows)["w2"] is rows
     got = latent_moe.arrange_experts(w13, w2)
     assert got["w13"].fmt.name == "mxfp4-deepseek/pairs" and got["w2"].fmt.packing == "paired"
     back = layout.checkpoint_nibbles(got["w13"])

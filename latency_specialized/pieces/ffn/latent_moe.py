@@ -87,8 +87,9 @@ def router_attrs(r: RouterSpec) -> dict[str, Any]:
     return attrs
 
 
-def _paired(fmt: str | None) -> bool:
-    return bool(PAIR_EXPERT_CODES and fmt and QuantFormat.get(fmt).element == "e2m1")
+def _paired(fmt: QuantFormat) -> bool:
+    # the format object, not its name: derived names (``<fmt>/rows``, quant.layout.row_scaled) do not resolve by name
+    return PAIR_EXPERT_CODES and fmt.element == "e2m1" and fmt.packing == "low-first"
 
 
 def expert_format_attrs(f: MoESpec) -> dict[str, Any]:
@@ -97,13 +98,13 @@ def expert_format_attrs(f: MoESpec) -> dict[str, Any]:
     take it."""
     if not f.expert_format:
         return {}
-    return {"weight_format": f.expert_format + (PAIRED_SUFFIX if _paired(f.expert_format) else "")}
+    return {"weight_format": f.expert_format + (PAIRED_SUFFIX if _paired(QuantFormat.get(f.expert_format)) else "")}
 
 
 def arrange_experts(w13: "torch.Tensor | QuantizedWeight", w2: "torch.Tensor | QuantizedWeight") -> dict[str, Any]:
     """``{"w13", "w2"}`` as the ``moe.experts`` site takes them (:func:`expert_format_attrs`): e2m1 experts in the
     paired layout under ``PAIR_EXPERT_CODES``, anything else as given."""
-    if isinstance(w13, QuantizedWeight) and isinstance(w2, QuantizedWeight) and _paired(w13.fmt.name):
+    if isinstance(w13, QuantizedWeight) and isinstance(w2, QuantizedWeight) and _paired(w13.fmt):
         return {"w13": quant_layout.paired_nibbles(w13), "w2": quant_layout.paired_nibbles(w2)}
     return {"w13": w13, "w2": w2}
 
