@@ -4,27 +4,27 @@
 # priority order, so a call stopped at the limit keeps the steps before; results tarred per step (the device returns
 # <= 8 files):
 #   source scripts/device_env.sh >/dev/null 2>&1; timeout 575 bash benchmarks/scripts/pending_measurements.sh
-# Steps (STEPS, default prof,gemm,paired,credit,dsv,q4) - session 42's plan, not run in session 43 (no machine came),
-# with session 43's paired step:
+# Steps (STEPS, default prof,dsvab,muse,paired,credit,q4) - session 44's plan (its own run of session 43's
+# steps: benchmarks/results/h100/session44/; gemm and dsv stay available by name):
 #   prof   DeepSeek-V4.1-Flash TP8 window and c2_idx at batch 1: one replay's kernels in order (profile_layer.py
-#          --timeline): where the 92 / 150 us go now (14 / 20 kernels against 31.6 / 32.9 us of bytes on an H100)
-#   gemm   the DeepSeek-V4.1-Flash attention projections at M 1 and 8 on this card (bench-ops --shapes, written to
-#          $OUT only; gemm/table.json is the committed table with these cells merged, to adopt or not here): session
-#          40's H100 timeline had the 18 MB input projection at ~11 us in the layer, the H200
-#          cell 6.2 us alone
-#   paired Kimi K3 kda / mla layers with MXFP4 experts at batch 1, 8, 64: the experts in the paired layout
-#          (pieces.ffn.latent_moe.PAIR_EXPERT_CODES, on since session 44) against the checkpoint packing, stock on
-#          humming beside
-#   credit the norm-site credit (tuning.NORM_SITE_CREDIT_US=1.5) on the other models' norm sites at batch 1 and 8
-#          (GLM-5.3 moe, Kimi K3 kda / mla, Muse Spark swa): even on DeepSeek-V4.1-Flash in session 42, one kernel
-#          fewer on its index layers; on only if no model loses
-#   dsv    DeepSeek-V4.1-Flash window / c2_idx at batch 1 and 8 with stock (the sparse MQA split without the early
-#          tile branch: same code path as session 42's default)
+#          --timeline): session 44's c2_idx had the indexer's select kernel at 31 us (a resident 8192-wide tile for
+#          2048 live rows) and two sum-only all-reduce stand-ins per layer; both changed since
+#   dsvab  DeepSeek-V4.1-Flash c2_idx at batch 1 / 8 with the indexer on the compressed rows' table
+#          (pieces.attention.sparse_mqa.INDEX_COMPRESSED_TABLE, on) against the whole table; window at batch 1 / 8
+#          with the sum-only all-reduces left out (runtime.harness.SUM_ONLY_KERNEL False) against the one-rank
+#          kernel there (the bench before session 44)
+#   muse   Muse Spark swa at batch 1 / 8, the same SUM_ONLY_KERNEL A/B (its gated residual's all-reduces)
+#   paired Kimi K3 kda / mla layers with MXFP4 experts at batch 64: the paired layout (on since session 44)
+#          against the checkpoint packing (session 44 measured batch 1 / 8, session 43 mla batch 1 / 64)
+#   credit the norm-site credit (tuning.NORM_SITE_CREDIT_US=1.5) on Kimi K3 kda / mla at batch 1 and 8 (GLM-5.3 moe
+#          and Muse Spark swa measured in session 44: -0.6 / 0.0 us, one run)
 #   q4     the MXFP4 experts at 1, 8, 64 tokens, default / paired / paired_dn_a1 beside humming
+#   gemm   the DeepSeek-V4.1-Flash attention projections at M 1 and 8 (bench-ops --shapes; session 44 ran it)
+#   dsv    DeepSeek-V4.1-Flash window / c2_idx at batch 1 and 8 with stock, no A/B
 set -o pipefail
 OUT=${OUT:-/tmp/ls_out}
 export LS_KERNEL_CACHE_DIR=${LS_KERNEL_CACHE_DIR:-/tmp/ls_kcache} CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
-STEPS=${STEPS:-prof,gemm,paired,credit,dsv,q4}
+STEPS=${STEPS:-prof,dsvab,muse,paired,credit,q4}
 W=$(mktemp -d)
 t0=$(date +%s)
 step() { [[ ",$STEPS," == *",$1,"* ]]; }
@@ -46,9 +46,25 @@ if step gemm; then
     --write-table "$W/gemm/table.json" --merge-table > "$W/gemm/gemm.log" 2>&1
   pack gemm $?; grep -h "^| " "$W"/gemm/*.md | head -24
 fi
+if step dsvab; then
+  mkdir -p "$W/dsvab/c2" "$W/dsvab/window"; rc=0
+  timeout "${DSVAB_S:-120}" "${BENCH[@]}" --model deepseek_v41_flash --kinds c2_idx --batch 1,8 --out "$W/dsvab/c2" \
+    --ab base --ab whole:latency_specialized.pieces.attention.sparse_mqa.INDEX_COMPRESSED_TABLE=False \
+    > "$W/dsvab/c2.log" 2>&1 || rc=$?
+  timeout "${DSVAB_S:-120}" "${BENCH[@]}" --model deepseek_v41_flash --kinds window --batch 1,8 \
+    --out "$W/dsvab/window" --ab base --ab kernel:latency_specialized.runtime.harness.SUM_ONLY_KERNEL=True \
+    > "$W/dsvab/window.log" 2>&1 || rc=$?
+  rm -rf "$W"/dsvab/*/ab_runs; pack dsvab "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W"/dsvab/*/ab.md
+fi
+if step muse; then
+  mkdir -p "$W/muse"
+  timeout "${MUSE_S:-100}" "${BENCH[@]}" --model muse_spark --kinds swa --batch 1,8 --out "$W/muse" \
+    --ab base --ab kernel:latency_specialized.runtime.harness.SUM_ONLY_KERNEL=True > "$W/muse/muse.log" 2>&1
+  rc=$?; rm -rf "$W"/muse/ab_runs; pack muse "$rc"; grep -h "^| [a-z_]* | [0-9]" "$W"/muse/ab.md
+fi
 if step paired; then
   mkdir -p "$W/paired"
-  timeout "${PAIRED_S:-150}" "${BENCH[@]}" --model kimi_k3 --experts mxfp4 --kinds kda,mla --batch 1,8,64 \
+  timeout "${PAIRED_S:-150}" "${BENCH[@]}" --model kimi_k3 --experts mxfp4 --kinds kda,mla --batch 64 \
     --out "$W/paired" --ab paired --ab checkpoint:latency_specialized.pieces.ffn.latent_moe.PAIR_EXPERT_CODES=False \
     > "$W/paired/paired.log" 2>&1; rc=$?
   rm -rf "$W"/paired/ab_runs; pack paired "$rc"; grep -h "^| [a-z_]* | [0-9]" "$W"/paired/ab.md
@@ -60,7 +76,7 @@ if step credit; then
     timeout "${CREDIT_S:-80}" "${BENCH[@]}" --model "$1" --kinds "$2" --out "$W/credit/$1" "${CR[@]}" \
       >> "$W/credit/credit.log" 2>&1 || rc=$?
   }
-  credit glm53 moe; credit kimi_k3 kda,mla; credit muse_spark swa
+  credit kimi_k3 kda,mla
   rm -rf "$W"/credit/*/ab_runs; pack credit "$rc"; grep -h "^| [a-z_]* | [0-9]" "$W"/credit/*/ab.md
 fi
 if step dsv; then

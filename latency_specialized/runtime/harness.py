@@ -23,6 +23,10 @@ from latency_specialized.trace import Trace
 
 LOCAL_ALLREDUCE = "allreduce.cutedsl_local"
 """The one-rank fused residual (+RMSNorm) implementation of the ``allreduce`` family."""
+SUM_ONLY_KERNEL = False
+"""``exclude_communication`` at a sum-only all-reduce: False leaves it out (the partial is the sum, as stock's);
+True runs the one-rank kernel there too (a copy through zeros; what the bench did before session 44, for an A/B:
+``--ab kernel:latency_specialized.runtime.harness.SUM_ONLY_KERNEL=True``)."""
 
 
 def make_runner(program: Any, buffers: DecodeBuffers, *, buckets: Sequence[int] | None = None,
@@ -60,12 +64,34 @@ class SpecBoundAdapter:
         return self._base.op_sites(spec, parallel, *args, **kw)
 
 
-def exclude_communication(program: Any, registry: Any = None) -> int:
-    """Bind every all-reduce site of ``program`` to the one-rank fused kernel (communication left out,
-    for a one-GPU bench of a TP rank); returns the number of sites rebound (counted over buckets).
+def _sums_only(program: Any, site: str, bucket: int) -> bool:
+    """True for an all-reduce site that only sums the ranks' partials (attrs: no residual, no norm)."""
+    plan = getattr(program, "plans", {}).get(bucket)
+    try:
+        ctx = plan.choice(site).site.ctx
+    except (AttributeError, KeyError):
+        return False
+    return not ctx.attr("residual") and not ctx.attr("norm")
 
-    The rank's partial sums are added to the residual as if the other ranks contributed zero: the
-    kernel does the same memory traffic as the real fused all-reduce minus the peer exchange."""
+
+def _one_rank_sum(partial: torch.Tensor, residual: Any, weight: Any, eps: float, *, comm: Any = None,
+                  out: Any = None, **kw: Any) -> tuple[None, torch.Tensor]:
+    """A sum-only all-reduce of one rank with the exchange left out: the partial itself (no kernel)."""
+    if out is not None and out[1] is not None:
+        out[1].copy_(partial)
+        return None, out[1]
+    return None, partial
+
+
+def exclude_communication(program: Any, registry: Any = None) -> int:
+    """Bind every all-reduce site of ``program`` to its one-rank form (communication left out, for a one-GPU
+    bench of a TP rank); returns the number of sites rebound (counted over buckets).
+
+    Where the all-reduce is fused with a residual add and / or a norm, the one-rank fused kernel: the rank's
+    partial sums are added to the residual as if the other ranks contributed zero, the same memory traffic as
+    the real fused all-reduce minus the peer exchange. Where it only sums partials (mHC and gated residual
+    streams, per-route partials: attrs without residual or norm), nothing is left once the exchange is
+    excluded: the partial is the sum, as the stock compositions leave those all-reduces out (no kernel)."""
     if registry is None:
         from latency_specialized.plugins import get_registry
 
@@ -76,6 +102,9 @@ def exclude_communication(program: Any, registry: Any = None) -> int:
     def hook(site: str, bucket: int, fn: Callable[..., Any]) -> Callable[..., Any]:
         if not site.endswith("allreduce"):
             return fn
+        if not SUM_ONLY_KERNEL and _sums_only(program, site, bucket):
+            rebound.append(site)
+            return _one_rank_sum
 
         def local(partial, residual, weight, eps, *, comm=None, _fn=one_rank, **kw):
             return _fn(partial, residual, weight, eps, comm=None, **kw)

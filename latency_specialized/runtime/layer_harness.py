@@ -276,8 +276,9 @@ class OursBench:
         if excluded:
             self.notes.append(
                 f"Ours runs the TP{tp} program of rank 0 with communication excluded: its {excluded} all-reduce "
-                f"sites run the one-rank implementation ({LOCAL_ALLREDUCE}: the fused residual(+RMSNorm) kernel "
-                "where the site has them)"
+                f"sites run the one-rank implementation ({LOCAL_ALLREDUCE}, the fused residual(+RMSNorm) kernel, "
+                "where the site fuses a residual or a norm; a sum-only all-reduce is left out entirely, no kernel, "
+                "as stock's)"
                 + (f", and its all-gathers ({', '.join(gathers)}) copy the rank's slice into a static buffer whose "
                    "other slices hold random stand-ins" if gathers else "") + "."
                 + (" Router and latent down-projection are split across ranks in ours (1/TP of the weights per "

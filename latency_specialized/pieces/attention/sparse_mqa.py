@@ -88,6 +88,11 @@ NO_SLOT = "sparse_mqa.no_slot"
 """Scratch key: ``[M]`` slots of -1 (the key slot of index layers that write no keys), this step's."""
 COMPRESSED_SLOTS = "sparse_mqa.compressed_slots"
 """``StepContext.once`` key (with the ratio and the cache's block size) of ``compressed_slots``."""
+INDEX_COMPRESSED_TABLE = True
+"""The indexer of a compressed layer gets the block table cut to the blocks its rows can occupy
+(:func:`compressed_table`) instead of the whole table: the op sizes its work by the table's width (the select
+kernel's resident tile, the scoring split count, ``indexer_triton.auto_selection``), and the raw table is ``ratio``
+times wider than the compressed rows it can hold. False: the whole table (an A/B switch)."""
 
 
 def compressed_slots(meta: Mapping[str, torch.Tensor], ratio: int,
@@ -100,6 +105,13 @@ def compressed_slots(meta: Mapping[str, torch.Tensor], ratio: int,
     done = (seq % ratio == 0) & (seq > 0)                                   # this token completes one
     slot_c = slot_of(meta["block_table"], seq_c - 1, block_size, done)
     return seq_c, seq_c.to(torch.int32), slot_c, torch.full_like(slot_c, -1)
+
+
+def compressed_table(block_table: torch.Tensor, ratio: int) -> torch.Tensor:
+    """``block_table [M, W]`` cut to its first ``ceil(W / ratio)`` columns (a view): compressed row j sits at the slot
+    of position j and a sequence of at most ``W * block`` positions has fewer than ``W * block / ratio`` rows, so
+    every row lives in those blocks."""
+    return block_table[:, :-(-block_table.shape[1] // max(ratio, 1))]
 
 
 def rope_leading(x: torch.Tensor, rope_dim: int, dim: int = -1) -> torch.Tensor:
@@ -390,10 +402,13 @@ class SparseMQAAttention:
             step.scratch[INDEX_K] = cache
         else:                 # scores against the owner's keys; writes none
             k, cache, norm = iq[:, 0], self._published(step, INDEX_K), None
-        step.op("attn.indexer")(iq, k, iw, cache, slot_c, step.meta["block_table"], seq_c,
+        bt = step.meta["block_table"]
+        bt = compressed_table(bt, self.spec.compress_ratio) if INDEX_COMPRESSED_TABLE else bt
+        step.op("attn.indexer")(iq, k, iw, cache, slot_c, bt, seq_c,
                                 topk=ix.topk, positions=pos, rope_inv_freq=w["rope_inv_freq"], rope_interleaved=True,
                                 k_norm_weight=norm, k_norm_eps=self.norm_eps, k_norm_kind="rms",
                                 out=step.scratch[TOPK][:M])
 
 
-__all__ = ["COMPRESSED", "INDEX_K", "NO_SLOT", "SEQ_C", "SparseMQAAttention", "TOPK", "rope_leading", "rope_tail"]
+__all__ = ["COMPRESSED", "INDEX_K", "NO_SLOT", "SEQ_C", "SparseMQAAttention", "TOPK", "compressed_table", "rope_leading",
+           "rope_tail"]

@@ -116,3 +116,36 @@ def test_compressed_slots_are_made_once_per_step_and_ratio(monkeypatch):
     assert sorted(set(r for r, _ in made)) == sorted(ratios)
     # once per step and key, never once per source layer
     assert len(made) == res.steps * len(set(made)) < res.steps * len(sources)
+
+
+def test_indexer_gets_the_table_cut_to_its_compressed_rows(monkeypatch):
+    """``sparse_mqa.compressed_table``: the indexer of a compressed layer gets the first ``ceil(W / ratio)`` block
+    columns (every compressed row a W-block table can hold lives there: row j at the slot of position j), and the
+    program still equals the reference with it (a context that fills most of the table)."""
+    from latency_specialized.pieces.attention import sparse_mqa
+    from latency_specialized.testing.matrix import Cell
+
+    for width, ratio in ((65, 2), (64, 2), (7, 3), (5, 128), (4, 1)):
+        bt = torch.arange(2 * width).view(2, width)
+        cut = sparse_mqa.compressed_table(bt, ratio)
+        assert cut.shape == (2, -(-width // ratio)) and torch.equal(cut, bt[:, :cut.shape[1]])
+        for block in (1, 16, 64):   # the last row a width * block table can hold, in block index terms
+            assert (width * block // ratio - 1) // block < cut.shape[1]
+    seen: list[tuple[int, int, int]] = []
+    real = sparse_mqa.compressed_table
+
+    def recorded(block_table, ratio):
+        out = real(block_table, ratio)
+        seen.append((block_table.shape[1], ratio, out.shape[1]))
+        return out
+
+    monkeypatch.setattr(sparse_mqa, "compressed_table", recorded)
+    adapter = get_registry().adapter("deepseek_v41_flash")
+    res = adapter.verify_cell(Cell("deepseek_v41_flash", 2, 1, 40, 0, "cpu"), comm=None)
+    assert res.max_abs_err <= res.tolerance and res.fast_steps == res.steps > 0
+    # ratio-1 index layers (full-length compressed KV) keep the whole table; the ratio-2 ones get half
+    assert all(out == -(-w // r) for w, r, out in seen) and {r for _, r, _ in seen} >= {1, 2}
+    monkeypatch.setattr(sparse_mqa, "INDEX_COMPRESSED_TABLE", False)   # the A/B switch: the whole table
+    seen.clear()
+    assert adapter.verify_cell(Cell("deepseek_v41_flash", 2, 1, 40, 0, "cpu"), comm=None).fast_steps > 0
+    assert not seen
