@@ -410,5 +410,5 @@ class SparseMQAAttention:
                                 out=step.scratch[TOPK][:M])
 
 
-__all__ = ["COMPRESSED", "INDEX_K", "NO_SLOT", "SEQ_C", "SparseMQAAttention", "TOPK", "compressed_table", "rope_leading",
-           "rope_tail"]
+__all__ = ["COMPRESSED", "INDEX_K", "NO_SLOT", "SEQ_C", "SparseMQAAttention", "TOPK", "compressed_table",
+           "rope_leading", "rope_tail"]

@@ -156,7 +156,8 @@ class LatentMoE:
             raise UserError("the latent MoE piece needs MoESpec.latent_dim (routed_expert_hidden_size); "
                             "use the plain MoE piece for a MoE without a latent width")
         if self.post_expert_norm not in ("none", "weighted", "input_scaled"):
-            raise UserError(f"latent MoE: post_expert_norm {self.post_expert_norm!r}: use none, weighted or input_scaled")
+            raise UserError(f"latent MoE: post_expert_norm {self.post_expert_norm!r}: "
+                            "use none, weighted or input_scaled")
         if self.per_route and self.output_norm:
             raise UserError("latent MoE: a per-expert post-norm and a norm of the combined output together are not "
                             "supported: set output_norm=False")
