@@ -4,7 +4,7 @@
 # priority order, so a call stopped at the limit keeps the steps before; results tarred per step (the device returns
 # <= 8 files):
 #   source scripts/device_env.sh >/dev/null 2>&1; timeout 575 bash benchmarks/scripts/pending_measurements.sh
-# Steps (STEPS, default prof,dsvab,muse,paired,credit,q4) - session 44's plan (its own run of session 43's
+# Steps (STEPS, default prof,dsvab,topk,muse,paired,credit,q4) - session 44's plan (its own run of session 43's
 # steps: benchmarks/results/h100/session44/; gemm and dsv stay available by name):
 #   prof   DeepSeek-V4.1-Flash TP8 window and c2_idx at batch 1: one replay's kernels in order (profile_layer.py
 #          --timeline): session 44's c2_idx had the indexer's select kernel at 31 us (a resident 8192-wide tile for
@@ -13,6 +13,8 @@
 #          (pieces.attention.sparse_mqa.INDEX_COMPRESSED_TABLE, on) against the whole table; window at batch 1 / 8
 #          with the sum-only all-reduces left out (runtime.harness.SUM_ONLY_KERNEL False) against the one-rank
 #          kernel there (the bench before session 44)
+#   topk   the indexer's radix select alone with its half-width path (indexer_triton.SELECT_NARROW_MIN_TILE, new)
+#          against none (radix_wide): 4,096- and 8,192-wide tables with half of each live, K 512 / 2048, 1 / 8 rows
 #   muse   Muse Spark swa at batch 1 / 8, the same SUM_ONLY_KERNEL A/B (its gated residual's all-reduces)
 #   paired Kimi K3 kda / mla layers with MXFP4 experts at batch 64: the paired layout (on since session 44)
 #          against the checkpoint packing (session 44 measured batch 1 / 8, session 43 mla batch 1 / 64)
@@ -24,7 +26,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/ls_out}
 export LS_KERNEL_CACHE_DIR=${LS_KERNEL_CACHE_DIR:-/tmp/ls_kcache} CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
-STEPS=${STEPS:-prof,dsvab,muse,paired,credit,q4}
+STEPS=${STEPS:-prof,dsvab,topk,muse,paired,credit,q4}
 W=$(mktemp -d)
 t0=$(date +%s)
 step() { [[ ",$STEPS," == *",$1,"* ]]; }
@@ -55,6 +57,15 @@ if step dsvab; then
     --out "$W/dsvab/window" --ab base --ab kernel:latency_specialized.runtime.harness.SUM_ONLY_KERNEL=True \
     > "$W/dsvab/window.log" 2>&1 || rc=$?
   rm -rf "$W"/dsvab/*/ab_runs; pack dsvab "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W"/dsvab/*/ab.md
+fi
+if step topk; then
+  mkdir -p "$W/topk"; rc=0
+  for nl in 4096:2048 8192:4096 8192:2048; do
+    timeout "${TOPK_S:-40}" python3 benchmarks/scripts/topk_bench.py --kind relu --rows 1,8 --lengths "${nl%%:*}" \
+      --live "${nl##*:}" --ks 512,2048 --variants radix,radix_wide --out "$W/topk/topk_${nl/:/_}.json" \
+      >> "$W/topk/topk.log" 2>&1 || rc=$?
+  done
+  pack topk "$rc"; grep -h "^| " "$W"/topk/*.md | head -16
 fi
 if step muse; then
   mkdir -p "$W/muse"

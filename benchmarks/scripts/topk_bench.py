@@ -6,8 +6,9 @@ row radix select kernel.
 
 For each (rows M, row length N, k): fp32 scores (``--kind``: ``normal``; ``relu`` - positive, skewed, like
 the indexer's relu-weighted logits; ``quantised`` - few distinct values, the split select's slow case),
-every ``valid_lens = N``. First a check of each variant (split and radix: the exact set of
-``topk_select_reference``; torch.topk: the same values), then each captured into a CUDA graph of ``calls``
+every ``valid_lens = N`` (``--live``: fewer, the rest of each row -inf - a block table wider than the rows,
+for the radix select's half-width path: variant ``radix_wide`` has none). First a check of each variant (split
+and radix: the exact set of ``topk_select_reference``; torch.topk: the same values), then each captured into a CUDA graph of ``calls``
 back-to-back selections over distinct score buffers (at least ``--rotate-mb`` per graph up to
 ``--max-calls``, so the L2 holds no buffer from its previous use where the sizes allow it; small rows
 cannot fill the L2), CUDA events around each replay after warm-up, median of ``--reps`` replays divided by
@@ -60,10 +61,12 @@ def _variants(tk, ix):
         vals, idx = torch.topk(x, k, dim=-1)
         out.copy_(torch.where(vals > float("-inf"), idx, -1))
 
-    def radix_with(bits=None, resident=None, warps=None):
-        # resident: rows of up to this many logits stay in registers across the passes (0: never)
+    def radix_with(bits=None, resident=None, warps=None, narrow_min=None):
+        # resident: rows of up to this many logits stay in registers across the passes (0: never); narrow_min:
+        # the smallest resident tile with the half-width path for short rows (0: never)
         def radix_select(x, lens, k, out):
-            ix.launch_select(radix, x, lens, out, k, x.shape[1], bits=bits, resident_max=resident, warps=warps)
+            ix.launch_select(radix, x, lens, out, k, x.shape[1], bits=bits, resident_max=resident, warps=warps,
+                             narrow_min=narrow_min)
 
         return radix_select
 
@@ -71,7 +74,8 @@ def _variants(tk, ix):
     return dict(split=split, torch_topk=torch_topk, radix=radix_with(),
                 radix8_loop=radix_with(8, 0), radix8_res=radix_with(8, big), radix4_loop=radix_with(4, 0),
                 radix4_res=radix_with(4, big), radix8_res_w16=radix_with(8, big, 16),
-                radix4_res_w16=radix_with(4, big, 16), radix4_res_w4=radix_with(4, big, 4))
+                radix4_res_w16=radix_with(4, big, 16), radix4_res_w4=radix_with(4, big, 4),
+                radix_wide=radix_with(narrow_min=0))
 
 
 def _kernel_nodes(fn) -> dict | None:
@@ -107,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="1,8,64", help="M values")
     ap.add_argument("--lengths", default="4096,16384,65536", help="N values")
     ap.add_argument("--ks", default="512,2048")
+    ap.add_argument("--live", type=int, default=0,
+                    help="live logits per row (valid_lens; the rest -inf): a table wider than the rows, 0: N")
     ap.add_argument("--kind", choices=("normal", "relu", "quantised"), default="normal")
     ap.add_argument("--variants", default="split,torch_topk,radix")
     ap.add_argument("--reps", type=int, default=50, help="timed replays per graph (median)")
@@ -138,13 +144,16 @@ def main(argv: list[str] | None = None) -> int:
         for M in _ints(a.rows):
             nbytes = M * N * 4
             calls = max(1, min(a.max_calls, math.ceil(a.rotate_mb * 1e6 / nbytes)))
+            live = min(N, a.live) if a.live > 0 else N
             xs = [_scores(M, N, a.kind, g) for _ in range(calls)]
-            lens = torch.full((M,), N, dtype=torch.int32, device="cuda")
+            for x in xs:
+                x[:, live:] = float("-inf")
+            lens = torch.full((M,), live, dtype=torch.int32, device="cuda")
             for k in _ints(a.ks):
-                if k > N:
+                if k > live:
                     continue
                 outs = [torch.empty(M, k, dtype=torch.int32, device="cuda") for _ in range(calls)]
-                row = dict(M=M, N=N, k=k, MB=round(nbytes / 1e6, 3), calls_per_graph=calls,
+                row = dict(M=M, N=N, live=live, k=k, MB=round(nbytes / 1e6, 3), calls_per_graph=calls,
                            splits=tk.choose_splits(M, N, sms), us={}, check={}, kernel_nodes={})
                 for name, fn in variants.items():
                     fn(xs[0], lens, k, outs[0])
@@ -167,13 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     m = meta["machine"]
     names = list(variants)
     lines = [f"# top-k selection: split (topk_triton) vs torch.topk vs radix (one program per row), {a.kind} "
-             "fp32 scores, valid_lens = N", "",
+             "fp32 scores, valid_lens = live (N where live = N; the rest of a row -inf)", "",
              f"GPU {m['gpu']}, torch {m['torch']}, triton {m['triton']}, commit {m['git_commit']}; tuning {tuning}; "
              "median us per selection over CUDA-graph replays", "",
-             "| M | N | k | MB | splits | " + " | ".join(f"{n} us" for n in names) + " | kernel nodes | check |",
-             "|---|---|---|---|---|" + "---|" * len(names) + "---|---|"]
+             "| M | N | live | k | MB | splits | " + " | ".join(f"{n} us" for n in names) + " | kernel nodes | check |",
+             "|---|---|---|---|---|---|" + "---|" * len(names) + "---|---|"]
     for r in rows:
-        lines.append(f"| {r['M']} | {r['N']} | {r['k']} | {r['MB']} | {r['splits']} | "
+        lines.append(f"| {r['M']} | {r['N']} | {r['live']} | {r['k']} | {r['MB']} | {r['splits']} | "
                      + " | ".join(str(r["us"][n]) for n in names)
                      + " | " + ", ".join(f"{n} {(v or {}).get('kernel', '?')}" for n, v in r["kernel_nodes"].items())
                      + " | "

@@ -28,9 +28,9 @@ Steps of one call (three launches for ``selection="radix"``; ``"split"`` swaps t
    device) writes ``0 .. seq_len - 1`` then -1. Otherwise a radix select on order-preserving int32 keys
    of the fp32 logits: ``32 // SELECT_BITS`` histogram passes (4-bit digits: 8 passes of 16 bins) over the
    live logits (``tl.histogram``; rows of up to ``SELECT_RESIDENT_MAX`` positions loaded once and kept in
-   registers), each keeping only the keys whose higher digits equal the prefix found so far, give the
-   ``K``-th largest key ``T``
-   and how many keys equal to ``T`` belong in the result; a compaction pass writes the positions of the
+   registers, a row with at most half the resident tile live in a half-width tile: ``SELECT_NARROW_MIN_TILE``),
+   each keeping only the keys whose higher digits equal the prefix found so far, give the ``K``-th largest key
+   ``T`` and how many keys equal to ``T`` belong in the result; a compaction pass writes the positions of the
    keys ``> T`` and the first of the ``== T`` (position order), with in-tile prefix sums (one program
    per row: no atomics, deterministic). Exactly ``K`` positions, so no -1.
 
@@ -122,6 +122,10 @@ SELECT_RESIDENT_MAX = 8192
 passes (one tile of the next power of two >= capacity; no spills at 8192 with 16 warps); wider tables loop
 over SELECT_TILE tiles per pass. H200 (same file): 4096 logits 19.3 (looped) -> 12.9 us (resident, 8 warps),
 8192 logits 36.0 -> 22.2 (resident, 16 warps; 8 warps 28.3); the select of the session-21 kernel 22.5 / 42.2."""
+SELECT_NARROW_MIN_TILE = 2048
+"""Smallest resident tile whose select kernel also holds a half-width resident path, taken per row at run time
+when the row's live logits fit it (``NARROW``): a block table sized beyond the live lengths (a server's longest
+context, the raw table of a compressed cache) no longer makes every pass cost its whole width. 0: never."""
 MAX_TILE = 64 * 256
 """Most ``h_pad x d_pad`` elements of the query tile a scoring program holds (fp32 registers)."""
 
@@ -145,7 +149,7 @@ def _kernels(interpret: bool) -> dict:
     del interpret  # the cache key only
     # defined here, not at import (no triton import on machines without it); Triton resolves the names a
     # kernel uses through its module globals: hence tl and the helpers as globals
-    global tl, _rope_coeffs, _ordered_keys, _digit_hist
+    global tl, _rope_coeffs, _ordered_keys, _digit_hist, _resident_select
     import triton
     import triton.language as tl
 
@@ -273,10 +277,44 @@ def _kernels(interpret: bool) -> dict:
         return tl.histogram(digit, NB, mask=m)
 
     @triton.jit
+    def _resident_select(row, orow, seq_len, K, T: tl.constexpr, BITS: tl.constexpr):
+        # the radix select of a row held in registers as one T-wide tile (K < seq_len <= T)
+        NB: tl.constexpr = 1 << BITS
+        PASSES: tl.constexpr = 32 // BITS
+        prefix = seq_len * 0            # int32: the key digits fixed so far (arithmetic-shift form)
+        remaining = seq_len * 0 + K     # how many of the keys matching the prefix still belong in
+        bins = tl.arange(0, NB)
+        roffs = tl.arange(0, T)
+        rok = roffs < seq_len
+        rkey = _ordered_keys(tl.load(row + roffs, mask=rok, other=0.0))
+        for p in tl.static_range(PASSES):
+            hist = tl.zeros([NB], dtype=tl.int32)
+            hist += _digit_hist(rkey, rok, prefix, p == 0, 32 - BITS * (p + 1), BITS, NB)
+            # the digit d where the count of larger digits is < remaining <= that count + hist[d]
+            gt = tl.sum(hist, 0) - tl.cumsum(hist, 0)
+            hit = (gt < remaining) & (gt + hist >= remaining)
+            d = tl.sum(tl.where(hit, bins, 0), 0)
+            remaining -= tl.sum(tl.where(hit, gt, 0), 0)
+            if p == 0:
+                prefix = d - NB // 2
+            else:
+                prefix = prefix * NB + d
+        # prefix: the K-th largest key T; K - remaining keys are > T, `remaining` of the == T are taken
+        n_gt = K - remaining
+        is_gt = (rok & (rkey > prefix)).to(tl.int32)
+        is_eq = (rok & (rkey == prefix)).to(tl.int32)
+        at_gt = tl.cumsum(is_gt, 0) - 1
+        at_eq = tl.cumsum(is_eq, 0) - 1
+        tl.store(orow + at_gt, roffs, mask=is_gt > 0)
+        tl.store(orow + n_gt + at_eq, roffs, mask=(is_eq > 0) & (at_eq < remaining))
+
+    @triton.jit
     def select_kernel(logits, seq_lens, out, K, s_lb, s_ob, TILE: tl.constexpr, BITS: tl.constexpr,
-                      RESIDENT: tl.constexpr):
+                      RESIDENT: tl.constexpr, NARROW: tl.constexpr):
         # BITS: radix digit width (32 // BITS histogram passes of 2**BITS bins); RESIDENT: the row fits one
-        # TILE (the caller's capacity <= TILE), loaded once and kept in registers across the passes
+        # TILE (the caller's capacity <= TILE), loaded once and kept in registers across the passes; NARROW: a
+        # row of at most TILE / 2 live logits takes a half-width resident select (the passes cost the tile's
+        # width, not the row's)
         NB: tl.constexpr = 1 << BITS
         PASSES: tl.constexpr = 32 // BITS
         b = tl.program_id(0)
@@ -287,26 +325,25 @@ def _kernels(interpret: bool) -> dict:
             for k0 in range(0, K, TILE):
                 offs = k0 + tl.arange(0, TILE)
                 tl.store(orow + offs, tl.where(offs < seq_len, offs, -1), mask=offs < K)
+        elif RESIDENT:
+            if NARROW:
+                if seq_len <= TILE // 2:
+                    _resident_select(row, orow, seq_len, K, TILE // 2, BITS)
+                else:
+                    _resident_select(row, orow, seq_len, K, TILE, BITS)
+            else:
+                _resident_select(row, orow, seq_len, K, TILE, BITS)
         else:
-            prefix = seq_len * 0            # int32: the key digits fixed so far (arithmetic-shift form)
-            remaining = seq_len * 0 + K     # how many of the keys matching the prefix still belong in
+            prefix = seq_len * 0
+            remaining = seq_len * 0 + K
             bins = tl.arange(0, NB)
-            roffs = tl.arange(0, TILE)
-            rok = roffs < seq_len
-            rkey = roffs * 0
-            if RESIDENT:
-                rkey = _ordered_keys(tl.load(row + roffs, mask=rok, other=0.0))
             for p in tl.static_range(PASSES):
                 hist = tl.zeros([NB], dtype=tl.int32)
-                if RESIDENT:
-                    hist += _digit_hist(rkey, rok, prefix, p == 0, 32 - BITS * (p + 1), BITS, NB)
-                else:
-                    for t0 in range(0, seq_len, TILE):
-                        offs = t0 + tl.arange(0, TILE)
-                        ok = offs < seq_len
-                        key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0))
-                        hist += _digit_hist(key, ok, prefix, p == 0, 32 - BITS * (p + 1), BITS, NB)
-                # the digit d where the count of larger digits is < remaining <= that count + hist[d]
+                for t0 in range(0, seq_len, TILE):
+                    offs = t0 + tl.arange(0, TILE)
+                    ok = offs < seq_len
+                    key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0))
+                    hist += _digit_hist(key, ok, prefix, p == 0, 32 - BITS * (p + 1), BITS, NB)
                 gt = tl.sum(hist, 0) - tl.cumsum(hist, 0)
                 hit = (gt < remaining) & (gt + hist >= remaining)
                 d = tl.sum(tl.where(hit, bins, 0), 0)
@@ -315,38 +352,31 @@ def _kernels(interpret: bool) -> dict:
                     prefix = d - NB // 2
                 else:
                     prefix = prefix * NB + d
-            # prefix: the K-th largest key T; K - remaining keys are > T, `remaining` of the == T are taken
             n_gt = K - remaining
-            if RESIDENT:
-                is_gt = (rok & (rkey > prefix)).to(tl.int32)
-                is_eq = (rok & (rkey == prefix)).to(tl.int32)
-                at_gt = tl.cumsum(is_gt, 0) - 1
-                at_eq = tl.cumsum(is_eq, 0) - 1
-                tl.store(orow + at_gt, roffs, mask=is_gt > 0)
-                tl.store(orow + n_gt + at_eq, roffs, mask=(is_eq > 0) & (at_eq < remaining))
-            else:
-                base_gt = seq_len * 0
-                base_eq = seq_len * 0
-                for t0 in range(0, seq_len, TILE):
-                    offs = t0 + tl.arange(0, TILE)
-                    ok = offs < seq_len
-                    key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0))
-                    is_gt = (ok & (key > prefix)).to(tl.int32)
-                    is_eq = (ok & (key == prefix)).to(tl.int32)
-                    at_gt = base_gt + tl.cumsum(is_gt, 0) - 1
-                    at_eq = base_eq + tl.cumsum(is_eq, 0) - 1
-                    tl.store(orow + at_gt, offs, mask=is_gt > 0)
-                    tl.store(orow + n_gt + at_eq, offs, mask=(is_eq > 0) & (at_eq < remaining))
-                    base_gt += tl.sum(is_gt, 0)
-                    base_eq += tl.sum(is_eq, 0)
+            base_gt = seq_len * 0
+            base_eq = seq_len * 0
+            for t0 in range(0, seq_len, TILE):
+                offs = t0 + tl.arange(0, TILE)
+                ok = offs < seq_len
+                key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0))
+                is_gt = (ok & (key > prefix)).to(tl.int32)
+                is_eq = (ok & (key == prefix)).to(tl.int32)
+                at_gt = base_gt + tl.cumsum(is_gt, 0) - 1
+                at_eq = base_eq + tl.cumsum(is_eq, 0) - 1
+                tl.store(orow + at_gt, offs, mask=is_gt > 0)
+                tl.store(orow + n_gt + at_eq, offs, mask=(is_eq > 0) & (at_eq < remaining))
+                base_gt += tl.sum(is_gt, 0)
+                base_eq += tl.sum(is_eq, 0)
 
     return dict(key=key_kernel, score=score_kernel, select=select_kernel)
 
 
 def launch_select(kernel, logits: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, topk: int, capacity: int,
-                  *, bits: int | None = None, resident_max: int | None = None, warps: int | None = None) -> None:
+                  *, bits: int | None = None, resident_max: int | None = None, warps: int | None = None,
+                  narrow_min: int | None = None) -> None:
     """The radix select over logits [B, >= capacity] fp32 into out [B, topk] int32 (one program per row);
-    ``bits`` / ``resident_max`` / ``warps`` default to SELECT_BITS / SELECT_RESIDENT_MAX / SELECT_WARPS."""
+    ``bits`` / ``resident_max`` / ``warps`` / ``narrow_min`` default to SELECT_BITS / SELECT_RESIDENT_MAX /
+    SELECT_WARPS / SELECT_NARROW_MIN_TILE."""
     bits = SELECT_BITS if bits is None else int(bits)
     if bits not in (4, 8):
         raise UserError(f"indexer select: digit width {bits} bits unsupported (4 or 8)")
@@ -354,8 +384,10 @@ def launch_select(kernel, logits: torch.Tensor, seq_lens: torch.Tensor, out: tor
     tile = max(_next_pow2(capacity), 16) if resident else SELECT_TILE
     if warps is None:
         warps = SELECT_WARPS_WIDE if resident and tile > 4096 else SELECT_WARPS
+    narrow_min = SELECT_NARROW_MIN_TILE if narrow_min is None else int(narrow_min)
+    narrow = resident and 0 < narrow_min <= tile
     kernel[(logits.shape[0],)](logits, seq_lens, out, topk, logits.stride(0), out.stride(0), TILE=tile, BITS=bits,
-                               RESIDENT=resident, num_warps=int(warps))
+                               RESIDENT=resident, NARROW=narrow, num_warps=int(warps))
 
 
 def choose_num_splits(batch: int, capacity: int, sms: int) -> int:
@@ -514,5 +546,5 @@ IMPLEMENTATIONS = [
                                "(per-row radix select, torch.topk as A/B switches); no host sync; GPUs (sm_80+)"),
 ]
 
-__all__ = ["IMPLEMENTATIONS", "NAME", "SELECTION", "RADIX_MAX_CAPACITY", "SPLIT_MAX_CAPACITY", "SPLIT_ROWS", "auto_selection",
-           "choose_num_splits", "indexer_topk_triton"]
+__all__ = ["IMPLEMENTATIONS", "NAME", "SELECTION", "RADIX_MAX_CAPACITY", "SPLIT_MAX_CAPACITY", "SPLIT_ROWS",
+           "auto_selection", "choose_num_splits", "indexer_topk_triton"]

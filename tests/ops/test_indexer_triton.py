@@ -37,7 +37,7 @@ SELECTIONS = pytest.mark.parametrize("selection", ["radix", "split", "torch"])
 
 @pytest.mark.interpreter_driver
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=24)
+    run_interpreted(__file__, min_passed=28)
 
 
 @pytest.fixture
@@ -224,6 +224,24 @@ def test_radix_select_digit_widths_and_resident_rows(ix, monkeypatch, bits, resi
     _check(ix, args, kw, selection="radix", num_splits=2)
 
 
+@interpreted
+def test_radix_select_half_width_path_for_short_rows(ix, monkeypatch):
+    """A resident tile with the half-width path (``NARROW``): rows at most half the tile wide take it, longer ones
+    the whole tile, in one launch; near ties, exact ties and rows at or below K on both sides of the split."""
+    monkeypatch.setattr(ix, "SELECT_NARROW_MIN_TILE", 64)
+    monkeypatch.setattr(ix, "SELECT_RESIDENT_MAX", 1 << 20)
+    # capacity 33 blocks x 4 = 132 -> a 256-wide tile: 128 and below take the 128-wide path
+    args, kw = _case(61, [128, 129, 131, 40, 0, 12, 127], K=16, bs=4, per=33)
+    _check(ix, args, kw, selection="radix", num_splits=3)
+    args, kw = _case(62, [120, 130, 64], K=12, bs=4, per=33, near_ties=True)
+    _check(ix, args, kw, selection="radix", num_splits=2)
+    args, kw = _case(63, [100, 131, 100, 12], K=10, bs=4, per=33, norm=None, rope=0)
+    q, k, w, cache, slots, blocks, lens = args
+    w[0] = 0.0
+    w[2] = -w[2].abs()
+    _check(ix, args, kw, selection="radix", num_splits=2)
+
+
 def test_radix_select_refuses_other_digit_widths(ix):
     with pytest.raises(UserError, match="digit width 5"):
         ix.launch_select(None, torch.zeros(1, 8), torch.ones(1, dtype=torch.int32),
@@ -394,11 +412,12 @@ def test_kernels_compile_for_hopper_without_a_gpu(ix):
             assert "ld.local" not in p and "st.local" not in p
     sig = dict(logits="*fp32", seq_lens="*i32", out="*i32", K="i32", s_lb="i32", s_ob="i32")
     for bits in (4, 8):   # 16- and 256-bin histograms; rows looped over tiles or kept in registers (4096 wide)
-        for resident, tile in ((False, ix.SELECT_TILE), (True, 4096)):
-            p = ptx(kern["select"], sig, dict(TILE=tile, BITS=bits, RESIDENT=resident), ix.SELECT_WARPS)
-            assert "ld.local" not in p and "st.local" not in p, (bits, resident)
-    # the widest resident row (SELECT_RESIDENT_MAX) on the wide warp count
-    p = ptx(kern["select"], sig, dict(TILE=ix.SELECT_RESIDENT_MAX, BITS=ix.SELECT_BITS, RESIDENT=True),
+        for resident, tile, narrow in ((False, ix.SELECT_TILE, False), (True, 4096, False), (True, 4096, True)):
+            p = ptx(kern["select"], sig, dict(TILE=tile, BITS=bits, RESIDENT=resident, NARROW=narrow),
+                    ix.SELECT_WARPS)
+            assert "ld.local" not in p and "st.local" not in p, (bits, resident, narrow)
+    # the widest resident row (SELECT_RESIDENT_MAX) on the wide warp count, with its half-width path
+    p = ptx(kern["select"], sig, dict(TILE=ix.SELECT_RESIDENT_MAX, BITS=ix.SELECT_BITS, RESIDENT=True, NARROW=True),
             ix.SELECT_WARPS_WIDE)
     assert "ld.local" not in p and "st.local" not in p
 
