@@ -149,7 +149,7 @@ def _kernels(interpret: bool) -> dict:
     del interpret  # the cache key only
     # defined here, not at import (no triton import on machines without it); Triton resolves the names a
     # kernel uses through its module globals: hence tl and the helpers as globals
-    global tl, _rope_coeffs, _ordered_keys, _digit_hist, _resident_select
+    global tl, _rope_coeffs, _ordered_keys, _digit_hist, _next_digit, _resident_select
     import triton
     import triton.language as tl
 
@@ -277,6 +277,20 @@ def _kernels(interpret: bool) -> dict:
         return tl.histogram(digit, NB, mask=m)
 
     @triton.jit
+    def _next_digit(hist, bins, prefix, remaining, FIRST: tl.constexpr, NB: tl.constexpr):
+        # the digit d where the count of larger digits is < remaining <= that count + hist[d]: the prefix with d
+        # appended (the top digit signed, as _digit_hist counts it) and what is left to take below it
+        gt = tl.sum(hist, 0) - tl.cumsum(hist, 0)
+        hit = (gt < remaining) & (gt + hist >= remaining)
+        d = tl.sum(tl.where(hit, bins, 0), 0)
+        remaining -= tl.sum(tl.where(hit, gt, 0), 0)
+        if FIRST:
+            prefix = d - NB // 2
+        else:
+            prefix = prefix * NB + d
+        return prefix, remaining
+
+    @triton.jit
     def _resident_select(row, orow, seq_len, K, T: tl.constexpr, BITS: tl.constexpr):
         # the radix select of a row held in registers as one T-wide tile (K < seq_len <= T)
         NB: tl.constexpr = 1 << BITS
@@ -290,15 +304,7 @@ def _kernels(interpret: bool) -> dict:
         for p in tl.static_range(PASSES):
             hist = tl.zeros([NB], dtype=tl.int32)
             hist += _digit_hist(rkey, rok, prefix, p == 0, 32 - BITS * (p + 1), BITS, NB)
-            # the digit d where the count of larger digits is < remaining <= that count + hist[d]
-            gt = tl.sum(hist, 0) - tl.cumsum(hist, 0)
-            hit = (gt < remaining) & (gt + hist >= remaining)
-            d = tl.sum(tl.where(hit, bins, 0), 0)
-            remaining -= tl.sum(tl.where(hit, gt, 0), 0)
-            if p == 0:
-                prefix = d - NB // 2
-            else:
-                prefix = prefix * NB + d
+            prefix, remaining = _next_digit(hist, bins, prefix, remaining, p == 0, NB)
         # prefix: the K-th largest key T; K - remaining keys are > T, `remaining` of the == T are taken
         n_gt = K - remaining
         is_gt = (rok & (rkey > prefix)).to(tl.int32)
@@ -344,14 +350,7 @@ def _kernels(interpret: bool) -> dict:
                     ok = offs < seq_len
                     key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0))
                     hist += _digit_hist(key, ok, prefix, p == 0, 32 - BITS * (p + 1), BITS, NB)
-                gt = tl.sum(hist, 0) - tl.cumsum(hist, 0)
-                hit = (gt < remaining) & (gt + hist >= remaining)
-                d = tl.sum(tl.where(hit, bins, 0), 0)
-                remaining -= tl.sum(tl.where(hit, gt, 0), 0)
-                if p == 0:
-                    prefix = d - NB // 2
-                else:
-                    prefix = prefix * NB + d
+                prefix, remaining = _next_digit(hist, bins, prefix, remaining, p == 0, NB)
             n_gt = K - remaining
             base_gt = seq_len * 0
             base_eq = seq_len * 0
