@@ -138,11 +138,16 @@ class QuantFormat:
                             f"with {PAIRED_SUFFIX})") from None
         return f.paired() if paired else f
 
+    @property
+    def pairable(self) -> bool:
+        """e2m1 codes as checkpoints pack them: what :meth:`paired` rearranges."""
+        return self.element == "e2m1" and self.packing == "low-first"
+
     def paired(self) -> "QuantFormat":
         """The derived ``<name>/pairs`` format: e2m1 codes rearranged within each 32-bit word (``packing``); the one
-        place it is built (``get``, ``quant.layout.paired_nibbles``). UserError for a format that is not e2m1 as
-        checkpoints pack it."""
-        if self.element != "e2m1" or self.packing != "low-first":
+        place it is built (``get``, ``quant.layout.paired_nibbles``). UserError for a format that is not
+        :attr:`pairable`."""
+        if not self.pairable:
             raise UserError(f"{self.name}: the paired layout rearranges e2m1 codes as checkpoints pack them; "
                             f"{self.name} is not that (not e2m1, or paired already)")
         return replace(self, name=self.name + PAIRED_SUFFIX, packing="paired")

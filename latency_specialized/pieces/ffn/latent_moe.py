@@ -89,7 +89,7 @@ def router_attrs(r: RouterSpec) -> dict[str, Any]:
 
 def _paired(fmt: QuantFormat) -> bool:
     # the format object, not its name: derived names (``<fmt>/rows``, quant.layout.row_scaled) do not resolve by name
-    return PAIR_EXPERT_CODES and fmt.element == "e2m1" and fmt.packing == "low-first"
+    return PAIR_EXPERT_CODES and fmt.pairable
 
 
 def expert_format_attrs(f: MoESpec) -> dict[str, Any]:
