@@ -5,7 +5,9 @@ L2, median of groups). Writes one JSON row per (variant, cell) to argv[1].
 argv[2] picks the sweep: ``tiles`` (session 19's: waves, stages, warps, tile bytes; the default), ``merge`` (the
 merge's launch and shape: ``MERGE_PDL``, ``EARLY_TRIGGER``, ``MERGE_D_BLOCK``, the first variant the baseline) or
 ``waves`` (programs per SM 1-4 x pipeline stages, around batch 8: issue 23's 70% there needs ~1 us of the ~11 us a
-call spends outside streaming - per-program prologue / tail against more, shorter splits and a wider merge)."""
+call spends outside streaming - per-program prologue / tail against more, shorter splits and a wider merge) or
+``fused`` (the split kernel's own merge, ``FUSED_MERGE_MAX_SPLITS`` / ``FUSED_MERGE_UNROLL``, against the merge
+kernel: the first variant; only the listed combinations)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,10 @@ SWEEPS = {
                   variants={"MERGE_PDL": (False, True), "EARLY_TRIGGER": (False, True), "MERGE_D_BLOCK": (0, 16)}),
     "waves": dict(cells=[(8, 32768, None), (16, 32768, None), (8, 131072, None), (64, 32768, None), (1, 32768, None)],
                   variants={"WAVES": (2, 1, 3, 4), "NUM_STAGES": (3, 4)}),
+    "fused": dict(cells=[(8, 32768, None), (16, 32768, None), (64, 32768, None), (4, 32768, None), (1, 32768, None),
+                         (1, 131072, None), (8, 32768, 2048), (1, 4096, None)],
+                  variants={"FUSED_MERGE_MAX_SPLITS": (0, 32, 256), "FUSED_MERGE_UNROLL": (4, 8)},
+                  only=[(0, 4), (32, 4), (32, 8), (256, 4)]),
 }
 
 
@@ -32,7 +38,10 @@ def main(out: str, sweep: str = "tiles") -> None:
     cells, variants = SWEEPS[sweep]["cells"], SWEEPS[sweep]["variants"]
     rows = []
     keys = list(variants)
+    only = SWEEPS[sweep].get("only")
     for combo in itertools.product(*variants.values()):
+        if only is not None and combo not in only:
+            continue
         if sweep == "merge" and combo[1] and not combo[0]:
             continue   # the early trigger only means something with the merge launched by PDL
         for k, v in zip(keys, combo):

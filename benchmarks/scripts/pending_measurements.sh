@@ -4,8 +4,11 @@
 # priority order, so a call stopped at the limit keeps the steps before; results tarred per step (the device returns
 # <= 8 files):
 #   source scripts/device_env.sh >/dev/null 2>&1; timeout 575 bash benchmarks/scripts/pending_measurements.sh
-# Steps (STEPS, default prof,dsvab,topk,muse,paired,credit,q4) - session 44's plan (its own run of session 43's
-# steps: benchmarks/results/h100/session44/; gemm and dsv stay available by name):
+# Steps (STEPS, default gqa,dsvab,topk,muse,prof,paired,credit,q4) - session 45's plan (session 44's steps and the
+# GQA fused merge; session 44's own run: benchmarks/results/h100/session44/; gemm and dsv stay available by name):
+#   gqa    the GQA split kernel's own merge (gqa_decode_triton.FUSED_MERGE_MAX_SPLITS 32, new, on) against the merge
+#          kernel (0) and at every split count (256), Muse Spark TP8 at batch 1-64, 4K-128K (gqa_sweep.py fused):
+#          issue 23's GQA bar (>= 70% of the KV roofline at batch 8-64, context 32768; 68% before)
 #   prof   DeepSeek-V4.1-Flash TP8 window and c2_idx at batch 1: one replay's kernels in order (profile_layer.py
 #          --timeline): session 44's c2_idx had the indexer's select kernel at 31 us (a resident 8192-wide tile for
 #          2048 live rows) and two sum-only all-reduce stand-ins per layer; both changed since
@@ -26,13 +29,22 @@
 set -o pipefail
 OUT=${OUT:-/tmp/ls_out}
 export LS_KERNEL_CACHE_DIR=${LS_KERNEL_CACHE_DIR:-/tmp/ls_kcache} CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
-STEPS=${STEPS:-prof,dsvab,topk,muse,paired,credit,q4}
+STEPS=${STEPS:-gqa,dsvab,topk,muse,prof,paired,credit,q4}
 W=$(mktemp -d)
 t0=$(date +%s)
 step() { [[ ",$STEPS," == *",$1,"* ]]; }
 pack() { tar -C "$W" -czf "$OUT/$1.tgz" "$1" && echo "$1: rc=$2 at $(( $(date +%s) - t0 )) s"; }
 BENCH=(python3 -m latency_specialized.cli bench --tp 8 --context 4096 --layers 3)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
+if step gqa; then
+  mkdir -p "$W/gqa"
+  timeout "${GQA_S:-110}" python3 benchmarks/scripts/gqa_sweep.py "$W/gqa/fused.json" fused > "$W/gqa/gqa.log" 2>&1
+  pack gqa $?; python3 -c "
+import json, sys
+for r in json.load(open(sys.argv[1])):
+    print(r['FUSED_MERGE_MAX_SPLITS'], r['FUSED_MERGE_UNROLL'], r['batch'], r['context'], r['window'], r['splits'],
+          round(r['us'], 2), round(r['roofline'], 3))" "$W/gqa/fused.json" 2>/dev/null | column -t
+fi
 if step prof; then
   mkdir -p "$W/prof"
   for k in window c2_idx; do

@@ -19,10 +19,17 @@ One call, one new token per sequence (``M`` rows, ``Hq`` query heads, ``KV`` key
    accumulation), online softmax in fp32 (base 2) and ``acc += p v`` with **p rounded to the cache
    dtype** for the tensor-core dot. With one split it normalises (sinks in the denominator) and
    writes ``out``; otherwise ``(acc, m, l)`` go to an fp32 workspace (empty splits store ``m = -inf,
-   l = 0``);
-2. **merge kernel**, grid ``(M, Hq, D / MERGE_D_BLOCK)`` (only with more than one split): log-sum-exp weights
-   over the splits, the sink in the denominator, **the one rounding** into ``out``, each program its block of
-   head-dim columns. Rows without a position (``seq_lens == 0``) give exact zeros.
+   l = 0``). Up to ``FUSED_MERGE_MAX_SPLITS`` splits each program then arrives on its ``(b, kv head)``
+   counter and **the last to arrive merges** that group's splits (the merge below, whole heads, in split
+   order) and writes ``out``: one launch;
+2. **merge kernel**, grid ``(M, Hq, D / MERGE_D_BLOCK)`` (only with more splits than the split kernel merges):
+   log-sum-exp weights over the splits, the sink in the denominator, **the one rounding** into ``out``, each
+   program its block of head-dim columns. Rows without a position (``seq_lens == 0``) give exact zeros.
+
+**The fused merge's ordering.** A program's stores, then a CTA barrier, then its arrival (``atomic_add``,
+acq_rel, GPU scope): the split-k semaphore pattern (``mhc_triton``, ``topk_triton``); the last arriver reads
+the partials with ``.cg`` loads and resets the counter, so the cached counters (``arrival_counters``) are zero
+after every call and replays need no memset.
 
 **The log-sum-exp (optional, ``lse=``).** Both kernels already hold each row's running max and
 denominator; with an ``lse`` destination the program that normalises (the split kernel with one split,
@@ -110,6 +117,13 @@ MERGE_D_BLOCK = 16
 """Head-dim columns per merge program (0: the whole head): grid (M, Hq, D / MERGE_D_BLOCK), each program reading
 ``MERGE_S_TILE x D / MERGE_D_BLOCK`` splits a step, so a merge over many splits (batch 1: 132) takes fewer
 dependent rounds of L2 reads on more SMs (NOTES_gqa.md, session 36: faster at batch 1, even from batch 8)."""
+FUSED_MERGE_MAX_SPLITS = 32
+"""Up to this many splits the split kernel merges them itself (0: never): each program arrives on its (row, KV
+head)'s counter after its stores and the last to arrive merges that head group's splits and writes ``out``, so
+no merge kernel launches (batch 8-64 at long contexts: 16-2 splits). Above it (batch 1-4 at long contexts: up to
+256 splits, too many for one program's rounds) the column-blocked merge kernel runs."""
+FUSED_MERGE_UNROLL = 4
+"""Splits the last program loads per round of its merge ([FUSED_MERGE_UNROLL, BLOCK_G, D] fp32 partials)."""
 _STORE_NEW = True
 """Tests only: False leaves the fused write's stores out, which shows that no program reads the new
 token from memory (the interpreter runs programs one after another, so it cannot show a race)."""
@@ -131,14 +145,15 @@ def _kernels(interpret: bool):
 
     @triton.jit
     def split_kernel(q, k_cache, v_cache, k_new, v_new, slots, block_table, seq_lens, sinks, out, lse_out,
-                     ws_acc, ws_m, ws_l, num_splits, window, block_size, qk_scale_log2,
+                     ws_acc, ws_m, ws_l, counters, num_splits, window, block_size, qk_scale_log2,
                      s_qb, s_qh, s_cb, s_cs, s_ch, s_knb, s_knh, s_vnb, s_vnh, s_bt, s_ob, s_oh, s_lb,
                      s_wb, s_wh, s_ws,
                      G: tl.constexpr, D: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr,
                      MIN_CHUNK: tl.constexpr, FUSED_WRITE: tl.constexpr, DIRECT: tl.constexpr,
                      HAS_SINKS: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
                      STORE_NEW: tl.constexpr, HAS_LSE: tl.constexpr, TRIGGER_START: tl.constexpr,
-                     TRIGGER_END: tl.constexpr):
+                     TRIGGER_END: tl.constexpr, FUSED_MERGE: tl.constexpr, S_PAD: tl.constexpr,
+                     SU: tl.constexpr):
         # grid (M, KV, num_splits). DOT_F32 (the interpreter only, whose bf16 tl.dot is wrong): the dots'
         # operands, rounded to the cache dtype as on the GPU, are widened to fp32 for an IEEE dot.
         # Masks from comparisons only (the interpreter mishandles & of a vector and a scalar mask): a
@@ -234,6 +249,48 @@ def _kernels(interpret: bool):
             tl.store(ws_l + base + offs_g, l_i)
             a_ok = offs_g < tl.where(start < end, G, 0)
             tl.store(ws_acc + (base + offs_g[:, None]) * D + offs_d[None, :], acc, mask=a_ok[:, None])
+            if FUSED_MERGE:  # the program that stores last merges its (row, KV head): no merge launch
+                # every thread's stores before the arrival; acq_rel at GPU scope: the last arriver sees them all
+                tl.debug_barrier()
+                cnt = counters + b * tl.num_programs(1) + kh
+                ticket = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+                if ticket == num_splits - 1:
+                    tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")   # zero again for the next call / replay
+                    rows = b * s_wb + kh * s_wh
+                    offs_s = tl.arange(0, S_PAD)
+                    sg_ok = (offs_s[:, None] < num_splits) & g_ok[None, :]                  # [S_PAD, BG]
+                    at = rows + offs_s[:, None] * s_ws + offs_g[None, :]
+                    m_s = tl.load(ws_m + at, mask=sg_ok, other=float("-inf"), cache_modifier=".cg")
+                    l_s = tl.load(ws_l + at, mask=sg_ok, other=0.0, cache_modifier=".cg")
+                    used = l_s > 0
+                    m_max = tl.max(tl.where(used, m_s, float("-inf")), 0)                   # [BG]
+                    any_used = m_max > float("-inf")
+                    m_max = tl.where(any_used, m_max, 0.0)
+                    denom = tl.sum(tl.where(used, tl.exp2(m_s - m_max[None, :]) * l_s, 0.0), 0)
+                    if HAS_SINKS:
+                        snk = tl.load(sinks + heads, mask=g_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+                        m_t = tl.maximum(m_max, snk)
+                        denom = denom * tl.exp2(m_max - m_t) + tl.exp2(snk - m_t)
+                        m_max = m_t
+                    inv = tl.where(any_used, 1.0 / tl.where(denom > 0, denom, 1.0), 0.0)
+                    o = tl.zeros([BG, D], dtype=tl.float32)
+                    offs_u = tl.arange(0, SU)
+                    for s0 in range(0, num_splits, SU):   # splits in order: deterministic
+                        su = s0 + offs_u
+                        ug = (su[:, None] < num_splits) & g_ok[None, :]                       # [SU, BG]
+                        au = rows + su[:, None] * s_ws + offs_g[None, :]
+                        m_u = tl.load(ws_m + au, mask=ug, other=float("-inf"), cache_modifier=".cg")
+                        l_u = tl.load(ws_l + au, mask=ug, other=0.0, cache_modifier=".cg")
+                        u_used = l_u > 0
+                        w_u = tl.where(u_used, tl.exp2(m_u - m_max[None, :]), 0.0)
+                        part = tl.load(ws_acc + au[:, :, None] * D + offs_d[None, None, :],
+                                       mask=u_used[:, :, None], other=0.0, cache_modifier=".cg")  # [SU, BG, D]
+                        o += tl.sum(w_u[:, :, None] * part, 0)
+                    tl.store(out + b * s_ob + heads[:, None] * s_oh + offs_d[None, :],
+                             (o * inv[:, None]).to(out.dtype.element_ty), mask=g_ok[:, None])
+                    if HAS_LSE:  # natural log of the denominator (sink included); no position and no sink: -inf
+                        lse2 = tl.where(denom > 0, m_max + tl.log2(tl.where(denom > 0, denom, 1.0)), float("-inf"))
+                        tl.store(lse_out + b * s_lb + heads, lse2 * 0.6931471805599453, mask=g_ok)
         if TRIGGER_END:  # the merge (launched with PDL) may start once every program got here
             tlc.gdc_launch_dependents()
 
@@ -357,8 +414,30 @@ def merge_d_block(head_dim: int) -> int:
 def late_merge_pdl(device: torch.device, num_splits: int) -> bool:
     """Whether the merge launches with PDL, triggered by the split programs at their end (at their start with
     ``EARLY_TRIGGER``): ``MERGE_PDL``, a merge at all (more than one split), compiled (not the interpreter), an sm_90+
-    GPU, a Triton with grid dependency control."""
+    GPU, a Triton with grid dependency control. (No merge launches where the split kernel merges: ``fused_merge``.)"""
     return MERGE_PDL and num_splits > 1 and pdl_available(device)
+
+
+def fused_merge(num_splits: int) -> bool:
+    """Whether the split kernel merges its own splits (``FUSED_MERGE_MAX_SPLITS``): more than one, not too many."""
+    return 1 < num_splits <= FUSED_MERGE_MAX_SPLITS
+
+
+_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def arrival_counters(slots: int, device: torch.device) -> torch.Tensor:
+    """``[slots]`` int32 arrival counters of the fused merge, zeroed once and cached per device and size; every call
+    leaves them at zero (the last program of a group resets its counter), so graph replays need no memset. Made
+    under capture, the zeroing is a node of that graph and lives in its pool: not cached. One set must not serve
+    two calls running at once on different streams."""
+    key = (str(device), slots)
+    t = _COUNTERS.get(key)
+    if t is None:
+        t = torch.zeros(slots, dtype=torch.int32, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _COUNTERS[key] = t
+    return t
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -434,8 +513,8 @@ def gqa_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     Returns
     -------
     [M, Hq, D] in q.dtype: fp32 softmax and accumulation, q and p rounded to the cache dtype for the
-    dots, one rounding of the output. No host sync: CUDA-graph capturable. Launches: 1 (one split) or 2
-    (split + merge), +1 with ``fused_write=False``.
+    dots, one rounding of the output. No host sync: CUDA-graph capturable. Launches: 1 (one split, or up to
+    ``FUSED_MERGE_MAX_SPLITS`` merged by the split kernel) or 2 (split + merge), +1 with ``fused_write=False``.
     """
     write = _check(q, k_cache, v_cache, block_table, seq_lens, k, v, slot_mapping)
     fused_write = fused_write and not cross_row_reads   # another program may read a slot before its store lands
@@ -476,8 +555,9 @@ def gqa_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     dot_f32 = _interpreting() and k_cache.dtype != torch.float32   # the interpreter's bf16/fp16 tl.dot is wrong
     prec = "ieee" if k_cache.dtype == torch.float32 or dot_f32 else "tf32"
     direct = num_splits == 1
+    fused_merge_ = fused_merge(num_splits)
     bg = block_g(G)
-    late = late_merge_pdl(q.device, num_splits)
+    late = late_merge_pdl(q.device, num_splits) and not fused_merge_
     lse_t, s_lb = (lse, lse.stride(0)) if lse is not None else (y, 0)   # unused pointer without lse (constexpr)
     if direct:
         ws_acc = ws_m = ws_l = y   # unused (constexpr branch)
@@ -487,16 +567,19 @@ def gqa_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         ws_l = torch.empty_like(ws_m)
         ws_acc = torch.empty(M, KV, num_splits, bg, D, device=q.device, dtype=torch.float32)
         sw = (ws_m.stride(0), ws_m.stride(1), ws_m.stride(2))
+    counters = arrival_counters(M * KV, q.device) if fused_merge_ else seq_lens   # unused pointer (constexpr)
     kernels["split"][(M, KV, num_splits)](
-        q, k_cache, v_cache, kn, vn, slots, bt, seq_lens, sk, y, lse_t, ws_acc, ws_m, ws_l,
+        q, k_cache, v_cache, kn, vn, slots, bt, seq_lens, sk, y, lse_t, ws_acc, ws_m, ws_l, counters,
         num_splits, win, bs, scale * _LOG2E,
         q.stride(0), q.stride(1), s_cb, s_cs, s_ch, kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
         bt.stride(0), y.stride(0), y.stride(1), s_lb, *sw,
         G=G, D=D, BG=bg, BN=block_n(D, k_cache.element_size()), MIN_CHUNK=MIN_CHUNK, FUSED_WRITE=fused,
         DIRECT=direct, HAS_SINKS=sinks is not None, PREC=prec, DOT_F32=dot_f32, STORE_NEW=_STORE_NEW,
         HAS_LSE=lse is not None, TRIGGER_START=late and EARLY_TRIGGER, TRIGGER_END=late and not EARLY_TRIGGER,
+        FUSED_MERGE=fused_merge_, S_PAD=_next_pow2(num_splits) if fused_merge_ else 1,
+        SU=min(FUSED_MERGE_UNROLL, _next_pow2(num_splits)) if fused_merge_ else 1,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    if not direct:
+    if not (direct or fused_merge_):
         s_pad = _next_pow2(num_splits)
         db = merge_d_block(D)
         kernels["merge"][(M, Hq, D // db)](
@@ -540,5 +623,5 @@ IMPLEMENTATIONS = [
                                "(graph-capturable), live positions only; GPUs sm_80+, pow2 head_dim 16-256"),
 ]
 
-__all__ = ["IMPLEMENTATIONS", "NAME", "block_g", "block_n", "choose_num_splits", "gqa_decode_triton", "kv_bytes",
-           "span"]
+__all__ = ["IMPLEMENTATIONS", "NAME", "arrival_counters", "block_g", "block_n", "choose_num_splits", "fused_merge",
+           "gqa_decode_triton", "kv_bytes", "span"]

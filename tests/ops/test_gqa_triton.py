@@ -42,7 +42,7 @@ GARBAGE = 2 ** 30
 
 @pytest.mark.interpreter_driver
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=39)
+    run_interpreted(__file__, min_passed=44)
 
 
 @pytest.fixture
@@ -300,12 +300,43 @@ def test_all_padding_batch_gives_zeros(gk):
 
 
 @interpreted
-def test_many_splits_past_every_chunk(gk, monkeypatch):
-    """More splits than live chunks (most programs find no position: m = -inf, l = 0), merge tiles of 4."""
+@pytest.mark.parametrize("fused", [False, True], ids=["merge_kernel", "fused_merge"])
+def test_many_splits_past_every_chunk(gk, monkeypatch, fused):
+    """More splits than live chunks (most programs find no position: m = -inf, l = 0): the merge kernel in tiles of
+    4, or the split kernel's own merge in rounds of 4."""
     _small_tiles(gk, monkeypatch)
     monkeypatch.setattr(gk, "MERGE_S_TILE", 4)
+    monkeypatch.setattr(gk, "FUSED_MERGE_MAX_SPLITS", 32 if fused else 0)
     args, kw = _case(1201, [70, 3, 0], sinks=True)
     _check(gk, args, kw, num_splits=11)
+
+
+@interpreted
+@pytest.mark.parametrize("splits,unroll,sinks,window", [(2, 4, True, None), (5, 4, False, 20), (7, 2, True, 7),
+                                                        (9, 1, True, None)], ids=lambda x: str(x))
+def test_fused_merge_equals_the_merge_kernel_and_leaves_counters_zero(gk, monkeypatch, splits, unroll, sinks, window):
+    """The split kernel's own merge (the last program of each (row, KV head) to arrive): the reference's output and
+    lse, the merge kernel's within fp32 rounding, rounds of ``FUSED_MERGE_UNROLL`` splits that do not divide the
+    split count; the cached counters are zero after the call, so the next call (a replay) starts right."""
+    _small_tiles(gk, monkeypatch)
+    monkeypatch.setattr(gk, "FUSED_MERGE_UNROLL", unroll)
+    args, kw = _case(1401 + splits, LENS, sinks=sinks, window=window)
+    q, kc, vc, blocks, seq_lens = args
+    M, Hq, _ = q.shape
+    assert gk.fused_merge(splits)
+    results = {}
+    for fused in (True, False, True):
+        monkeypatch.setattr(gk, "FUSED_MERGE_MAX_SPLITS", 32 if fused else 0)
+        lse = torch.full((M, Hq), float("nan"))
+        out = _check(gk, (q, kc.clone(), vc.clone(), blocks, seq_lens), kw, num_splits=splits, lse=lse)
+        results.setdefault(fused, []).append((out, lse))
+        counters = gk.arrival_counters(M * kc.shape[2], q.device)
+        assert torch.equal(counters, torch.zeros_like(counters)), "the last arrivals must reset their counters"
+    (o_f, lse_f), (o_f2, lse_f2) = results[True]
+    (o_m, lse_m), = results[False]
+    assert torch.equal(o_f, o_f2) and torch.equal(lse_f, lse_f2)
+    torch.testing.assert_close(o_f, o_m, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse_f, lse_m, rtol=1e-6, atol=1e-6, equal_nan=False)
 
 
 @interpreted
@@ -316,6 +347,7 @@ def test_merge_in_column_blocks(gk, monkeypatch, d_block):
     _small_tiles(gk, monkeypatch)
     monkeypatch.setattr(gk, "MERGE_D_BLOCK", d_block)
     monkeypatch.setattr(gk, "MERGE_S_TILE", 1)
+    monkeypatch.setattr(gk, "FUSED_MERGE_MAX_SPLITS", 0)
     assert gk.merge_d_block(16) == d_block and gk.merge_d_block(d_block) == d_block
     args, kw = _case(1301 + d_block, [70, 3, 0, 41], sinks=True)
     _check(gk, args, kw, num_splits=7)
@@ -462,6 +494,7 @@ def test_pdl_launches_compile_for_hopper(gk, monkeypatch, late, early):
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         pytest.skip("compiles only where triton was imported without the interpreter")
     monkeypatch.setattr(gk, "late_merge_pdl", lambda device, num_splits: late and num_splits > 1)
+    monkeypatch.setattr(gk, "FUSED_MERGE_MAX_SPLITS", 0)   # the merge kernel's launch is what this test is about
     monkeypatch.setattr(gk, "EARLY_TRIGGER", early)
     monkeypatch.setattr(gk, "MERGE_D_BLOCK", 16 if early else 0)
     M, Hq, KV, D, bs, d = 3, 16, 2, 64, 16, torch.bfloat16
@@ -478,3 +511,35 @@ def test_pdl_launches_compile_for_hopper(gk, monkeypatch, late, early):
     assert by_name["split_kernel"]["TRIGGER_START"] is early and by_name["merge_kernel"]["DB"] == (16 if early else 64)
     assert by_name["merge_kernel"].get("launch_pdl", False) is late and "launch_pdl" not in by_name["split_kernel"]
     assert compile_for_hopper(launches) == {}
+
+
+@pytest.mark.parametrize("splits", [2, 32])
+def test_fused_merge_builds_for_hopper_without_spills(gk, monkeypatch, splits):
+    """The split kernel with its own merge (Muse Spark TP8 widths, bf16, sinks, LSE, window; 2 / 32 splits: the
+    merge's [S_PAD, BLOCK_G] weights at their smallest and largest) builds for sm_90 on the CPU without a stack
+    frame and launches alone (no merge kernel, no PDL); its registers stay at the plain split kernel's (the same
+    launch with the merge kernel), so its occupancy (two programs per SM, set by the pipeline's shared memory) holds."""
+    import os
+
+    from tests.triton_offline import recorded_launches, resource_usage
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("compiles only where triton was imported without the interpreter")
+    M, Hq, KV, D, bs, d = 3, 16, 2, 64, 16, torch.bfloat16
+    kc, vc = torch.zeros(8, bs, KV, D, dtype=d), torch.zeros(8, bs, KV, D, dtype=d)
+    q, k, v = torch.randn(M, Hq, D).to(d), torch.randn(M, KV, D).to(d), torch.randn(M, KV, D).to(d)
+    table = torch.arange(6, dtype=torch.int32).view(M, 2)
+    lens, slots = torch.tensor([5, 20, 0], dtype=torch.int32), torch.tensor([4, 35, -1])
+    usage = {}
+    for fused in (True, False):
+        monkeypatch.setattr(gk, "FUSED_MERGE_MAX_SPLITS", 32 if fused else 0)
+        with recorded_launches() as launches:
+            gk.gqa_decode_triton(q, kc, vc, table, lens, k=k, v=v, slot_mapping=slots, sinks=torch.zeros(Hq),
+                                 lse=torch.empty(M, Hq), window=8, num_splits=splits)
+        split = [launch for launch in launches if launch[0].fn.__name__ == "split_kernel"]
+        kw = split[0][2]
+        assert kw["FUSED_MERGE"] is fused and len(launches) == (1 if fused else 2)
+        assert not (fused and (kw["TRIGGER_START"] or kw["TRIGGER_END"] or "launch_pdl" in kw))
+        usage[fused], = resource_usage(split).values()
+    (regs, stack), (plain_regs, _) = usage[True], usage[False]
+    assert stack == 0 and regs <= plain_regs + 8, usage

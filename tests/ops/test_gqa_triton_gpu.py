@@ -130,19 +130,22 @@ def test_forced_splits(splits, window):
     _check(args, kw, num_splits=splits)
 
 
-@pytest.mark.parametrize("pdl,early,d_block", [(False, False, 0), (True, True, 0), (True, False, 16),
-                                               (True, True, 16)], ids=["nopdl", "early", "d16", "early-d16"])
+@pytest.mark.parametrize("pdl,early,d_block,fused", [(False, False, 0, 0), (True, True, 0, 0), (True, False, 16, 0),
+                                                     (True, True, 16, 0), (False, False, 16, 256)],
+                         ids=["nopdl", "early", "d16", "early-d16", "fused"])
 @pytest.mark.parametrize("splits", [2, 16, 132])
-def test_merge_variants(monkeypatch, pdl, early, d_block, splits):
-    """The merge's launch variants the A/B times (``gqa_sweep.py merge``): without PDL, triggered as the split
-    programs start (``EARLY_TRIGGER``), in 16-column blocks (``MERGE_D_BLOCK``): the output against the reference;
-    the lse against the one-split call's (no merge: the split kernel normalises); a CUDA graph replay behind
-    the eager call bit-identical to it."""
+def test_merge_variants(monkeypatch, pdl, early, d_block, fused, splits):
+    """The merge's variants the A/B times (``gqa_sweep.py merge``): without PDL, triggered as the split programs
+    start (``EARLY_TRIGGER``), in 16-column blocks (``MERGE_D_BLOCK``), in the split kernel's last program
+    (``FUSED_MERGE_MAX_SPLITS``, here up to 132 splits): the output against the reference; the lse against the
+    one-split call's (no merge: the split kernel normalises); a CUDA graph replay behind a busy kernel
+    bit-identical to the eager call (the fused merge's arrival counters left at zero by every call)."""
     monkeypatch.setattr(gk, "MERGE_PDL", pdl)
     monkeypatch.setattr(gk, "EARLY_TRIGGER", early)
     monkeypatch.setattr(gk, "MERGE_D_BLOCK", d_block)
+    monkeypatch.setattr(gk, "FUSED_MERGE_MAX_SPLITS", fused)
     lens = [0, 4000, 129, 64, 65, 1, 3000, 2049]
-    args, kw = _case(f"merge-{pdl}-{early}-{d_block}-{splits}", lens, bs=16, **MUSE_TP8)
+    args, kw = _case(f"merge-{pdl}-{early}-{d_block}-{fused}-{splits}", lens, bs=16, **MUSE_TP8)
     _check(args, kw, num_splits=splits)
     q, kc, vc, blocks, seq_lens = args
     M, Hq = len(lens), MUSE_TP8["Hq"]
@@ -169,6 +172,13 @@ def test_merge_variants(monkeypatch, pdl, early, d_block, splits):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+    if fused:
+        counters = gk.arrival_counters(M * MUSE_TP8["KV"], q.device)
+        assert torch.equal(counters, torch.zeros_like(counters))
+        out.fill_(float("nan"))
+        graph.replay()   # again: the counters the first replay reset
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
 
 
 @pytest.mark.parametrize("D", [16, 32, 64, 128, 256])
@@ -340,7 +350,7 @@ def _time_cell(shape, batch, context, window, *, bs=16, groups=11):
     del graph, held
     torch.cuda.empty_cache()
     return dict(us=us, runs_us=per_call, floor_us=floor, roofline=floor / us, bytes=cell_bytes, sets=sets,
-                num_splits=splits, kernels=1 if splits == 1 else 2)
+                num_splits=splits, kernels=1 if splits == 1 or gk.fused_merge(splits) else 2)
 
 
 def test_timing_figures():
