@@ -311,6 +311,11 @@ def test_many_splits_past_every_chunk(gk, monkeypatch, fused):
     _check(gk, args, kw, num_splits=11)
 
 
+class _NoLaunch:
+    def __getitem__(self, grid):
+        raise AssertionError("the merge kernel launched where the split kernel merges")
+
+
 @interpreted
 @pytest.mark.parametrize("splits,unroll,sinks,window", [(2, 4, True, None), (5, 4, False, 20), (7, 2, True, 7),
                                                         (9, 1, True, None)], ids=lambda x: str(x))
@@ -325,8 +330,12 @@ def test_fused_merge_equals_the_merge_kernel_and_leaves_counters_zero(gk, monkey
     M, Hq, _ = q.shape
     assert gk.fused_merge(splits)
     results = {}
+    kernels = gk._kernels(True)
+    merge_kernel = kernels["merge"]
     for fused in (True, False, True):
         monkeypatch.setattr(gk, "FUSED_MERGE_MAX_SPLITS", 32 if fused else 0)
+        # the fused calls must not launch the merge kernel: a launch of it fails the test
+        monkeypatch.setitem(kernels, "merge", _NoLaunch() if fused else merge_kernel)
         lse = torch.full((M, Hq), float("nan"))
         out = _check(gk, (q, kc.clone(), vc.clone(), blocks, seq_lens), kw, num_splits=splits, lse=lse)
         results.setdefault(fused, []).append((out, lse))
