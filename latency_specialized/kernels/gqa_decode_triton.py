@@ -81,7 +81,8 @@ import torch
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
 from latency_specialized.hardware import sm_count
-from latency_specialized.kernels.triton_common import head_dim_refusal, pdl_available, pdl_launch, triton_gpu_refusal
+from latency_specialized.kernels.triton_common import (cached_zeroed_int32, head_dim_refusal, pdl_available, pdl_launch,
+                                                       triton_gpu_refusal)
 
 NAME = "attention.gqa.triton_splitkv"
 
@@ -423,21 +424,11 @@ def fused_merge(num_splits: int) -> bool:
     return 1 < num_splits <= FUSED_MERGE_MAX_SPLITS
 
 
-_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
-
-
 def arrival_counters(slots: int, device: torch.device) -> torch.Tensor:
     """``[slots]`` int32 arrival counters of the fused merge, zeroed once and cached per device and size; every call
-    leaves them at zero (the last program of a group resets its counter), so graph replays need no memset. Made
-    under capture, the zeroing is a node of that graph and lives in its pool: not cached. One set must not serve
-    two calls running at once on different streams."""
-    key = (str(device), slots)
-    t = _COUNTERS.get(key)
-    if t is None:
-        t = torch.zeros(slots, dtype=torch.int32, device=device)
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            _COUNTERS[key] = t
-    return t
+    leaves them at zero (the last program of a group resets its counter). ``cached_zeroed_int32``: not cached when
+    made under capture; one set must not serve two calls running at once on different streams."""
+    return cached_zeroed_int32(NAME, (slots,), device)
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,

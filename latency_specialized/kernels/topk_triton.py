@@ -49,6 +49,7 @@ import os
 import torch
 
 from latency_specialized.errors import UserError
+from latency_specialized.kernels.triton_common import cached_zeroed_int32
 
 FIRST_BITS = 12
 """Key bits of the split histogram (pass 1; 11..15: every histogram a multiple of 32 bins, and 16 would
@@ -244,19 +245,9 @@ def make_workspace(rows: int, device: torch.device | str) -> torch.Tensor:
     return torch.zeros(rows, (1 << FIRST_BITS) + _STATE, device=device, dtype=torch.int32)
 
 
-_WORKSPACES: dict[tuple, torch.Tensor] = {}
-
-
 def _workspace(rows: int, device: torch.device) -> torch.Tensor:
-    key = (str(device), rows, FIRST_BITS)
-    ws = _WORKSPACES.get(key)
-    if ws is None:
-        ws = make_workspace(rows, device)
-        # made under capture, its zeroing is a node of the graph (replays re-zero it): not cached, since it
-        # lives in that graph's pool
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            _WORKSPACES[key] = ws
-    return ws
+    """``make_workspace(rows, device)``'s shape, zeroed once and cached per device and row count."""
+    return cached_zeroed_int32("topk_select", (rows, (1 << FIRST_BITS) + _STATE), device)
 
 
 def topk_select(scores: torch.Tensor, valid_lens: torch.Tensor, k: int, out: torch.Tensor | None = None, *,

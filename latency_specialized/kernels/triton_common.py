@@ -9,6 +9,8 @@ import os
 import re
 from typing import Any
 
+import torch
+
 from latency_specialized.contract import OpContext
 from latency_specialized.hardware import capability
 
@@ -105,5 +107,22 @@ def pdl_launch(on: bool) -> dict[str, bool]:
     return {"launch_pdl": True} if on else {}
 
 
-__all__ = ["DTYPES", "arch_number", "head_dim_refusal", "interpreting", "pdl_available", "pdl_launch",
-           "quantized_experts_refusal", "quantized_weight_refusal", "triton_gpu_refusal", "triton_has_gdc"]
+_ZEROED: dict[tuple, torch.Tensor] = {}
+
+
+def cached_zeroed_int32(owner: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A zeroed int32 tensor of ``shape`` cached per (``owner``, shape, device): the counters / workspace of a kernel
+    whose every call leaves them zeroed again, so graph replays need no memset. Made under a CUDA-graph capture, the
+    zeroing is a node of that graph and the tensor lives in its pool: returned, not cached. One tensor must not serve
+    two calls running at once on different streams."""
+    key = (owner, tuple(shape), str(device))
+    t = _ZEROED.get(key)
+    if t is None:
+        t = torch.zeros(shape, dtype=torch.int32, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _ZEROED[key] = t
+    return t
+
+
+__all__ = ["DTYPES", "arch_number", "cached_zeroed_int32", "head_dim_refusal", "interpreting", "pdl_available",
+           "pdl_launch", "quantized_experts_refusal", "quantized_weight_refusal", "triton_gpu_refusal", "triton_has_gdc"]
