@@ -4,18 +4,19 @@
 # priority order, so a call stopped at the limit keeps the steps before; results tarred per step (the device returns
 # <= 8 files):
 #   source scripts/device_env.sh >/dev/null 2>&1; timeout 575 bash benchmarks/scripts/pending_measurements.sh
-# Steps (STEPS, default gqa,dsvab,topk,muse,prof,paired,credit,q4) - session 45's plan (session 44's steps and the
-# GQA fused merge; session 44's own run: benchmarks/results/h100/session44/; gemm and dsv stay available by name):
-#   gqa    the GQA split kernel's own merge (gqa_decode_triton.FUSED_MERGE_MAX_SPLITS 32, new, on) against the merge
-#          kernel (0) and at every split count (256), Muse Spark TP8 at batch 1-64, 4K-128K (gqa_sweep.py fused):
-#          issue 23's GQA bar (>= 70% of the KV roofline at batch 8-64, context 32768; 68% before)
+# Steps (STEPS, default cutprof,paired,credit,q4,prof) - session 46's plan (session 46 ran gqa, dsvab, topk, muse:
+# benchmarks/results/h100/session46/; those, gemm and dsv stay available by name):
+#   cutprof DeepSeek-V4.1-Flash c2_idx at batch 1, one replay's kernels with the indexer on the cut table
+#          (INDEX_COMPRESSED_TABLE=True, off since session 46: 18 us slower in the layer, though the select alone is
+#          faster on it) - where the 18 us go
+#   gqa    the GQA split kernel's own merge (gqa_decode_triton.FUSED_MERGE_MAX_SPLITS, off since session 46) against
+#          the merge kernel and at every split count, Muse Spark TP8 at batch 1-64, 4K-128K (gqa_sweep.py fused)
 #   prof   DeepSeek-V4.1-Flash TP8 window and c2_idx at batch 1: one replay's kernels in order (profile_layer.py
-#          --timeline): session 44's c2_idx had the indexer's select kernel at 31 us (a resident 8192-wide tile for
-#          2048 live rows) and two sum-only all-reduce stand-ins per layer; both changed since
-#   dsvab  DeepSeek-V4.1-Flash c2_idx at batch 1 / 8 with the indexer on the compressed rows' table
-#          (pieces.attention.sparse_mqa.INDEX_COMPRESSED_TABLE, on) against the whole table; window at batch 1 / 8
+#          --timeline; session 46 ran c2_idx alone: the select 31 -> 12.6 us per call on its half-width path)
+#   dsvab  DeepSeek-V4.1-Flash c2_idx at batch 1 / 8 with the indexer on the whole table against the compressed
+#          rows' table (pieces.attention.sparse_mqa.INDEX_COMPRESSED_TABLE, off since session 46); window at b1 / 8
 #          with the sum-only all-reduces left out (runtime.harness.SUM_ONLY_KERNEL False) against the one-rank
-#          kernel there (the bench before session 44)
+#          kernel there (the bench before session 44); both measured in session 46 (cut table off, exclusion on)
 #   topk   the indexer's radix select alone with its half-width path (indexer_triton.SELECT_NARROW_MIN_TILE, new)
 #          against none (radix_wide): 4,096- and 8,192-wide tables with half of each live, K 512 / 2048, 1 / 8 rows
 #   muse   Muse Spark swa at batch 1 / 8, the same SUM_ONLY_KERNEL A/B (its gated residual's all-reduces)
@@ -29,7 +30,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/ls_out}
 export LS_KERNEL_CACHE_DIR=${LS_KERNEL_CACHE_DIR:-/tmp/ls_kcache} CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
-STEPS=${STEPS:-gqa,dsvab,topk,muse,prof,paired,credit,q4}
+STEPS=${STEPS:-cutprof,paired,credit,q4,prof}
 W=$(mktemp -d)
 t0=$(date +%s)
 step() { [[ ",$STEPS," == *",$1,"* ]]; }
@@ -38,12 +39,21 @@ BENCH=(python3 -m latency_specialized.cli bench --tp 8 --context 4096 --layers 3
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
 if step gqa; then
   mkdir -p "$W/gqa"
-  timeout "${GQA_S:-110}" python3 benchmarks/scripts/gqa_sweep.py "$W/gqa/fused.json" fused > "$W/gqa/gqa.log" 2>&1
+  PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout "${GQA_S:-110}" python3 benchmarks/scripts/gqa_sweep.py \
+    "$W/gqa/fused.json" fused > "$W/gqa/gqa.log" 2>&1
   pack gqa $?; python3 -c "
 import json, sys
 for r in json.load(open(sys.argv[1])):
     print(r['FUSED_MERGE_MAX_SPLITS'], r['FUSED_MERGE_UNROLL'], r['batch'], r['context'], r['window'], r['splits'],
-          round(r['us'], 2), round(r['roofline'], 3))" "$W/gqa/fused.json" 2>/dev/null | column -t
+          round(r['us'], 2), round(r['roofline'], 3))" "$W/gqa/fused.json" 2>/dev/null
+fi
+if step cutprof; then
+  mkdir -p "$W/cutprof"
+  timeout "${PROF_S:-70}" python3 benchmarks/scripts/profile_layer.py --model deepseek_v41_flash --kind c2_idx \
+    --batches 1 --layers 2 --timeline --out "$W/cutprof/p_c2_idx_cut.json" \
+    --set latency_specialized.pieces.attention.sparse_mqa.INDEX_COMPRESSED_TABLE=True \
+    > "$W/cutprof/p_c2_idx_cut.txt" 2>&1
+  pack cutprof $?; grep -h -A12 "^=== " "$W"/cutprof/*.txt | head -14
 fi
 if step prof; then
   mkdir -p "$W/prof"
@@ -63,7 +73,7 @@ fi
 if step dsvab; then
   mkdir -p "$W/dsvab/c2" "$W/dsvab/window"; rc=0
   timeout "${DSVAB_S:-120}" "${BENCH[@]}" --model deepseek_v41_flash --kinds c2_idx --batch 1,8 --out "$W/dsvab/c2" \
-    --ab base --ab whole:latency_specialized.pieces.attention.sparse_mqa.INDEX_COMPRESSED_TABLE=False \
+    --ab base --ab cut:latency_specialized.pieces.attention.sparse_mqa.INDEX_COMPRESSED_TABLE=True \
     > "$W/dsvab/c2.log" 2>&1 || rc=$?
   timeout "${DSVAB_S:-120}" "${BENCH[@]}" --model deepseek_v41_flash --kinds window --batch 1,8 \
     --out "$W/dsvab/window" --ab base --ab kernel:latency_specialized.runtime.harness.SUM_ONLY_KERNEL=True \

@@ -105,8 +105,16 @@ def main() -> None:
                     "--experts (e.g. mxfp4: ours' 4-bit kernels, stock's MXFP4 MoE)")
     ap.add_argument("--timeline", action="store_true",
                     help="also print one replay's kernels in order of their end, with each one's marginal cost")
+    ap.add_argument("--set", default="", help="settings applied before anything is built, as bench --ab's: "
+                    "MODULE.ATTR=VALUE,... (e.g. latency_specialized.pieces.attention.sparse_mqa."
+                    "INDEX_COMPRESSED_TABLE=True)")
     args = ap.parse_args()
     batches = tuple(int(b) for b in args.batches.split(","))
+    if args.set:
+        from latency_specialized.bench.ab import apply_settings, check_settings, parse_variant
+        variant = parse_variant(f"set:{args.set}")
+        check_settings(variant)
+        apply_settings(variant.settings)
     from latency_specialized.bench.layer_bench import GraphedStep, _layer_index, build_spec_ours
     from latency_specialized.bench.stock.layers import build_stock_kda, build_stock_mla
     from latency_specialized.plugins import get_registry

@@ -21,7 +21,7 @@ One call, one new token per sequence (``M`` rows, ``Hq`` query heads, ``KV`` key
    writes ``out``; otherwise ``(acc, m, l)`` go to an fp32 workspace (empty splits store ``m = -inf,
    l = 0``). Up to ``FUSED_MERGE_MAX_SPLITS`` splits each program then arrives on its ``(b, kv head)``
    counter and **the last to arrive merges** that group's splits (the merge below, whole heads, in split
-   order) and writes ``out``: one launch;
+   order) and writes ``out``: one launch (off by default: ``FUSED_MERGE_MAX_SPLITS``);
 2. **merge kernel**, grid ``(M, Hq, D / MERGE_D_BLOCK)`` (only with more splits than the split kernel merges):
    log-sum-exp weights over the splits, the sink in the denominator, **the one rounding** into ``out``, each
    program its block of head-dim columns. Rows without a position (``seq_lens == 0``) give exact zeros.
@@ -118,11 +118,12 @@ MERGE_D_BLOCK = 16
 """Head-dim columns per merge program (0: the whole head): grid (M, Hq, D / MERGE_D_BLOCK), each program reading
 ``MERGE_S_TILE x D / MERGE_D_BLOCK`` splits a step, so a merge over many splits (batch 1: 132) takes fewer
 dependent rounds of L2 reads on more SMs (NOTES_gqa.md, session 36: faster at batch 1, even from batch 8)."""
-FUSED_MERGE_MAX_SPLITS = 32
-"""Up to this many splits the split kernel merges them itself (0: never): each program arrives on its (row, KV
-head)'s counter after its stores and the last to arrive merges that head group's splits and writes ``out``, so
-no merge kernel launches (batch 8-64 at long contexts: 16-2 splits). Above it (batch 1-4 at long contexts: up to
-256 splits, too many for one program's rounds) the column-blocked merge kernel runs."""
+FUSED_MERGE_MAX_SPLITS = 0
+"""Up to this many splits the split kernel merges them itself (0: never, the default): each program arrives on its
+(row, KV head)'s counter after its stores and the last to arrive merges that head group's splits and writes ``out``,
+so no merge kernel launches. Off because timed slower than the merge kernel wherever it changes the path (the one
+program merging a group is a serial tail the column-blocked merge kernel spreads over programs; figures in
+``NOTES_gqa.md``, session 46): an A/B switch, tested on the GPU, kept for other shapes."""
 FUSED_MERGE_UNROLL = 4
 """Splits the last program loads per round of its merge ([FUSED_MERGE_UNROLL, BLOCK_G, D] fp32 partials)."""
 _STORE_NEW = True

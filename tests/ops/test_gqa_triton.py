@@ -328,6 +328,7 @@ def test_fused_merge_equals_the_merge_kernel_and_leaves_counters_zero(gk, monkey
     args, kw = _case(1401 + splits, LENS, sinks=sinks, window=window)
     q, kc, vc, blocks, seq_lens = args
     M, Hq, _ = q.shape
+    monkeypatch.setattr(gk, "FUSED_MERGE_MAX_SPLITS", 32)   # off by default: the A/B switch on
     assert gk.fused_merge(splits)
     results = {}
     kernels = gk._kernels(True)

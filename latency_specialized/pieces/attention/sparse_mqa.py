@@ -88,11 +88,12 @@ NO_SLOT = "sparse_mqa.no_slot"
 """Scratch key: ``[M]`` slots of -1 (the key slot of index layers that write no keys), this step's."""
 COMPRESSED_SLOTS = "sparse_mqa.compressed_slots"
 """``StepContext.once`` key (with the ratio and the cache's block size) of ``compressed_slots``."""
-INDEX_COMPRESSED_TABLE = True
+INDEX_COMPRESSED_TABLE = False
 """The indexer of a compressed layer gets the block table cut to the blocks its rows can occupy
 (:func:`compressed_table`) instead of the whole table: the op sizes its work by the table's width (the select
 kernel's resident tile, the scoring split count, ``indexer_triton.auto_selection``), and the raw table is ``ratio``
-times wider than the compressed rows it can hold. False: the whole table (an A/B switch)."""
+times wider than the compressed rows it can hold. Off (the whole table): the layer timed slower with the cut
+table although the select alone is faster on it (``kernels/NOTES_indexer.md``, session 46); an A/B switch."""
 
 
 def compressed_slots(meta: Mapping[str, torch.Tensor], ratio: int,

@@ -120,8 +120,8 @@ def test_compressed_slots_are_made_once_per_step_and_ratio(monkeypatch):
 
 def test_indexer_gets_the_table_cut_to_its_compressed_rows(monkeypatch):
     """``sparse_mqa.compressed_table``: the indexer of a compressed layer gets the first ``ceil(W / ratio)`` block
-    columns (every compressed row a W-block table can hold lives there: row j at the slot of position j), the
-    program still equals the reference with it, and the A/B switch hands the whole table over."""
+    columns (every compressed row a W-block table can hold lives there: row j at the slot of position j); with the
+    switch on the program still equals the reference, off (the default) the indexer gets the whole table."""
     from latency_specialized.pieces.attention import sparse_mqa
     from latency_specialized.runtime.pieces_api import StepContext
     from latency_specialized.testing.matrix import Cell
@@ -147,6 +147,7 @@ def test_indexer_gets_the_table_cut_to_its_compressed_rows(monkeypatch):
         return indexer
 
     monkeypatch.setattr(StepContext, "op", op)
+    monkeypatch.setattr(sparse_mqa, "INDEX_COMPRESSED_TABLE", True)
     adapter = get_registry().adapter("deepseek_v41_flash")
     res = adapter.verify_cell(Cell("deepseek_v41_flash", 2, 1, 40, 0, "cpu"), comm=None)
     assert res.max_abs_err <= res.tolerance and res.fast_steps == res.steps > 0
@@ -156,6 +157,6 @@ def test_indexer_gets_the_table_cut_to_its_compressed_rows(monkeypatch):
     assert 2 in ratios and widths
     assert {got for _, got in widths} == {-(-w // r) for w, _ in widths for r in ratios}
     widths.clear()
-    monkeypatch.setattr(sparse_mqa, "INDEX_COMPRESSED_TABLE", False)   # the A/B switch: the whole table
+    monkeypatch.setattr(sparse_mqa, "INDEX_COMPRESSED_TABLE", False)   # the default: the whole table
     assert adapter.verify_cell(Cell("deepseek_v41_flash", 2, 1, 40, 0, "cpu"), comm=None).fast_steps > 0
     assert widths and all(got == w for w, got in widths)
