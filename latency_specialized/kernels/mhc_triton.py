@@ -40,7 +40,8 @@ import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
-from latency_specialized.kernels.triton_common import pdl_available, pdl_launch, triton_gpu_refusal
+from latency_specialized.kernels.triton_common import (cached_zeroed_int32, pdl_available, pdl_launch,
+                                                       triton_gpu_refusal)
 
 NAME = "residual.mhc.triton"
 MAX_ROW_BLOCKS = 8192
@@ -70,9 +71,6 @@ trips overlap the Sinkhorn rounds instead of following them in two steps. The he
 ``NOTES_mhc.md``, session 41)."""
 OUT_ROW_TILE = 8192
 """Most channels of the one-tile rescale (``OUT_LOAD_FIRST``): 64 per thread at 4 warps."""
-
-_COUNTERS: dict[str, torch.Tensor] = {}
-
 
 def out_load_first(M: int, tm: int, H: int, elsize: int) -> bool:
     """Whether a launch rescales ``out`` in one tile loaded before the coefficients (``OUT_LOAD_FIRST``)."""
@@ -251,15 +249,9 @@ def choose_blocks(M: int, H: int) -> tuple[int, int, int]:
 
 def counter(device: torch.device) -> torch.Tensor:
     """The row-block counters of ``device`` (zeroed once; each launch leaves them at 0)."""
-    key = str(device)
-    t = _COUNTERS.get(key)
-    if t is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise UserError(f"{NAME}: its counters are allocated outside a CUDA-graph capture; call the "
-                            "implementation's prepare() (or one eager seam) before capturing")
-        t = torch.zeros(MAX_ROW_BLOCKS, dtype=torch.int32, device=device)
-        _COUNTERS[key] = t
-    return t
+    return cached_zeroed_int32(NAME, (MAX_ROW_BLOCKS,), device, refuse_in_capture=(
+        "its counters are allocated outside a CUDA-graph capture; call the implementation's prepare() (or one eager "
+        "seam) before capturing"))
 
 
 def _prepare(ctx: OpContext) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from latency_specialized.contract import OpContext
+from latency_specialized.errors import UserError
 from latency_specialized.hardware import capability
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -110,16 +111,21 @@ def pdl_launch(on: bool) -> dict[str, bool]:
 _ZEROED: dict[tuple, torch.Tensor] = {}
 
 
-def cached_zeroed_int32(owner: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+def cached_zeroed_int32(owner: str, shape: tuple[int, ...], device: torch.device,
+                        refuse_in_capture: str | None = None) -> torch.Tensor:
     """A zeroed int32 tensor of ``shape`` cached per (``owner``, shape, device): the counters / workspace of a kernel
     whose every call leaves them zeroed again, so graph replays need no memset. Made under a CUDA-graph capture, the
-    zeroing is a node of that graph and the tensor lives in its pool: returned, not cached. One tensor must not serve
-    two calls running at once on different streams."""
+    zeroing is a node of that graph and the tensor lives in its pool: returned, not cached - or, where the kernel
+    wants one tensor for the process (``refuse_in_capture``, the fix to name), a ``UserError``. One tensor must not
+    serve two calls running at once on different streams."""
     key = (owner, tuple(shape), str(device))
     t = _ZEROED.get(key)
     if t is None:
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if capturing and refuse_in_capture is not None:
+            raise UserError(f"{owner}: {refuse_in_capture}")
         t = torch.zeros(shape, dtype=torch.int32, device=device)
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if not capturing:
             _ZEROED[key] = t
     return t
 
