@@ -11,9 +11,9 @@ Two tiers:
 * memory: one compiled function per key and process;
 * disk (opt-in: ``$LS_KERNEL_CACHE_DIR``): the TVM-FFI object file of each compile
   (``export_to_c``), loaded back with ``cute.runtime.load_module`` in ~1 ms. The directory is
-  fingerprinted by the kernel sources and the cutlass-dsl / tvm-ffi versions, files are written
-  to a temporary name and renamed (no torn reads when processes race), and an object that fails
-  to load is recompiled and the failure logged - a cache may only ever cost time.
+  fingerprinted by the CuTe DSL kernel sources (``dsl_sources``) and the cutlass-dsl / tvm-ffi
+  versions, files are written to a temporary name and renamed (no torn reads when processes
+  race), and an object that fails to load is recompiled and the failure logged - a cache may only ever cost time.
 
 :func:`precompile` compiles a list of (function, args) units in parallel, GPU-blind worker
 processes (spawned, ``CUTE_DSL_ARCH`` pinned: ``cute.compile`` is not thread-safe and forking a
@@ -25,6 +25,7 @@ CUDA process is unsafe) that fill the disk tier; the parent then loads instead o
 
 from __future__ import annotations
 
+import ast
 import contextvars
 import functools
 import hashlib
@@ -85,13 +86,67 @@ def target_arch() -> str:
     return "sm_90a"
 
 
+_PACKAGE = "latency_specialized.kernels"
+
+
+def _kernel_imports(tree: ast.AST) -> set[str]:
+    """Names of the ``latency_specialized.kernels`` modules a module's source imports, anywhere in it (function-level
+    imports too), absolute or relative."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            mods = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:      # relative: inside the kernels package
+                base = f"{_PACKAGE}.{base}" if base else _PACKAGE
+            mods = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        names.update(m.split(".")[2] for m in mods if m.startswith(_PACKAGE + ".") and m.count(".") >= 2)
+    return names
+
+
+def dsl_sources(root: Path | None = None) -> list[Path]:
+    """The kernel modules whose source can change a CuTe DSL compile: every module of ``root`` (the kernels
+    package) that imports cutlass, what they import from the package (transitively) and this module. A Triton-only
+    kernel's source enters Triton's own cache key, not this one: editing it keeps the CuTe DSL objects. So a module
+    with DSL code imports cutlass itself (``tests/foundation/test_compile_cache_fingerprint.py`` checks it)."""
+    root = root or Path(__file__).parent
+    trees = {p.stem: ast.parse(p.read_text(), str(p)) for p in sorted(root.glob("*.py"))}
+    todo = [m for m, t in trees.items() if any(n == "cutlass" or n.startswith("cutlass.")
+                                                for n in _all_imports(t))]
+    todo.append(Path(__file__).stem)
+    seen: set[str] = set()
+    while todo:
+        m = todo.pop()
+        if m in seen or m not in trees:
+            continue
+        seen.add(m)
+        todo.extend(_kernel_imports(trees[m]))
+    return [root / f"{m}.py" for m in sorted(seen)]
+
+
+def _all_imports(tree: ast.AST) -> Iterable[str]:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            yield node.module
+
+
 @functools.cache
 def _fingerprint() -> str:
-    """Hash of every kernel source and the DSL versions: a change to either starts a new directory."""
+    return source_fingerprint()
+
+
+def source_fingerprint(root: Path | None = None) -> str:
+    """Hash of the sources that can change a CuTe DSL compile (``dsl_sources`` of ``root``) and the DSL versions: a
+    change to either starts a new disk-cache directory."""
     from importlib import metadata
 
     h = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
+    for path in dsl_sources(root):
         h.update(path.name.encode())
         h.update(path.read_bytes())
     for dist in ("nvidia-cutlass-dsl", "apache-tvm-ffi"):
