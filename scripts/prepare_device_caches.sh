@@ -4,6 +4,9 @@
 # for the first device call (benchmarks/NOTES_gpu_suite.md). Session 39: the device's Triton fingerprint and CuTe DSL
 # cache directory equal this machine's, so the suite's workers hit these caches instead of compiling (~900 s of the
 # rest part's test time on the H100). Run it on the commit the suite will run: a kernel's source enters its key.
+# Since session 47 the CuTe DSL fingerprint hashes only the DSL kernels' sources and what they import
+# (`kernels.compile_cache.dsl_sources`): a Triton-only kernel edit after the build costs that kernel's Triton
+# compiles on the device (seconds), not every CuTe DSL object (~900 s there).
 #   bash scripts/prepare_device_caches.sh            # JOBS (default 2), LIMIT_S (default 3600), BUDGET_MIB (13)
 # TRITON_DIR (default /tmp/ls_triton) keeps every older version of a changed kernel and the packer takes them all
 # along: after kernel changes give a fresh one (session 46: TRITON_DIR=/tmp/ls_triton46, 544 s for 1,268 kernels,
