@@ -4,14 +4,16 @@
 # priority order, so a call stopped at the limit keeps the steps before; results tarred per step (the device returns
 # <= 8 files):
 #   source scripts/device_env.sh >/dev/null 2>&1; timeout 575 bash benchmarks/scripts/pending_measurements.sh
-# Steps (STEPS, default cutprof,score,paired,credit,q4) - session 47's plan (session 46 ran gqa, dsvab, topk, muse:
+# Steps (STEPS, default c2ab,cutprof,paired,credit,q4) - session 47's plan (session 46 ran gqa, dsvab, topk, muse:
 # benchmarks/results/h100/session46/; those, prof, gemm and dsv stay available by name):
 #   cutprof DeepSeek-V4.1-Flash c2_idx at batch 1, one replay's kernels with the indexer on the cut table
 #          (INDEX_COMPRESSED_TABLE=True, off since session 46: 18 us slower in the layer, though the select alone is
 #          faster on it) - where the 18 us go
-#   score  DeepSeek-V4.1-Flash c2_idx at batch 1 / 8, the indexer's scoring chunk (indexer_triton.MIN_CHUNK 128)
-#          against 64 and 256: at batch 1 the ~2,080 live positions make 17 programs of two 64-position tiles each
-#          (8.1 us per call in session 46's timeline against ~0.3 us of bytes); 64 gives 33 programs of one tile
+#   c2ab   DeepSeek-V4.1-Flash c2_idx at batch 1 / 8: (selpdl) the sparse MQA split kernel launched with PDL
+#          behind the radix select, which triggers at its start (sparse_mqa_triton.SELECTION_PDL +
+#          indexer_triton.SELECT_TRIGGER_START, new in session 47: the split's prologue and window slots overlap the
+#          12.6 us select); (mc64) the indexer's scoring chunk MIN_CHUNK 128 -> 64 (17 programs of two 64-position
+#          tiles -> 33 of one at batch 1; the score kernel 8.1 us per call against ~0.3 us of bytes)
 #   gqa    the GQA split kernel's own merge (gqa_decode_triton.FUSED_MERGE_MAX_SPLITS, off since session 46) against
 #          the merge kernel and at every split count, Muse Spark TP8 at batch 1-64, 4K-128K (gqa_sweep.py fused)
 #   prof   DeepSeek-V4.1-Flash TP8 window and c2_idx at batch 1: one replay's kernels in order (profile_layer.py
@@ -33,7 +35,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/ls_out}
 export LS_KERNEL_CACHE_DIR=${LS_KERNEL_CACHE_DIR:-/tmp/ls_kcache} CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
-STEPS=${STEPS:-cutprof,score,paired,credit,q4}
+STEPS=${STEPS:-c2ab,cutprof,paired,credit,q4}
 W=$(mktemp -d)
 t0=$(date +%s)
 step() { [[ ",$STEPS," == *",$1,"* ]]; }
@@ -58,12 +60,13 @@ if step cutprof; then
     > "$W/cutprof/p_c2_idx_cut.txt" 2>&1
   pack cutprof $?; grep -h -A12 "^=== " "$W"/cutprof/*.txt | head -14
 fi
-if step score; then
-  mkdir -p "$W/score"
-  timeout "${SCORE_S:-150}" "${BENCH[@]}" --model deepseek_v41_flash --kinds c2_idx --batch 1,8 --out "$W/score" \
-    --ab base --ab mc64:latency_specialized.kernels.indexer_triton.MIN_CHUNK=64 \
-    --ab mc256:latency_specialized.kernels.indexer_triton.MIN_CHUNK=256 > "$W/score/score.log" 2>&1
-  rc=$?; rm -rf "$W"/score/ab_runs; pack score "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W"/score/ab.md
+if step c2ab; then
+  mkdir -p "$W/c2ab"
+  SP=latency_specialized.kernels
+  timeout "${C2AB_S:-150}" "${BENCH[@]}" --model deepseek_v41_flash --kinds c2_idx --batch 1,8 --out "$W/c2ab" \
+    --ab base --ab "selpdl:$SP.sparse_mqa_triton.SELECTION_PDL=True,$SP.indexer_triton.SELECT_TRIGGER_START=True" \
+    --ab mc64:$SP.indexer_triton.MIN_CHUNK=64 > "$W/c2ab/c2ab.log" 2>&1
+  rc=$?; rm -rf "$W"/c2ab/ab_runs; pack c2ab "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W"/c2ab/ab.md
 fi
 if step prof; then
   mkdir -p "$W/prof"

@@ -66,7 +66,7 @@ from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
 from latency_specialized.hardware import sm_count
 from latency_specialized.kernels.topk_triton import topk_select
-from latency_specialized.kernels.triton_common import triton_gpu_refusal
+from latency_specialized.kernels.triton_common import pdl_available, triton_gpu_refusal
 
 NAME = "attention.indexer.triton"
 
@@ -112,6 +112,12 @@ SCORE_WARPS = 4
 SELECT_WARPS = 8
 SELECT_WARPS_WIDE = 16
 """Warps of the select kernel when its resident row is wider than 4096 logits."""
+SELECT_TRIGGER_START = False
+"""The radix select triggers its dependents at its start (after waiting for its own prerequisites, so everything
+launched before it has finished): a consumer launched behind it with PDL - the sparse MQA split kernel
+(``sparse_mqa_triton.SELECTION_PDL``) - then runs what does not need the selection (its prologue, the window's
+slots) while the select runs, and waits before it reads the selection or stores. Off: A/B switch with
+``SELECTION_PDL`` (``NOTES_sparse_mqa.md``, session 47)."""
 SELECT_BITS = 4
 """Radix digit width of the select kernel: 32 // SELECT_BITS histogram passes of 2**SELECT_BITS bins.
 H200, one row, relu-skewed logits (``benchmarks/results/h200/topk_radix_variants.md``): 4-bit digits in 8
@@ -149,9 +155,10 @@ def _kernels(interpret: bool) -> dict:
     del interpret  # the cache key only
     # defined here, not at import (no triton import on machines without it); Triton resolves the names a
     # kernel uses through its module globals: hence tl and the helpers as globals
-    global tl, _rope_coeffs, _ordered_keys, _digit_hist, _next_digit, _resident_select
+    global tl, tlc, _rope_coeffs, _ordered_keys, _digit_hist, _next_digit, _resident_select
     import triton
     import triton.language as tl
+    import triton.language.extra.cuda as tlc
 
     @triton.jit
     def _rope_coeffs(offs, pos, inv_freq, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
@@ -316,11 +323,15 @@ def _kernels(interpret: bool) -> dict:
 
     @triton.jit
     def select_kernel(logits, seq_lens, out, K, s_lb, s_ob, TILE: tl.constexpr, BITS: tl.constexpr,
-                      RESIDENT: tl.constexpr, NARROW: tl.constexpr):
+                      RESIDENT: tl.constexpr, NARROW: tl.constexpr, TRIGGER: tl.constexpr):
         # BITS: radix digit width (32 // BITS histogram passes of 2**BITS bins); RESIDENT: the row fits one
         # TILE (the caller's capacity <= TILE), loaded once and kept in registers across the passes; NARROW: a
         # row of at most TILE / 2 live logits takes a half-width resident select (the passes cost the tile's
-        # width, not the row's)
+        # width, not the row's); TRIGGER: the next launch (with PDL) may start now - it waits before it reads out
+        # or writes memory this kernel reads (SELECT_TRIGGER_START)
+        if TRIGGER:
+            tlc.gdc_wait()                  # a no-op unless this launch itself had PDL: what came before is done
+            tlc.gdc_launch_dependents()
         NB: tl.constexpr = 1 << BITS
         PASSES: tl.constexpr = 32 // BITS
         b = tl.program_id(0)
@@ -372,10 +383,11 @@ def _kernels(interpret: bool) -> dict:
 
 def launch_select(kernel, logits: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, topk: int, capacity: int,
                   *, bits: int | None = None, resident_max: int | None = None, warps: int | None = None,
-                  narrow_min: int | None = None) -> None:
+                  narrow_min: int | None = None, trigger: bool = False) -> None:
     """The radix select over logits [B, >= capacity] fp32 into out [B, topk] int32 (one program per row);
     ``bits`` / ``resident_max`` / ``warps`` / ``narrow_min`` default to SELECT_BITS / SELECT_RESIDENT_MAX /
-    SELECT_WARPS / SELECT_NARROW_MIN_TILE."""
+    SELECT_WARPS / SELECT_NARROW_MIN_TILE. ``trigger``: let a PDL launch behind it start at once
+    (``select_trigger``)."""
     bits = SELECT_BITS if bits is None else int(bits)
     if bits not in (4, 8):
         raise UserError(f"indexer select: digit width {bits} bits unsupported (4 or 8)")
@@ -386,7 +398,13 @@ def launch_select(kernel, logits: torch.Tensor, seq_lens: torch.Tensor, out: tor
     narrow_min = SELECT_NARROW_MIN_TILE if narrow_min is None else int(narrow_min)
     narrow = resident and 0 < narrow_min <= tile
     kernel[(logits.shape[0],)](logits, seq_lens, out, topk, logits.stride(0), out.stride(0), TILE=tile, BITS=bits,
-                               RESIDENT=resident, NARROW=narrow, num_warps=int(warps))
+                               RESIDENT=resident, NARROW=narrow, TRIGGER=bool(trigger), num_warps=int(warps))
+
+
+def select_trigger(device: torch.device) -> bool:
+    """Whether the radix select lets the launch after it start at once (``SELECT_TRIGGER_START``, compiled, an sm_90+
+    GPU, Triton with grid dependency control)."""
+    return SELECT_TRIGGER_START and pdl_available(device)
 
 
 def choose_num_splits(batch: int, capacity: int, sms: int) -> int:
@@ -506,7 +524,7 @@ def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
 
     # 3. selection
     if selection == "radix":
-        launch_select(kern["select"], logits, seq_lens, out, topk, cap)
+        launch_select(kern["select"], logits, seq_lens, out, topk, cap, trigger=select_trigger(q.device))
         return out
     if selection == "split":
         return topk_select(logits[:, :cap], seq_lens, topk, out)

@@ -93,6 +93,13 @@ COMBINE_PDL = False
 programs load the RoPE angles' inputs and the sinks, then wait (``gdc_wait``) for the split kernel before reading a
 partial - the MLA and GQA merges' pattern (``mla_decode_triton.MERGE_PDL``, ``gqa_decode_triton.MERGE_PDL``). Off
 until a layer A/B on a GPU says it helps (``NOTES_sparse_mqa.md``)."""
+SELECTION_PDL = False
+"""A call told that the launch right before it produced its ``selection`` (``after_selection``: the indexer's last
+kernel) launches its split kernel with PDL: every program runs its prologue (query norm and RoPE, the new row, the
+ring store) and the window's slots while that kernel still runs, and waits (``gdc_wait``) before it reads the
+selection or stores a partial - the workspaces may reuse memory the selection's producer still reads. Pays with
+``indexer_triton.SELECT_TRIGGER_START`` (the select lets it start at once; without, it starts as the select's
+programs exit). Off: A/B switch (``NOTES_sparse_mqa.md``, session 47)."""
 _STORE_NEW = True
 """Tests only: False leaves out the ring store, which shows that no program reads the new row from memory
 (the interpreter runs programs one after another, so it cannot show a race)."""
@@ -167,7 +174,8 @@ def _kernels(interpret: bool):
                      D: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
                      NORM_Q: tl.constexpr, NORM_KV: tl.constexpr, HAS_SEL: tl.constexpr, PREC: tl.constexpr,
                      DOT_F32: tl.constexpr,
-                     STORE_NEW: tl.constexpr, WRITE_ONLY: tl.constexpr, TRIGGER_END: tl.constexpr):
+                     STORE_NEW: tl.constexpr, WRITE_ONLY: tl.constexpr, TRIGGER_END: tl.constexpr,
+                     WAIT_SEL: tl.constexpr):
         # grid (M, num_splits, head groups). Masks from comparisons only (the interpreter mishandles & of a
         # vector and a scalar mask): a scalar condition becomes a bound (offs < where(cond, D, 0)).
         m = tl.program_id(0).to(tl.int64)
@@ -228,11 +236,17 @@ def _kernels(interpret: bool):
         m_i = tl.full([BH], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BH], dtype=tl.float32)
         acc = tl.zeros([BH, D], dtype=tl.float32)
+        if WAIT_SEL:   # launched with PDL behind the selection's producer (SELECTION_PDL)
+            if end > W:    # this program's slots include selected rows
+                tlc.gdc_wait()
         for t0 in range(start, end, BN):
             kt, ok, is_new = _tile_rows(t0, slot, seq, vis, seq_c, w_base, s_ws, m, selection, s_sel, block_table,
                                         s_bt, block_size, cache, W, T, d, D, BN, HAS_SEL)
             m_i, l_i, acc = _attend_tile(kt, ok, is_new, kn, qt, m_i, l_i, acc, qk_scale_log2, PREC, DOT_F32)
 
+        if WAIT_SEL:
+            if end <= W:   # window slots only: no wait so far, but the partials may reuse the producer's memory
+                tlc.gdc_wait()
         base = (m * num_splits + sp) * H + offs_h
         tl.store(ws_m + base, m_i, mask=h_ok)
         tl.store(ws_l + base, l_i, mask=h_ok)
@@ -387,7 +401,8 @@ def sparse_mqa_decode_triton(q: torch.Tensor, kv: torch.Tensor, positions: torch
                              compress_ratio: int = 1, q_norm_eps: float | None = None,
                              kv_norm_weight: torch.Tensor | None = None, kv_norm_eps: float = 1e-6,
                              out: torch.Tensor | None = None, sliding_window: int | None = None,
-                             cross_row_reads: bool = False, num_splits: int | None = None) -> torch.Tensor:
+                             cross_row_reads: bool = False, num_splits: int | None = None,
+                             after_selection: bool = False) -> torch.Tensor:
     """Sparse MQA decode (contract: ``ops.attention.sparse_mqa.sparse_mqa_decode_reference``), two launches
     (three with ``cross_row_reads``: the split kernel's prologue alone first, writing every row's ring slot).
 
@@ -406,6 +421,9 @@ def sparse_mqa_decode_triton(q: torch.Tensor, kv: torch.Tensor, positions: torch
         and the split kernel then stores nothing (each program still takes its own row's slot from registers).
     num_splits : splits of the ``W + topk`` slots per row; default ``choose_splits`` (static shapes only). Tests
         force it.
+    after_selection : the launch right before this call on the stream wrote ``selection`` and nothing else this
+        call reads (the indexer's last kernel): with ``SELECTION_PDL`` the split kernel starts behind it
+        (``selection_pdl``).
 
     Returns
     -------
@@ -454,6 +472,7 @@ def sparse_mqa_decode_triton(q: torch.Tensor, kv: torch.Tensor, positions: torch
     kernels = _kernels(interp)
 
     pdl = combine_pdl(q.device)
+    wait_sel = after_selection and has_sel and not cross_row_reads and selection_pdl(q.device)
 
     def split(grid: tuple[int, int, int], chunk_: int, store: bool, write_only: bool) -> None:
         kernels["split"][grid](
@@ -466,7 +485,8 @@ def sparse_mqa_decode_triton(q: torch.Tensor, kv: torch.Tensor, positions: torch
             D=D, R=R, BH=bh, BN=bn, NORM_Q=q_norm_eps is not None, NORM_KV=kv_norm_weight is not None,
             HAS_SEL=has_sel, PREC=prec, DOT_F32=dot_f32,
             STORE_NEW=store, WRITE_ONLY=write_only, TRIGGER_END=pdl and not write_only,
-            num_warps=8 if D >= 256 else 4, num_stages=NUM_STAGES)
+            WAIT_SEL=wait_sel and not write_only, num_warps=8 if D >= 256 else 4, num_stages=NUM_STAGES,
+            **pdl_launch(wait_sel and not write_only))
 
     if cross_row_reads:   # every row's ring slot stored (one program per row) before any program reads
         split((M, 1, 1), T, _STORE_NEW, True)
@@ -478,6 +498,12 @@ def sparse_mqa_decode_triton(q: torch.Tensor, kv: torch.Tensor, positions: torch
         out.stride(0), out.stride(1), D=D, R=R, S_PAD=s_pad, BD=bd, HAS_SINKS=sinks is not None, PDL=pdl,
         num_warps=4, **pdl_launch(pdl))
     return out
+
+
+def selection_pdl(device: torch.device) -> bool:
+    """Whether a call behind its selection's producer (``after_selection``) launches the split kernel with PDL:
+    ``SELECTION_PDL``, compiled (not the interpreter), an sm_90+ GPU and a Triton with grid dependency control."""
+    return SELECTION_PDL and pdl_available(device)
 
 
 def combine_pdl(device: torch.device) -> bool:
@@ -606,5 +632,5 @@ IMPLEMENTATIONS = [
                                "compressed-cache write in one launch; pow2 D"),
 ]
 
-__all__ = ["COMBINE_PDL", "COMPRESS_NAME", "FALLBACK", "IMPLEMENTATIONS", "NAME", "block_h", "block_n", "choose_splits",
-           "combine_pdl", "sparse_mqa_compress_triton", "sparse_mqa_decode_triton"]
+__all__ = ["COMBINE_PDL", "COMPRESS_NAME", "FALLBACK", "IMPLEMENTATIONS", "NAME", "SELECTION_PDL", "block_h", "block_n",
+           "choose_splits", "combine_pdl", "selection_pdl", "sparse_mqa_compress_triton", "sparse_mqa_decode_triton"]

@@ -582,6 +582,45 @@ def test_kernels_compile_for_hopper_without_a_gpu(smq):
     assert {dict(c).get("NORM_KV") for name, c in seen if name == "split_kernel"} == {True, False}
 
 
+def test_selection_pdl_waits_before_the_selection_and_the_partials(smq, monkeypatch):
+    """With ``SELECTION_PDL`` (offline sm_90a SASS, a batch-1 DeepSeek TP8 call behind its selection): the split kernel
+    launches with PDL and has two grid-dependency waits (``ACQBULK``): before its loop (the programs with selected
+    rows) and before its partial stores (window-only programs); only the ring row is stored before the first, every
+    partial after the last. The radix select with ``SELECT_TRIGGER_START`` waits for its own prerequisites, then
+    triggers (``PREEXIT``) before its first load of a logit. Off, or without ``after_selection``: no wait."""
+    import os
+
+    import latency_specialized.kernels.indexer_triton as ixt
+    from latency_specialized.testing.offline_sass import sass_of
+    from tests.triton_offline import ptx_for_hopper, recorded_launches
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("compiles only where triton was imported without the interpreter")
+    for on, after in ((False, True), (True, False), (True, True)):
+        monkeypatch.setattr(smq, "selection_pdl", lambda device, on=on: on)
+        with recorded_launches() as launches:
+            args, kw, _ = make_case(801, [1], dtype=torch.bfloat16, sinks=True, norm=True, kv_norm=True,
+                                    **dict(DSV4_TP8, K=512))
+            smq.sparse_mqa_decode_triton(*args, **kw, after_selection=after)
+        wait = on and after
+        assert [(fn.fn.__name__, k.get("launch_pdl", False)) for fn, _, k in launches] == [
+            ("split_kernel", wait), ("combine_kernel", False)]
+        split = sass_of(next(iter(ptx_for_hopper(launches[:1]).values()))).order
+        waits = [i for i, op in enumerate(split) if op == "ACQBULK"]
+        assert len(waits) == (2 if wait else 0), waits
+        if wait:
+            stores = [i for i, op in enumerate(split) if op.startswith("STG")]
+            assert len([i for i in stores if i < waits[0]]) == 1, "only the ring row is stored before the wait"
+            partials = [i for i in stores if i > waits[0]]
+            assert len(partials) >= 3 and min(partials) > waits[-1], (waits, stores)
+    with recorded_launches() as launches:
+        ixt.launch_select(ixt._kernels(False)["select"], torch.randn(1, 4096), torch.tensor([2100], dtype=torch.int32),
+                          torch.empty(1, 512, dtype=torch.int32), 512, 4096, trigger=True)
+    select = sass_of(next(iter(ptx_for_hopper(launches).values()))).order
+    first_load = next(i for i, op in enumerate(select) if op.startswith("LDG"))
+    assert select.index("ACQBULK") < select.index("PREEXIT") < first_load
+
+
 def test_combine_pdl_reads_partials_only_after_its_wait(smq, monkeypatch):
     """With ``COMBINE_PDL`` (offline sm_90a SASS, a batch-1 DeepSeek TP8 call): the split kernel triggers its dependents
     (``PREEXIT``) after its last store, and the combine - launched with PDL - loads only the RoPE angle inputs and the

@@ -129,6 +129,62 @@ def test_graph_replay_equals_eager(monkeypatch, M, topk, pdl):
         check_case(sparse_mqa_decode_triton, a, kw, p, **BF16)
 
 
+@pytest.mark.parametrize("M", [1, 8])
+def test_split_behind_the_select_with_pdl(monkeypatch, M):
+    """``SELECTION_PDL`` with ``SELECT_TRIGGER_START``: a captured [radix select -> sparse MQA] whose split kernel
+    launches behind the select (which triggers its dependents at its start). Before every replay the selection
+    buffer holds -1 everywhere, so a selection read before the split's wait would attend the window only; replay ==
+    the eager pair without PDL, bit for bit (selection, output and ring), and right against the reference."""
+    import latency_specialized.kernels.indexer_triton as ixt
+    import latency_specialized.kernels.sparse_mqa_triton as smq
+
+    dev = torch.device(DEV)
+    monkeypatch.setattr(smq, "SELECTION_PDL", True)
+    monkeypatch.setattr(ixt, "SELECT_TRIGGER_START", True)
+    assert smq.selection_pdl(dev) and ixt.select_trigger(dev), "PDL asked for but not available (sm_90+, gdc)"
+    select = ixt._kernels(False)["select"]
+    per, cap = 34, 4096                          # the block-table width of every case; logits of 4,096 positions
+
+    def inputs(seed):
+        a, kw, _ = _case(seed, [max(n, 1100) for n in _lens(M, seed)], "tp8", per=per)   # > 512 rows to select
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        logits = torch.randn(M, cap, device=DEV, generator=g).relu_()
+        return list(a), kw, logits, (a[4] // 2).to(torch.int32)
+
+    a0, kw, logits0, seq_c0 = inputs(700 + M)
+    static, logits, seq_c = [None if t is None else t.clone() for t in a0], logits0.clone(), seq_c0.clone()
+    out = torch.empty_like(a0[0])
+
+    def call():
+        ixt.launch_select(select, logits, seq_c, static[8], 512, cap, trigger=ixt.select_trigger(dev))
+        sparse_mqa_decode_triton(*static, out=out, after_selection=True, **kw)
+
+    graph = graph_replay(call)
+    monkeypatch.setattr(smq, "SELECTION_PDL", False)
+    monkeypatch.setattr(ixt, "SELECT_TRIGGER_START", False)
+    for seed in (1, 2):
+        a, kw2, lg, sc = inputs(seed * 37 + M)
+        assert kw2 == kw
+        for i, src in enumerate(a):
+            if static[i] is not None:
+                static[i].copy_(src)
+        logits.copy_(lg)
+        seq_c.copy_(sc)
+        static[8].fill_(-1)
+        eager_ring, eager_sel = a[5].clone(), torch.full_like(a[8], -1)
+        ixt.launch_select(select, lg, sc, eager_sel, 512, cap)
+        eager = sparse_mqa_decode_triton(*a[:5], eager_ring, a[6], a[7], eager_sel, *a[9:], **kw)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static[8], eager_sel), f"replay {seed}: the selection differs"
+        assert torch.equal(out, eager), f"replay {seed} != eager"
+        assert torch.equal(static[5], eager_ring), f"replay {seed}: the ring differs"
+        ref = sparse_mqa_decode_reference(*a[:5], a[5].clone(), a[6], a[7], eager_sel, *a[9:], **kw).float()
+        scale = ref.abs().max().item() + 1e-6
+        torch.testing.assert_close(out.float(), ref, rtol=BF16["rtol"], atol=BF16["atol"] * scale)
+
+
 def test_two_kernels_per_call():
     from latency_specialized.runtime.census import KernelCensus
 

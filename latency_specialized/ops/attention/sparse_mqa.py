@@ -177,7 +177,7 @@ def sparse_mqa_decode_reference(q: torch.Tensor, kv: torch.Tensor, positions: to
                                 compress_ratio: int = 1, q_norm_eps: float | None = None,
                                 kv_norm_weight: torch.Tensor | None = None, kv_norm_eps: float = 1e-6,
                                 out: torch.Tensor | None = None, sliding_window: int | None = None,
-                                cross_row_reads: bool = False) -> torch.Tensor:
+                                cross_row_reads: bool = False, after_selection: bool = False) -> torch.Tensor:
     """Sparse MQA decode over the window ring and the selected compressed rows (module docstring).
 
     Parameters
@@ -193,6 +193,8 @@ def sparse_mqa_decode_reference(q: torch.Tensor, kv: torch.Tensor, positions: to
     sliding_window : positions a row sees in the ring (default: the ring's length W; at most W).
     cross_row_reads : rows read ring slots other rows of this call write (verification steps); the reference
         writes every row first anyway.
+    after_selection : the launch right before this call on the stream wrote ``selection`` and nothing else the call
+        reads (the indexer's last kernel); an implementation may start behind it early. Ignored here.
 
     Returns
     -------
@@ -203,7 +205,7 @@ def sparse_mqa_decode_reference(q: torch.Tensor, kv: torch.Tensor, positions: to
     if kv_norm_weight is not None and tuple(kv_norm_weight.shape) != (kv.shape[1],):
         raise UserError(f"attention.sparse_mqa: kv_norm_weight has shape {tuple(kv_norm_weight.shape)}, needs "
                         f"[D={kv.shape[1]}]")
-    del cross_row_reads  # every row is written before any row reads (index_put_ below)
+    del cross_row_reads, after_selection  # every row is written before any row reads (index_put_ below)
     M, H, D = q.shape
     W, pos, inv = window.shape[1], positions, rope_inv_freq
     S = check_sliding_window(sliding_window, W, "attention.sparse_mqa")

@@ -344,6 +344,8 @@ class SparseMQAAttention:
             qr = step.op("attn.q_norm")(step.contiguous_for("attn.q_norm", q_a), w["q_norm"], eps)
             qb = step.op("attn.q_b_proj")(qr, w["q_b_proj"])
         q = qb[:, :Hl * D].view(M, Hl, D)                    # raw: the op norms it; [q | indexer q] on index layers
+        role = self.attention_role()
+        kv = step.contiguous_for(role, kv)   # any copy before the indexer: the op may start behind the selection
         cache = sel = None
         if r:
             cache = state["compressed"] if self.kv_source else self._published(step, COMPRESSED)
@@ -362,12 +364,10 @@ class SparseMQAAttention:
             sel = step.scratch[TOPK][:M]
         # the ring write happens inside the op: nothing before it (compressor, indexer) reads the window
         # kv_norm is part of the op: the raw kv slice goes in (the kernel norms the row it loads anyway)
-        role = self.attention_role()
-        o = step.op(role)(q, step.contiguous_for(role, kv), pos, meta["row_states"], meta["seq_lens"], state["window"],
-                          cache,
+        o = step.op(role)(q, kv, pos, meta["row_states"], meta["seq_lens"], state["window"], cache,
                           bt, sel, w["sinks"], inv, scale=D ** -0.5, compress_ratio=max(r, 1), q_norm_eps=eps,
                           kv_norm_weight=w["kv_norm"], kv_norm_eps=eps, sliding_window=a.sliding_window,
-                          cross_row_reads=step.spec_tokens > 0)
+                          cross_row_reads=step.spec_tokens > 0, after_selection=ix is not None)
         o = o.reshape(M, a.o_groups, Hl * D // a.o_groups)
         if a.o_groups == 1:   # one group per rank (TP8): its slice is contiguous, and a cat of one would copy
             og = step.op("attn.o_a_proj")(o[:, 0], w["o_a_proj"][0])
