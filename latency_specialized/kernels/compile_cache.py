@@ -89,21 +89,19 @@ def target_arch() -> str:
 _PACKAGE = "latency_specialized.kernels"
 
 
-def _kernel_imports(tree: ast.AST) -> set[str]:
-    """Names of the ``latency_specialized.kernels`` modules a module's source imports, anywhere in it (function-level
-    imports too), absolute or relative."""
+def _imported_modules(tree: ast.AST) -> set[str]:
+    """Dotted names a module's source imports, anywhere in it (function-level imports too): ``import a.b`` -> a.b,
+    ``from a import b`` -> a and a.b, relative imports resolved inside the kernels package."""
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            mods = [a.name for a in node.names]
+            names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:      # relative: inside the kernels package
                 base = f"{_PACKAGE}.{base}" if base else _PACKAGE
-            mods = [base] + [f"{base}.{a.name}" for a in node.names]
-        else:
-            continue
-        names.update(m.split(".")[2] for m in mods if m.startswith(_PACKAGE + ".") and m.count(".") >= 2)
+            names.add(base)
+            names.update(f"{base}.{a.name}" for a in node.names)
     return names
 
 
@@ -113,26 +111,17 @@ def dsl_sources(root: Path | None = None) -> list[Path]:
     kernel's source enters Triton's own cache key, not this one: editing it keeps the CuTe DSL objects. So a module
     with DSL code imports cutlass itself (``tests/foundation/test_compile_cache_fingerprint.py`` checks it)."""
     root = root or Path(__file__).parent
-    trees = {p.stem: ast.parse(p.read_text(), str(p)) for p in sorted(root.glob("*.py"))}
-    todo = [m for m, t in trees.items() if any(n == "cutlass" or n.startswith("cutlass.")
-                                                for n in _all_imports(t))]
+    imports = {p.stem: _imported_modules(ast.parse(p.read_text(), str(p))) for p in sorted(root.glob("*.py"))}
+    todo = [m for m, names in imports.items() if any(n.split(".")[0] == "cutlass" for n in names)]
     todo.append(Path(__file__).stem)
     seen: set[str] = set()
     while todo:
         m = todo.pop()
-        if m in seen or m not in trees:
+        if m in seen or m not in imports:
             continue
         seen.add(m)
-        todo.extend(_kernel_imports(trees[m]))
+        todo.extend(n.split(".")[2] for n in imports[m] if n.startswith(_PACKAGE + "."))
     return [root / f"{m}.py" for m in sorted(seen)]
-
-
-def _all_imports(tree: ast.AST) -> Iterable[str]:
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            yield from (a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-            yield node.module
 
 
 @functools.cache
