@@ -413,11 +413,12 @@ def test_kernels_compile_for_hopper_without_a_gpu(ix):
     sig = dict(logits="*fp32", seq_lens="*i32", out="*i32", K="i32", s_lb="i32", s_ob="i32")
     for bits in (4, 8):   # 16- and 256-bin histograms; rows looped over tiles or kept in registers (4096 wide)
         for resident, tile, narrow in ((False, ix.SELECT_TILE, False), (True, 4096, False), (True, 4096, True)):
-            p = ptx(kern["select"], sig, dict(TILE=tile, BITS=bits, RESIDENT=resident, NARROW=narrow),
-                    ix.SELECT_WARPS)
+            p = ptx(kern["select"], sig, dict(TILE=tile, BITS=bits, RESIDENT=resident, NARROW=narrow,
+                                              TRIGGER=False), ix.SELECT_WARPS)
             assert "ld.local" not in p and "st.local" not in p, (bits, resident, narrow)
     # the widest resident row (SELECT_RESIDENT_MAX) on the wide warp count, with its half-width path
-    p = ptx(kern["select"], sig, dict(TILE=ix.SELECT_RESIDENT_MAX, BITS=ix.SELECT_BITS, RESIDENT=True, NARROW=True),
+    p = ptx(kern["select"], sig, dict(TILE=ix.SELECT_RESIDENT_MAX, BITS=ix.SELECT_BITS, RESIDENT=True, NARROW=True,
+                                      TRIGGER=False),
             ix.SELECT_WARPS_WIDE)
     assert "ld.local" not in p and "st.local" not in p
 
