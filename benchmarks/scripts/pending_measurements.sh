@@ -4,7 +4,7 @@
 # priority order, so a call stopped at the limit keeps the steps before; results tarred per step (the device returns
 # <= 8 files):
 #   source scripts/device_env.sh >/dev/null 2>&1; timeout 575 bash benchmarks/scripts/pending_measurements.sh
-# Steps (STEPS, default c2ab,cutprof,paired,credit,q4) - session 47's plan (session 46 ran gqa, dsvab, topk, muse:
+# Steps (STEPS, default c2ab,topk,cutprof,paired,credit,q4) - session 48's plan (session 46 ran gqa, dsvab, topk, muse:
 # benchmarks/results/h100/session46/; those, prof, gemm and dsv stay available by name):
 #   cutprof DeepSeek-V4.1-Flash c2_idx at batch 1, one replay's kernels with the indexer on the cut table
 #          (INDEX_COMPRESSED_TABLE=True, off since session 46: 18 us slower in the layer, though the select alone is
@@ -13,7 +13,9 @@
 #          behind the radix select, which triggers at its start (sparse_mqa_triton.SELECTION_PDL +
 #          indexer_triton.SELECT_TRIGGER_START, new in session 47: the split's prologue and window slots overlap the
 #          12.6 us select); (mc64) the indexer's scoring chunk MIN_CHUNK 128 -> 64 (17 programs of two 64-position
-#          tiles -> 33 of one at batch 1; the score kernel 8.1 us per call against ~0.3 us of bytes)
+#          tiles -> 33 of one at batch 1; the score kernel 8.1 us per call against ~0.3 us of bytes); (early) the
+#          radix passes stop once the K-th key's bucket holds only keys to take (indexer_triton.SELECT_EARLY_EXIT,
+#          new in session 48: ~4.6 of 8 passes on bench-like logits, a CPU simulation); (all3) the three together
 #   gqa    the GQA split kernel's own merge (gqa_decode_triton.FUSED_MERGE_MAX_SPLITS, off since session 46) against
 #          the merge kernel and at every split count, Muse Spark TP8 at batch 1-64, 4K-128K (gqa_sweep.py fused)
 #   prof   DeepSeek-V4.1-Flash TP8 window and c2_idx at batch 1: one replay's kernels in order (profile_layer.py
@@ -22,8 +24,9 @@
 #          rows' table (pieces.attention.sparse_mqa.INDEX_COMPRESSED_TABLE, off since session 46); window at b1 / 8
 #          with the sum-only all-reduces left out (runtime.harness.SUM_ONLY_KERNEL False) against the one-rank
 #          kernel there (the bench before session 44); both measured in session 46 (cut table off, exclusion on)
-#   topk   the indexer's radix select alone with its half-width path (indexer_triton.SELECT_NARROW_MIN_TILE, new)
-#          against none (radix_wide): 4,096- and 8,192-wide tables with half of each live, K 512 / 2048, 1 / 8 rows
+#   topk   the indexer's radix select alone with the early exit (indexer_triton.SELECT_EARLY_EXIT) against all 8
+#          passes (radix_early / radix_late; radix4_loop_early: tiles looped): 4,096- and 8,192-wide tables with half
+#          of each live, K 512 / 2048, 1 / 8 rows (session 46 ran it as the half-width path's A/B)
 #   muse   Muse Spark swa at batch 1 / 8, the same SUM_ONLY_KERNEL A/B (its gated residual's all-reduces)
 #   paired Kimi K3 kda / mla layers with MXFP4 experts at batch 64: the paired layout (on since session 44)
 #          against the checkpoint packing (session 44 measured batch 1 / 8, session 43 mla batch 1 / 64)
@@ -35,7 +38,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/ls_out}
 export LS_KERNEL_CACHE_DIR=${LS_KERNEL_CACHE_DIR:-/tmp/ls_kcache} CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
-STEPS=${STEPS:-c2ab,cutprof,paired,credit,q4}
+STEPS=${STEPS:-c2ab,topk,cutprof,paired,credit,q4}
 W=$(mktemp -d)
 t0=$(date +%s)
 step() { [[ ",$STEPS," == *",$1,"* ]]; }
@@ -63,9 +66,11 @@ fi
 if step c2ab; then
   mkdir -p "$W/c2ab"
   SP=latency_specialized.kernels
-  timeout "${C2AB_S:-150}" "${BENCH[@]}" --model deepseek_v41_flash --kinds c2_idx --batch 1,8 --out "$W/c2ab" \
+  timeout "${C2AB_S:-240}" "${BENCH[@]}" --model deepseek_v41_flash --kinds c2_idx --batch 1,8 --out "$W/c2ab" \
     --ab base --ab "selpdl:$SP.sparse_mqa_triton.SELECTION_PDL=True,$SP.indexer_triton.SELECT_TRIGGER_START=True" \
-    --ab mc64:$SP.indexer_triton.MIN_CHUNK=64 > "$W/c2ab/c2ab.log" 2>&1
+    --ab mc64:$SP.indexer_triton.MIN_CHUNK=64 --ab early:$SP.indexer_triton.SELECT_EARLY_EXIT=True \
+    --ab "all3:$SP.sparse_mqa_triton.SELECTION_PDL=True,$SP.indexer_triton.SELECT_TRIGGER_START=True,\
+$SP.indexer_triton.MIN_CHUNK=64,$SP.indexer_triton.SELECT_EARLY_EXIT=True" > "$W/c2ab/c2ab.log" 2>&1
   rc=$?; rm -rf "$W"/c2ab/ab_runs; pack c2ab "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W"/c2ab/ab.md
 fi
 if step prof; then
@@ -97,7 +102,8 @@ if step topk; then
   mkdir -p "$W/topk"; rc=0
   for nl in 4096:2048 8192:4096 8192:2048; do
     timeout "${TOPK_S:-40}" python3 benchmarks/scripts/topk_bench.py --kind relu --rows 1,8 --lengths "${nl%%:*}" \
-      --live "${nl##*:}" --ks 512,2048 --variants radix,radix_wide --out "$W/topk/topk_${nl/:/_}.json" \
+      --live "${nl##*:}" --ks 512,2048 --variants radix_late,radix_early,radix4_loop_early \
+      --out "$W/topk/topk_${nl/:/_}.json" \
       >> "$W/topk/topk.log" 2>&1 || rc=$?
   done
   pack topk "$rc"; grep -h "^| " "$W"/topk/*.md | head -16

@@ -61,12 +61,13 @@ def _variants(tk, ix):
         vals, idx = torch.topk(x, k, dim=-1)
         out.copy_(torch.where(vals > float("-inf"), idx, -1))
 
-    def radix_with(bits=None, resident=None, warps=None, narrow_min=None):
+    def radix_with(bits=None, resident=None, warps=None, narrow_min=None, early=None):
         # resident: rows of up to this many logits stay in registers across the passes (0: never); narrow_min:
-        # the smallest resident tile with the half-width path for short rows (0: never)
+        # the smallest resident tile with the half-width path for short rows (0: never); early: the passes stop
+        # once the K-th key's bucket holds only keys to take (indexer_triton.SELECT_EARLY_EXIT)
         def radix_select(x, lens, k, out):
             ix.launch_select(radix, x, lens, out, k, x.shape[1], bits=bits, resident_max=resident, warps=warps,
-                             narrow_min=narrow_min)
+                             narrow_min=narrow_min, early=early)
 
         return radix_select
 
@@ -75,7 +76,8 @@ def _variants(tk, ix):
                 radix8_loop=radix_with(8, 0), radix8_res=radix_with(8, big), radix4_loop=radix_with(4, 0),
                 radix4_res=radix_with(4, big), radix8_res_w16=radix_with(8, big, 16),
                 radix4_res_w16=radix_with(4, big, 16), radix4_res_w4=radix_with(4, big, 4),
-                radix_wide=radix_with(narrow_min=0))
+                radix_wide=radix_with(narrow_min=0), radix_early=radix_with(early=True),
+                radix_late=radix_with(early=False), radix4_loop_early=radix_with(4, 0, early=True))
 
 
 def _kernel_nodes(fn) -> dict | None:

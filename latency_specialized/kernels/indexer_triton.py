@@ -118,6 +118,11 @@ launched before it has finished): a consumer launched behind it with PDL - the s
 (``sparse_mqa_triton.SELECTION_PDL``) - then runs what does not need the selection (its prologue, the window's
 slots) while the select runs, and waits before it reads the selection or stores. Off: A/B switch with
 ``SELECTION_PDL`` (``NOTES_sparse_mqa.md``, session 47)."""
+SELECT_EARLY_EXIT = False
+"""The radix passes stop as soon as the keys sharing the digits fixed so far are exactly the ones still to take (the
+K-th largest key's bucket holds no key that stays out): the same set, its positions in another order (the keys > T and
+== T of a shorter prefix). Distinct fp32 logits usually separate within the first 5 of the 8 four-bit passes; tied
+or near-tied rows run all of them. Off: not timed yet (A/B ``early`` in ``pending_measurements.sh`` step ``c2ab``)."""
 SELECT_BITS = 4
 """Radix digit width of the select kernel: 32 // SELECT_BITS histogram passes of 2**SELECT_BITS bins.
 H200, one row, relu-skewed logits (``benchmarks/results/h200/topk_radix_variants.md``): 4-bit digits in 8
@@ -155,7 +160,7 @@ def _kernels(interpret: bool) -> dict:
     del interpret  # the cache key only
     # defined here, not at import (no triton import on machines without it); Triton resolves the names a
     # kernel uses through its module globals: hence tl and the helpers as globals
-    global tl, tlc, _rope_coeffs, _ordered_keys, _digit_hist, _next_digit, _resident_select
+    global tl, tlc, _rope_coeffs, _ordered_keys, _digit_hist, _digit_hist_at, _next_digit, _resident_select
     import triton
     import triton.language as tl
     import triton.language.extra.cuda as tlc
@@ -286,7 +291,8 @@ def _kernels(interpret: bool) -> dict:
     @triton.jit
     def _next_digit(hist, bins, prefix, remaining, FIRST: tl.constexpr, NB: tl.constexpr):
         # the digit d where the count of larger digits is < remaining <= that count + hist[d]: the prefix with d
-        # appended (the top digit signed, as _digit_hist counts it) and what is left to take below it
+        # appended (the top digit signed, as _digit_hist counts it), what is left to take below it and how many
+        # keys share the new prefix (the callers that do not stop early drop it)
         gt = tl.sum(hist, 0) - tl.cumsum(hist, 0)
         hit = (gt < remaining) & (gt + hist >= remaining)
         d = tl.sum(tl.where(hit, bins, 0), 0)
@@ -295,11 +301,18 @@ def _kernels(interpret: bool) -> dict:
             prefix = d - NB // 2
         else:
             prefix = prefix * NB + d
-        return prefix, remaining
+        return prefix, remaining, tl.sum(tl.where(hit, hist, 0), 0)
 
     @triton.jit
-    def _resident_select(row, orow, seq_len, K, T: tl.constexpr, BITS: tl.constexpr):
-        # the radix select of a row held in registers as one T-wide tile (K < seq_len <= T)
+    def _digit_hist_at(key, ok, prefix, shift, BITS: tl.constexpr, NB: tl.constexpr):
+        # _digit_hist of a later digit at a run-time shift (the early-exit passes)
+        digit = (key >> shift) & (NB - 1)
+        return tl.histogram(digit, NB, mask=ok & ((key >> (shift + BITS)) == prefix))
+
+    @triton.jit
+    def _resident_select(row, orow, seq_len, K, T: tl.constexpr, BITS: tl.constexpr, EARLY: tl.constexpr):
+        # the radix select of a row held in registers as one T-wide tile (K < seq_len <= T); EARLY: stop the
+        # passes once the prefix's keys are exactly those still to take (SELECT_EARLY_EXIT)
         NB: tl.constexpr = 1 << BITS
         PASSES: tl.constexpr = 32 // BITS
         prefix = seq_len * 0            # int32: the key digits fixed so far (arithmetic-shift form)
@@ -308,11 +321,22 @@ def _kernels(interpret: bool) -> dict:
         roffs = tl.arange(0, T)
         rok = roffs < seq_len
         rkey = _ordered_keys(tl.load(row + roffs, mask=rok, other=0.0))
-        for p in tl.static_range(PASSES):
-            hist = tl.zeros([NB], dtype=tl.int32)
-            hist += _digit_hist(rkey, rok, prefix, p == 0, 32 - BITS * (p + 1), BITS, NB)
-            prefix, remaining = _next_digit(hist, bins, prefix, remaining, p == 0, NB)
-        # prefix: the K-th largest key T; K - remaining keys are > T, `remaining` of the == T are taken
+        if EARLY:
+            hist = _digit_hist(rkey, rok, prefix, True, 32 - BITS, BITS, NB)
+            prefix, remaining, shared = _next_digit(hist, bins, prefix, remaining, True, NB)
+            shift = seq_len * 0 + (32 - BITS)   # the prefix is rkey >> shift
+            while (shared > remaining) & (shift > 0):
+                shift -= BITS
+                hist = _digit_hist_at(rkey, rok, prefix, shift, BITS, NB)
+                prefix, remaining, shared = _next_digit(hist, bins, prefix, remaining, False, NB)
+            rkey = rkey >> shift
+        else:
+            for p in tl.static_range(PASSES):
+                hist = tl.zeros([NB], dtype=tl.int32)
+                hist += _digit_hist(rkey, rok, prefix, p == 0, 32 - BITS * (p + 1), BITS, NB)
+                prefix, remaining, _ = _next_digit(hist, bins, prefix, remaining, p == 0, NB)
+        # prefix: the K-th largest key T (EARLY: its leading digits); K - remaining keys are > T, `remaining` of
+        # the == T are taken (EARLY stopped early: all of them)
         n_gt = K - remaining
         is_gt = (rok & (rkey > prefix)).to(tl.int32)
         is_eq = (rok & (rkey == prefix)).to(tl.int32)
@@ -323,12 +347,13 @@ def _kernels(interpret: bool) -> dict:
 
     @triton.jit
     def select_kernel(logits, seq_lens, out, K, s_lb, s_ob, TILE: tl.constexpr, BITS: tl.constexpr,
-                      RESIDENT: tl.constexpr, NARROW: tl.constexpr, TRIGGER: tl.constexpr):
+                      RESIDENT: tl.constexpr, NARROW: tl.constexpr, TRIGGER: tl.constexpr, EARLY: tl.constexpr):
         # BITS: radix digit width (32 // BITS histogram passes of 2**BITS bins); RESIDENT: the row fits one
         # TILE (the caller's capacity <= TILE), loaded once and kept in registers across the passes; NARROW: a
         # row of at most TILE / 2 live logits takes a half-width resident select (the passes cost the tile's
         # width, not the row's); TRIGGER: the next launch (with PDL) may start now - it waits before it reads out
-        # or writes memory this kernel reads (SELECT_TRIGGER_START)
+        # or writes memory this kernel reads (SELECT_TRIGGER_START); EARLY: the passes stop once the keys sharing
+        # the digits fixed so far are exactly the ones still to take (SELECT_EARLY_EXIT)
         if TRIGGER:
             tlc.gdc_wait()                  # a no-op unless this launch itself had PDL: what came before is done
             tlc.gdc_launch_dependents()
@@ -345,23 +370,43 @@ def _kernels(interpret: bool) -> dict:
         elif RESIDENT:
             if NARROW:
                 if seq_len <= TILE // 2:
-                    _resident_select(row, orow, seq_len, K, TILE // 2, BITS)
+                    _resident_select(row, orow, seq_len, K, TILE // 2, BITS, EARLY)
                 else:
-                    _resident_select(row, orow, seq_len, K, TILE, BITS)
+                    _resident_select(row, orow, seq_len, K, TILE, BITS, EARLY)
             else:
-                _resident_select(row, orow, seq_len, K, TILE, BITS)
+                _resident_select(row, orow, seq_len, K, TILE, BITS, EARLY)
         else:
             prefix = seq_len * 0
             remaining = seq_len * 0 + K
             bins = tl.arange(0, NB)
-            for p in tl.static_range(PASSES):
+            shift = seq_len * 0             # EARLY: the prefix is key >> shift
+            if EARLY:
                 hist = tl.zeros([NB], dtype=tl.int32)
                 for t0 in range(0, seq_len, TILE):
                     offs = t0 + tl.arange(0, TILE)
                     ok = offs < seq_len
                     key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0))
-                    hist += _digit_hist(key, ok, prefix, p == 0, 32 - BITS * (p + 1), BITS, NB)
-                prefix, remaining = _next_digit(hist, bins, prefix, remaining, p == 0, NB)
+                    hist += _digit_hist(key, ok, prefix, True, 32 - BITS, BITS, NB)
+                prefix, remaining, shared = _next_digit(hist, bins, prefix, remaining, True, NB)
+                shift += 32 - BITS
+                while (shared > remaining) & (shift > 0):
+                    shift -= BITS
+                    hist = tl.zeros([NB], dtype=tl.int32)
+                    for t0 in range(0, seq_len, TILE):
+                        offs = t0 + tl.arange(0, TILE)
+                        ok = offs < seq_len
+                        key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0))
+                        hist += _digit_hist_at(key, ok, prefix, shift, BITS, NB)
+                    prefix, remaining, shared = _next_digit(hist, bins, prefix, remaining, False, NB)
+            else:
+                for p in tl.static_range(PASSES):
+                    hist = tl.zeros([NB], dtype=tl.int32)
+                    for t0 in range(0, seq_len, TILE):
+                        offs = t0 + tl.arange(0, TILE)
+                        ok = offs < seq_len
+                        key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0))
+                        hist += _digit_hist(key, ok, prefix, p == 0, 32 - BITS * (p + 1), BITS, NB)
+                    prefix, remaining, _ = _next_digit(hist, bins, prefix, remaining, p == 0, NB)
             n_gt = K - remaining
             base_gt = seq_len * 0
             base_eq = seq_len * 0
@@ -369,6 +414,8 @@ def _kernels(interpret: bool) -> dict:
                 offs = t0 + tl.arange(0, TILE)
                 ok = offs < seq_len
                 key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0))
+                if EARLY:
+                    key = key >> shift
                 is_gt = (ok & (key > prefix)).to(tl.int32)
                 is_eq = (ok & (key == prefix)).to(tl.int32)
                 at_gt = base_gt + tl.cumsum(is_gt, 0) - 1
@@ -383,11 +430,11 @@ def _kernels(interpret: bool) -> dict:
 
 def launch_select(kernel, logits: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, topk: int, capacity: int,
                   *, bits: int | None = None, resident_max: int | None = None, warps: int | None = None,
-                  narrow_min: int | None = None, trigger: bool = False) -> None:
+                  narrow_min: int | None = None, trigger: bool = False, early: bool | None = None) -> None:
     """The radix select over logits [B, >= capacity] fp32 into out [B, topk] int32 (one program per row);
-    ``bits`` / ``resident_max`` / ``warps`` / ``narrow_min`` default to SELECT_BITS / SELECT_RESIDENT_MAX /
-    SELECT_WARPS / SELECT_NARROW_MIN_TILE. ``trigger``: let a PDL launch behind it start at once
-    (``select_trigger``)."""
+    ``bits`` / ``resident_max`` / ``warps`` / ``narrow_min`` / ``early`` default to SELECT_BITS /
+    SELECT_RESIDENT_MAX / SELECT_WARPS / SELECT_NARROW_MIN_TILE / SELECT_EARLY_EXIT. ``trigger``: let a PDL launch
+    behind it start at once (``select_trigger``)."""
     bits = SELECT_BITS if bits is None else int(bits)
     if bits not in (4, 8):
         raise UserError(f"indexer select: digit width {bits} bits unsupported (4 or 8)")
@@ -398,7 +445,8 @@ def launch_select(kernel, logits: torch.Tensor, seq_lens: torch.Tensor, out: tor
     narrow_min = SELECT_NARROW_MIN_TILE if narrow_min is None else int(narrow_min)
     narrow = resident and 0 < narrow_min <= tile
     kernel[(logits.shape[0],)](logits, seq_lens, out, topk, logits.stride(0), out.stride(0), TILE=tile, BITS=bits,
-                               RESIDENT=resident, NARROW=narrow, TRIGGER=bool(trigger), num_warps=int(warps))
+                               RESIDENT=resident, NARROW=narrow, TRIGGER=bool(trigger),
+                               EARLY=SELECT_EARLY_EXIT if early is None else bool(early), num_warps=int(warps))
 
 
 def select_trigger(device: torch.device) -> bool:

@@ -37,7 +37,7 @@ SELECTIONS = pytest.mark.parametrize("selection", ["radix", "split", "torch"])
 
 @pytest.mark.interpreter_driver
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=28)
+    run_interpreted(__file__, min_passed=34)
 
 
 @pytest.fixture
@@ -205,11 +205,13 @@ def test_many_splits_and_select_tiles(ix, tk, monkeypatch, splits):
 
 
 @interpreted
-@pytest.mark.parametrize("bits,resident", [(4, False), (4, True), (8, True)])
-def test_radix_select_digit_widths_and_resident_rows(ix, monkeypatch, bits, resident):
+@pytest.mark.parametrize("bits,resident,early", [(4, False, False), (4, True, False), (8, True, False),
+                                                 (4, False, True), (4, True, True), (8, True, True)])
+def test_radix_select_digit_widths_and_resident_rows(ix, monkeypatch, bits, resident, early):
     """The radix select with 4-bit digits (8 passes of 16 bins) and/or the row kept in registers across the
-    passes (one tile as wide as the table): the same sets as the reference on long rows, near ties decided
-    by the low digits, exact ties, and rows at or below K."""
+    passes (one tile as wide as the table), with or without the early exit: the same sets as the reference on
+    long rows, near ties decided by the low digits, exact ties, and rows at or below K."""
+    monkeypatch.setattr(ix, "SELECT_EARLY_EXIT", early)
     monkeypatch.setattr(ix, "SELECT_BITS", bits)
     monkeypatch.setattr(ix, "SELECT_RESIDENT_MAX", 1 << 20 if resident else 0)
     monkeypatch.setattr(ix, "SELECT_TILE", 64)
@@ -225,9 +227,11 @@ def test_radix_select_digit_widths_and_resident_rows(ix, monkeypatch, bits, resi
 
 
 @interpreted
-def test_radix_select_half_width_path_for_short_rows(ix, monkeypatch):
+@pytest.mark.parametrize("early", [False, True])
+def test_radix_select_half_width_path_for_short_rows(ix, monkeypatch, early):
     """A resident tile with the half-width path (``NARROW``): rows at most half the tile wide take it, longer ones
     the whole tile, in one launch; near ties, exact ties and rows at or below K on both sides of the split."""
+    monkeypatch.setattr(ix, "SELECT_EARLY_EXIT", early)
     monkeypatch.setattr(ix, "SELECT_NARROW_MIN_TILE", 64)
     monkeypatch.setattr(ix, "SELECT_RESIDENT_MAX", 1 << 20)
     # capacity 33 blocks x 4 = 132 -> a 256-wide tile: 128 and below take the 128-wide path
@@ -249,19 +253,24 @@ def test_radix_select_refuses_other_digit_widths(ix):
 
 
 @interpreted
-@pytest.mark.parametrize("selection", ["radix", "split"])
+@pytest.mark.parametrize("selection", ["radix", "radix_early", "split"])
 def test_near_ties_decided_by_low_bytes(ix, monkeypatch, selection):
-    """Keys equal up to 1e-3: logits share their leading bytes, so the later radix passes pick the K-th."""
+    """Keys equal up to 1e-3: logits share their leading bytes, so the later radix passes pick the K-th (the early
+    exit's passes too: it stops only where the K-th key's bucket holds just the keys still to take)."""
+    monkeypatch.setattr(ix, "SELECT_EARLY_EXIT", selection == "radix_early")
+    selection = selection.removesuffix("_early")
     monkeypatch.setattr(ix, "SELECT_TILE", 64)
     args, kw = _case(20, [150, 90, 41], K=12, bs=4, near_ties=True)
     _check(ix, args, kw, selection=selection, num_splits=2)
 
 
 @interpreted
-@SELECTIONS
+@pytest.mark.parametrize("selection", ["radix", "radix_early", "split", "torch"])
 def test_exact_ties(ix, monkeypatch, selection):
     """Zero weights (every logit 0, +-0), duplicated keys (equal logits) and negative weights (negative logits):
     any choice among the ties is valid; the compaction must take exactly enough of the tied keys."""
+    monkeypatch.setattr(ix, "SELECT_EARLY_EXIT", selection == "radix_early")
+    selection = selection.removesuffix("_early")
     monkeypatch.setattr(ix, "SELECT_TILE", 32)
     args, kw = _case(21, [70, 70, 70, 12], K=10, bs=4, norm=None, rope=0)
     q, k, w, cache, slots, blocks, lens = args
@@ -413,14 +422,15 @@ def test_kernels_compile_for_hopper_without_a_gpu(ix):
     sig = dict(logits="*fp32", seq_lens="*i32", out="*i32", K="i32", s_lb="i32", s_ob="i32")
     for bits in (4, 8):   # 16- and 256-bin histograms; rows looped over tiles or kept in registers (4096 wide)
         for resident, tile, narrow in ((False, ix.SELECT_TILE, False), (True, 4096, False), (True, 4096, True)):
-            p = ptx(kern["select"], sig, dict(TILE=tile, BITS=bits, RESIDENT=resident, NARROW=narrow,
-                                              TRIGGER=False), ix.SELECT_WARPS)
-            assert "ld.local" not in p and "st.local" not in p, (bits, resident, narrow)
+            for early in (False, True):
+                p = ptx(kern["select"], sig, dict(TILE=tile, BITS=bits, RESIDENT=resident, NARROW=narrow,
+                                                  TRIGGER=False, EARLY=early), ix.SELECT_WARPS)
+                assert "ld.local" not in p and "st.local" not in p, (bits, resident, narrow, early)
     # the widest resident row (SELECT_RESIDENT_MAX) on the wide warp count, with its half-width path
-    p = ptx(kern["select"], sig, dict(TILE=ix.SELECT_RESIDENT_MAX, BITS=ix.SELECT_BITS, RESIDENT=True, NARROW=True,
-                                      TRIGGER=False),
-            ix.SELECT_WARPS_WIDE)
-    assert "ld.local" not in p and "st.local" not in p
+    for early in (False, True):
+        p = ptx(kern["select"], sig, dict(TILE=ix.SELECT_RESIDENT_MAX, BITS=ix.SELECT_BITS, RESIDENT=True,
+                                          NARROW=True, TRIGGER=False, EARLY=early), ix.SELECT_WARPS_WIDE)
+        assert "ld.local" not in p and "st.local" not in p, early
 
 
 def test_auto_selection_rule(ix):

@@ -173,14 +173,17 @@ def test_selections_agree():
     assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
 
 
-@pytest.mark.parametrize("bits,resident", [(4, False), (4, True), (8, True)])
+@pytest.mark.parametrize("bits,resident,early", [(4, False, False), (4, True, False), (8, True, False),
+                                                 (4, False, True), (4, True, True), (8, True, True)])
 @pytest.mark.parametrize("shape", [GLM53, DSV41], ids=["glm53", "dsv41"])
-def test_radix_digit_widths_and_resident_rows(monkeypatch, shape, bits, resident):
+def test_radix_digit_widths_and_resident_rows(monkeypatch, shape, bits, resident, early):
     """The radix select with 4-bit digits and/or the row held in registers across its passes (a table of
-    up to 8192 positions: one tile) picks the same sets as the default radix select, eager and replayed."""
+    up to 8192 positions: one tile), with or without the early exit (``SELECT_EARLY_EXIT``), picks the same sets
+    as the default radix select, eager and replayed."""
     K = shape["K"]
     args, kw = _case(f"bits{bits}{resident}{K}", [3 * K + 5, K, 1, 2 * K + 1, 0, 8000], per=128, **shape)
     want = ix.indexer_topk_triton(*args[:3], args[3].clone(), *args[4:], selection="radix", **kw).sort(-1).values
+    monkeypatch.setattr(ix, "SELECT_EARLY_EXIT", early)
     monkeypatch.setattr(ix, "SELECT_BITS", bits)
     monkeypatch.setattr(ix, "SELECT_RESIDENT_MAX", 8192 if resident else 0)
     got = _check(args, kw, selection="radix")
