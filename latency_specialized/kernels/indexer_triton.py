@@ -98,9 +98,10 @@ def auto_selection(capacity: int, rows: int = 1) -> Selection:
 
 BLOCK_T = 64
 """Positions per scoring tile (the N of the ``h x D`` by ``D x BLOCK_T`` dot)."""
-MIN_CHUNK = 128
+MIN_CHUNK = 64
 """Fewest positions a scoring program takes (device side): each program first loads and rotates the whole
-``h x D`` query tile, which a chunk of a few tiles should outweigh."""
+``h x D`` query tile, which a chunk of a few tiles should outweigh - yet at batch 1 the chunk's tiles run one after
+another in one program, so one tile each (64) beat two (128) in the layer (``NOTES_indexer.md``, session 48)."""
 WAVES = 2
 """Target scoring programs per SM (batch x splits ~ WAVES x SMs) when choosing num_splits."""
 MAX_SPLITS = 512
@@ -118,11 +119,11 @@ launched before it has finished): a consumer launched behind it with PDL - the s
 (``sparse_mqa_triton.SELECTION_PDL``) - then runs what does not need the selection (its prologue, the window's
 slots) while the select runs, and waits before it reads the selection or stores. Off: A/B switch with
 ``SELECTION_PDL`` (``NOTES_sparse_mqa.md``, session 47)."""
-SELECT_EARLY_EXIT = False
+SELECT_EARLY_EXIT = True
 """The radix passes stop as soon as the keys sharing the digits fixed so far are exactly the ones still to take (the
 K-th largest key's bucket holds no key that stays out): the same set, its positions in another order (the keys > T and
 == T of a shorter prefix). Distinct fp32 logits usually separate within the first 5 of the 8 four-bit passes; tied
-or near-tied rows run all of them. Off: not timed yet (A/B ``early`` in ``pending_measurements.sh`` step ``c2ab``)."""
+or near-tied rows run all of them. On since session 48 (``NOTES_indexer.md``: the select alone and the layer A/B)."""
 SELECT_BITS = 4
 """Radix digit width of the select kernel: 32 // SELECT_BITS histogram passes of 2**SELECT_BITS bins.
 H200, one row, relu-skewed logits (``benchmarks/results/h200/topk_radix_variants.md``): 4-bit digits in 8

@@ -444,7 +444,8 @@ def test_auto_selection_rule(ix):
 
 
 def test_num_splits_from_static_shapes(ix):
-    assert ix.choose_num_splits(1, 32768, 132) == 256              # capped by the capacity's MIN_CHUNK chunks
-    assert ix.choose_num_splits(1, 4096, 132) == 32
+    c = ix.MIN_CHUNK
+    assert ix.choose_num_splits(1, 32768, 132) == min(264, 32768 // c)   # WAVES x SMs, or the capacity's chunks
+    assert ix.choose_num_splits(1, 4096, 132) == 4096 // c               # capped by the capacity's MIN_CHUNK chunks
     assert ix.choose_num_splits(64, 32768, 132) == 5
     assert ix.choose_num_splits(64, 64, 132) == 1
