@@ -4,8 +4,8 @@
 # priority order, so a call stopped at the limit keeps the steps before; results tarred per step (the device returns
 # <= 8 files):
 #   source scripts/device_env.sh >/dev/null 2>&1; timeout 575 bash benchmarks/scripts/pending_measurements.sh
-# Steps (STEPS, default c2ab,topk,cutprof,paired,credit,q4) - session 48's plan (session 46 ran gqa, dsvab, topk, muse:
-# benchmarks/results/h100/session46/; those, prof, gemm and dsv stay available by name):
+# Steps (STEPS, default cutprof,paired,credit,q4) - session 48's plan (session 48 ran c2ab, topk, dsv:
+# benchmarks/results/h100/session48/; session 46 gqa, dsvab, topk, muse; those, prof and gemm stay available by name):
 #   cutprof DeepSeek-V4.1-Flash c2_idx at batch 1, one replay's kernels with the indexer on the cut table
 #          (INDEX_COMPRESSED_TABLE=True, off since session 46: 18 us slower in the layer, though the select alone is
 #          faster on it) - where the 18 us go
@@ -38,7 +38,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/ls_out}
 export LS_KERNEL_CACHE_DIR=${LS_KERNEL_CACHE_DIR:-/tmp/ls_kcache} CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
-STEPS=${STEPS:-c2ab,topk,cutprof,paired,credit,q4}
+STEPS=${STEPS:-cutprof,paired,credit,q4}
 W=$(mktemp -d)
 t0=$(date +%s)
 step() { [[ ",$STEPS," == *",$1,"* ]]; }
