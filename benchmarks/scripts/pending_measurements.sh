@@ -4,8 +4,12 @@
 # priority order, so a call stopped at the limit keeps the steps before; results tarred per step (the device returns
 # <= 8 files):
 #   source scripts/device_env.sh >/dev/null 2>&1; timeout 575 bash benchmarks/scripts/pending_measurements.sh
-# Steps (STEPS, default cutprof,paired,credit,q4) - session 48's plan (session 48 ran c2ab, topk, dsv:
+# Steps (STEPS, default fine,cutprof,paired,credit,q4) - session 48's plan (session 48 ran c2ab, topk, dsv:
 # benchmarks/results/h100/session48/; session 46 gqa, dsvab, topk, muse; those, prof and gemm stay available by name):
+#   fine   the indexer's radix select holding a width that follows the live length in finer steps (1/4, 3/8, 1/2,
+#          3/4, all of the tile: indexer_triton.SELECT_FINE_WIDTHS, new in session 48) against the half-width path
+#          alone: the select alone at live lengths past each power of two, then DeepSeek c2_idx and GLM-5.3 moe
+#          (indexer layers) at batch 1 / 8
 #   cutprof DeepSeek-V4.1-Flash c2_idx at batch 1, one replay's kernels with the indexer on the cut table
 #          (INDEX_COMPRESSED_TABLE=True, off since session 46: 18 us slower in the layer, though the select alone is
 #          faster on it) - where the 18 us go
@@ -38,7 +42,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/ls_out}
 export LS_KERNEL_CACHE_DIR=${LS_KERNEL_CACHE_DIR:-/tmp/ls_kcache} CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
-STEPS=${STEPS:-cutprof,paired,credit,q4}
+STEPS=${STEPS:-fine,cutprof,paired,credit,q4}
 W=$(mktemp -d)
 t0=$(date +%s)
 step() { [[ ",$STEPS," == *",$1,"* ]]; }
@@ -55,13 +59,19 @@ for r in json.load(open(sys.argv[1])):
     print(r['FUSED_MERGE_MAX_SPLITS'], r['FUSED_MERGE_UNROLL'], r['batch'], r['context'], r['window'], r['splits'],
           round(r['us'], 2), round(r['roofline'], 3))" "$W/gqa/fused.json" 2>/dev/null
 fi
-if step cutprof; then
-  mkdir -p "$W/cutprof"
-  timeout "${PROF_S:-70}" python3 benchmarks/scripts/profile_layer.py --model deepseek_v41_flash --kind c2_idx \
-    --batches 1 --layers 2 --timeline --out "$W/cutprof/p_c2_idx_cut.json" \
-    --set latency_specialized.pieces.attention.sparse_mqa.INDEX_COMPRESSED_TABLE=True \
-    > "$W/cutprof/p_c2_idx_cut.txt" 2>&1
-  pack cutprof $?; grep -h -A12 "^=== " "$W"/cutprof/*.txt | head -14
+if step fine; then
+  mkdir -p "$W/fine"; rc=0
+  SP=latency_specialized.kernels
+  for nl in 8192:2080 8192:3072 8192:4097 8192:6144 4096:1040; do
+    timeout "${TOPK_S:-40}" python3 benchmarks/scripts/topk_bench.py --kind relu --rows 1,8 --lengths "${nl%%:*}" \
+      --live "${nl##*:}" --ks 512,2048 --variants radix_coarse,radix_fine --out "$W/fine/topk_${nl/:/_}.json" \
+      >> "$W/fine/topk.log" 2>&1 || rc=$?
+  done
+  timeout "${FINE_S:-150}" "${BENCH[@]}" --model deepseek_v41_flash --kinds c2_idx --batch 1,8 --out "$W/fine/dsv" \
+    --ab base --ab fine:$SP.indexer_triton.SELECT_FINE_WIDTHS=True > "$W/fine/dsv.log" 2>&1 || rc=$?
+  timeout "${FINE_S:-150}" "${BENCH[@]}" --model glm53 --kinds moe --batch 1,8 --out "$W/fine/glm" \
+    --ab base --ab fine:$SP.indexer_triton.SELECT_FINE_WIDTHS=True > "$W/fine/glm.log" 2>&1 || rc=$?
+  rm -rf "$W"/fine/*/ab_runs; pack fine "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W"/fine/*/ab.md "$W"/fine/*.md
 fi
 if step c2ab; then
   mkdir -p "$W/c2ab"
@@ -72,6 +82,14 @@ if step c2ab; then
     --ab "all3:$SP.sparse_mqa_triton.SELECTION_PDL=True,$SP.indexer_triton.SELECT_TRIGGER_START=True,\
 $SP.indexer_triton.MIN_CHUNK=64,$SP.indexer_triton.SELECT_EARLY_EXIT=True" > "$W/c2ab/c2ab.log" 2>&1
   rc=$?; rm -rf "$W"/c2ab/ab_runs; pack c2ab "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W"/c2ab/ab.md
+fi
+if step cutprof; then
+  mkdir -p "$W/cutprof"
+  timeout "${PROF_S:-70}" python3 benchmarks/scripts/profile_layer.py --model deepseek_v41_flash --kind c2_idx \
+    --batches 1 --layers 2 --timeline --out "$W/cutprof/p_c2_idx_cut.json" \
+    --set latency_specialized.pieces.attention.sparse_mqa.INDEX_COMPRESSED_TABLE=True \
+    > "$W/cutprof/p_c2_idx_cut.txt" 2>&1
+  pack cutprof $?; grep -h -A12 "^=== " "$W"/cutprof/*.txt | head -14
 fi
 if step prof; then
   mkdir -p "$W/prof"

@@ -61,13 +61,14 @@ def _variants(tk, ix):
         vals, idx = torch.topk(x, k, dim=-1)
         out.copy_(torch.where(vals > float("-inf"), idx, -1))
 
-    def radix_with(bits=None, resident=None, warps=None, narrow_min=None, early=None):
+    def radix_with(bits=None, resident=None, warps=None, narrow_min=None, early=None, fine=None):
         # resident: rows of up to this many logits stay in registers across the passes (0: never); narrow_min:
         # the smallest resident tile with the half-width path for short rows (0: never); early: the passes stop
-        # once the K-th key's bucket holds only keys to take (indexer_triton.SELECT_EARLY_EXIT)
+        # once the K-th key's bucket holds only keys to take (indexer_triton.SELECT_EARLY_EXIT); fine: the width held
+        # steps by the live length through 1/4 .. all of the tile (indexer_triton.SELECT_FINE_WIDTHS)
         def radix_select(x, lens, k, out):
             ix.launch_select(radix, x, lens, out, k, x.shape[1], bits=bits, resident_max=resident, warps=warps,
-                             narrow_min=narrow_min, early=early)
+                             narrow_min=narrow_min, early=early, fine=fine)
 
         return radix_select
 
@@ -77,7 +78,8 @@ def _variants(tk, ix):
                 radix4_res=radix_with(4, big), radix8_res_w16=radix_with(8, big, 16),
                 radix4_res_w16=radix_with(4, big, 16), radix4_res_w4=radix_with(4, big, 4),
                 radix_wide=radix_with(narrow_min=0), radix_early=radix_with(early=True),
-                radix_late=radix_with(early=False), radix4_loop_early=radix_with(4, 0, early=True))
+                radix_late=radix_with(early=False), radix4_loop_early=radix_with(4, 0, early=True),
+                radix_fine=radix_with(fine=True), radix_coarse=radix_with(fine=False))
 
 
 def _kernel_nodes(fn) -> dict | None:

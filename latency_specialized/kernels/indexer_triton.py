@@ -124,6 +124,12 @@ SELECT_EARLY_EXIT = True
 K-th largest key's bucket holds no key that stays out): the same set, its positions in another order (the keys > T and
 == T of a shorter prefix). Distinct fp32 logits usually separate within the first 5 of the 8 four-bit passes; tied
 or near-tied rows run all of them. On since session 48 (``NOTES_indexer.md``: the select alone and the layer A/B)."""
+SELECT_FINE_WIDTHS = False
+"""With the half-width path, the width a row holds steps through 1/4, 3/8, 1/2, 3/4 and all of the resident tile by
+its live length, 3/8 and 3/4 as two tiles (``_resident_select_pair``): every pass costs the width held, and a row just
+past a power of two paid for the next one - DeepSeek-V4.1-Flash's c2_idx at context 4096 (2,080 live in an 8,192
+tile: 4,096 -> 3,072), GLM-5.3's indexer at 4,097 live (8,192 -> 6,144). Off: not timed yet (A/B
+``pending_measurements.sh`` step ``c2ab``, variant ``fine``)."""
 SELECT_BITS = 4
 """Radix digit width of the select kernel: 32 // SELECT_BITS histogram passes of 2**SELECT_BITS bins.
 H200, one row, relu-skewed logits (``benchmarks/results/h200/topk_radix_variants.md``): 4-bit digits in 8
@@ -161,7 +167,8 @@ def _kernels(interpret: bool) -> dict:
     del interpret  # the cache key only
     # defined here, not at import (no triton import on machines without it); Triton resolves the names a
     # kernel uses through its module globals: hence tl and the helpers as globals
-    global tl, tlc, _rope_coeffs, _ordered_keys, _digit_hist, _digit_hist_at, _next_digit, _resident_select
+    global tl, tlc, _rope_coeffs, _ordered_keys, _digit_hist, _digit_hist_at, _next_digit, _resident_select, \
+        _pair_hist, _resident_select_pair
     import triton
     import triton.language as tl
     import triton.language.extra.cuda as tlc
@@ -347,14 +354,69 @@ def _kernels(interpret: bool) -> dict:
         tl.store(orow + n_gt + at_eq, roffs, mask=(is_eq > 0) & (at_eq < remaining))
 
     @triton.jit
+    def _pair_hist(ka, oka, kb, okb, prefix, shift, FIRST: tl.constexpr, BITS: tl.constexpr, NB: tl.constexpr):
+        # one digit's histogram over a row held as two tiles (FIRST: the top digit, its shift is 32 - BITS)
+        if FIRST:
+            return (_digit_hist(ka, oka, prefix, True, 32 - BITS, BITS, NB)
+                    + _digit_hist(kb, okb, prefix, True, 32 - BITS, BITS, NB))
+        return _digit_hist_at(ka, oka, prefix, shift, BITS, NB) + _digit_hist_at(kb, okb, prefix, shift, BITS, NB)
+
+    @triton.jit
+    def _resident_select_pair(row, orow, seq_len, K, TA: tl.constexpr, TB: tl.constexpr, BITS: tl.constexpr,
+                              EARLY: tl.constexpr):
+        # _resident_select of a row held as two tiles, [0, TA) and [TA, TA + TB) (K < seq_len <= TA + TB): a
+        # width between two powers of two costs its own width in every pass, not the next power's
+        NB: tl.constexpr = 1 << BITS
+        PASSES: tl.constexpr = 32 // BITS
+        prefix = seq_len * 0
+        remaining = seq_len * 0 + K
+        bins = tl.arange(0, NB)
+        offa = tl.arange(0, TA)
+        offb = TA + tl.arange(0, TB)
+        oka = offa < seq_len
+        okb = offb < seq_len
+        ka = _ordered_keys(tl.load(row + offa, mask=oka, other=0.0))
+        kb = _ordered_keys(tl.load(row + offb, mask=okb, other=0.0))
+        shift = seq_len * 0 + (32 - BITS)   # the prefix is key >> shift
+        hist = _pair_hist(ka, oka, kb, okb, prefix, shift, True, BITS, NB)
+        prefix, remaining, shared = _next_digit(hist, bins, prefix, remaining, True, NB)
+        if EARLY:
+            while (shared > remaining) & (shift > 0):
+                shift -= BITS
+                hist = _pair_hist(ka, oka, kb, okb, prefix, shift, False, BITS, NB)
+                prefix, remaining, shared = _next_digit(hist, bins, prefix, remaining, False, NB)
+        else:
+            for p in tl.static_range(1, PASSES):
+                shift -= BITS
+                hist = _pair_hist(ka, oka, kb, okb, prefix, shift, False, BITS, NB)
+                prefix, remaining, shared = _next_digit(hist, bins, prefix, remaining, False, NB)
+        ka = ka >> shift
+        kb = kb >> shift
+        n_gt = K - remaining
+        gta = (oka & (ka > prefix)).to(tl.int32)
+        eqa = (oka & (ka == prefix)).to(tl.int32)
+        gtb = (okb & (kb > prefix)).to(tl.int32)
+        eqb = (okb & (kb == prefix)).to(tl.int32)
+        at_gta = tl.cumsum(gta, 0) - 1
+        at_eqa = tl.cumsum(eqa, 0) - 1
+        at_gtb = tl.sum(gta, 0) + tl.cumsum(gtb, 0) - 1
+        at_eqb = tl.sum(eqa, 0) + tl.cumsum(eqb, 0) - 1
+        tl.store(orow + at_gta, offa, mask=gta > 0)
+        tl.store(orow + n_gt + at_eqa, offa, mask=(eqa > 0) & (at_eqa < remaining))
+        tl.store(orow + at_gtb, offb, mask=gtb > 0)
+        tl.store(orow + n_gt + at_eqb, offb, mask=(eqb > 0) & (at_eqb < remaining))
+
+    @triton.jit
     def select_kernel(logits, seq_lens, out, K, s_lb, s_ob, TILE: tl.constexpr, BITS: tl.constexpr,
-                      RESIDENT: tl.constexpr, NARROW: tl.constexpr, TRIGGER: tl.constexpr, EARLY: tl.constexpr):
+                      RESIDENT: tl.constexpr, NARROW: tl.constexpr, TRIGGER: tl.constexpr, EARLY: tl.constexpr,
+                      FINE: tl.constexpr):
         # BITS: radix digit width (32 // BITS histogram passes of 2**BITS bins); RESIDENT: the row fits one
         # TILE (the caller's capacity <= TILE), loaded once and kept in registers across the passes; NARROW: a
         # row of at most TILE / 2 live logits takes a half-width resident select (the passes cost the tile's
         # width, not the row's); TRIGGER: the next launch (with PDL) may start now - it waits before it reads out
         # or writes memory this kernel reads (SELECT_TRIGGER_START); EARLY: the passes stop once the keys sharing
-        # the digits fixed so far are exactly the ones still to take (SELECT_EARLY_EXIT)
+        # the digits fixed so far are exactly the ones still to take (SELECT_EARLY_EXIT); FINE (with NARROW): the
+        # width held follows the live length in finer steps, two of them as a pair of tiles (SELECT_FINE_WIDTHS)
         if TRIGGER:
             tlc.gdc_wait()                  # a no-op unless this launch itself had PDL: what came before is done
             tlc.gdc_launch_dependents()
@@ -369,7 +431,18 @@ def _kernels(interpret: bool) -> dict:
                 offs = k0 + tl.arange(0, TILE)
                 tl.store(orow + offs, tl.where(offs < seq_len, offs, -1), mask=offs < K)
         elif RESIDENT:
-            if NARROW:
+            if NARROW and FINE:    # the width held: TILE / 4, 3/8 (a pair), 1/2, 3/4 (a pair) or all of it
+                if seq_len <= TILE // 4:
+                    _resident_select(row, orow, seq_len, K, TILE // 4, BITS, EARLY)
+                elif seq_len <= TILE // 4 + TILE // 8:
+                    _resident_select_pair(row, orow, seq_len, K, TILE // 4, TILE // 8, BITS, EARLY)
+                elif seq_len <= TILE // 2:
+                    _resident_select(row, orow, seq_len, K, TILE // 2, BITS, EARLY)
+                elif seq_len <= TILE // 2 + TILE // 4:
+                    _resident_select_pair(row, orow, seq_len, K, TILE // 2, TILE // 4, BITS, EARLY)
+                else:
+                    _resident_select(row, orow, seq_len, K, TILE, BITS, EARLY)
+            elif NARROW:
                 if seq_len <= TILE // 2:
                     _resident_select(row, orow, seq_len, K, TILE // 2, BITS, EARLY)
                 else:
@@ -431,11 +504,12 @@ def _kernels(interpret: bool) -> dict:
 
 def launch_select(kernel, logits: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, topk: int, capacity: int,
                   *, bits: int | None = None, resident_max: int | None = None, warps: int | None = None,
-                  narrow_min: int | None = None, trigger: bool = False, early: bool | None = None) -> None:
+                  narrow_min: int | None = None, trigger: bool = False, early: bool | None = None,
+                  fine: bool | None = None) -> None:
     """The radix select over logits [B, >= capacity] fp32 into out [B, topk] int32 (one program per row);
-    ``bits`` / ``resident_max`` / ``warps`` / ``narrow_min`` / ``early`` default to SELECT_BITS /
-    SELECT_RESIDENT_MAX / SELECT_WARPS / SELECT_NARROW_MIN_TILE / SELECT_EARLY_EXIT. ``trigger``: let a PDL launch
-    behind it start at once (``select_trigger``)."""
+    ``bits`` / ``resident_max`` / ``warps`` / ``narrow_min`` / ``early`` / ``fine`` default to SELECT_BITS /
+    SELECT_RESIDENT_MAX / SELECT_WARPS / SELECT_NARROW_MIN_TILE / SELECT_EARLY_EXIT / SELECT_FINE_WIDTHS.
+    ``trigger``: let a PDL launch behind it start at once (``select_trigger``)."""
     bits = SELECT_BITS if bits is None else int(bits)
     if bits not in (4, 8):
         raise UserError(f"indexer select: digit width {bits} bits unsupported (4 or 8)")
@@ -447,7 +521,9 @@ def launch_select(kernel, logits: torch.Tensor, seq_lens: torch.Tensor, out: tor
     narrow = resident and 0 < narrow_min <= tile
     kernel[(logits.shape[0],)](logits, seq_lens, out, topk, logits.stride(0), out.stride(0), TILE=tile, BITS=bits,
                                RESIDENT=resident, NARROW=narrow, TRIGGER=bool(trigger),
-                               EARLY=SELECT_EARLY_EXIT if early is None else bool(early), num_warps=int(warps))
+                               EARLY=SELECT_EARLY_EXIT if early is None else bool(early),
+                               FINE=narrow and (SELECT_FINE_WIDTHS if fine is None else bool(fine)),
+                               num_warps=int(warps))
 
 
 def select_trigger(device: torch.device) -> bool:

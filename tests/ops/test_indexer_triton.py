@@ -37,7 +37,7 @@ SELECTIONS = pytest.mark.parametrize("selection", ["radix", "split", "torch"])
 
 @pytest.mark.interpreter_driver
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=34)
+    run_interpreted(__file__, min_passed=36)
 
 
 @pytest.fixture
@@ -246,6 +246,27 @@ def test_radix_select_half_width_path_for_short_rows(ix, monkeypatch, early):
     _check(ix, args, kw, selection="radix", num_splits=2)
 
 
+@interpreted
+@pytest.mark.parametrize("early", [False, True])
+def test_radix_select_fine_widths(ix, monkeypatch, early):
+    """``SELECT_FINE_WIDTHS``: in one launch, rows on both sides of every step of the width held (1/4, 3/8 as a pair,
+    1/2, 3/4 as a pair, all of a 256-wide tile), with near ties, exact ties and rows at or below K."""
+    monkeypatch.setattr(ix, "SELECT_FINE_WIDTHS", True)
+    monkeypatch.setattr(ix, "SELECT_EARLY_EXIT", early)
+    monkeypatch.setattr(ix, "SELECT_NARROW_MIN_TILE", 64)
+    monkeypatch.setattr(ix, "SELECT_RESIDENT_MAX", 1 << 20)
+    # capacity 64 blocks x 4 = 256 -> a 256-wide tile: steps at 64, 96, 128, 192 live logits
+    args, kw = _case(71, [64, 65, 96, 97, 128, 129, 192, 193, 250, 0, 12, 40], K=16, bs=4, per=64)
+    _check(ix, args, kw, selection="radix", num_splits=3)
+    args, kw = _case(72, [90, 120, 180, 256], K=12, bs=4, per=64, near_ties=True)
+    _check(ix, args, kw, selection="radix", num_splits=2)
+    args, kw = _case(73, [95, 190, 95, 12], K=10, bs=4, per=64, norm=None, rope=0)
+    q, k, w, cache, slots, blocks, lens = args
+    w[0] = 0.0
+    w[2] = -w[2].abs()
+    _check(ix, args, kw, selection="radix", num_splits=2)
+
+
 def test_radix_select_refuses_other_digit_widths(ix):
     with pytest.raises(UserError, match="digit width 5"):
         ix.launch_select(None, torch.zeros(1, 8), torch.ones(1, dtype=torch.int32),
@@ -422,15 +443,15 @@ def test_kernels_compile_for_hopper_without_a_gpu(ix):
     sig = dict(logits="*fp32", seq_lens="*i32", out="*i32", K="i32", s_lb="i32", s_ob="i32")
     for bits in (4, 8):   # 16- and 256-bin histograms; rows looped over tiles or kept in registers (4096 wide)
         for resident, tile, narrow in ((False, ix.SELECT_TILE, False), (True, 4096, False), (True, 4096, True)):
-            for early in (False, True):
+            for early, fine in ((False, False), (True, False), (True, narrow)):
                 p = ptx(kern["select"], sig, dict(TILE=tile, BITS=bits, RESIDENT=resident, NARROW=narrow,
-                                                  TRIGGER=False, EARLY=early), ix.SELECT_WARPS)
-                assert "ld.local" not in p and "st.local" not in p, (bits, resident, narrow, early)
-    # the widest resident row (SELECT_RESIDENT_MAX) on the wide warp count, with its half-width path
-    for early in (False, True):
+                                                  TRIGGER=False, EARLY=early, FINE=fine), ix.SELECT_WARPS)
+                assert "ld.local" not in p and "st.local" not in p, (bits, resident, narrow, early, fine)
+    # the widest resident row (SELECT_RESIDENT_MAX) on the wide warp count, with its half-width path / finer widths
+    for early, fine in ((False, False), (True, False), (True, True)):
         p = ptx(kern["select"], sig, dict(TILE=ix.SELECT_RESIDENT_MAX, BITS=ix.SELECT_BITS, RESIDENT=True,
-                                          NARROW=True, TRIGGER=False, EARLY=early), ix.SELECT_WARPS_WIDE)
-        assert "ld.local" not in p and "st.local" not in p, early
+                                          NARROW=True, TRIGGER=False, EARLY=early, FINE=fine), ix.SELECT_WARPS_WIDE)
+        assert "ld.local" not in p and "st.local" not in p, (early, fine)
 
 
 def test_auto_selection_rule(ix):

@@ -194,3 +194,23 @@ def test_radix_digit_widths_and_resident_rows(monkeypatch, shape, bits, resident
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out.sort(-1).values, want)
+
+
+@pytest.mark.parametrize("shape", [GLM53, DSV41], ids=["glm53", "dsv41"])
+def test_radix_fine_widths(monkeypatch, shape):
+    """``SELECT_FINE_WIDTHS`` in an 8,192-wide resident tile: rows on both sides of every step of the width held
+    (2,048, 3,072 as a pair, 4,096, 6,144 as a pair, 8,192) pick the default radix select's sets, eager and
+    replayed."""
+    K = shape["K"]
+    lens = [2000, 2048, 2049, 2080, 3072, 3073, 4096, 4097, 6144, 6145, 8000, K, 0]
+    args, kw = _case(f"fine{K}", lens, per=128, **shape)
+    want = ix.indexer_topk_triton(*args[:3], args[3].clone(), *args[4:], selection="radix", **kw).sort(-1).values
+    monkeypatch.setattr(ix, "SELECT_FINE_WIDTHS", True)
+    got = _check(args, kw, selection="radix")
+    assert torch.equal(got.sort(-1).values, want)
+    static = list(args)
+    out = torch.empty_like(got)
+    g = graph_replay(lambda: ix.indexer_topk_triton(*static, out=out, selection="radix", **kw))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.sort(-1).values, want)
