@@ -9,7 +9,8 @@
 #   fine   the indexer's radix select holding a width that follows the live length in finer steps (1/4, 3/8, 1/2,
 #          3/4, all of the tile: indexer_triton.SELECT_FINE_WIDTHS, new in session 48) against the half-width path
 #          alone: the select alone at live lengths past each power of two, then DeepSeek c2_idx and GLM-5.3 moe
-#          (indexer layers) at batch 1 / 8
+#          (indexer layers) at batch 1 / 8 with it (fine), with the scoring keys loaded a step ahead
+#          (indexer_triton.SCORE_KEYS_AHEAD: ahead) and both
 #   cutprof DeepSeek-V4.1-Flash c2_idx at batch 1, one replay's kernels with the indexer on the cut table
 #          (INDEX_COMPRESSED_TABLE=True, off since session 46: 18 us slower in the layer, though the select alone is
 #          faster on it) - where the 18 us go
@@ -67,10 +68,13 @@ if step fine; then
       --live "${nl##*:}" --ks 512,2048 --variants radix_coarse,radix_fine --out "$W/fine/topk_${nl/:/_}.json" \
       >> "$W/fine/topk.log" 2>&1 || rc=$?
   done
-  timeout "${FINE_S:-150}" "${BENCH[@]}" --model deepseek_v41_flash --kinds c2_idx --batch 1,8 --out "$W/fine/dsv" \
-    --ab base --ab fine:$SP.indexer_triton.SELECT_FINE_WIDTHS=True > "$W/fine/dsv.log" 2>&1 || rc=$?
-  timeout "${FINE_S:-150}" "${BENCH[@]}" --model glm53 --kinds moe --batch 1,8 --out "$W/fine/glm" \
-    --ab base --ab fine:$SP.indexer_triton.SELECT_FINE_WIDTHS=True > "$W/fine/glm.log" 2>&1 || rc=$?
+  for m in deepseek_v41_flash:c2_idx glm53:moe; do
+    timeout "${FINE_S:-150}" "${BENCH[@]}" --model "${m%%:*}" --kinds "${m##*:}" --batch 1,8 --out "$W/fine/${m%%:*}" \
+      --ab base --ab fine:$SP.indexer_triton.SELECT_FINE_WIDTHS=True \
+      --ab ahead:$SP.indexer_triton.SCORE_KEYS_AHEAD=True \
+      --ab "both:$SP.indexer_triton.SELECT_FINE_WIDTHS=True,$SP.indexer_triton.SCORE_KEYS_AHEAD=True" \
+      > "$W/fine/${m%%:*}.log" 2>&1 || rc=$?
+  done
   rm -rf "$W"/fine/*/ab_runs; pack fine "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W"/fine/*/ab.md "$W"/fine/*.md
 fi
 if step c2ab; then

@@ -102,6 +102,10 @@ MIN_CHUNK = 64
 """Fewest positions a scoring program takes (device side): each program first loads and rotates the whole
 ``h x D`` query tile, which a chunk of a few tiles should outweigh - yet at batch 1 the chunk's tiles run one after
 another in one program, so one tile each (64) beat two (128) in the layer (``NOTES_indexer.md``, session 48)."""
+SCORE_KEYS_AHEAD = False
+"""The scoring programs load each tile's block ids and keys one step ahead, the first tile's before the query's load
+and rotation (a program's round trips then overlap instead of following each other; at batch 1 a program scores one
+tile). Off: not timed yet (A/B ``pending_measurements.sh`` step ``fine``, variant ``ahead``)."""
 WAVES = 2
 """Target scoring programs per SM (batch x splits ~ WAVES x SMs) when choosing num_splits."""
 MAX_SPLITS = 512
@@ -167,8 +171,8 @@ def _kernels(interpret: bool) -> dict:
     del interpret  # the cache key only
     # defined here, not at import (no triton import on machines without it); Triton resolves the names a
     # kernel uses through its module globals: hence tl and the helpers as globals
-    global tl, tlc, _rope_coeffs, _ordered_keys, _digit_hist, _digit_hist_at, _next_digit, _resident_select, \
-        _pair_hist, _resident_select_pair
+    global tl, tlc, _rope_coeffs, _score_tile_keys, _ordered_keys, _digit_hist, _digit_hist_at, _next_digit, \
+        _resident_select, _pair_hist, _resident_select_pair
     import triton
     import triton.language as tl
     import triton.language.extra.cuda as tlc
@@ -236,12 +240,24 @@ def _kernels(interpret: bool) -> dict:
             tl.store(cache + slot * s_row + offs, x.to(cache.dtype.element_ty), mask=ok)
 
     @triton.jit
+    def _score_tile_keys(cache, block_table, b, s_bt, s_row, block_size, n0, end, offs_d, d_ok, BT: tl.constexpr):
+        # the positions n0 .. n0 + BT of row b below end, their mask and their cached keys [BT, D_PAD] (negative
+        # ids inside the live range are clamped, not read out of bounds)
+        pos_t = n0 + tl.arange(0, BT)
+        ok = pos_t < end
+        blk = tl.maximum(tl.load(block_table + b * s_bt + pos_t // block_size, mask=ok, other=0), 0)
+        crow = blk.to(tl.int64) * block_size + (pos_t % block_size)
+        kt = tl.load(cache + crow[:, None] * s_row + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+        return pos_t, ok, kt
+
+    @triton.jit
     def score_kernel(q, w, inv_freq, positions, cache, block_table, seq_lens, logits,
                      H, num_splits, block_size, cap, fill_chunk, scale,
                      s_qb, s_qh, s_wb, s_row, s_bt, s_lb,
                      D: tl.constexpr, D_PAD: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr,
                      ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, BT: tl.constexpr, MIN_CHUNK: tl.constexpr,
-                     FILL: tl.constexpr, PREC: tl.constexpr):
+                     FILL: tl.constexpr, PREC: tl.constexpr, AHEAD: tl.constexpr):
+        # AHEAD: each tile's block ids and keys load one step ahead, the first before the query (SCORE_KEYS_AHEAD)
         b = tl.program_id(0)
         sp = tl.program_id(1)
         seq_len = tl.load(seq_lens + b).to(tl.int32)
@@ -262,6 +278,9 @@ def _kernels(interpret: bool) -> dict:
             offs_d = tl.arange(0, D_PAD)
             h_ok = offs_h < H
             d_ok = offs_d < D
+            if AHEAD:  # the first tile's block ids and keys before the query: their round trips overlap
+                pos_t, ok, kt = _score_tile_keys(cache, block_table, b, s_bt, s_row, block_size, start, end, offs_d,
+                                                 d_ok, BT)
             qm = h_ok[:, None] & d_ok[None, :]
             qrow = q + b * s_qb + offs_h[:, None] * s_qh
             qt = tl.load(qrow + offs_d[None, :], mask=qm, other=0.0).to(tl.float32)     # [H_PAD, D_PAD]
@@ -272,17 +291,20 @@ def _kernels(interpret: bool) -> dict:
                 qt = qt * c[None, :] + qp * s[None, :]
             qt = qt.to(cache.dtype.element_ty)
             wv = tl.load(w + b * s_wb + offs_h, mask=h_ok, other=0.0).to(tl.float32) * scale   # [H_PAD]
-            for n0 in range(start, end, BT):
-                pos_t = n0 + tl.arange(0, BT)
-                ok = pos_t < end
-                # negative ids inside the live range are clamped, not read out of bounds
-                blk = tl.maximum(tl.load(block_table + b * s_bt + pos_t // block_size, mask=ok, other=0), 0)
-                crow = blk.to(tl.int64) * block_size + (pos_t % block_size)
-                kt = tl.load(cache + crow[:, None] * s_row + offs_d[None, :], mask=ok[:, None] & d_ok[None, :],
-                             other=0.0)                                                 # [BT, D_PAD]
-                sc = tl.dot(qt, tl.trans(kt), input_precision=PREC)                    # [H_PAD, BT] fp32
-                lg = tl.sum(tl.maximum(sc, 0.0) * wv[:, None], 0)                       # [BT]
-                tl.store(row + pos_t, lg, mask=ok)
+            if AHEAD:
+                for n0 in range(start, end, BT):
+                    sc = tl.dot(qt, tl.trans(kt), input_precision=PREC)
+                    lg = tl.sum(tl.maximum(sc, 0.0) * wv[:, None], 0)
+                    tl.store(row + pos_t, lg, mask=ok)
+                    pos_t, ok, kt = _score_tile_keys(cache, block_table, b, s_bt, s_row, block_size, n0 + BT, end,
+                                                     offs_d, d_ok, BT)     # the next tile's (past end: none read)
+            else:
+                for n0 in range(start, end, BT):
+                    pos_t, ok, kt = _score_tile_keys(cache, block_table, b, s_bt, s_row, block_size, n0, end, offs_d,
+                                                     d_ok, BT)
+                    sc = tl.dot(qt, tl.trans(kt), input_precision=PREC)                    # [H_PAD, BT] fp32
+                    lg = tl.sum(tl.maximum(sc, 0.0) * wv[:, None], 0)                       # [BT]
+                    tl.store(row + pos_t, lg, mask=ok)
 
     @triton.jit
     def _digit_hist(key, ok, prefix, FIRST: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr,
@@ -645,6 +667,7 @@ def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
         q.stride(0), q.stride(1), weights.stride(0), flat.stride(0), bt.stride(0), logits.stride(0),
         D=D, D_PAD=d_pad, H_PAD=_next_pow2(max(heads, 16)), HALF=max(half, 1), ROPE=rope,
         INTERLEAVED=bool(rope_interleaved), BT=BLOCK_T, MIN_CHUNK=MIN_CHUNK, FILL=FILL_BLOCK, PREC=prec,
+        AHEAD=SCORE_KEYS_AHEAD,
         num_warps=SCORE_WARPS)
 
     # 3. selection

@@ -37,7 +37,7 @@ SELECTIONS = pytest.mark.parametrize("selection", ["radix", "split", "torch"])
 
 @pytest.mark.interpreter_driver
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=36)
+    run_interpreted(__file__, min_passed=38)
 
 
 @pytest.fixture
@@ -189,10 +189,12 @@ def test_strided_inputs_as_the_piece_passes_them(ix, selection):
 
 
 @interpreted
-@pytest.mark.parametrize("splits", [1, 3, 7])
-def test_many_splits_and_select_tiles(ix, tk, monkeypatch, splits):
+@pytest.mark.parametrize("splits,ahead", [(1, False), (3, False), (7, False), (1, True), (3, True)])
+def test_many_splits_and_select_tiles(ix, tk, monkeypatch, splits, ahead):
     """Short chunks (several scoring programs per row, some dead) and narrow select tiles (several steps per
-    radix pass and per compaction; several programs per row of the split select), contexts well past K."""
+    radix pass and per compaction; several programs per row of the split select), contexts well past K; the scoring
+    tiles' keys loaded one step ahead or not (``SCORE_KEYS_AHEAD``)."""
+    monkeypatch.setattr(ix, "SCORE_KEYS_AHEAD", ahead)
     monkeypatch.setattr(ix, "MIN_CHUNK", 16)
     monkeypatch.setattr(ix, "SELECT_TILE", 64)
     monkeypatch.setattr(ix, "FILL_BLOCK", 16)
@@ -433,13 +435,13 @@ def test_kernels_compile_for_hopper_without_a_gpu(ix):
                seq_lens="*i32", logits="*fp32", H="i32", num_splits="i32", block_size="i32", cap="i32",
                fill_chunk="i32", scale="fp32", s_qb="i32", s_qh="i32", s_wb="i32", s_row="i32", s_bt="i32",
                s_lb="i32")
-    for rope in (False, True):
+    for rope, ahead in ((False, False), (True, False), (False, True), (True, True)):
         p = ptx(kern["score"], sig, dict(D=128, D_PAD=128, H_PAD=32, HALF=32, ROPE=rope, INTERLEAVED=True,
-                                         BT=ix.BLOCK_T, MIN_CHUNK=ix.MIN_CHUNK, FILL=ix.FILL_BLOCK, PREC="tf32"),
-                ix.SCORE_WARPS)
+                                         BT=ix.BLOCK_T, MIN_CHUNK=ix.MIN_CHUNK, FILL=ix.FILL_BLOCK, PREC="tf32",
+                                         AHEAD=ahead), ix.SCORE_WARPS)
         assert "mma.sync" in p or "wgmma" in p
         if not rope:  # with RoPE, libdevice's sin/cos keep a small local array for huge arguments
-            assert "ld.local" not in p and "st.local" not in p
+            assert "ld.local" not in p and "st.local" not in p, ahead
     sig = dict(logits="*fp32", seq_lens="*i32", out="*i32", K="i32", s_lb="i32", s_ob="i32")
     for bits in (4, 8):   # 16- and 256-bin histograms; rows looped over tiles or kept in registers (4096 wide)
         for resident, tile, narrow in ((False, ix.SELECT_TILE, False), (True, 4096, False), (True, 4096, True)):

@@ -214,3 +214,24 @@ def test_radix_fine_widths(monkeypatch, shape):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out.sort(-1).values, want)
+
+
+@pytest.mark.parametrize("shape", [GLM53, DSV41], ids=["glm53", "dsv41"])
+@pytest.mark.parametrize("B", [1, 8, 64])
+def test_scoring_keys_ahead(monkeypatch, shape, B):
+    """``SCORE_KEYS_AHEAD``: the scoring programs with each tile's keys loaded a step ahead pick the same sets as
+    without, at batch 1 (one tile a program), 8 and 64 (several), eager and replayed."""
+    K = shape["K"]
+    special = [0, 1, K - 1, K + 1, 3 * K + 17, 5000, 9000]
+    lens = (special * (-(-B // len(special))))[:B] if B > 1 else [3 * K + 5]
+    args, kw = _case(f"ahead{B}{K}", lens, **shape)
+    want = ix.indexer_topk_triton(*args[:3], args[3].clone(), *args[4:], selection="radix", **kw).sort(-1).values
+    monkeypatch.setattr(ix, "SCORE_KEYS_AHEAD", True)
+    got = _check(args, kw, selection="radix")
+    assert torch.equal(got.sort(-1).values, want)
+    static = list(args)
+    out = torch.empty_like(got)
+    g = graph_replay(lambda: ix.indexer_topk_triton(*static, out=out, selection="radix", **kw))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.sort(-1).values, want)
