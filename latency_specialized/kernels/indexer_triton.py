@@ -30,9 +30,10 @@ Steps of one call (three launches for ``selection="radix"``; ``"split"`` swaps t
    live logits (``tl.histogram``; rows of up to ``SELECT_RESIDENT_MAX`` positions loaded once and kept in
    registers, a row with at most half the resident tile live in a half-width tile: ``SELECT_NARROW_MIN_TILE``),
    each keeping only the keys whose higher digits equal the prefix found so far, give the ``K``-th largest key
-   ``T`` and how many keys equal to ``T`` belong in the result; a compaction pass writes the positions of the
-   keys ``> T`` and the first of the ``== T`` (position order), with in-tile prefix sums (one program
-   per row: no atomics, deterministic). Exactly ``K`` positions, so no -1.
+   ``T`` and how many keys equal to ``T`` belong in the result (the passes stop once the keys sharing the prefix
+   are exactly the ones still to take: ``SELECT_EARLY_EXIT``; ``T`` is then that prefix); a compaction pass
+   writes the positions of the keys ``> T`` and the first of the ``== T`` (position order), with in-tile prefix
+   sums (one program per row: no atomics, deterministic). Exactly ``K`` positions, so no -1.
 
 ``SELECTION`` = ``"split"`` (or the call's ``selection=``) replaces step 3 by ``topk_triton.topk_select``
 over the live logits (``valid_lens = seq_lens``): each row cut over many programs, a split histogram and a
@@ -125,15 +126,16 @@ slots) while the select runs, and waits before it reads the selection or stores.
 ``SELECTION_PDL`` (``NOTES_sparse_mqa.md``, session 47)."""
 SELECT_EARLY_EXIT = True
 """The radix passes stop as soon as the keys sharing the digits fixed so far are exactly the ones still to take (the
-K-th largest key's bucket holds no key that stays out): the same set, its positions in another order (the keys > T and
-== T of a shorter prefix). Distinct fp32 logits usually separate within the first 5 of the 8 four-bit passes; tied
-or near-tied rows run all of them. On since session 48 (``NOTES_indexer.md``: the select alone and the layer A/B)."""
+K-th largest key's bucket holds no key that stays out): the same set, its positions in another order (the keys > T
+and == T of a shorter prefix). A few thousand distinct fp32 logits mostly part within 20 leading bits (5 of the 8
+four-bit passes); tied or near-tied rows run all of them. On since session 48 (``NOTES_indexer.md``: the select
+alone and the layer A/B)."""
 SELECT_FINE_WIDTHS = False
 """With the half-width path, the width a row holds steps through 1/4, 3/8, 1/2, 3/4 and all of the resident tile by
 its live length, 3/8 and 3/4 as two tiles (``_resident_select_pair``): every pass costs the width held, and a row just
 past a power of two paid for the next one - DeepSeek-V4.1-Flash's c2_idx at context 4096 (2,080 live in an 8,192
 tile: 4,096 -> 3,072), GLM-5.3's indexer at 4,097 live (8,192 -> 6,144). Off: not timed yet (A/B
-``pending_measurements.sh`` step ``c2ab``, variant ``fine``)."""
+``pending_measurements.sh`` step ``fine``)."""
 SELECT_BITS = 4
 """Radix digit width of the select kernel: 32 // SELECT_BITS histogram passes of 2**SELECT_BITS bins.
 H200, one row, relu-skewed logits (``benchmarks/results/h200/topk_radix_variants.md``): 4-bit digits in 8
