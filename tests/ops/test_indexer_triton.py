@@ -154,6 +154,16 @@ def _check(ix, args, kw, **call):
     return got
 
 
+def _tied_case(seed, lens, **kw):
+    """A case with no rope or norm, K 10, where row 0's weights are 0 (every logit 0, +-0) and row 2's negative
+    (negative logits): exact ties for the select."""
+    args, kw_ = _case(seed, lens, K=10, bs=4, norm=None, rope=0, **kw)
+    w = args[2]
+    w[0] = 0.0
+    w[2] = -w[2].abs()
+    return args, kw_
+
+
 # ---------------------------------------------------------------------------------------------- interpreter
 @interpreted
 @SELECTIONS
@@ -221,10 +231,7 @@ def test_radix_select_digit_widths_and_resident_rows(ix, monkeypatch, bits, resi
     _check(ix, args, kw, selection="radix", num_splits=3)
     args, kw = _case(40 + bits, [150, 90, 41], K=12, bs=4, near_ties=True)
     _check(ix, args, kw, selection="radix", num_splits=2)
-    args, kw = _case(50 + bits, [70, 70, 70, 12], K=10, bs=4, norm=None, rope=0)
-    q, k, w, cache, slots, blocks, lens = args
-    w[0] = 0.0
-    w[2] = -w[2].abs()
+    args, kw = _tied_case(50 + bits, [70, 70, 70, 12])
     _check(ix, args, kw, selection="radix", num_splits=2)
 
 
@@ -241,10 +248,7 @@ def test_radix_select_half_width_path_for_short_rows(ix, monkeypatch, early):
     _check(ix, args, kw, selection="radix", num_splits=3)
     args, kw = _case(62, [120, 130, 64], K=12, bs=4, per=33, near_ties=True)
     _check(ix, args, kw, selection="radix", num_splits=2)
-    args, kw = _case(63, [100, 131, 100, 12], K=10, bs=4, per=33, norm=None, rope=0)
-    q, k, w, cache, slots, blocks, lens = args
-    w[0] = 0.0
-    w[2] = -w[2].abs()
+    args, kw = _tied_case(63, [100, 131, 100, 12], per=33)
     _check(ix, args, kw, selection="radix", num_splits=2)
 
 
@@ -262,10 +266,7 @@ def test_radix_select_fine_widths(ix, monkeypatch, early):
     _check(ix, args, kw, selection="radix", num_splits=3)
     args, kw = _case(72, [90, 120, 180, 256], K=12, bs=4, per=64, near_ties=True)
     _check(ix, args, kw, selection="radix", num_splits=2)
-    args, kw = _case(73, [95, 190, 95, 12], K=10, bs=4, per=64, norm=None, rope=0)
-    q, k, w, cache, slots, blocks, lens = args
-    w[0] = 0.0
-    w[2] = -w[2].abs()
+    args, kw = _tied_case(73, [95, 190, 95, 12], per=64)
     _check(ix, args, kw, selection="radix", num_splits=2)
 
 
@@ -295,10 +296,8 @@ def test_exact_ties(ix, monkeypatch, selection):
     monkeypatch.setattr(ix, "SELECT_EARLY_EXIT", selection == "radix_early")
     selection = selection.removesuffix("_early")
     monkeypatch.setattr(ix, "SELECT_TILE", 32)
-    args, kw = _case(21, [70, 70, 70, 12], K=10, bs=4, norm=None, rope=0)
+    args, kw = _tied_case(21, [70, 70, 70, 12])
     q, k, w, cache, slots, blocks, lens = args
-    w[0] = 0.0
-    w[2] = -w[2].abs()
     flat = cache.view(-1, cache.shape[-1])
     dup = blocks[1, :6].long() * 4          # the first slot of each of row 1's first blocks: one key, repeated
     flat[dup] = flat[dup[0]].clone()

@@ -173,6 +173,22 @@ def test_selections_agree():
     assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
 
 
+def _variant_matches_default_radix(monkeypatch, args, kw, **switches):
+    """With ``switches`` (indexer_triton attributes) set, the radix selection is valid and equals the default one's
+    sets, eager and replayed from a CUDA graph."""
+    want = ix.indexer_topk_triton(*args[:3], args[3].clone(), *args[4:], selection="radix", **kw).sort(-1).values
+    for name, value in switches.items():
+        monkeypatch.setattr(ix, name, value)
+    got = _check(args, kw, selection="radix")
+    assert torch.equal(got.sort(-1).values, want)
+    static = list(args)
+    out = torch.empty_like(got)
+    g = graph_replay(lambda: ix.indexer_topk_triton(*static, out=out, selection="radix", **kw))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.sort(-1).values, want)
+
+
 @pytest.mark.parametrize("bits,resident,early", [(4, False, False), (4, True, False), (8, True, False),
                                                  (4, False, True), (4, True, True), (8, True, True)])
 @pytest.mark.parametrize("shape", [GLM53, DSV41], ids=["glm53", "dsv41"])
@@ -182,18 +198,8 @@ def test_radix_digit_widths_and_resident_rows(monkeypatch, shape, bits, resident
     as the default radix select, eager and replayed."""
     K = shape["K"]
     args, kw = _case(f"bits{bits}{resident}{K}", [3 * K + 5, K, 1, 2 * K + 1, 0, 8000], per=128, **shape)
-    want = ix.indexer_topk_triton(*args[:3], args[3].clone(), *args[4:], selection="radix", **kw).sort(-1).values
-    monkeypatch.setattr(ix, "SELECT_EARLY_EXIT", early)
-    monkeypatch.setattr(ix, "SELECT_BITS", bits)
-    monkeypatch.setattr(ix, "SELECT_RESIDENT_MAX", 8192 if resident else 0)
-    got = _check(args, kw, selection="radix")
-    assert torch.equal(got.sort(-1).values, want)
-    static = list(args)
-    out = torch.empty_like(got)
-    g = graph_replay(lambda: ix.indexer_topk_triton(*static, out=out, selection="radix", **kw))
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out.sort(-1).values, want)
+    _variant_matches_default_radix(monkeypatch, args, kw, SELECT_EARLY_EXIT=early, SELECT_BITS=bits,
+                                   SELECT_RESIDENT_MAX=8192 if resident else 0)
 
 
 @pytest.mark.parametrize("shape", [GLM53, DSV41], ids=["glm53", "dsv41"])
@@ -204,16 +210,7 @@ def test_radix_fine_widths(monkeypatch, shape):
     K = shape["K"]
     lens = [2000, 2048, 2049, 2080, 3072, 3073, 4096, 4097, 6144, 6145, 8000, K, 0]
     args, kw = _case(f"fine{K}", lens, per=128, **shape)
-    want = ix.indexer_topk_triton(*args[:3], args[3].clone(), *args[4:], selection="radix", **kw).sort(-1).values
-    monkeypatch.setattr(ix, "SELECT_FINE_WIDTHS", True)
-    got = _check(args, kw, selection="radix")
-    assert torch.equal(got.sort(-1).values, want)
-    static = list(args)
-    out = torch.empty_like(got)
-    g = graph_replay(lambda: ix.indexer_topk_triton(*static, out=out, selection="radix", **kw))
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out.sort(-1).values, want)
+    _variant_matches_default_radix(monkeypatch, args, kw, SELECT_FINE_WIDTHS=True)
 
 
 @pytest.mark.parametrize("shape", [GLM53, DSV41], ids=["glm53", "dsv41"])
@@ -225,13 +222,4 @@ def test_scoring_keys_ahead(monkeypatch, shape, B):
     special = [0, 1, K - 1, K + 1, 3 * K + 17, 5000, 9000]
     lens = (special * (-(-B // len(special))))[:B] if B > 1 else [3 * K + 5]
     args, kw = _case(f"ahead{B}{K}", lens, **shape)
-    want = ix.indexer_topk_triton(*args[:3], args[3].clone(), *args[4:], selection="radix", **kw).sort(-1).values
-    monkeypatch.setattr(ix, "SCORE_KEYS_AHEAD", True)
-    got = _check(args, kw, selection="radix")
-    assert torch.equal(got.sort(-1).values, want)
-    static = list(args)
-    out = torch.empty_like(got)
-    g = graph_replay(lambda: ix.indexer_topk_triton(*static, out=out, selection="radix", **kw))
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out.sort(-1).values, want)
+    _variant_matches_default_radix(monkeypatch, args, kw, SCORE_KEYS_AHEAD=True)
