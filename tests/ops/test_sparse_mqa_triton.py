@@ -42,6 +42,9 @@ _HAVE_TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.skipif(not _HAVE_TRITON, reason="needs triton (its interpreter runs the kernels on the CPU)")
 interpreted = pytest.mark.interpreter_case
 """Needs TRITON_INTERPRET=1 from the process start: collected only there (the driver below runs these)."""
+compiled_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+                                   reason="compiles only where triton was imported without the interpreter")
+"""The offline sm_90 builds: not in the interpreter's child process (triton there was imported to interpret)."""
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
 SMALL = dict(H=8, D=64, R=16, W=16, K=24, bs=4)
@@ -535,22 +538,19 @@ def test_bad_arguments_raise_user_errors(smq):
         fn(*small, **kw)
 
 
+@compiled_only
 def test_kernels_compile_for_hopper_without_a_gpu(smq):
     """Both kernels build for sm_90 on the CPU (ptxas bundled with Triton) with the argument types and constexprs
     of real bf16 calls - DeepSeek TP8 and TP4 widths, batches 1 and 64, window-only, the kv norm in the prologue
     and without it, no sinks / pre-normed q:
     syntax, constexpr use and the tensor-core path are checked before any GPU run. (sin / cos keep a small local
     array for their large-argument path: not a spill.)"""
-    import os
-
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from tests.triton_offline import _signature, recorded_launches
 
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        pytest.skip("compiles only where triton was imported without the interpreter")
     with recorded_launches() as launches:
         for M, shape, K, sinks, norm, kvn in ((1, DSV4_TP8, 512, True, True, True),
                                               (64, DSV4_TP4, 512, True, True, True),
@@ -582,20 +582,17 @@ def test_kernels_compile_for_hopper_without_a_gpu(smq):
     assert {dict(c).get("NORM_KV") for name, c in seen if name == "split_kernel"} == {True, False}
 
 
+@compiled_only
 def test_selection_pdl_waits_before_the_selection_and_the_partials(smq, monkeypatch):
     """With ``SELECTION_PDL`` (offline sm_90a SASS, a batch-1 DeepSeek TP8 call behind its selection): the split kernel
     launches with PDL and has two grid-dependency waits (``ACQBULK``): before its loop (the programs with selected
     rows) and before its partial stores (window-only programs); only the ring row is stored before the first, every
     partial after the last. The radix select with ``SELECT_TRIGGER_START`` waits for its own prerequisites, then
     triggers (``PREEXIT``) before its first load of a logit. Off, or without ``after_selection``: no wait."""
-    import os
-
     import latency_specialized.kernels.indexer_triton as ixt
     from latency_specialized.testing.offline_sass import sass_of
     from tests.triton_offline import ptx_for_hopper, recorded_launches
 
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        pytest.skip("compiles only where triton was imported without the interpreter")
     for on, after in ((False, True), (True, False), (True, True)):
         monkeypatch.setattr(smq, "selection_pdl", lambda device, on=on: on)
         with recorded_launches() as launches:
@@ -621,17 +618,14 @@ def test_selection_pdl_waits_before_the_selection_and_the_partials(smq, monkeypa
     assert select.index("ACQBULK") < select.index("PREEXIT") < first_load
 
 
+@compiled_only
 def test_combine_pdl_reads_partials_only_after_its_wait(smq, monkeypatch):
     """With ``COMBINE_PDL`` (offline sm_90a SASS, a batch-1 DeepSeek TP8 call): the split kernel triggers its dependents
     (``PREEXIT``) after its last store, and the combine - launched with PDL - loads only the RoPE angle inputs and the
     sinks (3 loads) before its grid-dependency wait (``ACQBULK``), every partial after it. Off: neither."""
-    import os
-
     from latency_specialized.testing.offline_sass import sass_of
     from tests.triton_offline import ptx_for_hopper, recorded_launches
 
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        pytest.skip("compiles only where triton was imported without the interpreter")
     for on in (False, True):
         monkeypatch.setattr(smq, "combine_pdl", lambda device, on=on: on)
         with recorded_launches() as launches:
