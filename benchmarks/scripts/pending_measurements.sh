@@ -4,8 +4,14 @@
 # priority order, so a call stopped at the limit keeps the steps before; results tarred per step (the device returns
 # <= 8 files):
 #   source scripts/device_env.sh >/dev/null 2>&1; timeout 575 bash benchmarks/scripts/pending_measurements.sh
-# Steps (STEPS, default fine,cutprof,paired,credit,q4) - session 48's plan (session 48 ran c2ab, topk, dsv:
-# benchmarks/results/h100/session48/; session 46 gqa, dsvab, topk, muse; those, prof and gemm stay available by name):
+# Steps (STEPS, default dsvk,fine,cutprof,paired,credit,q4) - sessions 48-49's plan (session 48 ran c2ab, topk, dsv:
+# benchmarks/results/h100/session48/; session 46 gqa, dsvab, topk, muse; those, prof and gemm stay available by name;
+# session 49 had no device time):
+#   dsvk   DeepSeek-V4.1-Flash c2_idx at batch 1 / 8, fewer kernels: (fkey) the compressor writes the indexer's new
+#          key (sparse_mqa_triton.COMPRESS_INDEX_KEY, new in session 49: the key gemm and the indexer's key launch
+#          left out, 20 -> 18 kernels), (credit) the q norm in the q_b gemm's prologue (tuning.NORM_SITE_CREDIT_US,
+#          -1 kernel where the GEMV kernel is within 1.5 us of the table's winner), (both) - the kernel counts in the
+#          bench's table
 #   fine   the indexer's radix select holding a width that follows the live length in finer steps (1/4, 3/8, 1/2,
 #          3/4, all of the tile: indexer_triton.SELECT_FINE_WIDTHS, new in session 48) against the half-width path
 #          alone: the select alone at live lengths past each power of two, then DeepSeek c2_idx and GLM-5.3 moe
@@ -43,7 +49,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/ls_out}
 export LS_KERNEL_CACHE_DIR=${LS_KERNEL_CACHE_DIR:-/tmp/ls_kcache} CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
-STEPS=${STEPS:-fine,cutprof,paired,credit,q4}
+STEPS=${STEPS:-dsvk,fine,cutprof,paired,credit,q4}
 W=$(mktemp -d)
 t0=$(date +%s)
 step() { [[ ",$STEPS," == *",$1,"* ]]; }
@@ -59,6 +65,16 @@ import json, sys
 for r in json.load(open(sys.argv[1])):
     print(r['FUSED_MERGE_MAX_SPLITS'], r['FUSED_MERGE_UNROLL'], r['batch'], r['context'], r['window'], r['splits'],
           round(r['us'], 2), round(r['roofline'], 3))" "$W/gqa/fused.json" 2>/dev/null
+fi
+if step dsvk; then
+  mkdir -p "$W/dsvk"
+  SP=latency_specialized.kernels
+  timeout "${DSVK_S:-150}" "${BENCH[@]}" --model deepseek_v41_flash --kinds c2_idx --batch 1,8 --out "$W/dsvk" \
+    --ab base --ab fkey:$SP.sparse_mqa_triton.COMPRESS_INDEX_KEY=True --ab credit:$SP.tuning.NORM_SITE_CREDIT_US=1.5 \
+    --ab "both:$SP.sparse_mqa_triton.COMPRESS_INDEX_KEY=True,$SP.tuning.NORM_SITE_CREDIT_US=1.5" \
+    > "$W/dsvk/dsvk.log" 2>&1
+  rc=$?; find "$W/dsvk/ab_runs" -name "*.png" -delete 2>/dev/null; pack dsvk "$rc"   # the runs' tables: kernels
+  grep -h "^| [a-z_0-9]* | [0-9]" "$W"/dsvk/ab.md; grep -rh "^| c2_idx | 1 |" "$W"/dsvk/ab_runs | cut -d'|' -f2-7
 fi
 if step fine; then
   mkdir -p "$W/fine"; rc=0

@@ -13,7 +13,7 @@ Steps of one call (three launches for ``selection="radix"``; ``"split"`` swaps t
    (NeoX rotate-half or interleaved pairs), **rounded to the cache dtype** and stored at
    ``slot_mapping[b]`` (< 0: nothing). Its own launch, not fused into step 2: the scoring programs of
    row ``b`` read the new token's cache row, and nothing orders a store of one program before the loads
-   of another in the same grid;
+   of another in the same grid. Not launched for ``k=None`` (no key in this call);
 2. **score kernel**, grid ``(B, num_splits)``: a program takes one contiguous chunk of one sequence's
    positions. The chunk comes from ``seq_lens[b]`` read *on the device* (``cdiv(seq_len, num_splits)``,
    at least ``MIN_CHUNK``, a multiple of ``BLOCK_T``), so a short sequence in a wide block table costs only
@@ -577,7 +577,7 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
+def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor | None, weights: torch.Tensor, k_cache: torch.Tensor,
                         slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
                         topk: int, positions: torch.Tensor | None = None,
                         rope_inv_freq: torch.Tensor | None = None, rope_interleaved: bool = False,
@@ -590,7 +590,8 @@ def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
     Parameters
     ----------
     q : [B, h, D] raw indexer queries (rows may be strided; unit last stride, else copied).
-    k : [B, D] raw key of the new token (a column slice is fine). weights : [B, h] per-head weights.
+    k : [B, D] raw key of the new token (a column slice is fine); None: no key kernel (the keys are in the cache
+        already, or this layer scores against another layer's). weights : [B, h] per-head weights.
     k_cache : [num_blocks, block_size, D] paged key cache (bf16/fp16/fp32, contiguous), written in place.
     slot_mapping : [B] int (< 0: no write); block_table : [B, max_blocks] int; seq_lens : [B] int (the new
         token included; 0: padding row -> all -1).
@@ -605,9 +606,9 @@ def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
     [B, K] int32 positions (a set, any order; -1 past ``seq_lens[b]``). No host sync: CUDA-graph capturable.
     """
     B, heads, D = q.shape
-    if tuple(k.shape) != (B, D) or tuple(weights.shape) != (B, heads) or k_cache.shape[-1] != D:
-        raise UserError(f"{NAME}: q {tuple(q.shape)}, k {tuple(k.shape)}, weights {tuple(weights.shape)}, "
-                        f"cache width {k_cache.shape[-1]} do not fit one another")
+    if (k is not None and tuple(k.shape) != (B, D)) or tuple(weights.shape) != (B, heads) or k_cache.shape[-1] != D:
+        raise UserError(f"{NAME}: q {tuple(q.shape)}, k {None if k is None else tuple(k.shape)}, weights "
+                        f"{tuple(weights.shape)}, cache width {k_cache.shape[-1]} do not fit one another")
     if topk < 1:
         raise UserError(f"{NAME}: topk={topk}; use a positive width")
     if k_norm_kind not in ("layer", "rms"):
@@ -641,7 +642,7 @@ def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
     block = k_cache.shape[1]
     flat = k_cache.view(-1, D)
     bt = _unit_last(block_table)
-    q, k, weights = _unit_last(q), _unit_last(k), _unit_last(weights)
+    q, weights = _unit_last(q), _unit_last(weights)
     cap = bt.shape[1] * block
     d_pad = _next_pow2(max(D, 16))
     rope = rope_inv_freq is not None
@@ -652,9 +653,11 @@ def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
     kb = k_norm_bias.contiguous() if (norm == _NORM_LAYER and k_norm_bias is not None) else flat
 
     # 1. the new keys into the cache (before any program of step 2 reads them: a launch boundary)
-    kern["key"][(B,)](k, kw, kb, inv, pos, slot_mapping, flat, float(k_norm_eps), k.stride(0), flat.stride(0),
-                      D=D, D_PAD=d_pad, HALF=max(half, 1), NORM=norm, HAS_BIAS=kb is not flat, ROPE=rope,
-                      INTERLEAVED=bool(rope_interleaved), num_warps=1 if d_pad <= 256 else 4)
+    if k is not None:
+        k = _unit_last(k)
+        kern["key"][(B,)](k, kw, kb, inv, pos, slot_mapping, flat, float(k_norm_eps), k.stride(0), flat.stride(0),
+                          D=D, D_PAD=d_pad, HALF=max(half, 1), NORM=norm, HAS_BIAS=kb is not flat, ROPE=rope,
+                          INTERLEAVED=bool(rope_interleaved), num_warps=1 if d_pad <= 256 else 4)
 
     # 2. logits [B, capacity] fp32 (-inf past seq_len)
     if num_splits is None:

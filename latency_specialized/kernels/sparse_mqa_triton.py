@@ -42,7 +42,10 @@ The compressor of a KV-source layer, ``attention.sparse_mqa_compress.triton`` (c
 ``[kv | gate]`` stored into its pending slot, the group's other rows loaded (this token's from registers, so the
 store and the pool need no ordering), the per-channel softmax-gated pool, the weighted RMSNorm (``lat``, the
 indexer key's input, stored), the RoPE of ``lat`` (the partner channel read back from the stored row after a CTA
-barrier) into the compressed cache at the row's slot (< 0: the token completes none).
+barrier) into the compressed cache at the row's slot (< 0: the token completes none). Its ``INDEX`` form serves
+``attention.sparse_mqa_compress_index.triton``: a token that completes a row then projects ``lat`` (read back
+after the barrier, in chunks) to the indexer's key, even and odd channels apart so that each interleaved RoPE pair
+sits in one thread, norms, rotates and stores it at the same slot of the key cache (``COMPRESS_INDEX_KEY``).
 
 Triton is imported lazily (kernels built on first use, per ``TRITON_INTERPRET`` setting), so this module
 imports on machines without Triton and ``supports()`` names what is missing.
@@ -67,6 +70,15 @@ FALLBACK = "attention.sparse_mqa.torch"
 """What the errors point to: the sync-free torch composition of the same family."""
 COMPRESS_NAME = "attention.sparse_mqa_compress.triton"
 COMPRESS_FALLBACK = "attention.sparse_mqa_compress.torch"
+COMPRESS_INDEX_NAME = "attention.sparse_mqa_compress_index.triton"
+COMPRESS_INDEX_FALLBACK = "the compressor, key gemm and indexer sites apart (their own kernels)"
+COMPRESS_INDEX_KEY = False
+"""The compressor of a layer that owns the indexer's keys also writes the new key (``attention.sparse_mqa_compress_index``
+served here, so the program skips the key gemm and calls the indexer with ``k=None``): two launches fewer per such
+layer (DeepSeek-V4.1-Flash c2_idx: 20 -> 18 at batch 1), the key's ``Dk x D`` weight read by one program per token.
+Off: not timed yet (A/B ``pending_measurements.sh``); off, the fused site is refused and the three sites run apart."""
+INDEX_KEY_TILE = 4096
+"""Weight elements per operand of one step of the fused key projection (``[Dk / 2, BK]`` tiles, even and odd rows)."""
 
 MIN_BLOCK_H = 16
 """Fewest query-head rows of a program's tiles: the smallest M of a tensor-core ``tl.dot`` (8 heads at TP8 pad
@@ -299,8 +311,9 @@ def _kernels(interpret: bool):
 
     @triton.jit
     def compress_kernel(c, pending, rows, positions, norm_w, inv_freq, cache, slots, lat, eps, s_c, s_pr, s_pk, P,
+                        idx_w, idx_nw, idx_cache, idx_eps, s_iw,
                         D: tl.constexpr, R: tl.constexpr, RATIO: tl.constexpr, BR: tl.constexpr,
-                        WRITE_ONLY: tl.constexpr):
+                        WRITE_ONLY: tl.constexpr, INDEX: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr):
         # grid (M,): one token's compressor, pending write -> pool -> norm -> lat -> RoPE -> cache write
         m = tl.program_id(0).to(tl.int64)
         pos = tl.load(positions + m)
@@ -362,6 +375,31 @@ def _kernels(interpret: bool):
         z = y.to(tl.float32) * tl.cos(ang) + yp * tl.sin(ang) * tl.where(t_rot % 2 == 0, -1.0, 1.0)
         tl.store(cache + tl.maximum(slot, 0) * D + d, z.to(lat.dtype.element_ty).to(cache.dtype.element_ty),
                  mask=d < tl.where(slot >= 0, D, 0))
+        if INDEX:
+            if slot >= 0:   # the indexer's key of the completed row: lat @ idx_w^T, RMSNorm, leading RoPE
+                # even and odd output channels apart: an interleaved RoPE pair is then (ke[j], ko[j]), in one
+                # thread, and lat is read back in chunks from the row stored before the barrier above
+                j = tl.arange(0, DK // 2)
+                acc_e = tl.zeros([DK // 2], dtype=tl.float32)
+                acc_o = tl.zeros([DK // 2], dtype=tl.float32)
+                for k0 in tl.static_range(0, D, BK):
+                    kk = k0 + tl.arange(0, BK)
+                    lv = tl.load(lat + m * D + kk).to(tl.float32)[None, :]
+                    acc_e += tl.sum(tl.load(idx_w + (2 * j)[:, None] * s_iw + kk[None, :]).to(tl.float32) * lv, 1)
+                    acc_o += tl.sum(tl.load(idx_w + (2 * j + 1)[:, None] * s_iw + kk[None, :]).to(tl.float32) * lv, 1)
+                ldt = lat.dtype.element_ty
+                ke = acc_e.to(ldt).to(tl.float32)                                       # the gemm's rounding
+                ko = acc_o.to(ldt).to(tl.float32)
+                rk = tl.rsqrt((tl.sum(ke * ke, 0) + tl.sum(ko * ko, 0)) / DK + idx_eps)
+                ke = ke * rk * tl.load(idx_nw + 2 * j).to(tl.float32)
+                ko = ko * rk * tl.load(idx_nw + 2 * j + 1).to(tl.float32)
+                rot_k = j < R // 2
+                ang_k = pos.to(tl.float32) * tl.load(inv_freq + j, mask=rot_k, other=0.0)
+                ck = tl.where(rot_k, tl.cos(ang_k), 1.0)
+                sk = tl.where(rot_k, tl.sin(ang_k), 0.0)
+                icdt = idx_cache.dtype.element_ty
+                tl.store(idx_cache + slot * DK + 2 * j, (ke * ck - ko * sk).to(icdt))
+                tl.store(idx_cache + slot * DK + 2 * j + 1, (ko * ck + ke * sk).to(icdt))
 
     return {"split": split_kernel, "combine": combine_kernel, "compress": compress_kernel}
 
@@ -557,6 +595,40 @@ def sparse_mqa_compress_triton(c: torch.Tensor, pending: torch.Tensor | None, ro
     program per token; the pool reads the group's other rows from memory and this token's from registers.
     ``pending`` is a ring ``[rows, P >= ratio, 2D]`` (position p at p % P). ``cross_row_reads`` (verification
     steps: a row pools pending rows earlier rows of the call write): one launch writes every row first."""
+    return _compress(c, pending, rows, positions, norm_weight, rope_inv_freq, cache, slots, None, eps=eps,
+                     ratio=ratio, out=out, cross_row_reads=cross_row_reads)
+
+
+def sparse_mqa_compress_index_triton(c: torch.Tensor, pending: torch.Tensor | None, rows: torch.Tensor,
+                                     positions: torch.Tensor, norm_weight: torch.Tensor, rope_inv_freq: torch.Tensor,
+                                     cache: torch.Tensor, slots: torch.Tensor, index_weight: torch.Tensor,
+                                     index_norm_weight: torch.Tensor, index_cache: torch.Tensor, *, eps: float,
+                                     ratio: int, index_eps: float, out: torch.Tensor | None = None,
+                                     cross_row_reads: bool = False) -> torch.Tensor:
+    """The compressor with the indexer's new key in the same launch (contract:
+    ``ops.attention.sparse_mqa.sparse_mqa_compress_index_reference``): after the compressed-cache write, the program
+    of a token that completes a row projects its ``lat`` by ``index_weight [Dk, D]`` (read whole by that one program:
+    Dk x D elements), norms it and rotates its leading channels into ``index_cache`` at the same slot - the key
+    gemm's launch and the indexer's key launch left out (call the indexer with ``k=None`` after it)."""
+    Dk = index_weight.shape[0] if index_weight.dim() == 2 else -1
+    if index_weight.dim() != 2 or index_weight.shape[1] != cache.shape[-1] or index_weight.stride(-1) != 1 \
+            or tuple(index_norm_weight.shape) != (Dk,) or index_cache.shape[-1] != Dk \
+            or not index_cache.is_contiguous() or Dk < 2 * rope_inv_freq.shape[0] or Dk & (Dk - 1) or Dk < 16:
+        raise UserError(f"{COMPRESS_INDEX_NAME}: index_weight {tuple(index_weight.shape)} (unit last stride), "
+                        f"index_norm_weight {tuple(index_norm_weight.shape)}, index_cache {tuple(index_cache.shape)} "
+                        f"(contiguous) must be [Dk, D={cache.shape[-1]}], [Dk], [blocks, block_size, Dk] with Dk a "
+                        f"power of two >= 16 and >= the {2 * rope_inv_freq.shape[0]} rotated channels; "
+                        f"{COMPRESS_INDEX_FALLBACK} serves others")
+    return _compress(c, pending, rows, positions, norm_weight, rope_inv_freq, cache, slots,
+                     (index_weight, index_norm_weight.contiguous(), index_cache, float(index_eps)), eps=eps,
+                     ratio=ratio, out=out, cross_row_reads=cross_row_reads)
+
+
+def _compress(c: torch.Tensor, pending: torch.Tensor | None, rows: torch.Tensor, positions: torch.Tensor,
+              norm_weight: torch.Tensor, rope_inv_freq: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
+              index: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None, *, eps: float, ratio: int,
+              out: torch.Tensor | None, cross_row_reads: bool) -> torch.Tensor:
+    """The compressor's launch(es), with the indexer key's operands ``(weight, norm weight, cache, eps)`` or None."""
     M = c.shape[0]
     D = cache.shape[-1]
     if c.dim() != 2 or c.shape[1] != (2 * D if ratio > 1 else D) or (ratio > 1) != (pending is not None):
@@ -576,12 +648,15 @@ def sparse_mqa_compress_triton(c: torch.Tensor, pending: torch.Tensor | None, ro
     c = _unit_last(c)
     pend = pending if pending is not None else c
     kernel = _kernels(_interpreting())["compress"]
+    iw, inw, icache, ieps = index if index is not None else (norm_weight, norm_weight, cache, 0.0)  # unread if None
+    dk = iw.shape[0] if index is not None else 2
     for write_only in ((True, False) if cross_row_reads and pending is not None else (False,)):
         kernel[(M,)](c, pend, rows, positions, norm_weight, rope_inv_freq, cache, slots, out, float(eps), c.stride(0),
                      pend.stride(0) if pending is not None else 0, pend.stride(1) if pending is not None else 0,
-                     pend.shape[1] if pending is not None else 1,
+                     pend.shape[1] if pending is not None else 1, iw, inw, icache, ieps, iw.stride(0),
                      D=D, R=2 * rope_inv_freq.shape[0], RATIO=int(ratio), BR=max(2, _next_pow2(int(ratio))),
-                     WRITE_ONLY=write_only, num_warps=4 if D >= 256 else 1)
+                     WRITE_ONLY=write_only, INDEX=index is not None, DK=dk,
+                     BK=min(D, max(16, INDEX_KEY_TILE // max(dk // 2, 1))), num_warps=4 if D >= 256 else 1)
     return out
 
 
@@ -620,6 +695,23 @@ def _compress_supports(ctx: OpContext) -> Support:
     return True
 
 
+def _compress_index_supports(ctx: OpContext) -> Support:
+    if not COMPRESS_INDEX_KEY:
+        return f"off (sparse_mqa_triton.COMPRESS_INDEX_KEY, an A/B switch): {COMPRESS_INDEX_FALLBACK}"
+    if ctx.attr("weight_format"):
+        return f"key projection stored {ctx.attr('weight_format')}: plain weights only; {COMPRESS_INDEX_FALLBACK}"
+    refusal = _compress_supports(ctx)
+    if refusal is not True:
+        return refusal
+    try:
+        dk = ctx.dim("index_head_dim")
+    except KeyError:
+        return True
+    if dk < 16 or dk & (dk - 1):
+        return f"index head_dim {dk} is not a power of two >= 16: {COMPRESS_INDEX_FALLBACK}"
+    return True
+
+
 IMPLEMENTATIONS = [
     Implementation("attention.sparse_mqa", NAME, sparse_mqa_decode_triton, _supports, priority=10,
                    strided_rows=True,
@@ -630,7 +722,12 @@ IMPLEMENTATIONS = [
                    priority=10, strided_rows=True,
                    description="Triton, one program per token: pending write, softmax-gated pool, RMSNorm, RoPE, "
                                "compressed-cache write in one launch; pow2 D"),
+    Implementation("attention.sparse_mqa_compress_index", COMPRESS_INDEX_NAME, sparse_mqa_compress_index_triton,
+                   _compress_index_supports, priority=10, strided_rows=True,
+                   description="Triton, one program per token: the compressor's launch, then the indexer's new key "
+                               "(key projection, RMSNorm, leading RoPE, key-cache write) in it; pow2 D and Dk"),
 ]
 
-__all__ = ["COMBINE_PDL", "COMPRESS_NAME", "FALLBACK", "IMPLEMENTATIONS", "NAME", "SELECTION_PDL", "block_h", "block_n",
-           "choose_splits", "combine_pdl", "selection_pdl", "sparse_mqa_compress_triton", "sparse_mqa_decode_triton"]
+__all__ = ["COMBINE_PDL", "COMPRESS_INDEX_KEY", "COMPRESS_INDEX_NAME", "COMPRESS_NAME", "FALLBACK", "IMPLEMENTATIONS", "NAME", "SELECTION_PDL", "block_h", "block_n",
+           "choose_splits", "combine_pdl", "selection_pdl", "sparse_mqa_compress_index_triton",
+           "sparse_mqa_compress_triton", "sparse_mqa_decode_triton"]

@@ -43,6 +43,7 @@ FAMILIES: dict[str, str] = {
     "attention.sparse_mla": "absorbed MLA decode over an indexer's top-k of a paged latent cache",
     "attention.sparse_mqa": "sparse MQA decode over a sliding-window ring + selected compressed rows, sinks, output inverse RoPE",
     "attention.sparse_mqa_compress": "sparse MQA compressor: pending-row write, softmax-gated pool, RMSNorm, RoPE, compressed-cache write",
+    "attention.sparse_mqa_compress_index": "sparse MQA compressor + the indexer's new key: key projection, RMSNorm, RoPE, index-key cache write",
 }
 
 

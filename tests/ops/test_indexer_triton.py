@@ -37,7 +37,7 @@ SELECTIONS = pytest.mark.parametrize("selection", ["radix", "split", "torch"])
 
 @pytest.mark.interpreter_driver
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=38)
+    run_interpreted(__file__, min_passed=41)
 
 
 @pytest.fixture
@@ -147,7 +147,8 @@ def _check(ix, args, kw, **call):
     check_selection(got, logits, seq_lens, K, atol=1e-5, rtol=1e-5)
     D = cache.shape[-1]
     changed = torch.zeros(cache.shape[0] * cache.shape[1], dtype=torch.bool)
-    changed[slots[slots >= 0]] = True
+    if k is not None:   # k=None: no key step, the cache untouched
+        changed[slots[slots >= 0]] = True
     flat, flat0, flat_ref = c_tri.view(-1, D), before.view(-1, D), c_ref.view(-1, D)
     torch.testing.assert_close(flat[~changed], flat0[~changed], rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(flat[changed], flat_ref[changed], rtol=1e-5, atol=1e-5)
@@ -187,6 +188,18 @@ def test_no_rope_no_norm_and_dead_slots(ix, selection):
     """No RoPE, no norm; rows with live seq_lens but slot -1 write nothing and score the cache as it is."""
     args, kw = _case(3, [20, 9, 33, 2], rope=0, norm=None, dead_slots=(0, 2))
     _check(ix, args, kw, selection=selection, num_splits=1)
+
+
+@interpreted
+@SELECTIONS
+def test_no_key_in_this_call(ix, selection):
+    """``k=None`` (the new keys written by an earlier op - the fused compressor - or a layer scoring against another
+    layer's keys): no key step, the cache untouched (slots given, not read), the selection over the cache as it is."""
+    args, kw = _case(5, [20, 9, 33, 0, 2], norm="rms")
+    q, k, w, cache, slots, blocks, lens = args
+    written = cache.clone()
+    indexer_topk_reference(q, k, w, written, slots, blocks, lens, **kw)   # what the key step leaves
+    _check(ix, (q, None, w, written, slots, blocks, lens), kw, selection=selection, num_splits=2)
 
 
 @interpreted

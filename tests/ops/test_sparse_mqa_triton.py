@@ -59,7 +59,7 @@ FULL = os.environ.get("LS_FULL_INTERPRETER") == "1"
 
 @pytest.mark.interpreter_driver
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=62 if FULL else 51)
+    run_interpreted(__file__, min_passed=69 if FULL else 58)
 
 
 @pytest.fixture
@@ -442,6 +442,93 @@ def test_compressor_verification_rows_pool_each_others_pending_rows(smq, ratio, 
     torch.testing.assert_close(c_tri, c_ref, rtol=1e-5, atol=1e-5)
 
 
+def make_index_key_args(seed, M, D, Dk, bs=4, dtype=torch.float32, device="cpu"):
+    """``(index_weight [Dk, D], index_norm_weight [Dk], index_cache [M + 2, bs, Dk])`` of a fused compressor call,
+    the key cache NaN-poisoned (only the completed rows' slots may change, and they are written)."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(Dk, D, generator=g) / D ** 0.5).to(device=device, dtype=dtype)
+    nw = (1.0 + 0.1 * torch.randn(Dk, generator=g)).to(device=device, dtype=dtype)
+    return w, nw, torch.full((M + 2, bs, Dk), float("nan"), dtype=dtype, device=device)
+
+
+def make_compress_index_case(seed, M, *, D, R, ratio, bs=4, dtype=torch.float32, device="cpu"):
+    """``make_compress_case`` where row 0 completes its group and (ratio > 1, M > 1) row 1 does not."""
+    args, kw, poisoned = make_compress_case(seed, M, D=D, R=R, ratio=ratio, bs=bs)
+    if ratio > 1:
+        pos = args[3].clone()
+        pos[0] = ratio - 1 + ratio * int(pos[0] // ratio)
+        if M > 1:
+            pos[1] = ratio * int(pos[1] // ratio)
+        g = torch.Generator().manual_seed(seed + 1)
+        slots = torch.where((pos + 1) % ratio == 0, torch.randperm((M + 2) * bs, generator=g)[:M], -1)
+        poisoned = args[1].clone()
+        poisoned[args[2].long(), pos % ratio] = float("nan")
+        args = args[:3] + (pos,) + args[4:7] + (slots,)
+    cast = (lambda t: None if t is None else t.to(device=device, dtype=dtype) if t.is_floating_point()
+            else t.to(device))
+    return tuple(cast(t) for t in args[:5]) + (args[5].to(device),) + tuple(cast(t) for t in args[6:]), kw, \
+        cast(poisoned)
+
+
+def check_compress_index(smq, args, kw, poisoned, index, *, cross_row_reads=False, tol=1e-5):
+    """The fused compressor against ``sparse_mqa_compress_index_reference`` on clean copies: lat, pending, the
+    compressed cache (``check_compress``) and the key cache - equal at the completed rows' slots, untouched
+    elsewhere."""
+    from latency_specialized.ops.attention.sparse_mqa import sparse_mqa_compress_index_reference
+
+    w, nw, icache = index
+    slots = args[7]
+    i_ref, i_tri = icache.clone(), icache.clone()
+
+    def fused(c, pending, rows, pos, nwt, inv, cache, sl, **k):
+        return smq.sparse_mqa_compress_index_triton(c, pending, rows, pos, nwt, inv, cache, sl, w, nw, i_tri,
+                                                    index_eps=1e-6, cross_row_reads=cross_row_reads, **k)
+
+    got = check_compress(fused, args, kw, poisoned, tol=tol)
+    c, pending, rows, pos, nwt, inv, cache, _ = args
+    sparse_mqa_compress_index_reference(c, None if pending is None else pending.clone(), rows, pos, nwt, inv,
+                                        cache.clone(), slots, w, nw, i_ref, index_eps=1e-6, **kw)
+    live = slots[slots >= 0]
+    assert live.numel() >= 1
+    f_ref, f_tri = i_ref.view(-1, w.shape[0]), i_tri.view(-1, w.shape[0])
+    assert not torch.isnan(f_tri[live]).any()
+    torch.testing.assert_close(f_tri[live], f_ref[live], rtol=tol, atol=tol)
+    keep = torch.ones(f_tri.shape[0], dtype=torch.bool, device=f_tri.device)
+    keep[live] = False
+    assert torch.isnan(f_tri[keep]).all()
+    return got
+
+
+@interpreted
+@pytest.mark.parametrize("ratio", [1, 2, 4])
+@pytest.mark.parametrize("D,R,Dk,M", [(64, 16, 32, 5), (512, 64, 128, 3)])
+def test_compressor_with_the_index_key_matches_reference(smq, ratio, D, R, Dk, M):
+    """``attention.sparse_mqa_compress_index.triton``: the compressor's outputs as alone, and the indexer's new key
+    (projection, RMSNorm, leading interleaved RoPE) at each completed row's slot of the key cache. Every row
+    completes one at ratio 1; at ratio 2 / 4 some rows complete none (their key slots stay poisoned)."""
+    args, kw, poisoned = make_compress_index_case(1400 + ratio + D, M, D=D, R=R, ratio=ratio)
+    check_compress_index(smq, args, kw, poisoned, make_index_key_args(1450 + D, M, D, Dk))
+
+
+@interpreted
+def test_compressor_with_the_index_key_in_a_verification_step(smq):
+    """1 + 3 tokens of 2 requests, ratio 2, ``cross_row_reads``: the write-first launch writes no key; the second
+    writes every completed row's key."""
+    D, R, Dk, T, ratio = 64, 16, 32, 4, 2
+    g = torch.Generator().manual_seed(1470)
+    rows = torch.tensor([2, 0]).repeat_interleave(T).to(torch.int32)
+    pos = torch.cat([torch.arange(30, 30 + T), torch.arange(5, 5 + T)])
+    M = 2 * T
+    pending = torch.randn(3, ratio + 3, 2 * D, generator=g)
+    poisoned = pending.clone()
+    poisoned[rows.long(), pos % (ratio + 3)] = float("nan")
+    slots = torch.where((pos + 1) % ratio == 0, torch.randperm((M + 2) * 4, generator=g)[:M], -1)
+    args = (2.0 * torch.randn(M, 2 * D, generator=g) + 0.3, pending, rows, pos, 1.0 + 0.1 * torch.randn(D, generator=g),
+            rope_inv_freq(1e4, R), torch.randn(M + 2, 4, D, generator=g), slots)
+    check_compress_index(smq, args, dict(eps=1e-6, ratio=ratio), poisoned, make_index_key_args(1471, M, D, Dk),
+                         cross_row_reads=True)
+
+
 # --------------------------------------------------------------------------------------------- host side
 def test_splits_are_sized_to_the_rows(smq):
     """``choose_splits``: about WAVES x SMs programs, at least one tile each, never more splits than tiles of the
@@ -492,8 +579,12 @@ def test_dispatch_gpu_gets_the_kernel_cpu_the_reference():
 def test_the_kernels_take_the_contract_signatures(smq):
     import inspect
 
+    from latency_specialized.ops.attention.sparse_mqa import sparse_mqa_compress_index_reference
+
     for kernel, reference, positional in ((smq.sparse_mqa_decode_triton, sparse_mqa_decode_reference, 11),
-                                          (smq.sparse_mqa_compress_triton, sparse_mqa_compress_reference, 8)):
+                                          (smq.sparse_mqa_compress_triton, sparse_mqa_compress_reference, 8),
+                                          (smq.sparse_mqa_compress_index_triton, sparse_mqa_compress_index_reference,
+                                           11)):
         sig, ref = inspect.signature(kernel), inspect.signature(reference)
         for name, p in ref.parameters.items():
             assert name in sig.parameters and sig.parameters[name].kind == p.kind, name
@@ -518,6 +609,37 @@ def test_compressor_dispatch_and_refusals(smq):
     args, kw, _ = make_compress_case(960, 2, D=64, R=16, ratio=2)
     with pytest.raises(UserError, match="do not fit ratio"):
         smq.sparse_mqa_compress_triton(args[0][:, :64], *args[1:], **kw)
+
+
+def test_compressor_with_the_index_key_dispatch_and_refusals(smq, monkeypatch):
+    """Off by default (the switch named in the refusal, so the program runs the three sites apart); on, the kernel
+    serves sm_90 with plain weights, the reference the CPU; a quantized key projection or an odd key width is
+    refused with the reason; mismatched operands raise a UserError naming the shapes."""
+    from latency_specialized.plugins import get_registry
+
+    impls = get_registry().implementations
+
+    def ctx(arch="sm_90", attrs=(), **dims):
+        d = {**dict(head_dim=512, index_head_dim=128, compress_ratio=2, rope=64), **dims}
+        return make_context("attention.sparse_mqa_compress_index", arch=arch, dtype="bfloat16", tokens=1,
+                            world_size=8, dims=d, attrs={"rope_interleaved": True, **dict(attrs)})
+
+    chosen, refusals = impls.select(ctx())
+    assert chosen.name == "attention.sparse_mqa_compress_index.reference"
+    assert "COMPRESS_INDEX_KEY" in dict(refusals)[smq.COMPRESS_INDEX_NAME]
+    monkeypatch.setattr(smq, "COMPRESS_INDEX_KEY", True)
+    assert impls.select(ctx())[0].name == smq.COMPRESS_INDEX_NAME
+    assert impls.select(ctx("cpu"))[0].name == "attention.sparse_mqa_compress_index.reference"
+    for bad, why in ((ctx(attrs={"weight_format": "fp8_block"}), "fp8_block"), (ctx(index_head_dim=96), "96"),
+                     (ctx(head_dim=48), "head_dim 48")):
+        chosen, refusals = impls.select(bad)
+        assert chosen.name == "attention.sparse_mqa_compress_index.reference" and why in dict(refusals)[
+            smq.COMPRESS_INDEX_NAME]
+    args, kw, _ = make_compress_case(965, 2, D=64, R=16, ratio=2)
+    w, nw, icache = make_index_key_args(966, 2, 64, 32)
+    for bad in ((w[:, :32], nw, icache), (w, nw[:16], icache), (w[:8], nw[:8], icache[..., :8])):
+        with pytest.raises(UserError, match="index_weight"):
+            smq.sparse_mqa_compress_index_triton(*args, *bad, index_eps=1e-6, **kw)
 
 
 def test_bad_arguments_raise_user_errors(smq):
@@ -565,6 +687,9 @@ def test_kernels_compile_for_hopper_without_a_gpu(smq):
         for ratio, cross in ((1, False), (2, False), (2, True)):
             args, kw, _ = make_compress_case(850 + ratio, 8, D=512, R=64, ratio=ratio, bs=64, dtype=torch.bfloat16)
             smq.sparse_mqa_compress_triton(*args, **kw, cross_row_reads=cross)
+            # with the indexer's key (DeepSeek-V4.1-Flash: Dk 128)
+            index = make_index_key_args(860 + ratio, 8, 512, 128, bs=64, dtype=torch.bfloat16)
+            smq.sparse_mqa_compress_index_triton(*args, *index, index_eps=1e-6, **kw, cross_row_reads=cross)
     assert {fn.fn.__name__ for fn, _, _ in launches} == {"split_kernel", "combine_kernel", "compress_kernel"}
     seen = set()
     for fn, args, kw in launches:
@@ -578,8 +703,9 @@ def test_kernels_compile_for_hopper_without_a_gpu(smq):
                              options=opts).asm["ptx"]
         if fn.fn.__name__ == "split_kernel" and not const.get("WRITE_ONLY"):
             assert "mma" in ptx, const
-    assert len(seen) >= 10
+    assert len(seen) >= 13
     assert {dict(c).get("NORM_KV") for name, c in seen if name == "split_kernel"} == {True, False}
+    assert {dict(c).get("INDEX") for name, c in seen if name == "compress_kernel"} == {True, False}
 
 
 @compiled_only

@@ -7,8 +7,9 @@ roundings of q and the ring row; the raw kv normed in the kernel too), the ring 
 own fp32 RoPE order), the cache untouched. A captured call replays for new positions / lengths / selections /
 ring and cache contents bit-identically to the eager call, and is two kernels. The compressor
 (``attention.sparse_mqa_compress.triton``, ``make_compress_case``): bf16 at D = 512, ratios 1 / 2 / 4, replay ==
-eager. Verification steps (1 + k rows per request reading each other's new ring / pending rows,
-``cross_row_reads``) at TP8 widths, replay == eager.
+eager; with the indexer's key (``attention.sparse_mqa_compress_index.triton``, Dk 128): the key cache at the
+completed rows' slots against the reference, replay == eager. Verification steps (1 + k rows per request reading
+each other's new ring / pending rows, ``cross_row_reads``) at TP8 widths, replay == eager.
 Run on the H200: ``pytest -m gpu tests/ops/test_sparse_mqa_triton_gpu.py``.
 """
 
@@ -17,12 +18,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from latency_specialized.kernels import sparse_mqa_triton
 from latency_specialized.kernels.sparse_mqa_triton import sparse_mqa_compress_triton, sparse_mqa_decode_triton
 from latency_specialized.ops.attention.sparse_mqa import sparse_mqa_compress_reference, sparse_mqa_decode_reference
 from latency_specialized.ops.rope import rope_inv_freq
 
 from gpu_helpers import graph_replay
-from test_sparse_mqa_triton import DSV4_TP4, DSV4_TP8, check_case, check_compress, make_case, make_compress_case
+from test_sparse_mqa_triton import (DSV4_TP4, DSV4_TP8, check_case, check_compress, check_compress_index, make_case,
+                                   make_compress_case, make_compress_index_case, make_index_key_args)
 
 pytestmark = pytest.mark.gpu
 
@@ -238,6 +241,43 @@ def test_compressor_graph_replay_equals_eager(ratio):
         torch.cuda.synchronize()
         assert torch.equal(out, eager) and torch.equal(static[6], cache)
         assert pend is None or torch.equal(static[1], pend)
+
+
+@pytest.mark.parametrize("ratio", [1, 2, 4])
+@pytest.mark.parametrize("M", [1, 8, 64])
+def test_compressor_with_the_index_key_bf16(ratio, M):
+    """DeepSeek-V4.1-Flash widths (D 512, rope 64, Dk 128) in bf16: lat, pending, the compressed cache and the key
+    cache at the completed rows' slots against the reference (bf16 tolerance: the key gemm's rounding may differ by
+    one ulp before the norm)."""
+    args, kw, poisoned = make_compress_index_case(1700 + M + ratio, M, D=512, R=64, ratio=ratio, bs=64,
+                                                  dtype=torch.bfloat16, device=DEV)
+    index = make_index_key_args(1750 + M, M, 512, 128, bs=64, dtype=torch.bfloat16, device=DEV)
+    check_compress_index(sparse_mqa_triton, args, kw, poisoned, index, tol=2e-2)
+
+
+def test_compressor_with_the_index_key_graph_replay_equals_eager():
+    """Captured once, replayed for new inputs, positions and slots: lat, both caches and pending bit-identical to
+    the eager call's."""
+    M, D, Dk = 8, 512, 128
+    fn = sparse_mqa_triton.sparse_mqa_compress_index_triton
+    a0, kw, _ = make_compress_index_case(1800, M, D=D, R=64, ratio=2, bs=64, dtype=torch.bfloat16, device=DEV)
+    w, nw, ic0 = make_index_key_args(1801, M, D, Dk, bs=64, dtype=torch.bfloat16, device=DEV)
+    static, icache = [t.clone() for t in a0], ic0.clone()
+    out = torch.empty(M, D, device=DEV, dtype=torch.bfloat16)
+    graph = graph_replay(lambda: fn(*static, w, nw, icache, index_eps=1e-6, out=out, **kw))
+    for seed in (1, 2):
+        a, _, _ = make_compress_index_case(1800 + 10 * seed, M, D=D, R=64, ratio=2, bs=64, dtype=torch.bfloat16,
+                                           device=DEV)
+        for dst, src in zip(static, a):
+            dst.copy_(src)
+        icache.copy_(ic0)
+        pend, cache, ic = a[1].clone(), a[6].clone(), ic0.clone()
+        eager = fn(a[0], pend, *a[2:6], cache, a[7], w, nw, ic, index_eps=1e-6, **kw)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert (a[7] >= 0).any() and torch.equal(out, eager) and torch.equal(static[6], cache)
+        assert torch.equal(static[1], pend)
+        assert torch.equal(icache.isnan(), ic.isnan()) and torch.equal(icache.nan_to_num(), ic.nan_to_num())
 
 
 @pytest.mark.parametrize("B,k", [(1, 7), (8, 3), (64, 7)])

@@ -13,7 +13,9 @@ Two families, one call each per layer:
    ``2 len(rope_inv_freq)`` channels of it and of every query head ``q [B, h, D]`` are rotated by
    ``positions`` (NeoX rotate-half, or interleaved pairs); the key is rounded to the cache's dtype and
    written into the paged key cache ``k_cache [blocks, block_size, D]`` at ``slot_mapping`` (< 0: no
-   write);
+   write). ``k=None``: this call writes no key (a layer scoring against another layer's keys, or keys an
+   earlier op of the step wrote: ``attention.sparse_mqa_compress_index``) - ``index_key_rows`` is step 0
+   alone, for such ops;
 1. every cached token ``t < seq_lens[b]`` (the new one included) is scored
    ``logit_t = scale * sum_h weights[b, h] relu(q[b, h] . k_t)`` (fp32; ``scale`` default
    ``D^-0.5 h^-0.5``: the softmax scale and the head-count scale vLLM folds into the weights - a
@@ -52,7 +54,7 @@ from latency_specialized.ops.attention.mla import latent_widths, normed_latent, 
 from latency_specialized.ops.attention.sparse import sparse_decode_reference
 from latency_specialized.ops.registry import Implementation, OpContext, always
 
-__all__ = ["IMPLEMENTATIONS", "indexer_topk_reference", "rotate_leading", "sparse_mla_decode_masked",
+__all__ = ["IMPLEMENTATIONS", "index_key_rows", "indexer_topk_reference", "rotate_leading", "sparse_mla_decode_masked",
            "sparse_mla_decode_reference"]
 
 
@@ -82,6 +84,28 @@ def _check_k_norm_kind(k_norm_kind: str, k_norm_bias: torch.Tensor | None) -> No
                         "use k_norm_kind='layer'")
 
 
+def index_key_rows(k: torch.Tensor, positions: torch.Tensor | None, rope_inv_freq: torch.Tensor | None,
+                   rope_interleaved: bool, k_norm_weight: torch.Tensor | None, k_norm_bias: torch.Tensor | None,
+                   k_norm_eps: float, k_norm_kind: Literal["layer", "rms"]) -> torch.Tensor:
+    """Step 0 of the indexer contract: the new keys ``k [B, D]`` normed and rotated, fp32 ``[B, D]`` (the caller
+    rounds them to the cache's dtype and writes them)."""
+    _check_k_norm_kind(k_norm_kind, k_norm_bias)
+    kf = k.float()
+    if k_norm_weight is not None and k_norm_kind == "rms":
+        kf = kf * torch.rsqrt(kf.pow(2).mean(-1, keepdim=True) + k_norm_eps) * k_norm_weight.float()
+    elif k_norm_weight is not None:
+        mean = kf.mean(-1, keepdim=True)
+        var = (kf - mean).pow(2).mean(-1, keepdim=True)
+        kf = (kf - mean) * torch.rsqrt(var + k_norm_eps) * k_norm_weight.float()
+        if k_norm_bias is not None:
+            kf = kf + k_norm_bias.float()
+    if rope_inv_freq is not None:
+        if positions is None:
+            raise UserError("attention.indexer: RoPE (rope_inv_freq) needs the tokens' positions")
+        kf = rotate_leading(kf.unsqueeze(1), positions, rope_inv_freq, rope_interleaved).squeeze(1)
+    return kf
+
+
 def _context(flat: torch.Tensor, block_table: torch.Tensor, block: int, seq_lens: torch.Tensor):
     """(rows [B, n], valid [B, n]) of every position of every block table (no host sync)."""
     n_max = block_table.shape[1] * block
@@ -91,7 +115,7 @@ def _context(flat: torch.Tensor, block_table: torch.Tensor, block: int, seq_lens
     return rows, valid
 
 
-def indexer_topk_reference(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
+def indexer_topk_reference(q: torch.Tensor, k: torch.Tensor | None, weights: torch.Tensor, k_cache: torch.Tensor,
                            slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
                            topk: int, positions: torch.Tensor | None = None,
                            rope_inv_freq: torch.Tensor | None = None, rope_interleaved: bool = False,
@@ -103,7 +127,8 @@ def indexer_topk_reference(q: torch.Tensor, k: torch.Tensor, weights: torch.Tens
 
     Parameters
     ----------
-    q : [B, h, D] raw indexer queries (rows may be strided). k : [B, D] raw key of the new token.
+    q : [B, h, D] raw indexer queries (rows may be strided). k : [B, D] raw key of the new token (None: no key
+        written by this call; ``slot_mapping`` and the key norm are then not read).
     weights : [B, h] per-head weights (a projection of the hidden state; strided rows fine).
     k_cache : [num_blocks, block_size, D] paged key cache, written in place.
     slot_mapping, block_table, seq_lens : as ``attention.mla`` (seq_lens count the new token).
@@ -120,29 +145,22 @@ def indexer_topk_reference(q: torch.Tensor, k: torch.Tensor, weights: torch.Tens
     [B, K] int32 positions (-1: none). No host sync.
     """
     B, heads, D = q.shape
-    if tuple(k.shape) != (B, D) or tuple(weights.shape) != (B, heads) or k_cache.shape[-1] != D:
-        raise UserError(f"attention.indexer: q {tuple(q.shape)}, k {tuple(k.shape)}, weights {tuple(weights.shape)}, "
-                        f"cache width {k_cache.shape[-1]} do not fit one another")
+    if (k is not None and tuple(k.shape) != (B, D)) or tuple(weights.shape) != (B, heads) or k_cache.shape[-1] != D:
+        raise UserError(f"attention.indexer: q {tuple(q.shape)}, k {None if k is None else tuple(k.shape)}, weights "
+                        f"{tuple(weights.shape)}, cache width {k_cache.shape[-1]} do not fit one another")
     if topk < 1:
         raise UserError(f"attention.indexer: topk={topk}; use a positive width")
     _check_k_norm_kind(k_norm_kind, k_norm_bias)
-    kf = k.float()
-    if k_norm_weight is not None and k_norm_kind == "rms":
-        kf = kf * torch.rsqrt(kf.pow(2).mean(-1, keepdim=True) + k_norm_eps) * k_norm_weight.float()
-    elif k_norm_weight is not None:
-        mean = kf.mean(-1, keepdim=True)
-        var = (kf - mean).pow(2).mean(-1, keepdim=True)
-        kf = (kf - mean) * torch.rsqrt(var + k_norm_eps) * k_norm_weight.float()
-        if k_norm_bias is not None:
-            kf = kf + k_norm_bias.float()
     qf = q.float()
     if rope_inv_freq is not None:
         if positions is None:
             raise UserError("attention.indexer: RoPE (rope_inv_freq) needs the tokens' positions")
         qf = rotate_leading(qf, positions, rope_inv_freq, rope_interleaved)
-        kf = rotate_leading(kf.unsqueeze(1), positions, rope_inv_freq, rope_interleaved).squeeze(1)
     flat = k_cache.view(-1, D)
-    write_new_latents(flat, kf.to(k_cache.dtype), slot_mapping)
+    if k is not None:
+        kf = index_key_rows(k, positions, rope_inv_freq, rope_interleaved, k_norm_weight, k_norm_bias, k_norm_eps,
+                            k_norm_kind)
+        write_new_latents(flat, kf.to(k_cache.dtype), slot_mapping)
     rows, valid = _context(flat, block_table, k_cache.shape[1], seq_lens)
     ctx = torch.where(valid.unsqueeze(-1), flat[rows].float(), 0.0)                   # [B, n, D]
     dots = torch.einsum("bhd,btd->bht", qf, ctx).clamp(min=0)                          # relu(q . k)

@@ -49,6 +49,15 @@ ring is longer. Only a token that completes its group (``slots >= 0``) uses the 
 whatever the ring holds. Roundings as the unfused ops: the pending rows in their dtype, the pool rounded to it and to c's dtype, the norm
 rounded, the roped row rounded.
 
+``attention.sparse_mqa_compress_index`` (``sparse_mqa_compress_index_reference``): the compressor of a layer that
+also owns the indexer's keys, with the key's own ops behind it - the program calls it instead of the compressor,
+the key projection and the indexer's key step (a site that ``fuses`` them, where a kernel serves it)::
+
+    lat = attention.sparse_mqa_compress(...)                           (as above, returned)
+    k   = lat @ index_weight^T                                         [M, Dk] rounded to lat's dtype (the gemm's)
+    index_cache[slots[m]] = rope_leading(RMSNorm(k) * index_norm_weight, pos)   (interleaved pairs; slots < 0:
+                                                                       nothing; the indexer's step 0 for that k)
+
 ``attention.sparse`` (contract: ``ops/attention/sparse.py``, ``sparse_decode_reference``): ``q [B, H, D]`` attends
 to the rows ``kv[b, topk_idx[b, i]]`` (``-1``: unused) of one shared K = V head, with an optional per-head sink
 logit in the softmax denominator. ``sparse_decode_masked`` is that contract with masks instead of the reference's
@@ -64,11 +73,13 @@ from latency_specialized.errors import UserError
 from latency_specialized.kernels.mla_common import write_new_latents
 from latency_specialized.kernels.ring_window import check_sliding_window
 from latency_specialized.kernels.norm_reference import rmsnorm_reference
+from latency_specialized.ops.attention.sparse_mla import index_key_rows
 from latency_specialized.ops.registry import Implementation, OpContext, always
 from latency_specialized.ops.rope import apply_rope
 
 __all__ = ["IMPLEMENTATIONS", "gather_slots", "group_slots", "pool_softmax", "ring_visible",
-           "rope_tail", "slot_of", "sparse_decode_masked", "sparse_mqa_compress_reference",
+           "rope_tail", "slot_of", "sparse_decode_masked", "sparse_mqa_compress_index_reference",
+           "sparse_mqa_compress_reference",
            "sparse_mqa_decode_reference", "write_slots"]
 
 
@@ -277,6 +288,39 @@ def sparse_mqa_compress_reference(c: torch.Tensor, pending: torch.Tensor | None,
     return lat
 
 
+def sparse_mqa_compress_index_reference(c: torch.Tensor, pending: torch.Tensor | None, rows: torch.Tensor,
+                                        positions: torch.Tensor, norm_weight: torch.Tensor,
+                                        rope_inv_freq: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
+                                        index_weight: torch.Tensor, index_norm_weight: torch.Tensor,
+                                        index_cache: torch.Tensor, *, eps: float, ratio: int, index_eps: float,
+                                        out: torch.Tensor | None = None,
+                                        cross_row_reads: bool = False) -> torch.Tensor:
+    """The compressor and the indexer's new key (module docstring, ``attention.sparse_mqa_compress_index``).
+
+    Parameters
+    ----------
+    c ... slots, eps, ratio, out, cross_row_reads : as ``sparse_mqa_compress_reference``.
+    index_weight : [Dk, D] the key projection (plain tensor). index_norm_weight : [Dk] its RMSNorm gain,
+        index_eps its epsilon. index_cache : [blocks, block_size, Dk] the paged key cache, written at ``slots``.
+
+    Returns
+    -------
+    lat [M, D] in c.dtype, as the compressor returns it. No host sync.
+    """
+    D = cache.shape[-1]
+    if index_weight.dim() != 2 or index_weight.shape[1] != D or index_cache.shape[-1] != index_weight.shape[0] \
+            or tuple(index_norm_weight.shape) != (index_weight.shape[0],):
+        raise UserError(f"attention.sparse_mqa_compress_index: index_weight {tuple(index_weight.shape)}, "
+                        f"index_norm_weight {tuple(index_norm_weight.shape)} and index_cache "
+                        f"{tuple(index_cache.shape)} must be [Dk, D={D}], [Dk] and [blocks, block_size, Dk]")
+    lat = sparse_mqa_compress_reference(c, pending, rows, positions, norm_weight, rope_inv_freq, cache, slots,
+                                        eps=eps, ratio=ratio, out=out, cross_row_reads=cross_row_reads)
+    k = (lat.float() @ index_weight.float().t()).to(lat.dtype)
+    kf = index_key_rows(k, positions, rope_inv_freq, True, index_norm_weight, None, index_eps, "rms")
+    write_slots(index_cache, kf.to(index_cache.dtype), slots)
+    return lat
+
+
 def _masked_supports(ctx: OpContext) -> bool | str:
     if not ctx.arch.startswith("sm_"):
         return "for CUDA-graph capture on GPUs; on the CPU the reference serves sparse attention"
@@ -307,4 +351,8 @@ IMPLEMENTATIONS = [
                    sparse_mqa_compress_reference, _torch_supports, priority=-50, strided_rows=True,
                    description="the reference's torch composition (no host sync) where no fused kernel serves; "
                                "GPUs only"),
+    Implementation("attention.sparse_mqa_compress_index", "attention.sparse_mqa_compress_index.reference",
+                   sparse_mqa_compress_index_reference, always, priority=-100, is_reference=True, strided_rows=True,
+                   description="torch: the compressor's reference, the key projection, RMSNorm, leading RoPE, "
+                               "index-key cache write"),
 ]

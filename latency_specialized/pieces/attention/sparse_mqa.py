@@ -30,7 +30,10 @@ weights concatenated in ``arrange``, the outputs column slices), ``attn.q_norm``
 (gemm, ``norm_site="attn.q_norm"``: where its implementation has ``norm_prologue`` it normalises the raw q_a
 slice and the plan skips the norm site; on index layers its rows are ``[q_b | indexer.q_proj]``, both read qr);
 KV sources ``attn.compressor`` (``attention.sparse_mqa_compress``: pending write, softmax-gated pool, norm, RoPE,
-cache write); (key owners) ``attn.indexer.k_proj``, index layers ``attn.indexer`` (``attention.indexer``); the
+cache write); (key owners) ``attn.indexer.k_proj`` and ``attn.compressor_index``
+(``attention.sparse_mqa_compress_index``, ``fuses="attn.compressor,attn.indexer.k_proj"``: where a kernel serves it,
+the compressor writes the new key too, and the indexer is called with ``k=None``), index layers ``attn.indexer``
+(``attention.indexer``; layers that own no keys call it with ``k=None``: no key step); the
 attention ``attn.sparse_mqa.{window|c2|c1|c<r>}`` (``attention.sparse_mqa``: kv_norm of the raw kv slice, the raw
 q's per-head weightless RMSNorm, q and kv RoPE, the window-ring write, attention over the ring and the selected
 compressed rows read in place, sinks, the output's inverse RoPE - one op, so a fused kernel sees the whole of
@@ -223,7 +226,12 @@ class SparseMQAAttention:
                   attrs={"rope_interleaved": True})
         if ix is not None:
             if self.index_keys:
-                b.gemm("attn.indexer.k_proj", ix.head_dim, D, weight_format=fmt["attn.indexer.k_proj"])
+                kf = fmt["attn.indexer.k_proj"]
+                b.gemm("attn.indexer.k_proj", ix.head_dim, D, weight_format=kf)
+                b.add("attn.compressor_index", "attention.sparse_mqa_compress_index", weight_bytes=ix.head_dim * D * 2,
+                      head_dim=D, index_head_dim=ix.head_dim, compress_ratio=r, rope=a.rope_dim,
+                      attrs={"rope_interleaved": True, "fuses": "attn.compressor,attn.indexer.k_proj",
+                             **({"weight_format": kf} if kf else {})})
             b.add("attn.indexer", "attention.indexer", heads=ix.num_heads, head_dim=ix.head_dim, topk=ix.topk,
                   rope=a.rope_dim, attrs={"rope_interleaved": True, "k_norm": "rms", "compressed": True,
                                           "key_write": self.index_keys})
@@ -347,20 +355,22 @@ class SparseMQAAttention:
         role = self.attention_role()
         kv = step.contiguous_for(role, kv)   # any copy before the indexer: the op may start behind the selection
         cache = sel = None
+        key_fused = self.index_keys and step.skipped("attn.compressor")   # the compressor writes the new key
         if r:
             cache = state["compressed"] if self.kv_source else self._published(step, COMPRESSED)
             if self.kv_source:   # a reader of both runs no glue at all: the op masks by length
                 # the same for every source layer of this ratio and cache block: made by the first one per step
                 seq_c, seq_c32, slot_c, no_slot = step.once((COMPRESSED_SLOTS, r, cache.shape[1]),
                                                             lambda: compressed_slots(meta, r, cache.shape[1]))
-                lat = self._compress(step, w, state, c, pos, meta["row_states"], slot_c)
+                lat = self._compress(step, w, state, c, pos, meta["row_states"], slot_c, key_fused)
                 if self.index_keys:   # the index layers reading these keys share them
                     seq_c = step.scratch[SEQ_C] = seq_c32
                     step.scratch[NO_SLOT] = no_slot
             elif ix is not None:      # the key owner's row counts (same lengths, same ratio); this layer writes none
                 seq_c, slot_c = self._published(step, SEQ_C), self._published(step, NO_SLOT)
             if ix is not None:
-                self._index(step, w, state, iw, qb[:, Hl * D:], pos, seq_c, slot_c, lat if self.index_keys else None)
+                self._index(step, w, state, iw, qb[:, Hl * D:], pos, seq_c, slot_c, lat if self.index_keys else None,
+                            key_fused)
             sel = step.scratch[TOPK][:M]
         # the ring write happens inside the op: nothing before it (compressor, indexer) reads the window
         # kv_norm is part of the op: the raw kv slice goes in (the kernel norms the row it loads anyway)
@@ -377,32 +387,38 @@ class SparseMQAAttention:
         return step.op("attn.o_b_proj")(og, w["o_b_proj"])
 
     def _compress(self, step: StepContext, w: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor],
-                  c: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, slot_c: torch.Tensor) -> torch.Tensor:
+                  c: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, slot_c: torch.Tensor,
+                  key_fused: bool) -> torch.Tensor:
         """Pool the group this token closes (if any) into the compressed cache; returns the pre-rope rows [M, D].
-        ``c``: the compressor's ``[kv | gate]`` columns of the fused input projection."""
+        ``c``: the compressor's ``[kv | gate]`` columns of the fused input projection. ``key_fused``: the indexer's
+        new key written too (``attn.compressor_index``)."""
         r = self.spec.compress_ratio
-        lat = step.op("attn.compressor")(step.contiguous_for("attn.compressor", c), state["pending"] if r > 1 else None,
-                                         rows, pos, w["compressor.norm"], w["rope_inv_freq"], state["compressed"],
-                                         slot_c, eps=self.norm_eps, ratio=r, cross_row_reads=step.spec_tokens > 0)
+        role = "attn.compressor_index" if key_fused else "attn.compressor"
+        key = {"index_weight": w["indexer.k_proj"], "index_norm_weight": w["indexer.k_norm"],
+               "index_cache": state["index_k"], "index_eps": self.norm_eps} if key_fused else {}
+        lat = step.op(role)(step.contiguous_for(role, c), state["pending"] if r > 1 else None, rows, pos,
+                            w["compressor.norm"], w["rope_inv_freq"], state["compressed"], slot_c, eps=self.norm_eps,
+                            ratio=r, cross_row_reads=step.spec_tokens > 0, **key)
         step.scratch[COMPRESSED] = state["compressed"]
         return lat
 
     def _index(self, step: StepContext, w: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor],
                iw: torch.Tensor, iq: torch.Tensor, pos: torch.Tensor, seq_c: torch.Tensor, slot_c: torch.Tensor,
-               lat: torch.Tensor | None) -> None:
+               lat: torch.Tensor | None, key_fused: bool = False) -> None:
         """This layer's top-k of the compressed rows into the shared selection buffer. ``iw [M, heads]`` and ``iq
         [M, heads * head_dim]``: column slices of the input projection and of the q_b gemm; ``seq_c [M]`` int32
-        complete rows, ``slot_c [M]`` the key's slot (-1: none; every row -1 on layers that own no keys)."""
+        complete rows, ``slot_c [M]`` the key's slot (-1: none; every row -1 on layers that own no keys).
+        ``key_fused``: the compressor wrote the new key already (no key gemm, no key step)."""
         ix, M = self.spec.indexer, iw.shape[0]
         assert ix is not None
         iw = step.contiguous_for("attn.indexer", iw)
         iq = step.contiguous_for("attn.indexer", iq).view(M, ix.num_heads, ix.head_dim)
         if lat is not None:   # the key owner: this token's key (if it completes a row) goes into its cache
-            k, cache, norm = step.op("attn.indexer.k_proj")(lat, w["indexer.k_proj"]), state["index_k"], \
-                w["indexer.k_norm"]
+            k = None if key_fused else step.op("attn.indexer.k_proj")(lat, w["indexer.k_proj"])
+            cache, norm = state["index_k"], w["indexer.k_norm"]
             step.scratch[INDEX_K] = cache
         else:                 # scores against the owner's keys; writes none
-            k, cache, norm = iq[:, 0], self._published(step, INDEX_K), None
+            k, cache, norm = None, self._published(step, INDEX_K), None
         bt = step.meta["block_table"]
         bt = compressed_table(bt, self.spec.compress_ratio) if INDEX_COMPRESSED_TABLE else bt
         step.op("attn.indexer")(iq, k, iw, cache, slot_c, bt, seq_c,

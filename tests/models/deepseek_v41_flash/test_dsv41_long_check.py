@@ -58,8 +58,10 @@ def test_medium_plan_serves_every_site_with_a_kernel_or_a_sync_free_composition(
     plan = build_plan(SpecBoundAdapter(a, a.spec("medium")), get_registry().implementations,
                       hardware.for_arch("sm_90"), tp=1, batch=batch, dtype="bfloat16")
     assert plan.counts()["unserved"] == 0
-    refs = {c.site.name for c in plan.choices if c.impl is None or c.impl.is_reference}
+    refs = {c.site.name for c in plan.called_choices() if c.impl is None or c.impl.is_reference}
     assert all(n.endswith(".mhc") for n in refs), refs
+    # the fused compressor + key (off by default: an A/B switch) is not called: the three sites run apart
+    assert "only its reference serves it" in plan.skipped_sites()["sparse_mqa.c2.src.idx+moe/attn.compressor_index"]
     impls = {c.site.name: c.impl.name for c in plan.choices if c.impl is not None}
     assert impls["sparse_mqa.c2.src.idx+moe/attn.indexer"] == "attention.indexer.triton"
     assert impls["sparse_mqa.c1+moe/moe.router"] == "moe.router.cutedsl"

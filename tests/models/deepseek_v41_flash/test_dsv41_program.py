@@ -160,3 +160,51 @@ def test_indexer_gets_the_table_cut_to_its_compressed_rows(monkeypatch):
     monkeypatch.setattr(sparse_mqa, "INDEX_COMPRESSED_TABLE", False)   # the default: the whole table
     assert adapter.verify_cell(Cell("deepseek_v41_flash", 2, 1, 40, 0, "cpu"), comm=None).fast_steps > 0
     assert widths and all(got == w for w, got in widths)
+
+
+def test_compressor_writes_the_index_key_where_a_kernel_serves_it(monkeypatch):
+    """``attn.compressor_index`` (``fuses="attn.compressor,attn.indexer.k_proj"``): where a non-reference
+    implementation serves it (here its reference registered as one: the Triton kernel is GPU-only and off by
+    default), the key owners call it instead of the compressor and the key gemm, and their indexer gets ``k=None``;
+    the program still equals the reference (the matrix cell's own check). Layers that own no keys pass ``k=None``
+    in both forms. Without it (the CPU default) the three sites run apart."""
+    from latency_specialized.contract import Implementation, always
+    from latency_specialized.ops.attention.sparse_mqa import sparse_mqa_compress_index_reference
+    from latency_specialized.plugins import manager
+    from latency_specialized.runtime.pieces_api import StepContext
+    from latency_specialized.testing.matrix import Cell
+
+    calls: list[tuple[int, str, bool]] = []     # (layer, role, k given to the indexer)
+    real_op = StepContext.op
+
+    def op(self, role):
+        fn = real_op(self, role)
+
+        def recorded(*args, **kw):
+            calls.append((self.layer, role, role == "attn.indexer" and args[1] is not None))
+            return fn(*args, **kw)
+        return recorded
+
+    monkeypatch.setattr(StepContext, "op", op)
+    owners = {lp.index for lp in composed_model(tiny_spec()).layers if getattr(lp.attention, "index_keys", False)}
+    indexers = {lp.index for lp in composed_model(tiny_spec()).layers
+                if getattr(lp.attention.spec, "indexer", None) is not None}
+    assert owners and indexers - owners, "the tiny model needs key owners and layers that read their keys"
+    cell = Cell("deepseek_v41_flash", 2, 1, 40, 0, "cpu")
+    for fused in (False, True):
+        calls.clear()
+        if fused:
+            reg = manager.build_registry()
+            reg.implementations.register(Implementation(
+                "attention.sparse_mqa_compress_index", "attention.sparse_mqa_compress_index.test_fused",
+                sparse_mqa_compress_index_reference, always, priority=1000, provider="test", strided_rows=True))
+            monkeypatch.setattr(manager, "_REGISTRY", reg)
+        res = manager.get_registry().adapter("deepseek_v41_flash").verify_cell(cell, comm=None)
+        assert res.max_abs_err <= res.tolerance and res.fast_steps == res.steps > 0
+        roles = {(layer, role) for layer, role, _ in calls}
+        for layer in owners:
+            assert ((layer, "attn.compressor_index") in roles) == fused
+            assert ((layer, "attn.compressor") in roles) != fused and ((layer, "attn.indexer.k_proj") in roles) != fused
+        keyed = {layer for layer, role, k in calls if role == "attn.indexer" and k}
+        assert keyed == (set() if fused else owners)
+        assert {layer for layer, role, _ in calls if role == "attn.indexer"} == indexers
