@@ -9,9 +9,10 @@
 # session 49 had no device time):
 #   dsvk   DeepSeek-V4.1-Flash c2_idx at batch 1 / 8, fewer kernels: (fkey) the compressor writes the indexer's new
 #          key (sparse_mqa_triton.COMPRESS_INDEX_KEY, new in session 49: the key gemm and the indexer's key launch
-#          left out, 20 -> 18 kernels), (credit) the q norm in the q_b gemm's prologue (tuning.NORM_SITE_CREDIT_US,
-#          -1 kernel where the GEMV kernel is within 1.5 us of the table's winner), (both) - the kernel counts in the
-#          bench's table
+#          left out, 20 -> 18 kernels), (fsel) the score kernel's last program of a row selects it
+#          (indexer_triton.SCORE_SELECTS, new in session 49: -1), (credit) the q norm in the q_b gemm's prologue
+#          (tuning.NORM_SITE_CREDIT_US, -1 where the GEMV kernel is within 1.5 us of the table's winner), (all) the
+#          three; GLM-5.3 moe (index layers) base / fsel - the kernel counts in the runs' tables (ab_runs)
 #   fine   the indexer's radix select holding a width that follows the live length in finer steps (1/4, 3/8, 1/2,
 #          3/4, all of the tile: indexer_triton.SELECT_FINE_WIDTHS, new in session 48) against the half-width path
 #          alone: the select alone at live lengths past each power of two, then DeepSeek c2_idx and GLM-5.3 moe
@@ -69,12 +70,15 @@ fi
 if step dsvk; then
   mkdir -p "$W/dsvk"
   SP=latency_specialized.kernels
-  timeout "${DSVK_S:-150}" "${BENCH[@]}" --model deepseek_v41_flash --kinds c2_idx --batch 1,8 --out "$W/dsvk" \
-    --ab base --ab fkey:$SP.sparse_mqa_triton.COMPRESS_INDEX_KEY=True --ab credit:$SP.tuning.NORM_SITE_CREDIT_US=1.5 \
-    --ab "both:$SP.sparse_mqa_triton.COMPRESS_INDEX_KEY=True,$SP.tuning.NORM_SITE_CREDIT_US=1.5" \
-    > "$W/dsvk/dsvk.log" 2>&1
-  rc=$?; find "$W/dsvk/ab_runs" -name "*.png" -delete 2>/dev/null; pack dsvk "$rc"   # the runs' tables: kernels
-  grep -h "^| [a-z_0-9]* | [0-9]" "$W"/dsvk/ab.md; grep -rh "^| c2_idx | 1 |" "$W"/dsvk/ab_runs | cut -d'|' -f2-7
+  rc=0
+  timeout "${DSVK_S:-240}" "${BENCH[@]}" --model deepseek_v41_flash --kinds c2_idx --batch 1,8 --out "$W/dsvk/dsv" \
+    --ab base --ab fkey:$SP.sparse_mqa_triton.COMPRESS_INDEX_KEY=True --ab fsel:$SP.indexer_triton.SCORE_SELECTS=True \
+    --ab credit:$SP.tuning.NORM_SITE_CREDIT_US=1.5 --ab "all:$SP.sparse_mqa_triton.COMPRESS_INDEX_KEY=True,\
+$SP.indexer_triton.SCORE_SELECTS=True,$SP.tuning.NORM_SITE_CREDIT_US=1.5" > "$W/dsvk/dsv.log" 2>&1 || rc=$?
+  timeout "${DSVK_GLM_S:-120}" "${BENCH[@]}" --model glm53 --kinds moe --batch 1,8 --out "$W/dsvk/glm" --ab base \
+    --ab fsel:$SP.indexer_triton.SCORE_SELECTS=True > "$W/dsvk/glm.log" 2>&1 || rc=$?
+  find "$W/dsvk" -name "*.png" -delete; pack dsvk "$rc"   # the runs' tables (ab_runs) hold the kernel counts
+  grep -h "^| [a-z_0-9]* | [0-9]" "$W"/dsvk/*/ab.md; grep -rh "^| [a-z_0-9]* | 1 |" "$W"/dsvk/*/ab_runs | cut -d'|' -f2-7
 fi
 if step fine; then
   mkdir -p "$W/fine"; rc=0

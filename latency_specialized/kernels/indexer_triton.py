@@ -35,6 +35,12 @@ Steps of one call (three launches for ``selection="radix"``; ``"split"`` swaps t
    writes the positions of the keys ``> T`` and the first of the ``== T`` (position order), with in-tile prefix
    sums (one program per row: no atomics, deterministic). Exactly ``K`` positions, so no -1.
 
+``SCORE_SELECTS`` (radix only) folds step 3 into step 2: each scoring program, done with its tiles, counts its
+arrival in a per-row counter (a CTA barrier, then one atomic add with acquire-release semantics at GPU scope); the
+last of the row's programs to arrive resets the counter for the next call and runs the same radix select on the row
+(its logits, stored by every program of the row, ordered before its reads by that release / acquire). The scoring
+programs then launch with the select's warps.
+
 ``SELECTION`` = ``"split"`` (or the call's ``selection=``) replaces step 3 by ``topk_triton.topk_select``
 over the live logits (``valid_lens = seq_lens``): each row cut over many programs, a split histogram and a
 collect launch (that module's docstring); the same set as radix where values tie (the lowest positions).
@@ -118,6 +124,11 @@ SCORE_WARPS = 4
 SELECT_WARPS = 8
 SELECT_WARPS_WIDE = 16
 """Warps of the select kernel when its resident row is wider than 4096 logits."""
+SCORE_SELECTS = False
+"""With the radix selection, the score kernel's last program of each row to finish (a per-row arrival count, acquire /
+release at GPU scope) runs the radix select of that row: one launch fewer (DeepSeek-V4.1-Flash c2_idx and GLM-5.3's
+index layers: the select's launch and the gap before it), the score programs launched with the select's warps. Off:
+not timed yet (A/B ``pending_measurements.sh`` step ``dsvk``)."""
 SELECT_TRIGGER_START = False
 """The radix select triggers its dependents at its start (after waiting for its own prerequisites, so everything
 launched before it has finished): a consumer launched behind it with PDL - the sparse MQA split kernel
@@ -174,7 +185,7 @@ def _kernels(interpret: bool) -> dict:
     # defined here, not at import (no triton import on machines without it); Triton resolves the names a
     # kernel uses through its module globals: hence tl and the helpers as globals
     global tl, tlc, _rope_coeffs, _score_tile_keys, _ordered_keys, _digit_hist, _digit_hist_at, _next_digit, \
-        _resident_select, _pair_hist, _resident_select_pair
+        _resident_select, _pair_hist, _resident_select_pair, _select_row
     import triton
     import triton.language as tl
     import triton.language.extra.cuda as tlc
@@ -255,11 +266,15 @@ def _kernels(interpret: bool) -> dict:
     @triton.jit
     def score_kernel(q, w, inv_freq, positions, cache, block_table, seq_lens, logits,
                      H, num_splits, block_size, cap, fill_chunk, scale,
-                     s_qb, s_qh, s_wb, s_row, s_bt, s_lb,
+                     s_qb, s_qh, s_wb, s_row, s_bt, s_lb, arrivals, out, K, s_ob,
                      D: tl.constexpr, D_PAD: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr,
                      ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, BT: tl.constexpr, MIN_CHUNK: tl.constexpr,
-                     FILL: tl.constexpr, PREC: tl.constexpr, AHEAD: tl.constexpr):
-        # AHEAD: each tile's block ids and keys load one step ahead, the first before the query (SCORE_KEYS_AHEAD)
+                     FILL: tl.constexpr, PREC: tl.constexpr, AHEAD: tl.constexpr, SELECT: tl.constexpr,
+                     TILE: tl.constexpr, BITS: tl.constexpr, RESIDENT: tl.constexpr, NARROW: tl.constexpr,
+                     EARLY: tl.constexpr, FINE: tl.constexpr):
+        # AHEAD: each tile's block ids and keys load one step ahead, the first before the query (SCORE_KEYS_AHEAD);
+        # SELECT: the last program of a row to finish runs the radix select of it (SCORE_SELECTS; TILE .. FINE as
+        # select_kernel's), counted in arrivals[b] (zero between calls: that program resets it)
         b = tl.program_id(0)
         sp = tl.program_id(1)
         seq_len = tl.load(seq_lens + b).to(tl.int32)
@@ -307,6 +322,15 @@ def _kernels(interpret: bool) -> dict:
                     sc = tl.dot(qt, tl.trans(kt), input_precision=PREC)                    # [H_PAD, BT] fp32
                     lg = tl.sum(tl.maximum(sc, 0.0) * wv[:, None], 0)                       # [BT]
                     tl.store(row + pos_t, lg, mask=ok)
+        if SELECT:
+            # every thread's logits stored before the arrival (the CTA barrier, then one release at GPU scope); the
+            # last to arrive acquires them all, and its threads read them after the barrier that hands out the count
+            tl.debug_barrier()
+            arrived = tl.atomic_add(arrivals + b, 1, sem="acq_rel", scope="gpu")
+            tl.debug_barrier()
+            if arrived == num_splits - 1:
+                tl.store(arrivals + b, 0)   # for the next call: every program of this one has arrived
+                _select_row(row, out + b.to(tl.int64) * s_ob, seq_len, K, TILE, BITS, RESIDENT, NARROW, EARLY, FINE)
 
     @triton.jit
     def _digit_hist(key, ok, prefix, FIRST: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr,
@@ -431,25 +455,12 @@ def _kernels(interpret: bool) -> dict:
         tl.store(orow + n_gt + at_eqb, offb, mask=(eqb > 0) & (at_eqb < remaining))
 
     @triton.jit
-    def select_kernel(logits, seq_lens, out, K, s_lb, s_ob, TILE: tl.constexpr, BITS: tl.constexpr,
-                      RESIDENT: tl.constexpr, NARROW: tl.constexpr, TRIGGER: tl.constexpr, EARLY: tl.constexpr,
-                      FINE: tl.constexpr):
-        # BITS: radix digit width (32 // BITS histogram passes of 2**BITS bins); RESIDENT: the row fits one
-        # TILE (the caller's capacity <= TILE), loaded once and kept in registers across the passes; NARROW: a
-        # row of at most TILE / 2 live logits takes a half-width resident select (the passes cost the tile's
-        # width, not the row's); TRIGGER: the next launch (with PDL) may start now - it waits before it reads out
-        # or writes memory this kernel reads (SELECT_TRIGGER_START); EARLY: the passes stop once the keys sharing
-        # the digits fixed so far are exactly the ones still to take (SELECT_EARLY_EXIT); FINE (with NARROW): the
-        # width held follows the live length in finer steps, two of them as a pair of tiles (SELECT_FINE_WIDTHS)
-        if TRIGGER:
-            tlc.gdc_wait()                  # a no-op unless this launch itself had PDL: what came before is done
-            tlc.gdc_launch_dependents()
+    def _select_row(row, orow, seq_len, K, TILE: tl.constexpr, BITS: tl.constexpr, RESIDENT: tl.constexpr,
+                    NARROW: tl.constexpr, EARLY: tl.constexpr, FINE: tl.constexpr):
+        # the select of one row of logits into orow (select_kernel's program; the score kernel's last program of a
+        # row with SELECT)
         NB: tl.constexpr = 1 << BITS
         PASSES: tl.constexpr = 32 // BITS
-        b = tl.program_id(0)
-        seq_len = tl.load(seq_lens + b).to(tl.int32)
-        row = logits + b.to(tl.int64) * s_lb
-        orow = out + b.to(tl.int64) * s_ob
         if seq_len <= K:  # every live position, then -1: no selection needed
             for k0 in range(0, K, TILE):
                 offs = k0 + tl.arange(0, TILE)
@@ -523,6 +534,24 @@ def _kernels(interpret: bool) -> dict:
                 base_gt += tl.sum(is_gt, 0)
                 base_eq += tl.sum(is_eq, 0)
 
+    @triton.jit
+    def select_kernel(logits, seq_lens, out, K, s_lb, s_ob, TILE: tl.constexpr, BITS: tl.constexpr,
+                      RESIDENT: tl.constexpr, NARROW: tl.constexpr, TRIGGER: tl.constexpr, EARLY: tl.constexpr,
+                      FINE: tl.constexpr):
+        # BITS: radix digit width (32 // BITS histogram passes of 2**BITS bins); RESIDENT: the row fits one
+        # TILE (the caller's capacity <= TILE), loaded once and kept in registers across the passes; NARROW: a
+        # row of at most TILE / 2 live logits takes a half-width resident select (the passes cost the tile's
+        # width, not the row's); TRIGGER: the next launch (with PDL) may start now - it waits before it reads out
+        # or writes memory this kernel reads (SELECT_TRIGGER_START); EARLY: the passes stop once the keys sharing
+        # the digits fixed so far are exactly the ones still to take (SELECT_EARLY_EXIT); FINE (with NARROW): the
+        # width held follows the live length in finer steps, two of them as a pair of tiles (SELECT_FINE_WIDTHS)
+        if TRIGGER:
+            tlc.gdc_wait()                  # a no-op unless this launch itself had PDL: what came before is done
+            tlc.gdc_launch_dependents()
+        b = tl.program_id(0)
+        _select_row(logits + b.to(tl.int64) * s_lb, out + b.to(tl.int64) * s_ob,
+                    tl.load(seq_lens + b).to(tl.int32), K, TILE, BITS, RESIDENT, NARROW, EARLY, FINE)
+
     return dict(key=key_kernel, score=score_kernel, select=select_kernel)
 
 
@@ -534,6 +563,17 @@ def launch_select(kernel, logits: torch.Tensor, seq_lens: torch.Tensor, out: tor
     ``bits`` / ``resident_max`` / ``warps`` / ``narrow_min`` / ``early`` / ``fine`` default to SELECT_BITS /
     SELECT_RESIDENT_MAX / SELECT_WARPS / SELECT_NARROW_MIN_TILE / SELECT_EARLY_EXIT / SELECT_FINE_WIDTHS.
     ``trigger``: let a PDL launch behind it start at once (``select_trigger``)."""
+    consts, nw = select_config(capacity, bits=bits, resident_max=resident_max, warps=warps, narrow_min=narrow_min,
+                               early=early, fine=fine)
+    kernel[(logits.shape[0],)](logits, seq_lens, out, topk, logits.stride(0), out.stride(0), TRIGGER=bool(trigger),
+                               num_warps=nw, **consts)
+
+
+def select_config(capacity: int, *, bits: int | None = None, resident_max: int | None = None,
+                  warps: int | None = None, narrow_min: int | None = None, early: bool | None = None,
+                  fine: bool | None = None) -> tuple[dict[str, int | bool], int]:
+    """The radix select's constexprs (TILE, BITS, RESIDENT, NARROW, EARLY, FINE) and warps for a block table of
+    ``capacity`` positions (``launch_select``'s arguments; None: the module's settings)."""
     bits = SELECT_BITS if bits is None else int(bits)
     if bits not in (4, 8):
         raise UserError(f"indexer select: digit width {bits} bits unsupported (4 or 8)")
@@ -543,11 +583,26 @@ def launch_select(kernel, logits: torch.Tensor, seq_lens: torch.Tensor, out: tor
         warps = SELECT_WARPS_WIDE if resident and tile > 4096 else SELECT_WARPS
     narrow_min = SELECT_NARROW_MIN_TILE if narrow_min is None else int(narrow_min)
     narrow = resident and 0 < narrow_min <= tile
-    kernel[(logits.shape[0],)](logits, seq_lens, out, topk, logits.stride(0), out.stride(0), TILE=tile, BITS=bits,
-                               RESIDENT=resident, NARROW=narrow, TRIGGER=bool(trigger),
-                               EARLY=SELECT_EARLY_EXIT if early is None else bool(early),
-                               FINE=narrow and (SELECT_FINE_WIDTHS if fine is None else bool(fine)),
-                               num_warps=int(warps))
+    return dict(TILE=tile, BITS=bits, RESIDENT=resident, NARROW=narrow,
+                EARLY=SELECT_EARLY_EXIT if early is None else bool(early),
+                FINE=narrow and (SELECT_FINE_WIDTHS if fine is None else bool(fine))), int(warps)
+
+
+_NO_SELECT = dict(TILE=16, BITS=4, RESIDENT=True, NARROW=False, EARLY=False, FINE=False)
+"""The select constexprs of a score launch without SELECT (unused; fixed, so that they make no new variant)."""
+_ARRIVALS: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def arrival_counts(device: torch.device, rows: int) -> torch.Tensor:
+    """The int32 per-row arrival counters of the score kernel's fused select on ``device`` (at least ``rows``): zero
+    between calls (each call's last program of a row resets its counter), shared by every call on the device - the
+    calls of one stream run one after another. Made once, zeroed when made (before capture where an eager call comes
+    first; made under capture, its zeroing joins the graph and replays, still correct)."""
+    key = (device.type, device.index)
+    buf = _ARRIVALS.get(key)
+    if buf is None or buf.numel() < rows:
+        buf = _ARRIVALS[key] = torch.zeros(max(rows, 64), dtype=torch.int32, device=device)
+    return buf
 
 
 def select_trigger(device: torch.device) -> bool:
@@ -666,14 +721,23 @@ def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor | None, weights: torch.
     logits = torch.empty(B, max(cap, 1), device=q.device, dtype=torch.float32)
     s = (D ** -0.5) * (heads ** -0.5) if scale is None else float(scale)
     prec = "ieee" if k_cache.dtype == torch.float32 else "tf32"   # IEEE fp32 for fp32 caches (the CPU tests)
+    fused = selection == "radix" and SCORE_SELECTS
+    if fused:   # 3 in 2: the last scoring program of a row selects it
+        consts, warps = select_config(cap)
+        arrivals = arrival_counts(q.device, B)
+    else:
+        consts, warps, arrivals = _NO_SELECT, SCORE_WARPS, seq_lens   # (arrivals: never read)
     kern["score"][(B, num_splits)](
         q, weights, inv, pos, flat, bt, seq_lens, logits, heads, num_splits, block, cap,
         -(-cap // num_splits) if selection == "torch" else 0, s,   # radix / split never read past seq_len
         q.stride(0), q.stride(1), weights.stride(0), flat.stride(0), bt.stride(0), logits.stride(0),
+        arrivals, out, topk, out.stride(0),
         D=D, D_PAD=d_pad, H_PAD=_next_pow2(max(heads, 16)), HALF=max(half, 1), ROPE=rope,
         INTERLEAVED=bool(rope_interleaved), BT=BLOCK_T, MIN_CHUNK=MIN_CHUNK, FILL=FILL_BLOCK, PREC=prec,
-        AHEAD=SCORE_KEYS_AHEAD,
-        num_warps=SCORE_WARPS)
+        AHEAD=SCORE_KEYS_AHEAD, SELECT=fused, **consts,
+        num_warps=warps)
+    if fused:
+        return out
 
     # 3. selection
     if selection == "radix":

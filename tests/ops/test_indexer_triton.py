@@ -37,7 +37,7 @@ SELECTIONS = pytest.mark.parametrize("selection", ["radix", "split", "torch"])
 
 @pytest.mark.interpreter_driver
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=41)
+    run_interpreted(__file__, min_passed=45)
 
 
 @pytest.fixture
@@ -200,6 +200,24 @@ def test_no_key_in_this_call(ix, selection):
     written = cache.clone()
     indexer_topk_reference(q, k, w, written, slots, blocks, lens, **kw)   # what the key step leaves
     _check(ix, (q, None, w, written, slots, blocks, lens), kw, selection=selection, num_splits=2)
+
+
+@interpreted
+@pytest.mark.parametrize("lens,splits,early,fine", [
+    ([0, 1, 7, 8, 9, 45, 0, 30], 2, True, False), ([13, 0, 7, 40, 6, 8], 3, False, False),
+    ([60, 80, 150, 9], 7, True, True), ([200, 3], 1, True, False)])
+def test_score_kernel_selects_its_rows(ix, monkeypatch, lens, splits, early, fine):
+    """``SCORE_SELECTS``: the last scoring program of each row to arrive selects it (one launch): the same valid
+    top-K as the select kernel's, for rows short of K, rows with no scoring work, one and many programs a row; the
+    arrival counters are back at zero after the call (the next call's count starts there)."""
+    monkeypatch.setattr(ix, "SCORE_SELECTS", True)
+    monkeypatch.setattr(ix, "SELECT_EARLY_EXIT", early)
+    monkeypatch.setattr(ix, "SELECT_FINE_WIDTHS", fine)
+    if fine:   # a 256-wide table holding its rows at 1/4, 3/8 (a pair), 3/4 (a pair) of it
+        monkeypatch.setattr(ix, "SELECT_NARROW_MIN_TILE", 64)
+    args, kw = _case(30 + splits, lens, K=8, bs=4, per=(64 if fine else None), norm="rms")
+    _check(ix, args, kw, selection="radix", num_splits=splits)
+    assert not ix.arrival_counts(torch.device("cpu"), len(lens)).any()
 
 
 @interpreted
@@ -446,14 +464,23 @@ def test_kernels_compile_for_hopper_without_a_gpu(ix):
     sig = dict(q="*bf16", w="*bf16", inv_freq="*fp32", positions="*i64", cache="*bf16", block_table="*i32",
                seq_lens="*i32", logits="*fp32", H="i32", num_splits="i32", block_size="i32", cap="i32",
                fill_chunk="i32", scale="fp32", s_qb="i32", s_qh="i32", s_wb="i32", s_row="i32", s_bt="i32",
-               s_lb="i32")
+               s_lb="i32", arrivals="*i32", out="*i32", K="i32", s_ob="i32")
     for rope, ahead in ((False, False), (True, False), (False, True), (True, True)):
         p = ptx(kern["score"], sig, dict(D=128, D_PAD=128, H_PAD=32, HALF=32, ROPE=rope, INTERLEAVED=True,
                                          BT=ix.BLOCK_T, MIN_CHUNK=ix.MIN_CHUNK, FILL=ix.FILL_BLOCK, PREC="tf32",
-                                         AHEAD=ahead), ix.SCORE_WARPS)
+                                         AHEAD=ahead, SELECT=False, **ix._NO_SELECT), ix.SCORE_WARPS)
         assert "mma.sync" in p or "wgmma" in p
         if not rope:  # with RoPE, libdevice's sin/cos keep a small local array for huge arguments
             assert "ld.local" not in p and "st.local" not in p, ahead
+    # the score kernel that selects its rows (SCORE_SELECTS): DeepSeek-V4.1-Flash (4,096- and 8,192-wide tables, 64
+    # heads) on the select's warps; the arrival an acquire-release atomic at GPU scope
+    for cap in (4096, 8192):
+        consts, warps = ix.select_config(cap)
+        p = ptx(kern["score"], sig, dict(D=128, D_PAD=128, H_PAD=64, HALF=32, ROPE=False, INTERLEAVED=True,
+                                         BT=ix.BLOCK_T, MIN_CHUNK=ix.MIN_CHUNK, FILL=ix.FILL_BLOCK, PREC="tf32",
+                                         AHEAD=False, SELECT=True, **consts), warps)
+        assert ("mma.sync" in p or "wgmma" in p) and "atom.global.gpu.acq_rel.add" in p, cap
+        assert "ld.local" not in p and "st.local" not in p, cap
     sig = dict(logits="*fp32", seq_lens="*i32", out="*i32", K="i32", s_lb="i32", s_ob="i32")
     for bits in (4, 8):   # 16- and 256-bin histograms; rows looped over tiles or kept in registers (4096 wide)
         for resident, tile, narrow in ((False, ix.SELECT_TILE, False), (True, 4096, False), (True, 4096, True)):

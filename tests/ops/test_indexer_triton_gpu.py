@@ -7,8 +7,9 @@ so it may pick differently from the fp32 reference where logits nearly tie: the 
 is a valid set (``min(K, seq_len)`` distinct live positions, -1 elsewhere) whose reference logits equal
 the reference's top-K logits as sorted multisets within a bf16-sized tolerance. The new keys land in
 the cache at the live slots (one bf16 rounding of the fp32 norm + RoPE); nothing else changes. Every
-selection variant (radix select, the split select of ``topk_triton``, torch.topk); a captured call replays
-for new seq_lens / slots / cache / queries exactly as the eager call computes them.
+selection variant (radix select, the split select of ``topk_triton``, torch.topk; the radix select inside the
+score kernel, ``SCORE_SELECTS``); a captured call replays for new seq_lens / slots / cache / queries exactly as the
+eager call computes them.
 Run on the H200: ``pytest -m gpu tests/ops/test_indexer_triton_gpu.py``.
 """
 
@@ -200,6 +201,30 @@ def test_radix_digit_widths_and_resident_rows(monkeypatch, shape, bits, resident
     args, kw = _case(f"bits{bits}{resident}{K}", [3 * K + 5, K, 1, 2 * K + 1, 0, 8000], per=128, **shape)
     _variant_matches_default_radix(monkeypatch, args, kw, SELECT_EARLY_EXIT=early, SELECT_BITS=bits,
                                    SELECT_RESIDENT_MAX=8192 if resident else 0)
+
+
+@pytest.mark.parametrize("shape", [GLM53, DSV41], ids=["glm53", "dsv41"])
+@pytest.mark.parametrize("per", [64, 128], ids=["4096", "8192"])
+def test_score_kernel_selects_its_rows(monkeypatch, shape, per):
+    """``SCORE_SELECTS``: the last scoring program of each row selects it (4,096- and 8,192-wide tables, rows short
+    of K, padding rows, rows on the half-width path): a valid top-K eagerly; replayed from a CUDA graph five times,
+    each replay the eager sets (the per-row arrival counts return to zero in every call, or a replay would select
+    early or never); the counts are zero after."""
+    monkeypatch.setattr(ix, "SCORE_SELECTS", True)
+    K, cap = shape["K"], per * 64
+    lens = [min(n, cap) for n in (3 * K + 5, K, 1, 2 * K + 1, 0, cap - 100, 2080)]
+    args, kw = _case(f"fused{K}{per}", lens, per=per, **shape)
+    static = list(args)
+    static[3] = args[3].clone()
+    got = _check(args, kw, selection="radix")
+    out = torch.empty_like(got)
+    g = graph_replay(lambda: ix.indexer_topk_triton(*static, out=out, selection="radix", **kw))
+    for _ in range(5):
+        out.fill_(-7)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.sort(-1).values, got.sort(-1).values)
+    assert not ix.arrival_counts(torch.device(DEV), len(lens)).any()
 
 
 @pytest.mark.parametrize("shape", [GLM53, DSV41], ids=["glm53", "dsv41"])
