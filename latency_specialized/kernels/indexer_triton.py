@@ -73,7 +73,7 @@ from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
 from latency_specialized.hardware import sm_count
 from latency_specialized.kernels.topk_triton import topk_select
-from latency_specialized.kernels.triton_common import pdl_available, triton_gpu_refusal
+from latency_specialized.kernels.triton_common import cached_zeroed_int32, pdl_available, triton_gpu_refusal
 
 NAME = "attention.indexer.triton"
 
@@ -330,7 +330,8 @@ def _kernels(interpret: bool) -> dict:
             tl.debug_barrier()
             if arrived == num_splits - 1:
                 tl.store(arrivals + b, 0)   # for the next call: every program of this one has arrived
-                _select_row(row, out + b.to(tl.int64) * s_ob, seq_len, K, TILE, BITS, RESIDENT, NARROW, EARLY, FINE)
+                _select_row(row, out + b.to(tl.int64) * s_ob, seq_len, K, TILE, BITS, RESIDENT, NARROW, EARLY, FINE,
+                            ".cg")
 
     @triton.jit
     def _digit_hist(key, ok, prefix, FIRST: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr,
@@ -366,7 +367,8 @@ def _kernels(interpret: bool) -> dict:
         return tl.histogram(digit, NB, mask=ok & ((key >> (shift + BITS)) == prefix))
 
     @triton.jit
-    def _resident_select(row, orow, seq_len, K, T: tl.constexpr, BITS: tl.constexpr, EARLY: tl.constexpr):
+    def _resident_select(row, orow, seq_len, K, T: tl.constexpr, BITS: tl.constexpr, EARLY: tl.constexpr,
+                         CM: tl.constexpr):
         # the radix select of a row held in registers as one T-wide tile (K < seq_len <= T); EARLY: stop the
         # passes once the prefix's keys are exactly those still to take (SELECT_EARLY_EXIT)
         NB: tl.constexpr = 1 << BITS
@@ -376,7 +378,7 @@ def _kernels(interpret: bool) -> dict:
         bins = tl.arange(0, NB)
         roffs = tl.arange(0, T)
         rok = roffs < seq_len
-        rkey = _ordered_keys(tl.load(row + roffs, mask=rok, other=0.0))
+        rkey = _ordered_keys(tl.load(row + roffs, mask=rok, other=0.0, cache_modifier=CM))
         if EARLY:
             hist = _digit_hist(rkey, rok, prefix, True, 32 - BITS, BITS, NB)
             prefix, remaining, shared = _next_digit(hist, bins, prefix, remaining, True, NB)
@@ -411,7 +413,7 @@ def _kernels(interpret: bool) -> dict:
 
     @triton.jit
     def _resident_select_pair(row, orow, seq_len, K, TA: tl.constexpr, TB: tl.constexpr, BITS: tl.constexpr,
-                              EARLY: tl.constexpr):
+                              EARLY: tl.constexpr, CM: tl.constexpr):
         # _resident_select of a row held as two tiles, [0, TA) and [TA, TA + TB) (K < seq_len <= TA + TB): a
         # width between two powers of two costs its own width in every pass, not the next power's
         NB: tl.constexpr = 1 << BITS
@@ -423,8 +425,8 @@ def _kernels(interpret: bool) -> dict:
         offb = TA + tl.arange(0, TB)
         oka = offa < seq_len
         okb = offb < seq_len
-        ka = _ordered_keys(tl.load(row + offa, mask=oka, other=0.0))
-        kb = _ordered_keys(tl.load(row + offb, mask=okb, other=0.0))
+        ka = _ordered_keys(tl.load(row + offa, mask=oka, other=0.0, cache_modifier=CM))
+        kb = _ordered_keys(tl.load(row + offb, mask=okb, other=0.0, cache_modifier=CM))
         shift = seq_len * 0 + (32 - BITS)   # the prefix is key >> shift
         hist = _pair_hist(ka, oka, kb, okb, prefix, shift, True, BITS, NB)
         prefix, remaining, shared = _next_digit(hist, bins, prefix, remaining, True, NB)
@@ -456,9 +458,9 @@ def _kernels(interpret: bool) -> dict:
 
     @triton.jit
     def _select_row(row, orow, seq_len, K, TILE: tl.constexpr, BITS: tl.constexpr, RESIDENT: tl.constexpr,
-                    NARROW: tl.constexpr, EARLY: tl.constexpr, FINE: tl.constexpr):
+                    NARROW: tl.constexpr, EARLY: tl.constexpr, FINE: tl.constexpr, CM: tl.constexpr):
         # the select of one row of logits into orow (select_kernel's program; the score kernel's last program of a
-        # row with SELECT)
+        # row with SELECT); CM: the logits loads' cache modifier (".cg" there: L2, never a stale L1 line)
         NB: tl.constexpr = 1 << BITS
         PASSES: tl.constexpr = 32 // BITS
         if seq_len <= K:  # every live position, then -1: no selection needed
@@ -468,22 +470,22 @@ def _kernels(interpret: bool) -> dict:
         elif RESIDENT:
             if NARROW and FINE:    # the width held: TILE / 4, 3/8 (a pair), 1/2, 3/4 (a pair) or all of it
                 if seq_len <= TILE // 4:
-                    _resident_select(row, orow, seq_len, K, TILE // 4, BITS, EARLY)
+                    _resident_select(row, orow, seq_len, K, TILE // 4, BITS, EARLY, CM)
                 elif seq_len <= TILE // 4 + TILE // 8:
-                    _resident_select_pair(row, orow, seq_len, K, TILE // 4, TILE // 8, BITS, EARLY)
+                    _resident_select_pair(row, orow, seq_len, K, TILE // 4, TILE // 8, BITS, EARLY, CM)
                 elif seq_len <= TILE // 2:
-                    _resident_select(row, orow, seq_len, K, TILE // 2, BITS, EARLY)
+                    _resident_select(row, orow, seq_len, K, TILE // 2, BITS, EARLY, CM)
                 elif seq_len <= TILE // 2 + TILE // 4:
-                    _resident_select_pair(row, orow, seq_len, K, TILE // 2, TILE // 4, BITS, EARLY)
+                    _resident_select_pair(row, orow, seq_len, K, TILE // 2, TILE // 4, BITS, EARLY, CM)
                 else:
-                    _resident_select(row, orow, seq_len, K, TILE, BITS, EARLY)
+                    _resident_select(row, orow, seq_len, K, TILE, BITS, EARLY, CM)
             elif NARROW:
                 if seq_len <= TILE // 2:
-                    _resident_select(row, orow, seq_len, K, TILE // 2, BITS, EARLY)
+                    _resident_select(row, orow, seq_len, K, TILE // 2, BITS, EARLY, CM)
                 else:
-                    _resident_select(row, orow, seq_len, K, TILE, BITS, EARLY)
+                    _resident_select(row, orow, seq_len, K, TILE, BITS, EARLY, CM)
             else:
-                _resident_select(row, orow, seq_len, K, TILE, BITS, EARLY)
+                _resident_select(row, orow, seq_len, K, TILE, BITS, EARLY, CM)
         else:
             prefix = seq_len * 0
             remaining = seq_len * 0 + K
@@ -494,7 +496,7 @@ def _kernels(interpret: bool) -> dict:
                 for t0 in range(0, seq_len, TILE):
                     offs = t0 + tl.arange(0, TILE)
                     ok = offs < seq_len
-                    key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0))
+                    key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0, cache_modifier=CM))
                     hist += _digit_hist(key, ok, prefix, True, 32 - BITS, BITS, NB)
                 prefix, remaining, shared = _next_digit(hist, bins, prefix, remaining, True, NB)
                 shift += 32 - BITS
@@ -504,7 +506,7 @@ def _kernels(interpret: bool) -> dict:
                     for t0 in range(0, seq_len, TILE):
                         offs = t0 + tl.arange(0, TILE)
                         ok = offs < seq_len
-                        key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0))
+                        key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0, cache_modifier=CM))
                         hist += _digit_hist_at(key, ok, prefix, shift, BITS, NB)
                     prefix, remaining, shared = _next_digit(hist, bins, prefix, remaining, False, NB)
             else:
@@ -513,7 +515,7 @@ def _kernels(interpret: bool) -> dict:
                     for t0 in range(0, seq_len, TILE):
                         offs = t0 + tl.arange(0, TILE)
                         ok = offs < seq_len
-                        key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0))
+                        key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0, cache_modifier=CM))
                         hist += _digit_hist(key, ok, prefix, p == 0, 32 - BITS * (p + 1), BITS, NB)
                     prefix, remaining, _ = _next_digit(hist, bins, prefix, remaining, p == 0, NB)
             n_gt = K - remaining
@@ -522,7 +524,7 @@ def _kernels(interpret: bool) -> dict:
             for t0 in range(0, seq_len, TILE):
                 offs = t0 + tl.arange(0, TILE)
                 ok = offs < seq_len
-                key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0))
+                key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0, cache_modifier=CM))
                 if EARLY:
                     key = key >> shift
                 is_gt = (ok & (key > prefix)).to(tl.int32)
@@ -550,7 +552,7 @@ def _kernels(interpret: bool) -> dict:
             tlc.gdc_launch_dependents()
         b = tl.program_id(0)
         _select_row(logits + b.to(tl.int64) * s_lb, out + b.to(tl.int64) * s_ob,
-                    tl.load(seq_lens + b).to(tl.int32), K, TILE, BITS, RESIDENT, NARROW, EARLY, FINE)
+                    tl.load(seq_lens + b).to(tl.int32), K, TILE, BITS, RESIDENT, NARROW, EARLY, FINE, "")
 
     return dict(key=key_kernel, score=score_kernel, select=select_kernel)
 
@@ -590,19 +592,27 @@ def select_config(capacity: int, *, bits: int | None = None, resident_max: int |
 
 _NO_SELECT = dict(TILE=16, BITS=4, RESIDENT=True, NARROW=False, EARLY=False, FINE=False)
 """The select constexprs of a score launch without SELECT (unused; fixed, so that they make no new variant)."""
-_ARRIVALS: dict[tuple[str, int | None], torch.Tensor] = {}
+MAX_SELECT_ROWS = 8192
+"""Rows (tokens) one call may select inside the score kernel: its per-row arrival counters (int32, 32 KiB a device)."""
 
 
-def arrival_counts(device: torch.device, rows: int) -> torch.Tensor:
-    """The int32 per-row arrival counters of the score kernel's fused select on ``device`` (at least ``rows``): zero
-    between calls (each call's last program of a row resets its counter), shared by every call on the device - the
-    calls of one stream run one after another. Made once, zeroed when made (before capture where an eager call comes
-    first; made under capture, its zeroing joins the graph and replays, still correct)."""
-    key = (device.type, device.index)
-    buf = _ARRIVALS.get(key)
-    if buf is None or buf.numel() < rows:
-        buf = _ARRIVALS[key] = torch.zeros(max(rows, 64), dtype=torch.int32, device=device)
-    return buf
+def arrival_counts(device: torch.device, rows: int = 1) -> torch.Tensor:
+    """The int32 per-row arrival counters of the score kernel's select on ``device``: zero between calls (each call's
+    last program of a row resets its counter), shared by the calls of the device - one stream's calls run one after
+    another. Zeroed once when made: outside a CUDA-graph capture (``prepare``, or an eager call first)."""
+    if rows > MAX_SELECT_ROWS:
+        raise UserError(f"{NAME}: {rows} rows > MAX_SELECT_ROWS={MAX_SELECT_ROWS} for the select inside the score "
+                        "kernel; split the call or switch SCORE_SELECTS off")
+    return cached_zeroed_int32(NAME, (MAX_SELECT_ROWS,), device, refuse_in_capture=(
+        "the select inside the score kernel (SCORE_SELECTS) needs its arrival counters made before a CUDA-graph "
+        "capture; call the implementation's prepare() (or one eager call) first"))
+
+
+def _prepare(ctx: OpContext) -> None:
+    """Before capture: the arrival counters of the select inside the score kernel, where it is on."""
+    del ctx
+    if SCORE_SELECTS and torch.cuda.is_available():
+        arrival_counts(torch.device("cuda", torch.cuda.current_device()))
 
 
 def select_trigger(device: torch.device) -> bool:
@@ -774,11 +784,11 @@ def _supports(ctx: OpContext) -> Support:
 
 
 IMPLEMENTATIONS = [
-    Implementation("attention.indexer", NAME, indexer_topk_triton, _supports, priority=10,
+    Implementation("attention.indexer", NAME, indexer_topk_triton, _supports, priority=10, prepare=_prepare,
                    description="Triton: key norm + RoPE + cache write, split relu-weighted scoring over the paged "
                                "key cache (fp32 logits workspace), a split top-k select over many programs per row "
                                "(per-row radix select, torch.topk as A/B switches); no host sync; GPUs (sm_80+)"),
 ]
 
 __all__ = ["IMPLEMENTATIONS", "NAME", "SELECTION", "RADIX_MAX_CAPACITY", "SPLIT_MAX_CAPACITY", "SPLIT_ROWS",
-           "auto_selection", "choose_num_splits", "indexer_topk_triton"]
+           "arrival_counts", "auto_selection", "choose_num_splits", "indexer_topk_triton", "select_config"]

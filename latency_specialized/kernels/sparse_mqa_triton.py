@@ -73,9 +73,9 @@ COMPRESS_FALLBACK = "attention.sparse_mqa_compress.torch"
 COMPRESS_INDEX_NAME = "attention.sparse_mqa_compress_index.triton"
 COMPRESS_INDEX_FALLBACK = "the compressor, key gemm and indexer sites apart (their own kernels)"
 COMPRESS_INDEX_KEY = False
-"""The compressor of a layer that owns the indexer's keys also writes the new key (``attention.sparse_mqa_compress_index``
-served here, so the program skips the key gemm and calls the indexer with ``k=None``): two launches fewer per such
-layer (DeepSeek-V4.1-Flash c2_idx: 20 -> 18 at batch 1), the key's ``Dk x D`` weight read by one program per token.
+"""The compressor of a layer that owns the indexer's keys also writes the new key (the family
+``attention.sparse_mqa_compress_index`` served here, so the program skips the key gemm and calls the indexer with
+``k=None``): two launches fewer per such layer (DeepSeek-V4.1-Flash c2_idx: 20 -> 18 at batch 1), the key's ``Dk x D`` weight read by one program per token.
 Off: not timed yet (A/B ``pending_measurements.sh``); off, the fused site is refused and the three sites run apart."""
 INDEX_KEY_TILE = 4096
 """Weight elements per operand of one step of the fused key projection (``[Dk / 2, BK]`` tiles, even and odd rows)."""
@@ -728,6 +728,7 @@ IMPLEMENTATIONS = [
                                "(key projection, RMSNorm, leading RoPE, key-cache write) in it; pow2 D and Dk"),
 ]
 
-__all__ = ["COMBINE_PDL", "COMPRESS_INDEX_KEY", "COMPRESS_INDEX_NAME", "COMPRESS_NAME", "FALLBACK", "IMPLEMENTATIONS", "NAME", "SELECTION_PDL", "block_h", "block_n",
+__all__ = ["COMBINE_PDL", "COMPRESS_INDEX_KEY", "COMPRESS_INDEX_NAME", "COMPRESS_NAME", "FALLBACK", "IMPLEMENTATIONS",
+           "NAME", "SELECTION_PDL", "block_h", "block_n",
            "choose_splits", "combine_pdl", "selection_pdl", "sparse_mqa_compress_index_triton",
            "sparse_mqa_compress_triton", "sparse_mqa_decode_triton"]

@@ -412,6 +412,8 @@ def test_host_checks_raise_user_errors(ix):
         ix.indexer_topk_triton(*args, topk=4, rope_inv_freq=_inv_freq(8))
     with pytest.raises(UserError, match="fit"):
         ix.indexer_topk_triton(q[:, :2], *args[1:], topk=4)
+    with pytest.raises(UserError, match="MAX_SELECT_ROWS"):
+        ix.arrival_counts(torch.device("cpu"), ix.MAX_SELECT_ROWS + 1)
 
 
 def _ctx(arch="sm_90", dtype="bfloat16", heads=32, head_dim=128, topk=2048, rope=64, **attrs):
