@@ -17,11 +17,13 @@ none, and pass at least ``min_passed``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 REPO = Path(__file__).resolve().parents[1]
@@ -41,6 +43,27 @@ def run_interpreted(*paths: str, min_passed: int) -> None:
     m = re.search(r"(\d+) passed", last)
     assert m and int(m.group(1)) >= min_passed, tail
     assert not re.search(r"\d+ (skipped|xfailed|xpassed)", last), f"every interpreter case must run: {last}"
+
+
+@contextlib.contextmanager
+def programs_in_reverse() -> Iterator[None]:
+    """Inside the block the interpreter runs each launch's programs in the reverse of grid order (their program ids
+    remapped): a kernel whose programs rely on running in grid order - one reading what a lower-numbered program of
+    the same launch wrote, which nothing orders on a GPU - then fails the cases that pass in grid order."""
+    from triton.runtime import interpreter
+
+    cls = type(interpreter.interpreter_builder)
+    original = cls.set_grid_idx
+
+    def reversed_idx(self, x, y, z):
+        gx, gy, gz = self.grid_dim
+        original(self, gx - 1 - x, gy - 1 - y, gz - 1 - z)
+
+    cls.set_grid_idx = reversed_idx
+    try:
+        yield
+    finally:
+        cls.set_grid_idx = original
 
 
 def collected_ids(*paths: str, interpreting: bool, marks: str = "not gpu") -> list[str]:

@@ -13,8 +13,9 @@
 #          (indexer_triton.SCORE_SELECTS, new in session 49: -1), (credit) the q norm in the q_b gemm's prologue
 #          (tuning.NORM_SITE_CREDIT_US, -1 where the GEMV kernel is within 1.5 us of the table's winner: the plan
 #          takes it on c2_idx's q_b at batch 1, not at 8), (all) the three, (all5) with step fine's two (the 1.5x at
-#          batch 1 needs ~4.8 us off c2_idx); GLM-5.3 moe (index layers) base / fsel - the kernel counts in the
-#          runs' tables (ab_runs)
+#          batch 1 needs ~4.8 us off c2_idx); GLM-5.3 moe (index layers): base / fsel / (wkey) the scoring program
+#          holding the new position writes the key (indexer_triton.SCORE_WRITES_KEY, new in session 49: -1) / (one)
+#          both, the indexer in one launch - the kernel counts in the runs' tables (ab_runs)
 #   fine   the indexer's radix select holding a width that follows the live length in finer steps (1/4, 3/8, 1/2,
 #          3/4, all of the tile: indexer_triton.SELECT_FINE_WIDTHS, new in session 48) against the half-width path
 #          alone: the select alone at live lengths past each power of two, then DeepSeek c2_idx and GLM-5.3 moe
@@ -79,8 +80,10 @@ if step dsvk; then
 $SP.indexer_triton.SCORE_SELECTS=True,$SP.tuning.NORM_SITE_CREDIT_US=1.5" --ab "all5:$SP.sparse_mqa_triton.\
 COMPRESS_INDEX_KEY=True,$SP.indexer_triton.SCORE_SELECTS=True,$SP.tuning.NORM_SITE_CREDIT_US=1.5,\
 $SP.indexer_triton.SELECT_FINE_WIDTHS=True,$SP.indexer_triton.SCORE_KEYS_AHEAD=True" > "$W/dsvk/dsv.log" 2>&1 || rc=$?
-  timeout "${DSVK_GLM_S:-120}" "${BENCH[@]}" --model glm53 --kinds moe --batch 1,8 --out "$W/dsvk/glm" --ab base \
-    --ab fsel:$SP.indexer_triton.SCORE_SELECTS=True > "$W/dsvk/glm.log" 2>&1 || rc=$?
+  timeout "${DSVK_GLM_S:-150}" "${BENCH[@]}" --model glm53 --kinds moe --batch 1,8 --out "$W/dsvk/glm" --ab base \
+    --ab fsel:$SP.indexer_triton.SCORE_SELECTS=True --ab wkey:$SP.indexer_triton.SCORE_WRITES_KEY=True \
+    --ab "one:$SP.indexer_triton.SCORE_SELECTS=True,$SP.indexer_triton.SCORE_WRITES_KEY=True" \
+    > "$W/dsvk/glm.log" 2>&1 || rc=$?
   find "$W/dsvk" -name "*.png" -delete; pack dsvk "$rc"   # the runs' tables (ab_runs) hold the kernel counts
   grep -h "^| [a-z_0-9]* | [0-9]" "$W"/dsvk/*/ab.md; grep -rh "^| [a-z_0-9]* | 1 |" "$W"/dsvk/*/ab_runs | cut -d'|' -f2-7
 fi

@@ -35,11 +35,13 @@ Steps of one call (three launches for ``selection="radix"``; ``"split"`` swaps t
    writes the positions of the keys ``> T`` and the first of the ``== T`` (position order), with in-tile prefix
    sums (one program per row: no atomics, deterministic). Exactly ``K`` positions, so no -1.
 
-``SCORE_SELECTS`` (radix only) folds step 3 into step 2: each scoring program, done with its tiles, counts its
-arrival in a per-row counter (a CTA barrier, then one atomic add with acquire-release semantics at GPU scope); the
-last of the row's programs to arrive resets the counter for the next call and runs the same radix select on the row
-(its logits, stored by every program of the row, ordered before its reads by that release / acquire). The scoring
-programs then launch with the select's warps.
+``SCORE_WRITES_KEY`` folds step 1 into step 2: the scoring program whose chunk holds a row's last position (the new
+token's; only it reads that row) stores the new key, then a CTA barrier, then its tiles (verification calls,
+``cross_row_reads``, keep the key launch). ``SCORE_SELECTS`` (radix only) folds step 3 into step 2: each scoring
+program, done with its tiles, counts its arrival in a per-row counter (a CTA barrier, then one atomic add with
+acquire-release semantics at GPU scope); the last of the row's programs to arrive resets the counter for the next call
+and runs the same radix select on the row (its logits, stored by every program of the row, ordered before its reads by
+that release / acquire). The scoring programs then launch with the select's warps.
 
 ``SELECTION`` = ``"split"`` (or the call's ``selection=``) replaces step 3 by ``topk_triton.topk_select``
 over the live logits (``valid_lens = seq_lens``): each row cut over many programs, a split histogram and a
@@ -124,6 +126,12 @@ SCORE_WARPS = 4
 SELECT_WARPS = 8
 SELECT_WARPS_WIDE = 16
 """Warps of the select kernel when its resident row is wider than 4096 logits."""
+SCORE_WRITES_KEY = False
+"""The scoring program whose chunk holds a row's last position (the new token's) writes the row's new key first (a CTA
+barrier, then its tiles), instead of the key launch before the score kernel: one launch fewer (GLM-5.3's index layers;
+DeepSeek-V4.1-Flash's key owners unless their compressor writes the key). Sound where every row reads only its own
+positions and ``slot_mapping[b]`` is the row of its last position (or < 0), as in every decode step; a call with
+``cross_row_reads`` (verification rows) keeps the key launch. Off: not timed yet (``pending_measurements.sh``)."""
 SCORE_SELECTS = False
 """With the radix selection, the score kernel's last program of each row to finish (a per-row arrival count, acquire /
 release at GPU scope) runs the radix select of that row: one launch fewer (DeepSeek-V4.1-Flash c2_idx and GLM-5.3's
@@ -185,7 +193,7 @@ def _kernels(interpret: bool) -> dict:
     # defined here, not at import (no triton import on machines without it); Triton resolves the names a
     # kernel uses through its module globals: hence tl and the helpers as globals
     global tl, tlc, _rope_coeffs, _score_tile_keys, _ordered_keys, _digit_hist, _digit_hist_at, _next_digit, \
-        _resident_select, _pair_hist, _resident_select_pair, _select_row
+        _resident_select, _pair_hist, _resident_select_pair, _select_row, _store_key
     import triton
     import triton.language as tl
     import triton.language.extra.cuda as tlc
@@ -218,39 +226,47 @@ def _kernels(interpret: bool) -> dict:
         return tl.where(i < 0, i ^ 0x7FFFFFFF, i)
 
     @triton.jit
+    def _store_key(k, k_w, k_b, inv_freq, positions, b, slot, cache, eps, s_k, s_row, D: tl.constexpr,
+                   D_PAD: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   ROPE: tl.constexpr, INTERLEAVED: tl.constexpr):
+        # row b's new key: norm (NORM 1 LayerNorm, 2 RMSNorm), RoPE, rounded into the cache at slot (>= 0)
+        offs = tl.arange(0, D_PAD)
+        ok = offs < D
+        if ROPE:
+            pos = tl.load(positions + b).to(tl.float32)
+            partner, c, s = _rope_coeffs(offs, pos, inv_freq, HALF, INTERLEAVED)
+        else:
+            partner = offs
+        x = tl.load(k + b * s_k + offs, mask=ok, other=0.0).to(tl.float32)
+        xp = tl.load(k + b * s_k + partner, mask=ok, other=0.0).to(tl.float32)
+        # the norm is per channel once its statistics are known, so the partner channels (for the
+        # rotation) are normalised with their own weight / bias
+        if NORM == 1:
+            mean = tl.sum(x, 0) / D
+            xc = tl.where(ok, x - mean, 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, 0) / D + eps)
+            x = (x - mean) * rstd * tl.load(k_w + offs, mask=ok, other=0.0).to(tl.float32)
+            xp = (xp - mean) * rstd * tl.load(k_w + partner, mask=ok, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                x += tl.load(k_b + offs, mask=ok, other=0.0).to(tl.float32)
+                xp += tl.load(k_b + partner, mask=ok, other=0.0).to(tl.float32)
+        elif NORM == 2:
+            rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
+            x = x * rstd * tl.load(k_w + offs, mask=ok, other=0.0).to(tl.float32)
+            xp = xp * rstd * tl.load(k_w + partner, mask=ok, other=0.0).to(tl.float32)
+        if ROPE:
+            x = x * c + xp * s
+        tl.store(cache + slot * s_row + offs, x.to(cache.dtype.element_ty), mask=ok)
+
+    @triton.jit
     def key_kernel(k, k_w, k_b, inv_freq, positions, slots, cache, eps, s_k, s_row,
                    D: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
                    HAS_BIAS: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr):
         b = tl.program_id(0)
         slot = tl.load(slots + b).to(tl.int64)
         if slot >= 0:  # a negative slot (padding row) writes nothing
-            offs = tl.arange(0, D_PAD)
-            ok = offs < D
-            if ROPE:
-                pos = tl.load(positions + b).to(tl.float32)
-                partner, c, s = _rope_coeffs(offs, pos, inv_freq, HALF, INTERLEAVED)
-            else:
-                partner = offs
-            x = tl.load(k + b * s_k + offs, mask=ok, other=0.0).to(tl.float32)
-            xp = tl.load(k + b * s_k + partner, mask=ok, other=0.0).to(tl.float32)
-            # the norm is per channel once its statistics are known, so the partner channels (for the
-            # rotation) are normalised with their own weight / bias
-            if NORM == 1:
-                mean = tl.sum(x, 0) / D
-                xc = tl.where(ok, x - mean, 0.0)
-                rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, 0) / D + eps)
-                x = (x - mean) * rstd * tl.load(k_w + offs, mask=ok, other=0.0).to(tl.float32)
-                xp = (xp - mean) * rstd * tl.load(k_w + partner, mask=ok, other=0.0).to(tl.float32)
-                if HAS_BIAS:
-                    x += tl.load(k_b + offs, mask=ok, other=0.0).to(tl.float32)
-                    xp += tl.load(k_b + partner, mask=ok, other=0.0).to(tl.float32)
-            elif NORM == 2:
-                rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
-                x = x * rstd * tl.load(k_w + offs, mask=ok, other=0.0).to(tl.float32)
-                xp = xp * rstd * tl.load(k_w + partner, mask=ok, other=0.0).to(tl.float32)
-            if ROPE:
-                x = x * c + xp * s
-            tl.store(cache + slot * s_row + offs, x.to(cache.dtype.element_ty), mask=ok)
+            _store_key(k, k_w, k_b, inv_freq, positions, b, slot, cache, eps, s_k, s_row, D, D_PAD, HALF, NORM,
+                       HAS_BIAS, ROPE, INTERLEAVED)
 
     @triton.jit
     def _score_tile_keys(cache, block_table, b, s_bt, s_row, block_size, n0, end, offs_d, d_ok, BT: tl.constexpr):
@@ -267,29 +283,41 @@ def _kernels(interpret: bool) -> dict:
     def score_kernel(q, w, inv_freq, positions, cache, block_table, seq_lens, logits,
                      H, num_splits, block_size, cap, fill_chunk, scale,
                      s_qb, s_qh, s_wb, s_row, s_bt, s_lb, arrivals, out, K, s_ob,
+                     k, k_w, k_b, slots, k_eps, s_k,
                      D: tl.constexpr, D_PAD: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr,
                      ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, BT: tl.constexpr, MIN_CHUNK: tl.constexpr,
                      FILL: tl.constexpr, PREC: tl.constexpr, AHEAD: tl.constexpr, SELECT: tl.constexpr,
                      TILE: tl.constexpr, BITS: tl.constexpr, RESIDENT: tl.constexpr, NARROW: tl.constexpr,
-                     EARLY: tl.constexpr, FINE: tl.constexpr):
+                     EARLY: tl.constexpr, FINE: tl.constexpr, KEY: tl.constexpr, NORM: tl.constexpr,
+                     HAS_BIAS: tl.constexpr):
         # AHEAD: each tile's block ids and keys load one step ahead, the first before the query (SCORE_KEYS_AHEAD);
         # SELECT: the last program of a row to finish runs the radix select of it (SCORE_SELECTS; TILE .. FINE as
-        # select_kernel's), counted in arrivals[b] (zero between calls: that program resets it)
+        # select_kernel's), counted in arrivals[b] (zero between calls: that program resets it); KEY: the program
+        # whose chunk holds the row's last position writes the row's new key first (SCORE_WRITES_KEY; NORM,
+        # HAS_BIAS as key_kernel's)
         b = tl.program_id(0)
         sp = tl.program_id(1)
         seq_len = tl.load(seq_lens + b).to(tl.int32)
         row = logits + b.to(tl.int64) * s_lb
+        # this program's chunk of live positions, from the device-side length (no host read)
+        chunk = tl.maximum(tl.cdiv(seq_len, num_splits), MIN_CHUNK)
+        chunk = tl.cdiv(chunk, BT) * BT
+        start = sp * chunk
+        end = tl.minimum(start + chunk, seq_len)
+        if KEY:
+            # only this program reads the new key's row (the last position; rows read only their own positions: no
+            # cross-row reads here), so its store, then the CTA barrier, orders it before its own tile loads
+            slot = tl.load(slots + b).to(tl.int64)
+            if (sp == tl.maximum(seq_len - 1, 0) // chunk) & (slot >= 0):
+                _store_key(k, k_w, k_b, inv_freq, positions, b, slot, cache, k_eps, s_k, s_row, D, D_PAD, HALF, NORM,
+                           HAS_BIAS, ROPE, INTERLEAVED)
+            tl.debug_barrier()
         # -inf over this program's static slice of the row past seq_len (what torch.topk must not pick)
         f0 = tl.maximum(sp * fill_chunk, seq_len)
         f1 = tl.minimum((sp + 1) * fill_chunk, cap)
         for t0 in range(f0, f1, FILL):
             offs_f = t0 + tl.arange(0, FILL)
             tl.store(row + offs_f, tl.full([FILL], float("-inf"), tl.float32), mask=offs_f < f1)
-        # this program's chunk of live positions, from the device-side length (no host read)
-        chunk = tl.maximum(tl.cdiv(seq_len, num_splits), MIN_CHUNK)
-        chunk = tl.cdiv(chunk, BT) * BT
-        start = sp * chunk
-        end = tl.minimum(start + chunk, seq_len)
         if start < end:
             offs_h = tl.arange(0, H_PAD)
             offs_d = tl.arange(0, D_PAD)
@@ -648,7 +676,7 @@ def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor | None, weights: torch.
                         rope_inv_freq: torch.Tensor | None = None, rope_interleaved: bool = False,
                         k_norm_weight: torch.Tensor | None = None, k_norm_bias: torch.Tensor | None = None,
                         k_norm_eps: float = 1e-6, scale: float | None = None, out: torch.Tensor | None = None,
-                        k_norm_kind: Literal["layer", "rms"] = "layer",
+                        k_norm_kind: Literal["layer", "rms"] = "layer", cross_row_reads: bool = False,
                         selection: Selection | None = None, num_splits: int | None = None) -> torch.Tensor:
     """The indexer's top-k, one new token per sequence (contract: ``indexer_topk_reference``).
 
@@ -663,6 +691,8 @@ def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor | None, weights: torch.
     topk : K. positions : [B] int (with ``rope_inv_freq``). rope_inv_freq : [R/2] (None: no RoPE).
     k_norm_weight, k_norm_bias, k_norm_eps, k_norm_kind : the key norm (``"layer"`` / ``"rms"``; none
         without a weight). scale : default D^-0.5 h^-0.5. out : optional [B, K] int32 (unit last stride).
+    cross_row_reads : rows of the call read each other's new keys (a verification step: 1 + k rows of a request):
+        the keys then go in by their own launch (``SCORE_WRITES_KEY`` needs each row to read only its own).
     selection : ``"auto"`` / ``"radix"`` / ``"split"`` / ``"torch"``; default ``SELECTION``. num_splits :
         scoring programs per sequence; default from static shapes (``choose_num_splits``). Tests force both.
 
@@ -717,12 +747,16 @@ def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor | None, weights: torch.
     kw = k_norm_weight.contiguous() if k_norm_weight is not None else flat
     kb = k_norm_bias.contiguous() if (norm == _NORM_LAYER and k_norm_bias is not None) else flat
 
-    # 1. the new keys into the cache (before any program of step 2 reads them: a launch boundary)
+    # 1. the new keys into the cache (before any program of step 2 reads them: a launch boundary), or inside step 2
+    key_in_score = k is not None and SCORE_WRITES_KEY and not cross_row_reads
     if k is not None:
         k = _unit_last(k)
+    if k is not None and not key_in_score:
         kern["key"][(B,)](k, kw, kb, inv, pos, slot_mapping, flat, float(k_norm_eps), k.stride(0), flat.stride(0),
                           D=D, D_PAD=d_pad, HALF=max(half, 1), NORM=norm, HAS_BIAS=kb is not flat, ROPE=rope,
                           INTERLEAVED=bool(rope_interleaved), num_warps=1 if d_pad <= 256 else 4)
+    key_args = (k, kw, kb, slot_mapping, float(k_norm_eps), k.stride(0)) if key_in_score else \
+        (flat, flat, flat, seq_lens, 0.0, 0)   # (never read)
 
     # 2. logits [B, capacity] fp32 (-inf past seq_len)
     if num_splits is None:
@@ -741,10 +775,11 @@ def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor | None, weights: torch.
         q, weights, inv, pos, flat, bt, seq_lens, logits, heads, num_splits, block, cap,
         -(-cap // num_splits) if selection == "torch" else 0, s,   # radix / split never read past seq_len
         q.stride(0), q.stride(1), weights.stride(0), flat.stride(0), bt.stride(0), logits.stride(0),
-        arrivals, out, topk, out.stride(0),
+        arrivals, out, topk, out.stride(0), *key_args,
         D=D, D_PAD=d_pad, H_PAD=_next_pow2(max(heads, 16)), HALF=max(half, 1), ROPE=rope,
         INTERLEAVED=bool(rope_interleaved), BT=BLOCK_T, MIN_CHUNK=MIN_CHUNK, FILL=FILL_BLOCK, PREC=prec,
-        AHEAD=SCORE_KEYS_AHEAD, SELECT=fused, **consts,
+        AHEAD=SCORE_KEYS_AHEAD, SELECT=fused, **consts, KEY=key_in_score, NORM=norm if key_in_score else 0,
+        HAS_BIAS=key_in_score and kb is not flat,
         num_warps=warps)
     if fused:
         return out

@@ -16,6 +16,7 @@ to the reference's values.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import pytest
@@ -25,7 +26,7 @@ from latency_specialized.errors import UserError
 from latency_specialized.ops.attention.sparse_mla import indexer_topk_reference, rotate_leading
 from latency_specialized.ops.registry import make_context
 
-from tests.interpret import run_interpreted
+from tests.interpret import programs_in_reverse, run_interpreted
 
 _HAVE_TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.skipif(not _HAVE_TRITON, reason="needs triton (its interpreter runs the kernels on the CPU)")
@@ -37,7 +38,7 @@ SELECTIONS = pytest.mark.parametrize("selection", ["radix", "split", "torch"])
 
 @pytest.mark.interpreter_driver
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=45)
+    run_interpreted(__file__, min_passed=52)
 
 
 @pytest.fixture
@@ -217,7 +218,36 @@ def test_score_kernel_selects_its_rows(ix, monkeypatch, lens, splits, early, fin
         monkeypatch.setattr(ix, "SELECT_NARROW_MIN_TILE", 64)
     args, kw = _case(30 + splits, lens, K=8, bs=4, per=(64 if fine else None), norm="rms")
     _check(ix, args, kw, selection="radix", num_splits=splits)
+    with programs_in_reverse():   # the last to arrive selects, whichever program that is
+        _check(ix, args, kw, selection="radix", num_splits=splits)
     assert not ix.arrival_counts(torch.device("cpu"), len(lens)).any()
+
+
+@interpreted
+@pytest.mark.parametrize("case,splits,ahead,select,reverse", [
+    ("mixed", 2, False, False, False), ("odd", 3, False, True, True), ("dead", 1, False, False, False),
+    ("strided", 2, True, False, True), ("long", 7, True, True, False), ("long", 7, False, True, True),
+    ("decisive", 2, False, False, True)])
+def test_score_kernel_writes_the_key(ix, monkeypatch, case, splits, ahead, select, reverse):
+    """``SCORE_WRITES_KEY``: the scoring program holding a row's last position writes its new key first - the cache
+    equals the reference's (the key at each live slot, nothing else), the selection is valid: LayerNorm with bias and
+    interleaved RoPE, RMS norm and NeoX RoPE on odd widths, no norm / RoPE with dead slots (slot -1: nothing written,
+    the cache scored as it is), strided inputs, 1-7 programs a row, the keys a step ahead; with the select in the
+    score kernel too (one launch); programs run in reverse grid order too (no program may rely on another of the
+    launch having written the key)."""
+    monkeypatch.setattr(ix, "SCORE_WRITES_KEY", True)
+    monkeypatch.setattr(ix, "SCORE_KEYS_AHEAD", ahead)
+    monkeypatch.setattr(ix, "SCORE_SELECTS", select)
+    args, kw = {"mixed": lambda: _case(51, [0, 1, 7, 8, 9, 45, 0, 30], K=8),
+                "odd": lambda: _case(52, [13, 0, 7, 40, 6, 8], H=5, D=24, K=7, bs=3, interleaved=False, norm="rms"),
+                "dead": lambda: _case(53, [20, 9, 33, 2], rope=0, norm=None, dead_slots=(0, 2)),
+                "strided": lambda: _case(54, [17, 3, 26], strided=True),
+                "long": lambda: _case(55, [200, 64, 65, 3], K=8),
+                "decisive": lambda: _case(57, [65, 66, 3], K=64)}[case]()
+    if case == "decisive":   # positive head weights: logits >= 0, so a stale (zeroed) new row scores 0 and leaves the
+        args[2].abs_()       # top 64 of 65 that its true key is in - and the new position lies in the second chunk
+    with programs_in_reverse() if reverse else contextlib.nullcontext():
+        _check(ix, args, kw, selection="radix", num_splits=splits)
 
 
 @interpreted
@@ -416,6 +446,31 @@ def test_host_checks_raise_user_errors(ix):
         ix.arrival_counts(torch.device("cpu"), ix.MAX_SELECT_ROWS + 1)
 
 
+@pytest.mark.parametrize("writes_key,selects,cross,k_given,want", [
+    (False, False, False, True, ["key_kernel", "score_kernel", "select_kernel"]),
+    (False, False, False, False, ["score_kernel", "select_kernel"]),
+    (True, False, False, True, ["score_kernel", "select_kernel"]),
+    (True, True, False, True, ["score_kernel"]),
+    (True, True, True, True, ["key_kernel", "score_kernel"]),
+    (False, True, False, False, ["score_kernel"])])
+def test_launches_per_call(ix, monkeypatch, writes_key, selects, cross, k_given, want):
+    """The launches of one radix call: key, score, select by default; no key launch for ``k=None``; the key inside the
+    score kernel (``SCORE_WRITES_KEY``) but not for verification rows (``cross_row_reads``); the select inside it
+    (``SCORE_SELECTS``): the whole indexer in one launch."""
+    from tests.triton_offline import recorded_launches
+
+    monkeypatch.setattr(ix, "SCORE_WRITES_KEY", writes_key)
+    monkeypatch.setattr(ix, "SCORE_SELECTS", selects)
+    args, kw = _case(56, [30, 9], K=8)
+    if not k_given:
+        args = (args[0], None) + args[2:]
+    with recorded_launches() as launches:
+        ix.indexer_topk_triton(*args, **kw, selection="radix", cross_row_reads=cross)
+    assert [fn.fn.__name__ for fn, _, _ in launches] == want
+    score = [kw_ for fn, _, kw_ in launches if fn.fn.__name__ == "score_kernel"][0]
+    assert score["KEY"] == (writes_key and k_given and not cross) and score["SELECT"] == selects
+
+
 def _ctx(arch="sm_90", dtype="bfloat16", heads=32, head_dim=128, topk=2048, rope=64, **attrs):
     attrs = {"rope_interleaved": True, "k_norm": "layer_norm", **attrs}
     return make_context("attention.indexer", arch=arch, dtype=dtype, tokens=8,
@@ -466,23 +521,28 @@ def test_kernels_compile_for_hopper_without_a_gpu(ix):
     sig = dict(q="*bf16", w="*bf16", inv_freq="*fp32", positions="*i64", cache="*bf16", block_table="*i32",
                seq_lens="*i32", logits="*fp32", H="i32", num_splits="i32", block_size="i32", cap="i32",
                fill_chunk="i32", scale="fp32", s_qb="i32", s_qh="i32", s_wb="i32", s_row="i32", s_bt="i32",
-               s_lb="i32", arrivals="*i32", out="*i32", K="i32", s_ob="i32")
+               s_lb="i32", arrivals="*i32", out="*i32", K="i32", s_ob="i32", k="*bf16", k_w="*fp32", k_b="*fp32",
+               slots="*i64", k_eps="fp32", s_k="i32")
     for rope, ahead in ((False, False), (True, False), (False, True), (True, True)):
         p = ptx(kern["score"], sig, dict(D=128, D_PAD=128, H_PAD=32, HALF=32, ROPE=rope, INTERLEAVED=True,
                                          BT=ix.BLOCK_T, MIN_CHUNK=ix.MIN_CHUNK, FILL=ix.FILL_BLOCK, PREC="tf32",
-                                         AHEAD=ahead, SELECT=False, **ix._NO_SELECT), ix.SCORE_WARPS)
+                                         AHEAD=ahead, SELECT=False, **ix._NO_SELECT, KEY=False, NORM=0,
+                                         HAS_BIAS=False), ix.SCORE_WARPS)
         assert "mma.sync" in p or "wgmma" in p
         if not rope:  # with RoPE, libdevice's sin/cos keep a small local array for huge arguments
             assert "ld.local" not in p and "st.local" not in p, ahead
-    # the score kernel that selects its rows (SCORE_SELECTS): DeepSeek-V4.1-Flash (4,096- and 8,192-wide tables, 64
-    # heads) on the select's warps; the arrival an acquire-release atomic at GPU scope
-    for cap in (4096, 8192):
+    # the score kernel that selects its rows (SCORE_SELECTS) and writes the new keys (SCORE_WRITES_KEY: GLM-5.3's
+    # LayerNorm with bias, DeepSeek-V4.1-Flash's RMS norm): 4,096- and 8,192-wide tables, 64 heads, the select's
+    # warps; the arrival an acquire-release atomic at GPU scope
+    for cap, norm, rope in ((4096, 1, True), (8192, 2, True), (8192, 2, False)):
         consts, warps = ix.select_config(cap)
-        p = ptx(kern["score"], sig, dict(D=128, D_PAD=128, H_PAD=64, HALF=32, ROPE=False, INTERLEAVED=True,
+        p = ptx(kern["score"], sig, dict(D=128, D_PAD=128, H_PAD=64, HALF=32, ROPE=rope, INTERLEAVED=True,
                                          BT=ix.BLOCK_T, MIN_CHUNK=ix.MIN_CHUNK, FILL=ix.FILL_BLOCK, PREC="tf32",
-                                         AHEAD=False, SELECT=True, **consts), warps)
+                                         AHEAD=False, SELECT=True, **consts, KEY=True, NORM=norm,
+                                         HAS_BIAS=norm == 1), warps)
         assert ("mma.sync" in p or "wgmma" in p) and "atom.global.gpu.acq_rel.add" in p, cap
-        assert "ld.local" not in p and "st.local" not in p, cap
+        if not rope:
+            assert "ld.local" not in p and "st.local" not in p, cap
     sig = dict(logits="*fp32", seq_lens="*i32", out="*i32", K="i32", s_lb="i32", s_ob="i32")
     for bits in (4, 8):   # 16- and 256-bin histograms; rows looped over tiles or kept in registers (4096 wide)
         for resident, tile, narrow in ((False, ix.SELECT_TILE, False), (True, 4096, False), (True, 4096, True)):

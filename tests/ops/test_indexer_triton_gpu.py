@@ -8,8 +8,8 @@ is a valid set (``min(K, seq_len)`` distinct live positions, -1 elsewhere) whose
 the reference's top-K logits as sorted multisets within a bf16-sized tolerance. The new keys land in
 the cache at the live slots (one bf16 rounding of the fp32 norm + RoPE); nothing else changes. Every
 selection variant (radix select, the split select of ``topk_triton``, torch.topk; the radix select inside the
-score kernel, ``SCORE_SELECTS``); a captured call replays for new seq_lens / slots / cache / queries exactly as the
-eager call computes them.
+score kernel, ``SCORE_SELECTS``, and the key written by it, ``SCORE_WRITES_KEY``); a captured call replays for new
+seq_lens / slots / cache / queries exactly as the eager call computes them.
 Run on the H200: ``pytest -m gpu tests/ops/test_indexer_triton_gpu.py``.
 """
 
@@ -225,6 +225,35 @@ def test_score_kernel_selects_its_rows(monkeypatch, shape, per):
         torch.cuda.synchronize()
         assert torch.equal(out.sort(-1).values, got.sort(-1).values)
     assert not ix.arrival_counts(torch.device(DEV), len(lens)).any()
+
+
+@pytest.mark.parametrize("shape", [GLM53, DSV41], ids=["glm53", "dsv41"])
+@pytest.mark.parametrize("selects", [False, True], ids=["key", "key_select"])
+def test_score_kernel_writes_the_key(monkeypatch, shape, selects):
+    """``SCORE_WRITES_KEY`` (with ``SCORE_SELECTS``: the indexer in one launch): the new keys in the cache at the live
+    slots (a bf16 rounding of the reference's), nothing else changed, valid selections at batch 1 and 8 (padding rows,
+    rows short of K, rows whose last position is in a later chunk); replayed from a CUDA graph, the eager sets and
+    cache."""
+    monkeypatch.setattr(ix, "SCORE_WRITES_KEY", True)
+    monkeypatch.setattr(ix, "SCORE_SELECTS", selects)
+    K = shape["K"]
+    for lens in ([2 * K + 7], [3 * K + 5, K, 1, 2 * K + 1, 0, 4000, 2080, 65]):
+        args, kw = _case(f"wkey{K}{len(lens)}", lens, per=128, **shape)
+        cache0 = args[3].clone()
+        got = _check(args, kw, selection="radix")
+        static = list(args)
+        static[3] = cache0.clone()
+        out = torch.empty_like(got)
+        g = graph_replay(lambda: ix.indexer_topk_triton(*static, out=out, selection="radix", **kw))
+        eager_cache = cache0.clone()
+        ix.indexer_topk_triton(*args[:3], eager_cache, *args[4:], selection="radix", **kw)
+        for _ in range(3):
+            static[3].copy_(cache0)
+            out.fill_(-7)
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out.sort(-1).values, got.sort(-1).values)
+            torch.testing.assert_close(static[3], eager_cache, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("shape", [GLM53, DSV41], ids=["glm53", "dsv41"])

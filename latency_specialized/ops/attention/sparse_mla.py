@@ -122,7 +122,8 @@ def indexer_topk_reference(q: torch.Tensor, k: torch.Tensor | None, weights: tor
                            k_norm_weight: torch.Tensor | None = None, k_norm_bias: torch.Tensor | None = None,
                            k_norm_eps: float = 1e-6, scale: float | None = None,
                            out: torch.Tensor | None = None,
-                           k_norm_kind: Literal["layer", "rms"] = "layer") -> torch.Tensor:
+                           k_norm_kind: Literal["layer", "rms"] = "layer",
+                           cross_row_reads: bool = False) -> torch.Tensor:
     """The indexer's top-k (see the module docstring).
 
     Parameters
@@ -139,11 +140,14 @@ def indexer_topk_reference(q: torch.Tensor, k: torch.Tensor | None, weights: tor
     scale : logit scale (default D^-0.5 h^-0.5). out : optional [B, K] int32 destination.
     k_norm_kind : ``"layer"`` (LayerNorm, optional bias) or ``"rms"`` (RMSNorm: weight only, a bias is an
         error), both in fp32 (module docstring, step 0).
+    cross_row_reads : rows of the call read keys other rows write (a verification step): implementations then write
+        every key before any row reads; the reference always does.
 
     Returns
     -------
     [B, K] int32 positions (-1: none). No host sync.
     """
+    del cross_row_reads   # every key is written before any score below
     B, heads, D = q.shape
     if (k is not None and tuple(k.shape) != (B, D)) or tuple(weights.shape) != (B, heads) or k_cache.shape[-1] != D:
         raise UserError(f"attention.indexer: q {tuple(q.shape)}, k {None if k is None else tuple(k.shape)}, weights "

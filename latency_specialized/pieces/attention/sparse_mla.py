@@ -228,7 +228,7 @@ class SparseMLAAttention(MLAAttention):
                                 rope_inv_freq=w.get("rope_inv_freq") if a.use_rope else None,
                                 rope_interleaved=self.options.rope_interleaved, k_norm_weight=w["indexer.k_norm"],
                                 k_norm_bias=w["indexer.k_norm_bias"], k_norm_eps=self.options.k_norm_eps,
-                                out=self._topk_buffer(step, M))
+                                cross_row_reads=step.spec_tokens > 0, out=self._topk_buffer(step, M))
         # q's rope part and the rope key unrotated: attn.sparse_mla rotates them (rope_args)
         o = self.attend(step, w, state, h, q, kv[:, :L], kv[:, L:], gate)
         return step.op("attn.o_proj")(o, w["o"])

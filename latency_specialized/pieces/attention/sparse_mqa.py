@@ -424,7 +424,7 @@ class SparseMQAAttention:
         step.op("attn.indexer")(iq, k, iw, cache, slot_c, bt, seq_c,
                                 topk=ix.topk, positions=pos, rope_inv_freq=w["rope_inv_freq"], rope_interleaved=True,
                                 k_norm_weight=norm, k_norm_eps=self.norm_eps, k_norm_kind="rms",
-                                out=step.scratch[TOPK][:M])
+                                cross_row_reads=step.spec_tokens > 0, out=step.scratch[TOPK][:M])
 
 
 __all__ = ["COMPRESSED", "INDEX_K", "NO_SLOT", "SEQ_C", "SparseMQAAttention", "TOPK", "compressed_table",
