@@ -1,0 +1,35 @@
+"""The indexer's fusion switches (session 49, off by default) through whole programs on the GPU: DeepSeek-V4.1-Flash
+and GLM-5.3 tiny cells with the switches on equal their references as the matrix's cells do.
+
+``sparse_mqa_triton.COMPRESS_INDEX_KEY`` (DeepSeek's key owners: the compressor writes the indexer's key, the key gemm
+and the key launch skipped), ``indexer_triton.SCORE_WRITES_KEY`` (the scoring program holding the new position writes
+the key: GLM-5.3's index layers; verification rows keep the key launch) and ``indexer_triton.SCORE_SELECTS`` (the
+row's last scoring program selects it). The kernels' own GPU tests check each against its op reference; these check
+the pieces' wiring with them on - which sites the plan skips, the ``k=None`` and ``cross_row_reads`` arguments -
+plain steps at batch 1 and 8 and a verification step (1 + 3 rows a request, rows reading each other's new keys).
+Run on the H200: ``pytest -m gpu tests/models/test_indexer_switches_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from latency_specialized.kernels import indexer_triton, sparse_mqa_triton
+from latency_specialized.plugins import get_registry
+from latency_specialized.testing.matrix import Cell
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("model", ["deepseek_v41_flash", "glm53"])
+@pytest.mark.parametrize("batch,spec", [(1, 0), (8, 0), (4, 3)], ids=["b1", "b8", "b4-s3"])
+def test_cells_with_the_indexer_switches_on(monkeypatch, model, batch, spec):
+    monkeypatch.setattr(sparse_mqa_triton, "COMPRESS_INDEX_KEY", True)
+    monkeypatch.setattr(indexer_triton, "SCORE_WRITES_KEY", True)
+    monkeypatch.setattr(indexer_triton, "SCORE_SELECTS", True)
+    res = get_registry().adapter(model).verify_cell(Cell(model, batch, 1, 40, spec, "cuda"), comm=None)
+    assert res.steps > 0 and res.fast_steps == res.steps and res.stock_steps == 0
+    assert res.max_abs_err <= res.tolerance, f"max |program - reference| = {res.max_abs_err} > {res.tolerance}"
+    assert res.top1_agreement >= 0.99
+    if model == "deepseek_v41_flash":   # the fused compressor served the key owners
+        assert any(impl == sparse_mqa_triton.COMPRESS_INDEX_NAME for impl in res.impls.values()), res.impls
