@@ -75,8 +75,9 @@ COMPRESS_INDEX_FALLBACK = "the compressor, key gemm and indexer sites apart (the
 COMPRESS_INDEX_KEY = False
 """The compressor of a layer that owns the indexer's keys also writes the new key (the family
 ``attention.sparse_mqa_compress_index`` served here, so the program skips the key gemm and calls the indexer with
-``k=None``): two launches fewer per such layer (DeepSeek-V4.1-Flash c2_idx: 20 -> 18 at batch 1), the key's ``Dk x D`` weight read by one program per token.
-Off: not timed yet (A/B ``pending_measurements.sh``); off, the fused site is refused and the three sites run apart."""
+``k=None``): two launches fewer per such layer, the key's ``Dk x D`` weight read by one program per token instead of a
+gemm's grid. Off: not timed yet (A/B ``pending_measurements.sh`` step ``dsvk``); off, the fused site is refused and
+the three sites run apart."""
 INDEX_KEY_TILE = 4096
 """Weight elements per operand of one step of the fused key projection (``[Dk / 2, BK]`` tiles, even and odd rows)."""
 
