@@ -749,8 +749,7 @@ def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor | None, weights: torch.
 
     # 1. the new keys into the cache (before any program of step 2 reads them: a launch boundary), or inside step 2
     key_in_score = k is not None and SCORE_WRITES_KEY and not cross_row_reads
-    if k is not None:
-        k = _unit_last(k)
+    k = None if k is None else _unit_last(k)
     if k is not None and not key_in_score:
         kern["key"][(B,)](k, kw, kb, inv, pos, slot_mapping, flat, float(k_norm_eps), k.stride(0), flat.stride(0),
                           D=D, D_PAD=d_pad, HALF=max(half, 1), NORM=norm, HAS_BIAS=kb is not flat, ROPE=rope,

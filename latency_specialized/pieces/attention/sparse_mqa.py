@@ -404,7 +404,7 @@ class SparseMQAAttention:
 
     def _index(self, step: StepContext, w: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor],
                iw: torch.Tensor, iq: torch.Tensor, pos: torch.Tensor, seq_c: torch.Tensor, slot_c: torch.Tensor,
-               lat: torch.Tensor | None, key_fused: bool = False) -> None:
+               lat: torch.Tensor | None, key_fused: bool) -> None:
         """This layer's top-k of the compressed rows into the shared selection buffer. ``iw [M, heads]`` and ``iq
         [M, heads * head_dim]``: column slices of the input projection and of the q_b gemm; ``seq_c [M]`` int32
         complete rows, ``slot_c [M]`` the key's slot (-1: none; every row -1 on layers that own no keys).
