@@ -114,7 +114,7 @@ another in one program, so one tile each (64) beat two (128) in the layer (``NOT
 SCORE_KEYS_AHEAD = False
 """The scoring programs load each tile's block ids and keys one step ahead, the first tile's before the query's load
 and rotation (a program's round trips then overlap instead of following each other; at batch 1 a program scores one
-tile). Off: not timed yet (A/B ``pending_measurements.sh`` step ``fine``, variant ``ahead``)."""
+tile). Off: no faster in the layer (session 50's A/B, NOTES_indexer.md)."""
 WAVES = 2
 """Target scoring programs per SM (batch x splits ~ WAVES x SMs) when choosing num_splits."""
 MAX_SPLITS = 512
@@ -126,17 +126,17 @@ SCORE_WARPS = 4
 SELECT_WARPS = 8
 SELECT_WARPS_WIDE = 16
 """Warps of the select kernel when its resident row is wider than 4096 logits."""
-SCORE_WRITES_KEY = False
+SCORE_WRITES_KEY = True
 """The scoring program whose chunk holds a row's last position (the new token's) writes the row's new key first (a CTA
 barrier, then its tiles), instead of the key launch before the score kernel: one launch fewer (GLM-5.3's index layers;
 DeepSeek-V4.1-Flash's key owners unless their compressor writes the key). Sound where every row reads only its own
 positions and ``slot_mapping[b]`` is the row of its last position (or < 0), as in every decode step; a call with
-``cross_row_reads`` (verification rows) keeps the key launch. Off: not timed yet (``pending_measurements.sh``)."""
+``cross_row_reads`` (verification rows) keeps the key launch. On since session 50 (A/B in NOTES_indexer.md)."""
 SCORE_SELECTS = False
 """With the radix selection, the score kernel's last program of each row to finish (a per-row arrival count, acquire /
 release at GPU scope) runs the radix select of that row: one launch fewer (DeepSeek-V4.1-Flash c2_idx and GLM-5.3's
 index layers: the select's launch and the gap before it), the score programs launched with the select's warps. Off:
-not timed yet (A/B ``pending_measurements.sh`` step ``dsvk``)."""
+slower in the layer (session 50's A/B, NOTES_indexer.md)."""
 SELECT_TRIGGER_START = False
 """The radix select triggers its dependents at its start (after waiting for its own prerequisites, so everything
 launched before it has finished): a consumer launched behind it with PDL - the sparse MQA split kernel
@@ -153,8 +153,8 @@ SELECT_FINE_WIDTHS = False
 """With the half-width path, the width a row holds steps through 1/4, 3/8, 1/2, 3/4 and all of the resident tile by
 its live length, 3/8 and 3/4 as two tiles (``_resident_select_pair``): every pass costs the width held, and a row just
 past a power of two paid for the next one - DeepSeek-V4.1-Flash's c2_idx at context 4096 (2,080 live in an 8,192
-tile: 4,096 -> 3,072), GLM-5.3's indexer at 4,097 live (8,192 -> 6,144). Off: not timed yet (A/B
-``pending_measurements.sh`` step ``fine``)."""
+tile: 4,096 -> 3,072), GLM-5.3's indexer at 4,097 live (8,192 -> 6,144). Off until a whole GPU suite runs with it on:
+faster on DeepSeek-V4.1-Flash's c2_idx, slower on GLM-5.3's moe layer (session 50's A/B, NOTES_indexer.md)."""
 SELECT_BITS = 4
 """Radix digit width of the select kernel: 32 // SELECT_BITS histogram passes of 2**SELECT_BITS bins.
 H200, one row, relu-skewed logits (``benchmarks/results/h200/topk_radix_variants.md``): 4-bit digits in 8

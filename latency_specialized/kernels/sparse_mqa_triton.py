@@ -76,8 +76,8 @@ COMPRESS_INDEX_KEY = False
 """The compressor of a layer that owns the indexer's keys also writes the new key (the family
 ``attention.sparse_mqa_compress_index`` served here, so the program skips the key gemm and calls the indexer with
 ``k=None``): two launches fewer per such layer, the key's ``Dk x D`` weight read by one program per token instead of a
-gemm's grid. Off: not timed yet (A/B ``pending_measurements.sh`` step ``dsvk``); off, the fused site is refused and
-the three sites run apart."""
+gemm's grid. Off: slower in the layer at batch 1 and 8 (session 50's A/B, NOTES_sparse_mqa.md); off, the fused site
+is refused and the three sites run apart."""
 INDEX_KEY_TILE = 4096
 """Weight elements per operand of one step of the fused key projection (``[Dk / 2, BK]`` tiles, even and odd rows)."""
 
