@@ -4,9 +4,13 @@
 # priority order, so a call stopped at the limit keeps the steps before; results tarred per step (the device returns
 # <= 8 files):
 #   source scripts/device_env.sh >/dev/null 2>&1; timeout 575 bash benchmarks/scripts/pending_measurements.sh
-# Steps (STEPS, default dsvk,fine,cutprof,paired,credit,q4) - sessions 48-49's plan (session 48 ran c2ab, topk, dsv:
-# benchmarks/results/h100/session48/; session 46 gqa, dsvab, topk, muse; those, prof and gemm stay available by name;
-# session 49 had no device time):
+# Steps (STEPS, default fine2,paired,q4) - session 50's plan (session 50 ran dsvk, fine, cutprof, paired (cut off),
+# credit, q4: benchmarks/results/h100/session50/; session 48 c2ab, topk, dsv; session 46 gqa, dsvab, topk, muse; those,
+# prof and gemm stay available by name):
+#   fine2  (session 50's plan) the finer select widths again, 3 runs a variant: DeepSeek c2_idx and GLM-5.3 moe at
+#          batch 1 / 8, base / fine / fine + the norm-site credit (c2_idx needs ~1 us past fine for 1.5x), then one
+#          replay's kernels of GLM-5.3 moe at batch 1 with them off and on (session 50: the select alone 3.8 us faster
+#          at its 4,097 live positions, the layer 0.7 us slower - which kernel moved)
 #   dsvk   DeepSeek-V4.1-Flash c2_idx at batch 1 / 8, fewer kernels: (fkey) the compressor writes the indexer's new
 #          key (sparse_mqa_triton.COMPRESS_INDEX_KEY, new in session 49: the key gemm and the indexer's key launch
 #          left out, 20 -> 18 kernels), (fsel) the score kernel's last program of a row selects it
@@ -53,7 +57,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/ls_out}
 export LS_KERNEL_CACHE_DIR=${LS_KERNEL_CACHE_DIR:-/tmp/ls_kcache} CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
-STEPS=${STEPS:-dsvk,fine,cutprof,paired,credit,q4}
+STEPS=${STEPS:-fine2,paired,q4}
 W=$(mktemp -d)
 t0=$(date +%s)
 step() { [[ ",$STEPS," == *",$1,"* ]]; }
@@ -86,6 +90,24 @@ $SP.indexer_triton.SELECT_FINE_WIDTHS=True,$SP.indexer_triton.SCORE_KEYS_AHEAD=T
     > "$W/dsvk/glm.log" 2>&1 || rc=$?
   find "$W/dsvk" -name "*.png" -delete; pack dsvk "$rc"   # the runs' tables (ab_runs) hold the kernel counts
   grep -h "^| [a-z_0-9]* | [0-9]" "$W"/dsvk/*/ab.md; grep -rh "^| [a-z_0-9]* | 1 |" "$W"/dsvk/*/ab_runs | cut -d'|' -f2-7
+fi
+if step fine2; then
+  mkdir -p "$W/fine2"; rc=0
+  SP=latency_specialized.kernels
+  for m in deepseek_v41_flash:c2_idx glm53:moe; do
+    timeout "${FINE2_S:-170}" "${BENCH[@]}" --model "${m%%:*}" --kinds "${m##*:}" --batch 1,8 --repeat 3 \
+      --out "$W/fine2/${m%%:*}" --ab base --ab fine:$SP.indexer_triton.SELECT_FINE_WIDTHS=True \
+      --ab "credit:$SP.indexer_triton.SELECT_FINE_WIDTHS=True,$SP.tuning.NORM_SITE_CREDIT_US=1.5" \
+      > "$W/fine2/${m%%:*}.log" 2>&1 || rc=$?
+  done
+  for f in False True; do
+    timeout "${PROF_S:-70}" python3 benchmarks/scripts/profile_layer.py --model glm53 --kind moe --batches 1 \
+      --layers 2 --timeline --out "$W/fine2/p_glm_moe_fine_$f.json" --set $SP.indexer_triton.SELECT_FINE_WIDTHS=$f \
+      > "$W/fine2/p_glm_moe_fine_$f.txt" 2>&1 || rc=$?
+  done
+  find "$W/fine2" -name "*.png" -delete; find "$W/fine2" -path "*ab_runs*" -name "*.json" -delete
+  pack fine2 "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W"/fine2/*/ab.md; grep -h "select_kernel\|score_kernel" \
+    "$W"/fine2/p_glm_moe_fine_*.txt | head -12
 fi
 if step fine; then
   mkdir -p "$W/fine"; rc=0
@@ -165,7 +187,7 @@ if step muse; then
 fi
 if step paired; then
   mkdir -p "$W/paired"
-  timeout "${PAIRED_S:-150}" "${BENCH[@]}" --model kimi_k3 --experts mxfp4 --kinds kda,mla --batch 64 \
+  timeout "${PAIRED_S:-240}" "${BENCH[@]}" --model kimi_k3 --experts mxfp4 --kinds kda,mla --batch 64 \
     --out "$W/paired" --ab paired --ab checkpoint:latency_specialized.pieces.ffn.latent_moe.PAIR_EXPERT_CODES=False \
     > "$W/paired/paired.log" 2>&1; rc=$?
   rm -rf "$W"/paired/ab_runs; pack paired "$rc"; grep -h "^| [a-z_]* | [0-9]" "$W"/paired/ab.md

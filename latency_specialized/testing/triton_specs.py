@@ -102,6 +102,29 @@ def resolve(ref: str) -> Any:
     raise LookupError(f"{ref}: {module_name}.{factory.__name__} makes no such kernel")
 
 
+class StaleRecord(Exception):
+    """A record whose kernel no longer takes the arguments it was recorded with (added, removed or renamed)."""
+
+
+def _argument_change(recorded: list[str], now: list[str]) -> str | None:
+    if recorded == now:
+        return None
+    added, dropped = [a for a in now if a not in recorded], [a for a in recorded if a not in now]
+    return (f"the kernel's arguments changed since the record (added {added}, dropped {dropped}"
+            f"{', reordered' if not added and not dropped else ''})")
+
+
+def stale_reason(record: dict[str, str]) -> str | None:
+    """Why ``record`` no longer fits its kernel - the kernel is gone, or its arguments changed - found without
+    compiling, as ``precompile`` reports it; None where it fits (a changed body shows only when compiled)."""
+    try:
+        fn = resolve(record["fn"])
+    except (ImportError, AttributeError, LookupError) as e:
+        return f"{record['fn']}: {type(e).__name__}: {str(e)[:200]}"
+    change = _argument_change(list(json.loads(record["data"])["signature"]), list(fn.arg_names))
+    return None if change is None else f"{record['fn']}: {StaleRecord.__name__}: {change}"
+
+
 def compile_record(record: dict[str, str], target: Any) -> bool:
     """Compile one record for ``target`` (a ``GPUTarget``) into Triton's cache, as ``JITFunction.preload``
     deserialises it; True: it was in the cache already (``testing.compile_clock`` counts the same)."""
@@ -112,6 +135,9 @@ def compile_record(record: dict[str, str], target: Any) -> bool:
 
     fn = resolve(record["fn"])
     obj = json.loads(record["data"])
+    change = _argument_change(list(obj["signature"]), list(fn.arg_names))
+    if change is not None:   # else Triton fails it with an error at some line of the kernel's source
+        raise StaleRecord(change)
 
     def constant(v: Any) -> Any:
         # JSON made the tuples lists: back to tuples (lists are no kernel argument), as Triton >= 3.7's preload does

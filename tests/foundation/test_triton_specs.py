@@ -68,6 +68,23 @@ def test_stale_records_are_reported_not_raised(triton_cache):
     assert (compiled, hits) == (0, 0) and errors == [f"{__name__}:scale_rows: not reached (time limit)"]
 
 
+def test_records_of_a_kernel_whose_arguments_changed_are_stale(triton_cache):
+    """A record made before the kernel gained an argument (a new constexpr, as sessions add switches) is named stale
+    without compiling, and ``precompile`` reports it instead of compiling a specialisation no launch will ask for."""
+    rec = _record(32)
+    assert triton_specs.stale_reason(rec) is None
+    data = json.loads(rec["data"])
+    del data["signature"]["DT"]
+    old = dict(rec, data=json.dumps(data))
+    why = triton_specs.stale_reason(old)
+    assert why == (f"{__name__}:scale_rows: StaleRecord: the kernel's arguments changed since the record "
+                   "(added ['DT'], dropped [])")
+    assert triton_specs.stale_reason(dict(rec, fn=f"{__name__}:gone")).startswith(f"{__name__}:gone: AttributeError")
+    compiled, hits, errors = triton_specs.precompile([old], jobs=1)
+    assert (compiled, hits) == (0, 0) and errors == [why]
+    assert not any(triton_cache.rglob("*.cubin"))
+
+
 def test_factory_kernels_resolve():
     from latency_specialized.kernels import gqa_decode_triton
 
