@@ -11,7 +11,7 @@ first (the larger share in session 30 / 32's junit files), then CuTe DSL in what
 what compiled, what was cached already, and the records that no longer fit the code (stale: renamed, re-typed).
 ``--drop-stale OUT`` compiles nothing: it writes the records less the Triton ones whose kernel is gone or takes other
 arguments now (``triton_specs.stale_reason``; a kernel's signature change leaves its old records behind, which every
-later build would try and fail).
+later build would compile into entries no launch asks for, or fail on).
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ def compile_record(record: dict[str, str], target: Any) -> bool:
     fn = resolve(record["fn"])
     obj = json.loads(record["data"])
     change = _argument_change(list(obj["signature"]), list(fn.arg_names))
-    if change is not None:   # else Triton fails it with an error at some line of the kernel's source
+    if change is not None:   # else Triton builds an entry no launch asks for (missing constexprs), or fails
         raise StaleRecord(change)
 
     def constant(v: Any) -> Any:
