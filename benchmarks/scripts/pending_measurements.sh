@@ -4,9 +4,12 @@
 # priority order, so a call stopped at the limit keeps the steps before; results tarred per step (the device returns
 # <= 8 files):
 #   source scripts/device_env.sh >/dev/null 2>&1; timeout 575 bash benchmarks/scripts/pending_measurements.sh
-# Steps (STEPS, default fine2,paired,q4) - session 50's plan (session 50 ran dsvk, fine, cutprof, paired (cut off),
+# Steps (STEPS, default slots,fine2,paired,q4) - session 50's plan (session 50 ran dsvk, fine, cutprof, paired (cut off),
 # credit, q4: benchmarks/results/h100/session50/; session 48 c2ab, topk, dsv; session 46 gqa, dsvab, topk, muse; those,
 # prof and gemm stay available by name):
+#   slots  (session 50's plan) one replay of a 2-layer DeepSeek-V4.1-Flash c2_idx program at batch 1 and 8 with the
+#          step's slots in one launch each (step_slots_triton.STEP_SLOTS_KERNEL) off and on: the replay's total and
+#          kernels (the layer bench leaves per-step work out)
 #   fine2  (session 50's plan) the finer select widths again, 3 runs a variant: DeepSeek c2_idx and GLM-5.3 moe at
 #          batch 1 / 8, base / fine / fine + the norm-site credit (c2_idx needs ~1 us past fine for 1.5x), then one
 #          replay's kernels of GLM-5.3 moe at batch 1 with them off and on (session 50: the select alone 3.8 us faster
@@ -57,7 +60,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/ls_out}
 export LS_KERNEL_CACHE_DIR=${LS_KERNEL_CACHE_DIR:-/tmp/ls_kcache} CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
-STEPS=${STEPS:-fine2,paired,q4}
+STEPS=${STEPS:-slots,fine2,paired,q4}
 W=$(mktemp -d)
 t0=$(date +%s)
 step() { [[ ",$STEPS," == *",$1,"* ]]; }
@@ -90,6 +93,16 @@ $SP.indexer_triton.SELECT_FINE_WIDTHS=True,$SP.indexer_triton.SCORE_KEYS_AHEAD=T
     > "$W/dsvk/glm.log" 2>&1 || rc=$?
   find "$W/dsvk" -name "*.png" -delete; pack dsvk "$rc"   # the runs' tables (ab_runs) hold the kernel counts
   grep -h "^| [a-z_0-9]* | [0-9]" "$W"/dsvk/*/ab.md; grep -rh "^| [a-z_0-9]* | 1 |" "$W"/dsvk/*/ab_runs | cut -d'|' -f2-7
+fi
+if step slots; then
+  mkdir -p "$W/slots"; rc=0
+  for f in False True; do
+    timeout "${PROF_S:-70}" python3 benchmarks/scripts/profile_layer.py --model deepseek_v41_flash --kind c2_idx \
+      --batches 1,8 --layers 2 --timeline --out "$W/slots/p_c2_idx_slots_$f.json" \
+      --set latency_specialized.kernels.step_slots_triton.STEP_SLOTS_KERNEL=$f > "$W/slots/p_c2_idx_slots_$f.txt" 2>&1 \
+      || rc=$?
+  done
+  rm -f "$W"/slots/*.trace.json; pack slots "$rc"; grep -h "^=== " "$W"/slots/*.txt
 fi
 if step fine2; then
   mkdir -p "$W/fine2"; rc=0

@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 
 from latency_specialized.errors import UserError
+from latency_specialized.ops.paged_slots import decode_slots
 
 
 @dataclass(frozen=True)
@@ -205,14 +206,8 @@ class DecodeBuffers:
         block-table capacity is clamped to the last column; the host must append blocks in time
         (:meth:`needs_block` tells it when).
         """
-        pos = self.positions[:rows]
-        act = self.active[:rows]
-        bs = self.spec.block_size
-        col = torch.clamp(pos // bs, max=self.spec.max_blocks_per_seq - 1)
-        block = self.block_tables[:rows].gather(1, col.unsqueeze(1)).squeeze(1).to(torch.int64)
-        slot = block * bs + pos % bs
-        self.slot_mapping[:rows].copy_(torch.where(act, slot, torch.full_like(slot, -1)))
-        self.seq_lens[:rows].copy_(torch.where(act, pos + 1, torch.zeros_like(pos)).to(torch.int32))
+        decode_slots(self.positions[:rows], self.active[:rows], self.block_tables[:rows], self.spec.block_size,
+                     self.slot_mapping[:rows], self.seq_lens[:rows])
 
     def advance(self, rows: int, next_tokens: torch.Tensor | None = None) -> None:
         """End of a step: live rows move to the next position (and take ``next_tokens`` as input).

@@ -73,6 +73,7 @@ from latency_specialized.errors import UserError
 from latency_specialized.kernels.mla_common import write_new_latents
 from latency_specialized.kernels.ring_window import check_sliding_window
 from latency_specialized.kernels.norm_reference import rmsnorm_reference
+from latency_specialized.kernels.step_slots_triton import slot_of
 from latency_specialized.ops.attention.sparse_mla import index_key_rows
 from latency_specialized.ops.registry import Implementation, OpContext, always
 from latency_specialized.ops.rope import apply_rope
@@ -106,14 +107,6 @@ def sparse_decode_masked(q: torch.Tensor, kv: torch.Tensor, topk_idx: torch.Tens
     p = torch.softmax(s, dim=-1)[..., :-1]
     out = torch.einsum("bhk,bkd->bhd", p, rows[..., :v_dim])
     return torch.where(valid.any(-1).view(-1, 1, 1), out, 0.0).to(q.dtype)
-
-
-def slot_of(block_table: torch.Tensor, index: torch.Tensor, block_size: int, live: torch.Tensor) -> torch.Tensor:
-    """Flat paged-cache slot of entry ``index [B]`` of each sequence's block table (``-1`` where not ``live``)."""
-    idx = index.long().clamp(min=0)
-    col = (idx // block_size).clamp(max=block_table.shape[1] - 1)
-    blk = block_table.long().gather(1, col.unsqueeze(1)).squeeze(1)
-    return torch.where(live, blk * block_size + idx % block_size, -1)
 
 
 def write_slots(cache: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:

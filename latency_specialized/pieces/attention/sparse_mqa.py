@@ -72,7 +72,8 @@ from typing import ClassVar, Mapping, Sequence
 import torch
 
 from latency_specialized.errors import UserError
-from latency_specialized.ops.attention.sparse_mqa import rope_tail, slot_of
+from latency_specialized.ops import paged_slots
+from latency_specialized.ops.attention.sparse_mqa import rope_tail
 from latency_specialized.ops.sites import SiteBuilder, stored_bytes_per_value
 from latency_specialized.pieces.attention.rope import rope_inv_freq
 from latency_specialized.runtime.pieces_api import (StateDecl, StepContext, WeightDecl, fused_gemm, join, row_blocks,
@@ -104,11 +105,7 @@ def compressed_slots(meta: Mapping[str, torch.Tensor], ratio: int,
     """Per row of the step, from its sequence length: complete compressed rows ``seq_c`` [M] int64 (and as
     int32), the flat slot of the compressed cache this token's group completes (``-1``: it completes none)
     and ``[M]`` slots of -1 (the key slot of layers that write no keys)."""
-    seq = meta["seq_lens"].long()
-    seq_c = seq // ratio                                                    # complete compressed rows
-    done = (seq % ratio == 0) & (seq > 0)                                   # this token completes one
-    slot_c = slot_of(meta["block_table"], seq_c - 1, block_size, done)
-    return seq_c, seq_c.to(torch.int32), slot_c, torch.full_like(slot_c, -1)
+    return paged_slots.compressed_slots(meta["seq_lens"], meta["block_table"], ratio, block_size)
 
 
 def compressed_table(block_table: torch.Tensor, ratio: int) -> torch.Tensor:

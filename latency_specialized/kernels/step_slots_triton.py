@@ -1,0 +1,155 @@
+"""A decode step's paged-cache slots, each set in one launch: the step's ``slot_mapping`` / ``seq_lens`` from its
+positions and block tables, and a compression ratio's complete rows and the slot its closing token writes.
+
+The torch forms (``decode_slots_reference``, ``compressed_slots_reference``; what
+``runtime.buffers.DecodeBuffers.metadata`` and ``pieces.attention.sparse_mqa.compressed_slots`` run) are chains of
+small elementwise kernels inside the step's CUDA graph - a gather, integer divisions and remainders, compares, wheres,
+dtype copies - each a launch and a gap on a path every step waits on, although the data is a few hundred integers.
+These kernels compute the same values in one launch a set: one program over all rows (a decode step has at most
+64 x 8 rows). Integers only, so they equal the references exactly. No host sync: capturable, and a replay reads the
+buffers' current positions, tables and lengths.
+
+``STEP_SLOTS_KERNEL`` (off until a GPU suite has run them) routes the two callers here on CUDA tensors; on the CPU
+they keep the torch forms. Where the time goes before and after: ``NOTES_step_slots.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from latency_specialized.errors import UserError
+
+STEP_SLOTS_KERNEL = False
+"""Compute the step's slots (``DecodeBuffers.metadata``) and a ratio's compressed slots (``compressed_slots``) with
+the kernels below on CUDA tensors instead of the torch chains. Off: its GPU tests have not run yet."""
+MAX_ROWS = 4096
+"""Rows one launch takes (one program; a decode step has far fewer)."""
+
+
+def decode_slots_reference(positions: torch.Tensor, active: torch.Tensor, block_tables: torch.Tensor,
+                           block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the flat slot of ``positions[r]`` in row ``r``'s blocks (``[R]`` int64; -1 where not ``active``) and
+    the sequence length with that token (``[R]`` int32; 0 where not active). A position past the table is clamped to
+    its last column (the host appends blocks in time). ``positions`` ``[R]`` int64, ``active`` ``[R]`` bool,
+    ``block_tables`` ``[R, W]`` int32."""
+    col = torch.clamp(positions // block_size, max=block_tables.shape[1] - 1)
+    block = block_tables.gather(1, col.unsqueeze(1)).squeeze(1).to(torch.int64)
+    slot = block * block_size + positions % block_size
+    return (torch.where(active, slot, torch.full_like(slot, -1)),
+            torch.where(active, positions + 1, torch.zeros_like(positions)).to(torch.int32))
+
+
+def slot_of(block_table: torch.Tensor, index: torch.Tensor, block_size: int, live: torch.Tensor) -> torch.Tensor:
+    """Flat paged-cache slot of entry ``index [B]`` of each sequence's block table (``-1`` where not ``live``)."""
+    idx = index.long().clamp(min=0)
+    col = (idx // block_size).clamp(max=block_table.shape[1] - 1)
+    blk = block_table.long().gather(1, col.unsqueeze(1)).squeeze(1)
+    return torch.where(live, blk * block_size + idx % block_size, -1)
+
+
+def compressed_slots_reference(seq_lens: torch.Tensor, block_table: torch.Tensor, ratio: int,
+                               block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row, from its sequence length: the complete compressed rows ``seq_c`` ``[R]`` int64 (and as int32), the
+    flat slot of the compressed cache this token's group completes (``-1``: it completes none) and ``[R]`` slots of
+    -1 (the key slot of layers that write no keys). Compressed row ``j`` sits at the slot of position ``j``."""
+    seq = seq_lens.long()
+    seq_c = seq // ratio
+    done = (seq % ratio == 0) & (seq > 0)
+    slot_c = slot_of(block_table, seq_c - 1, block_size, done)
+    return seq_c, seq_c.to(torch.int32), slot_c, torch.full_like(slot_c, -1)
+
+
+@functools.lru_cache(maxsize=2)
+def _kernels(interpret: bool):
+    """The jitted kernels (one build per ``TRITON_INTERPRET`` setting)."""
+    del interpret
+    global tl, _table_slot
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _table_slot(block_table, r, ok, s_bt, index, block_size, W):
+        # the flat slot of entry index (>= 0) of row r's blocks, the column clamped to the table
+        col = tl.minimum(index // block_size, W - 1)
+        blk = tl.load(block_table + r.to(tl.int64) * s_bt + col, mask=ok, other=0).to(tl.int64)
+        return blk * block_size + index % block_size
+
+    @triton.jit
+    def decode_slots_kernel(positions, active, block_tables, slot_mapping, seq_lens, rows, s_bt, block_size, W,
+                            BLOCK: tl.constexpr):
+        r = tl.arange(0, BLOCK)
+        ok = r < rows
+        pos = tl.maximum(tl.load(positions + r, mask=ok, other=0).to(tl.int64), 0)
+        act = tl.load(active + r, mask=ok, other=0) != 0
+        slot = _table_slot(block_tables, r, ok, s_bt, pos, block_size, W)
+        tl.store(slot_mapping + r, tl.where(act, slot, -1), mask=ok)
+        tl.store(seq_lens + r, tl.where(act, pos + 1, 0).to(tl.int32), mask=ok)
+
+    @triton.jit
+    def compressed_slots_kernel(seq_lens, block_table, seq_c, seq_c32, slot_c, no_slot, rows, s_bt, ratio,
+                                block_size, W, BLOCK: tl.constexpr):
+        r = tl.arange(0, BLOCK)
+        ok = r < rows
+        seq = tl.maximum(tl.load(seq_lens + r, mask=ok, other=0).to(tl.int64), 0)
+        n = seq // ratio
+        done = (seq % ratio == 0) & (seq > 0)
+        slot = _table_slot(block_table, r, ok, s_bt, tl.maximum(n - 1, 0), block_size, W)
+        tl.store(seq_c + r, n, mask=ok)
+        tl.store(seq_c32 + r, n.to(tl.int32), mask=ok)
+        tl.store(slot_c + r, tl.where(done, slot, -1), mask=ok)
+        tl.store(no_slot + r, tl.full([BLOCK], -1, tl.int64), mask=ok)
+
+    return {"decode": decode_slots_kernel, "compressed": compressed_slots_kernel}
+
+
+def _launch_checks(rows: int, table: torch.Tensor, what: str) -> int:
+    if rows > MAX_ROWS:
+        raise UserError(f"{what}: {rows} rows in one step; the kernel takes at most {MAX_ROWS} (MAX_ROWS)")
+    if table.dim() != 2 or table.stride(1) != 1:
+        raise UserError(f"{what}: the block table must be [rows, W] with unit column stride, got shape "
+                        f"{tuple(table.shape)} strides {table.stride()}")
+    return max(16, 1 << max(rows - 1, 0).bit_length())
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def decode_slots_triton(positions: torch.Tensor, active: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+                        slot_mapping: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """``decode_slots_reference`` into ``slot_mapping`` ``[R]`` int64 and ``seq_lens`` ``[R]`` int32 (contiguous),
+    one launch."""
+    rows = positions.shape[0]
+    block = _launch_checks(rows, block_tables, "decode slots")
+    if rows:
+        _kernels(_interpret())["decode"][(1,)](positions, active, block_tables, slot_mapping, seq_lens, rows,
+                                               block_tables.stride(0), block_size, block_tables.shape[1], BLOCK=block)
+
+
+def compressed_slots_triton(seq_lens: torch.Tensor, block_table: torch.Tensor, ratio: int,
+                            block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``compressed_slots_reference`` in one launch (new tensors: inside a graph they come from its pool)."""
+    rows = seq_lens.shape[0]
+    block = _launch_checks(rows, block_table, "compressed slots")
+    if ratio < 1:
+        raise UserError(f"compressed slots: ratio {ratio}; a compressed layer has a ratio of 1 or more")
+    kw = {"device": seq_lens.device}
+    seq_c, slot_c, no_slot = (torch.empty(rows, dtype=torch.int64, **kw) for _ in range(3))
+    seq_c32 = torch.empty(rows, dtype=torch.int32, **kw)
+    if rows:
+        _kernels(_interpret())["compressed"][(1,)](seq_lens, block_table, seq_c, seq_c32, slot_c, no_slot, rows,
+                                                   block_table.stride(0), ratio, block_size, block_table.shape[1],
+                                                   BLOCK=block)
+    return seq_c, seq_c32, slot_c, no_slot
+
+
+def use_kernel(t: torch.Tensor) -> bool:
+    """Whether the callers run the kernels for tensors on ``t``'s device (``STEP_SLOTS_KERNEL``, CUDA only)."""
+    return STEP_SLOTS_KERNEL and t.is_cuda
+
+
+__all__ = ["STEP_SLOTS_KERNEL", "compressed_slots_reference", "compressed_slots_triton", "decode_slots_reference",
+           "decode_slots_triton", "slot_of", "use_kernel"]

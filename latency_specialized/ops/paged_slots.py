@@ -1,0 +1,38 @@
+"""A decode step's paged-cache slots: every model's ``slot_mapping`` / ``seq_lens`` (``DecodeBuffers.metadata``) and
+a compression ratio's compressed rows and slots (sparse MQA's compressed layers, once per step and ratio).
+
+The torch references, or on CUDA tensors with ``kernels.step_slots_triton.STEP_SLOTS_KERNEL`` on, one Triton launch
+each instead of their chains of small kernels (``kernels/step_slots_triton.py``). Both are exact (integers).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from latency_specialized.kernels import step_slots_triton as kernels
+
+
+def decode_slots(positions: torch.Tensor, active: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+                 slot_mapping: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """``slot_mapping [R]`` int64 <- the flat slot of each row's position (-1 where not ``active``), ``seq_lens [R]``
+    int32 <- position + 1 (0 where not active); ``positions [R]`` int64, ``active [R]`` bool, ``block_tables [R, W]``
+    int32 (``kernels.step_slots_triton.decode_slots_reference``)."""
+    if kernels.use_kernel(positions):
+        kernels.decode_slots_triton(positions, active, block_tables, block_size, slot_mapping, seq_lens)
+        return
+    slot, seq = kernels.decode_slots_reference(positions, active, block_tables, block_size)
+    slot_mapping.copy_(slot)
+    seq_lens.copy_(seq)
+
+
+def compressed_slots(seq_lens: torch.Tensor, block_table: torch.Tensor, ratio: int,
+                     block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row, from ``seq_lens [R]``: complete compressed rows ``seq_c`` (int64, and int32), the flat slot of the
+    compressed cache this token's group completes (-1: none) and ``[R]`` slots of -1
+    (``kernels.step_slots_triton.compressed_slots_reference``)."""
+    if kernels.use_kernel(seq_lens):
+        return kernels.compressed_slots_triton(seq_lens, block_table, ratio, block_size)
+    return kernels.compressed_slots_reference(seq_lens, block_table, ratio, block_size)
+
+
+__all__ = ["compressed_slots", "decode_slots"]
