@@ -1,16 +1,18 @@
 """A decode step's paged-cache slots, each set in one launch: the step's ``slot_mapping`` / ``seq_lens`` from its
-positions and block tables, and a compression ratio's complete rows and the slot its closing token writes.
+positions and block tables, a compression ratio's complete rows and the slot its closing token writes, and the step's
+end (positions forward, sampled tokens in).
 
 The torch forms (``decode_slots_reference``, ``compressed_slots_reference``; what
-``runtime.buffers.DecodeBuffers.metadata`` and ``pieces.attention.sparse_mqa.compressed_slots`` run) are chains of
+``advance_reference``; what ``runtime.buffers.DecodeBuffers.metadata`` / ``advance`` and
+``pieces.attention.sparse_mqa.compressed_slots`` run) are chains of
 small elementwise kernels inside the step's CUDA graph - a gather, integer divisions and remainders, compares, wheres,
 dtype copies - each a launch and a gap on a path every step waits on, although the data is a few hundred integers.
 These kernels compute the same values in one launch a set: one program over all rows (a decode step has at most
 64 x 8 rows). Integers only, so they equal the references exactly. No host sync: capturable, and a replay reads the
 buffers' current positions, tables and lengths.
 
-``STEP_SLOTS_KERNEL`` (off until a GPU suite has run them) routes the two callers here on CUDA tensors; on the CPU
-they keep the torch forms. Where the time goes before and after: ``NOTES_step_slots.md``.
+``STEP_SLOTS_KERNEL`` (off until a GPU suite has run them) routes the callers here on CUDA tensors; on the CPU they
+keep the torch forms. Where the time goes before and after: ``NOTES_step_slots.md``.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import torch
 from latency_specialized.errors import UserError
 
 STEP_SLOTS_KERNEL = False
-"""Compute the step's slots (``DecodeBuffers.metadata``) and a ratio's compressed slots (``compressed_slots``) with
-the kernels below on CUDA tensors instead of the torch chains. Off: its GPU tests have not run yet."""
+"""Compute the step's slots (``DecodeBuffers.metadata``), a ratio's compressed slots (``compressed_slots``) and the
+step's end (``DecodeBuffers.advance``) with the kernels below on CUDA tensors instead of the torch chains. Off: its GPU
+tests have not run yet."""
 MAX_ROWS = 4096
 """Rows one launch takes (one program; a decode step has far fewer)."""
 
@@ -60,6 +63,16 @@ def compressed_slots_reference(seq_lens: torch.Tensor, block_table: torch.Tensor
     done = (seq % ratio == 0) & (seq > 0)
     slot_c = slot_of(block_table, seq_c - 1, block_size, done)
     return seq_c, seq_c.to(torch.int32), slot_c, torch.full_like(slot_c, -1)
+
+
+def advance_reference(positions: torch.Tensor, active: torch.Tensor, tokens: torch.Tensor,
+                      next_tokens: torch.Tensor | None) -> None:
+    """End of a step, in place: active rows move to the next position and take ``next_tokens`` (when given) as
+    their input token; padding rows stay. ``positions`` / ``tokens`` ``[R]`` int64, ``active`` ``[R]`` bool,
+    ``next_tokens`` ``[R]`` int."""
+    positions.add_(active.to(torch.int64))
+    if next_tokens is not None:
+        tokens.copy_(torch.where(active, next_tokens.to(torch.int64), tokens))
 
 
 @functools.lru_cache(maxsize=2)
@@ -102,16 +115,33 @@ def _kernels(interpret: bool):
         tl.store(slot_c + r, tl.where(done, slot, -1), mask=ok)
         tl.store(no_slot + r, tl.full([BLOCK], -1, tl.int64), mask=ok)
 
-    return {"decode": decode_slots_kernel, "compressed": compressed_slots_kernel}
+    @triton.jit
+    def advance_kernel(positions, active, tokens, next_tokens, rows, HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr):
+        r = tl.arange(0, BLOCK)
+        ok = r < rows
+        act = tl.load(active + r, mask=ok, other=0) != 0
+        pos = tl.load(positions + r, mask=ok, other=0)
+        tl.store(positions + r, pos + act.to(tl.int64), mask=ok)
+        if HAS_NEXT:
+            nxt = tl.load(next_tokens + r, mask=ok & act, other=0).to(tl.int64)
+            tl.store(tokens + r, nxt, mask=ok & act)
+
+    return {"decode": decode_slots_kernel, "compressed": compressed_slots_kernel, "advance": advance_kernel}
+
+
+def _rows_block(rows: int, what: str) -> int:
+    """The one program's row block for ``rows`` rows (UserError past ``MAX_ROWS``)."""
+    if rows > MAX_ROWS:
+        raise UserError(f"{what}: {rows} rows in one step; the kernel takes at most {MAX_ROWS} (MAX_ROWS)")
+    return max(16, 1 << max(rows - 1, 0).bit_length())
 
 
 def _launch_checks(rows: int, table: torch.Tensor, what: str) -> int:
-    if rows > MAX_ROWS:
-        raise UserError(f"{what}: {rows} rows in one step; the kernel takes at most {MAX_ROWS} (MAX_ROWS)")
+    block = _rows_block(rows, what)
     if table.dim() != 2 or table.stride(1) != 1:
         raise UserError(f"{what}: the block table must be [rows, W] with unit column stride, got shape "
                         f"{tuple(table.shape)} strides {table.stride()}")
-    return max(16, 1 << max(rows - 1, 0).bit_length())
+    return block
 
 
 def _interpret() -> bool:
@@ -146,10 +176,21 @@ def compressed_slots_triton(seq_lens: torch.Tensor, block_table: torch.Tensor, r
     return seq_c, seq_c32, slot_c, no_slot
 
 
+def advance_triton(positions: torch.Tensor, active: torch.Tensor, tokens: torch.Tensor,
+                   next_tokens: torch.Tensor | None) -> None:
+    """``advance_reference`` in one launch (contiguous ``[R]`` tensors)."""
+    rows = positions.shape[0]
+    block = _rows_block(rows, "advance")
+    if rows:
+        nxt = tokens if next_tokens is None else next_tokens.contiguous()   # a view of the sampler's output
+        _kernels(_interpret())["advance"][(1,)](positions, active, tokens, nxt, rows,
+                                                HAS_NEXT=next_tokens is not None, BLOCK=block)
+
+
 def use_kernel(t: torch.Tensor) -> bool:
     """Whether the callers run the kernels for tensors on ``t``'s device (``STEP_SLOTS_KERNEL``, CUDA only)."""
     return STEP_SLOTS_KERNEL and t.is_cuda
 
 
-__all__ = ["STEP_SLOTS_KERNEL", "compressed_slots_reference", "compressed_slots_triton", "decode_slots_reference",
-           "decode_slots_triton", "slot_of", "use_kernel"]
+__all__ = ["STEP_SLOTS_KERNEL", "advance_reference", "advance_triton", "compressed_slots_reference",
+           "compressed_slots_triton", "decode_slots_reference", "decode_slots_triton", "slot_of", "use_kernel"]

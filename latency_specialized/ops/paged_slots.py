@@ -1,5 +1,6 @@
-"""A decode step's paged-cache slots: every model's ``slot_mapping`` / ``seq_lens`` (``DecodeBuffers.metadata``) and
-a compression ratio's compressed rows and slots (sparse MQA's compressed layers, once per step and ratio).
+"""A decode step's paged-cache slots: every model's ``slot_mapping`` / ``seq_lens`` (``DecodeBuffers.metadata``), a
+compression ratio's compressed rows and slots (sparse MQA's compressed layers, once per step and ratio), and the
+step's end (``DecodeBuffers.advance``: positions and input tokens).
 
 The torch references, or on CUDA tensors with ``kernels.step_slots_triton.STEP_SLOTS_KERNEL`` on, one Triton launch
 each instead of their chains of small kernels (``kernels/step_slots_triton.py``). Both are exact (integers).
@@ -25,6 +26,16 @@ def decode_slots(positions: torch.Tensor, active: torch.Tensor, block_tables: to
     seq_lens.copy_(seq)
 
 
+def advance(positions: torch.Tensor, active: torch.Tensor, tokens: torch.Tensor,
+            next_tokens: torch.Tensor | None) -> None:
+    """End of a step, in place: active rows' ``positions [R]`` + 1 and, with ``next_tokens [R]``, their ``tokens``
+    replaced (``kernels.step_slots_triton.advance_reference``)."""
+    if kernels.use_kernel(positions):
+        kernels.advance_triton(positions, active, tokens, next_tokens)
+    else:
+        kernels.advance_reference(positions, active, tokens, next_tokens)
+
+
 def compressed_slots(seq_lens: torch.Tensor, block_table: torch.Tensor, ratio: int,
                      block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row, from ``seq_lens [R]``: complete compressed rows ``seq_c`` (int64, and int32), the flat slot of the
@@ -35,4 +46,4 @@ def compressed_slots(seq_lens: torch.Tensor, block_table: torch.Tensor, ratio: i
     return kernels.compressed_slots_reference(seq_lens, block_table, ratio, block_size)
 
 
-__all__ = ["compressed_slots", "decode_slots"]
+__all__ = ["advance", "compressed_slots", "decode_slots"]

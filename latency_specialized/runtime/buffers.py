@@ -27,7 +27,7 @@ from typing import Sequence
 import torch
 
 from latency_specialized.errors import UserError
-from latency_specialized.ops.paged_slots import decode_slots
+from latency_specialized.ops import paged_slots
 
 
 @dataclass(frozen=True)
@@ -206,8 +206,8 @@ class DecodeBuffers:
         block-table capacity is clamped to the last column; the host must append blocks in time
         (:meth:`needs_block` tells it when).
         """
-        decode_slots(self.positions[:rows], self.active[:rows], self.block_tables[:rows], self.spec.block_size,
-                     self.slot_mapping[:rows], self.seq_lens[:rows])
+        paged_slots.decode_slots(self.positions[:rows], self.active[:rows], self.block_tables[:rows],
+                                 self.spec.block_size, self.slot_mapping[:rows], self.seq_lens[:rows])
 
     def advance(self, rows: int, next_tokens: torch.Tensor | None = None) -> None:
         """End of a step: live rows move to the next position (and take ``next_tokens`` as input).
@@ -219,10 +219,8 @@ class DecodeBuffers:
         rows : bucket size of the step.
         next_tokens : optional ``[rows]`` int tokens sampled inside the graph (e.g. greedy argmax).
         """
-        act = self.active[:rows]
-        self.positions[:rows].add_(act.to(torch.int64))
-        if next_tokens is not None:
-            self.tokens[:rows].copy_(torch.where(act, next_tokens.to(torch.int64), self.tokens[:rows]))
+        paged_slots.advance(self.positions[:rows], self.active[:rows], self.tokens[:rows],
+                            None if next_tokens is None else next_tokens[:rows])
         # seq_lens / slot_mapping are derived at the start of the next step (``metadata``), after
         # any block the host appended in between.
 

@@ -1,7 +1,7 @@
 """CPU tests of a decode step's paged-cache slots (``ops.paged_slots``, ``kernels/step_slots_triton.py``).
 
 * the torch references on hand-made tables (the expected slots written out, clamped columns, padding rows, the
-  token that closes a compressed group and the ones that do not);
+  token that closes a compressed group and the ones that do not) and the step's end (``advance``);
 * the callers (``DecodeBuffers.metadata``, the sparse MQA piece's ``compressed_slots``) through ``ops.paged_slots``:
   on the CPU the references, with ``STEP_SLOTS_KERNEL`` on too;
 * clear errors for what the kernels refuse;
@@ -53,6 +53,16 @@ def test_compressed_slots_reference_by_hand():
     assert padding.tolist() == [-1, -1, -1]
 
 
+def test_advance_reference_by_hand():
+    pos = torch.tensor([5, 13, 3])
+    tokens = torch.tensor([10, 11, 12])
+    act = torch.tensor([True, False, True])
+    kernels.advance_reference(pos, act, tokens, torch.tensor([20, 21, 22], dtype=torch.int32))
+    assert pos.tolist() == [6, 13, 4] and tokens.tolist() == [20, 11, 22]
+    kernels.advance_reference(pos, act, tokens, None)
+    assert pos.tolist() == [7, 13, 5] and tokens.tolist() == [20, 11, 22]
+
+
 def test_the_callers_run_the_references_on_the_cpu(monkeypatch):
     """``STEP_SLOTS_KERNEL`` routes CUDA tensors only: on the CPU the buffers' metadata and the compressed slots are
     the references' values, with the switch on or off."""
@@ -64,6 +74,7 @@ def test_the_callers_run_the_references_on_the_cpu(monkeypatch):
 
     monkeypatch.setattr(kernels, "decode_slots_triton", refuse)
     monkeypatch.setattr(kernels, "compressed_slots_triton", refuse)
+    monkeypatch.setattr(kernels, "advance_triton", refuse)
     for on in (False, True):
         monkeypatch.setattr(kernels, "STEP_SLOTS_KERNEL", on)
         buf = DecodeBuffers(BufferSpec(max_batch=3, block_size=4, max_blocks_per_seq=3), device="cpu")
@@ -72,6 +83,8 @@ def test_the_callers_run_the_references_on_the_cpu(monkeypatch):
         buf.block_tables[:3] = TABLE
         buf.metadata(3)
         assert buf.slot_mapping[:3].tolist() == [9, 21, -1] and buf.seq_lens[:3].tolist() == [6, 14, 0]
+        buf.advance(3, torch.tensor([4, 5, 6]))
+        assert buf.positions[:3].tolist() == [6, 14, 3] and buf.tokens[:3].tolist()[:2] == [4, 5]
         meta = {"seq_lens": torch.tensor([6, 7, 8], dtype=torch.int32), "block_table": TABLE}
         assert compressed_slots(meta, 2, 4)[2].tolist() == [30, -1, 7]
 
@@ -106,14 +119,17 @@ def test_hopper_builds():
                                         table, 64, torch.empty(rows, dtype=torch.int64),
                                         torch.empty(rows, dtype=torch.int32))
             kernels.compressed_slots_triton(torch.zeros(rows, dtype=torch.int32), table, 4, 64)
-    assert len(launches) == 4
+            for nxt in (None, torch.zeros(rows, dtype=torch.int64)):
+                kernels.advance_triton(torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.bool),
+                                       torch.zeros(rows, dtype=torch.int64), nxt)
+    assert len(launches) == 8
     assert compile_for_hopper(launches) == {}
 
 
 @pytest.mark.interpreter_driver
 @pytest.mark.skipif(not _HAVE_TRITON, reason="needs triton (its interpreter runs the kernels on the CPU)")
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=25)
+    run_interpreted(__file__, min_passed=31)
 
 
 def _table(g: torch.Generator, rows: int, width: int, strided: bool) -> torch.Tensor:
@@ -151,6 +167,21 @@ def test_compressed_slots_kernel_equals_the_reference(ratio, rows, block_size, w
         assert a.dtype == b.dtype and torch.equal(a, b)
     if ratio > 1 and rows > 1:
         assert (got[2] >= 0).any() and (got[2] < 0).any()   # both kinds of row in the case
+
+
+@interpreted
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("next_dtype", [None, torch.int32, torch.int64], ids=["none", "i32", "i64"])
+def test_advance_kernel_equals_the_reference(rows, next_dtype):
+    g = torch.Generator().manual_seed(rows)
+    pos = torch.randint(0, 10_000, (rows,), generator=g)
+    tokens = torch.randint(0, 50_000, (rows,), generator=g)
+    act = torch.rand(rows, generator=g) < 0.7
+    nxt = None if next_dtype is None else torch.randint(0, 50_000, (2 * rows,), generator=g).to(next_dtype)[::2]
+    want_pos, want_tokens = pos.clone(), tokens.clone()
+    kernels.advance_reference(want_pos, act, want_tokens, nxt)
+    kernels.advance_triton(pos, act, tokens, nxt)     # a strided next_tokens (every other sample) too
+    assert torch.equal(pos, want_pos) and torch.equal(tokens, want_tokens)
 
 
 @interpreted

@@ -1,5 +1,6 @@
 """A decode step's paged-cache slots on the GPU (``kernels/step_slots_triton.py``): both kernels equal their torch
-references exactly (integers) on fresh random positions, lengths and tables, outputs poisoned first; captured in a
+references exactly (integers) on fresh random positions, lengths and tables, outputs poisoned first, and the step's
+end (``advance``) equals its reference; captured in a
 CUDA graph, a replay after the inputs change in place equals the references on the new inputs; whole programs with
 ``STEP_SLOTS_KERNEL`` on (DeepSeek-V4.1-Flash: both kernels, compressed layers; Kimi K3: the step's slots) equal
 their references as the matrix's cells do. Run on the H200: ``pytest -m gpu tests/ops/test_step_slots_gpu.py``.
@@ -51,16 +52,32 @@ def test_compressed_slots_kernel_equals_the_reference(rows, ratio):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+@pytest.mark.parametrize("rows", [1, 64, 512])
+def test_advance_kernel_equals_the_reference(rows):
+    g = seeded_generator(f"a{rows}")
+    pos = torch.randint(0, 100_000, (rows,), generator=g, device=DEV)
+    tokens = torch.randint(0, 150_000, (rows,), generator=g, device=DEV)
+    act = torch.rand(rows, generator=g, device=DEV) < 0.7
+    for nxt in (None, torch.randint(0, 150_000, (rows,), generator=g, device=DEV, dtype=torch.int32)):
+        want_pos, want_tokens = pos.clone(), tokens.clone()
+        kernels.advance_reference(want_pos, act, want_tokens, nxt)
+        kernels.advance_triton(pos, act, tokens, nxt)
+        assert torch.equal(pos, want_pos) and torch.equal(tokens, want_tokens)
+
+
 def test_graph_replays_follow_the_inputs():
     rows, bs, width, ratio = 64, 64, 512, 4
     table, pos, act, seq = _inputs("g0", rows, bs, width, ratio)
     slot = torch.empty(rows, dtype=torch.int64, device=DEV)
     lens = torch.empty(rows, dtype=torch.int32, device=DEV)
+    tokens = torch.zeros(rows, dtype=torch.int64, device=DEV)
+    sampled = torch.zeros(rows, dtype=torch.int64, device=DEV)
     outs: list[tuple[torch.Tensor, ...]] = []
 
-    def step():
+    def step():   # a step's slots, a compressed layer's, then the step's end (positions move, tokens fed back)
         kernels.decode_slots_triton(pos, act, table, bs, slot, lens)
         outs[:] = [kernels.compressed_slots_triton(seq, table, ratio, bs)]
+        kernels.advance_triton(pos, act, tokens, sampled)
 
     g = graph_replay(step)
     for i in range(1, 4):
@@ -69,13 +86,17 @@ def test_graph_replays_follow_the_inputs():
         pos.copy_(new_pos)
         act.copy_(new_act)
         seq.copy_(new_seq)
+        sampled.random_(0, 150_000)
         slot.fill_(777)
         for t in outs[0]:
             t.fill_(777)
+        want_slot, want_lens = kernels.decode_slots_reference(pos, act, table, bs)
+        want_pos, want_tokens = pos.clone(), tokens.clone()
+        kernels.advance_reference(want_pos, act, want_tokens, sampled)
         g.replay()
         torch.cuda.synchronize()
-        want_slot, want_lens = kernels.decode_slots_reference(pos, act, table, bs)
         assert torch.equal(slot, want_slot) and torch.equal(lens, want_lens)
+        assert torch.equal(pos, want_pos) and torch.equal(tokens, want_tokens)
         for a, b in zip(outs[0], kernels.compressed_slots_reference(seq, table, ratio, bs)):
             assert torch.equal(a, b)
 
