@@ -1,15 +1,15 @@
 """A decode step's paged-cache slots, each set in one launch: the step's ``slot_mapping`` / ``seq_lens`` from its
-positions and block tables, a compression ratio's complete rows and the slot its closing token writes, and the step's
-end (positions forward, sampled tokens in).
+positions and block tables, a compression ratio's complete rows and the slot its closing token writes, a verification
+step's rows, and the step's end (positions forward, sampled tokens in).
 
-The torch forms (``decode_slots_reference``, ``compressed_slots_reference``; what
-``advance_reference``; what ``runtime.buffers.DecodeBuffers.metadata`` / ``advance`` and
-``pieces.attention.sparse_mqa.compressed_slots`` run) are chains of
-small elementwise kernels inside the step's CUDA graph - a gather, integer divisions and remainders, compares, wheres,
-dtype copies - each a launch and a gap on a path every step waits on, although the data is a few hundred integers.
-These kernels compute the same values in one launch a set: one program over all rows (a decode step has at most
-64 x 8 rows). Integers only, so they equal the references exactly. No host sync: capturable, and a replay reads the
-buffers' current positions, tables and lengths.
+The torch forms (``decode_slots_reference``, ``compressed_slots_reference``, ``advance_reference``,
+``verify_rows_reference``; what ``runtime.buffers.DecodeBuffers.metadata`` / ``advance``,
+``runtime.step_meta.VerifyRows.fill`` and ``pieces.attention.sparse_mqa.compressed_slots`` run) are chains of small
+elementwise kernels inside the step's CUDA graph - a gather, integer divisions and remainders, compares, wheres, dtype
+copies - each a launch and a gap on a path every step waits on, although the data is a few hundred integers. These
+kernels compute the same values in one launch a set: one program over all rows (a decode step has at most 64 x 8
+rows; the verification rows take a program each, for their block-table rows). Integers only, so they equal the
+references exactly. No host sync: capturable, and a replay reads the buffers' current positions, tables and lengths.
 
 ``STEP_SLOTS_KERNEL`` (off until a GPU suite has run them) routes the callers here on CUDA tensors; on the CPU they
 keep the torch forms. Where the time goes before and after: ``NOTES_step_slots.md``.
@@ -25,9 +25,9 @@ import torch
 from latency_specialized.errors import UserError
 
 STEP_SLOTS_KERNEL = False
-"""Compute the step's slots (``DecodeBuffers.metadata``), a ratio's compressed slots (``compressed_slots``) and the
-step's end (``DecodeBuffers.advance``) with the kernels below on CUDA tensors instead of the torch chains. Off: its GPU
-tests have not run yet."""
+"""Compute the step's slots (``DecodeBuffers.metadata``), a ratio's compressed slots (``compressed_slots``), a
+verification step's rows (``VerifyRows.fill``) and the step's end (``DecodeBuffers.advance``) with the kernels below on
+CUDA tensors instead of the torch chains. Off: its GPU tests have not run yet."""
 MAX_ROWS = 4096
 """Rows one launch takes (one program; a decode step has far fewer)."""
 
@@ -73,6 +73,31 @@ def advance_reference(positions: torch.Tensor, active: torch.Tensor, tokens: tor
     positions.add_(active.to(torch.int64))
     if next_tokens is not None:
         tokens.copy_(torch.where(active, next_tokens.to(torch.int64), tokens))
+
+
+def verify_rows_reference(tokens: torch.Tensor, drafts: torch.Tensor, positions: torch.Tensor, active: torch.Tensor,
+                          block_tables: torch.Tensor, state_indices: torch.Tensor, block_size: int,
+                          out: dict[str, torch.Tensor], offsets: torch.Tensor | None = None) -> None:
+    """A verification step's per-row metadata (``runtime.step_meta``): request ``b``'s ``1 + k`` rows ``b * T + t``
+    (``T = 1 + k``) get token ``tokens[b]`` then ``drafts[b, t - 1]``, position ``positions[b] + t``, its slot and
+    ``seq_len`` (-1 / 0 where not active), request ``b``'s block-table row and state row. Inputs ``[B]`` (``drafts``
+    ``[B, k]``, ``block_tables`` ``[B, W]``); ``out`` holds ``[B * T]`` tensors 'tokens', 'positions', 'slots',
+    'seq_lens', 'row_states' and ``[B * T, W]`` 'block_table', written in place. ``offsets``: ``arange(T)`` int64
+    on the device, made once by the caller (else one more launch per step)."""
+    B, k = drafts.shape
+    T = 1 + k
+    pos = positions.unsqueeze(1) + (torch.arange(T, device=positions.device) if offsets is None else offsets)
+    act = active.unsqueeze(1).expand(B, T)
+    nb = block_tables.shape[1]
+    col = torch.clamp(pos // block_size, max=nb - 1)
+    slot = block_tables.gather(1, col).to(torch.int64) * block_size + pos % block_size
+    out["tokens"].view(B, T)[:, 0].copy_(tokens)
+    out["tokens"].view(B, T)[:, 1:].copy_(drafts)
+    out["positions"].copy_(pos.reshape(-1))
+    out["slots"].copy_(torch.where(act, slot, torch.full_like(slot, -1)).reshape(-1))
+    out["seq_lens"].copy_(torch.where(act, pos + 1, torch.zeros_like(pos)).to(torch.int32).reshape(-1))
+    out["block_table"].view(B, T, nb).copy_(block_tables.unsqueeze(1).expand(B, T, nb))
+    out["row_states"].view(B, T).copy_(state_indices.unsqueeze(1).expand(B, T))
 
 
 @functools.lru_cache(maxsize=2)
@@ -126,7 +151,33 @@ def _kernels(interpret: bool):
             nxt = tl.load(next_tokens + r, mask=ok & act, other=0).to(tl.int64)
             tl.store(tokens + r, nxt, mask=ok & act)
 
-    return {"decode": decode_slots_kernel, "compressed": compressed_slots_kernel, "advance": advance_kernel}
+    @triton.jit
+    def verify_rows_kernel(tokens, drafts, positions, active, block_tables, state_indices, o_tokens, o_positions,
+                           o_slots, o_seq_lens, o_table, o_states, s_dr, s_bt, block_size, W, T: tl.constexpr,
+                           BLOCK_W: tl.constexpr):
+        # one program per row b * T + t: its token, position, slot, length, state row and block-table row
+        row = tl.program_id(0)
+        b = row // T
+        t = row % T
+        pos = tl.maximum(tl.load(positions + b).to(tl.int64), 0) + t
+        act = tl.load(active + b) != 0
+        if t == 0:
+            tok = tl.load(tokens + b)
+        else:
+            tok = tl.load(drafts + b.to(tl.int64) * s_dr + t - 1)
+        tl.store(o_tokens + row, tok.to(tl.int64))
+        tl.store(o_positions + row, pos)
+        slot = _table_slot(block_tables, b, b >= 0, s_bt, pos, block_size, W)
+        tl.store(o_slots + row, tl.where(act, slot, -1))
+        tl.store(o_seq_lens + row, tl.where(act, pos + 1, 0).to(tl.int32))
+        tl.store(o_states + row, tl.load(state_indices + b))
+        for c0 in range(0, W, BLOCK_W):
+            c = c0 + tl.arange(0, BLOCK_W)
+            blocks = tl.load(block_tables + b.to(tl.int64) * s_bt + c, mask=c < W)
+            tl.store(o_table + row.to(tl.int64) * W + c, blocks, mask=c < W)
+
+    return {"decode": decode_slots_kernel, "compressed": compressed_slots_kernel, "advance": advance_kernel,
+            "verify": verify_rows_kernel}
 
 
 def _rows_block(rows: int, what: str) -> int:
@@ -187,10 +238,30 @@ def advance_triton(positions: torch.Tensor, active: torch.Tensor, tokens: torch.
                                                 HAS_NEXT=next_tokens is not None, BLOCK=block)
 
 
+def verify_rows_triton(tokens: torch.Tensor, drafts: torch.Tensor, positions: torch.Tensor, active: torch.Tensor,
+                       block_tables: torch.Tensor, state_indices: torch.Tensor, block_size: int,
+                       out: dict[str, torch.Tensor]) -> None:
+    """``verify_rows_reference`` in one launch (a program per row); ``out``'s tensors contiguous, 'block_table'
+    ``[B * T, W]`` row-major."""
+    B, k = drafts.shape
+    rows = B * (1 + k)
+    _launch_checks(rows, block_tables, "verification rows")
+    if drafts.stride(1) != 1 or out["block_table"].stride() != (block_tables.shape[1], 1):
+        raise UserError(f"verification rows: drafts {drafts.stride()} and the rows' block table "
+                        f"{out['block_table'].stride()} must be row-major (unit column stride, no row padding)")
+    if rows:
+        W = block_tables.shape[1]
+        _kernels(_interpret())["verify"][(rows,)](
+            tokens, drafts, positions, active, block_tables, state_indices, out["tokens"], out["positions"],
+            out["slots"], out["seq_lens"], out["block_table"], out["row_states"], drafts.stride(0),
+            block_tables.stride(0), block_size, W, T=1 + k, BLOCK_W=min(1024, max(16, 1 << (W - 1).bit_length())))
+
+
 def use_kernel(t: torch.Tensor) -> bool:
     """Whether the callers run the kernels for tensors on ``t``'s device (``STEP_SLOTS_KERNEL``, CUDA only)."""
     return STEP_SLOTS_KERNEL and t.is_cuda
 
 
 __all__ = ["STEP_SLOTS_KERNEL", "advance_reference", "advance_triton", "compressed_slots_reference",
-           "compressed_slots_triton", "decode_slots_reference", "decode_slots_triton", "slot_of", "use_kernel"]
+           "compressed_slots_triton", "decode_slots_reference", "decode_slots_triton", "slot_of", "use_kernel",
+           "verify_rows_reference", "verify_rows_triton"]

@@ -1,6 +1,7 @@
 """A decode step's paged-cache slots: every model's ``slot_mapping`` / ``seq_lens`` (``DecodeBuffers.metadata``), a
-compression ratio's compressed rows and slots (sparse MQA's compressed layers, once per step and ratio), and the
-step's end (``DecodeBuffers.advance``: positions and input tokens).
+compression ratio's compressed rows and slots (sparse MQA's compressed layers, once per step and ratio), a
+verification step's rows (``runtime.step_meta.VerifyRows``) and the step's end (``DecodeBuffers.advance``: positions
+and input tokens).
 
 The torch references, or on CUDA tensors with ``kernels.step_slots_triton.STEP_SLOTS_KERNEL`` on, one Triton launch
 each instead of their chains of small kernels (``kernels/step_slots_triton.py``). Both are exact (integers).
@@ -36,6 +37,19 @@ def advance(positions: torch.Tensor, active: torch.Tensor, tokens: torch.Tensor,
         kernels.advance_reference(positions, active, tokens, next_tokens)
 
 
+def verify_rows(tokens: torch.Tensor, drafts: torch.Tensor, positions: torch.Tensor, active: torch.Tensor,
+                block_tables: torch.Tensor, state_indices: torch.Tensor, block_size: int,
+                out: dict[str, torch.Tensor], offsets: torch.Tensor | None = None) -> None:
+    """A verification step's per-row metadata into ``out`` (``kernels.step_slots_triton.verify_rows_reference``:
+    request ``b``'s ``1 + k`` rows with their tokens, positions, slots, lengths, block-table rows and state rows;
+    ``offsets``: the torch form's ``arange(1 + k)``)."""
+    if kernels.use_kernel(positions):
+        kernels.verify_rows_triton(tokens, drafts, positions, active, block_tables, state_indices, block_size, out)
+    else:
+        kernels.verify_rows_reference(tokens, drafts, positions, active, block_tables, state_indices, block_size,
+                                      out, offsets)
+
+
 def compressed_slots(seq_lens: torch.Tensor, block_table: torch.Tensor, ratio: int,
                      block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row, from ``seq_lens [R]``: complete compressed rows ``seq_c`` (int64, and int32), the flat slot of the
@@ -46,4 +60,4 @@ def compressed_slots(seq_lens: torch.Tensor, block_table: torch.Tensor, ratio: i
     return kernels.compressed_slots_reference(seq_lens, block_table, ratio, block_size)
 
 
-__all__ = ["advance", "compressed_slots", "decode_slots"]
+__all__ = ["advance", "compressed_slots", "decode_slots", "verify_rows"]

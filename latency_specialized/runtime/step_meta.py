@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from latency_specialized.errors import UserError
+from latency_specialized.ops import paged_slots
 from latency_specialized.runtime.buffers import DecodeBuffers
 
 
@@ -62,27 +63,17 @@ class VerifyRows:
         if spec.spec_tokens != k or batch > self.max_batch:
             raise UserError(f"verification step of {batch} requests x {spec.spec_tokens} drafts over rows sized for "
                             f"{self.max_batch} x {k}: give the buffers BufferSpec(spec_tokens={k})")
-        T, M = 1 + k, batch * (1 + k)
+        M = batch * (1 + k)
         nb, bs = self.block_table.shape[1], spec.block_size
         if buffers.block_tables.shape[1] != nb:
             raise UserError(f"buffers with {buffers.block_tables.shape[1]} block-table columns, verification rows "
                             f"sized for {nb}: build both from one BufferSpec")
-        act = buffers.active[:batch].unsqueeze(1)
-        pos = buffers.positions[:batch].unsqueeze(1) + self._offsets
-        bt = buffers.block_tables[:batch]
-        # as DecodeBuffers.metadata, per row: a position past the table is clamped (the host refuses such a step)
-        col = torch.clamp(pos // bs, max=nb - 1)
-        slot = bt.gather(1, col).to(torch.int64) * bs + pos % bs
-        self.tokens[:M].view(batch, T)[:, 0].copy_(buffers.tokens[:batch])
-        self.tokens[:M].view(batch, T)[:, 1:].copy_(buffers.drafts[:batch])
-        self.positions[:M].copy_(pos.reshape(M))
-        self.slots[:M].copy_(torch.where(act, slot, torch.full_like(slot, -1)).reshape(M))
-        self.seq_lens[:M].copy_(torch.where(act, pos + 1, torch.zeros_like(pos)).to(torch.int32).reshape(M))
-        self.block_table[:M].view(batch, T, nb).copy_(bt.unsqueeze(1).expand(batch, T, nb))
-        self.row_states[:M].view(batch, T).copy_(buffers.state_indices[:batch].unsqueeze(1).expand(batch, T))
-        return {"tokens": self.tokens[:M], "positions": self.positions[:M], "slots": self.slots[:M],
-                "seq_lens": self.seq_lens[:M], "block_table": self.block_table[:M], "row_states": self.row_states[:M],
-                "rows": buffers.state_indices[:batch], "accepted": buffers.accepted[:batch]}
+        out = {"tokens": self.tokens[:M], "positions": self.positions[:M], "slots": self.slots[:M],
+               "seq_lens": self.seq_lens[:M], "block_table": self.block_table[:M], "row_states": self.row_states[:M]}
+        paged_slots.verify_rows(buffers.tokens[:batch], buffers.drafts[:batch], buffers.positions[:batch],
+                                buffers.active[:batch], buffers.block_tables[:batch], buffers.state_indices[:batch],
+                                bs, out, self._offsets)
+        return {**out, "rows": buffers.state_indices[:batch], "accepted": buffers.accepted[:batch]}
 
 
 __all__ = ["VerifyRows"]

@@ -122,14 +122,16 @@ def test_hopper_builds():
             for nxt in (None, torch.zeros(rows, dtype=torch.int64)):
                 kernels.advance_triton(torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.bool),
                                        torch.zeros(rows, dtype=torch.int64), nxt)
-    assert len(launches) == 8
+        ins, outs = _verify_case(torch.Generator().manual_seed(0), 64, 7, 2048, 64)
+        kernels.verify_rows_triton(*ins, 64, outs())
+    assert len(launches) == 9
     assert compile_for_hopper(launches) == {}
 
 
 @pytest.mark.interpreter_driver
 @pytest.mark.skipif(not _HAVE_TRITON, reason="needs triton (its interpreter runs the kernels on the CPU)")
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=31)
+    run_interpreted(__file__, min_passed=34)
 
 
 def _table(g: torch.Generator, rows: int, width: int, strided: bool) -> torch.Tensor:
@@ -184,17 +186,47 @@ def test_advance_kernel_equals_the_reference(rows, next_dtype):
     assert torch.equal(pos, want_pos) and torch.equal(tokens, want_tokens)
 
 
+def _verify_case(g: torch.Generator, B: int, k: int, W: int, block_size: int):
+    table = torch.randint(0, 1000, (B, W + 2), generator=g, dtype=torch.int32)[:, :W]      # strided rows
+    ins = (torch.randint(0, 50_000, (B,), generator=g), torch.randint(0, 50_000, (B, k), generator=g),
+           torch.randint(0, block_size * W + block_size, (B,), generator=g), torch.rand(B, generator=g) < 0.75,
+           table, torch.randint(0, 100, (B,), generator=g, dtype=torch.int32))
+    M = B * (1 + k)
+
+    def outs():   # poisoned
+        return {"tokens": torch.full((M,), 7, dtype=torch.int64), "positions": torch.full((M,), 7, dtype=torch.int64),
+                "slots": torch.full((M,), 7, dtype=torch.int64), "seq_lens": torch.full((M,), 7, dtype=torch.int32),
+                "block_table": torch.full((M, W), 7, dtype=torch.int32),
+                "row_states": torch.full((M,), 7, dtype=torch.int32)}
+    return ins, outs
+
+
+@interpreted
+@pytest.mark.parametrize("B,k,W,block_size", [(1, 1, 3, 16), (3, 3, 37, 64), (8, 7, 1100, 16)])
+def test_verify_rows_kernel_equals_the_reference(B, k, W, block_size):
+    """A verification step's rows (the block-table rows copied in chunks: 1,100 columns take two)."""
+    ins, outs = _verify_case(torch.Generator().manual_seed(B * 10 + k), B, k, W, block_size)
+    got, want = outs(), outs()
+    kernels.verify_rows_triton(*ins, block_size, got)
+    kernels.verify_rows_reference(*ins, block_size, want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
+    if B > 1:   # both kinds of request in the case
+        assert (want["slots"] == -1).any() and (want["slots"] >= 0).any()
+
+
 @interpreted
 @pytest.mark.parametrize("batch,spec", [(3, 0), (2, 3)], ids=["b3", "b2-s3"])
 def test_a_program_with_the_kernels_serving_its_slots(monkeypatch, batch, spec):
     """The callers' wiring with the kernels' outputs (dtypes, shapes, the once-per-step sharing): a DeepSeek-V4.1-Flash
-    tiny cell (compressed layers of two ratios, plain and verification steps) equals its reference with both kernels
+    tiny cell (compressed layers of two ratios, plain and verification steps) equals its reference with the kernels
     serving every step (here run by the interpreter on CPU tensors; on the GPU, ``test_step_slots_gpu.py``)."""
     from latency_specialized.plugins import get_registry
     from latency_specialized.testing.matrix import Cell
 
-    calls = {"decode": 0, "compressed": 0}
-    decode, compressed = kernels.decode_slots_triton, kernels.compressed_slots_triton
+    calls = {"decode": 0, "compressed": 0, "verify": 0, "advance": 0}
+    names = {"decode": "decode_slots_triton", "compressed": "compressed_slots_triton", "verify": "verify_rows_triton",
+             "advance": "advance_triton"}
 
     def counted(name, fn):
         def run(*a, **k):
@@ -203,10 +235,10 @@ def test_a_program_with_the_kernels_serving_its_slots(monkeypatch, batch, spec):
         return run
 
     monkeypatch.setattr(kernels, "use_kernel", lambda t: True)
-    monkeypatch.setattr(kernels, "decode_slots_triton", counted("decode", decode))
-    monkeypatch.setattr(kernels, "compressed_slots_triton", counted("compressed", compressed))
+    for name, attr in names.items():
+        monkeypatch.setattr(kernels, attr, counted(name, getattr(kernels, attr)))
     cell = Cell("deepseek_v41_flash", batch, 1, 40, spec, "cpu")
     res = get_registry().adapter("deepseek_v41_flash").verify_cell(cell, comm=None)
     assert res.steps > 0 and res.fast_steps == res.steps
     assert res.max_abs_err <= res.tolerance, f"max |program - reference| = {res.max_abs_err} > {res.tolerance}"
-    assert calls["decode"] > 0 and calls["compressed"] > 0, calls
+    assert calls["decode"] > 0 and calls["compressed"] > 0 and (calls["verify"] > 0) == (spec > 0), calls

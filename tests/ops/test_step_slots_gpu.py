@@ -1,6 +1,6 @@
 """A decode step's paged-cache slots on the GPU (``kernels/step_slots_triton.py``): both kernels equal their torch
 references exactly (integers) on fresh random positions, lengths and tables, outputs poisoned first, and the step's
-end (``advance``) equals its reference; captured in a
+end (``advance``) and a verification step's rows (``verify_rows``) equal their references; captured in a
 CUDA graph, a replay after the inputs change in place equals the references on the new inputs; whole programs with
 ``STEP_SLOTS_KERNEL`` on (DeepSeek-V4.1-Flash: both kernels, compressed layers; Kimi K3: the step's slots) equal
 their references as the matrix's cells do. Run on the H200: ``pytest -m gpu tests/ops/test_step_slots_gpu.py``.
@@ -63,6 +63,28 @@ def test_advance_kernel_equals_the_reference(rows):
         kernels.advance_reference(want_pos, act, want_tokens, nxt)
         kernels.advance_triton(pos, act, tokens, nxt)
         assert torch.equal(pos, want_pos) and torch.equal(tokens, want_tokens)
+
+
+@pytest.mark.parametrize("B,k", [(1, 7), (8, 3), (64, 7)])
+def test_verify_rows_kernel_equals_the_reference(B, k):
+    g = seeded_generator(f"v{B}-{k}")
+    W, bs, M = 2048, 64, B * (1 + k)
+    ins = (torch.randint(0, 150_000, (B,), generator=g, device=DEV),
+           torch.randint(0, 150_000, (B, k), generator=g, device=DEV),
+           torch.randint(0, bs * W, (B,), generator=g, device=DEV), torch.rand(B, generator=g, device=DEV) < 0.75,
+           torch.randint(0, 100_000, (B, W + 3), generator=g, device=DEV, dtype=torch.int32)[:, :W],
+           torch.randint(0, 100, (B,), generator=g, device=DEV, dtype=torch.int32))
+
+    def outs():
+        i64, i32 = dict(dtype=torch.int64, device=DEV), dict(dtype=torch.int32, device=DEV)
+        return {"tokens": torch.full((M,), 7, **i64), "positions": torch.full((M,), 7, **i64),
+                "slots": torch.full((M,), 7, **i64), "seq_lens": torch.full((M,), 7, **i32),
+                "block_table": torch.full((M, W), 7, **i32), "row_states": torch.full((M,), 7, **i32)}
+    got, want = outs(), outs()
+    kernels.verify_rows_triton(*ins, bs, got)
+    kernels.verify_rows_reference(*ins, bs, want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
 
 
 def test_graph_replays_follow_the_inputs():
