@@ -38,11 +38,18 @@ def decode_slots_reference(positions: torch.Tensor, active: torch.Tensor, block_
     the sequence length with that token (``[R]`` int32; 0 where not active). A position past the table is clamped to
     its last column (the host appends blocks in time). ``positions`` ``[R]`` int64, ``active`` ``[R]`` bool,
     ``block_tables`` ``[R, W]`` int32."""
-    col = torch.clamp(positions // block_size, max=block_tables.shape[1] - 1)
-    block = block_tables.gather(1, col.unsqueeze(1)).squeeze(1).to(torch.int64)
-    slot = block * block_size + positions % block_size
+    slot, seq = _position_slots(positions.unsqueeze(1), active.unsqueeze(1), block_tables, block_size)
+    return slot.squeeze(1), seq.squeeze(1)
+
+
+def _position_slots(pos: torch.Tensor, active: torch.Tensor, block_tables: torch.Tensor,
+                    block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[R, T]`` positions of row ``r`` (``active`` broadcast to them) -> their flat slots in row ``r``'s blocks
+    (int64, -1 where not active; the column clamped to the table) and the sequence lengths with them (int32, 0)."""
+    col = torch.clamp(pos // block_size, max=block_tables.shape[1] - 1)
+    slot = block_tables.gather(1, col).to(torch.int64) * block_size + pos % block_size
     return (torch.where(active, slot, torch.full_like(slot, -1)),
-            torch.where(active, positions + 1, torch.zeros_like(positions)).to(torch.int32))
+            torch.where(active, pos + 1, torch.zeros_like(pos)).to(torch.int32))
 
 
 def slot_of(block_table: torch.Tensor, index: torch.Tensor, block_size: int, live: torch.Tensor) -> torch.Tensor:
@@ -87,15 +94,13 @@ def verify_rows_reference(tokens: torch.Tensor, drafts: torch.Tensor, positions:
     B, k = drafts.shape
     T = 1 + k
     pos = positions.unsqueeze(1) + (torch.arange(T, device=positions.device) if offsets is None else offsets)
-    act = active.unsqueeze(1).expand(B, T)
     nb = block_tables.shape[1]
-    col = torch.clamp(pos // block_size, max=nb - 1)
-    slot = block_tables.gather(1, col).to(torch.int64) * block_size + pos % block_size
+    slot, seq = _position_slots(pos, active.unsqueeze(1), block_tables, block_size)
     out["tokens"].view(B, T)[:, 0].copy_(tokens)
     out["tokens"].view(B, T)[:, 1:].copy_(drafts)
     out["positions"].copy_(pos.reshape(-1))
-    out["slots"].copy_(torch.where(act, slot, torch.full_like(slot, -1)).reshape(-1))
-    out["seq_lens"].copy_(torch.where(act, pos + 1, torch.zeros_like(pos)).to(torch.int32).reshape(-1))
+    out["slots"].copy_(slot.reshape(-1))
+    out["seq_lens"].copy_(seq.reshape(-1))
     out["block_table"].view(B, T, nb).copy_(block_tables.unsqueeze(1).expand(B, T, nb))
     out["row_states"].view(B, T).copy_(state_indices.unsqueeze(1).expand(B, T))
 
