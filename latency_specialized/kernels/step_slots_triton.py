@@ -11,8 +11,8 @@ kernels compute the same values in one launch a set: one program over all rows (
 rows; the verification rows take a program each, for their block-table rows). Integers only, so they equal the
 references exactly. No host sync: capturable, and a replay reads the buffers' current positions, tables and lengths.
 
-``STEP_SLOTS_KERNEL`` (off until a GPU suite has run them) routes the callers here on CUDA tensors; on the CPU they
-keep the torch forms. Where the time goes before and after: ``NOTES_step_slots.md``.
+``STEP_SLOTS_KERNEL`` (on since session 51's GPU suite) routes the callers here on CUDA tensors; on the CPU they keep
+the torch forms. Where the time goes before and after: ``NOTES_step_slots.md``.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import torch
 
 from latency_specialized.errors import UserError
 
-STEP_SLOTS_KERNEL = False
+STEP_SLOTS_KERNEL = True
 """Compute the step's slots (``DecodeBuffers.metadata``), a ratio's compressed slots (``compressed_slots``), a
 verification step's rows (``VerifyRows.fill``) and the step's end (``DecodeBuffers.advance``) with the kernels below on
-CUDA tensors instead of the torch chains. Off: its GPU tests have not run yet."""
+CUDA tensors instead of the torch chains. False: the torch chains everywhere (the references)."""
 MAX_ROWS = 4096
 """Rows one launch takes (one program; a decode step has far fewer)."""
 
