@@ -8,8 +8,8 @@
 # paired (cut off), credit, q4: benchmarks/results/h100/session50/; session 48 c2ab, topk, dsv; session 46 gqa, dsvab,
 # topk, muse; those, fine2, prof and gemm stay available by name):
 #   selglm (session 51's plan) GLM-5.3 moe at batch 1 / 8, one replay's kernels each: the radix select with 8 warps
-#          instead of 16 at its 8,192 tile (w8), the finer widths (fine), no early exit (late), w8 + fine - the select
-#          takes 28 us a call in this layer and ~20 alone on the layer's own logits (session 51's probes)
+#          instead of 16 at its 8,192 tile (w8), the finer widths (fine), no early exit (late), 8-bit digits (b8), w8 + fine
+#          - the select takes 28 us a call in this layer and ~20 alone on the layer's own logits (session 51's probes)
 #   slots  (session 50's plan) one replay of a 2-layer DeepSeek-V4.1-Flash c2_idx program at batch 1 and 8 with the
 #          step's slots in one launch each (step_slots_triton.STEP_SLOTS_KERNEL) off and on: the replay's total and
 #          kernels (the layer bench leaves per-step work out)
@@ -113,7 +113,7 @@ if step selglm; then
   mkdir -p "$W/selglm"; rc=0
   SP=latency_specialized.kernels.indexer_triton
   for v in base:"" w8:$SP.SELECT_WARPS_WIDE=8 fine:$SP.SELECT_FINE_WIDTHS=True late:$SP.SELECT_EARLY_EXIT=False \
-      w8fine:$SP.SELECT_WARPS_WIDE=8,$SP.SELECT_FINE_WIDTHS=True; do
+      b8:$SP.SELECT_BITS=8 w8fine:$SP.SELECT_WARPS_WIDE=8,$SP.SELECT_FINE_WIDTHS=True; do
     name=${v%%:*} settings=${v#*:}
     timeout "${PROF_S:-70}" python3 benchmarks/scripts/profile_layer.py --model glm53 --kind moe --batches 1,8 \
       --layers 2 --timeline --out "$W/selglm/p_glm_moe_$name.json" ${settings:+--set "$settings"} \
