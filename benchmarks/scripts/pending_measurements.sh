@@ -8,8 +8,8 @@
 # paired (cut off), credit, q4: benchmarks/results/h100/session50/; session 48 c2ab, topk, dsv; session 46 gqa, dsvab,
 # topk, muse; those, fine2, prof and gemm stay available by name):
 #   selglm (session 51's plan) GLM-5.3 moe at batch 1 / 8, one replay's kernels each: the radix select with 8 warps
-#          instead of 16 at its 8,192 tile (w8), the finer widths (fine), no early exit (late), 8-bit digits (b8), w8 + fine
-#          - the select takes 28 us a call in this layer and ~20 alone on the layer's own logits (session 51's probes)
+#          instead of 16 at its 8,192 tile (w8), the finer widths (fine), no early exit (late), 8-bit digits (b8),
+#          w8 + fine - the select takes 28 us a call in this layer and ~20 alone on the layer's own logits (session 51's probes)
 #   slots  (session 50's plan) one replay of a 2-layer DeepSeek-V4.1-Flash c2_idx program at batch 1 and 8 with the
 #          step's slots in one launch each (step_slots_triton.STEP_SLOTS_KERNEL) off and on: the replay's total and
 #          kernels (the layer bench leaves per-step work out)
