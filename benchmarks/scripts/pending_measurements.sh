@@ -4,12 +4,16 @@
 # priority order, so a call stopped at the limit keeps the steps before; results tarred per step (the device returns
 # <= 8 files):
 #   source scripts/device_env.sh >/dev/null 2>&1; timeout 575 bash benchmarks/scripts/pending_measurements.sh
-# Steps (STEPS, default selglm,paired,q4) - session 51's plan (session 51 ran slots; session 50 dsvk, fine, cutprof,
-# paired (cut off), credit, q4: benchmarks/results/h100/session50/; session 48 c2ab, topk, dsv; session 46 gqa, dsvab,
-# topk, muse; those, fine2, prof and gemm stay available by name):
+# Steps (STEPS, default selglm,selab,paired,q4) - session 51's plan (session 51 ran slots; session 50 dsvk, fine,
+# cutprof, paired (cut off), credit, q4: benchmarks/results/h100/session50/; session 48 c2ab, topk, dsv; session 46 gqa,
+# dsvab, topk, muse; those, fine2, prof and gemm stay available by name):
 #   selglm (session 51's plan) GLM-5.3 moe at batch 1 / 8, one replay's kernels each: the radix select with 8 warps
 #          instead of 16 at its 8,192 tile (w8), the finer widths (fine), no early exit (late), 8-bit digits (b8),
-#          w8 + fine - the select takes 28 us a call in this layer and ~20 alone on the layer's own logits (session 51's probes)
+#          w8 + fine, the passes started from the score kernel's leading-byte counts (bytes: SELECT_FIRST_BYTE, new in
+#          session 51) alone and with fine - the select takes 28 us a call in this layer and ~20 alone on the layer's
+#          own logits (session 51's probes)
+#   selab  (session 51's plan) GLM-5.3 moe and DeepSeek-V4.1-Flash c2_idx at batch 1 / 8: base / bytes / bytes + fine /
+#          8 warps at the 8,192 tile - the layer A/B that decides the select's switches
 #   slots  (session 50's plan) one replay of a 2-layer DeepSeek-V4.1-Flash c2_idx program at batch 1 and 8 with the
 #          step's slots in one launch each (step_slots_triton.STEP_SLOTS_KERNEL) off and on: the replay's total and
 #          kernels (the layer bench leaves per-step work out)
@@ -63,7 +67,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/ls_out}
 export LS_KERNEL_CACHE_DIR=${LS_KERNEL_CACHE_DIR:-/tmp/ls_kcache} CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
-STEPS=${STEPS:-selglm,paired,q4}
+STEPS=${STEPS:-selglm,selab,paired,q4}
 W=$(mktemp -d)
 t0=$(date +%s)
 step() { [[ ",$STEPS," == *",$1,"* ]]; }
@@ -113,7 +117,8 @@ if step selglm; then
   mkdir -p "$W/selglm"; rc=0
   SP=latency_specialized.kernels.indexer_triton
   for v in base:"" w8:$SP.SELECT_WARPS_WIDE=8 fine:$SP.SELECT_FINE_WIDTHS=True late:$SP.SELECT_EARLY_EXIT=False \
-      b8:$SP.SELECT_BITS=8 w8fine:$SP.SELECT_WARPS_WIDE=8,$SP.SELECT_FINE_WIDTHS=True; do
+      b8:$SP.SELECT_BITS=8 w8fine:$SP.SELECT_WARPS_WIDE=8,$SP.SELECT_FINE_WIDTHS=True \
+      bytes:$SP.SELECT_FIRST_BYTE=True bytesfine:$SP.SELECT_FIRST_BYTE=True,$SP.SELECT_FINE_WIDTHS=True; do
     name=${v%%:*} settings=${v#*:}
     timeout "${PROF_S:-70}" python3 benchmarks/scripts/profile_layer.py --model glm53 --kind moe --batches 1,8 \
       --layers 2 --timeline --out "$W/selglm/p_glm_moe_$name.json" ${settings:+--set "$settings"} \
@@ -122,6 +127,19 @@ if step selglm; then
   rm -f "$W"/selglm/*.trace.json; pack selglm "$rc"
   for f in "$W"/selglm/*.txt; do echo "$(basename "$f"): $(grep -h "^=== " "$f" | cut -c1-90 | tr '\n' ' ')"; \
     grep -h "select_kernel$" "$f" | head -2; done
+fi
+if step selab; then
+  # session 51's plan: the select's switches in the layers, 2 runs a variant (after selglm says which kernel moved)
+  mkdir -p "$W/selab"; rc=0
+  SP=latency_specialized.kernels.indexer_triton
+  for m in glm53:moe deepseek_v41_flash:c2_idx; do
+    timeout "${SELAB_S:-170}" "${BENCH[@]}" --model "${m%%:*}" --kinds "${m##*:}" --batch 1,8 \
+      --out "$W/selab/${m%%:*}" --ab base --ab bytes:$SP.SELECT_FIRST_BYTE=True \
+      --ab "bfine:$SP.SELECT_FIRST_BYTE=True,$SP.SELECT_FINE_WIDTHS=True" --ab w8:$SP.SELECT_WARPS_WIDE=8 \
+      > "$W/selab/${m%%:*}.log" 2>&1 || rc=$?
+  done
+  find "$W/selab" -name "*.png" -delete; find "$W/selab" -path "*ab_runs*" -name "*.json" -delete
+  pack selab "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W"/selab/*/ab.md
 fi
 if step fine2; then
   mkdir -p "$W/fine2"; rc=0

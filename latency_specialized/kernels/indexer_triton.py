@@ -35,6 +35,10 @@ Steps of one call (three launches for ``selection="radix"``; ``"split"`` swaps t
    writes the positions of the keys ``> T`` and the first of the ``== T`` (position order), with in-tile prefix
    sums (one program per row: no atomics, deterministic). Exactly ``K`` positions, so no -1.
 
+``SELECT_FIRST_BYTE`` (off) lets step 2 count every live logit's leading key byte (a 256-bin histogram per program,
+added to the row's counts with atomics) and step 3 start from those counts at bit 24 (the early-exit passes only):
+the whole-row histogram passes that find the leading byte are not run; the select kernel resets the counts it read.
+
 ``SCORE_WRITES_KEY`` folds step 1 into step 2: the scoring program whose chunk holds a row's last position (the new
 token's; only it reads that row) stores the new key, then a CTA barrier, then its tiles (verification calls,
 ``cross_row_reads``, keep the key launch). ``SCORE_SELECTS`` (radix only) folds step 3 into step 2: each scoring
@@ -155,6 +159,15 @@ its live length, 3/8 and 3/4 as two tiles (``_resident_select_pair``): every pas
 past a power of two paid for the next one - DeepSeek-V4.1-Flash's c2_idx at context 4096 (2,080 live in an 8,192
 tile: 4,096 -> 3,072), GLM-5.3's indexer at 4,097 live (8,192 -> 6,144). Off until a whole GPU suite runs with it on:
 faster on DeepSeek-V4.1-Flash's c2_idx, slower on GLM-5.3's moe layer (session 50's A/B, NOTES_indexer.md)."""
+SELECT_FIRST_BYTE = False
+"""With the radix selection in its own launch and the early exit: every scoring program also counts its logits' leading
+key bytes (a 256-bin histogram, added to the row's counts with one atomic per bin it saw) and the select kernel starts
+from those counts - its passes begin at bit 24, so the two 4-bit passes over the whole resident tile that find the
+leading byte are not run (the first of them needs no mask, the second one with the top digit fixed). The counts live
+in one zeroed buffer per device (``first_byte_counts``) that the select kernel resets per row as it reads it. The
+same selection (the same set). Off: not yet on a GPU."""
+MAX_FIRST_BYTE_ROWS = 1024
+"""Rows one call may select with ``SELECT_FIRST_BYTE`` (its 256 int32 counts a row: 1 MiB a device)."""
 SELECT_BITS = 4
 """Radix digit width of the select kernel: 32 // SELECT_BITS histogram passes of 2**SELECT_BITS bins.
 H200, one row, relu-skewed logits (``benchmarks/results/h200/topk_radix_variants.md``): 4-bit digits in 8
@@ -193,7 +206,7 @@ def _kernels(interpret: bool) -> dict:
     # defined here, not at import (no triton import on machines without it); Triton resolves the names a
     # kernel uses through its module globals: hence tl and the helpers as globals
     global tl, tlc, _rope_coeffs, _score_tile_keys, _ordered_keys, _digit_hist, _digit_hist_at, _next_digit, \
-        _resident_select, _pair_hist, _resident_select_pair, _select_row, _store_key
+        _first_digit, _resident_select, _pair_hist, _resident_select_pair, _select_row, _store_key
     import triton
     import triton.language as tl
     import triton.language.extra.cuda as tlc
@@ -283,18 +296,19 @@ def _kernels(interpret: bool) -> dict:
     def score_kernel(q, w, inv_freq, positions, cache, block_table, seq_lens, logits,
                      H, num_splits, block_size, cap, fill_chunk, scale,
                      s_qb, s_qh, s_wb, s_row, s_bt, s_lb, arrivals, out, K, s_ob,
-                     k, k_w, k_b, slots, k_eps, s_k,
+                     k, k_w, k_b, slots, k_eps, s_k, first_bytes,
                      D: tl.constexpr, D_PAD: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr,
                      ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, BT: tl.constexpr, MIN_CHUNK: tl.constexpr,
                      FILL: tl.constexpr, PREC: tl.constexpr, AHEAD: tl.constexpr, SELECT: tl.constexpr,
                      TILE: tl.constexpr, BITS: tl.constexpr, RESIDENT: tl.constexpr, NARROW: tl.constexpr,
                      EARLY: tl.constexpr, FINE: tl.constexpr, KEY: tl.constexpr, NORM: tl.constexpr,
-                     HAS_BIAS: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, BYTES: tl.constexpr):
         # AHEAD: each tile's block ids and keys load one step ahead, the first before the query (SCORE_KEYS_AHEAD);
         # SELECT: the last program of a row to finish runs the radix select of it (SCORE_SELECTS; TILE .. FINE as
         # select_kernel's), counted in arrivals[b] (zero between calls: that program resets it); KEY: the program
         # whose chunk holds the row's last position writes the row's new key first (SCORE_WRITES_KEY; NORM,
-        # HAS_BIAS as key_kernel's)
+        # HAS_BIAS as key_kernel's); BYTES: the program adds its logits' leading key bytes to first_bytes[b] (256
+        # counts, zero between calls: the select kernel reads and resets them - SELECT_FIRST_BYTE)
         b = tl.program_id(0)
         sp = tl.program_id(1)
         seq_len = tl.load(seq_lens + b).to(tl.int32)
@@ -318,6 +332,7 @@ def _kernels(interpret: bool) -> dict:
         for t0 in range(f0, f1, FILL):
             offs_f = t0 + tl.arange(0, FILL)
             tl.store(row + offs_f, tl.full([FILL], float("-inf"), tl.float32), mask=offs_f < f1)
+        counts = tl.zeros([256], dtype=tl.int32)   # BYTES: this program's leading key bytes
         if start < end:
             offs_h = tl.arange(0, H_PAD)
             offs_d = tl.arange(0, D_PAD)
@@ -341,6 +356,8 @@ def _kernels(interpret: bool) -> dict:
                     sc = tl.dot(qt, tl.trans(kt), input_precision=PREC)
                     lg = tl.sum(tl.maximum(sc, 0.0) * wv[:, None], 0)
                     tl.store(row + pos_t, lg, mask=ok)
+                    if BYTES:
+                        counts += tl.histogram((_ordered_keys(lg) >> 24) + 128, 256, mask=ok)
                     pos_t, ok, kt = _score_tile_keys(cache, block_table, b, s_bt, s_row, block_size, n0 + BT, end,
                                                      offs_d, d_ok, BT)     # the next tile's (past end: none read)
             else:
@@ -350,6 +367,10 @@ def _kernels(interpret: bool) -> dict:
                     sc = tl.dot(qt, tl.trans(kt), input_precision=PREC)                    # [H_PAD, BT] fp32
                     lg = tl.sum(tl.maximum(sc, 0.0) * wv[:, None], 0)                       # [BT]
                     tl.store(row + pos_t, lg, mask=ok)
+                    if BYTES:
+                        counts += tl.histogram((_ordered_keys(lg) >> 24) + 128, 256, mask=ok)
+        if BYTES:   # the counts only: the select kernel launches after this one ends
+            tl.atomic_add(first_bytes + b * 256 + tl.arange(0, 256), counts, mask=counts > 0, sem="relaxed")
         if SELECT:
             # every thread's logits stored before the arrival (the CTA barrier, then one release at GPU scope); the
             # last to arrive acquires them all, and its threads read them after the barrier that hands out the count
@@ -359,7 +380,7 @@ def _kernels(interpret: bool) -> dict:
             if arrived == num_splits - 1:
                 tl.store(arrivals + b, 0)   # for the next call: every program of this one has arrived
                 _select_row(row, out + b.to(tl.int64) * s_ob, seq_len, K, TILE, BITS, RESIDENT, NARROW, EARLY, FINE,
-                            ".cg")
+                            ".cg", counts, False)
 
     @triton.jit
     def _digit_hist(key, ok, prefix, FIRST: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr,
@@ -395,10 +416,25 @@ def _kernels(interpret: bool) -> dict:
         return tl.histogram(digit, NB, mask=ok & ((key >> (shift + BITS)) == prefix))
 
     @triton.jit
+    def _first_digit(key, ok, prefix, remaining, bytes_hist, seq_len, BITS: tl.constexpr, NB: tl.constexpr,
+                     BYTES: tl.constexpr):
+        # the early-exit passes' start: the top digit from a histogram of the keys, or (BYTES) the leading byte from
+        # the score kernel's counts; returns the prefix, what is left to take, the keys sharing it and its shift
+        if BYTES:
+            prefix, remaining, shared = _next_digit(bytes_hist, tl.arange(0, 256), prefix, remaining, True, 256)
+            shift = seq_len * 0 + 24
+        else:
+            hist = _digit_hist(key, ok, prefix, True, 32 - BITS, BITS, NB)
+            prefix, remaining, shared = _next_digit(hist, tl.arange(0, NB), prefix, remaining, True, NB)
+            shift = seq_len * 0 + (32 - BITS)
+        return prefix, remaining, shared, shift
+
+    @triton.jit
     def _resident_select(row, orow, seq_len, K, T: tl.constexpr, BITS: tl.constexpr, EARLY: tl.constexpr,
-                         CM: tl.constexpr):
+                         CM: tl.constexpr, bytes_hist, BYTES: tl.constexpr):
         # the radix select of a row held in registers as one T-wide tile (K < seq_len <= T); EARLY: stop the
-        # passes once the prefix's keys are exactly those still to take (SELECT_EARLY_EXIT)
+        # passes once the prefix's keys are exactly those still to take (SELECT_EARLY_EXIT); BYTES (with EARLY):
+        # bytes_hist [256] counts the row's leading key bytes (the score kernel's), so the passes start at bit 24
         NB: tl.constexpr = 1 << BITS
         PASSES: tl.constexpr = 32 // BITS
         prefix = seq_len * 0            # int32: the key digits fixed so far (arithmetic-shift form)
@@ -408,9 +444,8 @@ def _kernels(interpret: bool) -> dict:
         rok = roffs < seq_len
         rkey = _ordered_keys(tl.load(row + roffs, mask=rok, other=0.0, cache_modifier=CM))
         if EARLY:
-            hist = _digit_hist(rkey, rok, prefix, True, 32 - BITS, BITS, NB)
-            prefix, remaining, shared = _next_digit(hist, bins, prefix, remaining, True, NB)
-            shift = seq_len * 0 + (32 - BITS)   # the prefix is rkey >> shift
+            prefix, remaining, shared, shift = _first_digit(rkey, rok, prefix, remaining, bytes_hist, seq_len, BITS, NB,
+                                                            BYTES)   # the prefix is rkey >> shift
             while (shared > remaining) & (shift > 0):
                 shift -= BITS
                 hist = _digit_hist_at(rkey, rok, prefix, shift, BITS, NB)
@@ -441,9 +476,10 @@ def _kernels(interpret: bool) -> dict:
 
     @triton.jit
     def _resident_select_pair(row, orow, seq_len, K, TA: tl.constexpr, TB: tl.constexpr, BITS: tl.constexpr,
-                              EARLY: tl.constexpr, CM: tl.constexpr):
+                              EARLY: tl.constexpr, CM: tl.constexpr, bytes_hist, BYTES: tl.constexpr):
         # _resident_select of a row held as two tiles, [0, TA) and [TA, TA + TB) (K < seq_len <= TA + TB): a
-        # width between two powers of two costs its own width in every pass, not the next power's
+        # width between two powers of two costs its own width in every pass, not the next power's (BYTES as
+        # _resident_select's)
         NB: tl.constexpr = 1 << BITS
         PASSES: tl.constexpr = 32 // BITS
         prefix = seq_len * 0
@@ -455,9 +491,13 @@ def _kernels(interpret: bool) -> dict:
         okb = offb < seq_len
         ka = _ordered_keys(tl.load(row + offa, mask=oka, other=0.0, cache_modifier=CM))
         kb = _ordered_keys(tl.load(row + offb, mask=okb, other=0.0, cache_modifier=CM))
-        shift = seq_len * 0 + (32 - BITS)   # the prefix is key >> shift
-        hist = _pair_hist(ka, oka, kb, okb, prefix, shift, True, BITS, NB)
-        prefix, remaining, shared = _next_digit(hist, bins, prefix, remaining, True, NB)
+        if BYTES:   # (with EARLY) the leading byte from the score kernel's counts
+            prefix, remaining, shared = _next_digit(bytes_hist, tl.arange(0, 256), prefix, remaining, True, 256)
+            shift = seq_len * 0 + 24
+        else:
+            shift = seq_len * 0 + (32 - BITS)   # the prefix is key >> shift
+            hist = _pair_hist(ka, oka, kb, okb, prefix, shift, True, BITS, NB)
+            prefix, remaining, shared = _next_digit(hist, bins, prefix, remaining, True, NB)
         if EARLY:
             while (shared > remaining) & (shift > 0):
                 shift -= BITS
@@ -486,9 +526,11 @@ def _kernels(interpret: bool) -> dict:
 
     @triton.jit
     def _select_row(row, orow, seq_len, K, TILE: tl.constexpr, BITS: tl.constexpr, RESIDENT: tl.constexpr,
-                    NARROW: tl.constexpr, EARLY: tl.constexpr, FINE: tl.constexpr, CM: tl.constexpr):
+                    NARROW: tl.constexpr, EARLY: tl.constexpr, FINE: tl.constexpr, CM: tl.constexpr, bytes_hist,
+                    BYTES: tl.constexpr):
         # the select of one row of logits into orow (select_kernel's program; the score kernel's last program of a
-        # row with SELECT); CM: the logits loads' cache modifier (".cg" there: L2, never a stale L1 line)
+        # row with SELECT); CM: the logits loads' cache modifier (".cg" there: L2, never a stale L1 line); BYTES
+        # (with EARLY): bytes_hist [256], the row's leading key bytes counted by the score kernel
         NB: tl.constexpr = 1 << BITS
         PASSES: tl.constexpr = 32 // BITS
         if seq_len <= K:  # every live position, then -1: no selection needed
@@ -498,36 +540,43 @@ def _kernels(interpret: bool) -> dict:
         elif RESIDENT:
             if NARROW and FINE:    # the width held: TILE / 4, 3/8 (a pair), 1/2, 3/4 (a pair) or all of it
                 if seq_len <= TILE // 4:
-                    _resident_select(row, orow, seq_len, K, TILE // 4, BITS, EARLY, CM)
+                    _resident_select(row, orow, seq_len, K, TILE // 4, BITS, EARLY, CM, bytes_hist, BYTES)
                 elif seq_len <= TILE // 4 + TILE // 8:
-                    _resident_select_pair(row, orow, seq_len, K, TILE // 4, TILE // 8, BITS, EARLY, CM)
+                    _resident_select_pair(row, orow, seq_len, K, TILE // 4, TILE // 8, BITS, EARLY, CM, bytes_hist,
+                                          BYTES)
                 elif seq_len <= TILE // 2:
-                    _resident_select(row, orow, seq_len, K, TILE // 2, BITS, EARLY, CM)
+                    _resident_select(row, orow, seq_len, K, TILE // 2, BITS, EARLY, CM, bytes_hist, BYTES)
                 elif seq_len <= TILE // 2 + TILE // 4:
-                    _resident_select_pair(row, orow, seq_len, K, TILE // 2, TILE // 4, BITS, EARLY, CM)
+                    _resident_select_pair(row, orow, seq_len, K, TILE // 2, TILE // 4, BITS, EARLY, CM, bytes_hist,
+                                          BYTES)
                 else:
-                    _resident_select(row, orow, seq_len, K, TILE, BITS, EARLY, CM)
+                    _resident_select(row, orow, seq_len, K, TILE, BITS, EARLY, CM, bytes_hist, BYTES)
             elif NARROW:
                 if seq_len <= TILE // 2:
-                    _resident_select(row, orow, seq_len, K, TILE // 2, BITS, EARLY, CM)
+                    _resident_select(row, orow, seq_len, K, TILE // 2, BITS, EARLY, CM, bytes_hist, BYTES)
                 else:
-                    _resident_select(row, orow, seq_len, K, TILE, BITS, EARLY, CM)
+                    _resident_select(row, orow, seq_len, K, TILE, BITS, EARLY, CM, bytes_hist, BYTES)
             else:
-                _resident_select(row, orow, seq_len, K, TILE, BITS, EARLY, CM)
+                _resident_select(row, orow, seq_len, K, TILE, BITS, EARLY, CM, bytes_hist, BYTES)
         else:
             prefix = seq_len * 0
             remaining = seq_len * 0 + K
             bins = tl.arange(0, NB)
             shift = seq_len * 0             # EARLY: the prefix is key >> shift
             if EARLY:
-                hist = tl.zeros([NB], dtype=tl.int32)
-                for t0 in range(0, seq_len, TILE):
-                    offs = t0 + tl.arange(0, TILE)
-                    ok = offs < seq_len
-                    key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0, cache_modifier=CM))
-                    hist += _digit_hist(key, ok, prefix, True, 32 - BITS, BITS, NB)
-                prefix, remaining, shared = _next_digit(hist, bins, prefix, remaining, True, NB)
-                shift += 32 - BITS
+                if BYTES:   # the leading byte from the score kernel's counts
+                    prefix, remaining, shared = _next_digit(bytes_hist, tl.arange(0, 256), prefix, remaining, True,
+                                                            256)
+                    shift += 24
+                else:
+                    hist = tl.zeros([NB], dtype=tl.int32)
+                    for t0 in range(0, seq_len, TILE):
+                        offs = t0 + tl.arange(0, TILE)
+                        ok = offs < seq_len
+                        key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0, cache_modifier=CM))
+                        hist += _digit_hist(key, ok, prefix, True, 32 - BITS, BITS, NB)
+                    prefix, remaining, shared = _next_digit(hist, bins, prefix, remaining, True, NB)
+                    shift += 32 - BITS
                 while (shared > remaining) & (shift > 0):
                     shift -= BITS
                     hist = tl.zeros([NB], dtype=tl.int32)
@@ -565,22 +614,31 @@ def _kernels(interpret: bool) -> dict:
                 base_eq += tl.sum(is_eq, 0)
 
     @triton.jit
-    def select_kernel(logits, seq_lens, out, K, s_lb, s_ob, TILE: tl.constexpr, BITS: tl.constexpr,
+    def select_kernel(logits, seq_lens, out, K, s_lb, s_ob, first_bytes, TILE: tl.constexpr, BITS: tl.constexpr,
                       RESIDENT: tl.constexpr, NARROW: tl.constexpr, TRIGGER: tl.constexpr, EARLY: tl.constexpr,
-                      FINE: tl.constexpr):
+                      FINE: tl.constexpr, BYTES: tl.constexpr):
         # BITS: radix digit width (32 // BITS histogram passes of 2**BITS bins); RESIDENT: the row fits one
         # TILE (the caller's capacity <= TILE), loaded once and kept in registers across the passes; NARROW: a
         # row of at most TILE / 2 live logits takes a half-width resident select (the passes cost the tile's
         # width, not the row's); TRIGGER: the next launch (with PDL) may start now - it waits before it reads out
         # or writes memory this kernel reads (SELECT_TRIGGER_START); EARLY: the passes stop once the keys sharing
         # the digits fixed so far are exactly the ones still to take (SELECT_EARLY_EXIT); FINE (with NARROW): the
-        # width held follows the live length in finer steps, two of them as a pair of tiles (SELECT_FINE_WIDTHS)
+        # width held follows the live length in finer steps, two of them as a pair of tiles (SELECT_FINE_WIDTHS);
+        # BYTES (with EARLY): first_bytes[b] holds the row's leading key bytes counted by the score kernel: read and
+        # reset to zero for the next call (SELECT_FIRST_BYTE)
         if TRIGGER:
             tlc.gdc_wait()                  # a no-op unless this launch itself had PDL: what came before is done
             tlc.gdc_launch_dependents()
         b = tl.program_id(0)
+        counts = tl.zeros([256], dtype=tl.int32)
+        if BYTES:
+            brow = first_bytes + b * 256 + tl.arange(0, 256)
+            counts = tl.load(brow)
+            tl.debug_barrier()
+            tl.store(brow, tl.zeros([256], dtype=tl.int32))
         _select_row(logits + b.to(tl.int64) * s_lb, out + b.to(tl.int64) * s_ob,
-                    tl.load(seq_lens + b).to(tl.int32), K, TILE, BITS, RESIDENT, NARROW, EARLY, FINE, "")
+                    tl.load(seq_lens + b).to(tl.int32), K, TILE, BITS, RESIDENT, NARROW, EARLY, FINE, "", counts,
+                    BYTES)
 
     return dict(key=key_kernel, score=score_kernel, select=select_kernel)
 
@@ -588,15 +646,20 @@ def _kernels(interpret: bool) -> dict:
 def launch_select(kernel, logits: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, topk: int, capacity: int,
                   *, bits: int | None = None, resident_max: int | None = None, warps: int | None = None,
                   narrow_min: int | None = None, trigger: bool = False, early: bool | None = None,
-                  fine: bool | None = None) -> None:
+                  fine: bool | None = None, first_bytes: torch.Tensor | None = None) -> None:
     """The radix select over logits [B, >= capacity] fp32 into out [B, topk] int32 (one program per row);
     ``bits`` / ``resident_max`` / ``warps`` / ``narrow_min`` / ``early`` / ``fine`` default to SELECT_BITS /
     SELECT_RESIDENT_MAX / SELECT_WARPS / SELECT_NARROW_MIN_TILE / SELECT_EARLY_EXIT / SELECT_FINE_WIDTHS.
-    ``trigger``: let a PDL launch behind it start at once (``select_trigger``)."""
+    ``trigger``: let a PDL launch behind it start at once (``select_trigger``). ``first_bytes``: the rows' leading
+    key bytes as the score kernel counted them (``first_byte_counts``; read and reset here; needs the early exit)."""
     consts, nw = select_config(capacity, bits=bits, resident_max=resident_max, warps=warps, narrow_min=narrow_min,
                                early=early, fine=fine)
-    kernel[(logits.shape[0],)](logits, seq_lens, out, topk, logits.stride(0), out.stride(0), TRIGGER=bool(trigger),
-                               num_warps=nw, **consts)
+    if first_bytes is not None and not consts["EARLY"]:
+        raise UserError(f"{NAME}: the select from the leading-byte counts needs the early exit (SELECT_EARLY_EXIT); "
+                        "switch SELECT_FIRST_BYTE off or the early exit on")
+    kernel[(logits.shape[0],)](logits, seq_lens, out, topk, logits.stride(0), out.stride(0),
+                               logits if first_bytes is None else first_bytes, TRIGGER=bool(trigger),
+                               BYTES=first_bytes is not None, num_warps=nw, **consts)
 
 
 def select_config(capacity: int, *, bits: int | None = None, resident_max: int | None = None,
@@ -641,6 +704,20 @@ def _prepare(ctx: OpContext) -> None:
     del ctx
     if SCORE_SELECTS and torch.cuda.is_available():
         arrival_counts(torch.device("cuda", torch.cuda.current_device()))
+    if SELECT_FIRST_BYTE and torch.cuda.is_available():
+        first_byte_counts(torch.device("cuda", torch.cuda.current_device()))
+
+
+def first_byte_counts(device: torch.device, rows: int = 1) -> torch.Tensor:
+    """The ``[MAX_FIRST_BYTE_ROWS * 256]`` int32 counts of the rows' leading key bytes (``SELECT_FIRST_BYTE``) on
+    ``device``: zero between calls (the select kernel resets each row it reads), shared by the device's calls - one
+    stream's calls run one after another. Zeroed once when made: outside a CUDA-graph capture."""
+    if rows > MAX_FIRST_BYTE_ROWS:
+        raise UserError(f"{NAME}: {rows} rows > MAX_FIRST_BYTE_ROWS={MAX_FIRST_BYTE_ROWS} with SELECT_FIRST_BYTE; "
+                        "split the call or switch SELECT_FIRST_BYTE off")
+    return cached_zeroed_int32(NAME + " first bytes", (MAX_FIRST_BYTE_ROWS * 256,), device, refuse_in_capture=(
+        "the leading-byte counts of SELECT_FIRST_BYTE must be made before a CUDA-graph capture; call the "
+        "implementation's prepare() (or one eager call) first"))
 
 
 def select_trigger(device: torch.device) -> bool:
@@ -765,6 +842,11 @@ def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor | None, weights: torch.
     s = (D ** -0.5) * (heads ** -0.5) if scale is None else float(scale)
     prec = "ieee" if k_cache.dtype == torch.float32 else "tf32"   # IEEE fp32 for fp32 caches (the CPU tests)
     fused = selection == "radix" and SCORE_SELECTS
+    counted = selection == "radix" and not fused and SELECT_FIRST_BYTE
+    if counted and not SELECT_EARLY_EXIT:
+        raise UserError(f"{NAME}: SELECT_FIRST_BYTE starts the select's early-exit passes at bit 24 and needs "
+                        "SELECT_EARLY_EXIT; switch one of them")
+    first_bytes = first_byte_counts(q.device, B) if counted else None
     if fused:   # 3 in 2: the last scoring program of a row selects it
         consts, warps = select_config(cap)
         arrivals = arrival_counts(q.device, B)
@@ -774,18 +856,19 @@ def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor | None, weights: torch.
         q, weights, inv, pos, flat, bt, seq_lens, logits, heads, num_splits, block, cap,
         -(-cap // num_splits) if selection == "torch" else 0, s,   # radix / split never read past seq_len
         q.stride(0), q.stride(1), weights.stride(0), flat.stride(0), bt.stride(0), logits.stride(0),
-        arrivals, out, topk, out.stride(0), *key_args,
+        arrivals, out, topk, out.stride(0), *key_args, logits if first_bytes is None else first_bytes,
         D=D, D_PAD=d_pad, H_PAD=_next_pow2(max(heads, 16)), HALF=max(half, 1), ROPE=rope,
         INTERLEAVED=bool(rope_interleaved), BT=BLOCK_T, MIN_CHUNK=MIN_CHUNK, FILL=FILL_BLOCK, PREC=prec,
         AHEAD=SCORE_KEYS_AHEAD, SELECT=fused, **consts, KEY=key_in_score, NORM=norm if key_in_score else 0,
-        HAS_BIAS=key_in_score and kb is not flat,
+        HAS_BIAS=key_in_score and kb is not flat, BYTES=counted,
         num_warps=warps)
     if fused:
         return out
 
     # 3. selection
     if selection == "radix":
-        launch_select(kern["select"], logits, seq_lens, out, topk, cap, trigger=select_trigger(q.device))
+        launch_select(kern["select"], logits, seq_lens, out, topk, cap, trigger=select_trigger(q.device),
+                      first_bytes=first_bytes)
         return out
     if selection == "split":
         return topk_select(logits[:, :cap], seq_lens, topk, out)

@@ -1,4 +1,4 @@
-"""The indexer's fusion switches (session 49, off by default) through whole programs on the GPU: DeepSeek-V4.1-Flash
+"""The indexer's switches (sessions 49 and 51, off by default) through whole programs on the GPU: DeepSeek-V4.1-Flash
 and GLM-5.3 tiny cells with the switches on equal their references as the matrix's cells do.
 
 ``sparse_mqa_triton.COMPRESS_INDEX_KEY`` (DeepSeek's key owners: the compressor writes the indexer's key, the key gemm
@@ -13,6 +13,7 @@ Run on the H200: ``pytest -m gpu tests/models/test_indexer_switches_gpu.py``.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from latency_specialized.kernels import indexer_triton, sparse_mqa_triton
 from latency_specialized.plugins import get_registry
@@ -33,3 +34,17 @@ def test_cells_with_the_indexer_switches_on(monkeypatch, model, batch, spec):
     assert res.top1_agreement >= 0.99
     if model == "deepseek_v41_flash":   # the fused compressor served the key owners
         assert any(impl == sparse_mqa_triton.COMPRESS_INDEX_NAME for impl in res.impls.values()), res.impls
+
+
+@pytest.mark.parametrize("model", ["deepseek_v41_flash", "glm53"])
+@pytest.mark.parametrize("batch,spec", [(1, 0), (8, 0), (4, 3)], ids=["b1", "b8", "b4-s3"])
+def test_cells_with_the_select_from_leading_bytes(monkeypatch, model, batch, spec):
+    """``indexer_triton.SELECT_FIRST_BYTE`` (session 51, off): the score kernel counts the leading key bytes, the
+    select starts from them and resets them - every index layer's call of every step in turn on the one buffer."""
+    monkeypatch.setattr(indexer_triton, "SELECT_FIRST_BYTE", True)
+    res = get_registry().adapter(model).verify_cell(Cell(model, batch, 1, 40, spec, "cuda"), comm=None)
+    assert res.steps > 0 and res.fast_steps == res.steps and res.stock_steps == 0
+    assert res.max_abs_err <= res.tolerance, f"max |program - reference| = {res.max_abs_err} > {res.tolerance}"
+    assert res.top1_agreement >= 0.99
+    assert any(impl == indexer_triton.NAME for impl in res.impls.values()), res.impls
+    assert not indexer_triton.first_byte_counts(torch.device("cuda")).any()

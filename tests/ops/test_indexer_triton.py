@@ -38,7 +38,7 @@ SELECTIONS = pytest.mark.parametrize("selection", ["radix", "split", "torch"])
 
 @pytest.mark.interpreter_driver
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=52)
+    run_interpreted(__file__, min_passed=56)
 
 
 @pytest.fixture
@@ -331,6 +331,44 @@ def test_radix_select_fine_widths(ix, monkeypatch, early):
     _check(ix, args, kw, selection="radix", num_splits=2)
 
 
+@interpreted
+@pytest.mark.parametrize("resident,fine,ahead,bits", [(True, False, False, 4), (False, False, True, 4),
+                                                      (True, True, False, 4), (True, False, True, 8)])
+def test_select_from_the_leading_byte_counts(ix, monkeypatch, resident, fine, ahead, bits):
+    """``SELECT_FIRST_BYTE``: the score kernel counts every live logit's leading key byte and the select starts from
+    those counts - the same valid sets on long rows (several scoring programs a row, in either grid order), near ties
+    decided past the first byte, exact ties (+-0 logits, negative ones) and rows at or below K; the row held
+    resident (one tile, or at the finer widths' pairs) or looped over tiles; 4- and 8-bit digits after the byte. The
+    counts are back at zero after every call: the next call, on other rows, starts from there."""
+    monkeypatch.setattr(ix, "SELECT_FIRST_BYTE", True)
+    monkeypatch.setattr(ix, "SELECT_BITS", bits)
+    monkeypatch.setattr(ix, "SCORE_KEYS_AHEAD", ahead)
+    monkeypatch.setattr(ix, "SELECT_RESIDENT_MAX", 1 << 20 if resident else 0)
+    monkeypatch.setattr(ix, "SELECT_TILE", 64)
+    monkeypatch.setattr(ix, "MIN_CHUNK", 16)
+    if fine:
+        monkeypatch.setattr(ix, "SELECT_FINE_WIDTHS", True)
+        monkeypatch.setattr(ix, "SELECT_NARROW_MIN_TILE", 64)
+    counts = ix.first_byte_counts(torch.device("cpu"))
+    cases = [(_case(81, [250, 0, 97, 16, 131, 65], K=16, bs=8, per=(32 if fine else None)), 3),
+             (_case(82, [150, 90, 41], K=12, bs=4, near_ties=True), 2),
+             (_tied_case(83, [70, 70, 70, 12]), 2)]
+    for (args, kw), splits in cases:
+        _check(ix, args, kw, selection="radix", num_splits=splits)
+        assert not counts.any(), "the select left leading-byte counts behind"
+        with programs_in_reverse():
+            _check(ix, args, kw, selection="radix", num_splits=splits)
+        assert not counts.any()
+
+
+def test_select_from_the_leading_byte_counts_needs_the_early_exit(ix, monkeypatch):
+    monkeypatch.setattr(ix, "SELECT_FIRST_BYTE", True)
+    monkeypatch.setattr(ix, "SELECT_EARLY_EXIT", False)
+    args, kw = _case(84, [20, 9], K=4)
+    with pytest.raises(UserError, match="SELECT_EARLY_EXIT"):
+        ix.indexer_topk_triton(*args, **kw, selection="radix")
+
+
 def test_radix_select_refuses_other_digit_widths(ix):
     with pytest.raises(UserError, match="digit width 5"):
         ix.launch_select(None, torch.zeros(1, 8), torch.ones(1, dtype=torch.int32),
@@ -522,13 +560,16 @@ def test_kernels_compile_for_hopper_without_a_gpu(ix):
                seq_lens="*i32", logits="*fp32", H="i32", num_splits="i32", block_size="i32", cap="i32",
                fill_chunk="i32", scale="fp32", s_qb="i32", s_qh="i32", s_wb="i32", s_row="i32", s_bt="i32",
                s_lb="i32", arrivals="*i32", out="*i32", K="i32", s_ob="i32", k="*bf16", k_w="*fp32", k_b="*fp32",
-               slots="*i64", k_eps="fp32", s_k="i32")
-    for rope, ahead in ((False, False), (True, False), (False, True), (True, True)):
+               slots="*i64", k_eps="fp32", s_k="i32", first_bytes="*i32")
+    for rope, ahead, counted in ((False, False, False), (True, False, False), (False, True, False),
+                                 (True, True, False), (False, False, True), (False, True, True)):
         p = ptx(kern["score"], sig, dict(D=128, D_PAD=128, H_PAD=32, HALF=32, ROPE=rope, INTERLEAVED=True,
                                          BT=ix.BLOCK_T, MIN_CHUNK=ix.MIN_CHUNK, FILL=ix.FILL_BLOCK, PREC="tf32",
                                          AHEAD=ahead, SELECT=False, **ix._NO_SELECT, KEY=False, NORM=0,
-                                         HAS_BIAS=False), ix.SCORE_WARPS)
+                                         HAS_BIAS=False, BYTES=counted), ix.SCORE_WARPS)
         assert "mma.sync" in p or "wgmma" in p
+        # SELECT_FIRST_BYTE: the program's 256 leading-byte counts added with relaxed atomics, no acquire / release
+        assert ("atom.global.gpu.relaxed.add" in p or "red.global.gpu.relaxed.add" in p) == counted, (rope, ahead)
         if not rope:  # with RoPE, libdevice's sin/cos keep a small local array for huge arguments
             assert "ld.local" not in p and "st.local" not in p, ahead
     # the score kernel that selects its rows (SCORE_SELECTS) and writes the new keys (SCORE_WRITES_KEY: GLM-5.3's
@@ -539,22 +580,25 @@ def test_kernels_compile_for_hopper_without_a_gpu(ix):
         p = ptx(kern["score"], sig, dict(D=128, D_PAD=128, H_PAD=64, HALF=32, ROPE=rope, INTERLEAVED=True,
                                          BT=ix.BLOCK_T, MIN_CHUNK=ix.MIN_CHUNK, FILL=ix.FILL_BLOCK, PREC="tf32",
                                          AHEAD=False, SELECT=True, **consts, KEY=True, NORM=norm,
-                                         HAS_BIAS=norm == 1), warps)
+                                         HAS_BIAS=norm == 1, BYTES=False), warps)
         assert ("mma.sync" in p or "wgmma" in p) and "atom.global.gpu.acq_rel.add" in p, cap
         if not rope:
             assert "ld.local" not in p and "st.local" not in p, cap
-    sig = dict(logits="*fp32", seq_lens="*i32", out="*i32", K="i32", s_lb="i32", s_ob="i32")
+    sig = dict(logits="*fp32", seq_lens="*i32", out="*i32", K="i32", s_lb="i32", s_ob="i32", first_bytes="*i32")
     for bits in (4, 8):   # 16- and 256-bin histograms; rows looped over tiles or kept in registers (4096 wide)
         for resident, tile, narrow in ((False, ix.SELECT_TILE, False), (True, 4096, False), (True, 4096, True)):
             for early, fine in ((False, False), (True, False), (True, narrow)):
                 p = ptx(kern["select"], sig, dict(TILE=tile, BITS=bits, RESIDENT=resident, NARROW=narrow,
-                                                  TRIGGER=False, EARLY=early, FINE=fine), ix.SELECT_WARPS)
+                                                  TRIGGER=False, EARLY=early, FINE=fine, BYTES=early),
+                        ix.SELECT_WARPS)
                 assert "ld.local" not in p and "st.local" not in p, (bits, resident, narrow, early, fine)
     # the widest resident row (SELECT_RESIDENT_MAX) on the wide warp count, with its half-width path / finer widths
-    for early, fine in ((False, False), (True, False), (True, True)):
+    for early, fine, counted in ((False, False, False), (True, False, False), (True, True, False), (True, False, True),
+                                 (True, True, True)):
         p = ptx(kern["select"], sig, dict(TILE=ix.SELECT_RESIDENT_MAX, BITS=ix.SELECT_BITS, RESIDENT=True,
-                                          NARROW=True, TRIGGER=False, EARLY=early, FINE=fine), ix.SELECT_WARPS_WIDE)
-        assert "ld.local" not in p and "st.local" not in p, (early, fine)
+                                          NARROW=True, TRIGGER=False, EARLY=early, FINE=fine, BYTES=counted),
+                ix.SELECT_WARPS_WIDE)
+        assert "ld.local" not in p and "st.local" not in p, (early, fine, counted)
 
 
 def test_auto_selection_rule(ix):
