@@ -8,12 +8,12 @@
 # cutprof, paired (cut off), credit, q4: benchmarks/results/h100/session50/; session 48 c2ab, topk, dsv; session 46 gqa,
 # dsvab, topk, muse; those, fine2, prof and gemm stay available by name):
 #   selglm (session 51's plan) GLM-5.3 moe at batch 1 / 8, one replay's kernels each: the radix select with 8 warps
-#          instead of 16 at its 8,192 tile (w8), the finer widths (fine), no early exit (late), 8-bit digits (b8),
-#          w8 + fine, the passes started from the score kernel's leading-byte counts (bytes: SELECT_FIRST_BYTE, new in
-#          session 51) alone and with fine - the select takes 28 us a call in this layer and ~20 alone on the layer's
-#          own logits (session 51's probes)
+#          instead of 16 at its 8,192 tile (w8), the finer widths (fine), 8-bit digits (b8), the passes started from
+#          the score kernel's leading-byte counts (bytes: SELECT_FIRST_BYTE, new in session 51) alone and with fine,
+#          one prefix sum for both ranks (packed: SELECT_PACKED_SCAN, new), bytes + packed (both) - the select takes
+#          28 us a call in this layer and ~20 alone on the layer's own logits (session 51's probes)
 #   selab  (session 51's plan) GLM-5.3 moe and DeepSeek-V4.1-Flash c2_idx at batch 1 / 8: base / bytes / bytes + fine /
-#          8 warps at the 8,192 tile - the layer A/B that decides the select's switches
+#          8 warps at the 8,192 tile / bytes + packed - the layer A/B that decides the select's switches
 #   slots  (session 50's plan) one replay of a 2-layer DeepSeek-V4.1-Flash c2_idx program at batch 1 and 8 with the
 #          step's slots in one launch each (step_slots_triton.STEP_SLOTS_KERNEL) off and on: the replay's total and
 #          kernels (the layer bench leaves per-step work out)
@@ -116,15 +116,20 @@ if step selglm; then
   # (benchmarks/results/h100/session51/README.md); the knobs that change it alone, timed where it is slow
   mkdir -p "$W/selglm"; rc=0
   SP=latency_specialized.kernels.indexer_triton
-  for v in base:"" w8:$SP.SELECT_WARPS_WIDE=8 fine:$SP.SELECT_FINE_WIDTHS=True late:$SP.SELECT_EARLY_EXIT=False \
-      b8:$SP.SELECT_BITS=8 w8fine:$SP.SELECT_WARPS_WIDE=8,$SP.SELECT_FINE_WIDTHS=True \
-      bytes:$SP.SELECT_FIRST_BYTE=True bytesfine:$SP.SELECT_FIRST_BYTE=True,$SP.SELECT_FINE_WIDTHS=True; do
+  for v in base:"" w8:$SP.SELECT_WARPS_WIDE=8 fine:$SP.SELECT_FINE_WIDTHS=True b8:$SP.SELECT_BITS=8 \
+      bytes:$SP.SELECT_FIRST_BYTE=True bytesfine:$SP.SELECT_FIRST_BYTE=True,$SP.SELECT_FINE_WIDTHS=True \
+      packed:$SP.SELECT_PACKED_SCAN=True both:$SP.SELECT_FIRST_BYTE=True,$SP.SELECT_PACKED_SCAN=True; do
     name=${v%%:*} settings=${v#*:}
     timeout "${PROF_S:-70}" python3 benchmarks/scripts/profile_layer.py --model glm53 --kind moe --batches 1,8 \
       --layers 2 --timeline --out "$W/selglm/p_glm_moe_$name.json" ${settings:+--set "$settings"} \
       > "$W/selglm/p_glm_moe_$name.txt" 2>&1 || rc=$?
   done
-  rm -f "$W"/selglm/*.trace.json; pack selglm "$rc"
+  for nl in 8192:4097 4096:2049; do   # the select alone: packed scans against two
+    timeout "${TOPK_S:-40}" python3 benchmarks/scripts/topk_bench.py --kind relu --rows 1,8 --lengths "${nl%%:*}" \
+      --live "${nl##*:}" --ks 512,2048 --variants radix_coarse,radix_packed,radix_fine,radix_fine_packed \
+      --out "$W/selglm/topk_${nl/:/_}.json" >> "$W/selglm/topk.log" 2>&1 || rc=$?
+  done
+  rm -f "$W"/selglm/*.trace.json; pack selglm "$rc"; grep -h "^| " "$W"/selglm/topk_*.md | head -12
   for f in "$W"/selglm/*.txt; do echo "$(basename "$f"): $(grep -h "^=== " "$f" | cut -c1-90 | tr '\n' ' ')"; \
     grep -h "select_kernel$" "$f" | head -2; done
 fi
@@ -136,6 +141,7 @@ if step selab; then
     timeout "${SELAB_S:-170}" "${BENCH[@]}" --model "${m%%:*}" --kinds "${m##*:}" --batch 1,8 \
       --out "$W/selab/${m%%:*}" --ab base --ab bytes:$SP.SELECT_FIRST_BYTE=True \
       --ab "bfine:$SP.SELECT_FIRST_BYTE=True,$SP.SELECT_FINE_WIDTHS=True" --ab w8:$SP.SELECT_WARPS_WIDE=8 \
+      --ab "both:$SP.SELECT_FIRST_BYTE=True,$SP.SELECT_PACKED_SCAN=True" \
       > "$W/selab/${m%%:*}.log" 2>&1 || rc=$?
   done
   find "$W/selab" -name "*.png" -delete; find "$W/selab" -path "*ab_runs*" -name "*.json" -delete

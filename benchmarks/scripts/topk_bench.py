@@ -61,14 +61,15 @@ def _variants(tk, ix):
         vals, idx = torch.topk(x, k, dim=-1)
         out.copy_(torch.where(vals > float("-inf"), idx, -1))
 
-    def radix_with(bits=None, resident=None, warps=None, narrow_min=None, early=None, fine=None):
+    def radix_with(bits=None, resident=None, warps=None, narrow_min=None, early=None, fine=None, packed=None):
         # resident: rows of up to this many logits stay in registers across the passes (0: never); narrow_min:
         # the smallest resident tile with the half-width path for short rows (0: never); early: the passes stop
         # once the K-th key's bucket holds only keys to take (indexer_triton.SELECT_EARLY_EXIT); fine: the width held
-        # steps by the live length through 1/4 .. all of the tile (indexer_triton.SELECT_FINE_WIDTHS)
+        # steps by the live length through 1/4 .. all of the tile (indexer_triton.SELECT_FINE_WIDTHS); packed: one
+        # prefix sum ranks both kinds of kept key (indexer_triton.SELECT_PACKED_SCAN)
         def radix_select(x, lens, k, out):
             ix.launch_select(radix, x, lens, out, k, x.shape[1], bits=bits, resident_max=resident, warps=warps,
-                             narrow_min=narrow_min, early=early, fine=fine)
+                             narrow_min=narrow_min, early=early, fine=fine, packed=packed)
 
         return radix_select
 
@@ -79,7 +80,8 @@ def _variants(tk, ix):
                 radix4_res_w16=radix_with(4, big, 16), radix4_res_w4=radix_with(4, big, 4),
                 radix_wide=radix_with(narrow_min=0), radix_early=radix_with(early=True),
                 radix_late=radix_with(early=False), radix4_loop_early=radix_with(4, 0, early=True),
-                radix_fine=radix_with(fine=True), radix_coarse=radix_with(fine=False))
+                radix_fine=radix_with(fine=True), radix_coarse=radix_with(fine=False),
+                radix_packed=radix_with(packed=True), radix_fine_packed=radix_with(fine=True, packed=True))
 
 
 def _kernel_nodes(fn) -> dict | None:

@@ -166,6 +166,11 @@ from those counts - its passes begin at bit 24, so the two 4-bit passes over the
 leading byte are not run (the first of them needs no mask, the second one with the top digit fixed). The counts live
 in one zeroed buffer per device (``first_byte_counts``) that the select kernel resets per row as it reads it. The
 same selection (the same set). Off: not yet on a GPU."""
+SELECT_PACKED_SCAN = False
+"""The select's compaction ranks the keys > T and == T with one prefix sum of both (16-bit fields of one int32: a tile
+holds fewer than 65,536 keys) instead of two, and counts them with one sum: the block-wide scans are about a fifth of
+the select's instructions at GLM-5.3's 8,192 tile (offline sm_90a SASS, NOTES_indexer.md, session 51). The same
+positions. Off: not yet on a GPU."""
 MAX_FIRST_BYTE_ROWS = 1024
 """Rows one call may select with ``SELECT_FIRST_BYTE`` (its 256 int32 counts a row: 1 MiB a device)."""
 SELECT_BITS = 4
@@ -206,7 +211,7 @@ def _kernels(interpret: bool) -> dict:
     # defined here, not at import (no triton import on machines without it); Triton resolves the names a
     # kernel uses through its module globals: hence tl and the helpers as globals
     global tl, tlc, _rope_coeffs, _score_tile_keys, _ordered_keys, _digit_hist, _digit_hist_at, _next_digit, \
-        _first_digit, _resident_select, _pair_hist, _resident_select_pair, _select_row, _store_key
+        _first_digit, _ranks, _totals, _resident_select, _pair_hist, _resident_select_pair, _select_row, _store_key
     import triton
     import triton.language as tl
     import triton.language.extra.cuda as tlc
@@ -301,8 +306,8 @@ def _kernels(interpret: bool) -> dict:
                      ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, BT: tl.constexpr, MIN_CHUNK: tl.constexpr,
                      FILL: tl.constexpr, PREC: tl.constexpr, AHEAD: tl.constexpr, SELECT: tl.constexpr,
                      TILE: tl.constexpr, BITS: tl.constexpr, RESIDENT: tl.constexpr, NARROW: tl.constexpr,
-                     EARLY: tl.constexpr, FINE: tl.constexpr, KEY: tl.constexpr, NORM: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, BYTES: tl.constexpr):
+                     EARLY: tl.constexpr, FINE: tl.constexpr, PACKED: tl.constexpr, KEY: tl.constexpr,
+                     NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BYTES: tl.constexpr):
         # AHEAD: each tile's block ids and keys load one step ahead, the first before the query (SCORE_KEYS_AHEAD);
         # SELECT: the last program of a row to finish runs the radix select of it (SCORE_SELECTS; TILE .. FINE as
         # select_kernel's), counted in arrivals[b] (zero between calls: that program resets it); KEY: the program
@@ -380,7 +385,7 @@ def _kernels(interpret: bool) -> dict:
             if arrived == num_splits - 1:
                 tl.store(arrivals + b, 0)   # for the next call: every program of this one has arrived
                 _select_row(row, out + b.to(tl.int64) * s_ob, seq_len, K, TILE, BITS, RESIDENT, NARROW, EARLY, FINE,
-                            ".cg", counts, False)
+                            ".cg", counts, False, PACKED)
 
     @triton.jit
     def _digit_hist(key, ok, prefix, FIRST: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr,
@@ -430,8 +435,27 @@ def _kernels(interpret: bool) -> dict:
         return prefix, remaining, shared, shift
 
     @triton.jit
+    def _ranks(is_gt, is_eq, PACKED: tl.constexpr):
+        # 0-based ranks in the tile of the keys > T and == T: one prefix sum of both (PACKED: 16-bit fields, a tile
+        # holds fewer than 65,536 keys) or two
+        if PACKED:
+            c = tl.cumsum(is_gt + (is_eq << 16), 0)
+            return (c & 0xFFFF) - 1, (c >> 16) - 1
+        else:
+            return tl.cumsum(is_gt, 0) - 1, tl.cumsum(is_eq, 0) - 1
+
+    @triton.jit
+    def _totals(is_gt, is_eq, PACKED: tl.constexpr):
+        # how many keys of the tile are > T and == T (PACKED: one sum of both)
+        if PACKED:
+            c = tl.sum(is_gt + (is_eq << 16), 0)
+            return c & 0xFFFF, c >> 16
+        else:
+            return tl.sum(is_gt, 0), tl.sum(is_eq, 0)
+
+    @triton.jit
     def _resident_select(row, orow, seq_len, K, T: tl.constexpr, BITS: tl.constexpr, EARLY: tl.constexpr,
-                         CM: tl.constexpr, bytes_hist, BYTES: tl.constexpr):
+                         CM: tl.constexpr, bytes_hist, BYTES: tl.constexpr, PACKED: tl.constexpr):
         # the radix select of a row held in registers as one T-wide tile (K < seq_len <= T); EARLY: stop the
         # passes once the prefix's keys are exactly those still to take (SELECT_EARLY_EXIT); BYTES (with EARLY):
         # bytes_hist [256] counts the row's leading key bytes (the score kernel's), so the passes start at bit 24
@@ -461,8 +485,7 @@ def _kernels(interpret: bool) -> dict:
         n_gt = K - remaining
         is_gt = (rok & (rkey > prefix)).to(tl.int32)
         is_eq = (rok & (rkey == prefix)).to(tl.int32)
-        at_gt = tl.cumsum(is_gt, 0) - 1
-        at_eq = tl.cumsum(is_eq, 0) - 1
+        at_gt, at_eq = _ranks(is_gt, is_eq, PACKED)
         tl.store(orow + at_gt, roffs, mask=is_gt > 0)
         tl.store(orow + n_gt + at_eq, roffs, mask=(is_eq > 0) & (at_eq < remaining))
 
@@ -476,7 +499,8 @@ def _kernels(interpret: bool) -> dict:
 
     @triton.jit
     def _resident_select_pair(row, orow, seq_len, K, TA: tl.constexpr, TB: tl.constexpr, BITS: tl.constexpr,
-                              EARLY: tl.constexpr, CM: tl.constexpr, bytes_hist, BYTES: tl.constexpr):
+                              EARLY: tl.constexpr, CM: tl.constexpr, bytes_hist, BYTES: tl.constexpr,
+                              PACKED: tl.constexpr):
         # _resident_select of a row held as two tiles, [0, TA) and [TA, TA + TB) (K < seq_len <= TA + TB): a
         # width between two powers of two costs its own width in every pass, not the next power's (BYTES as
         # _resident_select's)
@@ -515,10 +539,11 @@ def _kernels(interpret: bool) -> dict:
         eqa = (oka & (ka == prefix)).to(tl.int32)
         gtb = (okb & (kb > prefix)).to(tl.int32)
         eqb = (okb & (kb == prefix)).to(tl.int32)
-        at_gta = tl.cumsum(gta, 0) - 1
-        at_eqa = tl.cumsum(eqa, 0) - 1
-        at_gtb = tl.sum(gta, 0) + tl.cumsum(gtb, 0) - 1
-        at_eqb = tl.sum(eqa, 0) + tl.cumsum(eqb, 0) - 1
+        at_gta, at_eqa = _ranks(gta, eqa, PACKED)
+        n_gta, n_eqa = _totals(gta, eqa, PACKED)
+        at_gtb, at_eqb = _ranks(gtb, eqb, PACKED)
+        at_gtb += n_gta
+        at_eqb += n_eqa
         tl.store(orow + at_gta, offa, mask=gta > 0)
         tl.store(orow + n_gt + at_eqa, offa, mask=(eqa > 0) & (at_eqa < remaining))
         tl.store(orow + at_gtb, offb, mask=gtb > 0)
@@ -527,7 +552,7 @@ def _kernels(interpret: bool) -> dict:
     @triton.jit
     def _select_row(row, orow, seq_len, K, TILE: tl.constexpr, BITS: tl.constexpr, RESIDENT: tl.constexpr,
                     NARROW: tl.constexpr, EARLY: tl.constexpr, FINE: tl.constexpr, CM: tl.constexpr, bytes_hist,
-                    BYTES: tl.constexpr):
+                    BYTES: tl.constexpr, PACKED: tl.constexpr):
         # the select of one row of logits into orow (select_kernel's program; the score kernel's last program of a
         # row with SELECT); CM: the logits loads' cache modifier (".cg" there: L2, never a stale L1 line); BYTES
         # (with EARLY): bytes_hist [256], the row's leading key bytes counted by the score kernel
@@ -540,24 +565,24 @@ def _kernels(interpret: bool) -> dict:
         elif RESIDENT:
             if NARROW and FINE:    # the width held: TILE / 4, 3/8 (a pair), 1/2, 3/4 (a pair) or all of it
                 if seq_len <= TILE // 4:
-                    _resident_select(row, orow, seq_len, K, TILE // 4, BITS, EARLY, CM, bytes_hist, BYTES)
+                    _resident_select(row, orow, seq_len, K, TILE // 4, BITS, EARLY, CM, bytes_hist, BYTES, PACKED)
                 elif seq_len <= TILE // 4 + TILE // 8:
                     _resident_select_pair(row, orow, seq_len, K, TILE // 4, TILE // 8, BITS, EARLY, CM, bytes_hist,
-                                          BYTES)
+                                          BYTES, PACKED)
                 elif seq_len <= TILE // 2:
-                    _resident_select(row, orow, seq_len, K, TILE // 2, BITS, EARLY, CM, bytes_hist, BYTES)
+                    _resident_select(row, orow, seq_len, K, TILE // 2, BITS, EARLY, CM, bytes_hist, BYTES, PACKED)
                 elif seq_len <= TILE // 2 + TILE // 4:
                     _resident_select_pair(row, orow, seq_len, K, TILE // 2, TILE // 4, BITS, EARLY, CM, bytes_hist,
-                                          BYTES)
+                                          BYTES, PACKED)
                 else:
-                    _resident_select(row, orow, seq_len, K, TILE, BITS, EARLY, CM, bytes_hist, BYTES)
+                    _resident_select(row, orow, seq_len, K, TILE, BITS, EARLY, CM, bytes_hist, BYTES, PACKED)
             elif NARROW:
                 if seq_len <= TILE // 2:
-                    _resident_select(row, orow, seq_len, K, TILE // 2, BITS, EARLY, CM, bytes_hist, BYTES)
+                    _resident_select(row, orow, seq_len, K, TILE // 2, BITS, EARLY, CM, bytes_hist, BYTES, PACKED)
                 else:
-                    _resident_select(row, orow, seq_len, K, TILE, BITS, EARLY, CM, bytes_hist, BYTES)
+                    _resident_select(row, orow, seq_len, K, TILE, BITS, EARLY, CM, bytes_hist, BYTES, PACKED)
             else:
-                _resident_select(row, orow, seq_len, K, TILE, BITS, EARLY, CM, bytes_hist, BYTES)
+                _resident_select(row, orow, seq_len, K, TILE, BITS, EARLY, CM, bytes_hist, BYTES, PACKED)
         else:
             prefix = seq_len * 0
             remaining = seq_len * 0 + K
@@ -606,17 +631,19 @@ def _kernels(interpret: bool) -> dict:
                     key = key >> shift
                 is_gt = (ok & (key > prefix)).to(tl.int32)
                 is_eq = (ok & (key == prefix)).to(tl.int32)
-                at_gt = base_gt + tl.cumsum(is_gt, 0) - 1
-                at_eq = base_eq + tl.cumsum(is_eq, 0) - 1
+                at_gt, at_eq = _ranks(is_gt, is_eq, PACKED)
+                at_gt += base_gt
+                at_eq += base_eq
                 tl.store(orow + at_gt, offs, mask=is_gt > 0)
                 tl.store(orow + n_gt + at_eq, offs, mask=(is_eq > 0) & (at_eq < remaining))
-                base_gt += tl.sum(is_gt, 0)
-                base_eq += tl.sum(is_eq, 0)
+                n_gt_tile, n_eq_tile = _totals(is_gt, is_eq, PACKED)
+                base_gt += n_gt_tile
+                base_eq += n_eq_tile
 
     @triton.jit
     def select_kernel(logits, seq_lens, out, K, s_lb, s_ob, first_bytes, TILE: tl.constexpr, BITS: tl.constexpr,
                       RESIDENT: tl.constexpr, NARROW: tl.constexpr, TRIGGER: tl.constexpr, EARLY: tl.constexpr,
-                      FINE: tl.constexpr, BYTES: tl.constexpr):
+                      FINE: tl.constexpr, PACKED: tl.constexpr, BYTES: tl.constexpr):
         # BITS: radix digit width (32 // BITS histogram passes of 2**BITS bins); RESIDENT: the row fits one
         # TILE (the caller's capacity <= TILE), loaded once and kept in registers across the passes; NARROW: a
         # row of at most TILE / 2 live logits takes a half-width resident select (the passes cost the tile's
@@ -638,7 +665,7 @@ def _kernels(interpret: bool) -> dict:
             tl.store(brow, tl.zeros([256], dtype=tl.int32))
         _select_row(logits + b.to(tl.int64) * s_lb, out + b.to(tl.int64) * s_ob,
                     tl.load(seq_lens + b).to(tl.int32), K, TILE, BITS, RESIDENT, NARROW, EARLY, FINE, "", counts,
-                    BYTES)
+                    BYTES, PACKED)
 
     return dict(key=key_kernel, score=score_kernel, select=select_kernel)
 
@@ -646,14 +673,16 @@ def _kernels(interpret: bool) -> dict:
 def launch_select(kernel, logits: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, topk: int, capacity: int,
                   *, bits: int | None = None, resident_max: int | None = None, warps: int | None = None,
                   narrow_min: int | None = None, trigger: bool = False, early: bool | None = None,
-                  fine: bool | None = None, first_bytes: torch.Tensor | None = None) -> None:
+                  fine: bool | None = None, first_bytes: torch.Tensor | None = None,
+                  packed: bool | None = None) -> None:
     """The radix select over logits [B, >= capacity] fp32 into out [B, topk] int32 (one program per row);
-    ``bits`` / ``resident_max`` / ``warps`` / ``narrow_min`` / ``early`` / ``fine`` default to SELECT_BITS /
-    SELECT_RESIDENT_MAX / SELECT_WARPS / SELECT_NARROW_MIN_TILE / SELECT_EARLY_EXIT / SELECT_FINE_WIDTHS.
-    ``trigger``: let a PDL launch behind it start at once (``select_trigger``). ``first_bytes``: the rows' leading
-    key bytes as the score kernel counted them (``first_byte_counts``; read and reset here; needs the early exit)."""
+    ``bits`` / ``resident_max`` / ``warps`` / ``narrow_min`` / ``early`` / ``fine`` / ``packed`` default to
+    SELECT_BITS / SELECT_RESIDENT_MAX / SELECT_WARPS / SELECT_NARROW_MIN_TILE / SELECT_EARLY_EXIT / SELECT_FINE_WIDTHS
+    / SELECT_PACKED_SCAN. ``trigger``: let a PDL launch behind it start at once (``select_trigger``). ``first_bytes``:
+    the rows' leading key bytes as the score kernel counted them (``first_byte_counts``; read and reset here; needs
+    the early exit)."""
     consts, nw = select_config(capacity, bits=bits, resident_max=resident_max, warps=warps, narrow_min=narrow_min,
-                               early=early, fine=fine)
+                               early=early, fine=fine, packed=packed)
     if first_bytes is not None and not consts["EARLY"]:
         raise UserError(f"{NAME}: the select from the leading-byte counts needs the early exit (SELECT_EARLY_EXIT); "
                         "switch SELECT_FIRST_BYTE off or the early exit on")
@@ -664,8 +693,8 @@ def launch_select(kernel, logits: torch.Tensor, seq_lens: torch.Tensor, out: tor
 
 def select_config(capacity: int, *, bits: int | None = None, resident_max: int | None = None,
                   warps: int | None = None, narrow_min: int | None = None, early: bool | None = None,
-                  fine: bool | None = None) -> tuple[dict[str, int | bool], int]:
-    """The radix select's constexprs (TILE, BITS, RESIDENT, NARROW, EARLY, FINE) and warps for a block table of
+                  fine: bool | None = None, packed: bool | None = None) -> tuple[dict[str, int | bool], int]:
+    """The radix select's constexprs (TILE, BITS, RESIDENT, NARROW, EARLY, FINE, PACKED) and warps for a block table of
     ``capacity`` positions (``launch_select``'s arguments; None: the module's settings)."""
     bits = SELECT_BITS if bits is None else int(bits)
     if bits not in (4, 8):
@@ -678,10 +707,11 @@ def select_config(capacity: int, *, bits: int | None = None, resident_max: int |
     narrow = resident and 0 < narrow_min <= tile
     return dict(TILE=tile, BITS=bits, RESIDENT=resident, NARROW=narrow,
                 EARLY=SELECT_EARLY_EXIT if early is None else bool(early),
-                FINE=narrow and (SELECT_FINE_WIDTHS if fine is None else bool(fine))), int(warps)
+                FINE=narrow and (SELECT_FINE_WIDTHS if fine is None else bool(fine)),
+                PACKED=SELECT_PACKED_SCAN if packed is None else bool(packed)), int(warps)
 
 
-_NO_SELECT = dict(TILE=16, BITS=4, RESIDENT=True, NARROW=False, EARLY=False, FINE=False)
+_NO_SELECT = dict(TILE=16, BITS=4, RESIDENT=True, NARROW=False, EARLY=False, FINE=False, PACKED=False)
 """The select constexprs of a score launch without SELECT (unused; fixed, so that they make no new variant)."""
 MAX_SELECT_ROWS = 8192
 """Rows (tokens) one call may select inside the score kernel: its per-row arrival counters (int32, 32 KiB a device)."""

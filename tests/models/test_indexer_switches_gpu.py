@@ -39,9 +39,11 @@ def test_cells_with_the_indexer_switches_on(monkeypatch, model, batch, spec):
 @pytest.mark.parametrize("model", ["deepseek_v41_flash", "glm53"])
 @pytest.mark.parametrize("batch,spec", [(1, 0), (8, 0), (4, 3)], ids=["b1", "b8", "b4-s3"])
 def test_cells_with_the_select_from_leading_bytes(monkeypatch, model, batch, spec):
-    """``indexer_triton.SELECT_FIRST_BYTE`` (session 51, off): the score kernel counts the leading key bytes, the
-    select starts from them and resets them - every index layer's call of every step in turn on the one buffer."""
+    """``indexer_triton.SELECT_FIRST_BYTE`` and ``SELECT_PACKED_SCAN`` (session 51, off): the score kernel counts the
+    leading key bytes, the select starts from them and resets them - every index layer's call of every step in turn on
+    the one buffer - and ranks with one prefix sum."""
     monkeypatch.setattr(indexer_triton, "SELECT_FIRST_BYTE", True)
+    monkeypatch.setattr(indexer_triton, "SELECT_PACKED_SCAN", True)
     res = get_registry().adapter(model).verify_cell(Cell(model, batch, 1, 40, spec, "cuda"), comm=None)
     assert res.steps > 0 and res.fast_steps == res.steps and res.stock_steps == 0
     assert res.max_abs_err <= res.tolerance, f"max |program - reference| = {res.max_abs_err} > {res.tolerance}"

@@ -38,7 +38,7 @@ SELECTIONS = pytest.mark.parametrize("selection", ["radix", "split", "torch"])
 
 @pytest.mark.interpreter_driver
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=56)
+    run_interpreted(__file__, min_passed=63)
 
 
 @pytest.fixture
@@ -332,15 +332,17 @@ def test_radix_select_fine_widths(ix, monkeypatch, early):
 
 
 @interpreted
-@pytest.mark.parametrize("resident,fine,ahead,bits", [(True, False, False, 4), (False, False, True, 4),
-                                                      (True, True, False, 4), (True, False, True, 8)])
-def test_select_from_the_leading_byte_counts(ix, monkeypatch, resident, fine, ahead, bits):
+@pytest.mark.parametrize("resident,fine,ahead,bits,packed", [
+    (True, False, False, 4, False), (False, False, True, 4, True), (True, True, False, 4, True),
+    (True, False, True, 8, False)])
+def test_select_from_the_leading_byte_counts(ix, monkeypatch, resident, fine, ahead, bits, packed):
     """``SELECT_FIRST_BYTE``: the score kernel counts every live logit's leading key byte and the select starts from
     those counts - the same valid sets on long rows (several scoring programs a row, in either grid order), near ties
     decided past the first byte, exact ties (+-0 logits, negative ones) and rows at or below K; the row held
     resident (one tile, or at the finer widths' pairs) or looped over tiles; 4- and 8-bit digits after the byte. The
     counts are back at zero after every call: the next call, on other rows, starts from there."""
     monkeypatch.setattr(ix, "SELECT_FIRST_BYTE", True)
+    monkeypatch.setattr(ix, "SELECT_PACKED_SCAN", packed)
     monkeypatch.setattr(ix, "SELECT_BITS", bits)
     monkeypatch.setattr(ix, "SCORE_KEYS_AHEAD", ahead)
     monkeypatch.setattr(ix, "SELECT_RESIDENT_MAX", 1 << 20 if resident else 0)
@@ -359,6 +361,37 @@ def test_select_from_the_leading_byte_counts(ix, monkeypatch, resident, fine, ah
         with programs_in_reverse():
             _check(ix, args, kw, selection="radix", num_splits=splits)
         assert not counts.any()
+
+
+@interpreted
+@pytest.mark.parametrize("path,early", [("resident", True), ("resident", False), ("narrow", True), ("fine", True),
+                                        ("fine", False), ("looped", True), ("looped", False)])
+def test_radix_select_packed_scan(ix, monkeypatch, path, early):
+    """``SELECT_PACKED_SCAN``: the compaction ranks the keys > T and == T with one prefix sum of both (16-bit fields)
+    - the same sets as the reference on every path of the select (one resident tile, its half-width path, the finer
+    widths' pairs, tiles looped with running bases), with near ties, exact ties and rows at or below K."""
+    monkeypatch.setattr(ix, "SELECT_PACKED_SCAN", True)
+    monkeypatch.setattr(ix, "SELECT_EARLY_EXIT", early)
+    monkeypatch.setattr(ix, "SELECT_TILE", 64)
+    monkeypatch.setattr(ix, "SELECT_RESIDENT_MAX", 0 if path == "looped" else 1 << 20)
+    monkeypatch.setattr(ix, "SELECT_NARROW_MIN_TILE", 64 if path in ("narrow", "fine") else 0)
+    monkeypatch.setattr(ix, "SELECT_FINE_WIDTHS", path == "fine")
+    per = 64 if path == "fine" else 33
+    args, kw = _case(91, [64, 65, 96, 97, 128, 129, 131, 40, 0, 12, 127][:11 if path == "fine" else 9], K=16, bs=4,
+                     per=per)
+    _check(ix, args, kw, selection="radix", num_splits=3)
+    args, kw = _case(92, [120, 130, 64], K=12, bs=4, per=per, near_ties=True)
+    _check(ix, args, kw, selection="radix", num_splits=2)
+    # the finer widths: exact ties in both pairs (3/4: 150, 3/8: 95)
+    args, kw = _tied_case(93, [150, 131, 95, 12] if path == "fine" else [100, 131, 100, 12], per=per)
+    got = _check(ix, args, kw, selection="radix", num_splits=2)
+    # among ties the first positions, as with two scans: the same set exactly
+    monkeypatch.setattr(ix, "SELECT_PACKED_SCAN", False)
+    q, k, w, cache, slots, blocks, lens = args
+    want = ix.indexer_topk_triton(q, k, w, cache.clone(), slots, blocks, lens, selection="radix", num_splits=2, **kw)
+    assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+    # row 0's logits all tie (zero weights): the tie rule takes the lowest positions, whichever tiles hold them
+    assert torch.equal(got[0].sort().values, torch.arange(kw["topk"], dtype=torch.int32))
 
 
 def test_select_from_the_leading_byte_counts_needs_the_early_exit(ix, monkeypatch):
@@ -589,15 +622,15 @@ def test_kernels_compile_for_hopper_without_a_gpu(ix):
         for resident, tile, narrow in ((False, ix.SELECT_TILE, False), (True, 4096, False), (True, 4096, True)):
             for early, fine in ((False, False), (True, False), (True, narrow)):
                 p = ptx(kern["select"], sig, dict(TILE=tile, BITS=bits, RESIDENT=resident, NARROW=narrow,
-                                                  TRIGGER=False, EARLY=early, FINE=fine, BYTES=early),
-                        ix.SELECT_WARPS)
+                                                  TRIGGER=False, EARLY=early, FINE=fine, PACKED=early,
+                                                  BYTES=early), ix.SELECT_WARPS)
                 assert "ld.local" not in p and "st.local" not in p, (bits, resident, narrow, early, fine)
     # the widest resident row (SELECT_RESIDENT_MAX) on the wide warp count, with its half-width path / finer widths
     for early, fine, counted in ((False, False, False), (True, False, False), (True, True, False), (True, False, True),
                                  (True, True, True)):
         p = ptx(kern["select"], sig, dict(TILE=ix.SELECT_RESIDENT_MAX, BITS=ix.SELECT_BITS, RESIDENT=True,
-                                          NARROW=True, TRIGGER=False, EARLY=early, FINE=fine, BYTES=counted),
-                ix.SELECT_WARPS_WIDE)
+                                          NARROW=True, TRIGGER=False, EARLY=early, FINE=fine, PACKED=counted,
+                                          BYTES=counted), ix.SELECT_WARPS_WIDE)
         assert "ld.local" not in p and "st.local" not in p, (early, fine, counted)
 
 

@@ -281,20 +281,23 @@ def test_scoring_keys_ahead(monkeypatch, shape, B):
 
 @pytest.mark.parametrize("shape", [GLM53, DSV41], ids=["glm53", "dsv41"])
 @pytest.mark.parametrize("fine", [False, True], ids=["coarse", "fine"])
-def test_select_from_the_leading_byte_counts(monkeypatch, shape, fine):
-    """``SELECT_FIRST_BYTE``: the score kernel counts the leading key bytes and the select starts from them - the
-    default radix select's sets at batch 1 (GLM-5.3's 4,097 live of an 8,192 tile), at batch 8 (padding rows, rows at
-    or below K, rows on the half-width path or the finer widths' pairs) and on rows too wide to hold (a 40,960-wide
-    table: the looped passes), eager and replayed five times (a call that left its counts behind would start the next
-    from doubled ones); the counts are zero after."""
+@pytest.mark.parametrize("counted,packed", [(True, False), (False, True), (True, True)],
+                         ids=["bytes", "packed", "bytes_packed"])
+def test_select_from_the_leading_byte_counts_and_packed_scans(monkeypatch, shape, fine, counted, packed):
+    """``SELECT_FIRST_BYTE`` (the score kernel counts the leading key bytes, the select starts from them) and
+    ``SELECT_PACKED_SCAN`` (one prefix sum for both ranks): the default radix select's sets at batch 1 (GLM-5.3's 4,097
+    live of an 8,192 tile), at batch 8 (padding rows, rows at or below K, rows on the half-width path or the finer
+    widths' pairs) and on rows too wide to hold (a 40,960-wide table: the looped passes), eager and replayed five
+    times (a call that left its counts behind would start the next from doubled ones); the counts are zero after."""
     K = shape["K"]
     monkeypatch.setattr(ix, "SELECT_FINE_WIDTHS", fine)
     for lens, per in (([4097], 128), ([4097, 3 * K + 5, K, 1, 2 * K + 1, 0, 8000, 2080], 128),
                       ([32768, 700, 0, 32001], 640)):
-        args, kw = _case(f"bytes{K}{len(lens)}{fine}", lens, per=per, **shape)
+        args, kw = _case(f"bytes{K}{len(lens)}{fine}{counted}{packed}", lens, per=per, **shape)
         want = ix.indexer_topk_triton(*args[:3], args[3].clone(), *args[4:], selection="radix", **kw)
         with monkeypatch.context() as m:
-            m.setattr(ix, "SELECT_FIRST_BYTE", True)
+            m.setattr(ix, "SELECT_FIRST_BYTE", counted)
+            m.setattr(ix, "SELECT_PACKED_SCAN", packed)
             got = _check(args, kw, selection="radix")
             assert torch.equal(got.sort(-1).values, want.sort(-1).values)
             static = list(args)
@@ -306,4 +309,5 @@ def test_select_from_the_leading_byte_counts(monkeypatch, shape, fine):
                 g.replay()
                 torch.cuda.synchronize()
                 assert torch.equal(out.sort(-1).values, want.sort(-1).values)
-        assert not ix.first_byte_counts(torch.device(DEV)).any()
+        if counted:
+            assert not ix.first_byte_counts(torch.device(DEV)).any()
