@@ -4,7 +4,7 @@
 # priority order, so a call stopped at the limit keeps the steps before; results tarred per step (the device returns
 # <= 8 files):
 #   source scripts/device_env.sh >/dev/null 2>&1; timeout 575 bash benchmarks/scripts/pending_measurements.sh
-# Steps (STEPS, default selglm,selab,paired,q4) - session 51's plan (session 51 ran slots; session 50 dsvk, fine,
+# Steps (STEPS, default selglm,selab,beside,paired,q4) - session 51's plan (session 51 ran slots; session 50 dsvk, fine,
 # cutprof, paired (cut off), credit, q4: benchmarks/results/h100/session50/; session 48 c2ab, topk, dsv; session 46 gqa,
 # dsvab, topk, muse; those, fine2, prof and gemm stay available by name):
 #   selglm (session 51's plan) GLM-5.3 moe at batch 1 / 8, one replay's kernels each: the radix select with 8 warps
@@ -14,6 +14,9 @@
 #          28 us a call in this layer and ~20 alone on the layer's own logits (session 51's probes)
 #   selab  (session 51's plan) GLM-5.3 moe and DeepSeek-V4.1-Flash c2_idx at batch 1 / 8: base / bytes / bytes + fine /
 #          8 warps at the 8,192 tile / bytes + packed - the layer A/B that decides the select's switches
+#   beside (session 51's plan) GLM-5.3 moe at batch 1 / 8 with its indexer on the side stream beside the sparse MLA's
+#          prologue (pieces.attention.sparse_mla.INDEXER_BESIDE_ATTENTION, new): base / side / side + bytes + packed,
+#          and one replay's kernels with it
 #   slots  (session 50's plan) one replay of a 2-layer DeepSeek-V4.1-Flash c2_idx program at batch 1 and 8 with the
 #          step's slots in one launch each (step_slots_triton.STEP_SLOTS_KERNEL) off and on: the replay's total and
 #          kernels (the layer bench leaves per-step work out)
@@ -67,7 +70,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/ls_out}
 export LS_KERNEL_CACHE_DIR=${LS_KERNEL_CACHE_DIR:-/tmp/ls_kcache} CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
-STEPS=${STEPS:-selglm,selab,paired,q4}
+STEPS=${STEPS:-selglm,selab,beside,paired,q4}
 W=$(mktemp -d)
 t0=$(date +%s)
 step() { [[ ",$STEPS," == *",$1,"* ]]; }
@@ -146,6 +149,22 @@ if step selab; then
   done
   find "$W/selab" -name "*.png" -delete; find "$W/selab" -path "*ab_runs*" -name "*.json" -delete
   pack selab "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W"/selab/*/ab.md
+fi
+if step beside; then
+  # session 51's plan: GLM-5.3's indexer on the side stream beside the sparse MLA's prologue, with and without the
+  # select's switches; then one replay's kernels with it (the two branches overlapping)
+  mkdir -p "$W/beside"; rc=0
+  SP=latency_specialized.kernels.indexer_triton PP=latency_specialized.pieces.attention.sparse_mla
+  timeout "${BESIDE_S:-150}" "${BENCH[@]}" --model glm53 --kinds moe --batch 1,8 --out "$W/beside/glm" --ab base \
+    --ab side:$PP.INDEXER_BESIDE_ATTENTION=True \
+    --ab "sideboth:$PP.INDEXER_BESIDE_ATTENTION=True,$SP.SELECT_FIRST_BYTE=True,$SP.SELECT_PACKED_SCAN=True" \
+    > "$W/beside/glm.log" 2>&1 || rc=$?
+  timeout "${PROF_S:-70}" python3 benchmarks/scripts/profile_layer.py --model glm53 --kind moe --batches 1 \
+    --layers 2 --timeline --out "$W/beside/p_glm_moe_side.json" --set $PP.INDEXER_BESIDE_ATTENTION=True \
+    > "$W/beside/p_glm_moe_side.txt" 2>&1 || rc=$?
+  find "$W/beside" -name "*.png" -delete; find "$W/beside" -path "*ab_runs*" -name "*.json" -delete
+  rm -f "$W"/beside/*.trace.json; pack beside "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W"/beside/*/ab.md
+  grep -h "^=== " "$W"/beside/*.txt
 fi
 if step fine2; then
   mkdir -p "$W/fine2"; rc=0

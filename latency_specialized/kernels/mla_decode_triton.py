@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -836,12 +836,15 @@ def launch_mla_decode(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
                       kv_norm_eps: float = 1e-6, topk_indices: torch.Tensor | None = None,
                       name: str = NAME, fallback: str = "attention.mla.torch_paged",
                       positions: torch.Tensor | None = None, rope_inv_freq: torch.Tensor | None = None,
-                      rope_interleaved: bool = False) -> torch.Tensor:
+                      rope_interleaved: bool = False, before_split: Callable[[], object] | None = None) -> torch.Tensor:
     """The three launches of :func:`mla_decode_triton` (same arguments and result), shared by the dense and
     the sparse entry points. ``topk_indices`` [B, K] int (unit last stride; ``None``: dense): the split kernel
     attends over those token positions only (< 0 or >= ``seq_lens[b]``: skipped; none left: zeros), its
     splits cutting the K slots (``choose_sparse_splits`` by default); prologue and merge are the same
-    kernels. ``name`` / ``fallback``: the implementation named in errors and the one they point to."""
+    kernels. ``name`` / ``fallback``: the implementation named in errors and the one they point to.
+    ``before_split``: called after the prologue's launch and before the split kernel's - e.g. the join of the side
+    stream that writes ``topk_indices``, so the prologue (latent write, absorbed query) runs beside the indexer; the
+    selection is then read only by the split kernel (it must have a unit last stride: no copy before the join)."""
     B, H, qk = q.shape
     nope, v = qk_nope_head_dim, v_head_dim
     L, R = latent_widths(q, kv_c, kv_cache, nope)
@@ -858,6 +861,9 @@ def launch_mla_decode(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
     if kv_norm_weight is not None:  # before any kernel is built or launched
         check_kv_norm(q, kv_c, kv_norm_weight)
     rope = check_rope(q, k_pe, nope, positions, rope_inv_freq)
+    if before_split is not None and (topk_indices is None or topk_indices.stride(-1) != 1):
+        raise UserError(f"{name}: before_split defers the read of a selection written elsewhere; it needs "
+                        "topk_indices with a unit last stride (a copy would read it before the join)")
     fused = FUSED if fused is None else fused
     dtype = q.dtype
     block = kv_cache.shape[1]
@@ -873,7 +879,8 @@ def launch_mla_decode(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
     topk = 0 if topk_indices is None else topk_indices.shape[1]
     num_splits = _resolve_splits(B, H, bt, block, num_splits, q.device,
                                  topk if topk_indices is not None else None, _block_n(flat))
-    pdl = pdl_enabled(q.device, B * -(-H // BLOCK_H) * num_splits)
+    # no PDL across before_split's stream wait: the split kernel must start after the other stream's writes
+    pdl = before_split is None and pdl_enabled(q.device, B * -(-H // BLOCK_H) * num_splits)
     if fused:  # 1. one launch: the (normed) new latents into the cache and the absorbed query, no host sync
         # with RoPE the prologue also writes the rotated query rope part the split kernel reads
         q_pe = torch.empty(B, H, R, device=q.device, dtype=dtype) if rope else _last_dim_unit(q[..., nope:])
@@ -891,6 +898,8 @@ def launch_mla_decode(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
         write_new_latents(flat, torch.cat([kv_c, k_pe], dim=-1).to(kv_cache.dtype), slot_mapping)
         q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope])         # [H, B, L]
     scale = qk ** -0.5 if scale is None else scale
+    if before_split is not None:
+        before_split()
 
     # 2. split kernel (it also zeroes the L-tiled merge's arrival counters)
     o_lat = None if fused else torch.empty(H, B, L, device=q.device, dtype=dtype)

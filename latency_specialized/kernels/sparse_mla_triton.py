@@ -25,6 +25,8 @@ Design and what has not run on a GPU yet: ``NOTES_sparse_mla.md``.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
@@ -44,7 +46,8 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Te
                              out: torch.Tensor | None = None, kv_norm_weight: torch.Tensor | None = None,
                              kv_norm_eps: float = 1e-6, num_splits: int | None = None,
                              fused: bool | None = None, positions: torch.Tensor | None = None,
-                             rope_inv_freq: torch.Tensor | None = None, rope_interleaved: bool = False) -> torch.Tensor:
+                             rope_inv_freq: torch.Tensor | None = None, rope_interleaved: bool = False,
+                             before_split: Callable[[], object] | None = None) -> torch.Tensor:
     """Absorbed MLA decode over the indexer's selection (contract:
     ``ops.attention.sparse_mla.sparse_mla_decode_reference``), one token per sequence.
 
@@ -64,6 +67,9 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Te
     fused : as ``mla_decode_triton`` (False: the torch latent write and epilogue around the split kernel).
     positions, rope_inv_freq, rope_interleaved : the contract's optional RoPE of q's rope part and k_pe
         (``[B]`` int, ``[R / 2]`` fp32); fused, inside the shared prologue kernel (no extra launch).
+    before_split : the contract's optional hook, called once the selection is needed - here after the prologue's
+        launch (the latent write and the absorbed query do not read it), before the split kernel's: the join of the
+        stream that writes ``topk_indices`` (then it must have a unit last stride).
 
     Returns
     -------
@@ -84,7 +90,8 @@ def sparse_mla_decode_triton(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Te
                              qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim, scale=scale, gate=gate,
                              out=out, num_splits=num_splits, fused=fused, kv_norm_weight=kv_norm_weight,
                              kv_norm_eps=kv_norm_eps, topk_indices=topk_indices, name=NAME, fallback=FALLBACK,
-                             positions=positions, rope_inv_freq=rope_inv_freq, rope_interleaved=rope_interleaved)
+                             positions=positions, rope_inv_freq=rope_inv_freq, rope_interleaved=rope_interleaved,
+                             before_split=before_split)
 
 
 def _supports(ctx: OpContext) -> Support:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from latency_specialized.kernels import indexer_triton, sparse_mqa_triton
+from latency_specialized.pieces.attention import sparse_mla as sparse_mla_piece
 from latency_specialized.plugins import get_registry
 from latency_specialized.testing.matrix import Cell
 
@@ -50,3 +51,15 @@ def test_cells_with_the_select_from_leading_bytes(monkeypatch, model, batch, spe
     assert res.top1_agreement >= 0.99
     assert any(impl == indexer_triton.NAME for impl in res.impls.values()), res.impls
     assert not indexer_triton.first_byte_counts(torch.device("cuda")).any()
+
+
+@pytest.mark.parametrize("batch,spec", [(1, 0), (8, 0), (4, 3)], ids=["b1", "b8", "b4-s3"])
+def test_glm_cells_with_the_indexer_beside_the_attention(monkeypatch, batch, spec):
+    """``pieces.attention.sparse_mla.INDEXER_BESIDE_ATTENTION`` (session 51, off): GLM-5.3's full layers run the
+    indexer on the side stream and the sparse MLA joins it before its split kernel - plain and verification steps,
+    graph-captured as the matrix's cells are, equal their references."""
+    monkeypatch.setattr(sparse_mla_piece, "INDEXER_BESIDE_ATTENTION", True)
+    res = get_registry().adapter("glm53").verify_cell(Cell("glm53", batch, 1, 40, spec, "cuda"), comm=None)
+    assert res.steps > 0 and res.fast_steps == res.steps and res.stock_steps == 0
+    assert res.max_abs_err <= res.tolerance, f"max |program - reference| = {res.max_abs_err} > {res.tolerance}"
+    assert res.top1_agreement >= 0.99

@@ -41,7 +41,7 @@ FP32 = dict(rtol=1e-5, atol=1e-5)
 
 @pytest.mark.interpreter_driver
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=39)
+    run_interpreted(__file__, min_passed=41)
 
 
 @pytest.fixture
@@ -437,6 +437,56 @@ def test_dispatch_gpu_gets_the_kernel_cpu_the_reference():
     chosen, refusals = impls.select(_ctx(kv_lora=24))                  # a width the kernel cannot tile
     assert chosen.name == "attention.sparse_mla.torch_masked" and "kv_lora 24" in dict(refusals)[
         "attention.sparse_mla.triton_splitkv"]
+
+
+@interpreted
+@pytest.mark.parametrize("fused", [True, False])
+def test_selection_joined_before_the_split(mk, sparse, monkeypatch, fused):
+    """``before_split`` (the side stream's join of an indexer running beside the attention): called once, after the
+    prologue's launch (or the torch latent write and absorbed query) and before the split kernel's; the selection it
+    makes ready (here: written into the buffer by the call itself, garbage before) is the one attended over - the
+    reference's output and cache, as if the selection had been there from the start."""
+    _short_chunks(mk, monkeypatch)
+    order = []
+    for name in ("_prologue", "_split_attention"):
+        real = getattr(mk, name)
+        monkeypatch.setattr(mk, name, lambda *a, _real=real, _name=name, **k: (order.append(_name), _real(*a, **k))[1])
+    args, kw = _case(71, LENS, 40)
+    sel = args[8]
+    buffer = torch.full_like(sel, 2 ** 30)   # what the split would read if it ran before the join
+
+    def join():
+        order.append("join")
+        buffer.copy_(sel)
+
+    _check(sparse, (*args[:8], sel), kw, fused=fused)   # the plain call's result and cache, for comparison
+    order.clear()
+    cache = args[3].clone()
+    got = sparse.sparse_mla_decode_triton(*args[:3], cache, *args[4:8], buffer, fused=fused, before_split=join, **kw)
+    want = sparse_mla_decode_reference(*args[:3], args[3].clone(), *args[4:8], sel, **kw)
+    torch.testing.assert_close(got, want, rtol=FP32["rtol"], atol=FP32["atol"] * (want.abs().max().item() + 1e-6))
+    assert order == (["_prologue"] if fused else []) + ["join", "_split_attention"], order
+
+
+def test_selection_joined_needs_a_unit_stride_selection(sparse):
+    args, kw = _case(72, [5, 9], 8)
+    strided = torch.full((2, 16), -1, dtype=torch.int32)[:, ::2]
+    with pytest.raises(UserError, match="before_split"):
+        sparse.sparse_mla_decode_triton(*args[:8], strided, before_split=lambda: None, **kw)
+
+
+@pytest.mark.parametrize("impl", ["reference", "masked"])
+def test_torch_implementations_join_before_they_read_the_selection(impl):
+    """The torch implementations of the contract call ``before_split`` before they read the selection."""
+    from latency_specialized.ops.attention import sparse_mla as ops
+
+    fn = ops.sparse_mla_decode_reference if impl == "reference" else ops.sparse_mla_decode_masked
+    args, kw = _case(73, [5, 9, 0], 8)
+    sel = args[8]
+    buffer = torch.full_like(sel, 2 ** 30)
+    got = fn(*args[:3], args[3].clone(), *args[4:8], buffer, before_split=lambda: buffer.copy_(sel), **kw)
+    want = ops.sparse_mla_decode_reference(*args[:3], args[3].clone(), *args[4:8], sel, **kw)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_the_piece_call_is_the_kernel_signature(sparse):

@@ -336,3 +336,40 @@ def test_rope_graph_replay_equals_eager(B, style):
         assert torch.equal(out, eager), f"replay {seed} != eager"
         torch.testing.assert_close(static[3], eager_cache, rtol=0, atol=0, equal_nan=True)
         _check(a, dict(kw2, **new_rope))
+
+
+@pytest.mark.parametrize("B", [1, 8])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch_epilogue"])
+def test_selection_from_a_side_stream(B, fused):
+    """``before_split``: the selection is written on a side stream (behind a ~20 us sleep there, so a split that did
+    not wait would read the garbage the buffer holds first) and joined by the op between its prologue and its split
+    kernel - eagerly and replayed from a CUDA graph (two branches), the plain call's output and cache."""
+    from latency_specialized.runtime.side_stream import SideStream
+
+    side = SideStream(torch.device(DEV))
+    lens = [3000] if B == 1 else [0, 3000, 7, 1, 5000, 2049, 4097, 12]
+    a, kw = _case(f"side{B}{fused}", lens, per=80, **GLM_TP8)
+    sel = a[8]
+    buffer = torch.full_like(sel, 2 ** 30)
+    want_cache = a[3].clone()
+    want = sparse_mla_decode_triton(*a[:3], want_cache, *a[4:], fused=fused, **kw)
+
+    def call(cache, out):
+        buffer.fill_(2 ** 30)
+        pending = side.run(lambda: (torch.cuda._sleep(40000), buffer.copy_(sel)))
+        return sparse_mla_decode_triton(*a[:3], cache, *a[4:8], buffer, fused=fused, out=out,
+                                        before_split=pending.join, **kw)
+
+    cache = a[3].clone()
+    out = torch.empty_like(want)
+    call(cache, out)
+    torch.cuda.synchronize()
+    assert torch.equal(out, want) and torch.equal(cache, want_cache)
+    static_cache = a[3].clone()
+    graph = graph_replay(lambda: call(static_cache, out))
+    for _ in range(3):
+        static_cache.copy_(a[3])
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want) and torch.equal(static_cache, want_cache)

@@ -44,7 +44,7 @@ and the query in fp8 with per-block scales; this contract is unquantised.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
@@ -215,15 +215,19 @@ def sparse_mla_decode_reference(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch
                                 v_head_dim: int, scale: float | None = None, gate: torch.Tensor | None = None,
                                 out: torch.Tensor | None = None, kv_norm_weight: torch.Tensor | None = None,
                                 kv_norm_eps: float = 1e-6, positions: torch.Tensor | None = None,
-                                rope_inv_freq: torch.Tensor | None = None,
-                                rope_interleaved: bool = False) -> torch.Tensor:
+                                rope_inv_freq: torch.Tensor | None = None, rope_interleaved: bool = False,
+                                before_split: Callable[[], object] | None = None) -> torch.Tensor:
     """Absorbed MLA over the indexer's selection (the ``attention.mla`` arguments, RoPE ones included,
     plus ``topk_indices [B, K]`` int positions, -1 none). Returns [B, H * v] in q.dtype (fp32 math, one rounding). The
-    softmax over the gathered entries is ``attention.sparse``'s reference (a host sync per call)."""
+    softmax over the gathered entries is ``attention.sparse``'s reference (a host sync per call).
+    ``before_split``: called before ``topk_indices`` is read (the join of the stream writing it; implementations may
+    run what does not read the selection first - the latent write, the absorbed query)."""
     B, H, _ = q.shape
     flat, q_abs, w_uv, L, qk = _absorbed(q, kv_c, k_pe, kv_cache, slot_mapping, w_kv_b, qk_nope_head_dim,
                                          v_head_dim, kv_norm_weight, kv_norm_eps, positions, rope_inv_freq,
                                          rope_interleaved)
+    if before_split is not None:
+        before_split()
     ctx, valid = _selected(flat, block_table, kv_cache.shape[1], seq_lens, topk_indices)
     local = torch.where(valid, torch.arange(ctx.shape[1], device=q.device).unsqueeze(0), -1)
     o_lat = sparse_decode_reference(q_abs, ctx, local, scale=qk ** -0.5 if scale is None else scale, v_dim=L)
@@ -237,13 +241,16 @@ def sparse_mla_decode_masked(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Te
                              v_head_dim: int, scale: float | None = None, gate: torch.Tensor | None = None,
                              out: torch.Tensor | None = None, kv_norm_weight: torch.Tensor | None = None,
                              kv_norm_eps: float = 1e-6, positions: torch.Tensor | None = None,
-                             rope_inv_freq: torch.Tensor | None = None, rope_interleaved: bool = False) -> torch.Tensor:
+                             rope_inv_freq: torch.Tensor | None = None, rope_interleaved: bool = False,
+                             before_split: Callable[[], object] | None = None) -> torch.Tensor:
     """The reference's contract with masks instead of host-side selection: no host sync (graph-capturable),
     O(K) per sequence. Rows with no valid selection (padding) give 0."""
     B, H, _ = q.shape
     flat, q_abs, w_uv, L, qk = _absorbed(q, kv_c, k_pe, kv_cache, slot_mapping, w_kv_b, qk_nope_head_dim,
                                          v_head_dim, kv_norm_weight, kv_norm_eps, positions, rope_inv_freq,
                                          rope_interleaved)
+    if before_split is not None:
+        before_split()
     ctx, valid = _selected(flat, block_table, kv_cache.shape[1], seq_lens, topk_indices)
     s = torch.einsum("bhd,bkd->bhk", q_abs, ctx) * (qk ** -0.5 if scale is None else scale)
     s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))

@@ -44,7 +44,7 @@ rope's frequencies; its layout is its own (``IndexerOptions.rope_interleaved``: 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Mapping, Sequence
+from typing import Callable, ClassVar, Mapping, Sequence
 
 import torch
 
@@ -56,6 +56,12 @@ from latency_specialized.spec import IndexerSpec, MLAAttentionSpec, ModelSpec
 
 TOPK = "indexer.topk"
 """Name of the static top-k buffer ``[max_rows, K]`` (int32) in the program's scratch."""
+INDEXER_BESIDE_ATTENTION = False
+"""On a GPU, a full layer's indexer runs on the side stream (a graph branch) beside ``attn.sparse_mla``'s first
+stage: the sparse MLA implementations take ``before_split`` - the side stream's join - and call it once they need the
+selection, so the latent write and the absorbed query (the Triton kernels' prologue launch) no longer wait for the
+indexer's score and select launches (GLM-5.3 at batch 1: the select is one program per row, on one SM). The indexer
+site is marked ``side_stream`` so that the program makes the stream. Off: not yet on a GPU."""
 
 
 def runs_own_indexer(ix: IndexerSpec, layer: int) -> bool:
@@ -141,7 +147,8 @@ class SparseMLAAttention(MLAAttention):
         if full:
             b.add("attn.indexer", "attention.indexer", heads=ix.num_heads, head_dim=ix.head_dim, topk=ix.topk,
                   rope=a.qk_rope_head_dim if a.use_rope else 0,
-                  attrs={"rope_interleaved": self.options.rope_interleaved, "k_norm": "layer_norm"})
+                  attrs={"rope_interleaved": self.options.rope_interleaved, "k_norm": "layer_norm",
+                         **({"side_stream": True} if INDEXER_BESIDE_ATTENTION else {})})
         attrs: dict[str, object] = {"gate": a.output_gate, "rope": a.use_rope}
         if a.use_rope:
             attrs["rope_interleaved"] = a.rope_interleaved
@@ -223,28 +230,36 @@ class SparseMLAAttention(MLAAttention):
         q = qq[:, :nq].view(M, a.num_heads, nope + R)
         iq = qq[:, nq:].view(M, ix.num_heads, ix.head_dim)
         pos = step.meta["positions"]
-        step.op("attn.indexer")(iq, ik, iw, state["indexer_k"], step.meta["slots"], step.meta["block_table"],
-                                step.meta["seq_lens"], topk=ix.topk, positions=pos,
-                                rope_inv_freq=w.get("rope_inv_freq") if a.use_rope else None,
-                                rope_interleaved=self.options.rope_interleaved, k_norm_weight=w["indexer.k_norm"],
-                                k_norm_bias=w["indexer.k_norm_bias"], k_norm_eps=self.options.k_norm_eps,
-                                cross_row_reads=step.spec_tokens > 0, out=self._topk_buffer(step, M))
+        meta = step.meta
+        index_args = (iq, ik, iw, state["indexer_k"], meta["slots"], meta["block_table"], meta["seq_lens"])
+        index_kw = dict(topk=ix.topk, positions=pos, rope_inv_freq=w.get("rope_inv_freq") if a.use_rope else None,
+                        rope_interleaved=self.options.rope_interleaved, k_norm_weight=w["indexer.k_norm"],
+                        k_norm_bias=w["indexer.k_norm_bias"], k_norm_eps=self.options.k_norm_eps,
+                        cross_row_reads=step.spec_tokens > 0, out=self._topk_buffer(step, M))
+        side = step.streams.get("side") if INDEXER_BESIDE_ATTENTION else None
+        before_split = None
+        if side is not None:   # a graph branch (its tensors kept alive for the side stream); joined by the attention
+            before_split = side.run(step.op("attn.indexer"), *index_args, **index_kw).join
+        else:
+            step.op("attn.indexer")(*index_args, **index_kw)
         # q's rope part and the rope key unrotated: attn.sparse_mla rotates them (rope_args)
-        o = self.attend(step, w, state, h, q, kv[:, :L], kv[:, L:], gate)
+        o = self.attend(step, w, state, h, q, kv[:, :L], kv[:, L:], gate, before_split=before_split)
         return step.op("attn.o_proj")(o, w["o"])
 
     def attend(self, step: StepContext, w: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor],
                h: torch.Tensor, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
-               gate: torch.Tensor | None) -> torch.Tensor:
+               gate: torch.Tensor | None, before_split: Callable[[], object] | None = None) -> torch.Tensor:
         """The ``attn.sparse_mla`` call over the selection in the top-k buffer (this layer's, or the latest
-        full layer's)."""
+        full layer's); ``before_split``: the join of the side stream writing it (``INDEXER_BESIDE_ATTENTION``)."""
         a = self.local(step.tp)
+        extra = {"before_split": before_split} if before_split is not None else {}
         return step.op("attn.sparse_mla")(q, kv_c, k_pe, state["kv"], step.meta["slots"], step.meta["block_table"],
                                           step.meta["seq_lens"], w["kv_b"], self._topk_buffer(step, q.shape[0]),
                                           qk_nope_head_dim=a.qk_nope_head_dim, v_head_dim=a.v_head_dim, gate=gate,
                                           kv_norm_weight=w["kv_a_norm"], kv_norm_eps=self.norm_eps,
                                           **self.rope_args(step, w),
-                                          **({"scale": self.softmax_scale} if self.softmax_scale is not None else {}))
+                                          **({"scale": self.softmax_scale} if self.softmax_scale is not None else {}),
+                                          **extra)
 
 
 __all__ = ["IndexerOptions", "SparseMLAAttention", "TOPK", "runs_own_indexer"]
