@@ -4,9 +4,9 @@
 # priority order, so a call stopped at the limit keeps the steps before; results tarred per step (the device returns
 # <= 8 files):
 #   source scripts/device_env.sh >/dev/null 2>&1; timeout 575 bash benchmarks/scripts/pending_measurements.sh
-# Steps (STEPS, default selglm,selab,beside,paired,q4) - session 51's plan (session 51 ran slots; session 50 dsvk, fine,
-# cutprof, paired (cut off), credit, q4: benchmarks/results/h100/session50/; session 48 c2ab, topk, dsv; session 46 gqa,
-# dsvab, topk, muse; those, fine2, prof and gemm stay available by name):
+# Steps (STEPS, default cbeside,beside,selglm,selab,paired,q4) - session 51's plan (session 51 ran slots; session 50
+# dsvk, fine, cutprof, paired (cut off), credit, q4: benchmarks/results/h100/session50/; session 48 c2ab, topk, dsv;
+# session 46 gqa, dsvab, topk, muse; those, fine2, prof and gemm stay available by name):
 #   selglm (session 51's plan) GLM-5.3 moe at batch 1 / 8, one replay's kernels each: the radix select with 8 warps
 #          instead of 16 at its 8,192 tile (w8), the finer widths (fine), 8-bit digits (b8), the passes started from
 #          the score kernel's leading-byte counts (bytes: SELECT_FIRST_BYTE, new in session 51) alone and with fine,
@@ -17,6 +17,9 @@
 #   beside (session 51's plan) GLM-5.3 moe at batch 1 / 8 with its indexer on the side stream beside the sparse MLA's
 #          prologue (pieces.attention.sparse_mla.INDEXER_BESIDE_ATTENTION, new): base / side / side + bytes + packed,
 #          and one replay's kernels with it
+#   cbeside (session 51's plan) DeepSeek-V4.1-Flash c2_idx at batch 1 / 8 with the compressor on the side stream
+#          beside the q norm and q_b gemm (pieces.attention.sparse_mqa.COMPRESS_BESIDE_QUERY, new): base / side /
+#          side + the compressor writing the key / side + fine widths (c2_idx needs ~4 us for 1.5x), and a timeline
 #   slots  (session 50's plan) one replay of a 2-layer DeepSeek-V4.1-Flash c2_idx program at batch 1 and 8 with the
 #          step's slots in one launch each (step_slots_triton.STEP_SLOTS_KERNEL) off and on: the replay's total and
 #          kernels (the layer bench leaves per-step work out)
@@ -70,7 +73,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/ls_out}
 export LS_KERNEL_CACHE_DIR=${LS_KERNEL_CACHE_DIR:-/tmp/ls_kcache} CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
-STEPS=${STEPS:-selglm,selab,beside,paired,q4}
+STEPS=${STEPS:-cbeside,beside,selglm,selab,paired,q4}
 W=$(mktemp -d)
 t0=$(date +%s)
 step() { [[ ",$STEPS," == *",$1,"* ]]; }
@@ -165,6 +168,23 @@ if step beside; then
   find "$W/beside" -name "*.png" -delete; find "$W/beside" -path "*ab_runs*" -name "*.json" -delete
   rm -f "$W"/beside/*.trace.json; pack beside "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W"/beside/*/ab.md
   grep -h "^=== " "$W"/beside/*.txt
+fi
+if step cbeside; then
+  # session 51's plan: DeepSeek-V4.1-Flash's compressor on the side stream beside the q norm and q_b gemm (c2_idx: every
+  # layer a KV source with its indexer), alone / with the compressor writing the key / with the fine widths; a timeline
+  mkdir -p "$W/cbeside"; rc=0
+  PP=latency_specialized.pieces.attention.sparse_mqa SP=latency_specialized.kernels
+  timeout "${CBESIDE_S:-170}" "${BENCH[@]}" --model deepseek_v41_flash --kinds c2_idx --batch 1,8 \
+    --out "$W/cbeside/dsv" --ab base --ab side:$PP.COMPRESS_BESIDE_QUERY=True \
+    --ab "sidekey:$PP.COMPRESS_BESIDE_QUERY=True,$SP.sparse_mqa_triton.COMPRESS_INDEX_KEY=True" \
+    --ab "sidefine:$PP.COMPRESS_BESIDE_QUERY=True,$SP.indexer_triton.SELECT_FINE_WIDTHS=True" \
+    > "$W/cbeside/dsv.log" 2>&1 || rc=$?
+  timeout "${PROF_S:-70}" python3 benchmarks/scripts/profile_layer.py --model deepseek_v41_flash --kind c2_idx \
+    --batches 1 --layers 2 --timeline --out "$W/cbeside/p_c2_idx_side.json" --set $PP.COMPRESS_BESIDE_QUERY=True \
+    > "$W/cbeside/p_c2_idx_side.txt" 2>&1 || rc=$?
+  find "$W/cbeside" -name "*.png" -delete; find "$W/cbeside" -path "*ab_runs*" -name "*.json" -delete
+  rm -f "$W"/cbeside/*.trace.json; pack cbeside "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W"/cbeside/*/ab.md
+  grep -h "^=== " "$W"/cbeside/*.txt
 fi
 if step fine2; then
   mkdir -p "$W/fine2"; rc=0

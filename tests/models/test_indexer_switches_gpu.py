@@ -1,5 +1,5 @@
-"""The indexer's switches (sessions 49 and 51, off by default) through whole programs on the GPU: DeepSeek-V4.1-Flash
-and GLM-5.3 tiny cells with the switches on equal their references as the matrix's cells do.
+"""The indexer's and its neighbours' switches (sessions 49 and 51, off by default) through whole programs on the GPU:
+DeepSeek-V4.1-Flash and GLM-5.3 tiny cells with the switches on equal their references as the matrix's cells do.
 
 ``sparse_mqa_triton.COMPRESS_INDEX_KEY`` (DeepSeek's key owners: the compressor writes the indexer's key, the key gemm
 and the key launch skipped), ``indexer_triton.SCORE_WRITES_KEY`` (the scoring program holding the new position writes
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from latency_specialized.kernels import indexer_triton, sparse_mqa_triton
-from latency_specialized.pieces.attention import sparse_mla as sparse_mla_piece
+from latency_specialized.pieces.attention import sparse_mla as sparse_mla_piece, sparse_mqa as sparse_mqa_piece
 from latency_specialized.plugins import get_registry
 from latency_specialized.testing.matrix import Cell
 
@@ -60,6 +60,22 @@ def test_glm_cells_with_the_indexer_beside_the_attention(monkeypatch, batch, spe
     graph-captured as the matrix's cells are, equal their references."""
     monkeypatch.setattr(sparse_mla_piece, "INDEXER_BESIDE_ATTENTION", True)
     res = get_registry().adapter("glm53").verify_cell(Cell("glm53", batch, 1, 40, spec, "cuda"), comm=None)
+    assert res.steps > 0 and res.fast_steps == res.steps and res.stock_steps == 0
+    assert res.max_abs_err <= res.tolerance, f"max |program - reference| = {res.max_abs_err} > {res.tolerance}"
+    assert res.top1_agreement >= 0.99
+
+
+@pytest.mark.parametrize("key_fused", [False, True], ids=["key_gemm", "key_in_compressor"])
+@pytest.mark.parametrize("batch,spec", [(1, 0), (8, 0), (4, 3)], ids=["b1", "b8", "b4-s3"])
+def test_deepseek_cells_with_the_compressor_beside_the_query(monkeypatch, key_fused, batch, spec):
+    """``pieces.attention.sparse_mqa.COMPRESS_BESIDE_QUERY`` (session 51, off): DeepSeek-V4.1-Flash's KV source layers
+    run their compressed slots, compressor and the indexer's key gemm (or the compressor writing the key,
+    ``COMPRESS_INDEX_KEY``) on the side stream beside the q norm and q_b gemm - plain and verification steps,
+    graph-captured, equal their references."""
+    monkeypatch.setattr(sparse_mqa_piece, "COMPRESS_BESIDE_QUERY", True)
+    monkeypatch.setattr(sparse_mqa_triton, "COMPRESS_INDEX_KEY", key_fused)
+    model = "deepseek_v41_flash"
+    res = get_registry().adapter(model).verify_cell(Cell(model, batch, 1, 40, spec, "cuda"), comm=None)
     assert res.steps > 0 and res.fast_steps == res.steps and res.stock_steps == 0
     assert res.max_abs_err <= res.tolerance, f"max |program - reference| = {res.max_abs_err} > {res.tolerance}"
     assert res.top1_agreement >= 0.99

@@ -92,6 +92,13 @@ NO_SLOT = "sparse_mqa.no_slot"
 """Scratch key: ``[M]`` slots of -1 (the key slot of index layers that write no keys), this step's."""
 COMPRESSED_SLOTS = "sparse_mqa.compressed_slots"
 """``StepContext.once`` key (with the ratio and the cache's block size) of ``compressed_slots``."""
+COMPRESS_BESIDE_QUERY = False
+"""On a GPU, a KV source layer's compressor - its step's compressed slots, the compressor kernel and, on key owners,
+the indexer's key gemm - runs on the side stream (a graph branch forked after the input projection) beside the query's
+norm and q_b gemm, which it does not read; the indexer and the attention join it. At DeepSeek-V4.1-Flash's c2_idx
+layer, batch 1, those three launches (~6 us with their gaps on an H100) sat between the q_b gemm and the indexer's
+score kernel. The compressor sites are marked ``side_stream`` so that the program makes the stream. Off: not yet on
+a GPU."""
 INDEX_COMPRESSED_TABLE = False
 """The indexer of a compressed layer gets the block table cut to the blocks its rows can occupy
 (:func:`compressed_table`) instead of the whole table: the op sizes its work by the table's width (the select
@@ -218,9 +225,10 @@ class SparseMQAAttention:
         iq_n = ix.num_heads * ix.head_dim if ix is not None else 0
         b.gemm("attn.q_b_proj", a.num_heads * D + iq_n, a.q_lora_rank, norm_site="attn.q_norm",
                weight_format=fmt["attn.q_b_proj"])
+        side = {"side_stream": True} if COMPRESS_BESIDE_QUERY else {}
         if self.kv_source:
             b.add("attn.compressor", "attention.sparse_mqa_compress", head_dim=D, compress_ratio=r, rope=a.rope_dim,
-                  attrs={"rope_interleaved": True})
+                  attrs={"rope_interleaved": True, **side})
         if ix is not None:
             if self.index_keys:
                 kf = fmt["attn.indexer.k_proj"]
@@ -228,7 +236,7 @@ class SparseMQAAttention:
                 b.add("attn.compressor_index", "attention.sparse_mqa_compress_index", weight_bytes=ix.head_dim * D * 2,
                       head_dim=D, index_head_dim=ix.head_dim, compress_ratio=r, rope=a.rope_dim,
                       attrs={"rope_interleaved": True, "fuses": "attn.compressor,attn.indexer.k_proj",
-                             **({"weight_format": kf} if kf else {})})
+                             **({"weight_format": kf} if kf else {}), **side})
             b.add("attn.indexer", "attention.indexer", heads=ix.num_heads, head_dim=ix.head_dim, topk=ix.topk,
                   rope=a.rope_dim, attrs={"rope_interleaved": True, "k_norm": "rms", "compressed": True,
                                           "key_write": self.index_keys})
@@ -343,6 +351,10 @@ class SparseMQAAttention:
         ends = list(itertools.accumulate(self._in_widths(a)))
         q_a, kv = y[:, :ends[0]], y[:, ends[0]:ends[1]]
         c, iw = y[:, ends[1]:ends[2]], y[:, ends[2]:ends[3]]
+        key_fused = self.index_keys and step.skipped("attn.compressor")   # the compressor writes the new key
+        side = step.streams.get("side") if COMPRESS_BESIDE_QUERY and r and self.kv_source else None
+        # the compressor reads only the input projection: beside the query's norm and gemm (joined below)
+        source = side.run(self._source, step, w, state, c, pos, meta["row_states"], key_fused) if side else None
         if step.skipped("attn.q_norm"):   # the q_b gemm normalises q_a itself
             qb = step.op("attn.q_b_proj")(q_a, w["q_b_proj"], norm_weight=w["q_norm"], norm_eps=eps)
         else:
@@ -351,23 +363,20 @@ class SparseMQAAttention:
         q = qb[:, :Hl * D].view(M, Hl, D)                    # raw: the op norms it; [q | indexer q] on index layers
         role = self.attention_role()
         kv = step.contiguous_for(role, kv)   # any copy before the indexer: the op may start behind the selection
-        cache = sel = None
-        key_fused = self.index_keys and step.skipped("attn.compressor")   # the compressor writes the new key
+        cache = sel = k = None
         if r:
             cache = state["compressed"] if self.kv_source else self._published(step, COMPRESSED)
             if self.kv_source:   # a reader of both runs no glue at all: the op masks by length
-                # the same for every source layer of this ratio and cache block: made by the first one per step
-                seq_c, seq_c32, slot_c, no_slot = step.once((COMPRESSED_SLOTS, r, cache.shape[1]),
-                                                            lambda: compressed_slots(meta, r, cache.shape[1]))
-                lat = self._compress(step, w, state, c, pos, meta["row_states"], slot_c, key_fused)
+                seq_c, seq_c32, slot_c, no_slot, k = source.join() if source is not None else \
+                    self._source(step, w, state, c, pos, meta["row_states"], key_fused)
+                step.scratch[COMPRESSED] = cache
                 if self.index_keys:   # the index layers reading these keys share them
                     seq_c = step.scratch[SEQ_C] = seq_c32
                     step.scratch[NO_SLOT] = no_slot
             elif ix is not None:      # the key owner's row counts (same lengths, same ratio); this layer writes none
                 seq_c, slot_c = self._published(step, SEQ_C), self._published(step, NO_SLOT)
             if ix is not None:
-                self._index(step, w, state, iw, qb[:, Hl * D:], pos, seq_c, slot_c, lat if self.index_keys else None,
-                            key_fused)
+                self._index(step, w, state, iw, qb[:, Hl * D:], pos, seq_c, slot_c, k)
             sel = step.scratch[TOPK][:M]
         # the ring write happens inside the op: nothing before it (compressor, indexer) reads the window
         # kv_norm is part of the op: the raw kv slice goes in (the kernel norms the row it loads anyway)
@@ -383,6 +392,21 @@ class SparseMQAAttention:
                             for g in range(a.o_groups)], dim=-1)
         return step.op("attn.o_b_proj")(og, w["o_b_proj"])
 
+    def _source(self, step: StepContext, w: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor],
+                c: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor,
+                key_fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A KV source layer's own work before its indexer and attention (what ``COMPRESS_BESIDE_QUERY`` runs on the
+        side stream): the step's compressed slots of this ratio (made by the first source layer of the ratio and
+        cache block, shared by the others), the compressor, and on key owners the indexer's new key. Returns
+        ``compressed_slots``' four tensors and the key ``[M, index head_dim]`` (None: the compressor wrote it, or the
+        layer owns no keys)."""
+        r, cache = self.spec.compress_ratio, state["compressed"]
+        seq_c, seq_c32, slot_c, no_slot = step.once((COMPRESSED_SLOTS, r, cache.shape[1]),
+                                                    lambda: compressed_slots(step.meta, r, cache.shape[1]))
+        lat = self._compress(step, w, state, c, pos, rows, slot_c, key_fused)
+        k = step.op("attn.indexer.k_proj")(lat, w["indexer.k_proj"]) if self.index_keys and not key_fused else None
+        return seq_c, seq_c32, slot_c, no_slot, k
+
     def _compress(self, step: StepContext, w: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor],
                   c: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, slot_c: torch.Tensor,
                   key_fused: bool) -> torch.Tensor:
@@ -396,26 +420,24 @@ class SparseMQAAttention:
         lat = step.op(role)(step.contiguous_for(role, c), state["pending"] if r > 1 else None, rows, pos,
                             w["compressor.norm"], w["rope_inv_freq"], state["compressed"], slot_c, eps=self.norm_eps,
                             ratio=r, cross_row_reads=step.spec_tokens > 0, **key)
-        step.scratch[COMPRESSED] = state["compressed"]
         return lat
 
     def _index(self, step: StepContext, w: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor],
                iw: torch.Tensor, iq: torch.Tensor, pos: torch.Tensor, seq_c: torch.Tensor, slot_c: torch.Tensor,
-               lat: torch.Tensor | None, key_fused: bool) -> None:
+               k: torch.Tensor | None) -> None:
         """This layer's top-k of the compressed rows into the shared selection buffer. ``iw [M, heads]`` and ``iq
         [M, heads * head_dim]``: column slices of the input projection and of the q_b gemm; ``seq_c [M]`` int32
-        complete rows, ``slot_c [M]`` the key's slot (-1: none; every row -1 on layers that own no keys).
-        ``key_fused``: the compressor wrote the new key already (no key gemm, no key step)."""
+        complete rows, ``slot_c [M]`` the key's slot (-1: none; every row -1 on layers that own no keys); ``k``:
+        the key owner's new key rows (:meth:`_source`; None where the compressor wrote them or the layer owns none)."""
         ix, M = self.spec.indexer, iw.shape[0]
         assert ix is not None
         iw = step.contiguous_for("attn.indexer", iw)
         iq = step.contiguous_for("attn.indexer", iq).view(M, ix.num_heads, ix.head_dim)
-        if lat is not None:   # the key owner: this token's key (if it completes a row) goes into its cache
-            k = None if key_fused else step.op("attn.indexer.k_proj")(lat, w["indexer.k_proj"])
+        if self.index_keys:   # the key owner: this token's key (if it completes a row) goes into its cache
             cache, norm = state["index_k"], w["indexer.k_norm"]
             step.scratch[INDEX_K] = cache
         else:                 # scores against the owner's keys; writes none
-            k, cache, norm = None, self._published(step, INDEX_K), None
+            cache, norm = self._published(step, INDEX_K), None
         bt = step.meta["block_table"]
         bt = compressed_table(bt, self.spec.compress_ratio) if INDEX_COMPRESSED_TABLE else bt
         step.op("attn.indexer")(iq, k, iw, cache, slot_c, bt, seq_c,
