@@ -79,6 +79,20 @@ t0=$(date +%s)
 step() { [[ ",$STEPS," == *",$1,"* ]]; }
 pack() { tar -C "$W" -czf "$OUT/$1.tgz" "$1" && echo "$1: rc=$2 at $(( $(date +%s) - t0 )) s"; }
 BENCH=(python3 -m latency_specialized.cli bench --tp 8 --context 4096 --layers 3)
+# a step's layer A/B at batch 1 / 8 and one replay's kernels at batch 1 with one setting on:
+#   ab_timeline STEP MODEL KIND BENCH_LIMIT_S SETTING --ab ... (the bench's variants)
+ab_timeline() {
+  local s=$1 model=$2 kind=$3 limit=$4 setting=$5 rc=0
+  shift 5
+  mkdir -p "$W/$s"
+  timeout "$limit" "${BENCH[@]}" --model "$model" --kinds "$kind" --batch 1,8 --out "$W/$s/$model" "$@" \
+    > "$W/$s/$model.log" 2>&1 || rc=$?
+  timeout "${PROF_S:-70}" python3 benchmarks/scripts/profile_layer.py --model "$model" --kind "$kind" --batches 1 \
+    --layers 2 --timeline --out "$W/$s/p_${kind}_$s.json" --set "$setting" > "$W/$s/p_${kind}_$s.txt" 2>&1 || rc=$?
+  find "$W/$s" -name "*.png" -delete; find "$W/$s" -path "*ab_runs*" -name "*.json" -delete
+  rm -f "$W/$s"/*.trace.json; pack "$s" "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W/$s"/*/ab.md
+  grep -h "^=== " "$W/$s"/*.txt
+}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
 if step gqa; then
   mkdir -p "$W/gqa"
@@ -153,38 +167,22 @@ if step selab; then
   find "$W/selab" -name "*.png" -delete; find "$W/selab" -path "*ab_runs*" -name "*.json" -delete
   pack selab "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W"/selab/*/ab.md
 fi
-if step beside; then
-  # session 51's plan: GLM-5.3's indexer on the side stream beside the sparse MLA's prologue, with and without the
-  # select's switches; then one replay's kernels with it (the two branches overlapping)
-  mkdir -p "$W/beside"; rc=0
-  SP=latency_specialized.kernels.indexer_triton PP=latency_specialized.pieces.attention.sparse_mla
-  timeout "${BESIDE_S:-150}" "${BENCH[@]}" --model glm53 --kinds moe --batch 1,8 --out "$W/beside/glm" --ab base \
-    --ab side:$PP.INDEXER_BESIDE_ATTENTION=True \
-    --ab "sideboth:$PP.INDEXER_BESIDE_ATTENTION=True,$SP.SELECT_FIRST_BYTE=True,$SP.SELECT_PACKED_SCAN=True" \
-    > "$W/beside/glm.log" 2>&1 || rc=$?
-  timeout "${PROF_S:-70}" python3 benchmarks/scripts/profile_layer.py --model glm53 --kind moe --batches 1 \
-    --layers 2 --timeline --out "$W/beside/p_glm_moe_side.json" --set $PP.INDEXER_BESIDE_ATTENTION=True \
-    > "$W/beside/p_glm_moe_side.txt" 2>&1 || rc=$?
-  find "$W/beside" -name "*.png" -delete; find "$W/beside" -path "*ab_runs*" -name "*.json" -delete
-  rm -f "$W"/beside/*.trace.json; pack beside "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W"/beside/*/ab.md
-  grep -h "^=== " "$W"/beside/*.txt
-fi
 if step cbeside; then
   # session 51's plan: DeepSeek-V4.1-Flash's compressor on the side stream beside the q norm and q_b gemm (c2_idx: every
   # layer a KV source with its indexer), alone / with the compressor writing the key / with the fine widths; a timeline
-  mkdir -p "$W/cbeside"; rc=0
   PP=latency_specialized.pieces.attention.sparse_mqa SP=latency_specialized.kernels
-  timeout "${CBESIDE_S:-170}" "${BENCH[@]}" --model deepseek_v41_flash --kinds c2_idx --batch 1,8 \
-    --out "$W/cbeside/dsv" --ab base --ab side:$PP.COMPRESS_BESIDE_QUERY=True \
+  ab_timeline cbeside deepseek_v41_flash c2_idx "${CBESIDE_S:-170}" $PP.COMPRESS_BESIDE_QUERY=True --ab base \
+    --ab side:$PP.COMPRESS_BESIDE_QUERY=True \
     --ab "sidekey:$PP.COMPRESS_BESIDE_QUERY=True,$SP.sparse_mqa_triton.COMPRESS_INDEX_KEY=True" \
-    --ab "sidefine:$PP.COMPRESS_BESIDE_QUERY=True,$SP.indexer_triton.SELECT_FINE_WIDTHS=True" \
-    > "$W/cbeside/dsv.log" 2>&1 || rc=$?
-  timeout "${PROF_S:-70}" python3 benchmarks/scripts/profile_layer.py --model deepseek_v41_flash --kind c2_idx \
-    --batches 1 --layers 2 --timeline --out "$W/cbeside/p_c2_idx_side.json" --set $PP.COMPRESS_BESIDE_QUERY=True \
-    > "$W/cbeside/p_c2_idx_side.txt" 2>&1 || rc=$?
-  find "$W/cbeside" -name "*.png" -delete; find "$W/cbeside" -path "*ab_runs*" -name "*.json" -delete
-  rm -f "$W"/cbeside/*.trace.json; pack cbeside "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W"/cbeside/*/ab.md
-  grep -h "^=== " "$W"/cbeside/*.txt
+    --ab "sidefine:$PP.COMPRESS_BESIDE_QUERY=True,$SP.indexer_triton.SELECT_FINE_WIDTHS=True"
+fi
+if step beside; then
+  # session 51's plan: GLM-5.3's indexer on the side stream beside the sparse MLA's prologue, with and without the
+  # select's switches; then one replay's kernels with it (the two branches overlapping)
+  SP=latency_specialized.kernels.indexer_triton PP=latency_specialized.pieces.attention.sparse_mla
+  ab_timeline beside glm53 moe "${BESIDE_S:-150}" $PP.INDEXER_BESIDE_ATTENTION=True --ab base \
+    --ab side:$PP.INDEXER_BESIDE_ATTENTION=True \
+    --ab "sideboth:$PP.INDEXER_BESIDE_ATTENTION=True,$SP.SELECT_FIRST_BYTE=True,$SP.SELECT_PACKED_SCAN=True"
 fi
 if step fine2; then
   mkdir -p "$W/fine2"; rc=0

@@ -23,16 +23,23 @@ from latency_specialized.testing.matrix import Cell
 pytestmark = pytest.mark.gpu
 
 
+def _cell_matches_reference(model: str, batch: int, spec: int):
+    """A tiny cell of ``model`` (TP 1, context 40), graph-captured as the matrix's: every step on the fast path and
+    within the adapter's tolerance of the reference; its result (``impls``: site -> implementation)."""
+    res = get_registry().adapter(model).verify_cell(Cell(model, batch, 1, 40, spec, "cuda"), comm=None)
+    assert res.steps > 0 and res.fast_steps == res.steps and res.stock_steps == 0
+    assert res.max_abs_err <= res.tolerance, f"max |program - reference| = {res.max_abs_err} > {res.tolerance}"
+    assert res.top1_agreement >= 0.99
+    return res
+
+
 @pytest.mark.parametrize("model", ["deepseek_v41_flash", "glm53"])
 @pytest.mark.parametrize("batch,spec", [(1, 0), (8, 0), (4, 3)], ids=["b1", "b8", "b4-s3"])
 def test_cells_with_the_indexer_switches_on(monkeypatch, model, batch, spec):
     monkeypatch.setattr(sparse_mqa_triton, "COMPRESS_INDEX_KEY", True)
     monkeypatch.setattr(indexer_triton, "SCORE_WRITES_KEY", True)
     monkeypatch.setattr(indexer_triton, "SCORE_SELECTS", True)
-    res = get_registry().adapter(model).verify_cell(Cell(model, batch, 1, 40, spec, "cuda"), comm=None)
-    assert res.steps > 0 and res.fast_steps == res.steps and res.stock_steps == 0
-    assert res.max_abs_err <= res.tolerance, f"max |program - reference| = {res.max_abs_err} > {res.tolerance}"
-    assert res.top1_agreement >= 0.99
+    res = _cell_matches_reference(model, batch, spec)
     if model == "deepseek_v41_flash":   # the fused compressor served the key owners
         assert any(impl == sparse_mqa_triton.COMPRESS_INDEX_NAME for impl in res.impls.values()), res.impls
 
@@ -45,10 +52,7 @@ def test_cells_with_the_select_from_leading_bytes(monkeypatch, model, batch, spe
     the one buffer - and ranks with one prefix sum."""
     monkeypatch.setattr(indexer_triton, "SELECT_FIRST_BYTE", True)
     monkeypatch.setattr(indexer_triton, "SELECT_PACKED_SCAN", True)
-    res = get_registry().adapter(model).verify_cell(Cell(model, batch, 1, 40, spec, "cuda"), comm=None)
-    assert res.steps > 0 and res.fast_steps == res.steps and res.stock_steps == 0
-    assert res.max_abs_err <= res.tolerance, f"max |program - reference| = {res.max_abs_err} > {res.tolerance}"
-    assert res.top1_agreement >= 0.99
+    res = _cell_matches_reference(model, batch, spec)
     assert any(impl == indexer_triton.NAME for impl in res.impls.values()), res.impls
     assert not indexer_triton.first_byte_counts(torch.device("cuda")).any()
 
@@ -59,10 +63,7 @@ def test_glm_cells_with_the_indexer_beside_the_attention(monkeypatch, batch, spe
     indexer on the side stream and the sparse MLA joins it before its split kernel - plain and verification steps,
     graph-captured as the matrix's cells are, equal their references."""
     monkeypatch.setattr(sparse_mla_piece, "INDEXER_BESIDE_ATTENTION", True)
-    res = get_registry().adapter("glm53").verify_cell(Cell("glm53", batch, 1, 40, spec, "cuda"), comm=None)
-    assert res.steps > 0 and res.fast_steps == res.steps and res.stock_steps == 0
-    assert res.max_abs_err <= res.tolerance, f"max |program - reference| = {res.max_abs_err} > {res.tolerance}"
-    assert res.top1_agreement >= 0.99
+    _cell_matches_reference("glm53", batch, spec)
 
 
 @pytest.mark.parametrize("key_fused", [False, True], ids=["key_gemm", "key_in_compressor"])
@@ -74,8 +75,4 @@ def test_deepseek_cells_with_the_compressor_beside_the_query(monkeypatch, key_fu
     graph-captured, equal their references."""
     monkeypatch.setattr(sparse_mqa_piece, "COMPRESS_BESIDE_QUERY", True)
     monkeypatch.setattr(sparse_mqa_triton, "COMPRESS_INDEX_KEY", key_fused)
-    model = "deepseek_v41_flash"
-    res = get_registry().adapter(model).verify_cell(Cell(model, batch, 1, 40, spec, "cuda"), comm=None)
-    assert res.steps > 0 and res.fast_steps == res.steps and res.stock_steps == 0
-    assert res.max_abs_err <= res.tolerance, f"max |program - reference| = {res.max_abs_err} > {res.tolerance}"
-    assert res.top1_agreement >= 0.99
+    _cell_matches_reference("deepseek_v41_flash", batch, spec)

@@ -190,6 +190,20 @@ def _variant_matches_default_radix(monkeypatch, args, kw, **switches):
     assert torch.equal(out.sort(-1).values, want)
 
 
+def _replays_select(args, kw, want, times=5):
+    """A radix call over ``args`` captured in a CUDA graph (its own copy of the cache), replayed ``times`` times: each
+    replay's sets are ``want``'s (a call that left counters behind would start the next from them)."""
+    static = list(args)
+    static[3] = args[3].clone()
+    out = torch.empty_like(want)
+    g = graph_replay(lambda: ix.indexer_topk_triton(*static, out=out, selection="radix", **kw))
+    for _ in range(times):
+        out.fill_(-7)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.sort(-1).values, want.sort(-1).values)
+
+
 @pytest.mark.parametrize("bits,resident,early", [(4, False, False), (4, True, False), (8, True, False),
                                                  (4, False, True), (4, True, True), (8, True, True)])
 @pytest.mark.parametrize("shape", [GLM53, DSV41], ids=["glm53", "dsv41"])
@@ -214,16 +228,8 @@ def test_score_kernel_selects_its_rows(monkeypatch, shape, per):
     K, cap = shape["K"], per * 64
     lens = [min(n, cap) for n in (3 * K + 5, K, 1, 2 * K + 1, 0, cap - 100, 2080)]
     args, kw = _case(f"fused{K}{per}", lens, per=per, **shape)
-    static = list(args)
-    static[3] = args[3].clone()
     got = _check(args, kw, selection="radix")
-    out = torch.empty_like(got)
-    g = graph_replay(lambda: ix.indexer_topk_triton(*static, out=out, selection="radix", **kw))
-    for _ in range(5):
-        out.fill_(-7)
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out.sort(-1).values, got.sort(-1).values)
+    _replays_select(args, kw, got)
     assert not ix.arrival_counts(torch.device(DEV), len(lens)).any()
 
 
@@ -300,14 +306,6 @@ def test_select_from_the_leading_byte_counts_and_packed_scans(monkeypatch, shape
             m.setattr(ix, "SELECT_PACKED_SCAN", packed)
             got = _check(args, kw, selection="radix")
             assert torch.equal(got.sort(-1).values, want.sort(-1).values)
-            static = list(args)
-            static[3] = args[3].clone()
-            out = torch.empty_like(got)
-            g = graph_replay(lambda: ix.indexer_topk_triton(*static, out=out, selection="radix", **kw))
-            for _ in range(5):
-                out.fill_(-7)
-                g.replay()
-                torch.cuda.synchronize()
-                assert torch.equal(out.sort(-1).values, want.sort(-1).values)
+            _replays_select(args, kw, want)
         if counted:
             assert not ix.first_byte_counts(torch.device(DEV)).any()
