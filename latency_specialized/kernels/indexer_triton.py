@@ -211,7 +211,7 @@ def _kernels(interpret: bool) -> dict:
     # defined here, not at import (no triton import on machines without it); Triton resolves the names a
     # kernel uses through its module globals: hence tl and the helpers as globals
     global tl, tlc, _rope_coeffs, _score_tile_keys, _ordered_keys, _digit_hist, _digit_hist_at, _next_digit, \
-        _first_digit, _ranks, _totals, _resident_select, _pair_hist, _resident_select_pair, _select_row, _store_key
+        _byte_start, _ranks, _totals, _resident_select, _pair_hist, _resident_select_pair, _select_row, _store_key
     import triton
     import triton.language as tl
     import triton.language.extra.cuda as tlc
@@ -421,18 +421,11 @@ def _kernels(interpret: bool) -> dict:
         return tl.histogram(digit, NB, mask=ok & ((key >> (shift + BITS)) == prefix))
 
     @triton.jit
-    def _first_digit(key, ok, prefix, remaining, bytes_hist, seq_len, BITS: tl.constexpr, NB: tl.constexpr,
-                     BYTES: tl.constexpr):
-        # the early-exit passes' start: the top digit from a histogram of the keys, or (BYTES) the leading byte from
-        # the score kernel's counts; returns the prefix, what is left to take, the keys sharing it and its shift
-        if BYTES:
-            prefix, remaining, shared = _next_digit(bytes_hist, tl.arange(0, 256), prefix, remaining, True, 256)
-            shift = seq_len * 0 + 24
-        else:
-            hist = _digit_hist(key, ok, prefix, True, 32 - BITS, BITS, NB)
-            prefix, remaining, shared = _next_digit(hist, tl.arange(0, NB), prefix, remaining, True, NB)
-            shift = seq_len * 0 + (32 - BITS)
-        return prefix, remaining, shared, shift
+    def _byte_start(bytes_hist, prefix, remaining, seq_len):
+        # the early-exit passes' start from the score kernel's leading-byte counts (SELECT_FIRST_BYTE): the prefix
+        # (the signed top byte), what is left to take, the keys sharing it, and its shift (24)
+        prefix, remaining, shared = _next_digit(bytes_hist, tl.arange(0, 256), prefix, remaining, True, 256)
+        return prefix, remaining, shared, seq_len * 0 + 24
 
     @triton.jit
     def _ranks(is_gt, is_eq, PACKED: tl.constexpr):
@@ -468,8 +461,12 @@ def _kernels(interpret: bool) -> dict:
         rok = roffs < seq_len
         rkey = _ordered_keys(tl.load(row + roffs, mask=rok, other=0.0, cache_modifier=CM))
         if EARLY:
-            prefix, remaining, shared, shift = _first_digit(rkey, rok, prefix, remaining, bytes_hist, seq_len, BITS, NB,
-                                                            BYTES)   # the prefix is rkey >> shift
+            if BYTES:
+                prefix, remaining, shared, shift = _byte_start(bytes_hist, prefix, remaining, seq_len)
+            else:
+                hist = _digit_hist(rkey, rok, prefix, True, 32 - BITS, BITS, NB)
+                prefix, remaining, shared = _next_digit(hist, bins, prefix, remaining, True, NB)
+                shift = seq_len * 0 + (32 - BITS)   # the prefix is rkey >> shift
             while (shared > remaining) & (shift > 0):
                 shift -= BITS
                 hist = _digit_hist_at(rkey, rok, prefix, shift, BITS, NB)
@@ -516,8 +513,7 @@ def _kernels(interpret: bool) -> dict:
         ka = _ordered_keys(tl.load(row + offa, mask=oka, other=0.0, cache_modifier=CM))
         kb = _ordered_keys(tl.load(row + offb, mask=okb, other=0.0, cache_modifier=CM))
         if BYTES:   # (with EARLY) the leading byte from the score kernel's counts
-            prefix, remaining, shared = _next_digit(bytes_hist, tl.arange(0, 256), prefix, remaining, True, 256)
-            shift = seq_len * 0 + 24
+            prefix, remaining, shared, shift = _byte_start(bytes_hist, prefix, remaining, seq_len)
         else:
             shift = seq_len * 0 + (32 - BITS)   # the prefix is key >> shift
             hist = _pair_hist(ka, oka, kb, okb, prefix, shift, True, BITS, NB)
@@ -590,9 +586,7 @@ def _kernels(interpret: bool) -> dict:
             shift = seq_len * 0             # EARLY: the prefix is key >> shift
             if EARLY:
                 if BYTES:   # the leading byte from the score kernel's counts
-                    prefix, remaining, shared = _next_digit(bytes_hist, tl.arange(0, 256), prefix, remaining, True,
-                                                            256)
-                    shift += 24
+                    prefix, remaining, shared, shift = _byte_start(bytes_hist, prefix, remaining, seq_len)
                 else:
                     hist = tl.zeros([NB], dtype=tl.int32)
                     for t0 in range(0, seq_len, TILE):
@@ -717,37 +711,41 @@ MAX_SELECT_ROWS = 8192
 """Rows (tokens) one call may select inside the score kernel: its per-row arrival counters (int32, 32 KiB a device)."""
 
 
+def _device_counts(what: str, switch: str, device: torch.device, rows: int, max_rows: int,
+                   per_row: int) -> torch.Tensor:
+    """A ``[max_rows * per_row]`` int32 buffer of per-row counts on ``device``, zero between calls (the kernel that
+    reads a row's counts resets them), shared by the device's calls - one stream's calls run one after another. Zeroed
+    once when made: outside a CUDA-graph capture (the implementation's ``prepare``, or an eager call first)."""
+    limit = "MAX_SELECT_ROWS" if per_row == 1 else "MAX_FIRST_BYTE_ROWS"
+    if rows > max_rows:
+        raise UserError(f"{NAME}: {rows} rows > {limit}={max_rows} for {what}; split the call or switch {switch} off")
+    return cached_zeroed_int32(f"{NAME} {what}", (max_rows * per_row,), device, refuse_in_capture=(
+        f"{what} ({switch}) must be made before a CUDA-graph capture; call the implementation's prepare() (or one "
+        "eager call) first"))
+
+
 def arrival_counts(device: torch.device, rows: int = 1) -> torch.Tensor:
-    """The int32 per-row arrival counters of the score kernel's select on ``device``: zero between calls (each call's
-    last program of a row resets its counter), shared by the calls of the device - one stream's calls run one after
-    another. Zeroed once when made: outside a CUDA-graph capture (``prepare``, or an eager call first)."""
-    if rows > MAX_SELECT_ROWS:
-        raise UserError(f"{NAME}: {rows} rows > MAX_SELECT_ROWS={MAX_SELECT_ROWS} for the select inside the score "
-                        "kernel; split the call or switch SCORE_SELECTS off")
-    return cached_zeroed_int32(NAME, (MAX_SELECT_ROWS,), device, refuse_in_capture=(
-        "the select inside the score kernel (SCORE_SELECTS) needs its arrival counters made before a CUDA-graph "
-        "capture; call the implementation's prepare() (or one eager call) first"))
-
-
-def _prepare(ctx: OpContext) -> None:
-    """Before capture: the arrival counters of the select inside the score kernel, where it is on."""
-    del ctx
-    if SCORE_SELECTS and torch.cuda.is_available():
-        arrival_counts(torch.device("cuda", torch.cuda.current_device()))
-    if SELECT_FIRST_BYTE and torch.cuda.is_available():
-        first_byte_counts(torch.device("cuda", torch.cuda.current_device()))
+    """The int32 per-row arrival counters of the score kernel's select (``SCORE_SELECTS``; each call's last program of
+    a row resets its counter): ``_device_counts``."""
+    return _device_counts("the arrival counters of the select inside the score kernel", "SCORE_SELECTS", device,
+                          rows, MAX_SELECT_ROWS, 1)
 
 
 def first_byte_counts(device: torch.device, rows: int = 1) -> torch.Tensor:
-    """The ``[MAX_FIRST_BYTE_ROWS * 256]`` int32 counts of the rows' leading key bytes (``SELECT_FIRST_BYTE``) on
-    ``device``: zero between calls (the select kernel resets each row it reads), shared by the device's calls - one
-    stream's calls run one after another. Zeroed once when made: outside a CUDA-graph capture."""
-    if rows > MAX_FIRST_BYTE_ROWS:
-        raise UserError(f"{NAME}: {rows} rows > MAX_FIRST_BYTE_ROWS={MAX_FIRST_BYTE_ROWS} with SELECT_FIRST_BYTE; "
-                        "split the call or switch SELECT_FIRST_BYTE off")
-    return cached_zeroed_int32(NAME + " first bytes", (MAX_FIRST_BYTE_ROWS * 256,), device, refuse_in_capture=(
-        "the leading-byte counts of SELECT_FIRST_BYTE must be made before a CUDA-graph capture; call the "
-        "implementation's prepare() (or one eager call) first"))
+    """The ``[MAX_FIRST_BYTE_ROWS * 256]`` int32 counts of the rows' leading key bytes (``SELECT_FIRST_BYTE``; the
+    select kernel resets each row it reads): ``_device_counts``."""
+    return _device_counts("the leading-byte counts", "SELECT_FIRST_BYTE", device, rows, MAX_FIRST_BYTE_ROWS, 256)
+
+
+def _prepare(ctx: OpContext) -> None:
+    """Before capture: the per-row count buffers of the switches that are on."""
+    del ctx
+    if torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+        if SCORE_SELECTS:
+            arrival_counts(device)
+        if SELECT_FIRST_BYTE:
+            first_byte_counts(device)
 
 
 def select_trigger(device: torch.device) -> bool:

@@ -229,10 +229,10 @@ class SparseMLAAttention(MLAAttention):
         nq = a.num_heads * (nope + R)
         q = qq[:, :nq].view(M, a.num_heads, nope + R)
         iq = qq[:, nq:].view(M, ix.num_heads, ix.head_dim)
-        pos = step.meta["positions"]
         meta = step.meta
         index_args = (iq, ik, iw, state["indexer_k"], meta["slots"], meta["block_table"], meta["seq_lens"])
-        index_kw = dict(topk=ix.topk, positions=pos, rope_inv_freq=w.get("rope_inv_freq") if a.use_rope else None,
+        index_kw = dict(topk=ix.topk, positions=meta["positions"],
+                        rope_inv_freq=w.get("rope_inv_freq") if a.use_rope else None,
                         rope_interleaved=self.options.rope_interleaved, k_norm_weight=w["indexer.k_norm"],
                         k_norm_bias=w["indexer.k_norm_bias"], k_norm_eps=self.options.k_norm_eps,
                         cross_row_reads=step.spec_tokens > 0, out=self._topk_buffer(step, M))
