@@ -4,9 +4,14 @@
 # priority order, so a call stopped at the limit keeps the steps before; results tarred per step (the device returns
 # <= 8 files):
 #   source scripts/device_env.sh >/dev/null 2>&1; timeout 575 bash benchmarks/scripts/pending_measurements.sh
-# Steps (STEPS, default cbeside,beside,selglm,selab,paired,q4) - session 51's plan (session 51 ran slots; session 50
+# Steps (STEPS, default pick52,selglm,selab,paired,q4) - session 52's plan; pick52 holds session 51's cbeside and
+# beside, which stay available by name (session 51 ran slots; session 50
 # dsvk, fine, cutprof, paired (cut off), credit, q4: benchmarks/results/h100/session50/; session 48 c2ab, topk, dsv;
 # session 46 gqa, dsvab, topk, muse; those, fine2, prof and gemm stay available by name):
+#   pick52 (session 52's plan) the GPU tests of session 51's four switches, then DeepSeek-V4.1-Flash c2_idx and
+#          GLM-5.3 moe at batch 1 / 8: base / side (the compressor beside the query; the indexer beside the sparse
+#          MLA's prologue) / both (the select from the leading-byte counts with packed scans) / side + both; the
+#          winners picked by ab_pick.py's rule into /tmp/ls_picks.txt for the suite calls after
 #   selglm (session 51's plan) GLM-5.3 moe at batch 1 / 8, one replay's kernels each: the radix select with 8 warps
 #          instead of 16 at its 8,192 tile (w8), the finer widths (fine), 8-bit digits (b8), the passes started from
 #          the score kernel's leading-byte counts (bytes: SELECT_FIRST_BYTE, new in session 51) alone and with fine,
@@ -73,7 +78,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/ls_out}
 export LS_KERNEL_CACHE_DIR=${LS_KERNEL_CACHE_DIR:-/tmp/ls_kcache} CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
-STEPS=${STEPS:-cbeside,beside,selglm,selab,paired,q4}
+STEPS=${STEPS:-pick52,selglm,selab,paired,q4}
 W=$(mktemp -d)
 t0=$(date +%s)
 step() { [[ ",$STEPS," == *",$1,"* ]]; }
@@ -130,6 +135,46 @@ if step slots; then
       || rc=$?
   done
   rm -f "$W"/slots/*.trace.json; pack slots "$rc"; grep -h "^=== " "$W"/slots/*.txt
+fi
+if step pick52; then
+  # session 52's plan: the GPU tests of session 51's four switches, then the layer A/Bs that decide them - the
+  # compressor beside the query (DeepSeek-V4.1-Flash c2_idx), the indexer beside the sparse MLA's prologue (GLM-5.3
+  # moe), the select from the leading-byte counts with packed scans (both models) - picked by ab_pick.py's rule into
+  # /tmp/ls_picks.txt (and $OUT/picks.txt) for the suite calls after; none picked where a test failed. Then one
+  # replay's kernels of each model with all of them on.
+  mkdir -p "$W/pick52"; rc=0; : > /tmp/ls_picks.txt
+  SP=latency_specialized.kernels.indexer_triton PQ=latency_specialized.pieces.attention.sparse_mqa
+  PL=latency_specialized.pieces.attention.sparse_mla
+  both="$SP.SELECT_FIRST_BYTE=True,$SP.SELECT_PACKED_SCAN=True"
+  PYTHONPATH=$PWD:$PWD/tests/ops${PYTHONPATH:+:$PYTHONPATH} timeout "${TESTS_S:-120}" python3 -m pytest -m gpu -n 4 \
+    -q -rfE -p no:cacheprovider tests/models/test_indexer_switches_gpu.py \
+    tests/ops/test_indexer_triton_gpu.py::test_select_from_the_leading_byte_counts_and_packed_scans \
+    tests/ops/test_sparse_mla_triton_gpu.py::test_selection_from_a_side_stream --junitxml="$W/pick52/junit.xml" \
+    > "$W/pick52/tests.log" 2>&1; trc=$?
+  echo "switch tests rc=$trc: $(tail -1 "$W/pick52/tests.log")"
+  timeout "${DSV_S:-160}" "${BENCH[@]}" --model deepseek_v41_flash --kinds c2_idx --batch 1,8 --out "$W/pick52/dsv" \
+    --ab base --ab side:$PQ.COMPRESS_BESIDE_QUERY=True --ab "both:$both" \
+    --ab "sideboth:$PQ.COMPRESS_BESIDE_QUERY=True,$both" > "$W/pick52/dsv.log" 2>&1 || rc=$?
+  timeout "${GLM_S:-150}" "${BENCH[@]}" --model glm53 --kinds moe --batch 1,8 --out "$W/pick52/glm" \
+    --ab base --ab side:$PL.INDEXER_BESIDE_ATTENTION=True --ab "both:$both" \
+    --ab "sideboth:$PL.INDEXER_BESIDE_ATTENTION=True,$both" > "$W/pick52/glm.log" 2>&1 || rc=$?
+  if [ "$trc" = 0 ]; then
+    pk=(python3 benchmarks/scripts/ab_pick.py pick)
+    "${pk[@]}" side --faster "$W/pick52/dsv/ab.md" >> /tmp/ls_picks.txt
+    "${pk[@]}" side --faster "$W/pick52/glm/ab.md" >> /tmp/ls_picks.txt
+    "${pk[@]}" both --faster "$W/pick52/glm/ab.md" --not-slower "$W/pick52/dsv/ab.md" >> /tmp/ls_picks.txt
+  fi
+  cp /tmp/ls_picks.txt "$OUT/picks.txt"; echo "picks: $(tr '\n' ' ' < /tmp/ls_picks.txt)"
+  for m in "deepseek_v41_flash:c2_idx:$PQ.COMPRESS_BESIDE_QUERY=True,$both" \
+      "glm53:moe:$PL.INDEXER_BESIDE_ATTENTION=True,$both"; do
+    IFS=: read -r model kind settings <<< "$m"
+    timeout "${PROF_S:-55}" python3 benchmarks/scripts/profile_layer.py --model "$model" --kind "$kind" --batches 1 \
+      --layers 2 --timeline --out "$W/pick52/p_${kind}_all.json" --set "$settings" \
+      > "$W/pick52/p_${kind}_all.txt" 2>&1 || rc=$?
+  done
+  find "$W/pick52" -name "*.png" -delete; find "$W/pick52" -path "*ab_runs*" -name "*.json" -delete
+  rm -f "$W"/pick52/*.trace.json; pack pick52 "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W"/pick52/*/ab.md
+  grep -h "^=== " "$W"/pick52/*.txt
 fi
 if step selglm; then
   # session 51: GLM-5.3's select takes 28 us a call in its layer and 19.7 alone on the layer's own logits and arguments
