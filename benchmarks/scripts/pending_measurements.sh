@@ -119,7 +119,7 @@ if step dsvk; then
 $SP.indexer_triton.SCORE_SELECTS=True,$SP.tuning.NORM_SITE_CREDIT_US=1.5" --ab "all5:$SP.sparse_mqa_triton.\
 COMPRESS_INDEX_KEY=True,$SP.indexer_triton.SCORE_SELECTS=True,$SP.tuning.NORM_SITE_CREDIT_US=1.5,\
 $SP.indexer_triton.SELECT_FINE_WIDTHS=True,$SP.indexer_triton.SCORE_KEYS_AHEAD=True" > "$W/dsvk/dsv.log" 2>&1 || rc=$?
-  timeout "${DSVK_GLM_S:-150}" "${BENCH[@]}" --model glm53 --kinds moe --batch 1,8 --out "$W/dsvk/glm" --ab base \
+  timeout "${DSVK_GLM_S:-170}" "${BENCH[@]}" --model glm53 --kinds moe --batch 1,8 --out "$W/dsvk/glm" --ab base \
     --ab fsel:$SP.indexer_triton.SCORE_SELECTS=True --ab wkey:$SP.indexer_triton.SCORE_WRITES_KEY=True \
     --ab "one:$SP.indexer_triton.SCORE_SELECTS=True,$SP.indexer_triton.SCORE_WRITES_KEY=True" \
     > "$W/dsvk/glm.log" 2>&1 || rc=$?
@@ -146,16 +146,16 @@ if step pick52; then
   SP=latency_specialized.kernels.indexer_triton PQ=latency_specialized.pieces.attention.sparse_mqa
   PL=latency_specialized.pieces.attention.sparse_mla
   both="$SP.SELECT_FIRST_BYTE=True,$SP.SELECT_PACKED_SCAN=True"
-  PYTHONPATH=$PWD:$PWD/tests/ops${PYTHONPATH:+:$PYTHONPATH} timeout "${TESTS_S:-120}" python3 -m pytest -m gpu -n 4 \
+  PYTHONPATH=$PWD:$PWD/tests/ops${PYTHONPATH:+:$PYTHONPATH} timeout "${TESTS_S:-110}" python3 -m pytest -m gpu -n 4 \
     -q -rfE -p no:cacheprovider tests/models/test_indexer_switches_gpu.py \
     tests/ops/test_indexer_triton_gpu.py::test_select_from_the_leading_byte_counts_and_packed_scans \
     tests/ops/test_sparse_mla_triton_gpu.py::test_selection_from_a_side_stream --junitxml="$W/pick52/junit.xml" \
     > "$W/pick52/tests.log" 2>&1; trc=$?
   echo "switch tests rc=$trc: $(tail -1 "$W/pick52/tests.log")"
-  timeout "${DSV_S:-160}" "${BENCH[@]}" --model deepseek_v41_flash --kinds c2_idx --batch 1,8 --out "$W/pick52/dsv" \
+  timeout "${DSV_S:-190}" "${BENCH[@]}" --model deepseek_v41_flash --kinds c2_idx --batch 1,8 --out "$W/pick52/dsv" \
     --ab base --ab side:$PQ.COMPRESS_BESIDE_QUERY=True --ab "both:$both" \
     --ab "sideboth:$PQ.COMPRESS_BESIDE_QUERY=True,$both" > "$W/pick52/dsv.log" 2>&1 || rc=$?
-  timeout "${GLM_S:-150}" "${BENCH[@]}" --model glm53 --kinds moe --batch 1,8 --out "$W/pick52/glm" \
+  timeout "${GLM_S:-170}" "${BENCH[@]}" --model glm53 --kinds moe --batch 1,8 --out "$W/pick52/glm" \
     --ab base --ab side:$PL.INDEXER_BESIDE_ATTENTION=True --ab "both:$both" \
     --ab "sideboth:$PL.INDEXER_BESIDE_ATTENTION=True,$both" > "$W/pick52/glm.log" 2>&1 || rc=$?
   if [ "$trc" = 0 ]; then
@@ -165,16 +165,17 @@ if step pick52; then
     "${pk[@]}" both --faster "$W/pick52/glm/ab.md" --not-slower "$W/pick52/dsv/ab.md" >> /tmp/ls_picks.txt
   fi
   cp /tmp/ls_picks.txt "$OUT/picks.txt"; echo "picks: $(tr '\n' ' ' < /tmp/ls_picks.txt)"
-  for m in "deepseek_v41_flash:c2_idx:$PQ.COMPRESS_BESIDE_QUERY=True,$both" \
+  find "$W/pick52" -name "*.png" -delete; find "$W/pick52" -path "*ab_runs*" -name "*.json" -delete
+  pack pick52 "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W"/pick52/*/ab.md   # kept if the timelines run past the call
+  mkdir -p "$W/pick52prof"
+  [ "${PICK_PROF:-1}" = 1 ] && for m in "deepseek_v41_flash:c2_idx:$PQ.COMPRESS_BESIDE_QUERY=True,$both" \
       "glm53:moe:$PL.INDEXER_BESIDE_ATTENTION=True,$both"; do
     IFS=: read -r model kind settings <<< "$m"
     timeout "${PROF_S:-55}" python3 benchmarks/scripts/profile_layer.py --model "$model" --kind "$kind" --batches 1 \
-      --layers 2 --timeline --out "$W/pick52/p_${kind}_all.json" --set "$settings" \
-      > "$W/pick52/p_${kind}_all.txt" 2>&1 || rc=$?
+      --layers 2 --timeline --out "$W/pick52prof/p_${kind}_all.json" --set "$settings" \
+      > "$W/pick52prof/p_${kind}_all.txt" 2>&1 || rc=$?
   done
-  find "$W/pick52" -name "*.png" -delete; find "$W/pick52" -path "*ab_runs*" -name "*.json" -delete
-  rm -f "$W"/pick52/*.trace.json; pack pick52 "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W"/pick52/*/ab.md
-  grep -h "^=== " "$W"/pick52/*.txt
+  rm -f "$W"/pick52prof/*.trace.json; pack pick52prof "$rc"; grep -h "^=== " "$W"/pick52prof/*.txt
 fi
 if step selglm; then
   # session 51: GLM-5.3's select takes 28 us a call in its layer and 19.7 alone on the layer's own logits and arguments
