@@ -4,14 +4,16 @@ The device machine goes back after 30 s idle, so the call after a measurement ca
 tables; this script makes the decision the person would, by a rule fixed before the numbers came in, and the suite
 calls after it apply what it wrote (each call runs on a fresh copy of the tree, so each applies it again).
 
-    python3 benchmarks/scripts/ab_pick.py pick side --faster W/dsv/ab.md [--not-slower W/glm/ab.md] >> picks.txt
+    python3 benchmarks/scripts/ab_pick.py pick both --faster W/glm/ab.md \\
+        [--not-slower W/dsv/ab.md:sideboth:side] >> picks.txt
     python3 benchmarks/scripts/ab_pick.py apply $(cat picks.txt)     # module.path.NAME=VALUE ...
 
 `pick` prints the variant's settings (one per line) and exits 0 where the variant beats `base` in every
 ``--faster`` file at batch 1 - its median lower by more than the larger spread (max - min) of the two variants' runs
-and by at least ``--min-us`` - and is slower at no batch of any file (``--faster`` or ``--not-slower``: its median
-higher by more than that spread); else it prints why on stderr and exits 1. `apply` rewrites each ``NAME = ...``
-line at the start of the module's file (it must be there exactly once).
+and by at least ``--min-us`` - and is slower at no batch of any file (its median higher by more than that spread),
+nor slower in the ``--not-slower`` checks (another file's variant against its own baseline); else it prints why on
+stderr and exits 1. `apply` rewrites each ``NAME = ...`` line at the start of the module's file (it must be there
+exactly once).
 """
 from __future__ import annotations
 
@@ -55,25 +57,40 @@ def _spread(runs: list[float]) -> float:
     return max(runs) - min(runs)
 
 
-def pick(variant: str, faster: list[Path], not_slower: list[Path], min_us: float) -> list[str] | None:
-    chosen: list[str] | None = None
-    for path in faster + not_slower:
-        settings, rows = read_ab(path)
-        if variant not in settings or "base" not in settings:
-            print(f"{path}: no variant {variant!r} or base", file=sys.stderr)
+def _check(path: Path, variant: str, base: str, need_faster: bool, min_us: float) -> list[str] | None:
+    """The variant's settings if it is slower than ``base`` at no batch of ``path`` (and, with ``need_faster``,
+    faster at batch 1); else None, the reason on stderr."""
+    settings, rows = read_ab(path)
+    if variant not in settings or base not in settings:
+        print(f"{path}: no variant {variant!r} or {base!r}", file=sys.stderr)
+        return None
+    for batch, per_variant in sorted(rows.items()):
+        (theirs, their_runs), (ours, our_runs) = per_variant[base], per_variant[variant]
+        noise = max(_spread(their_runs), _spread(our_runs))
+        if ours > theirs + noise + 1e-9:
+            print(f"{path}: {variant} slower than {base} at batch {batch}: {ours} vs {theirs} (spread {noise:.1f})",
+                  file=sys.stderr)
             return None
-        chosen = settings[variant]
-        for batch, per_variant in sorted(rows.items()):
-            (base, base_runs), (ours, our_runs) = per_variant["base"], per_variant[variant]
-            noise = max(_spread(base_runs), _spread(our_runs))
-            if ours > base + noise + 1e-9:
-                print(f"{path}: {variant} slower at batch {batch}: {ours} vs base {base} (spread {noise:.1f})",
-                      file=sys.stderr)
-                return None
-            if batch == 1 and path in faster and not ours < base - max(noise, min_us) - 1e-9:
-                print(f"{path}: {variant} not faster at batch 1: {ours} vs base {base} (spread {noise:.1f}, "
-                      f"min {min_us})", file=sys.stderr)
-                return None
+        if batch == 1 and need_faster and not ours < theirs - max(noise, min_us) - 1e-9:
+            print(f"{path}: {variant} not faster than {base} at batch 1: {ours} vs {theirs} (spread {noise:.1f}, "
+                  f"min {min_us})", file=sys.stderr)
+            return None
+    return settings[variant]
+
+
+def pick(variant: str, faster: list[Path], not_slower: list[str], min_us: float) -> list[str] | None:
+    """``variant``'s settings (from the first ``faster`` file) where it beats ``base`` in every ``faster`` file and
+    each ``not_slower`` check (``PATH[:VARIANT[:BASE]]``, default this variant against ``base``) holds."""
+    chosen: list[str] | None = None
+    for path in faster:
+        settings = _check(path, variant, "base", True, min_us)
+        if settings is None:
+            return None
+        chosen = settings if chosen is None else chosen
+    for spec in not_slower:
+        path, other, base = (spec.split(":") + [variant, "base"][spec.count(":"):])[:3]
+        if _check(Path(path), other, base, False, min_us) is None:
+            return None
     return chosen
 
 
@@ -96,7 +113,7 @@ def main() -> None:
     p = sub.add_parser("pick")
     p.add_argument("variant")
     p.add_argument("--faster", type=Path, action="append", default=[], required=True)
-    p.add_argument("--not-slower", type=Path, action="append", default=[])
+    p.add_argument("--not-slower", action="append", default=[], metavar="PATH[:VARIANT[:BASE]]")
     p.add_argument("--min-us", type=float, default=0.5)
     a = sub.add_parser("apply")
     a.add_argument("settings", nargs="*")
