@@ -146,6 +146,7 @@ if step pick52; then
   SP=latency_specialized.kernels.indexer_triton PQ=latency_specialized.pieces.attention.sparse_mqa
   PL=latency_specialized.pieces.attention.sparse_mla
   both="$SP.SELECT_FIRST_BYTE=True,$SP.SELECT_PACKED_SCAN=True"
+  light=${PICK_LIGHT:+" "}   # PICK_LIGHT=1: no side + both variants (the select's switches judged on GLM-5.3 alone)
   trc=skipped   # PICK_TESTS=0: no tests first (the rest part of the suite holds them), the picks taken as measured
   if [ "${PICK_TESTS:-1}" = 1 ]; then
     PYTHONPATH=$PWD:$PWD/tests/ops${PYTHONPATH:+:$PYTHONPATH} timeout "${TESTS_S:-110}" python3 -m pytest -m gpu \
@@ -156,16 +157,16 @@ if step pick52; then
     echo "switch tests rc=$trc: $(tail -1 "$W/pick52/tests.log")"
   fi
   timeout "${DSV_S:-190}" "${BENCH[@]}" --model deepseek_v41_flash --kinds c2_idx --batch 1,8 --out "$W/pick52/dsv" \
-    --ab base --ab side:$PQ.COMPRESS_BESIDE_QUERY=True --ab "sideboth:$PQ.COMPRESS_BESIDE_QUERY=True,$both" \
+    --ab base --ab side:$PQ.COMPRESS_BESIDE_QUERY=True ${light:---ab "sideboth:$PQ.COMPRESS_BESIDE_QUERY=True,$both"} \
     > "$W/pick52/dsv.log" 2>&1 || rc=$?
   timeout "${GLM_S:-170}" "${BENCH[@]}" --model glm53 --kinds moe --batch 1,8 --out "$W/pick52/glm" \
     --ab base --ab side:$PL.INDEXER_BESIDE_ATTENTION=True --ab "both:$both" \
-    --ab "sideboth:$PL.INDEXER_BESIDE_ATTENTION=True,$both" > "$W/pick52/glm.log" 2>&1 || rc=$?
+    ${light:---ab "sideboth:$PL.INDEXER_BESIDE_ATTENTION=True,$both"} > "$W/pick52/glm.log" 2>&1 || rc=$?
   if [ "$trc" = 0 ] || [ "$trc" = skipped ]; then
     pk=(python3 benchmarks/scripts/ab_pick.py pick)
     "${pk[@]}" side --faster "$W/pick52/dsv/ab.md" >> /tmp/ls_picks.txt
     "${pk[@]}" side --faster "$W/pick52/glm/ab.md" >> /tmp/ls_picks.txt
-    "${pk[@]}" both --faster "$W/pick52/glm/ab.md" --not-slower "$W/pick52/dsv/ab.md:sideboth:side" \
+    "${pk[@]}" both --faster "$W/pick52/glm/ab.md" ${light:---not-slower "$W/pick52/dsv/ab.md:sideboth:side"} \
       >> /tmp/ls_picks.txt
   fi
   cp /tmp/ls_picks.txt "$OUT/picks.txt"; echo "picks: $(tr '\n' ' ' < /tmp/ls_picks.txt)"
