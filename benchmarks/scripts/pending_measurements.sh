@@ -12,6 +12,7 @@
 #          GLM-5.3 moe at batch 1 / 8: base / side (the compressor beside the query; the indexer beside the sparse
 #          MLA's prologue) / both (the select from the leading-byte counts with packed scans) / side + both; the
 #          winners picked by ab_pick.py's rule into /tmp/ls_picks.txt for the suite calls after
+#   icache (session 52) the select after a kernel of big code on every SM vs a small one (select_icache_probe.py)
 #   selglm (session 51's plan) GLM-5.3 moe at batch 1 / 8, one replay's kernels each: the radix select with 8 warps
 #          instead of 16 at its 8,192 tile (w8), the finer widths (fine), 8-bit digits (b8), the passes started from
 #          the score kernel's leading-byte counts (bytes: SELECT_FIRST_BYTE, new in session 51) alone and with fine,
@@ -181,6 +182,14 @@ if step pick52; then
       > "$W/pick52prof/p_${kind}_all.txt" 2>&1 || rc=$?
   done
   rm -f "$W"/pick52prof/*.trace.json; pack pick52prof "$rc"; grep -h "^=== " "$W"/pick52prof/*.txt
+fi
+if step icache; then
+  # session 52: GLM-5.3's select after a kernel of big straight-line code on every SM (cold instruction cache) against
+  # after a small-code one, per variant (its code 59-169 KB at this shape)
+  mkdir -p "$W/icache"
+  PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout "${ICACHE_S:-90}" python3 benchmarks/scripts/select_icache_probe.py \
+    --out "$W/icache/icache.json" > "$W/icache/icache.log" 2>&1
+  pack icache $?; tail -5 "$W/icache/icache.log"
 fi
 if step selglm; then
   # session 51: GLM-5.3's select takes 28 us a call in its layer and 19.7 alone on the layer's own logits and arguments
