@@ -16,8 +16,8 @@ timed by CUDA events over replays (median), minus the same graph without the sel
 - ``big2``: as ``big`` with the select launched twice; the second call's time (``big2`` minus ``big``) is the
   select with its code just loaded.
 
-``big`` against ``loop`` is the cold-code cost; the variants (``--variants``: base, packed, fine, w8) say how it
-scales with the code's size. Prints a table, writes ``--out`` (JSON).
+``big`` against ``loop`` is the cold-code cost; the variants (``--variants``: base, packed, fine, w8, loop - the row re-read
+in tiles each pass: small code) say how it scales with the code's size. Prints a table, writes ``--out`` (JSON).
 
     python benchmarks/scripts/select_icache_probe.py --out /tmp/icache.json
 """
@@ -38,7 +38,8 @@ if str(REPO) not in sys.path:
 
 from latency_specialized.bench.ops_bench_moe_kda import time_graph  # noqa: E402 (after the path set-up)
 
-VARIANTS = dict(base={}, packed=dict(packed=True), fine=dict(fine=True), w8=dict(warps=8))
+VARIANTS = dict(base={}, packed=dict(packed=True), fine=dict(fine=True), w8=dict(warps=8),
+                loop=dict(resident_max=0))
 
 
 def _hex_f32(x: float) -> str:
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=2048)
     p.add_argument("--calls", type=int, default=16)
     p.add_argument("--asm-kb", type=int, default=128, help="PTX FMAs of this many KB at 16 B each (ptxas makes ~1.8x)")
-    p.add_argument("--variants", default="base,packed,fine,w8")
+    p.add_argument("--variants", default="base,packed,fine,w8,loop")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
 
