@@ -10,7 +10,8 @@
 # session 46 gqa, dsvab, topk, muse; those, fine2, prof and gemm stay available by name):
 #   pick52 (session 52's plan) the GPU tests of session 51's four switches, then DeepSeek-V4.1-Flash c2_idx and
 #          GLM-5.3 moe at batch 1 / 8: base / side (the compressor beside the query; the indexer beside the sparse
-#          MLA's prologue) / both (the select from the leading-byte counts with packed scans) / side + both; the
+#          MLA's prologue) / both (the select from the leading-byte counts with packed scans) / side + both / loop
+#          (the select's rows looped in tiles: 32 KB of code against 88, session 52's cold-code question); the
 #          winners picked by ab_pick.py's rule into /tmp/ls_picks.txt for the suite calls after
 #   icache (session 52) the select after a kernel of big code on every SM vs a small one (select_icache_probe.py)
 #   selglm (session 51's plan) GLM-5.3 moe at batch 1 / 8, one replay's kernels each: the radix select with 8 warps
@@ -120,7 +121,7 @@ if step dsvk; then
 $SP.indexer_triton.SCORE_SELECTS=True,$SP.tuning.NORM_SITE_CREDIT_US=1.5" --ab "all5:$SP.sparse_mqa_triton.\
 COMPRESS_INDEX_KEY=True,$SP.indexer_triton.SCORE_SELECTS=True,$SP.tuning.NORM_SITE_CREDIT_US=1.5,\
 $SP.indexer_triton.SELECT_FINE_WIDTHS=True,$SP.indexer_triton.SCORE_KEYS_AHEAD=True" > "$W/dsvk/dsv.log" 2>&1 || rc=$?
-  timeout "${DSVK_GLM_S:-170}" "${BENCH[@]}" --model glm53 --kinds moe --batch 1,8 --out "$W/dsvk/glm" --ab base \
+  timeout "${DSVK_GLM_S:-230}" "${BENCH[@]}" --model glm53 --kinds moe --batch 1,8 --out "$W/dsvk/glm" --ab base \
     --ab fsel:$SP.indexer_triton.SCORE_SELECTS=True --ab wkey:$SP.indexer_triton.SCORE_WRITES_KEY=True \
     --ab "one:$SP.indexer_triton.SCORE_SELECTS=True,$SP.indexer_triton.SCORE_WRITES_KEY=True" \
     > "$W/dsvk/glm.log" 2>&1 || rc=$?
@@ -157,11 +158,11 @@ if step pick52; then
       > "$W/pick52/tests.log" 2>&1; trc=$?
     echo "switch tests rc=$trc: $(tail -1 "$W/pick52/tests.log")"
   fi
-  timeout "${DSV_S:-190}" "${BENCH[@]}" --model deepseek_v41_flash --kinds c2_idx --batch 1,8 --out "$W/pick52/dsv" \
+  timeout "${DSV_S:-230}" "${BENCH[@]}" --model deepseek_v41_flash --kinds c2_idx --batch 1,8 --out "$W/pick52/dsv" \
     --ab base --ab side:$PQ.COMPRESS_BESIDE_QUERY=True ${light:---ab "sideboth:$PQ.COMPRESS_BESIDE_QUERY=True,$both"} \
-    > "$W/pick52/dsv.log" 2>&1 || rc=$?
-  timeout "${GLM_S:-170}" "${BENCH[@]}" --model glm53 --kinds moe --batch 1,8 --out "$W/pick52/glm" \
-    --ab base --ab side:$PL.INDEXER_BESIDE_ATTENTION=True --ab "both:$both" \
+    --ab loop:$SP.SELECT_RESIDENT_MAX=0 > "$W/pick52/dsv.log" 2>&1 || rc=$?
+  timeout "${GLM_S:-230}" "${BENCH[@]}" --model glm53 --kinds moe --batch 1,8 --out "$W/pick52/glm" \
+    --ab base --ab side:$PL.INDEXER_BESIDE_ATTENTION=True --ab "both:$both" --ab loop:$SP.SELECT_RESIDENT_MAX=0 \
     ${light:---ab "sideboth:$PL.INDEXER_BESIDE_ATTENTION=True,$both"} > "$W/pick52/glm.log" 2>&1 || rc=$?
   if [ "$trc" = 0 ] || [ "$trc" = skipped ]; then
     pk=(python3 benchmarks/scripts/ab_pick.py pick)
@@ -169,6 +170,7 @@ if step pick52; then
     "${pk[@]}" side --faster "$W/pick52/glm/ab.md" >> /tmp/ls_picks.txt
     "${pk[@]}" both --faster "$W/pick52/glm/ab.md" ${light:---not-slower "$W/pick52/dsv/ab.md:sideboth:side"} \
       >> /tmp/ls_picks.txt
+    "${pk[@]}" loop --faster "$W/pick52/glm/ab.md" --not-slower "$W/pick52/dsv/ab.md" >> /tmp/ls_picks.txt
   fi
   cp /tmp/ls_picks.txt "$OUT/picks.txt"; echo "picks: $(tr '\n' ' ' < /tmp/ls_picks.txt)"
   find "$W/pick52" -name "*.png" -delete; find "$W/pick52" -path "*ab_runs*" -name "*.json" -delete
