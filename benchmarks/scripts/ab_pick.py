@@ -94,11 +94,12 @@ def pick(variant: str, faster: list[Path], not_slower: list[str], min_us: float)
     return chosen
 
 
-def apply(settings: list[str]) -> None:
+def apply(settings: list[str], root: Path = ROOT) -> None:
+    """Rewrite ``NAME = ...`` in each setting's module file under ``root`` (``module.path.NAME=VALUE``)."""
     for setting in settings:
         target, value = setting.split("=", 1)
         module, name = target.rsplit(".", 1)
-        path = ROOT / (module.replace(".", "/") + ".py")
+        path = root / (module.replace(".", "/") + ".py")
         text = path.read_text()
         pattern = re.compile(rf"^{re.escape(name)} = .*$", re.M)
         if len(pattern.findall(text)) != 1:
