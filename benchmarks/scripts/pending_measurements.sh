@@ -13,6 +13,7 @@
 #          MLA's prologue) / both (the select from the leading-byte counts with packed scans) / side + both / loop
 #          (the select's rows looped in tiles: 32 KB of code against 88, session 52's cold-code question); the
 #          winners picked by ab_pick.py's rule into /tmp/ls_picks.txt for the suite calls after
+#   glmloop (session 52, short budget) GLM-5.3 moe at batch 1 / 8: base / loop (looped rows) / both (bytes + packed)
 #   icache (session 52) the select after a kernel of big code on every SM vs a small one (select_icache_probe.py)
 #   selglm (session 51's plan) GLM-5.3 moe at batch 1 / 8, one replay's kernels each: the radix select with 8 warps
 #          instead of 16 at its 8,192 tile (w8), the finer widths (fine), 8-bit digits (b8), the passes started from
@@ -192,6 +193,17 @@ if step icache; then
   PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout "${ICACHE_S:-90}" python3 benchmarks/scripts/select_icache_probe.py \
     --out "$W/icache/icache.json" > "$W/icache/icache.log" 2>&1
   pack icache $?; tail -5 "$W/icache/icache.log"
+fi
+if step glmloop; then
+  # session 52, a short budget: GLM-5.3 moe at batch 1 / 8 with the select's rows looped (32 KB of code) and with the
+  # leading-byte counts + packed scans (59 KB) against the resident select (88 KB)
+  mkdir -p "$W/glmloop"; rc=0
+  SP=latency_specialized.kernels.indexer_triton
+  timeout "${GLMLOOP_S:-170}" "${BENCH[@]}" --model glm53 --kinds moe --batch 1,8 --out "$W/glmloop/glm" --ab base \
+    --ab loop:$SP.SELECT_RESIDENT_MAX=0 --ab "both:$SP.SELECT_FIRST_BYTE=True,$SP.SELECT_PACKED_SCAN=True" \
+    > "$W/glmloop/glm.log" 2>&1 || rc=$?
+  find "$W/glmloop" -name "*.png" -delete; find "$W/glmloop" -path "*ab_runs*" -name "*.json" -delete
+  pack glmloop "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W"/glmloop/*/ab.md
 fi
 if step selglm; then
   # session 51: GLM-5.3's select takes 28 us a call in its layer and 19.7 alone on the layer's own logits and arguments
