@@ -122,7 +122,7 @@ if step dsvk; then
 $SP.indexer_triton.SCORE_SELECTS=True,$SP.tuning.NORM_SITE_CREDIT_US=1.5" --ab "all5:$SP.sparse_mqa_triton.\
 COMPRESS_INDEX_KEY=True,$SP.indexer_triton.SCORE_SELECTS=True,$SP.tuning.NORM_SITE_CREDIT_US=1.5,\
 $SP.indexer_triton.SELECT_FINE_WIDTHS=True,$SP.indexer_triton.SCORE_KEYS_AHEAD=True" > "$W/dsvk/dsv.log" 2>&1 || rc=$?
-  timeout "${DSVK_GLM_S:-230}" "${BENCH[@]}" --model glm53 --kinds moe --batch 1,8 --out "$W/dsvk/glm" --ab base \
+  timeout "${DSVK_GLM_S:-150}" "${BENCH[@]}" --model glm53 --kinds moe --batch 1,8 --out "$W/dsvk/glm" --ab base \
     --ab fsel:$SP.indexer_triton.SCORE_SELECTS=True --ab wkey:$SP.indexer_triton.SCORE_WRITES_KEY=True \
     --ab "one:$SP.indexer_triton.SCORE_SELECTS=True,$SP.indexer_triton.SCORE_WRITES_KEY=True" \
     > "$W/dsvk/glm.log" 2>&1 || rc=$?
