@@ -60,9 +60,15 @@ def _spread(runs: list[float]) -> float:
 def _check(path: Path, variant: str, base: str, need_faster: bool, min_us: float) -> list[str] | None:
     """The variant's settings if it is slower than ``base`` at no batch of ``path`` (and, with ``need_faster``,
     faster at batch 1); else None, the reason on stderr."""
+    if not path.is_file():
+        print(f"{path}: missing (the A/B did not finish)", file=sys.stderr)
+        return None
     settings, rows = read_ab(path)
     if variant not in settings or base not in settings:
         print(f"{path}: no variant {variant!r} or {base!r}", file=sys.stderr)
+        return None
+    if not rows or (need_faster and 1 not in rows) or any({variant, base} - set(r) for r in rows.values()):
+        print(f"{path}: no timings of {variant!r} and {base!r} at every batch (batch 1 among them)", file=sys.stderr)
         return None
     for batch, per_variant in sorted(rows.items()):
         (theirs, their_runs), (ours, our_runs) = per_variant[base], per_variant[variant]

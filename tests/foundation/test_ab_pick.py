@@ -74,3 +74,13 @@ def test_apply_sets_the_named_constant_only(tmp_path):
     assert mod.read_text() == "SIDE = True\nSIDE_NOTE = 'SIDE = False stays'\nA = 2\n"
     with pytest.raises(SystemExit, match="exactly once"):
         ab_pick.apply(["pkg.mod.MISSING=1"], root=tmp_path)
+
+
+def test_an_unfinished_ab_picks_nothing(tmp_path):
+    """A bench stopped at its limit writes no ``ab.md``, or one without rows: nothing is picked from it."""
+    path = _ab(tmp_path, "a", {"base": [100.0, 100.4], "side": [90.0, 90.1]}, {"base": [200.0, 200.1],
+                                                                              "side": [190.0, 190.1]})
+    assert ab_pick.pick("side", [path], [], 0.5) == ["pkg.mod.SIDE=True"]
+    path.write_text("\n".join(line for line in path.read_text().splitlines() if not line.startswith("| moe")))
+    assert ab_pick.pick("side", [path], [], 0.5) is None
+    assert ab_pick.pick("side", [tmp_path / "missing.md"], [], 0.5) is None
