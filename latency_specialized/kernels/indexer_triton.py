@@ -35,7 +35,7 @@ Steps of one call (three launches for ``selection="radix"``; ``"split"`` swaps t
    writes the positions of the keys ``> T`` and the first of the ``== T`` (position order), with in-tile prefix
    sums (one program per row: no atomics, deterministic). Exactly ``K`` positions, so no -1.
 
-``SELECT_FIRST_BYTE`` (off) lets step 2 count every live logit's leading key byte (a 256-bin histogram per program,
+``SELECT_FIRST_BYTE`` (on) lets step 2 count every live logit's leading key byte (a 256-bin histogram per program,
 added to the row's counts with atomics) and step 3 start from those counts at bit 24 (the early-exit passes only):
 the whole-row histogram passes that find the leading byte are not run; the select kernel resets the counts it read.
 
@@ -159,18 +159,18 @@ its live length, 3/8 and 3/4 as two tiles (``_resident_select_pair``): every pas
 past a power of two paid for the next one - DeepSeek-V4.1-Flash's c2_idx at context 4096 (2,080 live in an 8,192
 tile: 4,096 -> 3,072), GLM-5.3's indexer at 4,097 live (8,192 -> 6,144). Off until a whole GPU suite runs with it on:
 faster on DeepSeek-V4.1-Flash's c2_idx, slower on GLM-5.3's moe layer (session 50's A/B, NOTES_indexer.md)."""
-SELECT_FIRST_BYTE = False
+SELECT_FIRST_BYTE = True
 """With the radix selection in its own launch and the early exit: every scoring program also counts its logits' leading
 key bytes (a 256-bin histogram, added to the row's counts with one atomic per bin it saw) and the select kernel starts
 from those counts - its passes begin at bit 24, so the two 4-bit passes over the whole resident tile that find the
 leading byte are not run (the first of them needs no mask, the second one with the top digit fixed). The counts live
 in one zeroed buffer per device (``first_byte_counts``) that the select kernel resets per row as it reads it. The
-same selection (the same set). Off: not yet on a GPU."""
-SELECT_PACKED_SCAN = False
+same selection (the same set). On since session 53 (with ``SELECT_PACKED_SCAN``: the layer A/Bs in NOTES_indexer.md)."""
+SELECT_PACKED_SCAN = True
 """The select's compaction ranks the keys > T and == T with one prefix sum of both (16-bit fields of one int32: a tile
 holds fewer than 65,536 keys) instead of two, and counts them with one sum: the block-wide scans are about a fifth of
 the select's instructions at GLM-5.3's 8,192 tile (offline sm_90a SASS, NOTES_indexer.md, session 51). The same
-positions. Off: not yet on a GPU."""
+positions. On since session 53 (with ``SELECT_FIRST_BYTE``, NOTES_indexer.md)."""
 MAX_FIRST_BYTE_ROWS = 1024
 """Rows one call may select with ``SELECT_FIRST_BYTE`` (its 256 int32 counts a row: 1 MiB a device)."""
 SELECT_BITS = 4

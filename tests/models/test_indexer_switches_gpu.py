@@ -1,5 +1,6 @@
-"""The indexer's and its neighbours' switches (sessions 49 and 51, off by default) through whole programs on the GPU:
-DeepSeek-V4.1-Flash and GLM-5.3 tiny cells with the switches on equal their references as the matrix's cells do.
+"""The indexer's and its neighbours' switches (sessions 49 and 51; four of session 51's on since session 53) through
+whole programs on the GPU: DeepSeek-V4.1-Flash and GLM-5.3 tiny cells with each switch on and, where it is on by
+default, off equal their references as the matrix's cells do.
 
 ``sparse_mqa_triton.COMPRESS_INDEX_KEY`` (DeepSeek's key owners: the compressor writes the indexer's key, the key gemm
 and the key launch skipped), ``indexer_triton.SCORE_WRITES_KEY`` (the scoring program holding the new position writes
@@ -46,33 +47,37 @@ def test_cells_with_the_indexer_switches_on(monkeypatch, model, batch, spec):
 
 @pytest.mark.parametrize("model", ["deepseek_v41_flash", "glm53"])
 @pytest.mark.parametrize("batch,spec", [(1, 0), (8, 0), (4, 3)], ids=["b1", "b8", "b4-s3"])
-def test_cells_with_the_select_from_leading_bytes(monkeypatch, model, batch, spec):
-    """``indexer_triton.SELECT_FIRST_BYTE`` and ``SELECT_PACKED_SCAN`` (session 51, off): the score kernel counts the
-    leading key bytes, the select starts from them and resets them - every index layer's call of every step in turn on
-    the one buffer - and ranks with one prefix sum."""
-    monkeypatch.setattr(indexer_triton, "SELECT_FIRST_BYTE", True)
-    monkeypatch.setattr(indexer_triton, "SELECT_PACKED_SCAN", True)
+@pytest.mark.parametrize("first_byte", [True, False], ids=["first_byte", "all_passes"])
+def test_cells_with_the_select_from_leading_bytes(monkeypatch, model, batch, spec, first_byte):
+    """``indexer_triton.SELECT_FIRST_BYTE`` and ``SELECT_PACKED_SCAN`` (session 51, on since session 53): the score
+    kernel counts the leading key bytes, the select starts from them and resets them - every index layer's call of
+    every step in turn on the one buffer - and ranks with one prefix sum. Both set, as the matrix runs them, and both
+    cleared (the A/B's other side, which the matrix no longer runs)."""
+    monkeypatch.setattr(indexer_triton, "SELECT_FIRST_BYTE", first_byte)
+    monkeypatch.setattr(indexer_triton, "SELECT_PACKED_SCAN", first_byte)
     res = _cell_matches_reference(model, batch, spec)
     assert any(impl == indexer_triton.NAME for impl in res.impls.values()), res.impls
     assert not indexer_triton.first_byte_counts(torch.device("cuda")).any()
 
 
 @pytest.mark.parametrize("batch,spec", [(1, 0), (8, 0), (4, 3)], ids=["b1", "b8", "b4-s3"])
-def test_glm_cells_with_the_indexer_beside_the_attention(monkeypatch, batch, spec):
-    """``pieces.attention.sparse_mla.INDEXER_BESIDE_ATTENTION`` (session 51, off): GLM-5.3's full layers run the
-    indexer on the side stream and the sparse MLA joins it before its split kernel - plain and verification steps,
-    graph-captured as the matrix's cells are, equal their references."""
-    monkeypatch.setattr(sparse_mla_piece, "INDEXER_BESIDE_ATTENTION", True)
+@pytest.mark.parametrize("beside", [True, False], ids=["beside", "inline"])
+def test_glm_cells_with_the_indexer_beside_the_attention(monkeypatch, batch, spec, beside):
+    """``pieces.attention.sparse_mla.INDEXER_BESIDE_ATTENTION`` (session 51, on since session 53): GLM-5.3's full
+    layers run the indexer on the side stream and the sparse MLA joins it before its split kernel - plain and
+    verification steps, graph-captured as the matrix's cells are, equal their references; and with it off (inline)."""
+    monkeypatch.setattr(sparse_mla_piece, "INDEXER_BESIDE_ATTENTION", beside)
     _cell_matches_reference("glm53", batch, spec)
 
 
 @pytest.mark.parametrize("key_fused", [False, True], ids=["key_gemm", "key_in_compressor"])
 @pytest.mark.parametrize("batch,spec", [(1, 0), (8, 0), (4, 3)], ids=["b1", "b8", "b4-s3"])
-def test_deepseek_cells_with_the_compressor_beside_the_query(monkeypatch, key_fused, batch, spec):
-    """``pieces.attention.sparse_mqa.COMPRESS_BESIDE_QUERY`` (session 51, off): DeepSeek-V4.1-Flash's KV source layers
-    run their compressed slots, compressor and the indexer's key gemm (or the compressor writing the key,
-    ``COMPRESS_INDEX_KEY``) on the side stream beside the q norm and q_b gemm - plain and verification steps,
-    graph-captured, equal their references."""
-    monkeypatch.setattr(sparse_mqa_piece, "COMPRESS_BESIDE_QUERY", True)
+@pytest.mark.parametrize("beside", [True, False], ids=["beside", "inline"])
+def test_deepseek_cells_with_the_compressor_beside_the_query(monkeypatch, key_fused, batch, spec, beside):
+    """``pieces.attention.sparse_mqa.COMPRESS_BESIDE_QUERY`` (session 51, on since session 53): DeepSeek-V4.1-Flash's
+    KV source layers run their compressed slots, compressor and the indexer's key gemm (or the compressor writing the
+    key, ``COMPRESS_INDEX_KEY``) on the side stream beside the q norm and q_b gemm - plain and verification steps,
+    graph-captured, equal their references; and with it off (inline)."""
+    monkeypatch.setattr(sparse_mqa_piece, "COMPRESS_BESIDE_QUERY", beside)
     monkeypatch.setattr(sparse_mqa_triton, "COMPRESS_INDEX_KEY", key_fused)
     _cell_matches_reference("deepseek_v41_flash", batch, spec)

@@ -364,7 +364,9 @@ def test_selection_from_a_side_stream(B, fused):
     out = torch.empty_like(want)
     call(cache, out)
     torch.cuda.synchronize()
-    assert torch.equal(out, want) and torch.equal(cache, want_cache)
+    assert torch.equal(out, want)
+    # the cache keeps its NaN poison in rows nobody reads, and NaN != NaN under torch.equal
+    torch.testing.assert_close(cache, want_cache, rtol=0, atol=0, equal_nan=True)
     static_cache = a[3].clone()
     graph = graph_replay(lambda: call(static_cache, out))
     for _ in range(3):
@@ -372,4 +374,5 @@ def test_selection_from_a_side_stream(B, fused):
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, want) and torch.equal(static_cache, want_cache)
+        assert torch.equal(out, want)
+        torch.testing.assert_close(static_cache, want_cache, rtol=0, atol=0, equal_nan=True)

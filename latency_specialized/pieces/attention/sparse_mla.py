@@ -56,12 +56,12 @@ from latency_specialized.spec import IndexerSpec, MLAAttentionSpec, ModelSpec
 
 TOPK = "indexer.topk"
 """Name of the static top-k buffer ``[max_rows, K]`` (int32) in the program's scratch."""
-INDEXER_BESIDE_ATTENTION = False
+INDEXER_BESIDE_ATTENTION = True
 """On a GPU, a full layer's indexer runs on the side stream (a graph branch) beside ``attn.sparse_mla``'s first
 stage: the sparse MLA implementations take ``before_split`` - the side stream's join - and call it once they need the
 selection, so the latent write and the absorbed query (the Triton kernels' prologue launch) no longer wait for the
 indexer's score and select launches (GLM-5.3 at batch 1: the select is one program per row, on one SM). The indexer
-site is marked ``side_stream`` so that the program makes the stream. Off: not yet on a GPU."""
+site is marked ``side_stream`` so that the program makes the stream. On since session 53 (GLM-5.3 NOTES: the A/B)."""
 
 
 def runs_own_indexer(ix: IndexerSpec, layer: int) -> bool:

@@ -92,13 +92,13 @@ NO_SLOT = "sparse_mqa.no_slot"
 """Scratch key: ``[M]`` slots of -1 (the key slot of index layers that write no keys), this step's."""
 COMPRESSED_SLOTS = "sparse_mqa.compressed_slots"
 """``StepContext.once`` key (with the ratio and the cache's block size) of ``compressed_slots``."""
-COMPRESS_BESIDE_QUERY = False
+COMPRESS_BESIDE_QUERY = True
 """On a GPU, a KV source layer's compressor - its step's compressed slots, the compressor kernel and, on key owners,
 the indexer's key gemm - runs on the side stream (a graph branch forked after the input projection) beside the query's
 norm and q_b gemm, which it does not read; the indexer and the attention join it. At DeepSeek-V4.1-Flash's c2_idx
 layer, batch 1, those three launches (~6 us with their gaps on an H100) sat between the q_b gemm and the indexer's
-score kernel. The compressor sites are marked ``side_stream`` so that the program makes the stream. Off: not yet on
-a GPU."""
+score kernel. The compressor sites are marked ``side_stream`` so that the program makes the stream. On since
+session 53 (DeepSeek-V4.1-Flash NOTES: the A/B)."""
 INDEX_COMPRESSED_TABLE = False
 """The indexer of a compressed layer gets the block table cut to the blocks its rows can occupy
 (:func:`compressed_table`) instead of the whole table: the op sizes its work by the table's width (the select
