@@ -13,7 +13,8 @@
 #          MLA's prologue) / both (the select from the leading-byte counts with packed scans) / side + both / loop
 #          (the select's rows looped in tiles: 32 KB of code against 88, session 52's cold-code question); the
 #          winners picked by ab_pick.py's rule into /tmp/ls_picks.txt for the suite calls after
-#   glmloop (session 52, short budget) GLM-5.3 moe at batch 1 / 8: base / loop (looped rows) / both (bytes + packed)
+#   glmloop (session 52; since session 53 on the new defaults) GLM-5.3 moe at batch 1 / 8: base (bytes + packed + the
+#          indexer beside the attention, the defaults) / loop (+ looped rows) / fine (+ the finer widths)
 #   icache (session 52) the select after a kernel of big code on every SM vs a small one (select_icache_probe.py)
 #   selglm (session 51's plan) GLM-5.3 moe at batch 1 / 8, one replay's kernels each: the radix select with 8 warps
 #          instead of 16 at its 8,192 tile (w8), the finer widths (fine), 8-bit digits (b8), the passes started from
@@ -195,12 +196,13 @@ if step icache; then
   pack icache $?; tail -5 "$W/icache/icache.log"
 fi
 if step glmloop; then
-  # session 52, a short budget: GLM-5.3 moe at batch 1 / 8 with the select's rows looped (32 KB of code) and with the
-  # leading-byte counts + packed scans (59 KB) against the resident select (88 KB)
+  # session 53's defaults (leading-byte counts + packed scans, the indexer beside the attention): the looped rows took
+  # 7.0 us off GLM-5.3's moe layer at batch 1 on the old select (session 53); do they on top of the new one, and the
+  # finer widths (faster alone, slower in the layer in session 50)
   mkdir -p "$W/glmloop"; rc=0
   SP=latency_specialized.kernels.indexer_triton
   timeout "${GLMLOOP_S:-170}" "${BENCH[@]}" --model glm53 --kinds moe --batch 1,8 --out "$W/glmloop/glm" --ab base \
-    --ab loop:$SP.SELECT_RESIDENT_MAX=0 --ab "both:$SP.SELECT_FIRST_BYTE=True,$SP.SELECT_PACKED_SCAN=True" \
+    --ab loop:$SP.SELECT_RESIDENT_MAX=0 --ab "fine:$SP.SELECT_FINE_WIDTHS=True" \
     > "$W/glmloop/glm.log" 2>&1 || rc=$?
   find "$W/glmloop" -name "*.png" -delete; find "$W/glmloop" -path "*ab_runs*" -name "*.json" -delete
   pack glmloop "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W"/glmloop/*/ab.md

@@ -48,6 +48,14 @@ def ix():
     return indexer_triton
 
 
+def _early_exit(ix, monkeypatch, early: bool) -> None:
+    """``SELECT_EARLY_EXIT`` set to ``early``; without the early exit the select cannot start from the leading-byte
+    counts (``SELECT_FIRST_BYTE``, on by default: the op refuses the pair), so those go off with it."""
+    monkeypatch.setattr(ix, "SELECT_EARLY_EXIT", early)
+    if not early:
+        monkeypatch.setattr(ix, "SELECT_FIRST_BYTE", False)
+
+
 @pytest.fixture
 def tk():
     from latency_specialized.kernels import topk_triton
@@ -212,7 +220,7 @@ def test_score_kernel_selects_its_rows(ix, monkeypatch, lens, splits, early, fin
     top-K as the select kernel's, for rows short of K, rows with no scoring work, one and many programs a row; the
     arrival counters are back at zero after the call (the next call's count starts there)."""
     monkeypatch.setattr(ix, "SCORE_SELECTS", True)
-    monkeypatch.setattr(ix, "SELECT_EARLY_EXIT", early)
+    _early_exit(ix, monkeypatch, early)
     monkeypatch.setattr(ix, "SELECT_FINE_WIDTHS", fine)
     if fine:   # a 256-wide table holding its rows at 1/4, 3/8 (a pair), 3/4 (a pair) of it
         monkeypatch.setattr(ix, "SELECT_NARROW_MIN_TILE", 64)
@@ -284,7 +292,7 @@ def test_radix_select_digit_widths_and_resident_rows(ix, monkeypatch, bits, resi
     """The radix select with 4-bit digits (8 passes of 16 bins) and/or the row kept in registers across the
     passes (one tile as wide as the table), with or without the early exit: the same sets as the reference on
     long rows, near ties decided by the low digits, exact ties, and rows at or below K."""
-    monkeypatch.setattr(ix, "SELECT_EARLY_EXIT", early)
+    _early_exit(ix, monkeypatch, early)
     monkeypatch.setattr(ix, "SELECT_BITS", bits)
     monkeypatch.setattr(ix, "SELECT_RESIDENT_MAX", 1 << 20 if resident else 0)
     monkeypatch.setattr(ix, "SELECT_TILE", 64)
@@ -301,7 +309,7 @@ def test_radix_select_digit_widths_and_resident_rows(ix, monkeypatch, bits, resi
 def test_radix_select_half_width_path_for_short_rows(ix, monkeypatch, early):
     """A resident tile with the half-width path (``NARROW``): rows at most half the tile wide take it, longer ones
     the whole tile, in one launch; near ties, exact ties and rows at or below K on both sides of the split."""
-    monkeypatch.setattr(ix, "SELECT_EARLY_EXIT", early)
+    _early_exit(ix, monkeypatch, early)
     monkeypatch.setattr(ix, "SELECT_NARROW_MIN_TILE", 64)
     monkeypatch.setattr(ix, "SELECT_RESIDENT_MAX", 1 << 20)
     # capacity 33 blocks x 4 = 132 -> a 256-wide tile: 128 and below take the 128-wide path
@@ -319,7 +327,7 @@ def test_radix_select_fine_widths(ix, monkeypatch, early):
     """``SELECT_FINE_WIDTHS``: in one launch, rows on both sides of every step of the width held (1/4, 3/8 as a pair,
     1/2, 3/4 as a pair, all of a 256-wide tile), with near ties, exact ties and rows at or below K."""
     monkeypatch.setattr(ix, "SELECT_FINE_WIDTHS", True)
-    monkeypatch.setattr(ix, "SELECT_EARLY_EXIT", early)
+    _early_exit(ix, monkeypatch, early)
     monkeypatch.setattr(ix, "SELECT_NARROW_MIN_TILE", 64)
     monkeypatch.setattr(ix, "SELECT_RESIDENT_MAX", 1 << 20)
     # capacity 64 blocks x 4 = 256 -> a 256-wide tile: steps at 64, 96, 128, 192 live logits
@@ -371,7 +379,7 @@ def test_radix_select_packed_scan(ix, monkeypatch, path, early):
     - the same sets as the reference on every path of the select (one resident tile, its half-width path, the finer
     widths' pairs, tiles looped with running bases), with near ties, exact ties and rows at or below K."""
     monkeypatch.setattr(ix, "SELECT_PACKED_SCAN", True)
-    monkeypatch.setattr(ix, "SELECT_EARLY_EXIT", early)
+    _early_exit(ix, monkeypatch, early)
     monkeypatch.setattr(ix, "SELECT_TILE", 64)
     monkeypatch.setattr(ix, "SELECT_RESIDENT_MAX", 0 if path == "looped" else 1 << 20)
     monkeypatch.setattr(ix, "SELECT_NARROW_MIN_TILE", 64 if path in ("narrow", "fine") else 0)
@@ -413,7 +421,7 @@ def test_radix_select_refuses_other_digit_widths(ix):
 def test_near_ties_decided_by_low_bytes(ix, monkeypatch, selection):
     """Keys equal up to 1e-3: logits share their leading bytes, so the later radix passes pick the K-th (the early
     exit's passes too: it stops only where the K-th key's bucket holds just the keys still to take)."""
-    monkeypatch.setattr(ix, "SELECT_EARLY_EXIT", selection == "radix_early")
+    _early_exit(ix, monkeypatch, selection == "radix_early")
     selection = selection.removesuffix("_early")
     monkeypatch.setattr(ix, "SELECT_TILE", 64)
     args, kw = _case(20, [150, 90, 41], K=12, bs=4, near_ties=True)
@@ -425,7 +433,7 @@ def test_near_ties_decided_by_low_bytes(ix, monkeypatch, selection):
 def test_exact_ties(ix, monkeypatch, selection):
     """Zero weights (every logit 0, +-0), duplicated keys (equal logits) and negative weights (negative logits):
     any choice among the ties is valid; the compaction must take exactly enough of the tied keys."""
-    monkeypatch.setattr(ix, "SELECT_EARLY_EXIT", selection == "radix_early")
+    _early_exit(ix, monkeypatch, selection == "radix_early")
     selection = selection.removesuffix("_early")
     monkeypatch.setattr(ix, "SELECT_TILE", 32)
     args, kw = _tied_case(21, [70, 70, 70, 12])

@@ -213,8 +213,9 @@ def test_radix_digit_widths_and_resident_rows(monkeypatch, shape, bits, resident
     as the default radix select, eager and replayed."""
     K = shape["K"]
     args, kw = _case(f"bits{bits}{resident}{K}", [3 * K + 5, K, 1, 2 * K + 1, 0, 8000], per=128, **shape)
-    _variant_matches_default_radix(monkeypatch, args, kw, SELECT_EARLY_EXIT=early, SELECT_BITS=bits,
-                                   SELECT_RESIDENT_MAX=8192 if resident else 0)
+    # the leading-byte counts (on by default) need the early exit: off with it
+    _variant_matches_default_radix(monkeypatch, args, kw, SELECT_EARLY_EXIT=early, SELECT_FIRST_BYTE=early,
+                                   SELECT_BITS=bits, SELECT_RESIDENT_MAX=8192 if resident else 0)
 
 
 @pytest.mark.parametrize("shape", [GLM53, DSV41], ids=["glm53", "dsv41"])
@@ -291,16 +292,20 @@ def test_scoring_keys_ahead(monkeypatch, shape, B):
                          ids=["bytes", "packed", "bytes_packed"])
 def test_select_from_the_leading_byte_counts_and_packed_scans(monkeypatch, shape, fine, counted, packed):
     """``SELECT_FIRST_BYTE`` (the score kernel counts the leading key bytes, the select starts from them) and
-    ``SELECT_PACKED_SCAN`` (one prefix sum for both ranks): the default radix select's sets at batch 1 (GLM-5.3's 4,097
-    live of an 8,192 tile), at batch 8 (padding rows, rows at or below K, rows on the half-width path or the finer
-    widths' pairs) and on rows too wide to hold (a 40,960-wide table: the looped passes), eager and replayed five
-    times (a call that left its counts behind would start the next from doubled ones); the counts are zero after."""
+    ``SELECT_PACKED_SCAN`` (one prefix sum for both ranks), both on by default: the sets of the radix select without
+    them at batch 1 (GLM-5.3's 4,097 live of an 8,192 tile), at batch 8 (padding rows, rows at or below K, rows on the
+    half-width path or the finer widths' pairs) and on rows too wide to hold (a 40,960-wide table: the looped passes),
+    eager and replayed five times (a call that left its counts behind would start the next from doubled ones); the
+    counts are zero after."""
     K = shape["K"]
     monkeypatch.setattr(ix, "SELECT_FINE_WIDTHS", fine)
     for lens, per in (([4097], 128), ([4097, 3 * K + 5, K, 1, 2 * K + 1, 0, 8000, 2080], 128),
                       ([32768, 700, 0, 32001], 640)):
         args, kw = _case(f"bytes{K}{len(lens)}{fine}{counted}{packed}", lens, per=per, **shape)
-        want = ix.indexer_topk_triton(*args[:3], args[3].clone(), *args[4:], selection="radix", **kw)
+        with monkeypatch.context() as m:   # the sets of the select without either (both on by default)
+            m.setattr(ix, "SELECT_FIRST_BYTE", False)
+            m.setattr(ix, "SELECT_PACKED_SCAN", False)
+            want = ix.indexer_topk_triton(*args[:3], args[3].clone(), *args[4:], selection="radix", **kw)
         with monkeypatch.context() as m:
             m.setattr(ix, "SELECT_FIRST_BYTE", counted)
             m.setattr(ix, "SELECT_PACKED_SCAN", packed)
