@@ -4,7 +4,9 @@
 # priority order, so a call stopped at the limit keeps the steps before; results tarred per step (the device returns
 # <= 8 files):
 #   source scripts/device_env.sh >/dev/null 2>&1; timeout 575 bash benchmarks/scripts/pending_measurements.sh
-# Steps (STEPS, default pick52,selglm,selab,paired,q4) - session 52's plan; pick52 holds session 51's cbeside and
+# Steps (STEPS, default glmloop,paired,q4) - session 53's plan (session 53 ran pick52 and icache:
+# benchmarks/results/h100/session53/; their switches are the defaults since, so pick52's, selab's and selglm's
+# "base" now holds them - read their variants against that); pick52 holds session 51's cbeside and
 # beside, which stay available by name (session 51 ran slots; session 50
 # dsvk, fine, cutprof, paired (cut off), credit, q4: benchmarks/results/h100/session50/; session 48 c2ab, topk, dsv;
 # session 46 gqa, dsvab, topk, muse; those, fine2, prof and gemm stay available by name):
@@ -82,7 +84,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/ls_out}
 export LS_KERNEL_CACHE_DIR=${LS_KERNEL_CACHE_DIR:-/tmp/ls_kcache} CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
-STEPS=${STEPS:-pick52,selglm,selab,paired,q4}
+STEPS=${STEPS:-glmloop,paired,q4}
 W=$(mktemp -d)
 t0=$(date +%s)
 step() { [[ ",$STEPS," == *",$1,"* ]]; }
