@@ -4,7 +4,7 @@
 # priority order, so a call stopped at the limit keeps the steps before; results tarred per step (the device returns
 # <= 8 files):
 #   source scripts/device_env.sh >/dev/null 2>&1; timeout 575 bash benchmarks/scripts/pending_measurements.sh
-# Steps (STEPS, default glmloop,paired,q4) - session 53's plan (session 53 ran pick52 and icache:
+# Steps (STEPS, default glmloop,normab,paired,q4) - session 53's plan (session 53 ran pick52 and icache:
 # benchmarks/results/h100/session53/; their switches are the defaults since, so pick52's, selab's and selglm's
 # "base" now holds them - read their variants against that); pick52 holds session 51's cbeside and
 # beside, which stay available by name (session 51 ran slots; session 50
@@ -17,6 +17,8 @@
 #          winners picked by ab_pick.py's rule into /tmp/ls_picks.txt for the suite calls after
 #   glmloop (session 52; since session 53 on the new defaults) GLM-5.3 moe at batch 1 / 8: base (bytes + packed + the
 #          indexer beside the attention, the defaults) / loop (+ looped rows) / fine (+ the finer widths)
+#   normab (session 53) GLM-5.3 moe and Kimi K3 mla at batch 1 / 8: base / sep (ops.plan.NORM_PROLOGUES=False: the
+#          q_a norm launched before the q_b GEMV instead of inside it)
 #   icache (session 52) the select after a kernel of big code on every SM vs a small one (select_icache_probe.py)
 #   selglm (session 51's plan) GLM-5.3 moe at batch 1 / 8, one replay's kernels each: the radix select with 8 warps
 #          instead of 16 at its 8,192 tile (w8), the finer widths (fine), 8-bit digits (b8), the passes started from
@@ -84,7 +86,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/ls_out}
 export LS_KERNEL_CACHE_DIR=${LS_KERNEL_CACHE_DIR:-/tmp/ls_kcache} CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
-STEPS=${STEPS:-glmloop,paired,q4}
+STEPS=${STEPS:-glmloop,normab,paired,q4}
 W=$(mktemp -d)
 t0=$(date +%s)
 step() { [[ ",$STEPS," == *",$1,"* ]]; }
@@ -208,6 +210,18 @@ if step glmloop; then
     > "$W/glmloop/glm.log" 2>&1 || rc=$?
   find "$W/glmloop" -name "*.png" -delete; find "$W/glmloop" -path "*ab_runs*" -name "*.json" -delete
   pack glmloop "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W"/glmloop/*/ab.md
+fi
+if step normab; then
+  # session 53: the q_b GEMV that normalises its own input took ~3 us more than the o_proj GEMV of its shape in
+  # GLM-5.3's layer; the norm site run before it instead (ops.plan.NORM_PROLOGUES=False), GLM-5.3 and Kimi K3
+  mkdir -p "$W/normab"; rc=0
+  for mk in glm53:moe kimi_k3:mla; do
+    timeout "${NORMAB_S:-150}" "${BENCH[@]}" --model "${mk%%:*}" --kinds "${mk#*:}" --batch 1,8 \
+      --out "$W/normab/${mk%%:*}" --ab base --ab sep:latency_specialized.ops.plan.NORM_PROLOGUES=False \
+      > "$W/normab/${mk%%:*}.log" 2>&1 || rc=$?
+  done
+  find "$W/normab" -name "*.png" -delete; find "$W/normab" -path "*ab_runs*" -name "*.json" -delete
+  pack normab "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W"/normab/*/ab.md
 fi
 if step selglm; then
   # session 51: GLM-5.3's select takes 28 us a call in its layer and 19.7 alone on the layer's own logits and arguments

@@ -26,6 +26,13 @@ BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
 the runtime's gate (``runtime/gate.py``) and the vLLM binding (``runtime/vllm_binding.py``) all use it."""
 
 
+NORM_PROLOGUES = True
+"""Where a gemm site names its ``norm_site`` and the chosen implementation has ``norm_prologue``, the gemm normalises
+its input itself and the norm site is skipped (``Plan.skipped_sites``). False: every norm site runs before its
+gemm: an A/B switch for whether the prologue pays where a GEMV's input is short (``models/glm53/NOTES.md``,
+session 53)."""
+
+
 def bucket_for(batch: int, max_batch: int = 64) -> int:
     """Smallest graph bucket that holds ``batch`` under a scope limit of ``max_batch``: the smallest of
     ``BATCH_BUCKETS`` up to ``max_batch`` that holds it, else ``max_batch`` itself (a limit between two
@@ -164,7 +171,7 @@ class Plan:
                 else:
                     out[c.site.name] = f"only its reference serves it: {', '.join(names)} run instead"
             norm = c.site.ctx.attr("norm_site")
-            if norm and c.impl is not None and c.impl.norm_prologue:
+            if NORM_PROLOGUES and norm and c.impl is not None and c.impl.norm_prologue:
                 out[prefix + norm] = f"{c.site.name} ({c.impl.name}) normalises its input itself"
         return out
 

@@ -220,6 +220,20 @@ def test_q_a_norm_site_runs_where_the_q_b_gemm_has_no_norm_prologue():
     assert s.program.calls["mla+moe/attn.q_a_norm"] == 2 * len(s.spec.mla_layers) > 0
 
 
+def test_q_a_norm_site_runs_with_the_norm_prologues_switched_off(monkeypatch):
+    """``ops.plan.NORM_PROLOGUES = False`` (an A/B switch): the q_b gemm's implementation has the prologue, yet the
+    plan skips no norm site - the program runs the q_a norm before it, and the step still equals the model."""
+    from latency_specialized.ops import plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "NORM_PROLOGUES", False)
+    s = Setup(torch.float32, [5, 8], 2, seed=9)
+    assert not any(n.endswith("attn.q_a_norm") for n in s.plan.skipped_sites()), s.plan.skipped_sites()
+    for _ in range(2):
+        got, want = s.step()
+        assert _rel(got, want) <= TOL[torch.float32]
+    assert s.program.calls["mla+moe/attn.q_a_norm"] == 2 * len(s.spec.mla_layers) > 0
+
+
 def test_program_refuses_plans_it_cannot_run():
     spec = tiny_spec()
     reg = get_registry()
