@@ -91,6 +91,11 @@ W=$(mktemp -d)
 t0=$(date +%s)
 step() { [[ ",$STEPS," == *",$1,"* ]]; }
 pack() { tar -C "$W" -czf "$OUT/$1.tgz" "$1" && echo "$1: rc=$2 at $(( $(date +%s) - t0 )) s"; }
+# a step of bench --ab runs: plots and the runs' JSON left out, packed, its A/B tables' rows printed
+pack_ab() {
+  find "$W/$1" -name "*.png" -delete; find "$W/$1" -path "*ab_runs*" -name "*.json" -delete
+  pack "$1" "$2"; grep -h "^| [a-z_0-9]* | [0-9]" "$W/$1"/*/ab.md
+}
 BENCH=(python3 -m latency_specialized.cli bench --tp 8 --context 4096 --layers 3)
 # a step's layer A/B at batch 1 / 8 and one replay's kernels at batch 1 with one setting on:
 #   ab_timeline STEP MODEL KIND BENCH_LIMIT_S SETTING --ab ... (the bench's variants)
@@ -179,8 +184,7 @@ if step pick52; then
     "${pk[@]}" loop --faster "$W/pick52/glm/ab.md" --not-slower "$W/pick52/dsv/ab.md" >> /tmp/ls_picks.txt
   fi
   cp /tmp/ls_picks.txt "$OUT/picks.txt"; echo "picks: $(tr '\n' ' ' < /tmp/ls_picks.txt)"
-  find "$W/pick52" -name "*.png" -delete; find "$W/pick52" -path "*ab_runs*" -name "*.json" -delete
-  pack pick52 "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W"/pick52/*/ab.md   # kept if the timelines run past the call
+  pack_ab pick52 "$rc"   # kept if the timelines run past the call
   mkdir -p "$W/pick52prof"
   [ "${PICK_PROF:-1}" = 1 ] && for m in "deepseek_v41_flash:c2_idx:$PQ.COMPRESS_BESIDE_QUERY=True,$both" \
       "glm53:moe:$PL.INDEXER_BESIDE_ATTENTION=True,$both"; do
@@ -208,8 +212,7 @@ if step glmloop; then
   timeout "${GLMLOOP_S:-170}" "${BENCH[@]}" --model glm53 --kinds moe --batch 1,8 --out "$W/glmloop/glm" --ab base \
     --ab loop:$SP.SELECT_RESIDENT_MAX=0 --ab "fine:$SP.SELECT_FINE_WIDTHS=True" \
     > "$W/glmloop/glm.log" 2>&1 || rc=$?
-  find "$W/glmloop" -name "*.png" -delete; find "$W/glmloop" -path "*ab_runs*" -name "*.json" -delete
-  pack glmloop "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W"/glmloop/*/ab.md
+  pack_ab glmloop "$rc"
 fi
 if step normab; then
   # session 53: the q_b GEMV that normalises its own input took ~3 us more than the o_proj GEMV of its shape in
@@ -220,8 +223,7 @@ if step normab; then
       --out "$W/normab/${mk%%:*}" --ab base --ab sep:latency_specialized.ops.plan.NORM_PROLOGUES=False \
       > "$W/normab/${mk%%:*}.log" 2>&1 || rc=$?
   done
-  find "$W/normab" -name "*.png" -delete; find "$W/normab" -path "*ab_runs*" -name "*.json" -delete
-  pack normab "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W"/normab/*/ab.md
+  pack_ab normab "$rc"
 fi
 if step selglm; then
   # session 51: GLM-5.3's select takes 28 us a call in its layer and 19.7 alone on the layer's own logits and arguments
@@ -256,8 +258,7 @@ if step selab; then
       --ab "both:$SP.SELECT_FIRST_BYTE=True,$SP.SELECT_PACKED_SCAN=True" \
       > "$W/selab/${m%%:*}.log" 2>&1 || rc=$?
   done
-  find "$W/selab" -name "*.png" -delete; find "$W/selab" -path "*ab_runs*" -name "*.json" -delete
-  pack selab "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W"/selab/*/ab.md
+  pack_ab selab "$rc"
 fi
 if step cbeside; then
   # session 51's plan: DeepSeek-V4.1-Flash's compressor on the side stream beside the q norm and q_b gemm (c2_idx: every
@@ -290,8 +291,7 @@ if step fine2; then
       --layers 2 --timeline --out "$W/fine2/p_glm_moe_fine_$f.json" --set $SP.indexer_triton.SELECT_FINE_WIDTHS=$f \
       > "$W/fine2/p_glm_moe_fine_$f.txt" 2>&1 || rc=$?
   done
-  find "$W/fine2" -name "*.png" -delete; find "$W/fine2" -path "*ab_runs*" -name "*.json" -delete
-  pack fine2 "$rc"; grep -h "^| [a-z_0-9]* | [0-9]" "$W"/fine2/*/ab.md; grep -h "select_kernel\|score_kernel" \
+  pack_ab fine2 "$rc"; grep -h "select_kernel\|score_kernel" \
     "$W"/fine2/p_glm_moe_fine_*.txt | head -12
 fi
 if step fine; then

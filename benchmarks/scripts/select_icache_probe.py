@@ -38,8 +38,9 @@ if str(REPO) not in sys.path:
 
 from latency_specialized.bench.ops_bench_moe_kda import time_graph  # noqa: E402 (after the path set-up)
 
-VARIANTS = dict(base={}, packed=dict(packed=True), fine=dict(fine=True), w8=dict(warps=8),
-                loop=dict(resident_max=0))
+# packed pinned: session 53 measured these with the packed scans off, the default then (on since)
+VARIANTS = dict(base=dict(packed=False), packed=dict(packed=True), fine=dict(fine=True, packed=False),
+                w8=dict(warps=8, packed=False), loop=dict(resident_max=0, packed=False))
 
 
 def _hex_f32(x: float) -> str:

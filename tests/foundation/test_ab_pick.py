@@ -4,17 +4,13 @@ checks; `apply` sets exactly the named module constant."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("ab_pick", ROOT / "benchmarks/scripts/ab_pick.py")
-ab_pick = importlib.util.module_from_spec(_spec)
-sys.modules["ab_pick"] = ab_pick
-_spec.loader.exec_module(ab_pick)
+from tests.script_loader import load_script
+
+ab_pick = load_script("benchmarks/scripts/ab_pick.py")
 
 
 def _ab(tmp_path: Path, name: str, b1: dict[str, list[float]], b8: dict[str, list[float]]) -> Path:

@@ -4,19 +4,15 @@ keep their fingerprint directory; the budget keeps the archive small and says wh
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.script_loader import load_script
+
 triton = pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("compile_cache_pack", ROOT / "benchmarks/scripts/compile_cache_pack.py")
-pack_mod = importlib.util.module_from_spec(_spec)
-sys.modules["compile_cache_pack"] = pack_mod
-_spec.loader.exec_module(pack_mod)
+pack_mod = load_script("benchmarks/scripts/compile_cache_pack.py")
 
 
 def _use_cache(monkeypatch, path: Path) -> None:

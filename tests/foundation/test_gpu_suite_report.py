@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("gpu_suite_report", ROOT / "benchmarks/scripts/gpu_suite_report.py")
-report = importlib.util.module_from_spec(_spec)
-sys.modules["gpu_suite_report"] = report
-_spec.loader.exec_module(report)
+from tests.script_loader import load_script
+
+report = load_script("benchmarks/scripts/gpu_suite_report.py")
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
 <testcase classname="tests.ops.test_moe_experts_mma_gpu" name="test_a[kimi_tp8-16]" time="3.1">

@@ -4,20 +4,13 @@ out first."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.script_loader import load_script
 
 triton = pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("select_icache_probe",
-                                               ROOT / "benchmarks/scripts/select_icache_probe.py")
-probe = importlib.util.module_from_spec(_spec)
-sys.modules["select_icache_probe"] = probe
-_spec.loader.exec_module(probe)
+probe = load_script("benchmarks/scripts/select_icache_probe.py")
 
 
 def test_probe_kernels_build_for_hopper():

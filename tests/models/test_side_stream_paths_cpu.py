@@ -66,15 +66,23 @@ def _cell(model: str, batch: int, spec: int):
     return res
 
 
+@pytest.mark.parametrize("beside", [True, False], ids=["beside", "inline"])
 @pytest.mark.parametrize("batch,spec", [(3, 0), (2, 3)], ids=["b3", "b2-s3"])
-def test_deepseek_compressor_through_the_side_stream_path(monkeypatch, side, batch, spec):
-    monkeypatch.setattr(sparse_mqa_piece, "COMPRESS_BESIDE_QUERY", True)
+def test_deepseek_compressor_through_the_side_stream_path(monkeypatch, side, batch, spec, beside):
+    monkeypatch.setattr(sparse_mqa_piece, "COMPRESS_BESIDE_QUERY", beside)
     _cell("deepseek_v41_flash", batch, spec)
-    assert side.joined_once("_source") > 0, "the KV source layers forked their compressor"
+    if beside:
+        assert side.joined_once("_source") > 0, "the KV source layers forked their compressor"
+    else:   # the switch off (on by default): nothing of the compressor forked
+        assert side.joined_once("_source") == 0
 
 
+@pytest.mark.parametrize("beside", [True, False], ids=["beside", "inline"])
 @pytest.mark.parametrize("batch,spec", [(3, 0), (2, 3)], ids=["b3", "b2-s3"])
-def test_glm_indexer_through_the_side_stream_path(monkeypatch, side, batch, spec):
-    monkeypatch.setattr(sparse_mla_piece, "INDEXER_BESIDE_ATTENTION", True)
+def test_glm_indexer_through_the_side_stream_path(monkeypatch, side, batch, spec, beside):
+    monkeypatch.setattr(sparse_mla_piece, "INDEXER_BESIDE_ATTENTION", beside)
     _cell("glm53", batch, spec)
-    assert side.joined_once("attn.indexer]") > 0, "the full layers forked their indexer, the attention joined it"
+    if beside:
+        assert side.joined_once("attn.indexer]") > 0, "the full layers forked their indexer, the attention joined it"
+    else:
+        assert side.joined_once("attn.indexer]") == 0
