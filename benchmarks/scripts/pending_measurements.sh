@@ -199,8 +199,8 @@ if step icache; then
   # session 52: GLM-5.3's select after a kernel of big straight-line code on every SM (cold instruction cache) against
   # after a small-code one, per variant (its code 59-169 KB at this shape)
   mkdir -p "$W/icache"
-  PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout "${ICACHE_S:-90}" python3 benchmarks/scripts/select_icache_probe.py \
-    --out "$W/icache/icache.json" > "$W/icache/icache.log" 2>&1
+  PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout "${ICACHE_S:-90}" \
+    python3 benchmarks/scripts/select_icache_probe.py --out "$W/icache/icache.json" > "$W/icache/icache.log" 2>&1
   pack icache $?; tail -5 "$W/icache/icache.log"
 fi
 if step glmloop; then

@@ -16,8 +16,8 @@ timed by CUDA events over replays (median), minus the same graph without the sel
 - ``big2``: as ``big`` with the select launched twice; the second call's time (``big2`` minus ``big``) is the
   select with its code just loaded.
 
-``big`` against ``loop`` is the cold-code cost; the variants (``--variants``: base, packed, fine, w8, loop - the row re-read
-in tiles each pass: small code) say how it scales with the code's size. Prints a table, writes ``--out`` (JSON).
+``big`` against ``loop`` is the cold-code cost; the variants (``--variants``: base, packed, fine, w8, loop - the row
+re-read in tiles each pass: small code) say how it scales with the code's size. Prints a table, writes ``--out`` (JSON).
 
     python benchmarks/scripts/select_icache_probe.py --out /tmp/icache.json
 """
