@@ -6,13 +6,16 @@ calls after it apply what it wrote (each call runs on a fresh copy of the tree, 
 
     python3 benchmarks/scripts/ab_pick.py pick both --faster W/glm/ab.md \\
         [--not-slower W/dsv/ab.md:sideboth:side] >> picks.txt
+    python3 benchmarks/scripts/ab_pick.py pick wide,wide8 --faster W/glm/ab.md --not-slower W/dsv/ab.md
     python3 benchmarks/scripts/ab_pick.py apply $(cat picks.txt)     # module.path.NAME=VALUE ...
 
 `pick` prints the variant's settings (one per line) and exits 0 where the variant beats `base` in every
 ``--faster`` file at batch 1 - its median lower by more than the larger spread (max - min) of the two variants' runs
 and by at least ``--min-us`` - and is slower at no batch of any file (its median higher by more than that spread),
 nor slower in the ``--not-slower`` checks (another file's variant against its own baseline); else it prints why on
-stderr and exits 1. `apply` rewrites each ``NAME = ...`` line at the start of the module's file (it must be there
+stderr and exits 1. Several variants (comma-separated) are alternatives: each is judged so, and of those that pass
+the one with the lowest batch-1 median in the first ``--faster`` file is printed.
+`apply` rewrites each ``NAME = ...`` line at the start of the module's file (it must be there
 exactly once).
 """
 from __future__ import annotations
@@ -114,11 +117,28 @@ def apply(settings: list[str], root: Path = ROOT) -> None:
         print(f"set {setting}")
 
 
+def pick_best(variants: list[str], faster: list[Path], not_slower: list[str],
+              min_us: float) -> list[str] | None:
+    """Of ``variants`` (alternatives), the settings of the one with the lowest batch-1 median in ``faster[0]`` among
+    those ``pick`` accepts (a ``not_slower`` spec without a variant checks each variant under its own name)."""
+    passing = {}
+    for variant in variants:
+        chosen = pick(variant, faster, not_slower, min_us)
+        if chosen is not None:
+            passing[variant] = chosen
+    if not passing:
+        return None
+    batch1 = read_ab(faster[0])[1][1]
+    best = min(passing, key=lambda v: batch1[v][0])
+    print(f"picked {best} of {', '.join(variants)} (passing: {', '.join(passing)})", file=sys.stderr)
+    return passing[best]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("pick")
-    p.add_argument("variant")
+    p.add_argument("variant", help="a variant, or several comma-separated alternatives (the fastest passing)")
     p.add_argument("--faster", type=Path, action="append", default=[], required=True)
     p.add_argument("--not-slower", action="append", default=[], metavar="PATH[:VARIANT[:BASE]]")
     p.add_argument("--min-us", type=float, default=0.5)
@@ -128,7 +148,7 @@ def main() -> None:
     if args.command == "apply":
         apply(args.settings)
         return
-    chosen = pick(args.variant, args.faster, args.not_slower, args.min_us)
+    chosen = pick_best(args.variant.split(","), args.faster, args.not_slower, args.min_us)
     if chosen is None:
         raise SystemExit(1)
     print("\n".join(chosen))

@@ -4,7 +4,8 @@
 # priority order, so a call stopped at the limit keeps the steps before; results tarred per step (the device returns
 # <= 8 files):
 #   source scripts/device_env.sh >/dev/null 2>&1; timeout 575 bash benchmarks/scripts/pending_measurements.sh
-# Steps (STEPS, default glmloop,normab,paired,q4) - session 53's plan (session 53 ran pick52 and icache:
+# Steps (STEPS, default pick54,paired,q4; glmloop and normab are in pick54) - session 54's plan (session 53 ran
+# pick52 and icache:
 # benchmarks/results/h100/session53/; their switches are the defaults since, so pick52's, selab's and selglm's
 # "base" now holds them - read their variants against that); pick52 holds session 51's cbeside and
 # beside, which stay available by name (session 51 ran slots; session 50
@@ -15,6 +16,9 @@
 #          MLA's prologue) / both (the select from the leading-byte counts with packed scans) / side + both / loop
 #          (the select's rows looped in tiles: 32 KB of code against 88, session 52's cold-code question); the
 #          winners picked by ab_pick.py's rule into /tmp/ls_picks.txt for the suite calls after
+#   pick54 (session 54) GLM-5.3 moe at batch 1 / 8: base / wide (SELECT_WIDE_LOOPS: rows past the half-width path
+#          looped) / wide8 (the same on 8 warps) / loop (every row looped) / sep (ops.plan.NORM_PROLOGUES=False);
+#          DeepSeek-V4.1-Flash c2_idx base / wide / wide8; Kimi K3 mla base / sep; picks into /tmp/ls_picks.txt
 #   glmloop (session 52; since session 53 on the new defaults) GLM-5.3 moe at batch 1 / 8: base (bytes + packed + the
 #          indexer beside the attention, the defaults) / loop (+ looped rows) / fine (+ the finer widths)
 #   normab (session 53) GLM-5.3 moe and Kimi K3 mla at batch 1 / 8: base / sep (ops.plan.NORM_PROLOGUES=False: the
@@ -86,7 +90,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/ls_out}
 export LS_KERNEL_CACHE_DIR=${LS_KERNEL_CACHE_DIR:-/tmp/ls_kcache} CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
-STEPS=${STEPS:-glmloop,normab,paired,q4}
+STEPS=${STEPS:-pick54,paired,q4}
 W=$(mktemp -d)
 t0=$(date +%s)
 step() { [[ ",$STEPS," == *",$1,"* ]]; }
@@ -202,6 +206,47 @@ if step icache; then
   PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout "${ICACHE_S:-90}" \
     python3 benchmarks/scripts/select_icache_probe.py --out "$W/icache/icache.json" > "$W/icache/icache.log" 2>&1
   pack icache $?; tail -5 "$W/icache/icache.log"
+fi
+if step pick54; then
+  # session 54: GLM-5.3's rows past the select's half-width path looped over 2,048-wide tiles (SELECT_WIDE_LOOPS, new;
+  # the launch's 16 warps, or 8: wide8) against every row looped (SELECT_RESIDENT_MAX=0, -7.0 us on GLM-5.3 and +2.3
+  # on DeepSeek in session 53, on the old select); the q_a norm before the q_b GEMV (ops.plan.NORM_PROLOGUES=False,
+  # sep: the GEMV with the norm prologue took ~3 us over o_proj's in session 53's GLM-5.3 timeline). The switch's GPU
+  # tests first; the winners picked by ab_pick.py into /tmp/ls_picks.txt (none where a test failed) for the suite
+  # calls after, then one replay's kernels of GLM-5.3 moe with the picks.
+  mkdir -p "$W/pick54"; rc=0; : > /tmp/ls_picks.txt
+  SP=latency_specialized.kernels.indexer_triton NP=latency_specialized.ops.plan.NORM_PROLOGUES
+  wide="$SP.SELECT_WIDE_LOOPS=True" wide8="$SP.SELECT_WIDE_LOOPS=True,$SP.SELECT_WARPS_WIDE=8"
+  trc=skipped
+  if [ "${PICK_TESTS:-1}" = 1 ]; then
+    PYTHONPATH=$PWD:$PWD/tests/ops${PYTHONPATH:+:$PYTHONPATH} timeout "${TESTS_S:-100}" python3 -m pytest -m gpu \
+      -n 4 -q -rfE -p no:cacheprovider tests/ops/test_indexer_triton_gpu.py::test_radix_wide_loops \
+      tests/models/test_indexer_switches_gpu.py::test_cells_with_the_wide_rows_looped \
+      --junitxml="$W/pick54/junit.xml" > "$W/pick54/tests.log" 2>&1; trc=$?
+    echo "switch tests rc=$trc: $(tail -1 "$W/pick54/tests.log")"
+  fi
+  timeout "${GLM_S:-200}" "${BENCH[@]}" --model glm53 --kinds moe --batch 1,8 --out "$W/pick54/glm" --ab base \
+    --ab "wide:$wide" --ab "wide8:$wide8" --ab loop:$SP.SELECT_RESIDENT_MAX=0 --ab sep:$NP=False \
+    > "$W/pick54/glm.log" 2>&1 || rc=$?
+  timeout "${DSV_S:-150}" "${BENCH[@]}" --model deepseek_v41_flash --kinds c2_idx --batch 1,8 --out "$W/pick54/dsv" \
+    --ab base --ab "wide:$wide" --ab "wide8:$wide8" > "$W/pick54/dsv.log" 2>&1 || rc=$?
+  timeout "${KIMI_S:-110}" "${BENCH[@]}" --model kimi_k3 --kinds mla --batch 1,8 --out "$W/pick54/kimi" --ab base \
+    --ab sep:$NP=False > "$W/pick54/kimi.log" 2>&1 || rc=$?
+  if [ "$trc" = 0 ] || [ "$trc" = skipped ]; then
+    pk=(python3 benchmarks/scripts/ab_pick.py pick)
+    "${pk[@]}" wide,wide8 --faster "$W/pick54/glm/ab.md" --not-slower "$W/pick54/dsv/ab.md" >> /tmp/ls_picks.txt
+  fi   # (sep touches no kernel: picked whatever the select's tests say)
+  python3 benchmarks/scripts/ab_pick.py pick sep --faster "$W/pick54/glm/ab.md" --not-slower "$W/pick54/kimi/ab.md" \
+    >> /tmp/ls_picks.txt
+  cp /tmp/ls_picks.txt "$OUT/picks.txt"; echo "picks: $(tr '\n' ' ' < /tmp/ls_picks.txt)"
+  pack_ab pick54 "$rc"
+  if [ "${PICK_PROF:-1}" = 1 ] && [ -s /tmp/ls_picks.txt ]; then
+    mkdir -p "$W/pick54prof"
+    timeout "${PROF_S:-55}" python3 benchmarks/scripts/profile_layer.py --model glm53 --kind moe --batches 1 \
+      --layers 2 --timeline --out "$W/pick54prof/p_moe_picked.json" --set "$(paste -sd, /tmp/ls_picks.txt)" \
+      > "$W/pick54prof/p_moe_picked.txt" 2>&1 || rc=$?
+    rm -f "$W"/pick54prof/*.trace.json; pack pick54prof "$rc"; grep -h "^=== " "$W"/pick54prof/*.txt
+  fi
 fi
 if step glmloop; then
   # session 53's defaults (leading-byte counts + packed scans, the indexer beside the attention): the looped rows took

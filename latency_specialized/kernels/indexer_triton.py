@@ -171,6 +171,13 @@ SELECT_PACKED_SCAN = True
 holds fewer than 65,536 keys) instead of two, and counts them with one sum: the block-wide scans are about a fifth of
 the select's instructions at GLM-5.3's 8,192 tile (offline sm_90a SASS, NOTES_indexer.md, session 51). The same
 positions. On since session 53 (with ``SELECT_FIRST_BYTE``, NOTES_indexer.md)."""
+SELECT_WIDE_LOOPS = False
+"""With the half-width path, a row too long for it (more than half of the resident tile live) loops over
+``SELECT_TILE``-wide tiles of its live logits in every pass, as a table wider than ``SELECT_RESIDENT_MAX`` does,
+instead of holding the whole tile: GLM-5.3's indexer at context 4096 has 4,097 live positions, one past the half of
+its 8,192 tile, and the looped select (all rows looped) took 7.0 us off its layer at batch 1 while costing
+DeepSeek-V4.1-Flash's c2_idx, whose rows fit the half-width path, 2.3 us (session 53). The same set. Off until timed
+on top of the session-53 defaults (step ``glmloop`` of ``pending_measurements.sh``)."""
 MAX_FIRST_BYTE_ROWS = 1024
 """Rows one call may select with ``SELECT_FIRST_BYTE`` (its 256 int32 counts a row: 1 MiB a device)."""
 SELECT_BITS = 4
@@ -211,7 +218,8 @@ def _kernels(interpret: bool) -> dict:
     # defined here, not at import (no triton import on machines without it); Triton resolves the names a
     # kernel uses through its module globals: hence tl and the helpers as globals
     global tl, tlc, _rope_coeffs, _score_tile_keys, _ordered_keys, _digit_hist, _digit_hist_at, _next_digit, \
-        _byte_start, _ranks, _totals, _resident_select, _pair_hist, _resident_select_pair, _select_row, _store_key
+        _byte_start, _ranks, _totals, _resident_select, _pair_hist, _resident_select_pair, _looped_select, \
+        _select_row, _store_key
     import triton
     import triton.language as tl
     import triton.language.extra.cuda as tlc
@@ -306,10 +314,11 @@ def _kernels(interpret: bool) -> dict:
                      ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, BT: tl.constexpr, MIN_CHUNK: tl.constexpr,
                      FILL: tl.constexpr, PREC: tl.constexpr, AHEAD: tl.constexpr, SELECT: tl.constexpr,
                      TILE: tl.constexpr, BITS: tl.constexpr, RESIDENT: tl.constexpr, NARROW: tl.constexpr,
-                     EARLY: tl.constexpr, FINE: tl.constexpr, PACKED: tl.constexpr, KEY: tl.constexpr,
-                     NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BYTES: tl.constexpr):
+                     EARLY: tl.constexpr, FINE: tl.constexpr, PACKED: tl.constexpr, LOOPS: tl.constexpr,
+                     LOOP_TILE: tl.constexpr, KEY: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BYTES: tl.constexpr):
         # AHEAD: each tile's block ids and keys load one step ahead, the first before the query (SCORE_KEYS_AHEAD);
-        # SELECT: the last program of a row to finish runs the radix select of it (SCORE_SELECTS; TILE .. FINE as
+        # SELECT: the last program of a row to finish runs the radix select of it (SCORE_SELECTS; TILE .. LOOP_TILE as
         # select_kernel's), counted in arrivals[b] (zero between calls: that program resets it); KEY: the program
         # whose chunk holds the row's last position writes the row's new key first (SCORE_WRITES_KEY; NORM,
         # HAS_BIAS as key_kernel's); BYTES: the program adds its logits' leading key bytes to first_bytes[b] (256
@@ -385,7 +394,7 @@ def _kernels(interpret: bool) -> dict:
             if arrived == num_splits - 1:
                 tl.store(arrivals + b, 0)   # for the next call: every program of this one has arrived
                 _select_row(row, out + b.to(tl.int64) * s_ob, seq_len, K, TILE, BITS, RESIDENT, NARROW, EARLY, FINE,
-                            ".cg", counts, False, PACKED)
+                            ".cg", counts, False, PACKED, LOOPS, LOOP_TILE)
 
     @triton.jit
     def _digit_hist(key, ok, prefix, FIRST: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr,
@@ -548,12 +557,11 @@ def _kernels(interpret: bool) -> dict:
     @triton.jit
     def _select_row(row, orow, seq_len, K, TILE: tl.constexpr, BITS: tl.constexpr, RESIDENT: tl.constexpr,
                     NARROW: tl.constexpr, EARLY: tl.constexpr, FINE: tl.constexpr, CM: tl.constexpr, bytes_hist,
-                    BYTES: tl.constexpr, PACKED: tl.constexpr):
+                    BYTES: tl.constexpr, PACKED: tl.constexpr, LOOPS: tl.constexpr, LOOP_TILE: tl.constexpr):
         # the select of one row of logits into orow (select_kernel's program; the score kernel's last program of a
         # row with SELECT); CM: the logits loads' cache modifier (".cg" there: L2, never a stale L1 line); BYTES
-        # (with EARLY): bytes_hist [256], the row's leading key bytes counted by the score kernel
-        NB: tl.constexpr = 1 << BITS
-        PASSES: tl.constexpr = 32 // BITS
+        # (with EARLY): bytes_hist [256], the row's leading key bytes counted by the score kernel; LOOPS (with
+        # NARROW): a row past the half-width path loops over LOOP_TILE tiles instead of holding the whole tile
         if seq_len <= K:  # every live position, then -1: no selection needed
             for k0 in range(0, K, TILE):
                 offs = k0 + tl.arange(0, TILE)
@@ -575,69 +583,82 @@ def _kernels(interpret: bool) -> dict:
             elif NARROW:
                 if seq_len <= TILE // 2:
                     _resident_select(row, orow, seq_len, K, TILE // 2, BITS, EARLY, CM, bytes_hist, BYTES, PACKED)
+                elif LOOPS:
+                    _looped_select(row, orow, seq_len, K, LOOP_TILE, BITS, EARLY, CM, bytes_hist, BYTES, PACKED)
                 else:
                     _resident_select(row, orow, seq_len, K, TILE, BITS, EARLY, CM, bytes_hist, BYTES, PACKED)
             else:
                 _resident_select(row, orow, seq_len, K, TILE, BITS, EARLY, CM, bytes_hist, BYTES, PACKED)
         else:
-            prefix = seq_len * 0
-            remaining = seq_len * 0 + K
-            bins = tl.arange(0, NB)
-            shift = seq_len * 0             # EARLY: the prefix is key >> shift
-            if EARLY:
-                if BYTES:   # the leading byte from the score kernel's counts
-                    prefix, remaining, shared, shift = _byte_start(bytes_hist, prefix, remaining, seq_len)
-                else:
-                    hist = tl.zeros([NB], dtype=tl.int32)
-                    for t0 in range(0, seq_len, TILE):
-                        offs = t0 + tl.arange(0, TILE)
-                        ok = offs < seq_len
-                        key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0, cache_modifier=CM))
-                        hist += _digit_hist(key, ok, prefix, True, 32 - BITS, BITS, NB)
-                    prefix, remaining, shared = _next_digit(hist, bins, prefix, remaining, True, NB)
-                    shift += 32 - BITS
-                while (shared > remaining) & (shift > 0):
-                    shift -= BITS
-                    hist = tl.zeros([NB], dtype=tl.int32)
-                    for t0 in range(0, seq_len, TILE):
-                        offs = t0 + tl.arange(0, TILE)
-                        ok = offs < seq_len
-                        key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0, cache_modifier=CM))
-                        hist += _digit_hist_at(key, ok, prefix, shift, BITS, NB)
-                    prefix, remaining, shared = _next_digit(hist, bins, prefix, remaining, False, NB)
+            _looped_select(row, orow, seq_len, K, TILE, BITS, EARLY, CM, bytes_hist, BYTES, PACKED)
+
+    @triton.jit
+    def _looped_select(row, orow, seq_len, K, TILE: tl.constexpr, BITS: tl.constexpr, EARLY: tl.constexpr,
+                       CM: tl.constexpr, bytes_hist, BYTES: tl.constexpr, PACKED: tl.constexpr):
+        # the radix select of a row read in TILE-wide tiles of its live logits in every pass (K < seq_len; a block
+        # table wider than SELECT_RESIDENT_MAX, or a row past the half-width path with SELECT_WIDE_LOOPS); BYTES
+        # as _resident_select's
+        NB: tl.constexpr = 1 << BITS
+        PASSES: tl.constexpr = 32 // BITS
+        prefix = seq_len * 0
+        remaining = seq_len * 0 + K
+        bins = tl.arange(0, NB)
+        shift = seq_len * 0             # EARLY: the prefix is key >> shift
+        if EARLY:
+            if BYTES:   # the leading byte from the score kernel's counts
+                prefix, remaining, shared, shift = _byte_start(bytes_hist, prefix, remaining, seq_len)
             else:
-                for p in tl.static_range(PASSES):
-                    hist = tl.zeros([NB], dtype=tl.int32)
-                    for t0 in range(0, seq_len, TILE):
-                        offs = t0 + tl.arange(0, TILE)
-                        ok = offs < seq_len
-                        key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0, cache_modifier=CM))
-                        hist += _digit_hist(key, ok, prefix, p == 0, 32 - BITS * (p + 1), BITS, NB)
-                    prefix, remaining, _ = _next_digit(hist, bins, prefix, remaining, p == 0, NB)
-            n_gt = K - remaining
-            base_gt = seq_len * 0
-            base_eq = seq_len * 0
-            for t0 in range(0, seq_len, TILE):
-                offs = t0 + tl.arange(0, TILE)
-                ok = offs < seq_len
-                key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0, cache_modifier=CM))
-                if EARLY:
-                    key = key >> shift
-                is_gt = (ok & (key > prefix)).to(tl.int32)
-                is_eq = (ok & (key == prefix)).to(tl.int32)
-                at_gt, at_eq = _ranks(is_gt, is_eq, PACKED)
-                at_gt += base_gt
-                at_eq += base_eq
-                tl.store(orow + at_gt, offs, mask=is_gt > 0)
-                tl.store(orow + n_gt + at_eq, offs, mask=(is_eq > 0) & (at_eq < remaining))
-                n_gt_tile, n_eq_tile = _totals(is_gt, is_eq, PACKED)
-                base_gt += n_gt_tile
-                base_eq += n_eq_tile
+                hist = tl.zeros([NB], dtype=tl.int32)
+                for t0 in range(0, seq_len, TILE):
+                    offs = t0 + tl.arange(0, TILE)
+                    ok = offs < seq_len
+                    key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0, cache_modifier=CM))
+                    hist += _digit_hist(key, ok, prefix, True, 32 - BITS, BITS, NB)
+                prefix, remaining, shared = _next_digit(hist, bins, prefix, remaining, True, NB)
+                shift += 32 - BITS
+            while (shared > remaining) & (shift > 0):
+                shift -= BITS
+                hist = tl.zeros([NB], dtype=tl.int32)
+                for t0 in range(0, seq_len, TILE):
+                    offs = t0 + tl.arange(0, TILE)
+                    ok = offs < seq_len
+                    key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0, cache_modifier=CM))
+                    hist += _digit_hist_at(key, ok, prefix, shift, BITS, NB)
+                prefix, remaining, shared = _next_digit(hist, bins, prefix, remaining, False, NB)
+        else:
+            for p in tl.static_range(PASSES):
+                hist = tl.zeros([NB], dtype=tl.int32)
+                for t0 in range(0, seq_len, TILE):
+                    offs = t0 + tl.arange(0, TILE)
+                    ok = offs < seq_len
+                    key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0, cache_modifier=CM))
+                    hist += _digit_hist(key, ok, prefix, p == 0, 32 - BITS * (p + 1), BITS, NB)
+                prefix, remaining, _ = _next_digit(hist, bins, prefix, remaining, p == 0, NB)
+        n_gt = K - remaining
+        base_gt = seq_len * 0
+        base_eq = seq_len * 0
+        for t0 in range(0, seq_len, TILE):
+            offs = t0 + tl.arange(0, TILE)
+            ok = offs < seq_len
+            key = _ordered_keys(tl.load(row + offs, mask=ok, other=0.0, cache_modifier=CM))
+            if EARLY:
+                key = key >> shift
+            is_gt = (ok & (key > prefix)).to(tl.int32)
+            is_eq = (ok & (key == prefix)).to(tl.int32)
+            at_gt, at_eq = _ranks(is_gt, is_eq, PACKED)
+            at_gt += base_gt
+            at_eq += base_eq
+            tl.store(orow + at_gt, offs, mask=is_gt > 0)
+            tl.store(orow + n_gt + at_eq, offs, mask=(is_eq > 0) & (at_eq < remaining))
+            n_gt_tile, n_eq_tile = _totals(is_gt, is_eq, PACKED)
+            base_gt += n_gt_tile
+            base_eq += n_eq_tile
 
     @triton.jit
     def select_kernel(logits, seq_lens, out, K, s_lb, s_ob, first_bytes, TILE: tl.constexpr, BITS: tl.constexpr,
                       RESIDENT: tl.constexpr, NARROW: tl.constexpr, TRIGGER: tl.constexpr, EARLY: tl.constexpr,
-                      FINE: tl.constexpr, PACKED: tl.constexpr, BYTES: tl.constexpr):
+                      FINE: tl.constexpr, PACKED: tl.constexpr, BYTES: tl.constexpr, LOOPS: tl.constexpr,
+                      LOOP_TILE: tl.constexpr):
         # BITS: radix digit width (32 // BITS histogram passes of 2**BITS bins); RESIDENT: the row fits one
         # TILE (the caller's capacity <= TILE), loaded once and kept in registers across the passes; NARROW: a
         # row of at most TILE / 2 live logits takes a half-width resident select (the passes cost the tile's
@@ -646,7 +667,8 @@ def _kernels(interpret: bool) -> dict:
         # the digits fixed so far are exactly the ones still to take (SELECT_EARLY_EXIT); FINE (with NARROW): the
         # width held follows the live length in finer steps, two of them as a pair of tiles (SELECT_FINE_WIDTHS);
         # BYTES (with EARLY): first_bytes[b] holds the row's leading key bytes counted by the score kernel: read and
-        # reset to zero for the next call (SELECT_FIRST_BYTE)
+        # reset to zero for the next call (SELECT_FIRST_BYTE); LOOPS (with NARROW): a row past the half-width path
+        # loops over LOOP_TILE tiles instead of holding all of TILE (SELECT_WIDE_LOOPS)
         if TRIGGER:
             tlc.gdc_wait()                  # a no-op unless this launch itself had PDL: what came before is done
             tlc.gdc_launch_dependents()
@@ -659,7 +681,7 @@ def _kernels(interpret: bool) -> dict:
             tl.store(brow, tl.zeros([256], dtype=tl.int32))
         _select_row(logits + b.to(tl.int64) * s_lb, out + b.to(tl.int64) * s_ob,
                     tl.load(seq_lens + b).to(tl.int32), K, TILE, BITS, RESIDENT, NARROW, EARLY, FINE, "", counts,
-                    BYTES, PACKED)
+                    BYTES, PACKED, LOOPS, LOOP_TILE)
 
     return dict(key=key_kernel, score=score_kernel, select=select_kernel)
 
@@ -668,15 +690,16 @@ def launch_select(kernel, logits: torch.Tensor, seq_lens: torch.Tensor, out: tor
                   *, bits: int | None = None, resident_max: int | None = None, warps: int | None = None,
                   narrow_min: int | None = None, trigger: bool = False, early: bool | None = None,
                   fine: bool | None = None, first_bytes: torch.Tensor | None = None,
-                  packed: bool | None = None) -> None:
+                  packed: bool | None = None, loops: bool | None = None) -> None:
     """The radix select over logits [B, >= capacity] fp32 into out [B, topk] int32 (one program per row);
-    ``bits`` / ``resident_max`` / ``warps`` / ``narrow_min`` / ``early`` / ``fine`` / ``packed`` default to
+    ``bits`` / ``resident_max`` / ``warps`` / ``narrow_min`` / ``early`` / ``fine`` / ``packed`` / ``loops`` default to
     SELECT_BITS / SELECT_RESIDENT_MAX / SELECT_WARPS / SELECT_NARROW_MIN_TILE / SELECT_EARLY_EXIT / SELECT_FINE_WIDTHS
-    / SELECT_PACKED_SCAN. ``trigger``: let a PDL launch behind it start at once (``select_trigger``). ``first_bytes``:
+    / SELECT_PACKED_SCAN / SELECT_WIDE_LOOPS. ``trigger``: let a PDL launch behind it start at once
+    (``select_trigger``). ``first_bytes``:
     the rows' leading key bytes as the score kernel counted them (``first_byte_counts``; read and reset here; needs
     the early exit)."""
     consts, nw = select_config(capacity, bits=bits, resident_max=resident_max, warps=warps, narrow_min=narrow_min,
-                               early=early, fine=fine, packed=packed)
+                               early=early, fine=fine, packed=packed, loops=loops)
     if first_bytes is not None and not consts["EARLY"]:
         raise UserError(f"{NAME}: the select from the leading-byte counts needs the early exit (SELECT_EARLY_EXIT); "
                         "switch SELECT_FIRST_BYTE off or the early exit on")
@@ -687,9 +710,10 @@ def launch_select(kernel, logits: torch.Tensor, seq_lens: torch.Tensor, out: tor
 
 def select_config(capacity: int, *, bits: int | None = None, resident_max: int | None = None,
                   warps: int | None = None, narrow_min: int | None = None, early: bool | None = None,
-                  fine: bool | None = None, packed: bool | None = None) -> tuple[dict[str, int | bool], int]:
-    """The radix select's constexprs (TILE, BITS, RESIDENT, NARROW, EARLY, FINE, PACKED) and warps for a block table of
-    ``capacity`` positions (``launch_select``'s arguments; None: the module's settings)."""
+                  fine: bool | None = None, packed: bool | None = None,
+                  loops: bool | None = None) -> tuple[dict[str, int | bool], int]:
+    """The radix select's constexprs (TILE, BITS, RESIDENT, NARROW, EARLY, FINE, PACKED, LOOPS, LOOP_TILE) and warps
+    for a block table of ``capacity`` positions (``launch_select``'s arguments; None: the module's settings)."""
     bits = SELECT_BITS if bits is None else int(bits)
     if bits not in (4, 8):
         raise UserError(f"indexer select: digit width {bits} bits unsupported (4 or 8)")
@@ -699,13 +723,20 @@ def select_config(capacity: int, *, bits: int | None = None, resident_max: int |
         warps = SELECT_WARPS_WIDE if resident and tile > 4096 else SELECT_WARPS
     narrow_min = SELECT_NARROW_MIN_TILE if narrow_min is None else int(narrow_min)
     narrow = resident and 0 < narrow_min <= tile
+    fine = narrow and (SELECT_FINE_WIDTHS if fine is None else bool(fine))
+    loops = narrow and (SELECT_WIDE_LOOPS if loops is None else bool(loops))
+    if fine and loops:
+        raise UserError("indexer select: SELECT_FINE_WIDTHS and SELECT_WIDE_LOOPS both choose the width of a row past "
+                        "the half-width path; switch one of them off")
+    # the looped rows' tile: SELECT_TILE, a quarter of the resident tile where that is narrower (the tests' tiles)
     return dict(TILE=tile, BITS=bits, RESIDENT=resident, NARROW=narrow,
-                EARLY=SELECT_EARLY_EXIT if early is None else bool(early),
-                FINE=narrow and (SELECT_FINE_WIDTHS if fine is None else bool(fine)),
-                PACKED=SELECT_PACKED_SCAN if packed is None else bool(packed)), int(warps)
+                EARLY=SELECT_EARLY_EXIT if early is None else bool(early), FINE=fine,
+                PACKED=SELECT_PACKED_SCAN if packed is None else bool(packed), LOOPS=loops,
+                LOOP_TILE=min(SELECT_TILE, max(tile // 4, 16))), int(warps)
 
 
-_NO_SELECT = dict(TILE=16, BITS=4, RESIDENT=True, NARROW=False, EARLY=False, FINE=False, PACKED=False)
+_NO_SELECT = dict(TILE=16, BITS=4, RESIDENT=True, NARROW=False, EARLY=False, FINE=False, PACKED=False, LOOPS=False,
+                  LOOP_TILE=16)
 """The select constexprs of a score launch without SELECT (unused; fixed, so that they make no new variant)."""
 MAX_SELECT_ROWS = 8192
 """Rows (tokens) one call may select inside the score kernel: its per-row arrival counters (int32, 32 KiB a device)."""

@@ -38,7 +38,7 @@ SELECTIONS = pytest.mark.parametrize("selection", ["radix", "split", "torch"])
 
 @pytest.mark.interpreter_driver
 def test_kernel_cases_under_the_interpreter():
-    run_interpreted(__file__, min_passed=63)
+    run_interpreted(__file__, min_passed=66)
 
 
 @pytest.fixture
@@ -340,6 +340,41 @@ def test_radix_select_fine_widths(ix, monkeypatch, early):
 
 
 @interpreted
+@pytest.mark.parametrize("early,counted,selects", [(True, True, False), (False, False, False), (True, False, True)])
+def test_radix_select_wide_loops(ix, monkeypatch, early, counted, selects):
+    """``SELECT_WIDE_LOOPS``: in one launch, rows on the half-width path and rows past it (looped over quarter-tile
+    tiles of their live logits) - the reference's sets with near ties, exact ties and rows at or below K; from the
+    leading-byte counts, with all passes, and inside the score kernel (``SCORE_SELECTS``)."""
+    monkeypatch.setattr(ix, "SELECT_WIDE_LOOPS", True)
+    _early_exit(ix, monkeypatch, early)
+    monkeypatch.setattr(ix, "SELECT_FIRST_BYTE", counted)
+    monkeypatch.setattr(ix, "SCORE_SELECTS", selects)
+    monkeypatch.setattr(ix, "SELECT_NARROW_MIN_TILE", 64)
+    monkeypatch.setattr(ix, "SELECT_RESIDENT_MAX", 1 << 20)
+    monkeypatch.setattr(ix, "MIN_CHUNK", 16)
+    # capacity 64 blocks x 4 = 256 -> a 256-wide tile, the half 128, looped rows in 64-wide tiles
+    consts, _ = ix.select_config(256)
+    assert consts["LOOPS"] and consts["LOOP_TILE"] == 64
+    args, kw = _case(101, [64, 127, 128, 129, 130, 193, 250, 256, 0, 12, 40], K=16, bs=4, per=64)
+    _check(ix, args, kw, selection="radix", num_splits=3)
+    args, kw = _case(102, [90, 140, 200, 256], K=12, bs=4, per=64, near_ties=True)
+    _check(ix, args, kw, selection="radix", num_splits=2)
+    args, kw = _tied_case(103, [150, 131, 95, 12], per=64)
+    _check(ix, args, kw, selection="radix", num_splits=2)
+    if counted:
+        assert not ix.first_byte_counts(torch.device("cpu")).any()
+
+
+def test_wide_loops_and_fine_widths_refused_together(ix, monkeypatch):
+    """Both choose the width of a row past the half-width path: the config names the switches to turn off."""
+    monkeypatch.setattr(ix, "SELECT_WIDE_LOOPS", True)
+    monkeypatch.setattr(ix, "SELECT_FINE_WIDTHS", True)
+    with pytest.raises(UserError, match="switch one of them off"):
+        ix.select_config(8192)
+    assert not ix.select_config(1 << 20)[0]["LOOPS"]   # a looped table: no half-width path, nothing to choose
+
+
+@interpreted
 @pytest.mark.parametrize("resident,fine,ahead,bits,packed", [
     (True, False, False, 4, False), (False, False, True, 4, True), (True, True, False, 4, True),
     (True, False, True, 8, False)])
@@ -631,15 +666,17 @@ def test_kernels_compile_for_hopper_without_a_gpu(ix):
             for early, fine in ((False, False), (True, False), (True, narrow)):
                 p = ptx(kern["select"], sig, dict(TILE=tile, BITS=bits, RESIDENT=resident, NARROW=narrow,
                                                   TRIGGER=False, EARLY=early, FINE=fine, PACKED=early,
-                                                  BYTES=early), ix.SELECT_WARPS)
+                                                  BYTES=early, LOOPS=False, LOOP_TILE=1024), ix.SELECT_WARPS)
                 assert "ld.local" not in p and "st.local" not in p, (bits, resident, narrow, early, fine)
-    # the widest resident row (SELECT_RESIDENT_MAX) on the wide warp count, with its half-width path / finer widths
-    for early, fine, counted in ((False, False, False), (True, False, False), (True, True, False), (True, False, True),
-                                 (True, True, True)):
+    # the widest resident row (SELECT_RESIDENT_MAX) on the wide warp count, with its half-width path / finer widths /
+    # the wide rows looped
+    for early, fine, counted, loops in ((False, False, False, False), (True, False, False, False),
+                                        (True, True, False, False), (True, False, True, False),
+                                        (True, True, True, False), (True, False, True, True)):
         p = ptx(kern["select"], sig, dict(TILE=ix.SELECT_RESIDENT_MAX, BITS=ix.SELECT_BITS, RESIDENT=True,
                                           NARROW=True, TRIGGER=False, EARLY=early, FINE=fine, PACKED=counted,
-                                          BYTES=counted), ix.SELECT_WARPS_WIDE)
-        assert "ld.local" not in p and "st.local" not in p, (early, fine, counted)
+                                          BYTES=counted, LOOPS=loops, LOOP_TILE=ix.SELECT_TILE), ix.SELECT_WARPS_WIDE)
+        assert "ld.local" not in p and "st.local" not in p, (early, fine, counted, loops)
 
 
 def test_auto_selection_rule(ix):

@@ -275,6 +275,18 @@ def test_radix_fine_widths(monkeypatch, shape):
 
 
 @pytest.mark.parametrize("shape", [GLM53, DSV41], ids=["glm53", "dsv41"])
+@pytest.mark.parametrize("lens", [[4097], [2000, 2048, 2049, 2080, 4096, 4097, 6145, 8000, 0]],
+                         ids=["glm_b1", "both_paths"])
+def test_radix_wide_loops(monkeypatch, shape, lens):
+    """``SELECT_WIDE_LOOPS`` in an 8,192-wide resident tile: rows past its half (GLM-5.3's 4,097 live at batch 1, and
+    rows on both sides of the half in one launch) looped over 2,048-wide tiles pick the default radix select's sets,
+    eager and replayed; the leading-byte counts (on by default) zero after."""
+    args, kw = _case(f"loops{shape['K']}{len(lens)}", lens, per=128, **shape)
+    _variant_matches_default_radix(monkeypatch, args, kw, SELECT_WIDE_LOOPS=True)
+    assert not ix.first_byte_counts(torch.device(DEV), len(lens)).any()
+
+
+@pytest.mark.parametrize("shape", [GLM53, DSV41], ids=["glm53", "dsv41"])
 @pytest.mark.parametrize("B", [1, 8, 64])
 def test_scoring_keys_ahead(monkeypatch, shape, B):
     """``SCORE_KEYS_AHEAD``: the scoring programs with each tile's keys loaded a step ahead pick the same sets as
