@@ -125,6 +125,40 @@ def stale_reason(record: dict[str, str]) -> str | None:
     return None if change is None else f"{record['fn']}: {StaleRecord.__name__}: {change}"
 
 
+def record_constexprs(record: dict[str, str]) -> dict[str, Any]:
+    """The constexpr arguments a record was compiled with, by name, and its ``num_warps``."""
+    obj = json.loads(record["data"])
+    names = list(obj["signature"])
+    values = {names[k[0]]: v for k, v in zip(obj["constant_keys"], obj["constant_vals"])}
+    return {**values, "num_warps": obj["options"]["num_warps"]}
+
+
+def with_constexprs(record: dict[str, str], now: list[str], values: dict[str, Any]) -> dict[str, str]:
+    """``record`` for a kernel whose arguments are now ``now``: the constexprs it lacks added with ``values`` at their
+    positions in ``now`` (the argument indices after them shift), recorded ones set to ``values`` where named there,
+    and ``num_warps`` from ``values`` if given. A kernel that gained a constexpr (a new switch) keeps its records
+    compiling the entries its launches ask for, instead of dropping them as stale."""
+    obj = json.loads(record["data"])
+    old = list(obj["signature"])
+    if [a for a in old if a not in now]:
+        raise StaleRecord(_argument_change(old, now) or "")
+    given = record_constexprs(record)
+    given.update(values)
+    missing = [a for a in now if a not in old and a not in values]
+    if missing:
+        raise ValueError(f"{record['fn']}: no value for the new arguments {missing}")
+    where = {a: now.index(a) for a in old}
+    obj["signature"] = {a: obj["signature"].get(a, "constexpr") for a in now}
+    constexprs = [a for a in now if obj["signature"][a] == "constexpr"]
+    obj["constant_keys"] = [[now.index(a)] for a in constexprs]
+    obj["constant_vals"] = [given[a] for a in constexprs]
+    obj["attrs_keys"] = [[where[old[k[0]]]] + list(k[1:]) for k in obj["attrs_keys"]]
+    obj.pop("key", None)   # Triton's launch key of the old arguments (not read here)
+    if "num_warps" in values:
+        obj["options"]["num_warps"] = values["num_warps"]
+    return {**record, "data": json.dumps(obj)}
+
+
 def compile_record(record: dict[str, str], target: Any) -> bool:
     """Compile one record for ``target`` (a ``GPUTarget``) into Triton's cache, as ``JITFunction.preload``
     deserialises it; True: it was in the cache already (``testing.compile_clock`` counts the same)."""

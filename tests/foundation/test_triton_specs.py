@@ -23,8 +23,19 @@ def scale_rows(x_ptr, y_ptr, alpha, N: tl.constexpr, DT: tl.constexpr):
     tl.store(y_ptr + o, (tl.load(x_ptr + o) * alpha).to(DT))
 
 
-def _record(n: int) -> dict[str, str]:
-    """A record as Triton's hook would hand it over for ``scale_rows`` at N = n (16-byte aligned pointers)."""
+@triton.jit
+def scale_rows_switched(x_ptr, y_ptr, alpha, N: tl.constexpr, NEG: tl.constexpr, DT: tl.constexpr):
+    # scale_rows after gaining a switch in the middle of its constexprs (as the indexer's select gained LOOPS)
+    o = tl.arange(0, N)
+    y = tl.load(x_ptr + o) * alpha
+    if NEG:
+        y = -y
+    tl.store(y_ptr + o, y.to(DT))
+
+
+def _record(n: int, neg: bool | None = None) -> dict[str, str]:
+    """A record as Triton's hook would hand it over for ``scale_rows`` at N = n (16-byte aligned pointers); with
+    ``neg``, for ``scale_rows_switched`` at NEG = neg."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import serialize_specialization_data
@@ -32,12 +43,17 @@ def _record(n: int) -> dict[str, str]:
     target = GPUTarget("cuda", 90, 32)
     options = make_backend(target).parse_options({"num_warps": 1})
     extra = {"target": target} if "target" in inspect.signature(serialize_specialization_data).parameters else {}
+    name = "scale_rows" if neg is None else "scale_rows_switched"
+    signature = {"x_ptr": "*fp32", "y_ptr": "*bf16", "alpha": "fp32", "N": "constexpr"}
+    constants: dict[tuple[int, ...], object] = {(3,): n}
+    if neg is not None:
+        signature["NEG"], constants[(4,)] = "constexpr", neg
+    constants[(len(signature),)] = tl.bfloat16
+    signature["DT"] = "constexpr"
     data = serialize_specialization_data(
-        f"{__name__}.scale_rows", {"x_ptr": "*fp32", "y_ptr": "*bf16", "alpha": "fp32", "N": "constexpr",
-                                   "DT": "constexpr"},
-        {(3,): n, (4,): tl.bfloat16}, {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}, options,
-        key=f"k{n}", **extra)
-    return {"fn": f"{__name__}:scale_rows", "data": data}
+        f"{__name__}.{name}", signature, constants, {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]},
+        options, key=f"k{n}", **extra)
+    return {"fn": f"{__name__}:{name}", "data": data}
 
 
 @pytest.fixture
@@ -83,6 +99,31 @@ def test_records_of_a_kernel_whose_arguments_changed_are_stale(triton_cache):
     compiled, hits, errors = triton_specs.precompile([old], jobs=1)
     assert (compiled, hits) == (0, 0) and errors == [why]
     assert not any(triton_cache.rglob("*.cubin"))
+
+
+def test_a_record_given_the_new_constexpr_compiles_to_the_launchs_entry(triton_cache):
+    """``with_constexprs`` (``benchmarks/scripts/migrate_records.py``): an old record of a kernel that gained a constexpr
+    before others, given its value, compiles into the very cache entry a record made with the new argument does (the
+    second compile a hit); a variant's value changes the entry; a record missing a value or dropping an argument is
+    refused."""
+    from triton.backends.compiler import GPUTarget
+
+    target = GPUTarget("cuda", 90, 32)
+    now = list(scale_rows_switched.arg_names)
+    old = dict(_record(32), fn=f"{__name__}:scale_rows_switched")
+    assert triton_specs.stale_reason(old) is not None
+    migrated = triton_specs.with_constexprs(old, now, {"NEG": False})
+    assert triton_specs.stale_reason(migrated) is None
+    assert triton_specs.record_constexprs(migrated) == {"N": 32, "NEG": False, "DT": "bf16", "num_warps": 1}
+    assert triton_specs.compile_record(migrated, target) is False
+    assert triton_specs.compile_record(_record(32, neg=False), target) is True     # the launch's own record: a hit
+    flipped = triton_specs.with_constexprs(migrated, now, {"NEG": True, "num_warps": 2})
+    assert triton_specs.compile_record(flipped, target) is False
+    assert triton_specs.record_constexprs(flipped)["num_warps"] == 2
+    with pytest.raises(ValueError, match="no value for the new arguments"):
+        triton_specs.with_constexprs(old, now, {})
+    with pytest.raises(triton_specs.StaleRecord):
+        triton_specs.with_constexprs(migrated, ["x_ptr", "y_ptr", "alpha", "N"], {})
 
 
 def test_factory_kernels_resolve():
@@ -161,3 +202,19 @@ def test_tuple_factory_kernels_resolve():
     """KDA verify's factory returns a NamedTuple of kernels (no __dict__): its records resolve."""
     kernel = triton_specs.resolve("latency_specialized.kernels.kda_verify_triton:_kernels.<locals>.kda_accept_kernel")
     assert kernel.fn.__name__ == "kda_accept_kernel"
+
+
+def test_migrate_records_adds_the_argument_and_the_variants():
+    """``migrate_records.py``: the named kernel's records get the new constexpr from an expression over their own
+    constexprs, each ``--variant`` adds a copy where its condition holds; other kernels' records pass unchanged."""
+    from tests.script_loader import load_script
+
+    migrate = load_script("benchmarks/scripts/migrate_records.py").migrate
+    other = _record(16)
+    records = [dict(_record(n), fn=f"{__name__}:scale_rows_switched") for n in (32, 64)] + [other]
+    out, migrated, added = migrate(records, "scale_rows_switched", ["NEG=N > 32"],
+                                   [("N == 32", ["NEG=True", "num_warps=4"])])
+    assert (migrated, added) == (2, 1) and out[-1] is other
+    got = [triton_specs.record_constexprs(r) for r in out[:-1]]
+    assert [(g["N"], g["NEG"], g["num_warps"]) for g in got] == [(32, False, 1), (32, True, 4), (64, True, 1)]
+    assert all(triton_specs.stale_reason(r) is None for r in out)
