@@ -18,7 +18,9 @@
 #          winners picked by ab_pick.py's rule into /tmp/ls_picks.txt for the suite calls after
 #   pick54 (session 54) GLM-5.3 moe at batch 1 / 8: base / wide (SELECT_WIDE_LOOPS: rows past the half-width path
 #          looped) / wide8 (the same on 8 warps) / loop (every row looped) / sep (ops.plan.NORM_PROLOGUES=False);
-#          DeepSeek-V4.1-Flash c2_idx base / wide / wide8; Kimi K3 mla base / sep; picks into /tmp/ls_picks.txt
+#          DeepSeek-V4.1-Flash c2_idx base / wide / wide8 / k17 / k16 (session 50's kernel-count switches: the
+#          compressor writing the key, the norm-site credit, the select in the score kernel); Kimi K3 mla base / sep;
+#          picks into /tmp/ls_picks.txt
 #   glmloop (session 52; since session 53 on the new defaults) GLM-5.3 moe at batch 1 / 8: base (bytes + packed + the
 #          indexer beside the attention, the defaults) / loop (+ looped rows) / fine (+ the finer widths)
 #   normab (session 53) GLM-5.3 moe and Kimi K3 mla at batch 1 / 8: base / sep (ops.plan.NORM_PROLOGUES=False: the
@@ -228,8 +230,13 @@ if step pick54; then
   timeout "${GLM_S:-200}" "${BENCH[@]}" --model glm53 --kinds moe --batch 1,8 --out "$W/pick54/glm" --ab base \
     --ab "wide:$wide" --ab "wide8:$wide8" --ab loop:$SP.SELECT_RESIDENT_MAX=0 --ab sep:$NP=False \
     > "$W/pick54/glm.log" 2>&1 || rc=$?
-  timeout "${DSV_S:-150}" "${BENCH[@]}" --model deepseek_v41_flash --kinds c2_idx --batch 1,8 --out "$W/pick54/dsv" \
-    --ab base --ab "wide:$wide" --ab "wide8:$wide8" > "$W/pick54/dsv.log" 2>&1 || rc=$?
+  # k17 / k16: session 50's kernel-count switches on top of the session-53 defaults (the compressor, now beside the
+  # query, writing the indexer's key; the q norm in the q_b GEMV; k16 also the select inside the score kernel) -
+  # issue 21's <= 15 kernels at batch 1 against its 1.5x; timed for the record, not picked here
+  KP=latency_specialized.kernels k17="$KP.sparse_mqa_triton.COMPRESS_INDEX_KEY=True,$KP.tuning.NORM_SITE_CREDIT_US=1.5"
+  timeout "${DSV_S:-190}" "${BENCH[@]}" --model deepseek_v41_flash --kinds c2_idx --batch 1,8 --out "$W/pick54/dsv" \
+    --ab base --ab "wide:$wide" --ab "wide8:$wide8" --ab "k17:$k17" --ab "k16:$k17,$SP.SCORE_SELECTS=True" \
+    > "$W/pick54/dsv.log" 2>&1 || rc=$?
   timeout "${KIMI_S:-110}" "${BENCH[@]}" --model kimi_k3 --kinds mla --batch 1,8 --out "$W/pick54/kimi" --ab base \
     --ab sep:$NP=False > "$W/pick54/kimi.log" 2>&1 || rc=$?
   if [ "$trc" = 0 ] || [ "$trc" = skipped ]; then
