@@ -219,6 +219,7 @@ if step pick54; then
   mkdir -p "$W/pick54"; rc=0; : > /tmp/ls_picks.txt
   SP=latency_specialized.kernels.indexer_triton NP=latency_specialized.ops.plan.NORM_PROLOGUES
   wide="$SP.SELECT_WIDE_LOOPS=True" wide8="$SP.SELECT_WIDE_LOOPS=True,$SP.SELECT_WARPS_WIDE=8"
+  light=${PICK_LIGHT:+" "}   # PICK_LIGHT=1: only the variants that can be picked (no loop, k17, k16)
   trc=skipped
   if [ "${PICK_TESTS:-1}" = 1 ]; then
     PYTHONPATH=$PWD:$PWD/tests/ops${PYTHONPATH:+:$PYTHONPATH} timeout "${TESTS_S:-100}" python3 -m pytest -m gpu \
@@ -228,14 +229,14 @@ if step pick54; then
     echo "switch tests rc=$trc: $(tail -1 "$W/pick54/tests.log")"
   fi
   timeout "${GLM_S:-200}" "${BENCH[@]}" --model glm53 --kinds moe --batch 1,8 --out "$W/pick54/glm" --ab base \
-    --ab "wide:$wide" --ab "wide8:$wide8" --ab loop:$SP.SELECT_RESIDENT_MAX=0 --ab sep:$NP=False \
+    --ab "wide:$wide" --ab "wide8:$wide8" ${light:---ab loop:$SP.SELECT_RESIDENT_MAX=0} --ab sep:$NP=False \
     > "$W/pick54/glm.log" 2>&1 || rc=$?
   # k17 / k16: session 50's kernel-count switches on top of the session-53 defaults (the compressor, now beside the
   # query, writing the indexer's key; the q norm in the q_b GEMV; k16 also the select inside the score kernel) -
   # issue 21's <= 15 kernels at batch 1 against its 1.5x; timed for the record, not picked here
   KP=latency_specialized.kernels k17="$KP.sparse_mqa_triton.COMPRESS_INDEX_KEY=True,$KP.tuning.NORM_SITE_CREDIT_US=1.5"
   timeout "${DSV_S:-190}" "${BENCH[@]}" --model deepseek_v41_flash --kinds c2_idx --batch 1,8 --out "$W/pick54/dsv" \
-    --ab base --ab "wide:$wide" --ab "wide8:$wide8" --ab "k17:$k17" --ab "k16:$k17,$SP.SCORE_SELECTS=True" \
+    --ab base --ab "wide:$wide" --ab "wide8:$wide8" ${light:---ab "k17:$k17" --ab "k16:$k17,$SP.SCORE_SELECTS=True"} \
     > "$W/pick54/dsv.log" 2>&1 || rc=$?
   timeout "${KIMI_S:-110}" "${BENCH[@]}" --model kimi_k3 --kinds mla --batch 1,8 --out "$W/pick54/kimi" --ab base \
     --ab sep:$NP=False > "$W/pick54/kimi.log" 2>&1 || rc=$?
