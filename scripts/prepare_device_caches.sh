@@ -11,6 +11,8 @@
 # TRITON_DIR (default /tmp/ls_triton) keeps every older version of a changed kernel and the packer takes them all
 # along: after kernel changes give a fresh one (session 46: TRITON_DIR=/tmp/ls_triton46, 544 s for 1,268 kernels,
 # the rest archive 14.2 -> 4.2 MB).
+# Records a kernel's new constexpr made stale are skipped (and fail tests/foundation/test_compile_records_fit.py):
+# carry them over with benchmarks/scripts/migrate_records.py first (session 54), or they compile on the device.
 # EXTRA_RECORDS: more record files, e.g. a bench-ops sweep's (`bench-ops ... --compile-records FILE`). The archive
 # and .device/cute-a go together in one call under the 64 MiB transfer limit, the tree (~18 MB) included, so
 # BUDGET_MIB bounds it; what it leaves out goes to .device/compile_cache_rest.tar.xz, unpacked the same way at the
