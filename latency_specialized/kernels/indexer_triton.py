@@ -174,10 +174,10 @@ positions. On since session 53 (with ``SELECT_FIRST_BYTE``, NOTES_indexer.md).""
 SELECT_WIDE_LOOPS = False
 """With the half-width path, a row too long for it (more than half of the resident tile live) loops over
 ``SELECT_TILE``-wide tiles of its live logits in every pass, as a table wider than ``SELECT_RESIDENT_MAX`` does,
-instead of holding the whole tile: GLM-5.3's indexer at context 4096 has 4,097 live positions, one past the half of
-its 8,192 tile, and the looped select (all rows looped) took 7.0 us off its layer at batch 1 while costing
-DeepSeek-V4.1-Flash's c2_idx, whose rows fit the half-width path, 2.3 us (session 53). The same set. Off until timed
-on top of the session-53 defaults (step ``glmloop`` of ``pending_measurements.sh``)."""
+instead of holding the whole tile: GLM-5.3's indexer at context 4096 has one live position past the half of its tile,
+where every row looped was faster in its layer and slower in DeepSeek-V4.1-Flash's c2_idx, whose rows fit the
+half-width path (session 53, NOTES_indexer.md). The same set. Off until timed on top of the session-53 defaults (step
+``pick54`` of ``pending_measurements.sh``)."""
 MAX_FIRST_BYTE_ROWS = 1024
 """Rows one call may select with ``SELECT_FIRST_BYTE`` (its 256 int32 counts a row: 1 MiB a device)."""
 SELECT_BITS = 4
