@@ -19,8 +19,8 @@
 #   pick54 (session 54) GLM-5.3 moe at batch 1 / 8: base / wide (SELECT_WIDE_LOOPS: rows past the half-width path
 #          looped) / wide8 (the same on 8 warps) / loop (every row looped) / sep (ops.plan.NORM_PROLOGUES=False);
 #          DeepSeek-V4.1-Flash c2_idx base / wide / wide8 / k17 / k16 (session 50's kernel-count switches: the
-#          compressor writing the key, the norm-site credit, the select in the score kernel); Kimi K3 mla base / sep;
-#          picks into /tmp/ls_picks.txt
+#          compressor writing the key, the norm-site credit, the select in the score kernel); Kimi K3 mla and
+#          DeepSeek window base / sep (their q_b GEMVs normalise their input too); picks into /tmp/ls_picks.txt
 #   glmloop (session 52; since session 53 on the new defaults) GLM-5.3 moe at batch 1 / 8: base (bytes + packed + the
 #          indexer beside the attention, the defaults) / loop (+ looped rows) / fine (+ the finer widths)
 #   normab (session 53) GLM-5.3 moe and Kimi K3 mla at batch 1 / 8: base / sep (ops.plan.NORM_PROLOGUES=False: the
@@ -238,14 +238,17 @@ if step pick54; then
   timeout "${DSV_S:-190}" "${BENCH[@]}" --model deepseek_v41_flash --kinds c2_idx --batch 1,8 --out "$W/pick54/dsv" \
     --ab base --ab "wide:$wide" --ab "wide8:$wide8" ${light:---ab "k17:$k17" --ab "k16:$k17,$SP.SCORE_SELECTS=True"} \
     > "$W/pick54/dsv.log" 2>&1 || rc=$?
+  # the other layers whose q_b GEMV normalises its input (explain: "normalises its input itself"), for sep's pick
   timeout "${KIMI_S:-110}" "${BENCH[@]}" --model kimi_k3 --kinds mla --batch 1,8 --out "$W/pick54/kimi" --ab base \
     --ab sep:$NP=False > "$W/pick54/kimi.log" 2>&1 || rc=$?
+  timeout "${WIN_S:-110}" "${BENCH[@]}" --model deepseek_v41_flash --kinds window --batch 1,8 --out "$W/pick54/win" \
+    --ab base --ab sep:$NP=False > "$W/pick54/win.log" 2>&1 || rc=$?
   if [ "$trc" = 0 ] || [ "$trc" = skipped ]; then
     pk=(python3 benchmarks/scripts/ab_pick.py pick)
     "${pk[@]}" wide,wide8 --faster "$W/pick54/glm/ab.md" --not-slower "$W/pick54/dsv/ab.md" >> /tmp/ls_picks.txt
   fi   # (sep touches no kernel: picked whatever the select's tests say)
   python3 benchmarks/scripts/ab_pick.py pick sep --faster "$W/pick54/glm/ab.md" --not-slower "$W/pick54/kimi/ab.md" \
-    >> /tmp/ls_picks.txt
+    --not-slower "$W/pick54/win/ab.md" >> /tmp/ls_picks.txt
   cp /tmp/ls_picks.txt "$OUT/picks.txt"; echo "picks: $(tr '\n' ' ' < /tmp/ls_picks.txt)"
   pack_ab pick54 "$rc"
   if [ "${PICK_PROF:-1}" = 1 ] && [ -s /tmp/ls_picks.txt ]; then
