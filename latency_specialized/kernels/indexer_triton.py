@@ -177,7 +177,11 @@ SELECT_WIDE_LOOPS = False
 instead of holding the whole tile: GLM-5.3's indexer at context 4096 has one live position past the half of its tile,
 where every row looped was faster in its layer and slower in DeepSeek-V4.1-Flash's c2_idx, whose rows fit the
 half-width path (session 53, NOTES_indexer.md). The same set. Off until timed on top of the session-53 defaults (step
-``pick54`` of ``pending_measurements.sh``)."""
+``pick54`` of ``pending_measurements.sh``). Only from ``SELECT_WIDE_LOOPS_MIN_TILE``."""
+SELECT_WIDE_LOOPS_MIN_TILE = 8192
+"""Smallest resident tile whose rows past the half loop with ``SELECT_WIDE_LOOPS``: the tiles held on
+``SELECT_WARPS_WIDE``, the ones its A/B times; a 4,096 tile keeps its resident rows (its loop would take 1,024-wide
+tiles, not measured)."""
 MAX_FIRST_BYTE_ROWS = 1024
 """Rows one call may select with ``SELECT_FIRST_BYTE`` (its 256 int32 counts a row: 1 MiB a device)."""
 SELECT_BITS = 4
@@ -724,7 +728,7 @@ def select_config(capacity: int, *, bits: int | None = None, resident_max: int |
     narrow_min = SELECT_NARROW_MIN_TILE if narrow_min is None else int(narrow_min)
     narrow = resident and 0 < narrow_min <= tile
     fine = narrow and (SELECT_FINE_WIDTHS if fine is None else bool(fine))
-    loops = narrow and (SELECT_WIDE_LOOPS if loops is None else bool(loops))
+    loops = narrow and tile >= SELECT_WIDE_LOOPS_MIN_TILE and (SELECT_WIDE_LOOPS if loops is None else bool(loops))
     if fine and loops:
         raise UserError("indexer select: SELECT_FINE_WIDTHS and SELECT_WIDE_LOOPS both choose the width of a row past "
                         "the half-width path; switch one of them off")

@@ -64,11 +64,12 @@ def test_cells_with_the_select_from_leading_bytes(monkeypatch, model, batch, spe
 @pytest.mark.parametrize("batch,spec", [(1, 0), (8, 0), (4, 3)], ids=["b1", "b8", "b4-s3"])
 def test_cells_with_the_wide_rows_looped(monkeypatch, model, batch, spec):
     """``indexer_triton.SELECT_WIDE_LOOPS`` (session 54, off): rows past the half-width path loop over tiles. The
-    half-width path starts at 2,048-wide tiles, beyond these cells' tables: lowered to 16 here, so that the rows past
-    half of these cells' small tables loop (over 16-wide tiles at the least) and the shorter ones, DeepSeek's
-    compressed rows among them, take the half path."""
+    half-width path starts at 2,048-wide tiles, the loops at 8,192, beyond these cells' tables: both lowered to 16 here,
+    so that the rows past half of these cells' small tables loop (over 16-wide tiles at the least) and the shorter
+    ones, DeepSeek's compressed rows among them, take the half path."""
     monkeypatch.setattr(indexer_triton, "SELECT_WIDE_LOOPS", True)
     monkeypatch.setattr(indexer_triton, "SELECT_NARROW_MIN_TILE", 16)
+    monkeypatch.setattr(indexer_triton, "SELECT_WIDE_LOOPS_MIN_TILE", 16)
     res = _cell_matches_reference(model, batch, spec)
     assert any(impl == indexer_triton.NAME for impl in res.impls.values()), res.impls
 

@@ -346,6 +346,7 @@ def test_radix_select_wide_loops(ix, monkeypatch, early, counted, selects):
     tiles of their live logits) - the reference's sets with near ties, exact ties and rows at or below K; from the
     leading-byte counts, with all passes, and inside the score kernel (``SCORE_SELECTS``)."""
     monkeypatch.setattr(ix, "SELECT_WIDE_LOOPS", True)
+    monkeypatch.setattr(ix, "SELECT_WIDE_LOOPS_MIN_TILE", 64)
     _early_exit(ix, monkeypatch, early)
     monkeypatch.setattr(ix, "SELECT_FIRST_BYTE", counted)
     monkeypatch.setattr(ix, "SCORE_SELECTS", selects)
@@ -372,6 +373,9 @@ def test_wide_loops_and_fine_widths_refused_together(ix, monkeypatch):
     with pytest.raises(UserError, match="switch one of them off"):
         ix.select_config(8192)
     assert not ix.select_config(1 << 20)[0]["LOOPS"]   # a looped table: no half-width path, nothing to choose
+    monkeypatch.setattr(ix, "SELECT_FINE_WIDTHS", False)
+    assert not ix.select_config(4096)[0]["LOOPS"]      # below SELECT_WIDE_LOOPS_MIN_TILE: the resident rows stay
+    assert ix.select_config(8192)[0]["LOOPS"]
 
 
 @interpreted
