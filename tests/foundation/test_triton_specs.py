@@ -102,10 +102,10 @@ def test_records_of_a_kernel_whose_arguments_changed_are_stale(triton_cache):
 
 
 def test_a_record_given_the_new_constexpr_compiles_to_the_launchs_entry(triton_cache):
-    """``with_constexprs`` (``benchmarks/scripts/migrate_records.py``): an old record of a kernel that gained a constexpr
-    before others, given its value, compiles into the very cache entry a record made with the new argument does (the
-    second compile a hit); a variant's value changes the entry; a record missing a value or dropping an argument is
-    refused."""
+    """``with_constexprs`` (``benchmarks/scripts/migrate_records.py``): an old record of a kernel that gained a
+    constexpr before others, given its value, compiles into the very cache entry a record made with the new argument
+    does (the second compile a hit); a variant's value changes the entry; a record missing a value or dropping an
+    argument is refused."""
     from triton.backends.compiler import GPUTarget
 
     target = GPUTarget("cuda", 90, 32)
