@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("records", type=Path)
     ap.add_argument("--kernel", required=True, help="the kernel's name (the end of its records' fn)")
     ap.add_argument("--add", action="append", default=[], metavar="NAME=EXPR")
-    ap.add_argument("--variant", nargs=2, action="append", default=[], metavar=("WHERE", "NAME=EXPR[,NAME=EXPR]"))
+    ap.add_argument("--variant", nargs=2, action="append", default=[], metavar=("WHERE", "NAME=EXPR[,NAME=EXPR]"),
+                    help="a copy where WHERE holds, with these values (each EXPR without a comma)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     recs = compile_records.load(args.records)

@@ -283,6 +283,7 @@ def test_radix_wide_loops(monkeypatch, shape, lens):
     eager and replayed; the leading-byte counts (on by default) zero after."""
     args, kw = _case(f"loops{shape['K']}{len(lens)}", lens, per=128, **shape)
     _variant_matches_default_radix(monkeypatch, args, kw, SELECT_WIDE_LOOPS=True)
+    assert ix.select_config(128 * 64)[0]["LOOPS"], "the launches above did not take the looped path"
     assert not ix.first_byte_counts(torch.device(DEV), len(lens)).any()
 
 
