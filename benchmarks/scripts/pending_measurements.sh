@@ -20,7 +20,9 @@
 #          looped) / wide8 (the same on 8 warps) / loop (every row looped) / sep (ops.plan.NORM_PROLOGUES=False);
 #          DeepSeek-V4.1-Flash c2_idx base / wide / wide8 / k17 / k16 (session 50's kernel-count switches: the
 #          compressor writing the key, the norm-site credit, the select in the score kernel); Kimi K3 mla and
-#          DeepSeek window base / sep (their q_b GEMVs normalise their input too); picks into /tmp/ls_picks.txt
+#          DeepSeek window base / sep (their q_b GEMVs normalise their input too); picks into /tmp/ls_picks.txt.
+#          Session 55 added: the one-launch shared-expert MLP (mlp_one_launch_triton.ENABLED) and its GPU tests -
+#          GLM-5.3 one, DeepSeek k15 (k16 + it: issue 21's 15 kernels), not picked
 #   glmloop (session 52; since session 53 on the new defaults) GLM-5.3 moe at batch 1 / 8: base (bytes + packed + the
 #          indexer beside the attention, the defaults) / loop (+ looped rows) / fine (+ the finer widths)
 #   normab (session 53) GLM-5.3 moe and Kimi K3 mla at batch 1 / 8: base / sep (ops.plan.NORM_PROLOGUES=False: the
@@ -225,19 +227,23 @@ if step pick54; then
     PYTHONPATH=$PWD:$PWD/tests/ops${PYTHONPATH:+:$PYTHONPATH} timeout "${TESTS_S:-100}" python3 -m pytest -m gpu \
       -n 4 -q -rfE -p no:cacheprovider tests/ops/test_indexer_triton_gpu.py::test_radix_wide_loops \
       tests/models/test_indexer_switches_gpu.py::test_cells_with_the_wide_rows_looped \
-      --junitxml="$W/pick54/junit.xml" > "$W/pick54/tests.log" 2>&1; trc=$?
+      tests/ops/test_mlp_one_launch_gpu.py --junitxml="$W/pick54/junit.xml" > "$W/pick54/tests.log" 2>&1; trc=$?
     echo "switch tests rc=$trc: $(tail -1 "$W/pick54/tests.log")"
   fi
-  timeout "${GLM_S:-200}" "${BENCH[@]}" --model glm53 --kinds moe --batch 1,8 --out "$W/pick54/glm" --ab base \
+  # one (session 55): the shared expert's MLP in one launch on the side stream (mlp_one_launch_triton.ENABLED: one
+  # kernel fewer a layer; meant to cost nothing there) - timed for the record, not picked
+  one="latency_specialized.kernels.mlp_one_launch_triton.ENABLED=True"
+  timeout "${GLM_S:-230}" "${BENCH[@]}" --model glm53 --kinds moe --batch 1,8 --out "$W/pick54/glm" --ab base \
     --ab "wide:$wide" --ab "wide8:$wide8" ${light:---ab loop:$SP.SELECT_RESIDENT_MAX=0} --ab sep:$NP=False \
-    > "$W/pick54/glm.log" 2>&1 || rc=$?
+    --ab "one:$one" > "$W/pick54/glm.log" 2>&1 || rc=$?
   # k17 / k16: session 50's kernel-count switches on top of the session-53 defaults (the compressor, now beside the
   # query, writing the indexer's key; the q norm in the q_b GEMV; k16 also the select inside the score kernel) -
   # issue 21's <= 15 kernels at batch 1 against its 1.5x; timed for the record, not picked here
   KP=latency_specialized.kernels k17="$KP.sparse_mqa_triton.COMPRESS_INDEX_KEY=True,$KP.tuning.NORM_SITE_CREDIT_US=1.5"
-  timeout "${DSV_S:-190}" "${BENCH[@]}" --model deepseek_v41_flash --kinds c2_idx --batch 1,8 --out "$W/pick54/dsv" \
+  # k15: k16 + the shared expert in one launch (issue 21's 15 kernels), always run
+  timeout "${DSV_S:-250}" "${BENCH[@]}" --model deepseek_v41_flash --kinds c2_idx --batch 1,8 --out "$W/pick54/dsv" \
     --ab base --ab "wide:$wide" --ab "wide8:$wide8" ${light:---ab "k17:$k17" --ab "k16:$k17,$SP.SCORE_SELECTS=True"} \
-    > "$W/pick54/dsv.log" 2>&1 || rc=$?
+    --ab "k15:$k17,$SP.SCORE_SELECTS=True,$one" > "$W/pick54/dsv.log" 2>&1 || rc=$?
   # the other layers whose q_b GEMV normalises its input (explain: "normalises its input itself"), for sep's pick
   timeout "${KIMI_S:-110}" "${BENCH[@]}" --model kimi_k3 --kinds mla --batch 1,8 --out "$W/pick54/kimi" --ab base \
     --ab sep:$NP=False > "$W/pick54/kimi.log" 2>&1 || rc=$?

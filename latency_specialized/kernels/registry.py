@@ -35,6 +35,7 @@ KERNEL_MODULES: tuple[str, ...] = (
     "latency_specialized.kernels.gqa_decode_triton",
     "latency_specialized.kernels.attnres",
     "latency_specialized.kernels.mlp_fused",
+    "latency_specialized.kernels.mlp_one_launch_triton",
     "latency_specialized.kernels.qk_norm_rope_triton",
     "latency_specialized.kernels.residual_gated_triton",
 )
