@@ -224,7 +224,7 @@ if step pick54; then
   light=${PICK_LIGHT:+" "}   # PICK_LIGHT=1: only the variants that can be picked (no loop, k17, k16)
   trc=skipped
   if [ "${PICK_TESTS:-1}" = 1 ]; then
-    PYTHONPATH=$PWD:$PWD/tests/ops${PYTHONPATH:+:$PYTHONPATH} timeout "${TESTS_S:-100}" python3 -m pytest -m gpu \
+    PYTHONPATH=$PWD:$PWD/tests/ops${PYTHONPATH:+:$PYTHONPATH} timeout "${TESTS_S:-140}" python3 -m pytest -m gpu \
       -n 4 -q -rfE -p no:cacheprovider tests/ops/test_indexer_triton_gpu.py::test_radix_wide_loops \
       tests/models/test_indexer_switches_gpu.py::test_cells_with_the_wide_rows_looped \
       tests/ops/test_mlp_one_launch_gpu.py --junitxml="$W/pick54/junit.xml" > "$W/pick54/tests.log" 2>&1; trc=$?
