@@ -230,7 +230,7 @@ if step pick54; then
       tests/ops/test_mlp_one_launch_gpu.py --junitxml="$W/pick54/junit.xml" > "$W/pick54/tests.log" 2>&1; trc=$?
     echo "switch tests rc=$trc: $(tail -1 "$W/pick54/tests.log")"
   fi
-  # one (session 55): the shared expert's MLP in one launch on the side stream (mlp_one_launch_triton.ENABLED: one
+  # one (session 55; on by default since, so now the same as base): the shared expert's MLP in one launch (one
   # kernel fewer a layer; meant to cost nothing there) - timed for the record, not picked
   one="latency_specialized.kernels.mlp_one_launch_triton.ENABLED=True"
   timeout "${GLM_S:-230}" "${BENCH[@]}" --model glm53 --kinds moe --batch 1,8 --out "$W/pick54/glm" --ab base \

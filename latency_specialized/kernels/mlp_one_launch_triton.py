@@ -38,9 +38,10 @@ from latency_specialized.kernels.triton_common import cached_zeroed_int32, inter
 from latency_specialized.spec import ActivationSpec
 
 NAME = "mlp.triton_one_launch"
-ENABLED = False
-"""An A/B switch, off until timed in a layer (step ``pick55`` of ``benchmarks/scripts/pending_measurements.sh``): on,
-the planner prefers this implementation over ``mlp.cutedsl_fused`` where it serves."""
+ENABLED = True
+"""On (session 55: timed in the layers, ``models/glm53/NOTES.md`` and ``models/deepseek_v41_flash/NOTES.md``), the
+planner prefers this implementation over ``mlp.cutedsl_fused`` where it serves; an A/B switch (off: the two- or
+three-kernel MLP)."""
 SIDE_STREAM_ONLY = True
 """Serve only ``side_stream`` sites (shared experts): there its time hides behind the routed experts; on the main
 stream the barrier and the Triton GEMVs would have to beat a launch gap, not measured."""

@@ -50,7 +50,7 @@ def _ctx(**kw):
     return make_context("mlp", attrs=attrs, **base)
 
 
-def test_supports_is_off_until_switched_on_and_names_the_switch(monkeypatch):
+def test_supports_names_the_switch_when_off(monkeypatch):
     from latency_specialized.kernels import mlp_one_launch_triton as mod
 
     monkeypatch.setattr(mod, "ENABLED", False)
