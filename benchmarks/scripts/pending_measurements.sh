@@ -4,8 +4,8 @@
 # priority order, so a call stopped at the limit keeps the steps before; results tarred per step (the device returns
 # <= 8 files):
 #   source scripts/device_env.sh >/dev/null 2>&1; timeout 575 bash benchmarks/scripts/pending_measurements.sh
-# Steps (STEPS, default pick54,paired,q4; glmloop and normab are in pick54) - session 54's plan (session 53 ran
-# pick52 and icache:
+# Steps (STEPS, default dsv15,normk,paired,q4) - session 55's plan (session 55 ran pick54 on an H100:
+# benchmarks/results/h100/session55/; session 53 ran pick52 and icache:
 # benchmarks/results/h100/session53/; their switches are the defaults since, so pick52's, selab's and selglm's
 # "base" now holds them - read their variants against that); pick52 holds session 51's cbeside and
 # beside, which stay available by name (session 51 ran slots; session 50
@@ -23,6 +23,10 @@
 #          DeepSeek window base / sep (their q_b GEMVs normalise their input too); picks into /tmp/ls_picks.txt.
 #          Session 55 added: the one-launch shared-expert MLP (mlp_one_launch_triton.ENABLED) and its GPU tests -
 #          GLM-5.3 one, DeepSeek k15 (k16 + it: issue 21's 15 kernels), not picked
+#   dsv15  (session 55) DeepSeek-V4.1-Flash c2_idx at batch 1 / 8 on the session-55 defaults: base (18 kernels) /
+#          fkey (the compressor writes the indexer's key: 17) / fsel (+ the select in the score kernel: 16) / cred
+#          (fkey + the q norm in the q_b GEMV: 16) / k15 (all three: 15 kernels, 1.48x in session 55); a timeline of k15
+#   normk  (session 55) Kimi K3 mla at batch 1 / 8: base / sep (ops.plan.NORM_PROLOGUES=False), 220 s
 #   glmloop (session 52; since session 53 on the new defaults) GLM-5.3 moe at batch 1 / 8: base (bytes + packed + the
 #          indexer beside the attention, the defaults) / loop (+ looped rows) / fine (+ the finer widths)
 #   normab (session 53) GLM-5.3 moe and Kimi K3 mla at batch 1 / 8: base / sep (ops.plan.NORM_PROLOGUES=False: the
@@ -94,7 +98,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/ls_out}
 export LS_KERNEL_CACHE_DIR=${LS_KERNEL_CACHE_DIR:-/tmp/ls_kcache} CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
-STEPS=${STEPS:-pick54,paired,q4}
+STEPS=${STEPS:-dsv15,normk,paired,q4}
 W=$(mktemp -d)
 t0=$(date +%s)
 step() { [[ ",$STEPS," == *",$1,"* ]]; }
@@ -264,6 +268,27 @@ if step pick54; then
       > "$W/pick54prof/p_moe_picked.txt" 2>&1 || rc=$?
     rm -f "$W"/pick54prof/*.trace.json; pack pick54prof "$rc"; grep -h "^=== " "$W"/pick54prof/*.txt
   fi
+fi
+if step dsv15; then
+  # session 55: DeepSeek-V4.1-Flash c2_idx ran 15 kernels at batch 1 with session 50's three switches on the
+  # session-53 defaults + the one-launch shared MLP (now a default) in 122.4 us, 1.0 us short of 1.5x (121.4): which
+  # of the three costs the 6.8 us - the compressor writing the key (fkey, now on the side stream), + the select in
+  # the score kernel (fsel: 16 kernels), + the q norm in the q_b GEMV's prologue (cred: 16; the GEMV then replaces
+  # the small-M kernel of N 8,192), all three (k15) - and one replay's kernels with all three
+  KP=latency_specialized.kernels
+  fkey="$KP.sparse_mqa_triton.COMPRESS_INDEX_KEY=True" fsel="$KP.indexer_triton.SCORE_SELECTS=True"
+  cred="$KP.tuning.NORM_SITE_CREDIT_US=1.5"
+  ab_timeline dsv15 deepseek_v41_flash c2_idx "${DSV15_S:-260}" "$fkey,$fsel,$cred" --ab base --ab "fkey:$fkey" \
+    --ab "fsel:$fkey,$fsel" --ab "cred:$fkey,$cred" --ab "k15:$fkey,$fsel,$cred"
+fi
+if step normk; then
+  # session 55: the q_a norm launched before the q_b GEMV (ops.plan.NORM_PROLOGUES=False) took 2.1 us off GLM-5.3's
+  # moe layer at batch 1 and cost DeepSeek's window layer 0.7; Kimi K3's mla layer (its q_b GEMV normalises its input
+  # too) did not finish in pick54's 110 s - here with the time its 3-layer program takes to build
+  mkdir -p "$W/normk"; rc=0; NP=latency_specialized.ops.plan.NORM_PROLOGUES
+  timeout "${KIMI_S:-220}" "${BENCH[@]}" --model kimi_k3 --kinds mla --batch 1,8 --out "$W/normk/kimi" --ab base \
+    --ab sep:$NP=False > "$W/normk/kimi.log" 2>&1 || rc=$?
+  pack_ab normk "$rc"
 fi
 if step glmloop; then
   # session 53's defaults (leading-byte counts + packed scans, the indexer beside the attention): the looped rows took
