@@ -4,7 +4,7 @@
 # priority order, so a call stopped at the limit keeps the steps before; results tarred per step (the device returns
 # <= 8 files):
 #   source scripts/device_env.sh >/dev/null 2>&1; timeout 575 bash benchmarks/scripts/pending_measurements.sh
-# Steps (STEPS, default dsv15,normk,paired,q4) - session 55's plan (session 55 ran pick54 on an H100:
+# Steps (STEPS, default normsm,dsv15,normk,paired,q4) - session 55's plan (session 55 ran pick54 on an H100:
 # benchmarks/results/h100/session55/; session 53 ran pick52 and icache:
 # benchmarks/results/h100/session53/; their switches are the defaults since, so pick52's, selab's and selglm's
 # "base" now holds them - read their variants against that); pick52 holds session 51's cbeside and
@@ -26,6 +26,8 @@
 #   dsv15  (session 55) DeepSeek-V4.1-Flash c2_idx at batch 1 / 8 on the session-55 defaults: base (18 kernels) /
 #          fkey (the compressor writes the indexer's key: 17) / fsel (+ the select in the score kernel: 16) / cred
 #          (fkey + the q norm in the q_b GEMV: 16) / k15 (all three: 15 kernels, 1.48x in session 55); a timeline of k15
+#   normsm (session 55) the norm prologue once per CTA in shared memory (gemm_gemv.NORM_SMEM, new, off): GLM-5.3 moe
+#          base / nsm / sep, DeepSeek window and c2_idx base / nsm / cred (the norm-site credit) / nsmcred
 #   normk  (session 55) Kimi K3 mla at batch 1 / 8: base / sep (ops.plan.NORM_PROLOGUES=False), 220 s
 #   glmloop (session 52; since session 53 on the new defaults) GLM-5.3 moe at batch 1 / 8: base (bytes + packed + the
 #          indexer beside the attention, the defaults) / loop (+ looped rows) / fine (+ the finer widths)
@@ -98,7 +100,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/ls_out}
 export LS_KERNEL_CACHE_DIR=${LS_KERNEL_CACHE_DIR:-/tmp/ls_kcache} CUTE_DSL_ARCH=sm_90a PYTHONUNBUFFERED=1
-STEPS=${STEPS:-dsv15,normk,paired,q4}
+STEPS=${STEPS:-normsm,dsv15,normk,paired,q4}
 W=$(mktemp -d)
 t0=$(date +%s)
 step() { [[ ",$STEPS," == *",$1,"* ]]; }
@@ -280,6 +282,20 @@ if step dsv15; then
   cred="$KP.tuning.NORM_SITE_CREDIT_US=1.5"
   ab_timeline dsv15 deepseek_v41_flash c2_idx "${DSV15_S:-260}" "$fkey,$fsel,$cred" --ab base --ab "fkey:$fkey" \
     --ab "fsel:$fkey,$fsel" --ab "cred:$fkey,$cred" --ab "k15:$fkey,$fsel,$cred"
+fi
+if step normsm; then
+  # session 55: the q_b GEMV's norm prologue once per CTA in shared memory (gemm_gemv.NORM_SMEM, new) against the
+  # per-warp prologue (base) and the norm launched before the GEMV (sep) - GLM-5.3 moe, DeepSeek window, and
+  # DeepSeek c2_idx with the norm-site credit (whose GEMV takes the prologue at N 8,192) with and without it
+  mkdir -p "$W/normsm"; rc=0; NP=latency_specialized.ops.plan.NORM_PROLOGUES
+  nsm="latency_specialized.kernels.gemm_gemv.NORM_SMEM=True"
+  cred="latency_specialized.kernels.tuning.NORM_SITE_CREDIT_US=1.5"
+  timeout "${GLM_S:-150}" "${BENCH[@]}" --model glm53 --kinds moe --batch 1,8 --out "$W/normsm/glm" --ab base \
+    --ab "nsm:$nsm" --ab sep:$NP=False > "$W/normsm/glm.log" 2>&1 || rc=$?
+  timeout "${DSV_S:-200}" "${BENCH[@]}" --model deepseek_v41_flash --kinds window,c2_idx --batch 1,8 \
+    --out "$W/normsm/dsv" --ab base --ab "nsm:$nsm" --ab "cred:$cred" --ab "nsmcred:$nsm,$cred" \
+    > "$W/normsm/dsv.log" 2>&1 || rc=$?
+  pack_ab normsm "$rc"
 fi
 if step normk; then
   # session 55: the q_a norm launched before the q_b GEMV (ops.plan.NORM_PROLOGUES=False) took 2.1 us off GLM-5.3's

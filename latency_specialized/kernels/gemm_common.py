@@ -215,6 +215,23 @@ def ptx() -> SimpleNamespace:
                      " mov.b32 $2, 0;\n mov.b32 $3, 0;\n @p ld.global.v4.b32 {$0,$1,$2,$3}, [$4];\n}",
                      [_v(addr, Int64), _v(pred, Int32)], "=r,=r,=r,=r,l,r")
 
+    def ld_shared_v4_if(addr, pred) -> list:
+        """16 bytes of shared memory at the 32-bit shared-window ``addr`` when ``pred`` (Int32) is non-zero, else four
+        zero words."""
+        return _asm4("{\n .reg .pred p;\n setp.ne.b32 p, $5, 0;\n mov.b32 $0, 0;\n mov.b32 $1, 0;\n"
+                     " mov.b32 $2, 0;\n mov.b32 $3, 0;\n @p ld.shared.v4.b32 {$0,$1,$2,$3}, [$4];\n}",
+                     [_v(addr, Int32), _v(pred, Int32)], "=r,=r,=r,=r,r,r")
+
+    def ld_shared_v4(addr) -> list:
+        """16 bytes of shared memory at the 32-bit shared-window ``addr``."""
+        return _asm4("ld.shared.v4.b32 {$0,$1,$2,$3}, [$4];", [_v(addr, Int32)], "=r,=r,=r,=r,r")
+
+    def st_shared_v4_if(addr, words: list, pred) -> None:
+        """Store four words at the 32-bit shared-window ``addr`` when ``pred`` (Int32) is non-zero."""
+        llvm.inline_asm(None, [_v(addr, Int32)] + [_v(w, Int32) for w in words] + [_v(pred, Int32)],
+                        "{\n .reg .pred p;\n setp.ne.b32 p, $5, 0;\n @p st.shared.v4.b32 [$0], {$1,$2,$3,$4};\n}",
+                        "r,r,r,r,r,r,~{memory}", has_side_effects=True, asm_dialect=0)
+
     def st_v4_if(addr, words: list, pred) -> None:
         llvm.inline_asm(None, [_v(addr, Int64)] + [_v(w, Int32) for w in words] + [_v(pred, Int32)],
                         "{\n .reg .pred p;\n setp.ne.b32 p, $5, 0;\n @p st.global.v4.b32 [$0], {$1,$2,$3,$4};\n}",

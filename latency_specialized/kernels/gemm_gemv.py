@@ -28,7 +28,9 @@ first rows stored as fp32 (router logits), the rest rounded to bf16 (the latent 
 Norm prologue (``gemm_gemv(norm_weight=)``, ``Implementation.norm_prologue``): every warp first reduces
 the (possibly strided) x row to rsqrt(mean(x^2) + eps) in fp32, then multiplies each x vector by rstd
 and the gain and rounds it to bf16 - the norm op's output - before the usual stream: MLA's q_a norm
-and q_b projection in one kernel.
+and q_b projection in one kernel. With ``NORM_SMEM`` the CTA normalises the row once instead: its threads share the
+sum of squares through shared memory, write the rounded row there, and the stream reads it from there (no x or gain
+load and no scaling per weight vector).
 
 Anatomy: config -> kernel class (built on first use; cutlass is imported lazily) -> cached
 compile (static K, M, config; N dynamic) -> public wrapper with ``residual=``/``out=``.
@@ -47,6 +49,18 @@ from latency_specialized.kernels.gemm_common import (check_gemm_args, fp32_outpu
 
 NAME = "gemm.cutedsl_gemv"
 MAX_M = 4
+NORM_SMEM = False
+"""The norm prologue normalises x once per CTA into shared memory instead of in every warp for every weight vector
+(an A/B switch, off until timed: step ``normsm`` of ``benchmarks/scripts/pending_measurements.sh``). Why: in GLM-5.3's
+layer the q_b GEMV with the prologue took ~3 us over the o_proj GEMV of its shape, where a row a warp spends as
+many x, gain and scaling instructions as weight ones (``models/glm53/NOTES.md``, session 53)."""
+NORM_SMEM_MAX_BYTES = 32768
+"""Largest normalised x (M x K bf16) the shared-memory norm holds; wider rows keep the per-warp prologue."""
+
+
+def norm_smem_fits(m: int, k: int) -> bool:
+    """Whether ``NORM_SMEM`` serves M rows of width K (their bf16 copy within ``NORM_SMEM_MAX_BYTES``)."""
+    return m * k * 2 <= NORM_SMEM_MAX_BYTES
 
 
 @dataclass(frozen=True)
@@ -107,9 +121,10 @@ def _kernel_class():
 
     class GemvKernel:
         def __init__(self, k: int, m: int, cfg: GemvConfig, residual: bool, glu=None, split: bool = False,
-                     norm: bool = False):
+                     norm: bool = False, norm_smem: bool = False):
             self.k, self.m, self.cfg, self.residual = k, m, cfg, residual
             self.norm = norm                        # x -> round(rmsnorm(x) * g) first; x rows strided
+            self.norm_smem = norm and norm_smem     # ... once per CTA, into shared memory
             self.split = split                      # rows < y.shape[1] -> y (fp32), the rest -> res (bf16)
             self.vecs = k // 8                      # 16-byte vectors per row
             self.full, self.tail = divmod(self.vecs, 32)
@@ -168,7 +183,18 @@ def _kernel_class():
             for r, s in streams:
                 row = cutlass.min(row0 + r, n - 1) + s * n
                 w_base[(r, s)] = w.iterator.toint() + Int64(row) * (2 * K) + Int64(lane) * 16 + k_off
-            if cutlass.const_expr(self.norm):   # x: a column slice of a wider row (dynamic row stride)
+            if cutlass.const_expr(self.norm_smem):
+                # the CTA's threads normalise the rows into shared memory (xs); the stream reads its part there
+                W: cutlass.Constexpr = self.cfg.warps
+                smem = SmemAllocator()
+                xs = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout(M * K), byte_alignment=16)
+                part = smem.allocate_tensor(Float32, cute.make_layout(W * M), byte_alignment=16)
+                xs0 = P.smem_addr(xs.iterator)
+                ks_off = Int32(kp) * (self.iters // KS * 512) if KS > 1 else 0
+                x_base = [xs0 + Int32(m * 2 * K) + lane * 16 + ks_off for m in range(M)]
+                x_row0 = [x.iterator.toint() + Int64(m) * Int64(x.stride[0]) * 2 for m in range(M)]
+                g0 = gain.iterator.toint()
+            elif cutlass.const_expr(self.norm):   # x: a column slice of a wider row (dynamic row stride)
                 # the norm reads the whole row (x_row); the stream reads this warp's part (x_base, g_base)
                 x_row = [x.iterator.toint() + Int64(m) * Int64(x.stride[0]) * 2 + Int64(lane) * 16 for m in range(M)]
                 x_base = [xr + k_off for xr in x_row]
@@ -201,7 +227,39 @@ def _kernel_class():
                 cute.arch.griddepcontrol_wait()
                 cute.arch.griddepcontrol_launch_dependents()
             rstd = []
-            if cutlass.const_expr(self.norm):
+            if cutlass.const_expr(self.norm_smem):
+                # RMSNorm once per CTA: thread t takes the row's 16-byte vectors t, t + T, ...; per-thread sums,
+                # then warp sums, then the warps' sums in warp order (fixed: no dependence on timing); the rows
+                # are re-read (L1) to scale, round and store them
+                T: cutlass.Constexpr = 32 * W
+                NV: cutlass.Constexpr = K // 8
+                PER: cutlass.Constexpr = (NV + T - 1) // T
+                for m in cutlass.range_constexpr(M):
+                    ss = Float32(0.0)
+                    for j in cutlass.range_constexpr(PER):
+                        vi = tid + j * T
+                        xv = P.unpack_bf16x8(P.ld_act_if(x_row0[m] + Int64(vi) * 16, Int32(vi < NV)))
+                        for e in cutlass.range_constexpr(8):
+                            ss = xv[e] * xv[e] + ss
+                    ss = cute.arch.warp_reduction_sum(ss)
+                    if lane == 0:
+                        part[m * W + warp] = ss
+                cute.arch.barrier()
+                for m in cutlass.range_constexpr(M):
+                    tot = Float32(0.0)
+                    for wi in cutlass.range_constexpr(W):
+                        tot = tot + part[m * W + wi]
+                    rs = cute.math.rsqrt(tot / Float32(K) + eps, fastmath=False)
+                    for j in cutlass.range_constexpr(PER):
+                        vi = tid + j * T
+                        ok = Int32(vi < NV)
+                        xv = P.unpack_bf16x8(P.ld_act_if(x_row0[m] + Int64(vi) * 16, ok))
+                        gv = P.unpack_bf16x8(P.ld_act_if(g0 + Int64(vi) * 16, ok))
+                        packed = [P.pack_bf16x2(xv[2 * e] * rs * gv[2 * e], xv[2 * e + 1] * rs * gv[2 * e + 1])
+                                  for e in range(4)]
+                        P.st_shared_v4_if(xs0 + Int32(m * 2 * K) + vi * 16, packed, ok)
+                cute.arch.barrier()
+            elif cutlass.const_expr(self.norm):
                 # RMSNorm prologue (ops/norm.py order): every warp reduces the whole x row itself (K/256
                 # vectors per lane from L1/L2): rstd = rsqrt(mean(x^2) + eps) in fp32
                 for m in cutlass.range_constexpr(M):
@@ -223,21 +281,28 @@ def _kernel_class():
                 for i in batches[j]:
                     wf = {rs: P.unpack_bf16x8(wv[(rs, i)]) for rs in streams}
                     for m in cutlass.range_constexpr(M):
-                        addr = x_base[m] + Int64(i * 512)
-                        if cutlass.const_expr(i == self.full):
-                            xw = P.ld_act_if(addr, tail_ok)
+                        if cutlass.const_expr(self.norm_smem):
+                            saddr = x_base[m] + Int32(i * 512)
+                            if cutlass.const_expr(i == self.full):
+                                xw = P.ld_shared_v4_if(saddr, tail_ok)
+                            else:
+                                xw = P.ld_shared_v4(saddr)
                         else:
-                            xw = P.ld_act(addr)
+                            addr = x_base[m] + Int64(i * 512)
+                            if cutlass.const_expr(i == self.full):
+                                xw = P.ld_act_if(addr, tail_ok)
+                            else:
+                                xw = P.ld_act(addr)
                         xf = P.unpack_bf16x8(xw)
-                        if cutlass.const_expr(self.norm):
+                        if cutlass.const_expr(self.norm and not self.norm_smem):
                             # x * rstd * g in fp32, rounded to bf16 as the norm op's output would be
                             gaddr = g_base + Int64(i * 512)
                             if cutlass.const_expr(i == self.full):
                                 gf = P.unpack_bf16x8(P.ld_act_if(gaddr, tail_ok))
                             else:
                                 gf = P.unpack_bf16x8(P.ld_act(gaddr))
-                            packed = [P.pack_bf16x2(xf[2 * e] * rstd[m] * gf[2 * e], xf[2 * e + 1] * rstd[m] * gf[2 * e + 1])
-                                      for e in range(4)]
+                            packed = [P.pack_bf16x2(xf[2 * e] * rstd[m] * gf[2 * e],
+                                                    xf[2 * e + 1] * rstd[m] * gf[2 * e + 1]) for e in range(4)]
                             xf = P.unpack_bf16x8(packed)
                         for rs in streams:
                             # a short per-vector chain, then one add: iterations stay independent
@@ -252,7 +317,9 @@ def _kernel_class():
                 # adds them in part order (fixed: the result does not depend on warp timing)
                 keys = list(acc.keys())
                 nv = len(keys)
-                red = SmemAllocator().allocate_tensor(Float32, cute.make_layout(self.cfg.warps * nv), byte_alignment=16)
+                # (beside the normalised rows where they are in shared memory: one allocator, no overlap)
+                alloc = smem if cutlass.const_expr(self.norm_smem) else SmemAllocator()
+                red = alloc.allocate_tensor(Float32, cute.make_layout(self.cfg.warps * nv), byte_alignment=16)
                 if kp > 0:
                     if lane == 0:
                         for v in cutlass.range_constexpr(nv):
@@ -292,7 +359,7 @@ def _kernel_class():
 
 @compile_cache.compile_unit
 def compile_gemv(k: int, m: int, cfg: GemvConfig, residual: bool, out_fp32: bool = False, glu=None,
-                 split: bool = False, norm: bool = False):
+                 split: bool = False, norm: bool = False, norm_smem: bool = False):
     """Compiled kernel for (K, M, config, residual, output dtype, GLU, split); N is dynamic (one compile per K and M).
 
     ``out_fp32``: the accumulator is stored as fp32 (router logits) instead of rounded to bf16;
@@ -301,7 +368,8 @@ def compile_gemv(k: int, m: int, cfg: GemvConfig, residual: bool, out_fp32: bool
     stores act(gate) * lin(up) [M, I]; no residual.
     ``split``: two outputs from one weight stream (``gemv_split``): rows ``< out.shape[1]`` go to the
     fp32 ``out``, the rest (rounded) to the bf16 tensor passed as the residual operand.
-    ``norm``: x is RMS-normalised first (``gemm_gemv(norm_weight=)``): x rows may be strided."""
+    ``norm``: x is RMS-normalised first (``gemm_gemv(norm_weight=)``): x rows may be strided; ``norm_smem``: once
+    per CTA, into shared memory (``NORM_SMEM``)."""
     refuse_fp32_residual(out_fp32, residual)
     if glu is not None and (residual or out_fp32 or glu.dtype != "bfloat16"):
         raise ValueError("the GLU epilogue writes bf16 act(gate) * lin(up) without a residual: not compiled")
@@ -309,6 +377,9 @@ def compile_gemv(k: int, m: int, cfg: GemvConfig, residual: bool, out_fp32: bool
         raise ValueError("the split epilogue writes fp32 head rows and bf16 tail rows, no residual: not compiled")
     if norm and (glu is not None or split):
         raise ValueError("the norm prologue is for plain projections (no GLU, no split): not compiled")
+    if norm_smem and not (norm and norm_smem_fits(m, k)):
+        raise ValueError(f"the shared-memory norm needs the norm prologue and M x K x 2 <= {NORM_SMEM_MAX_BYTES} bytes "
+                         f"(M={m}, K={k}): not compiled")
     if cfg.k_split > 1 and (cfg.ctas_per_sm or cfg.warps % cfg.k_split or not cfg.splits(k)):
         raise ValueError(f"k_split={cfg.k_split} needs K % (256 x k_split) == 0 (K={k}), warps % k_split == 0 "
                          "and one CTA per row group: not compiled")
@@ -332,7 +403,7 @@ def compile_gemv(k: int, m: int, cfg: GemvConfig, residual: bool, out_fp32: bool
         else:
             args = (xf, fake_rows(bf, wn, k), fake_strided_rows(yt, m, n), fake_strided_rows(yt, m, n), 1)
         args += (fake_vec(bf, k), 1e-6, fake_stream())
-        return cute.compile(_kernel_class()(k, m, cfg, residual, glu, split, norm), *args,
+        return cute.compile(_kernel_class()(k, m, cfg, residual, glu, split, norm, norm_smem), *args,
                             options=compile_options(arch, max_regs(32 * cfg.warps, cfg.ctas_per_sm)))
 
     # "strided_out": residual/out take a dynamic row stride (artifacts cached before that differ)
@@ -343,6 +414,8 @@ def compile_gemv(k: int, m: int, cfg: GemvConfig, residual: bool, out_fp32: bool
         key += ("split",)
     if norm:
         key += ("norm",)
+    if norm_smem:
+        key += ("norm_smem",)
     return compile_cache.cached_compile(NAME, key, build)
 
 
@@ -395,7 +468,8 @@ def gemm_gemv(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor |
         config = tuning.config_for(NAME, n, k, m, GemvConfig) or default_config(n, k, m)
     if out is None:
         out = torch.empty(m, n, dtype=torch.float32 if fp32 else x.dtype, device=x.device)
-    fn = compile_gemv(k, m, config, residual is not None, out_fp32=fp32, norm=norm)
+    fn = compile_gemv(k, m, config, residual is not None, out_fp32=fp32, norm=norm,
+                      norm_smem=norm and NORM_SMEM and norm_smem_fits(m, k))
     fn(x, weight, residual if residual is not None else out, out, grid_cap(x.device, config.ctas_per_sm),
        *_norm_args(x, norm_weight, norm_eps))
     return out

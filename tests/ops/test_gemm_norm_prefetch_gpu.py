@@ -231,12 +231,17 @@ def test_gate_down_writes_into_strided_slices_of_wider_buffers(m, k_split, _seed
     assert torch.isnan(xbuf[:, :rank * n_latent]).all() and torch.isnan(xbuf[:, (rank + 1) * n_latent:]).all()
 
 
+@pytest.mark.parametrize("smem", [False, True], ids=["per_warp", "norm_smem"])
 @pytest.mark.parametrize("m,n,k,width", [(1, 2304, 1536, 3648), (2, 2304, 1536, 3648), (2, 1152, 1536, 1536),
-                                         (3, 200, 264, 304)])
-def test_gemv_norm_prologue_matches_norm_then_gemm(m, n, k, width, _seed):
+                                         (3, 200, 264, 304), (1, 6144, 2048, 2624), (4, 300, 1000, 1000)])
+def test_gemv_norm_prologue_matches_norm_then_gemm(m, n, k, width, smem, _seed, monkeypatch):
     """gemm(x, W, norm_weight=g) == gemm_reference(rmsnorm_reference(x, g), W) for x a column slice of a
-    wider row (MLA: q_a inside the fused [q_a | kv_a | gate] output), and graph replay == eager."""
+    wider row (MLA: q_a inside the fused [q_a | kv_a | gate] output), and graph replay == eager - with the
+    prologue in every warp and once per CTA in shared memory (``NORM_SMEM``; GLM-5.3's q_b at 2048 x 6144)."""
+    from latency_specialized.kernels import gemm_gemv as G
     from latency_specialized.kernels.gemm_gemv import gemm_gemv
+
+    monkeypatch.setattr(G, "NORM_SMEM", smem)
 
     wide = torch.randn(m, width, device="cuda").bfloat16()
     x = wide[:, :k]
@@ -246,7 +251,9 @@ def test_gemv_norm_prologue_matches_norm_then_gemm(m, n, k, width, _seed):
 
     ref = gemm_reference(x, w, norm_weight=g, norm_eps=1e-6)
     # the default config, and K split over warps (each warp normalises with the whole row's statistics)
-    for cfg in [None] + ([GemvConfig(k_split=2), GemvConfig(warps=6, k_split=3)] if k % 768 == 0 else []):
+    cfgs = [None] + ([GemvConfig(k_split=2), GemvConfig(warps=6, k_split=3)] if k % 768 == 0 else [])
+    cfgs += [GemvConfig(ctas_per_sm=2), GemvConfig(rows_per_warp=2, lookahead=1)] if smem else []
+    for cfg in cfgs:
         out = _nan((m, n))
         gemm_gemv(x, w, out=out, norm_weight=g, norm_eps=1e-6, config=cfg)
         _close(out, ref, torch.bfloat16, f"gemv+norm {cfg} M={m} N={n} K={k} stride {width}", _seed)

@@ -131,6 +131,33 @@ def test_gemv_norm_prologue_reduces_the_row_then_rounds_the_normed_x(sm90):
 
 
 @needs_cute
+def test_gemv_norm_in_shared_memory_normalises_once_per_cta(sm90):
+    """``NORM_SMEM``: the CTA's threads sum the row's squares (one barrier), write the rounded row to shared memory
+    (16-byte stores, a barrier), and the stream reads x there - no x or gain global load and no scaling per weight
+    vector; the weight stream and the PDL order are unchanged. K split over warps, persistent CTAs and a tail K too."""
+    from latency_specialized.kernels.gemm_gemv import NORM_SMEM_MAX_BYTES, GemvConfig, compile_gemv
+
+    for k, m, cfg in [(2048, 1, GemvConfig()), (1536, 3, GemvConfig(k_split=2)), (1280, 2, GemvConfig(ctas_per_sm=2)),
+                      (1000, 4, GemvConfig(rows_per_warp=2, lookahead=1))]:
+        p = _ptx(compile_gemv(k, m, cfg, False, norm=True, norm_smem=True))
+        per_warp = _ptx(compile_gemv(k, m, cfg, False, norm=True))
+        threads = 32 * cfg.warps
+        per_thread = -(-(k // 8) // threads)                                  # row vectors a thread normalises
+        # (the helpers' inline asm: "op {" / "op [" with a space; the compiler's own shared accesses use a tab)
+        assert p.count("st.shared.v4.b32 [") == m * per_thread
+        assert p.count("ld.shared.v4.b32 {") == m * -(-(k // 8) // 32) // cfg.k_split   # the stream's x: its part
+        assert p.count("cvt.rn.bf16x2.f32") == 4 * m * per_thread             # each row rounded once per CTA
+        assert p.count("cvt.rn.bf16x2.f32") < per_warp.count("cvt.rn.bf16x2.f32")
+        assert p.count("rsqrt") == m
+        assert weight_loads(p) == weight_loads(per_warp)
+        assert p.index("griddepcontrol.wait") < p.index("st.shared.v4")       # x is read after the PDL wait
+    with pytest.raises(ValueError, match="shared-memory norm"):
+        compile_gemv(NORM_SMEM_MAX_BYTES // 2 + 8, 1, GemvConfig(), False, norm=True, norm_smem=True)
+    with pytest.raises(ValueError, match="shared-memory norm"):
+        compile_gemv(1536, 1, GemvConfig(), False, norm_smem=True)
+
+
+@needs_cute
 def test_mma_fp32_output_stores_the_unrounded_sums(sm90):
     """Router logits on the tensor-core kernels (split-K from M=4): fp32 stores, no bf16 rounding."""
     from latency_specialized.kernels.gemm_small_m import MmaConfig, compile_mma
