@@ -25,7 +25,8 @@
 #          GLM-5.3 one, DeepSeek k15 (k16 + it: issue 21's 15 kernels), not picked
 #   dsv15  (session 55) DeepSeek-V4.1-Flash c2_idx at batch 1 / 8 on the session-55 defaults: base (18 kernels) /
 #          fkey (the compressor writes the indexer's key: 17) / fsel (+ the select in the score kernel: 16) / cred
-#          (fkey + the q norm in the q_b GEMV: 16) / k15 (all three: 15 kernels, 1.48x in session 55); a timeline of k15
+#          (fkey + the q norm in the q_b GEMV: 16) / k15 (all three: 15 kernels, 1.48x in session 55) / k15nsm (k15
+#          with gemm_gemv.NORM_SMEM); a timeline of k15nsm
 #   normsm (session 55) the norm prologue once per CTA in shared memory (gemm_gemv.NORM_SMEM, new, off): GLM-5.3 moe
 #          base / nsm / sep, DeepSeek window and c2_idx base / nsm / cred (the norm-site credit) / nsmcred
 #   normk  (session 55) Kimi K3 mla at batch 1 / 8: base / sep (ops.plan.NORM_PROLOGUES=False), 220 s
@@ -280,8 +281,10 @@ if step dsv15; then
   KP=latency_specialized.kernels
   fkey="$KP.sparse_mqa_triton.COMPRESS_INDEX_KEY=True" fsel="$KP.indexer_triton.SCORE_SELECTS=True"
   cred="$KP.tuning.NORM_SITE_CREDIT_US=1.5"
-  ab_timeline dsv15 deepseek_v41_flash c2_idx "${DSV15_S:-260}" "$fkey,$fsel,$cred" --ab base --ab "fkey:$fkey" \
-    --ab "fsel:$fkey,$fsel" --ab "cred:$fkey,$cred" --ab "k15:$fkey,$fsel,$cred"
+  # k15nsm: k15 with the credit's GEMV normalising once per CTA (gemm_gemv.NORM_SMEM, step normsm)
+  nsm="$KP.gemm_gemv.NORM_SMEM=True"
+  ab_timeline dsv15 deepseek_v41_flash c2_idx "${DSV15_S:-300}" "$fkey,$fsel,$cred,$nsm" --ab base --ab "fkey:$fkey" \
+    --ab "fsel:$fkey,$fsel" --ab "cred:$fkey,$cred" --ab "k15:$fkey,$fsel,$cred" --ab "k15nsm:$fkey,$fsel,$cred,$nsm"
 fi
 if step normsm; then
   # session 55: the q_b GEMV's norm prologue once per CTA in shared memory (gemm_gemv.NORM_SMEM, new) against the
