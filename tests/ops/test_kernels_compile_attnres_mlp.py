@@ -146,8 +146,9 @@ def test_fused_mlp_rejects_unchained_shapes():
         mlp_fused(x, torch.randn(64, 64, dtype=torch.bfloat16), torch.randn(64, 48, dtype=torch.bfloat16), SITU)
 
 
-def test_plan_serves_kimi_attnres_and_shared_expert_on_gpu_kernels():
+def test_plan_serves_kimi_attnres_and_shared_expert_on_gpu_kernels(monkeypatch):
     from latency_specialized import hardware
+    from latency_specialized.kernels import mlp_one_launch_triton
     from latency_specialized.ops.plan import build_plan
     from latency_specialized.plugins import get_registry
     from latency_specialized.runtime.harness import SpecBoundAdapter
@@ -157,7 +158,23 @@ def test_plan_serves_kimi_attnres_and_shared_expert_on_gpu_kernels():
     reg = get_registry()
     base = reg.adapter("kimi_k3")
     adapter = SpecBoundAdapter(base, base.bench_spec(base.spec("full"), 8, "kda", 2))
-    plan = build_plan(adapter, reg.implementations, hardware.for_arch("sm_90"), tp=8, batch=4, dtype="bfloat16")
+
+    def plan_for(batch):
+        return build_plan(adapter, reg.implementations, hardware.for_arch("sm_90"), tp=8, batch=batch,
+                          dtype="bfloat16")
+
+    def shared_impl(plan):
+        return next(c.impl.name for c in plan.choices if c.site.name.endswith("moe.shared"))
+
+    # the defaults: the one-launch MLP serves the side stream's shared experts up to its 4 rows (where Triton is
+    # here), the fused MLP above
+    want_one = mlp_one_launch_triton.ENABLED and mlp_one_launch_triton._supports(
+        next(c.site.ctx for c in plan_for(4).choices if c.site.name.endswith("moe.shared"))) is True
+    assert shared_impl(plan_for(4)) == ("mlp.triton_one_launch" if want_one else "mlp.cutedsl_fused")
+    assert shared_impl(plan_for(8)) == "mlp.cutedsl_fused"
+    # the fused MLP's inner gemms, where it serves batch 4 (one-launch switched off)
+    monkeypatch.setattr(mlp_one_launch_triton, "ENABLED", False)
+    plan = plan_for(4)
     picked = {c.site.name.split("/")[-1]: c.impl.name for c in plan.choices}
     assert picked["attn.attnres"] == picked["ffn.attnres"] == picked["final.attnres"] == "residual.cutedsl_attnres"
     assert picked["moe.shared"] == "mlp.cutedsl_fused"
