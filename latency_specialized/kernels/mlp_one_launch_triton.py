@@ -2,13 +2,14 @@
 down GEMV (contract: ``ops.mlp.mlp_reference``).
 
 Why one launch: a decode layer's kernel count is a budget of its own (issue 21: <= 15 kernels a layer at batch 1),
-and the shared experts' MLP is two kernels (the GLU GEMV and the down gemm of ``mlp.cutedsl_fused``) on the side
-stream, off the critical path - so one kernel fewer there costs no latency as long as it ends before the routed
-experts read its output (their join: several microseconds of slack at batch 1).
+and the shared experts' MLP is two to four kernels (``mlp.cutedsl_fused``: the GLU GEMV and the down gemm, or a
+gate/up gemm, the activation kernel and the down gemm, whose cuBLAS calls may take two each) on the side stream, off
+the critical path - so fewer kernels there cost no latency as long as the one ends before the routed experts read
+its output (their join: several microseconds of slack at batch 1).
 
 Grid: ``P`` programs, at most one per SM (the barrier needs them all resident at once; the side stream's other
 work is the main stream's, which never waits for this kernel on the device, so a program that waits at the barrier
-only delays its own kernel). Stage 1: the programs take blocks of ``R1`` intermediate rows in turn; each streams
+cannot deadlock it - it holds its SM slot meanwhile, a cost the layer A/Bs include). Stage 1: the programs take blocks of ``R1`` intermediate rows in turn; each streams
 its gate and up rows over K in ``BK1`` chunks against the token rows (fp32 sums), rounds each sum to the
 activation dtype (the gemm contract), applies the activation in fp32 and stores ``h`` rounded, into a scratch
 ``[M, I]``. Barrier: every program arrives on a counter (acq_rel, GPU scope); the last one to arrive resets it to 0
