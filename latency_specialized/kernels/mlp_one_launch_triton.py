@@ -9,9 +9,10 @@ its output (their join: several microseconds of slack at batch 1).
 
 Grid: ``P`` programs, at most one per SM (the barrier needs them all resident at once; the side stream's other
 work is the main stream's, which never waits for this kernel on the device, so a program that waits at the barrier
-cannot deadlock it - it holds its SM slot meanwhile, a cost the layer A/Bs include). Stage 1: the programs take blocks of ``R1`` intermediate rows in turn; each streams
-its gate and up rows over K in ``BK1`` chunks against the token rows (fp32 sums), rounds each sum to the
-activation dtype (the gemm contract), applies the activation in fp32 and stores ``h`` rounded, into a scratch
+cannot deadlock it - it holds its SM slot meanwhile, a cost the layer A/Bs include). Stage 1: the programs take
+blocks of ``R1`` intermediate rows in turn; each streams its gate and up rows over K in ``BK1`` chunks against the
+token rows (fp32 sums), rounds each sum to the activation dtype (the gemm contract), applies the activation in fp32
+and stores ``h`` rounded, into a scratch
 ``[M, I]``. Barrier: every program arrives on a counter (acq_rel, GPU scope); the last one to arrive resets it to 0
 and bumps a generation word, which the others spin on (read before their arrival) - so every call leaves the
 counter at 0 and needs no memset. Stage 2: blocks of ``R2`` output rows in turn, over I in ``BK2`` chunks, ``h``
