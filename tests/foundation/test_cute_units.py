@@ -71,7 +71,7 @@ def test_units_bind_keywords_and_report_stale_records():
     renamed = {"fn": good["fn"], "args": [1536, 1, {"dataclass": cfg["dataclass"], "fields": {"no_field": 1}}, False],
                "kwargs": {}}
     units, stale = cute_units.units([good, gone, renamed])
-    assert units == [(compile_gemv, (1536, 1, GemvConfig(), False, False, None, False, True))]
+    assert units == [(compile_gemv, (1536, 1, GemvConfig(), False, False, None, False, True, False))]
     assert [s.split(": ")[1] for s in stale] == ["AttributeError", "TypeError"]
 
 

@@ -202,11 +202,12 @@ def emulate_experts(monkeypatch) -> None:
 
 
 class EmulatedGemv:
-    """Stands in for ``gemm_gemv.compile_gemv``'s plain kernel (no GLU, split or norm): ``(x, w, res, y, cap, gain,
-    eps)``; grid min(row groups, cap), block 32 x warps, as ``GemvKernel.__call__``."""
+    """Stands in for ``gemm_gemv.compile_gemv``'s plain kernel or its norm prologue (no GLU or split): ``(x, w, res,
+    y, cap, gain, eps)``; grid min(row groups, cap), block 32 x warps, as ``GemvKernel.__call__``. ``strided_x``: x
+    takes a row stride (the norm prologue's x)."""
 
-    def __init__(self, ptx: str, cfg, real_fn=None):
-        self.ptx, self.cfg, self.real_fn = ptx, cfg, real_fn
+    def __init__(self, ptx: str, cfg, real_fn=None, strided_x: bool = False):
+        self.ptx, self.cfg, self.real_fn, self.strided_x = ptx, cfg, real_fn, strided_x
 
     def __call__(self, x, w, res, y, cap, gain, eps) -> None:
         import struct
@@ -217,11 +218,12 @@ class EmulatedGemv:
         cfg = self.cfg
         n = w.shape[0]
         groups = -(-n // (cfg.warps // cfg.k_split * cfg.rows_per_warp))
-        ax, aw, ag = mem.put(x), mem.put(w), mem.put(gain)
+        aw, ag = mem.put(w), mem.put(gain)
+        xp = tensor_param(StridedRows(mem, x).addr, (), (x.stride(0),)) if self.strided_x else tensor_param(mem.put(x))
         out = StridedRows(mem, y)
         r = out if res is y else StridedRows(mem, res)
         emu = Emulator(self.ptx, mem)
-        emu.launch((min(groups, cap), 1, 1), [tensor_param(ax), tensor_param(aw, (n,)), r.param(), out.param(), n,
+        emu.launch((min(groups, cap), 1, 1), [xp, tensor_param(aw, (n,)), r.param(), out.param(), n,
                                               groups, tensor_param(ag), struct.pack("<f", eps)],
                    block=(32 * cfg.warps, 1, 1))
         out.read_back()
@@ -235,13 +237,13 @@ def emulate_gemv(monkeypatch) -> None:
     sm90a_fresh_compiles(monkeypatch)
     real = gemm_gemv.compile_gemv
 
-    def compile_emulated(k, m, cfg, residual, out_fp32=False, glu=None, split=False, norm=False):
-        if glu is not None or split or norm:
-            raise NotImplementedError("only the plain GEMV is emulated")
-        fn = real(k, m, cfg, residual, out_fp32=out_fp32)
+    def compile_emulated(k, m, cfg, residual, out_fp32=False, glu=None, split=False, norm=False, norm_smem=False):
+        if glu is not None or split:
+            raise NotImplementedError("the plain GEMV and its norm prologue are emulated (no GLU, no split)")
+        fn = real(k, m, cfg, residual, out_fp32=out_fp32, norm=norm, norm_smem=norm_smem)
         ptx = ptx_of(fn)
         assert ptx, "a fresh compile keeps its PTX (disk tier off)"
-        return EmulatedGemv(ptx, cfg, fn)
+        return EmulatedGemv(ptx, cfg, fn, strided_x=norm)
 
     monkeypatch.setattr(gemm_gemv, "compile_gemv", compile_emulated)
     monkeypatch.setattr(gemm_gemv, "grid_cap", lambda device, ctas_per_sm: 1 << 30 if ctas_per_sm <= 0 else

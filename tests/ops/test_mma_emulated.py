@@ -165,6 +165,37 @@ GEMV_CONFIGS = {  # label: (M, GemvConfig fields)
 }
 
 
+@pytest.mark.parametrize("smem", [False, True], ids=["per_warp", "norm_smem"])
+@pytest.mark.parametrize("label", ["m1-default", "m3-rows2", "m2-ksplit2", "m1-persistent"])
+def test_gemv_norm_prologue_runs_in_the_emulator(monkeypatch, label, smem):
+    """The GEMV with the RMSNorm prologue, per warp and once per CTA in shared memory (``NORM_SMEM``, new in session
+    55, not yet on a GPU): x a column slice of a wider row, K with a ragged tail, rows past N, into a poisoned slice,
+    against the norm reference then the gemm reference."""
+    from latency_specialized.kernels import gemm_gemv
+    from latency_specialized.kernels.gemm_gemv import GemvConfig
+
+    from emulated_kernels import emulate_gemv
+
+    emulate_gemv(monkeypatch)
+    monkeypatch.setattr(gemm_gemv, "NORM_SMEM", smem)
+    emulated, forms = gemm_gemv.compile_gemv, []
+    monkeypatch.setattr(gemm_gemv, "compile_gemv", lambda *a, **kw: forms.append(kw["norm_smem"]) or emulated(*a, **kw))
+    M, fields = GEMV_CONFIGS[label]
+    N, K = 37, 8 * (32 * 2 + 5) if "ksplit" not in label else 512
+    g = seeded_generator("gemv-norm" + label, "cpu")
+    wide = (torch.randn(M, K + 24, generator=g) * 3).bfloat16()
+    x = wide[:, 8:8 + K]
+    w = (torch.randn(N, K, generator=g) * K ** -0.5).bfloat16()
+    gain = (1 + 0.2 * torch.randn(K, generator=g)).bfloat16()
+    ref = gemm_reference(x, w, norm_weight=gain, norm_eps=1e-6)     # the norm reference, then the gemm
+    big = torch.full((M, 64), float("nan"), dtype=torch.bfloat16)      # 16-byte aligned rows and slice
+    out = big[:, 8:8 + N]
+    gemm_gemv.gemm_gemv(x, w, out=out, norm_weight=gain, norm_eps=1e-6, config=GemvConfig(**fields))
+    assert forms == [smem]                                               # the form asked for is the one that ran
+    assert not out.isnan().any() and big[:, :8].isnan().all() and big[:, 8 + N:].isnan().all()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1 / 64, atol=1 / 64 * ref.float().abs().max().item())
+
+
 @pytest.mark.parametrize("label", list(GEMV_CONFIGS))
 def test_gemv_kernel_runs_in_the_emulator(monkeypatch, label):
     """The CuTe DSL GEMV (GPU-verified; ``GemvConfig.prefetch`` new this session, run nowhere else yet): K with a
