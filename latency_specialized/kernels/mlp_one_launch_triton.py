@@ -20,8 +20,8 @@ read from L2 (``.cg``: written by other SMs in this launch).
 
 The counter and generation word are kept per (device, stream): two calls on one stream run one after another;
 calls on two streams at once never share them. A capture on a stream that has none yet records their zeroing in
-the graph (``triton_common.cached_zeroed_int32``): the runtime's side stream persists from warm-up to capture, so
-its shared experts' graphs hold no memset.
+the graph (``stream_workspace.zeroed_int32_per_stream``): the runtime's side stream persists from warm-up to
+capture, so its shared experts' graphs hold no memset.
 
 Under the Triton interpreter (programs run one after another, so a barrier would wait forever) a call with more
 than one program runs the two stages as two launches (``STAGE`` 1 and 2); one program runs the one-launch path
@@ -36,7 +36,8 @@ import torch
 
 from latency_specialized.contract import Implementation, OpContext, Support
 from latency_specialized.errors import UserError
-from latency_specialized.kernels.triton_common import cached_zeroed_int32, interpreting, triton_gpu_refusal
+from latency_specialized.kernels.stream_workspace import zeroed_int32_per_stream
+from latency_specialized.kernels.triton_common import interpreting, triton_gpu_refusal
 from latency_specialized.spec import ActivationSpec
 
 NAME = "mlp.triton_one_launch"
@@ -150,8 +151,7 @@ def tiles(m: int, rows: int, width: int, programs: int) -> tuple[int, int]:
 
 def _barrier_words(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The barrier's (count, generation) int32 words for calls on the current stream of ``device``."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    words = cached_zeroed_int32(f"{NAME}@stream{stream}", (2,), device)
+    words = zeroed_int32_per_stream(NAME, (2,), device)
     return words[0:1], words[1:2]
 
 

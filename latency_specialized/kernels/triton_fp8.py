@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from latency_specialized.kernels.stream_workspace import zeroed_int32_per_stream
 from latency_specialized.kernels.triton_moe import tile_pairs
 
 # The interpreter (CPU tests) mis-computes bf16 tl.dot: it dots in fp32 there (as kernels/triton_moe.py).
@@ -191,22 +192,10 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, res_ptr, part_ptr, cnt_ptr, g
             tl.atomic_xchg(cnt_ptr + pid_n, 0)
 
 
-_counters: dict[tuple, torch.Tensor] = {}
-
-
 def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """Zeroed int32 ticket counters, one per N tile, kept per (device, stream): every call leaves them zero, so
-    calls on one stream reuse them; two streams (a side-stream shared expert) never share one set. Inside a CUDA
-    graph capture that has none yet, a fresh zeroed set is made in the graph (its memset replays) and not kept."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    have = _counters.get(key)
-    if have is not None and have.numel() >= tiles:
-        return have
-    fresh = torch.zeros(max(tiles, 256), dtype=torch.int32, device=device)
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return fresh
-    _counters[key] = fresh
-    return fresh
+    """Zeroed int32 ticket counters, one per N tile (at least 256, so most calls share one set), kept per (device,
+    stream): every call leaves them zero (``stream_workspace``)."""
+    return zeroed_int32_per_stream("fp8_block_gemm.tiles", (max(tiles, 256),), device)
 
 
 def fp8_block_gemm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, out: torch.Tensor, *, scale_kind: int,
